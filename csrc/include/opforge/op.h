@@ -1,0 +1,100 @@
+/*
+ * Writing an opforge operator: the descriptor and the glue helpers.
+ *
+ * An op is one boxed C kernel per dispatch key plus one opf_op_desc. The
+ * Python layer reads the table returned by opforge_op_table() and wires
+ * register_fake (from `shape`), register_autograd (from `backward*`) and the
+ * autocast kernels (from `autocast`); no per-op Python is needed.
+ *
+ * Boxed kernel contract (torch's stable ABI): inputs in stack[0..nin) -- the
+ * kernel owns their tensor handles -- and outputs written to stack[0..nout).
+ * Take every tensor argument with OPF_ARG_TENSOR first: the handle is then
+ * released on every path, including the C++ exception opf_fail raises.
+ */
+#ifndef OPFORGE_OP_H
+#define OPFORGE_OP_H
+
+#include <stdint.h>
+
+#include "opforge/runtime.h"
+#include "opforge/shim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define OPF_EXPORT __attribute__((visibility("default")))
+
+typedef enum opf_autocast {
+    OPF_AUTOCAST_NONE = 0, /* run in the dtype the inputs have */
+    OPF_AUTOCAST_LOWER,    /* cast floating inputs to the autocast dtype (fp16/bf16) */
+    OPF_AUTOCAST_FP32      /* cast floating inputs to float32 */
+} opf_autocast;
+
+typedef struct opf_op_desc {
+    const char *name;   /* "dispersion_correction" */
+    const char *schema; /* "dispersion_correction(Tensor x, float alpha) -> Tensor" */
+    OpfBoxedKernel cpu; /* kernel per dispatch key; NULL where there is none */
+    OpfBoxedKernel cuda;
+    /* Fake-tensor rule per output, ';'-separated. "like:x": the shape and
+     * dtype of argument x, x's strides if x is dense (opf_output_strides). */
+    const char *shape;
+    /* Autograd: the backward op (same namespace), what it is called with --
+     * argument names, "gradN" (gradient of output N), "outN" (output N) -- and
+     * which arguments its outputs are the gradients of. NULL: no autograd. */
+    const char *backward;
+    const char *backward_args;
+    const char *backward_grads;
+    int autocast; /* opf_autocast */
+} opf_op_desc;
+
+/* Every op library exports its table under this name. */
+typedef const opf_op_desc *(*opf_op_table_fn)(int64_t *count);
+
+/* ---- glue helpers (csrc/torch/glue.c) ---------------------------------------- */
+
+typedef struct opf_tensor {
+    AtenTensorHandle h;
+    void *data;
+    int64_t ndim, numel;
+    const int64_t *sizes, *strides;
+    int32_t dtype;       /* torch's code, see opf_dtype_of */
+    int32_t device_type; /* torch's code */
+} opf_tensor;
+
+void opf_tensor_release(AtenTensorHandle *h);
+#define OPF_OWNED __attribute__((cleanup(opf_tensor_release)))
+
+/* Takes ownership of stack[i] as a tensor handle named `var##_h`. */
+#define OPF_ARG_TENSOR(var, stack, i) OPF_OWNED AtenTensorHandle var##_h = (AtenTensorHandle)(stack)[i]
+
+double opf_arg_double(StableIValue v);
+int64_t opf_arg_int(StableIValue v);
+int opf_arg_bool(StableIValue v);
+
+/* Raises RuntimeError("[ns::op] <message>"); never returns. */
+void opf_fail(const char *op, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
+/* Reads a tensor's metadata; fails naming op and argument. */
+opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h);
+/* Index into opf_dtype for float32/float64/bfloat16/float16, or fails naming
+ * op, argument, the accepted dtypes and the dtype given. */
+int opf_check_float(const char *op, const char *arg, const opf_tensor *t);
+void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t);
+void opf_check_same_shape(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
+                          const opf_tensor *ref);
+void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
+                          const opf_tensor *ref);
+const char *opf_dtype_name(int32_t torch_dtype);
+
+/* New tensor with like's sizes and dtype, strides by opf_output_strides. */
+AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like);
+
+/* At OPFORGE_LOG_LEVEL=info: one line with the op, the tensors' shapes and
+ * dtypes, the ISA, the thread count and the microseconds since t0_us. */
+void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,108 @@
+/*
+ * opforge runtime: CPU features and ISA dispatch, parallel_for, logging,
+ * strided n-d iteration. Pure C, no torch: the C tests link it standalone.
+ */
+#ifndef OPFORGE_RUNTIME_H
+#define OPFORGE_RUNTIME_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- ISA ------------------------------------------------------------------ */
+
+/* Ordered: a later ISA implies every earlier one is usable. */
+typedef enum opf_isa { OPF_ISA_REF = 0, OPF_ISA_AVX2, OPF_ISA_AVX512, OPF_ISA_COUNT } opf_isa;
+
+typedef struct opf_cpu_features {
+    int avx2, fma, f16c;                                 /* AVX2 path needs all three */
+    int avx512f, avx512bw, avx512vl, avx512dq, avx512bf16; /* AVX-512 path: f, bw, vl, dq */
+    int amx_tile, amx_bf16;
+    int os_avx, os_avx512;                               /* XCR0 lets us use the registers */
+    char model[64];
+} opf_cpu_features;
+
+const opf_cpu_features *opf_cpu(void);
+const char *opf_isa_name(opf_isa isa);
+/* Best ISA this CPU supports. */
+opf_isa opf_isa_best(void);
+/* ISA every kernel should use now (best, or what OPFORGE_ISA / opf_isa_set chose). */
+opf_isa opf_isa_current(void);
+/* Parses a name ("ref", "avx2", "avx512", or "" / "auto" for the best) and makes
+ * it current. Returns 0, or -1 with a message naming the valid choices in err. */
+int opf_isa_set(const char *name, char *err, size_t errlen);
+/* Reads OPFORGE_ISA and OPFORGE_LOG_LEVEL / OPFORGE_LOG_FILE. 0 or -1 with err. */
+int opf_runtime_init(char *err, size_t errlen);
+
+/* ---- parallel_for ------------------------------------------------------------ */
+
+typedef void (*opf_range_fn)(int64_t begin, int64_t end, void *ctx);
+typedef struct opf_parallel_backend {
+    /* Splits [begin, end) into chunks of at least grain and calls fn on each. */
+    void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, opf_range_fn fn, void *ctx);
+    int (*num_threads)(void);
+} opf_parallel_backend;
+
+/* Default backend: pthreads, OPFORGE_NUM_THREADS or the online CPU count.
+ * Inside PyTorch the glue installs torch's intra-op pool instead. */
+void opf_parallel_set_backend(const opf_parallel_backend *backend);
+void opf_parallel_for(int64_t begin, int64_t end, int64_t grain, opf_range_fn fn, void *ctx);
+int opf_num_threads(void);
+
+/* ---- logging ----------------------------------------------------------------- */
+
+typedef enum opf_log_level {
+    OPF_LOG_ERROR = 0,
+    OPF_LOG_WARNING,
+    OPF_LOG_INFO,
+    OPF_LOG_DEBUG
+} opf_log_level;
+
+extern int opf_log_level_value; /* read on every call: keep it a plain load */
+static inline int opf_log_enabled(opf_log_level level) { return (int)level <= opf_log_level_value; }
+int opf_log_set_level(const char *name, char *err, size_t errlen);
+int opf_log_set_file(const char *path, char *err, size_t errlen);
+void opf_log(opf_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+double opf_now_us(void);
+
+/* ---- strided n-d iteration for elementwise kernels -------------------------- */
+
+#define OPF_MAX_DIMS 64
+#define OPF_MAX_OPERANDS 4
+
+/* Operand 0 is the output. Dims of size 1 are dropped, dims are ordered so the
+ * output's smallest stride is innermost, and neighbours that are contiguous in
+ * every operand are merged: a dense tensor becomes one dim of stride 1. */
+typedef struct opf_nd {
+    int ndim, nops;
+    int64_t numel;
+    int64_t size[OPF_MAX_DIMS];                       /* innermost last */
+    int64_t stride[OPF_MAX_OPERANDS][OPF_MAX_DIMS];   /* in elements */
+} opf_nd;
+
+void opf_nd_init(opf_nd *nd, int ndim, const int64_t *sizes, int nops,
+                 const int64_t *const *strides);
+
+/* One run along the innermost dim: n elements, operand k starts at element
+ * offset off[k] and steps by stride[k]. */
+typedef void (*opf_segment_fn)(void *ctx, const int64_t *off, const int64_t *stride, int64_t n);
+/* Calls fn for every innermost run covering flat logical indices [begin, end). */
+void opf_nd_segments(const opf_nd *nd, int64_t begin, int64_t end, opf_segment_fn fn, void *ctx);
+
+/* Dense and non-overlapping: some permutation of the dims is contiguous.
+ * Elementwise outputs copy such a layout (as torch.empty_like does) so that
+ * input and output can be walked as one flat array. */
+int opf_is_dense(int ndim, const int64_t *sizes, const int64_t *strides);
+/* Strides of a new output with `sizes`, copying `like_strides` when that layout
+ * is dense, row-major contiguous otherwise. */
+void opf_output_strides(int ndim, const int64_t *sizes, const int64_t *like_strides,
+                        int64_t *out_strides);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,109 @@
+/*
+ * The exact subset of PyTorch's stable C ABI that opforge calls, declared in C.
+ *
+ * PyTorch ships these declarations only in C++ headers (aoti_torch/c/shim.h,
+ * stable/c/shim.h), which a C compiler cannot read. Every function is listed
+ * once in OPF_SHIM_FUNCTIONS; tests/abi/abi_drift.cpp includes torch's real
+ * headers and static_asserts that each entry has the identical signature, so
+ * a torch release that changes one fails `make test` instead of crashing.
+ *
+ * Minimum torch: 2.10 (torch_library_impl, torch_parallel_for, thread index).
+ * torch_library_def_with_tags (2.12) is looked up as a weak symbol.
+ */
+#ifndef OPFORGE_SHIM_H
+#define OPFORGE_SHIM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct AtenTensorOpaque *AtenTensorHandle;
+typedef struct TorchLibraryOpaque *TorchLibraryHandle;
+typedef int32_t AOTITorchError;
+typedef uint64_t StableIValue;
+typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
+typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t num_outputs);
+
+#define OPF_AOTI_SUCCESS 0
+
+/* Version encoding of TORCH_ABI_VERSION: major << 56 | minor << 48. */
+#define OPF_TORCH_VERSION(major, minor) (((uint64_t)(major) << 56) | ((uint64_t)(minor) << 48))
+/* Oldest torch whose stable ABI has everything in OPF_SHIM_FUNCTIONS. */
+#define OPF_TORCH_MIN_VERSION OPF_TORCH_VERSION(2, 10)
+/* The torch release these declarations were checked against (passed as the
+ * extension build version of torch_library_impl). */
+#define OPF_TORCH_BUILD_VERSION OPF_TORCH_VERSION(2, 13)
+
+/* X(return type, name, parameter list) */
+#define OPF_SHIM_FUNCTIONS(X)                                                                      \
+    X(int32_t, aoti_torch_device_type_cpu, (void))                                                 \
+    X(int32_t, aoti_torch_device_type_cuda, (void))                                                \
+    X(int32_t, aoti_torch_device_type_meta, (void))                                                \
+    X(int32_t, aoti_torch_dtype_bfloat16, (void))                                                  \
+    X(int32_t, aoti_torch_dtype_float16, (void))                                                   \
+    X(int32_t, aoti_torch_dtype_float32, (void))                                                   \
+    X(int32_t, aoti_torch_dtype_float64, (void))                                                   \
+    X(int32_t, aoti_torch_dtype_uint8, (void))                                                     \
+    X(int32_t, aoti_torch_dtype_int8, (void))                                                      \
+    X(int32_t, aoti_torch_dtype_int16, (void))                                                     \
+    X(int32_t, aoti_torch_dtype_int32, (void))                                                     \
+    X(int32_t, aoti_torch_dtype_int64, (void))                                                     \
+    X(int32_t, aoti_torch_dtype_bool, (void))                                                      \
+    X(int32_t, aoti_torch_dtype_complex64, (void))                                                 \
+    X(int32_t, aoti_torch_dtype_complex128, (void))                                                \
+    X(uint64_t, aoti_torch_abi_version, (void))                                                    \
+    X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))                  \
+    X(AOTITorchError, aoti_torch_get_data_ptr, (AtenTensorHandle tensor, void **ret_data_ptr))     \
+    X(AOTITorchError, aoti_torch_get_dim, (AtenTensorHandle tensor, int64_t * ret_dim))            \
+    X(AOTITorchError, aoti_torch_get_numel, (AtenTensorHandle tensor, int64_t * ret_numel))        \
+    X(AOTITorchError, aoti_torch_get_sizes, (AtenTensorHandle tensor, int64_t * *ret_sizes))       \
+    X(AOTITorchError, aoti_torch_get_strides, (AtenTensorHandle tensor, int64_t * *ret_strides))   \
+    X(AOTITorchError, aoti_torch_get_dtype, (AtenTensorHandle tensor, int32_t * ret_dtype))        \
+    X(AOTITorchError, aoti_torch_get_device_type,                                                  \
+      (AtenTensorHandle tensor, int32_t * ret_device_type))                                        \
+    X(AOTITorchError, aoti_torch_get_device_index,                                                 \
+      (AtenTensorHandle tensor, int32_t * ret_device_index))                                       \
+    X(AOTITorchError, aoti_torch_empty_strided,                                                    \
+      (int64_t ndim, const int64_t *sizes_ptr, const int64_t *strides_ptr, int32_t dtype,          \
+       int32_t device_type, int32_t device_index, AtenTensorHandle *ret_new_tensor))               \
+    X(AOTITorchError, aoti_torch_library_init_def,                                                 \
+      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret_new_torch_lib))    \
+    X(AOTITorchError, aoti_torch_library_init_impl,                                                \
+      (const char *ns, const char *k, const char *file, uint32_t line,                             \
+       TorchLibraryHandle *ret_new_torch_lib))                                                     \
+    X(AOTITorchError, aoti_torch_library_def, (TorchLibraryHandle self, const char *schema))       \
+    X(AOTITorchError, aoti_torch_delete_library_object, (TorchLibraryHandle tlh))                  \
+    X(AOTITorchError, torch_library_impl,                                                          \
+      (TorchLibraryHandle self, const char *name, OpfBoxedKernel fn,                               \
+       uint64_t extension_build_version))                                                          \
+    X(AOTITorchError, torch_parallel_for,                                                          \
+      (int64_t begin, int64_t end, int64_t grain_size, ParallelFunc func, void *ctx))              \
+    X(AOTITorchError, torch_get_num_threads, (uint32_t * out_num_threads))                         \
+    X(AOTITorchError, torch_get_thread_idx, (uint32_t * out_thread_idx))                           \
+    X(void, aoti_torch_check,                                                                      \
+      (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
+
+/* Present from torch 2.12 only: declared weak so that 2.10/2.11 still load. */
+#define OPF_SHIM_WEAK_FUNCTIONS(X)                                                                 \
+    X(int32_t, torch_tag_pt2_compliant_tag, (void))                                                \
+    X(AOTITorchError, torch_library_def_with_tags,                                                 \
+      (TorchLibraryHandle self, const char *schema, const int32_t *tags, int32_t num_tags))
+
+#define OPF_SHIM_DECLARE(ret, name, params) ret name params;
+OPF_SHIM_FUNCTIONS(OPF_SHIM_DECLARE)
+#ifndef __cplusplus
+#define OPF_SHIM_DECLARE_WEAK(ret, name, params) __attribute__((weak)) ret name params;
+OPF_SHIM_WEAK_FUNCTIONS(OPF_SHIM_DECLARE_WEAK)
+#undef OPF_SHIM_DECLARE_WEAK
+#endif
+#undef OPF_SHIM_DECLARE
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

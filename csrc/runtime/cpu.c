@@ -1,0 +1,130 @@
+/* CPU feature detection (cpuid + XCR0) and the process-wide ISA choice. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "opforge/runtime.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+static void detect(opf_cpu_features *f) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    int osxsave = (c >> 27) & 1;
+    f->fma = (c >> 12) & 1;
+    f->f16c = (c >> 29) & 1;
+    if (osxsave) {
+        uint64_t xcr0 = xgetbv0();
+        f->os_avx = (xcr0 & 0x6) == 0x6;            /* XMM and YMM state */
+        f->os_avx512 = (xcr0 & 0xe6) == 0xe6;       /* + opmask, ZMM_Hi256, Hi16_ZMM */
+    }
+    if (__get_cpuid_max(0, NULL) >= 7) {
+        __cpuid_count(7, 0, a, b, c, d);
+        f->avx2 = (b >> 5) & 1;
+        f->avx512f = (b >> 16) & 1;
+        f->avx512dq = (b >> 17) & 1;
+        f->avx512bw = (b >> 30) & 1;
+        f->avx512vl = (b >> 31) & 1;
+        f->amx_bf16 = (d >> 22) & 1;
+        f->amx_tile = (d >> 24) & 1;
+        __cpuid_count(7, 1, a, b, c, d);
+        f->avx512bf16 = (a >> 5) & 1;
+    }
+    if (__get_cpuid_max(0x80000000, NULL) >= 0x80000004) {
+        unsigned *m = (unsigned *)f->model;
+        for (unsigned leaf = 0; leaf < 3; leaf++)
+            __get_cpuid(0x80000002 + leaf, &m[4 * leaf], &m[4 * leaf + 1], &m[4 * leaf + 2],
+                        &m[4 * leaf + 3]);
+        f->model[48] = '\0';
+    }
+}
+#else
+static void detect(opf_cpu_features *f) { (void)f; }
+#endif
+
+static opf_cpu_features features;
+static int features_ready;
+static opf_isa current_isa = OPF_ISA_COUNT; /* COUNT: not chosen yet */
+
+const opf_cpu_features *opf_cpu(void) {
+    if (!features_ready) {
+        memset(&features, 0, sizeof features);
+        detect(&features);
+        /* trim the padding some vendors put around the brand string */
+        char *s = features.model;
+        while (*s == ' ') s++;
+        memmove(features.model, s, strlen(s) + 1);
+        for (size_t n = strlen(features.model); n && features.model[n - 1] == ' '; n--)
+            features.model[n - 1] = '\0';
+        features_ready = 1;
+    }
+    return &features;
+}
+
+static const char *const isa_names[OPF_ISA_COUNT] = {"ref", "avx2", "avx512"};
+
+const char *opf_isa_name(opf_isa isa) {
+    return (unsigned)isa < OPF_ISA_COUNT ? isa_names[isa] : "unknown";
+}
+
+static int isa_supported(opf_isa isa) {
+    const opf_cpu_features *f = opf_cpu();
+    switch (isa) {
+    case OPF_ISA_REF: return 1;
+    case OPF_ISA_AVX2: return f->os_avx && f->avx2 && f->fma && f->f16c;
+    case OPF_ISA_AVX512:
+        return isa_supported(OPF_ISA_AVX2) && f->os_avx512 && f->avx512f && f->avx512bw &&
+               f->avx512vl && f->avx512dq;
+    default: return 0;
+    }
+}
+
+opf_isa opf_isa_best(void) {
+    opf_isa best = OPF_ISA_REF;
+    for (int i = 1; i < OPF_ISA_COUNT; i++)
+        if (isa_supported((opf_isa)i)) best = (opf_isa)i;
+    return best;
+}
+
+opf_isa opf_isa_current(void) {
+    if (current_isa == OPF_ISA_COUNT) current_isa = opf_isa_best();
+    return current_isa;
+}
+
+int opf_isa_set(const char *name, char *err, size_t errlen) {
+    if (name == NULL || name[0] == '\0' || strcmp(name, "auto") == 0) {
+        current_isa = opf_isa_best();
+        return 0;
+    }
+    for (int i = 0; i < OPF_ISA_COUNT; i++) {
+        if (strcmp(name, isa_names[i]) != 0) continue;
+        if (!isa_supported((opf_isa)i)) {
+            snprintf(err, errlen,
+                     "OPFORGE_ISA=%s is not supported by this CPU (%s); it supports up to '%s'",
+                     name, opf_cpu()->model[0] ? opf_cpu()->model : "unknown model",
+                     isa_names[opf_isa_best()]);
+            return -1;
+        }
+        current_isa = (opf_isa)i;
+        return 0;
+    }
+    snprintf(err, errlen, "OPFORGE_ISA=%s is not a known ISA; expected one of auto, ref, avx2, avx512",
+             name);
+    return -1;
+}
+
+int opf_runtime_init(char *err, size_t errlen) {
+    if (opf_isa_set(getenv("OPFORGE_ISA"), err, errlen)) return -1;
+    const char *level = getenv("OPFORGE_LOG_LEVEL");
+    if (level && level[0] && opf_log_set_level(level, err, errlen)) return -1;
+    const char *file = getenv("OPFORGE_LOG_FILE");
+    if (file && file[0] && opf_log_set_file(file, err, errlen)) return -1;
+    return 0;
+}

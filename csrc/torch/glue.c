@@ -1,0 +1,283 @@
+/*
+ * L1 glue shared by every op: argument unpacking, validation with clear
+ * errors, output allocation, per-call logging, op registration on torch's
+ * stable C ABI, and the parallel backend over torch's intra-op pool.
+ */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "opforge/op.h"
+
+/* ---- errors ------------------------------------------------------------------ */
+
+void opf_fail(const char *op, const char *fmt, ...) {
+    char msg[1024];
+    int n = snprintf(msg, sizeof msg, "[%s] ", op);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg + n, sizeof msg - (size_t)n, fmt, ap);
+    va_end(ap);
+    /* Throws c10::Error (RuntimeError in Python); the library is built with
+     * -fexceptions so the unwind runs the OPF_OWNED cleanups of our frames. */
+    aoti_torch_check(false, op, __FILE__, __LINE__, msg);
+    __builtin_unreachable();
+}
+
+#define OPF_TRY(op, call)                                                                          \
+    do {                                                                                           \
+        if ((call) != OPF_AOTI_SUCCESS) opf_fail(op, "internal error: %s failed", #call);           \
+    } while (0)
+
+void opf_tensor_release(AtenTensorHandle *h) {
+    if (*h) aoti_torch_delete_tensor_object(*h);
+    *h = NULL;
+}
+
+/* ---- dtypes ------------------------------------------------------------------ */
+
+typedef struct dtype_entry {
+    int32_t code;
+    const char *name;
+} dtype_entry;
+static dtype_entry dtypes[16];
+static int ndtypes;
+
+static void dtypes_init(void) {
+#define DT(fn, nm) dtypes[ndtypes++] = (dtype_entry){fn(), nm};
+    /* the first four in opf_dtype order */
+    DT(aoti_torch_dtype_float32, "float32")
+    DT(aoti_torch_dtype_float64, "float64")
+    DT(aoti_torch_dtype_bfloat16, "bfloat16")
+    DT(aoti_torch_dtype_float16, "float16")
+    DT(aoti_torch_dtype_uint8, "uint8")
+    DT(aoti_torch_dtype_int8, "int8")
+    DT(aoti_torch_dtype_int16, "int16")
+    DT(aoti_torch_dtype_int32, "int32")
+    DT(aoti_torch_dtype_int64, "int64")
+    DT(aoti_torch_dtype_bool, "bool")
+    DT(aoti_torch_dtype_complex64, "complex64")
+    DT(aoti_torch_dtype_complex128, "complex128")
+#undef DT
+}
+
+const char *opf_dtype_name(int32_t code) {
+    for (int i = 0; i < ndtypes; i++)
+        if (dtypes[i].code == code) return dtypes[i].name;
+    return "an unsupported dtype";
+}
+
+/* ---- arguments --------------------------------------------------------------- */
+
+double opf_arg_double(StableIValue v) {
+    double d;
+    memcpy(&d, &v, sizeof d);
+    return d;
+}
+
+int64_t opf_arg_int(StableIValue v) { return (int64_t)v; }
+int opf_arg_bool(StableIValue v) { return (int)(v & 0xff); }
+
+opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h) {
+    opf_tensor t = {.h = h};
+    int64_t *sizes = NULL, *strides = NULL;
+    if (h == NULL) opf_fail(op, "argument '%s' must be a tensor, got None", arg);
+    OPF_TRY(op, aoti_torch_get_dim(h, &t.ndim));
+    OPF_TRY(op, aoti_torch_get_numel(h, &t.numel));
+    OPF_TRY(op, aoti_torch_get_sizes(h, &sizes));
+    OPF_TRY(op, aoti_torch_get_strides(h, &strides));
+    OPF_TRY(op, aoti_torch_get_dtype(h, &t.dtype));
+    OPF_TRY(op, aoti_torch_get_device_type(h, &t.device_type));
+    OPF_TRY(op, aoti_torch_get_data_ptr(h, &t.data));
+    t.sizes = sizes;
+    t.strides = strides;
+    if (t.ndim > OPF_MAX_DIMS)
+        opf_fail(op, "argument '%s' must have at most %d dims, got %lld", arg, OPF_MAX_DIMS,
+                 (long long)t.ndim);
+    return t;
+}
+
+int opf_check_float(const char *op, const char *arg, const opf_tensor *t) {
+    for (int i = 0; i < 4 /* opf_dtype order */; i++)
+        if (dtypes[i].code == t->dtype) return i;
+    opf_fail(op, "argument '%s' must be a floating-point tensor (float32, float64, bfloat16 or float16), got %s",
+             arg, opf_dtype_name(t->dtype));
+}
+
+static const char *device_name(int32_t type) {
+    if (type == aoti_torch_device_type_cpu()) return "cpu";
+    if (type == aoti_torch_device_type_cuda()) return "cuda";
+    if (type == aoti_torch_device_type_meta()) return "meta";
+    return "another device";
+}
+
+void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t) {
+    if (t->device_type != aoti_torch_device_type_cpu())
+        opf_fail(op, "argument '%s' must be on the cpu device (this kernel is the CPU one), got %s",
+                 arg, device_name(t->device_type));
+}
+
+static void shape_str(char *buf, size_t len, const opf_tensor *t) {
+    size_t n = (size_t)snprintf(buf, len, "[");
+    for (int64_t d = 0; d < t->ndim && n < len; d++)
+        n += (size_t)snprintf(buf + n, len - n, d ? ", %lld" : "%lld", (long long)t->sizes[d]);
+    if (n < len) snprintf(buf + n, len - n, "]");
+}
+
+void opf_check_same_shape(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
+                          const opf_tensor *ref) {
+    int same = t->ndim == ref->ndim;
+    for (int64_t d = 0; same && d < t->ndim; d++) same = t->sizes[d] == ref->sizes[d];
+    if (!same) {
+        char a[256], b[256];
+        shape_str(a, sizeof a, t);
+        shape_str(b, sizeof b, ref);
+        opf_fail(op, "argument '%s' must have the shape of '%s' %s, got %s", arg, ref_arg, b, a);
+    }
+}
+
+void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
+                          const opf_tensor *ref) {
+    if (t->dtype != ref->dtype)
+        opf_fail(op, "argument '%s' must have the dtype of '%s' (%s), got %s", arg, ref_arg,
+                 opf_dtype_name(ref->dtype), opf_dtype_name(t->dtype));
+}
+
+AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like) {
+    int64_t strides[OPF_MAX_DIMS];
+    opf_output_strides((int)like->ndim, like->sizes, like->strides, strides);
+    AtenTensorHandle out = NULL;
+    int32_t index = 0;
+    OPF_TRY(op, aoti_torch_get_device_index(like->h, &index));
+    if (aoti_torch_empty_strided(like->ndim, like->sizes, strides, like->dtype, like->device_type,
+                                 index, &out) != OPF_AOTI_SUCCESS) {
+        char shape[256];
+        shape_str(shape, sizeof shape, like);
+        opf_fail(op, "could not allocate the output (%s %s): out of memory?",
+                 opf_dtype_name(like->dtype), shape);
+    }
+    return out;
+}
+
+void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors) {
+    if (!opf_log_enabled(OPF_LOG_INFO)) return;
+    double us = opf_now_us() - t0_us;
+    char args[768];
+    size_t len = 0;
+    args[0] = '\0';
+    for (int i = 0; i < n && len < sizeof args; i++) {
+        char shape[256];
+        shape_str(shape, sizeof shape, &tensors[i]);
+        len += (size_t)snprintf(args + len, sizeof args - len, "%s%s%s", i ? " " : "",
+                                opf_dtype_name(tensors[i].dtype), shape);
+    }
+    opf_log(OPF_LOG_INFO, "%s %s isa=%s threads=%d %.1fus", op, args,
+            opf_isa_name(opf_isa_current()), opf_num_threads(), us);
+}
+
+/* ---- parallel backend over torch's pool ------------------------------------- */
+
+static void torch_backend_for(int64_t begin, int64_t end, int64_t grain, opf_range_fn fn,
+                              void *ctx) {
+    if (torch_parallel_for(begin, end, grain, fn, ctx) != OPF_AOTI_SUCCESS)
+        fn(begin, end, ctx); /* the pool refused (shutting down?): do it here */
+}
+
+static int torch_backend_threads(void) {
+    uint32_t n = 1;
+    if (torch_get_num_threads(&n) != OPF_AOTI_SUCCESS || n < 1) n = 1;
+    return (int)n;
+}
+
+static const opf_parallel_backend torch_backend = {torch_backend_for, torch_backend_threads};
+
+/* ---- exported to the Python layer (ctypes) ----------------------------------- */
+
+OPF_EXPORT int opforge_init(char *err, size_t errlen) {
+    uint64_t v = aoti_torch_abi_version();
+    if (v < OPF_TORCH_MIN_VERSION) {
+        snprintf(err, errlen, "opforge needs torch >= 2.10 (stable C ABI), this torch reports ABI %d.%d",
+                 (int)(v >> 56), (int)((v >> 48) & 0xff));
+        return -1;
+    }
+    if (ndtypes == 0) dtypes_init();
+    opf_parallel_set_backend(&torch_backend);
+    return opf_runtime_init(err, errlen);
+}
+
+#define OPF_MAX_LIBS 64
+static TorchLibraryHandle libs[OPF_MAX_LIBS]; /* kept for the process: deleting undoes registrations */
+static int nlibs;
+
+static int keep_lib(TorchLibraryHandle h, char *err, size_t errlen) {
+    if (nlibs == OPF_MAX_LIBS) {
+        snprintf(err, errlen, "too many op libraries registered (max %d)", OPF_MAX_LIBS);
+        return -1;
+    }
+    libs[nlibs++] = h;
+    return 0;
+}
+
+static int register_impls(const char *ns, const char *key, const opf_op_desc *ops, int64_t n,
+                          size_t field, char *err, size_t errlen) {
+    int any = 0;
+    for (int64_t i = 0; i < n; i++) any |= *(OpfBoxedKernel *)((const char *)&ops[i] + field) != NULL;
+    if (!any) return 0;
+    TorchLibraryHandle impl = NULL;
+    if (aoti_torch_library_init_impl(ns, key, __FILE__, __LINE__, &impl) != OPF_AOTI_SUCCESS) {
+        snprintf(err, errlen, "could not open a %s implementation library for namespace '%s'", key, ns);
+        return -1;
+    }
+    if (keep_lib(impl, err, errlen)) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        OpfBoxedKernel fn = *(OpfBoxedKernel *)((const char *)&ops[i] + field);
+        if (fn && torch_library_impl(impl, ops[i].name, fn, OPF_TORCH_BUILD_VERSION) != OPF_AOTI_SUCCESS) {
+            snprintf(err, errlen, "could not register the %s kernel of %s::%s", key, ns, ops[i].name);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+OPF_EXPORT int opforge_register(const char *ns, const opf_op_desc *ops, int64_t n, char *err,
+                                size_t errlen) {
+    TorchLibraryHandle def = NULL;
+    if (aoti_torch_library_init_def(ns, __FILE__, __LINE__, &def) != OPF_AOTI_SUCCESS) {
+        snprintf(err, errlen, "could not define namespace '%s' (already defined by another library?)", ns);
+        return -1;
+    }
+    if (keep_lib(def, err, errlen)) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        AOTITorchError rc;
+        if (torch_library_def_with_tags && torch_tag_pt2_compliant_tag) {
+            int32_t tag = torch_tag_pt2_compliant_tag();
+            rc = torch_library_def_with_tags(def, ops[i].schema, &tag, 1);
+        } else {
+            rc = aoti_torch_library_def(def, ops[i].schema);
+        }
+        if (rc != OPF_AOTI_SUCCESS) {
+            snprintf(err, errlen, "could not define %s::%s from schema '%s'", ns, ops[i].name, ops[i].schema);
+            return -1;
+        }
+    }
+    if (register_impls(ns, "CPU", ops, n, offsetof(opf_op_desc, cpu), err, errlen)) return -1;
+    return register_impls(ns, "CUDA", ops, n, offsetof(opf_op_desc, cuda), err, errlen);
+}
+
+OPF_EXPORT int opforge_set_isa(const char *name, char *err, size_t errlen) {
+    return opf_isa_set(name, err, errlen);
+}
+
+OPF_EXPORT const char *opforge_isa(void) { return opf_isa_name(opf_isa_current()); }
+OPF_EXPORT const char *opforge_isa_best(void) { return opf_isa_name(opf_isa_best()); }
+
+OPF_EXPORT int opforge_set_log_level(const char *name, char *err, size_t errlen) {
+    return opf_log_set_level(name, err, errlen);
+}
+
+OPF_EXPORT int opforge_set_log_file(const char *path, char *err, size_t errlen) {
+    return opf_log_set_file(path, err, errlen);
+}
+
+OPF_EXPORT const opf_cpu_features *opforge_cpu_features(void) { return opf_cpu(); }

@@ -1,0 +1,23 @@
+"""opforge: PyTorch operators written in plain C.
+
+    import opforge
+    y = opforge.dispersion_correction(x, 0.8)          # torch.ops.opforge.dispersion_correction
+"""
+
+from ._runtime import cpu_features, get_isa, isa_best, library, set_isa, set_log_file, set_log_level
+from . import functional
+from .functional import dispersion_correction
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "cpu_features",
+    "dispersion_correction",
+    "functional",
+    "get_isa",
+    "isa_best",
+    "library",
+    "set_isa",
+    "set_log_file",
+    "set_log_level",
+]

@@ -1,0 +1,119 @@
+"""Compile C sources into an op library with the system C compiler.
+
+Used by setup.py for opforge's own library. It imports nothing from torch at
+module level so that setup.py can load it by path before opforge is built.
+Files named ``*_avx2.c`` / ``*_avx512.c`` get that ISA's ``-m`` flags and no
+other file does: the library runs on any x86-64 CPU and picks kernels at run
+time. Never ``-march=native``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+
+CFLAGS = [
+    "-std=c11",
+    "-O3",
+    "-fPIC",
+    "-fexceptions",  # torch's errors are C++ exceptions that unwind through our frames
+    "-fno-math-errno",  # sqrt and friends inline to one instruction
+    "-ffp-contract=off",  # ISA variants round exactly as the scalar reference
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+]
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+ISA_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+
+
+class BuildError(RuntimeError):
+    """The C compiler or linker failed; the message carries its output."""
+
+
+def compiler() -> str:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()[0]
+    found = shutil.which(cc) or shutil.which("cc") or shutil.which("gcc")
+    if not found:
+        raise BuildError("no C compiler found: install gcc (apt-get install gcc) or set CC")
+    return found
+
+
+def isa_of(source: str) -> str | None:
+    stem = os.path.splitext(os.path.basename(source))[0]
+    for isa in ISA_FLAGS:
+        if stem.endswith("_" + isa):
+            return isa
+    return None
+
+
+def select_sources(sources: list[str]) -> list[str]:
+    """Drops ISA files on machines that are not x86."""
+    return [s for s in sources if _X86 or isa_of(s) is None]
+
+
+def torch_lib_dir() -> str:
+    import torch  # the build links libtorch_cpu of the torch installed here
+
+    return os.path.join(os.path.dirname(torch.__file__), "lib")
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}")
+
+
+def build_library(
+    sources: list[str],
+    output: str,
+    include_dirs: list[str],
+    build_dir: str,
+    extra_cflags: list[str] | None = None,
+    verbose: bool = False,
+) -> str:
+    """Compiles ``sources`` (in parallel) and links ``output`` against libtorch_cpu."""
+    cc = compiler()
+    os.makedirs(build_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    incs = [f"-I{d}" for d in include_dirs]
+    jobs = []
+    for src in select_sources(sources):
+        # the same stem lives in csrc/kernels and csrc/torch: keep the folder in the name
+        parent = os.path.basename(os.path.dirname(os.path.abspath(src)))
+        obj = os.path.join(build_dir, f"{parent}_{os.path.basename(src)[:-2]}.o")
+        isa = isa_of(src)
+        flags = CFLAGS + (ISA_FLAGS[isa] if isa else []) + (extra_cflags or [])
+        jobs.append(([cc, *flags, *incs, "-c", src, "-o", obj], obj))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        for cmd, _ in jobs:
+            if verbose:
+                print(" ".join(cmd))
+        list(pool.map(lambda job: _run(job[0]), jobs))
+    lib = torch_lib_dir()
+    link = [
+        cc,
+        "-shared",
+        *[obj for _, obj in jobs],
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+        "-Wl,-z,now",  # a missing torch symbol fails at load, not at first call
+        "-ltorch_cpu",
+        "-lpthread",
+        "-lm",
+        "-o",
+        output,
+    ]
+    if verbose:
+        print(" ".join(link))
+    _run(link)
+    return output

@@ -1,0 +1,246 @@
+"""Loads an op library and wires its C descriptors into PyTorch.
+
+A library built from C exports ``opforge_op_table``; for each descriptor this
+module registers, generically, the fake kernel (from the shape rule), the
+autograd formula (from the backward op) and the autocast kernels (from the
+policy). Nothing here is specific to any one op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+MIN_TORCH = (2, 10)
+_ERRLEN = 2048
+
+AUTOCAST_NONE, AUTOCAST_LOWER, AUTOCAST_FP32 = 0, 1, 2
+
+
+class _Desc(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("schema", ctypes.c_char_p),
+        ("cpu", ctypes.c_void_p),
+        ("cuda", ctypes.c_void_p),
+        ("shape", ctypes.c_char_p),
+        ("backward", ctypes.c_char_p),
+        ("backward_args", ctypes.c_char_p),
+        ("backward_grads", ctypes.c_char_p),
+        ("autocast", ctypes.c_int),
+    ]
+
+
+@dataclass(frozen=True)
+class OpDescriptor:
+    """One op as declared in C (see csrc/include/opforge/op.h)."""
+
+    namespace: str
+    name: str
+    schema: str
+    devices: tuple[str, ...]
+    shape: tuple[str, ...]
+    backward: str | None
+    backward_args: tuple[str, ...]
+    backward_grads: tuple[str, ...]
+    autocast: int
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch_version() -> None:
+    if _torch_version() < MIN_TORCH:
+        raise ImportError(
+            f"opforge needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (its ops register through the "
+            f"stable C ABI of that release); this is torch {torch.__version__}. "
+            f"Upgrade with: pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'"
+        )
+
+
+def _str(b: bytes | None) -> str | None:
+    return None if b is None else b.decode()
+
+
+def _split(b: bytes | None, sep: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in b.decode().split(sep)) if b else ()
+
+
+class OpLibrary:
+    """A loaded op library: its ctypes handle (kept alive) and descriptors."""
+
+    def __init__(self, path: str, namespace: str):
+        check_torch_version()
+        try:
+            self.dll = ctypes.CDLL(os.path.abspath(path))
+        except OSError as e:
+            raise ImportError(
+                f"cannot load the op library {path}: {e}. A missing torch symbol means this torch "
+                f"is older than {MIN_TORCH[0]}.{MIN_TORCH[1]} or the library was built for another torch: "
+                "rebuild with `pip install --no-build-isolation -e .`"
+            ) from e
+        self.namespace = namespace
+        self.dll.opforge_op_table.restype = ctypes.POINTER(_Desc)
+        self.dll.opforge_op_table.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        count = ctypes.c_int64()
+        table = self.dll.opforge_op_table(ctypes.byref(count))
+        self._call("opforge_init")
+        self._call("opforge_register", namespace.encode(), table, count)
+        self.ops = [self._descriptor(table[i]) for i in range(count.value)]
+        for desc in self.ops:
+            wire(desc)
+
+    def _call(self, fn: str, *args) -> None:
+        err = ctypes.create_string_buffer(_ERRLEN)
+        if getattr(self.dll, fn)(*args, err, ctypes.c_size_t(_ERRLEN)) != 0:
+            raise RuntimeError(f"opforge: {err.value.decode()}")
+
+    def _descriptor(self, d: _Desc) -> OpDescriptor:
+        return OpDescriptor(
+            namespace=self.namespace,
+            name=_str(d.name),
+            schema=_str(d.schema),
+            devices=tuple(dev for dev, fn in (("cpu", d.cpu), ("cuda", d.cuda)) if fn),
+            shape=_split(d.shape, ";"),
+            backward=_str(d.backward),
+            backward_args=_split(d.backward_args, ","),
+            backward_grads=_split(d.backward_grads, ","),
+            autocast=d.autocast,
+        )
+
+
+# ---- wiring ------------------------------------------------------------------
+
+_libraries: dict[str, torch.library.Library] = {}
+
+
+def _fragment(namespace: str) -> torch.library.Library:
+    if namespace not in _libraries:
+        _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return _libraries[namespace]
+
+
+def op_overload(desc: OpDescriptor, name: str | None = None) -> torch._ops.OpOverload:
+    return getattr(getattr(torch.ops, desc.namespace), name or desc.name).default
+
+
+def output_strides(sizes, strides) -> list:
+    """Python twin of opf_output_strides (csrc/runtime/nditer.c): the strides the
+    C kernels give a new output shaped like a tensor with these sizes/strides."""
+    dims = [d for d, s in enumerate(sizes) if s != 1]
+    dense = all(s != 0 for s in sizes)
+    if dense:
+        expected = 1
+        for d in sorted(dims, key=lambda d: strides[d]):  # stable, as the C sort
+            if strides[d] != expected:
+                dense = False
+                break
+            expected *= sizes[d]
+    if dense:
+        return list(strides)
+    out, step = [0] * len(sizes), 1
+    for d in range(len(sizes) - 1, -1, -1):
+        out[d] = step
+        step *= max(sizes[d], 1)
+    return out
+
+
+def _fake_output(rule: str, argnames: list[str], args: tuple) -> torch.Tensor:
+    kind, _, arg = rule.partition(":")
+    if kind == "like":
+        t = args[argnames.index(arg)]
+        return t.new_empty_strided(t.shape, output_strides(t.shape, t.stride()))
+    raise RuntimeError(f"opforge: unknown shape rule '{rule}'")
+
+
+def _wire_fake(desc: OpDescriptor, argnames: list[str]) -> None:
+    rules = desc.shape
+
+    def fake(*args):
+        outs = tuple(_fake_output(r, argnames, args) for r in rules)
+        return outs[0] if len(outs) == 1 else outs
+
+    torch.library.register_fake(f"{desc.namespace}::{desc.name}", fake, lib=_fragment(desc.namespace))
+
+
+def _wire_autograd(desc: OpDescriptor, schema) -> None:
+    argnames = [a.name for a in schema.arguments]
+    is_tensor = [isinstance(a.type, torch.TensorType) or "Tensor" in str(a.type) for a in schema.arguments]
+    bwd = op_overload(desc, desc.backward)
+    # how each backward argument is found: ("grad", i), ("saved", j) or ("const", j)
+    plan, saved_from, const_from = [], [], []
+    for a in desc.backward_args:
+        if a.startswith("grad") and a[4:].isdigit():
+            plan.append(("grad", int(a[4:])))
+        elif a.startswith("out") and a[3:].isdigit():
+            plan.append(("saved", len(saved_from)))
+            saved_from.append(("out", int(a[3:])))
+        elif is_tensor[argnames.index(a)]:
+            plan.append(("saved", len(saved_from)))
+            saved_from.append(("in", argnames.index(a)))
+        else:
+            plan.append(("const", len(const_from)))
+            const_from.append(argnames.index(a))
+    grad_slots = [argnames.index(a) for a in desc.backward_grads]
+
+    def setup_context(ctx, inputs, output):
+        outs = output if isinstance(output, tuple) else (output,)
+        ctx.save_for_backward(*[outs[i] if kind == "out" else inputs[i] for kind, i in saved_from])
+        ctx.consts = [inputs[i] for i in const_from]
+
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        args = [grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.consts[i] for k, i in plan]
+        res = bwd(*args)
+        res = res if isinstance(res, (tuple, list)) else (res,)
+        out = [None] * len(argnames)
+        for slot, g in zip(grad_slots, res):
+            out[slot] = g
+        return tuple(out)
+
+    torch.library.register_autograd(
+        f"{desc.namespace}::{desc.name}", backward, setup_context=setup_context, lib=_fragment(desc.namespace)
+    )
+
+
+def _cast(value, device_type: str, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        eligible = value.is_floating_point() and value.device.type == device_type and value.dtype != torch.float64
+        return value.to(dtype) if eligible else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, device_type, dtype) for v in value)
+    return value
+
+
+def _wire_autocast(desc: OpDescriptor) -> None:
+    op = op_overload(desc)
+    for device in ("cpu", "cuda"):
+        key_name = "Autocast" + torch._C._dispatch_key_for_device(device)
+        key = getattr(torch._C.DispatchKey, key_name)
+
+        def run(*args, device=device, key=key):
+            dtype = torch.get_autocast_dtype(device) if desc.autocast == AUTOCAST_LOWER else torch.float32
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+                return op(*_cast(args, device, dtype))
+
+        # the Python dispatcher (used while torch.compile traces) reads py_kernels
+        if op.has_kernel_for_dispatch_key(key):
+            op.py_kernels.pop(key, None)
+        op.py_impl(key)(run)
+        _fragment(desc.namespace).impl(desc.name, lambda _ks, *args, run=run: run(*args), key_name, with_keyset=True)
+
+
+def wire(desc: OpDescriptor) -> None:
+    schema = op_overload(desc)._schema
+    _wire_fake(desc, [a.name for a in schema.arguments])
+    if desc.backward:
+        _wire_autograd(desc, schema)
+    if desc.autocast != AUTOCAST_NONE:
+        _wire_autocast(desc)
+
+

@@ -1,0 +1,68 @@
+"""opforge's own op library, loaded once at import, and the runtime's knobs."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from ._lib import OpLibrary
+
+_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libopforge.so")
+if not os.path.exists(_PATH):
+    raise ImportError(
+        f"opforge's op library is not built ({_PATH} is missing): run `make build` or "
+        "`pip install --no-build-isolation -e .`"
+    )
+
+library = OpLibrary(_PATH, "opforge")
+_dll = library.dll
+_dll.opforge_isa.restype = ctypes.c_char_p
+_dll.opforge_isa_best.restype = ctypes.c_char_p
+
+
+def set_isa(name: str) -> None:
+    """Forces the kernels' ISA: "ref", "avx2", "avx512" or "auto" (the best one).
+    The same as starting with OPFORGE_ISA=name. Raises RuntimeError when this
+    CPU lacks it or the name is unknown."""
+    library._call("opforge_set_isa", name.encode())
+
+
+def get_isa() -> str:
+    """The ISA opforge's kernels run now."""
+    return _dll.opforge_isa().decode()
+
+
+def isa_best() -> str:
+    """The best ISA this CPU supports."""
+    return _dll.opforge_isa_best().decode()
+
+
+def set_log_level(level: str) -> None:
+    """"error", "warning" (default), "info" (one line per op call) or "debug";
+    the same as OPFORGE_LOG_LEVEL."""
+    library._call("opforge_set_log_level", level.encode())
+
+
+def set_log_file(path: str | None) -> None:
+    """Appends log lines to path instead of stderr (None: back to stderr)."""
+    library._call("opforge_set_log_file", (path or "").encode())
+
+
+class _CpuFeatures(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int)
+        for name in (
+            "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512bf16 amx_tile amx_bf16 os_avx os_avx512"
+        ).split()
+    ] + [("model", ctypes.c_char * 64)]
+
+
+_dll.opforge_cpu_features.restype = ctypes.POINTER(_CpuFeatures)
+
+
+def cpu_features() -> dict:
+    """What cpuid reports, as the runtime sees it."""
+    f = _dll.opforge_cpu_features().contents
+    out = {name: bool(getattr(f, name)) for name, _ in _CpuFeatures._fields_ if name != "model"}
+    out["model"] = f.model.decode(errors="replace")
+    return out

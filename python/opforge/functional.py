@@ -1,0 +1,35 @@
+"""opforge's ops, called like ``torch.nn.functional``.
+
+Each function is the registered ``torch.ops.opforge.<op>``: autograd,
+``torch.compile(fullgraph=True)``, autocast and the profiler work on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _runtime  # noqa: F401  (loads and registers the ops)
+
+_dispersion_correction = torch.ops.opforge.dispersion_correction.default
+
+
+def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``x * alpha + sqrt(x)``, elementwise, in one pass over memory.
+
+    Args:
+        x: float32, float64, bfloat16 or float16 tensor on the CPU; any shape
+           (0-dim, empty, > 2**31 elements) and any strides: the input is read
+           in place, never copied. bfloat16/float16 compute in float32 and round
+           once.
+        alpha: a Python float, rounded to x's compute type as torch does.
+
+    Returns:
+        A new tensor of x's shape and dtype. It takes x's strides when x is
+        dense (contiguous, transposed, permuted); otherwise it is contiguous.
+
+    Negative inputs give NaN, as ``torch.sqrt`` does. The gradient is
+    ``grad * alpha + grad / (2 * sqrt(x))``, evaluated as autograd evaluates
+    the reference (so x = 0 gives inf). Under ``torch.autocast`` the op runs in
+    the autocast dtype.
+    """
+    return _dispersion_correction(x, alpha)

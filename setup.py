@@ -1,0 +1,51 @@
+"""Builds opforge's op library (C only) with the system C compiler.
+
+Build without isolation so that the torch already installed is linked
+(an isolated build would download another torch):
+    pip install --no-build-isolation -e .
+"""
+
+import glob
+import importlib.util
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("_opforge_build", os.path.join(ROOT, "python/opforge/_build.py"))
+_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_build)
+
+LIBRARY_SOURCES = sorted(
+    glob.glob("csrc/runtime/*.c") + glob.glob("csrc/kernels/*.c") + glob.glob("csrc/torch/*.c")
+)
+
+
+class BuildOpLibrary(build_ext):
+    """Compiles each C file with its own ISA flags and links libopforge.so."""
+
+    def get_ext_filename(self, fullname):
+        return os.path.join(*fullname.split(".")[:-1], "libopforge.so")
+
+    def build_extension(self, ext):
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                "opforge links the installed torch: install torch>=2.10 first and build with "
+                "`pip install --no-build-isolation .`"
+            ) from e
+        _build.build_library(
+            [os.path.join(ROOT, s) for s in ext.sources],
+            self.get_ext_fullpath(ext.name),
+            include_dirs=[os.path.join(ROOT, "csrc/include")],
+            build_dir=os.path.join(self.build_temp, "opforge"),
+            verbose=self.verbose > 1,
+        )
+
+
+setup(
+    ext_modules=[Extension("opforge.libopforge", sources=LIBRARY_SOURCES)],
+    cmdclass={"build_ext": BuildOpLibrary},
+)
