@@ -117,3 +117,31 @@ def build_library(
         print(" ".join(link))
     _run(link)
     return output
+
+
+def build_test_binary(sources: list[str], output: str, include_dirs: list[str], build_dir: str) -> str:
+    """Compiles a standalone C test (kernels + runtime, no torch) with the
+    library's flags, so the tests exercise exactly what ships."""
+    cc = compiler()
+    os.makedirs(build_dir, exist_ok=True)
+    incs = [f"-I{d}" for d in include_dirs]
+    objs = []
+    for src in select_sources(sources):
+        parent = os.path.basename(os.path.dirname(os.path.abspath(src)))
+        obj = os.path.join(build_dir, f"{parent}_{os.path.basename(src)[:-2]}.o")
+        isa = isa_of(src)
+        _run([cc, *CFLAGS, "-g", *(ISA_FLAGS[isa] if isa else []), *incs, "-c", src, "-o", obj])
+        objs.append(obj)
+    _run([cc, *objs, "-lpthread", "-lm", "-o", output])
+    return output
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="build a standalone C test binary with opforge's flags")
+    p.add_argument("output")
+    p.add_argument("sources", nargs="+")
+    p.add_argument("-I", dest="include", action="append", default=[])
+    a = p.parse_args()
+    build_test_binary(a.sources, a.output, a.include, os.path.join(os.path.dirname(a.output), "obj"))

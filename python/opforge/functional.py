@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from . import _runtime  # noqa: F401  (loads and registers the ops)
+from ._lib import fast_call
 
-_dispersion_correction = torch.ops.opforge.dispersion_correction.default
+_dispersion_correction = fast_call(torch.ops.opforge.dispersion_correction.default)
 
 
 def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -1,0 +1,56 @@
+# opforge front door. Each target sets itself up on a fresh machine:
+#   make demo   the brief's example end to end + a short benchmark table
+#   make test   C tests, ABI drift check, Python tests
+#   make bench  the full benchmarks (CSV, markdown, PNG under benchmarks/results/)
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+LIB    := python/opforge/libopforge.so
+CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
+TORCH_INCLUDE = $(shell $(PY) -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
+
+.PHONY: all setup build demo test ctest abi-check pytest bench bench-smoke clean
+
+all: build
+
+$(VENV)/.installed: requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+setup: $(VENV)/.installed
+
+$(LIB): $(VENV)/.installed $(CSRC) setup.py python/opforge/_build.py
+	$(PY) setup.py -q build_ext --inplace
+
+build: $(LIB)
+
+demo: build
+	$(PY) examples/dispersion_correction.py
+
+build/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
+	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include
+
+ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction
+	./build/ctest/test_runtime
+	./build/ctest/test_dispersion_correction
+
+# torch's C++ headers and ours in one C++ file: a drifted signature fails here.
+abi-check: $(VENV)/.installed
+	g++ -std=c++17 -fsyntax-only -I$(TORCH_INCLUDE) -Icsrc/include tests/abi/abi_drift.cpp
+	@echo "abi-check: csrc/include/opforge/shim.h matches torch's headers"
+
+pytest: build
+	$(PY) -m pytest -q tests/python
+
+test: ctest abi-check pytest
+
+bench: build
+	$(PY) benchmarks/bench_dispersion_correction.py
+
+bench-smoke: build
+	$(PY) benchmarks/bench_dispersion_correction.py --smoke
+
+clean:
+	rm -rf build $(LIB) python/*.egg-info

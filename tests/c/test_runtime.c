@@ -1,0 +1,127 @@
+/* Runtime: ISA selection errors, n-d coalescing and int64 offsets, dense
+ * layouts, half conversions, parallel_for coverage. */
+#include <math.h>
+#include <string.h>
+
+#include "../../csrc/kernels/half.h"
+#include "check.h"
+#include "opforge/runtime.h"
+
+static void test_isa(void) {
+    char err[512] = "";
+    CHECK(opf_isa_set("bogus", err, sizeof err) == -1, "unknown ISA accepted");
+    CHECK(strstr(err, "auto, ref, avx2, avx512") != NULL, "message lacks the valid names: %s", err);
+    CHECK(opf_isa_set("ref", err, sizeof err) == 0 && opf_isa_current() == OPF_ISA_REF, "ref refused");
+    CHECK(opf_isa_set("auto", err, sizeof err) == 0 && opf_isa_current() == opf_isa_best(),
+          "auto is not the best ISA");
+    for (int i = opf_isa_best() + 1; i < OPF_ISA_COUNT; i++) {
+        CHECK(opf_isa_set(opf_isa_name((opf_isa)i), err, sizeof err) == -1,
+              "%s accepted on a CPU without it", opf_isa_name((opf_isa)i));
+        CHECK(strstr(err, "not supported by this CPU") != NULL, "unclear message: %s", err);
+    }
+    char level_err[256] = "";
+    CHECK(opf_log_set_level("loud", level_err, sizeof level_err) == -1 &&
+              strstr(level_err, "error, warning, info, debug"),
+          "bad log level: %s", level_err);
+}
+
+typedef struct seg_log {
+    int n;
+    int64_t off[8][2], stride[8][2], len[8];
+} seg_log;
+
+static void record(void *ctx, const int64_t *off, const int64_t *stride, int64_t n) {
+    seg_log *l = ctx;
+    if (l->n < 8) {
+        memcpy(l->off[l->n], off, 2 * sizeof *off);
+        memcpy(l->stride[l->n], stride, 2 * sizeof *stride);
+        l->len[l->n] = n;
+    }
+    l->n++;
+}
+
+static void test_nd(void) {
+    opf_nd nd;
+    /* contiguous collapses to one dim */
+    int64_t s3[] = {2, 3, 4}, c3[] = {12, 4, 1};
+    const int64_t *st[] = {c3, c3};
+    opf_nd_init(&nd, 3, s3, 2, st);
+    CHECK(nd.ndim == 1 && nd.size[0] == 24 && nd.stride[1][0] == 1, "contiguous not merged: ndim %d",
+          nd.ndim);
+    /* transposed output and input with the same strides: also one dim */
+    int64_t s2[] = {3, 4}, t2[] = {1, 3};
+    const int64_t *tt[] = {t2, t2};
+    opf_nd_init(&nd, 2, s2, 2, tt);
+    CHECK(nd.ndim == 1 && nd.size[0] == 12, "dense permutation not merged: ndim %d", nd.ndim);
+    /* int64 offsets past 2^31 elements, no memory touched */
+    const int64_t big = ((int64_t)1 << 31) + 5;
+    int64_t sb[] = {3, big}, ob[] = {big, 1}, ib[] = {1, 3};
+    const int64_t *bs[] = {ob, ib};
+    opf_nd_init(&nd, 2, sb, 2, bs);
+    CHECK(nd.ndim == 2 && nd.numel == 3 * big, "big shape: ndim %d numel %lld", nd.ndim,
+          (long long)nd.numel);
+    seg_log log = {0};
+    opf_nd_segments(&nd, big - 2, big + 5, record, &log);
+    CHECK(log.n == 2, "expected 2 segments, got %d", log.n);
+    CHECK(log.off[0][0] == big - 2 && log.off[0][1] == (big - 2) * 3 && log.len[0] == 2,
+          "segment 0: off %lld %lld len %lld", (long long)log.off[0][0], (long long)log.off[0][1],
+          (long long)log.len[0]);
+    CHECK(log.off[1][0] == big && log.off[1][1] == 1 && log.len[1] == 5 && log.stride[1][1] == 3,
+          "segment 1: off %lld %lld len %lld", (long long)log.off[1][0], (long long)log.off[1][1],
+          (long long)log.len[1]);
+    /* dense detection and output strides */
+    int64_t out[3];
+    CHECK(opf_is_dense(2, s2, t2), "transpose is dense");
+    int64_t sl[] = {20, 1};
+    CHECK(!opf_is_dense(2, (int64_t[]){7, 13}, sl), "a row slice is not dense");
+    opf_output_strides(2, (int64_t[]){7, 13}, sl, out);
+    CHECK(out[0] == 13 && out[1] == 1, "slice output strides %lld %lld", (long long)out[0],
+          (long long)out[1]);
+    CHECK(!opf_is_dense(2, (int64_t[]){5, 4}, (int64_t[]){0, 1}), "broadcast is not dense");
+    CHECK(!opf_is_dense(2, (int64_t[]){0, 4}, (int64_t[]){4, 1}), "empty uses contiguous strides");
+    opf_output_strides(3, (int64_t[]){2, 1, 3}, (int64_t[]){1, 99, 2}, out);
+    CHECK(out[0] == 1 && out[1] == 99 && out[2] == 2, "dense strides copied verbatim");
+}
+
+static void test_half(void) {
+    /* every f16 and bf16 bit pattern survives f16 -> f32 -> f16 */
+    int bad = 0;
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = opf_f16_to_f32((uint16_t)h);
+        uint16_t back = opf_f32_to_f16(f);
+        if (isnan(f) ? (back & 0x7e00) != 0x7e00 : back != h) bad++;
+        float b = opf_bf16_to_f32((uint16_t)h);
+        if (!isnan(b) && opf_f32_to_bf16(b) != h) bad++;
+    }
+    CHECK(bad == 0, "%d 16-bit patterns do not round-trip", bad);
+    /* round to nearest even at a tie, overflow to inf, subnormal rounding */
+    CHECK(opf_f32_to_f16(1.0f + 1.0f / 2048) == 0x3c00, "f16 tie rounds to even");
+    CHECK(opf_f32_to_f16(1.0f + 3.0f / 2048) == 0x3c02, "f16 tie rounds up to even");
+    CHECK(opf_f32_to_f16(65520.0f) == 0x7c00 && opf_f32_to_f16(65519.0f) == 0x7bff, "f16 overflow");
+    CHECK(opf_f32_to_f16(5.96e-8f) == 0x0001 && opf_f32_to_f16(2.0e-8f) == 0, "f16 subnormal");
+    CHECK(opf_f32_to_bf16(1.0f + 1.0f / 256) == 0x3f80, "bf16 tie rounds to even");
+    CHECK(opf_f32_to_bf16(NAN) == 0x7fc0, "bf16 nan");
+}
+
+static int64_t covered[1000];
+static void mark(int64_t b, int64_t e, void *ctx) {
+    (void)ctx;
+    for (int64_t i = b; i < e; i++) covered[i]++;
+}
+
+static void test_parallel(void) {
+    opf_parallel_for(0, 1000, 7, mark, NULL);
+    int ok = 1;
+    for (int i = 0; i < 1000; i++) ok &= covered[i] == 1;
+    CHECK(ok, "parallel_for must visit every index exactly once");
+    CHECK(opf_num_threads() >= 1, "thread count");
+}
+
+int main(void) {
+    test_isa();
+    test_nd();
+    test_half();
+    test_parallel();
+    printf("cpu: %s, best ISA %s\n", opf_cpu()->model, opf_isa_name(opf_isa_best()));
+    return check_report("test_runtime");
+}
