@@ -260,12 +260,12 @@ def fast_call(op: torch._ops.OpOverload):
     below autograd; this does the same without the Python round trip. While
     torch.compile traces, the op is called as is.
     """
-    call = op._op
+    call = op._op  # the C++ entry point, without OpOverload.__call__'s Python frame
     tensors = [i for i, a in enumerate(op._schema.arguments) if "Tensor" in str(a.type)]
 
     def fast(*args):
         if _compiling():
-            return call(*args)
+            return op(*args)  # dynamo traces OpOverloads, not the raw builtin
         if _grad_enabled():
             for i in tensors:
                 t = args[i]

@@ -1,0 +1,337 @@
+"""dispersion_correction against PyTorch: values per dtype, shapes, strides,
+gradients, opcheck, torch.compile, autocast, bad input, logging, ISA, threads."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import opforge
+from refs import DTYPES, assert_close
+from refs import dispersion_correction as reference
+
+OP = torch.ops.opforge.dispersion_correction.default
+BWD = torch.ops.opforge.dispersion_correction_backward.default
+ALPHA = 0.8
+
+SHAPES = [(), (0,), (0, 5), (1,), (7,), (15,), (16,), (17,), (123,), (4097,), (32, 512), (5, 123, 123)]
+
+
+def positive(shape, dtype=torch.float32, lo=0.0, hi=10.0):
+    return (torch.rand(shape, dtype=torch.float64) * (hi - lo) + lo).to(dtype)
+
+
+def ref64(x, alpha=ALPHA):
+    return reference(x.double(), alpha)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_values(dtype, shape):
+    x = positive(shape, dtype)
+    y = opforge.dispersion_correction(x, ALPHA)
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    assert_close(y, ref64(x), dtype, f"shape {shape}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_round_once(dtype):
+    # fp32 compute and one rounding: never further from the exact result than
+    # eager PyTorch, which rounds after each of its three ops
+    x = positive((4096,), dtype)
+    ours = (opforge.dispersion_correction(x, ALPHA).double() - ref64(x)).abs().max()
+    eager = (reference(x, ALPHA).double() - ref64(x)).abs().max()
+    assert ours <= eager
+    if dtype == torch.float16:  # the brief's checklist: fp16 absolute error < 1e-3
+        # (on outputs below 2, where half an fp16 ulp is 4.9e-4)
+        x = positive((4096,), dtype, hi=1.0)
+        assert (opforge.dispersion_correction(x, ALPHA).double() - ref64(x)).abs().max() < 1e-3
+
+
+def test_special_values():
+    x = torch.tensor([0.0, -0.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-40, 4.0])
+    y = opforge.dispersion_correction(x, ALPHA)
+    torch.testing.assert_close(y, reference(x, ALPHA), equal_nan=True, rtol=1e-6, atol=0)
+    assert y[2].isnan() and y[4].isnan() and y[5].isnan()  # negative in, NaN out, as torch.sqrt
+
+
+def _views(dtype=torch.float64):
+    base = positive((20, 30), dtype, hi=5.0)
+    return {
+        "transposed": base.t(),
+        "row-slice": base[2:9, 3:16],
+        "step-2": base[:, ::2],
+        "broadcast": positive((1, 30), dtype).expand(6, 30),
+        "permuted-3d": positive((4, 5, 6), dtype).permute(2, 0, 1),
+        "transposed-slice": base[5:, 7:].t()[3:],
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(_views()))
+def test_strided_inputs_read_in_place(name, dtype):
+    x = _views(dtype)[name]
+    y = opforge.dispersion_correction(x, ALPHA)
+    assert_close(y, ref64(x), dtype, name)
+    # a dense layout (torch.empty_like keeps it) is kept; any other comes back contiguous
+    dense = torch.empty_like(x).stride() == x.stride()
+    assert y.stride() == (x.stride() if dense else torch.empty(x.shape).stride())
+
+
+def test_gradcheck_float64():
+    x = positive((7, 13), torch.float64, lo=0.5, hi=4.0).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: opforge.dispersion_correction(t, ALPHA), (x,))
+    assert torch.autograd.gradcheck(lambda t: opforge.dispersion_correction(t, ALPHA), (x.detach().t().requires_grad_(),))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_matches_autograd_of_reference(dtype):
+    x = positive((33, 17), dtype, lo=0.1).requires_grad_()
+    g = torch.randn(33, 17, dtype=dtype)
+    opforge.dispersion_correction(x, ALPHA).backward(g)
+    x64 = x.detach().double().requires_grad_()
+    reference(x64, ALPHA).backward(g.double())
+    assert x.grad.dtype == dtype
+    assert_close(x.grad, x64.grad, dtype, "grad")
+
+
+def test_gradient_at_zero_and_negative_matches_autograd():
+    x = torch.tensor([0.0, 0.0, -1.0, 1.0], requires_grad=True)
+    g = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    opforge.dispersion_correction(x, ALPHA).backward(g)
+    xr = x.detach().clone().requires_grad_()
+    reference(xr, ALPHA).backward(g)
+    torch.testing.assert_close(x.grad, xr.grad, equal_nan=True)
+    assert x.grad[0] == float("inf") and x.grad[1].isnan() and x.grad[2].isnan()
+
+
+def test_no_graph_without_grad():
+    x = torch.rand(5, requires_grad=True)
+    assert opforge.dispersion_correction(x, ALPHA).grad_fn is not None
+    with torch.no_grad():
+        assert opforge.dispersion_correction(x, ALPHA).grad_fn is None
+    assert opforge.dispersion_correction(x.detach(), ALPHA).grad_fn is None
+
+
+@pytest.mark.parametrize(
+    "x",
+    [torch.rand(7, 13), torch.rand(5, 6).t(), torch.rand(3, 4, 5)[:, ::2], torch.rand(()), torch.rand(0, 3)],
+    ids=["contiguous", "transposed", "strided", "0-dim", "empty"],
+)
+def test_opcheck(x):
+    opcheck(OP, (x, ALPHA))
+    opcheck(OP, (x.clone().requires_grad_(), ALPHA))
+    opcheck(BWD, (torch.rand_like(x), x, ALPHA))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph(dynamic):
+    def f(t):
+        return opforge.dispersion_correction(t, ALPHA).sin() * 2
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for n in (16, 33):
+        x = positive((n, 8), lo=0.1).requires_grad_()
+        y = compiled(x)
+        y.sum().backward()
+        x2 = x.detach().clone().requires_grad_()
+        (reference(x2, ALPHA).sin() * 2).sum().backward()
+        torch.testing.assert_close(y, reference(x.detach(), ALPHA).sin() * 2)
+        torch.testing.assert_close(x.grad, x2.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_runs_in_the_autocast_dtype(dtype):
+    x = positive((32, 512), lo=0.1).requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        y = opforge.dispersion_correction(x, ALPHA)
+        z = torch.compile(lambda t: opforge.dispersion_correction(t, ALPHA), fullgraph=True)(x)
+    assert y.dtype == dtype and z.dtype == dtype
+    assert_close(y, ref64(x.detach().to(dtype)), dtype, "autocast")
+    torch.testing.assert_close(y, z)
+    y.float().sum().backward()  # the cast is part of the graph: the gradient is float32
+    assert x.grad.dtype == torch.float32
+    # float64 is left alone, as torch's autocast does
+    with torch.autocast("cpu", dtype=dtype):
+        assert opforge.dispersion_correction(x.detach().double(), ALPHA).dtype == torch.float64
+
+
+# ---- bad input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64])
+def test_rejects_non_float_dtypes(dtype):
+    x = torch.ones(4, dtype=dtype)
+    with pytest.raises(RuntimeError, match=r"\[opforge::dispersion_correction\] argument 'x' must be a floating-point tensor .*got " + str(dtype).split(".")[1]):
+        opforge.dispersion_correction(x, ALPHA)
+
+
+def test_rejects_a_device_the_kernel_lacks():
+    # only the CPU kernel exists; force a meta tensor into it past the fake kernel
+    m = torch.empty(3, device="meta")
+    cpu_only = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    with pytest.raises(RuntimeError, match=r"\[opforge::dispersion_correction\] argument 'x' must be on the cpu device.*got meta"):
+        OP.redispatch(cpu_only, m, ALPHA)
+    # a meta tensor through the front door gets the fake kernel's answer
+    assert opforge.dispersion_correction(m, ALPHA).shape == (3,)
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        ((torch.rand(3), "a"), r"dispersion_correction\(\) Expected a value of type 'float' for argument 'alpha' but instead found type 'str'"),
+        (([1.0, 2.0], 0.5), r"dispersion_correction\(\) Expected a value of type 'Tensor' for argument 'x' but instead found type 'list'"),
+        ((torch.rand(3),), r"dispersion_correction\(\) is missing value for argument 'alpha'"),
+    ],
+)
+def test_rejects_wrong_argument_types(args, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        torch.ops.opforge.dispersion_correction(*args)
+
+
+def test_backward_op_checks_its_arguments():
+    x = torch.rand(3)
+    with pytest.raises(RuntimeError, match=r"argument 'grad' must have the shape of 'x' \[3\], got \[4\]"):
+        BWD(torch.rand(4), x, ALPHA)
+    with pytest.raises(RuntimeError, match=r"argument 'grad' must have the dtype of 'x' \(float32\), got float64"):
+        BWD(torch.rand(3, dtype=torch.float64), x, ALPHA)
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_failing_calls_do_not_leak():
+    bad = torch.ones(1024, dtype=torch.int64)
+    shape_bad = (torch.rand(4), torch.rand(3))
+
+    def fail_many(n):
+        for _ in range(n):
+            try:
+                OP(bad, ALPHA)
+            except RuntimeError:
+                pass
+            try:
+                BWD(shape_bad[0], shape_bad[1], ALPHA)
+            except RuntimeError:
+                pass
+
+    fail_many(5000)  # warm up allocator caches
+    before = _rss_bytes()
+    fail_many(50_000)  # 100,000 failing calls in all
+    grown = _rss_bytes() - before
+    # one leaked handle per call would be >= 100,000 * ~200 B = 20 MB
+    assert grown < 4 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 100,000 failing calls"
+
+
+# ---- runtime: logging, ISA, threads, profiler ------------------------------------------
+
+
+def _run_python(code, **env):
+    full = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+
+
+def test_log_line_at_info():
+    code = "import torch, opforge; opforge.dispersion_correction(torch.rand(32, 512), 0.8)"
+    quiet = _run_python(code)
+    assert quiet.returncode == 0 and "opforge" not in quiet.stderr
+    r = _run_python(code, OPFORGE_LOG_LEVEL="info")
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stderr.splitlines() if "opforge::dispersion_correction" in l]
+    assert len(lines) == 1, r.stderr
+    line = lines[0]
+    for part in ("float32[32, 512] float32[32, 512]", f"isa={opforge.isa_best()}", "threads=", "us"):
+        assert part in line, line
+
+
+def test_log_file(tmp_path):
+    path = tmp_path / "ops.log"
+    r = _run_python(
+        "import torch, opforge; opforge.dispersion_correction(torch.rand(3), 0.8)",
+        OPFORGE_LOG_LEVEL="info",
+        OPFORGE_LOG_FILE=str(path),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "opforge::dispersion_correction float32[3]" in path.read_text()
+
+
+def test_bad_log_level_is_a_clear_error():
+    r = _run_python("import opforge", OPFORGE_LOG_LEVEL="loud")
+    assert r.returncode != 0 and "expected one of error, warning, info, debug" in r.stderr
+
+
+def test_isa_override_env():
+    r = _run_python("import opforge; print(opforge.get_isa())", OPFORGE_ISA="ref")
+    assert r.returncode == 0 and r.stdout.strip() == "ref", r.stderr
+    r = _run_python("import opforge", OPFORGE_ISA="sse9")
+    assert r.returncode != 0 and "expected one of auto, ref, avx2, avx512" in r.stderr
+    if opforge.isa_best() != "avx512":
+        r = _run_python("import opforge", OPFORGE_ISA="avx512")
+        assert r.returncode != 0 and "not supported by this CPU" in r.stderr
+
+
+def _supported_isas():
+    order = ["ref", "avx2", "avx512"]
+    return order[: order.index(opforge.isa_best()) + 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_isa_matches_the_reference_bitwise(dtype):
+    x = positive((3, 4099), dtype)
+    x[0, :50] = torch.tensor([0.0, -1.0, float("inf"), float("nan"), 1e-40] * 10, dtype=dtype)
+    g = torch.randn(3, 4099, dtype=dtype)
+    results = {}
+    try:
+        for isa in _supported_isas():
+            opforge.set_isa(isa)
+            assert opforge.get_isa() == isa
+            results[isa] = (OP(x, ALPHA), BWD(g, x, ALPHA), OP(x.t(), ALPHA))
+    finally:
+        opforge.set_isa("auto")
+    for isa, outs in results.items():
+        for got, want in zip(outs, results["ref"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{isa} vs ref")
+    with pytest.raises(RuntimeError, match="expected one of auto, ref, avx2, avx512"):
+        opforge.set_isa("neon")
+
+
+def test_one_thread_after_set_num_threads():
+    code = (
+        "import torch, opforge; torch.set_num_threads(1); x = torch.rand(1 << 20);"
+        "y = opforge.dispersion_correction(x, 0.8); torch.testing.assert_close(y, x * 0.8 + x.sqrt())"
+    )
+    r = _run_python(code, OPFORGE_LOG_LEVEL="info")
+    assert r.returncode == 0, r.stderr
+    assert "threads=1 " in r.stderr, r.stderr
+
+
+def test_profiler_shows_the_op_with_shapes():
+    x = torch.rand(32, 512)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        opforge.dispersion_correction(x, ALPHA)
+    events = [e for e in prof.events() if e.name == "opforge::dispersion_correction"]
+    assert events and events[0].input_shapes[0] == [32, 512]
+
+
+def _available_bytes():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_more_than_2_31_elements():
+    n = (1 << 31) + 17  # bfloat16: 4 GiB in, 4 GiB out
+    if _available_bytes() < 12 * 2**30:
+        pytest.skip("needs 12 GiB of free memory")
+    x = torch.full((n,), 4.0, dtype=torch.bfloat16)
+    x[-3:] = torch.tensor([9.0, 16.0, 0.25], dtype=torch.bfloat16)
+    y = opforge.dispersion_correction(x, 0.5)
+    assert y[0].item() == 4.0 and y[(1 << 31) + 1].item() == 4.0
+    assert y[-3:].tolist() == [7.5, 12.0, 0.625]
