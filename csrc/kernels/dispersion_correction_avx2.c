@@ -40,6 +40,24 @@ static inline void st_f16(uint16_t *p, __m256 v) {
 static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 
+/* Non-temporal twins of the stores (aligned addresses only). */
+static inline void nt_f32(float *p, __m256 v) { _mm256_stream_ps(p, v); }
+
+static inline void nt_bf16(uint16_t *p, __m256 v) {
+    uint16_t tmp[8] __attribute__((aligned(16)));
+    st_bf16(tmp, v);
+    _mm_stream_si128((__m128i *)p, _mm_load_si128((const __m128i *)tmp));
+}
+
+static inline void nt_f16(uint16_t *p, __m256 v) {
+    _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* Runs that write more than this are streamed past the caches: such an output
+ * cannot stay cached anyway, and a non-temporal store skips reading each
+ * output line before overwriting it. */
+#define DC_STREAM_MIN_BYTES ((int64_t)8 << 20)
+
 static inline __m256 fwd8(__m256 x, __m256 a) {
     return _mm256_add_ps(_mm256_mul_ps(x, a), _mm256_sqrt_ps(x));
 }
@@ -51,13 +69,19 @@ static inline __m256 bwd8(__m256 g, __m256 x, __m256 a) {
 
 /* The 8-wide loops for the three types computed in fp32; strided runs and
  * tails reuse the reference. */
-#define DC_AVX2(name, E, LD, ST)                                                                  \
+#define DC_AVX2(name, E, LD, ST, NT)                                                              \
     static void dc_fwd_##name(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs,        \
                               double alpha) {                                                     \
         E *y = y_;                                                                                \
         const E *x = x_;                                                                          \
         int64_t i = 0;                                                                            \
-        if (ys == 1 && xs == 1) {                                                                 \
+        if (ys == 1 && xs == 1 && n * (int64_t)sizeof(E) >= DC_STREAM_MIN_BYTES) {                \
+            const __m256 a = _mm256_set1_ps((float)alpha);                                        \
+            i = (int64_t)((32 - ((uintptr_t)y & 31)) & 31) / (int64_t)sizeof(E);                  \
+            dc_kernels_ref.fwd[OPF_##name](y, x, i, 1, 1, alpha);                                 \
+            for (; i + 8 <= n; i += 8) NT(y + i, fwd8(LD(x + i), a));                             \
+            _mm_sfence();                                                                         \
+        } else if (ys == 1 && xs == 1) {                                                          \
             const __m256 a = _mm256_set1_ps((float)alpha);                                        \
             for (; i + 16 <= n; i += 16) {                                                        \
                 __m256 v0 = LD(x + i), v1 = LD(x + i + 8);                                        \
@@ -84,9 +108,9 @@ static inline __m256 bwd8(__m256 g, __m256 x, __m256 a) {
 #define OPF_f32 OPF_F32
 #define OPF_bf16 OPF_BF16
 #define OPF_f16 OPF_F16
-DC_AVX2(f32, float, ld_f32, st_f32)
-DC_AVX2(bf16, uint16_t, ld_bf16, st_bf16)
-DC_AVX2(f16, uint16_t, ld_f16, st_f16)
+DC_AVX2(f32, float, ld_f32, st_f32, nt_f32)
+DC_AVX2(bf16, uint16_t, ld_bf16, st_bf16, nt_bf16)
+DC_AVX2(f16, uint16_t, ld_f16, st_f16, nt_f16)
 
 static void dc_fwd_f64(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs, double alpha) {
     double *y = y_;

@@ -157,6 +157,9 @@ AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like) {
         opf_fail(op, "could not allocate the output (%s %s): out of memory?",
                  opf_dtype_name(like->dtype), shape);
     }
+    void *data = NULL;
+    if (like->numel > 0 && aoti_torch_get_data_ptr(out, &data) == OPF_AOTI_SUCCESS)
+        opf_hint_fresh_output(data, (size_t)like->numel * aoti_torch_dtype_element_size(like->dtype));
     return out;
 }
 

@@ -68,6 +68,13 @@ int opf_log_set_file(const char *path, char *err, size_t errlen);
 void opf_log(opf_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 double opf_now_us(void);
 
+/* ---- memory ------------------------------------------------------------------- */
+
+/* Asks the kernel to back a fresh output with transparent huge pages before
+ * the first write. Only for buffers large enough that the allocator maps them
+ * on their own (glibc: > 32 MiB), so the hint ends with the buffer. */
+void opf_hint_fresh_output(void *data, size_t bytes);
+
 /* ---- strided n-d iteration for elementwise kernels -------------------------- */
 
 #define OPF_MAX_DIMS 64

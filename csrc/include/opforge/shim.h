@@ -55,6 +55,7 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(int32_t, aoti_torch_dtype_bool, (void))                                                      \
     X(int32_t, aoti_torch_dtype_complex64, (void))                                                 \
     X(int32_t, aoti_torch_dtype_complex128, (void))                                                \
+    X(size_t, aoti_torch_dtype_element_size, (int32_t dtype))                                      \
     X(uint64_t, aoti_torch_abi_version, (void))                                                    \
     X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))                  \
     X(AOTITorchError, aoti_torch_get_data_ptr, (AtenTensorHandle tensor, void **ret_data_ptr))     \
