@@ -9,6 +9,7 @@ policy). Nothing here is specific to any one op.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 
@@ -246,19 +247,26 @@ def wire(desc: OpDescriptor) -> None:
 
 # ---- calling ops from Python -------------------------------------------------------
 
-_below_autograd = torch._C._AutoDispatchBelowAutograd
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+_AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 
 
-def fast_call(op: torch._ops.OpOverload):
-    """Calls ``op`` skipping its autograd kernel when no gradient can flow.
+def op_function(op: torch._ops.OpOverload):
+    """Decorator: turns a documented stub into the Python entry point of ``op``.
 
-    The autograd formula is registered from Python, and entering a Python
-    kernel costs ~8 us per call, most of a small op's time. When grad mode is
-    off or no tensor argument requires grad, that kernel would only redispatch
-    below autograd; this does the same without the Python round trip. While
-    torch.compile traces, the op is called as is.
+    The returned function has the stub's name, docstring and signature and
+    calls ``op`` directly, skipping its autograd kernel when no gradient can
+    flow.
+
+    The autograd formula is registered from Python (the stable C ABI cannot
+    register one in C), and entering a Python kernel costs ~8 us per call, most
+    of a small op's time. When grad mode is off or no tensor argument requires
+    grad, that kernel would only redispatch below autograd; this excludes the
+    autograd keys for the call instead (a thread-local flag, restored after).
+    While torch.compile traces, the op is called as is.
     """
     call = op._op  # the C++ entry point, without OpOverload.__call__'s Python frame
     tensors = [i for i, a in enumerate(op._schema.arguments) if "Tensor" in str(a.type)]
@@ -271,8 +279,15 @@ def fast_call(op: torch._ops.OpOverload):
                 t = args[i]
                 if t is not None and getattr(t, "requires_grad", False):
                     return call(*args)
-        with _below_autograd():
+        if _is_excluded(_AUTOGRAD):
             return call(*args)
+        _set_excluded(_AUTOGRAD, True)
+        try:
+            return call(*args)
+        finally:
+            _set_excluded(_AUTOGRAD, False)
 
-    fast.__name__ = fast.__qualname__ = op._opname
-    return fast
+    def wrap(stub):
+        return functools.update_wrapper(fast, stub)
+
+    return wrap

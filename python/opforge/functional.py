@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import _runtime  # noqa: F401  (loads and registers the ops)
-from ._lib import fast_call
-
-_dispersion_correction = fast_call(torch.ops.opforge.dispersion_correction.default)
+from ._lib import op_function
 
 
+@op_function(torch.ops.opforge.dispersion_correction.default)
 def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
     """``x * alpha + sqrt(x)``, elementwise, in one pass over memory.
 
@@ -33,4 +32,3 @@ def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
     the reference (so x = 0 gives inf). Under ``torch.autocast`` the op runs in
     the autocast dtype.
     """
-    return _dispersion_correction(x, alpha)

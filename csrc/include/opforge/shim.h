@@ -7,7 +7,7 @@
  * headers and static_asserts that each entry has the identical signature, so
  * a torch release that changes one fails `make test` instead of crashing.
  *
- * Minimum torch: 2.10 (torch_library_impl, torch_parallel_for, thread index).
+ * Minimum torch: 2.10 (torch_library_impl, torch_parallel_for, torch_get_num_threads).
  * torch_library_def_with_tags (2.12) is looked up as a weak symbol.
  */
 #ifndef OPFORGE_SHIM_H
@@ -77,14 +77,12 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
       (const char *ns, const char *k, const char *file, uint32_t line,                             \
        TorchLibraryHandle *ret_new_torch_lib))                                                     \
     X(AOTITorchError, aoti_torch_library_def, (TorchLibraryHandle self, const char *schema))       \
-    X(AOTITorchError, aoti_torch_delete_library_object, (TorchLibraryHandle tlh))                  \
     X(AOTITorchError, torch_library_impl,                                                          \
       (TorchLibraryHandle self, const char *name, OpfBoxedKernel fn,                               \
        uint64_t extension_build_version))                                                          \
     X(AOTITorchError, torch_parallel_for,                                                          \
       (int64_t begin, int64_t end, int64_t grain_size, ParallelFunc func, void *ctx))              \
     X(AOTITorchError, torch_get_num_threads, (uint32_t * out_num_threads))                         \
-    X(AOTITorchError, torch_get_thread_idx, (uint32_t * out_thread_idx))                           \
     X(void, aoti_torch_check,                                                                      \
       (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
