@@ -73,18 +73,16 @@ def _run(cmd: list[str]) -> None:
         raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}")
 
 
-def build_library(
+def compile_objects(
     sources: list[str],
-    output: str,
     include_dirs: list[str],
     build_dir: str,
     extra_cflags: list[str] | None = None,
     verbose: bool = False,
-) -> str:
-    """Compiles ``sources`` (in parallel) and links ``output`` against libtorch_cpu."""
+) -> list[str]:
+    """Compiles each source (in parallel) with CFLAGS plus its ISA's flags."""
     cc = compiler()
     os.makedirs(build_dir, exist_ok=True)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     incs = [f"-I{d}" for d in include_dirs]
     jobs = []
     for src in select_sources(sources):
@@ -94,16 +92,30 @@ def build_library(
         isa = isa_of(src)
         flags = CFLAGS + (ISA_FLAGS[isa] if isa else []) + (extra_cflags or [])
         jobs.append(([cc, *flags, *incs, "-c", src, "-o", obj], obj))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+    if verbose:
         for cmd, _ in jobs:
-            if verbose:
-                print(" ".join(cmd))
+            print(" ".join(cmd))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         list(pool.map(lambda job: _run(job[0]), jobs))
+    return [obj for _, obj in jobs]
+
+
+def build_library(
+    sources: list[str],
+    output: str,
+    include_dirs: list[str],
+    build_dir: str,
+    extra_cflags: list[str] | None = None,
+    verbose: bool = False,
+) -> str:
+    """Compiles ``sources`` and links ``output`` against libtorch_cpu."""
+    objs = compile_objects(sources, include_dirs, build_dir, extra_cflags, verbose)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     lib = torch_lib_dir()
     link = [
-        cc,
+        compiler(),
         "-shared",
-        *[obj for _, obj in jobs],
+        *objs,
         f"-L{lib}",
         f"-Wl,-rpath,{lib}",
         "-Wl,-z,now",  # a missing torch symbol fails at load, not at first call
@@ -122,17 +134,8 @@ def build_library(
 def build_test_binary(sources: list[str], output: str, include_dirs: list[str], build_dir: str) -> str:
     """Compiles a standalone C test (kernels + runtime, no torch) with the
     library's flags, so the tests exercise exactly what ships."""
-    cc = compiler()
-    os.makedirs(build_dir, exist_ok=True)
-    incs = [f"-I{d}" for d in include_dirs]
-    objs = []
-    for src in select_sources(sources):
-        parent = os.path.basename(os.path.dirname(os.path.abspath(src)))
-        obj = os.path.join(build_dir, f"{parent}_{os.path.basename(src)[:-2]}.o")
-        isa = isa_of(src)
-        _run([cc, *CFLAGS, "-g", *(ISA_FLAGS[isa] if isa else []), *incs, "-c", src, "-o", obj])
-        objs.append(obj)
-    _run([cc, *objs, "-lpthread", "-lm", "-o", output])
+    objs = compile_objects(sources, include_dirs, build_dir, ["-g"])
+    _run([compiler(), *objs, "-lpthread", "-lm", "-o", output])
     return output
 
 
