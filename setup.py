@@ -11,6 +11,7 @@ import os
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("_opforge_build", os.path.join(ROOT, "python/opforge/_build.py"))
@@ -45,7 +46,18 @@ class BuildOpLibrary(build_ext):
         )
 
 
+class BuildPyWithHeaders(build_py):
+    """Ships csrc/include in the package: opforge.load compiles user ops against it."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, "opforge", "include", "opforge")
+        os.makedirs(dest, exist_ok=True)
+        for header in glob.glob(os.path.join(ROOT, "csrc/include/opforge/*.h")):
+            self.copy_file(header, os.path.join(dest, os.path.basename(header)))
+
+
 setup(
     ext_modules=[Extension("opforge.libopforge", sources=LIBRARY_SOURCES)],
-    cmdclass={"build_ext": BuildOpLibrary},
+    cmdclass={"build_ext": BuildOpLibrary, "build_py": BuildPyWithHeaders},
 )

@@ -60,11 +60,7 @@ const dc_kernels *dc_kernels_for(opf_isa isa) {
 
 static const size_t dtype_size[OPF_DTYPE_COUNT] = {4, 8, 2, 2};
 
-/* Elements per task: big enough that a task outlasts the pool hand-off. */
-#define DC_GRAIN 32768
-
 typedef struct dc_job {
-    const opf_nd *nd;
     dc_fwd_fn fwd;
     dc_bwd_fn bwd;
     size_t es;
@@ -82,19 +78,14 @@ static void dc_segment(void *ctx, const int64_t *off, const int64_t *st, int64_t
                st[0], st[1], st[2], j->alpha);
 }
 
-static void dc_range(int64_t begin, int64_t end, void *ctx) {
-    const dc_job *j = ctx;
-    opf_nd_segments(j->nd, begin, end, dc_segment, ctx);
-}
-
 void dc_fwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *y, const void *x,
             double alpha) {
-    dc_job j = {nd, k->fwd[dt], NULL, dtype_size[dt], y, x, NULL, alpha};
-    opf_parallel_for(0, nd->numel, DC_GRAIN, dc_range, &j);
+    dc_job j = {k->fwd[dt], NULL, dtype_size[dt], y, x, NULL, alpha};
+    opf_nd_parallel(nd, DC_GRAIN, dc_segment, &j);
 }
 
 void dc_bwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx, const void *dy,
             const void *x, double alpha) {
-    dc_job j = {nd, NULL, k->bwd[dt], dtype_size[dt], dx, dy, x, alpha};
-    opf_parallel_for(0, nd->numel, DC_GRAIN, dc_range, &j);
+    dc_job j = {NULL, k->bwd[dt], dtype_size[dt], dx, dy, x, alpha};
+    opf_nd_parallel(nd, DC_GRAIN, dc_segment, &j);
 }

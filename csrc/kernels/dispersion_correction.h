@@ -15,7 +15,7 @@
 
 #include <stdint.h>
 
-#include "half.h"
+#include "opforge/half.h"
 #include "opforge/runtime.h"
 
 typedef void (*dc_fwd_fn)(void *y, const void *x, int64_t n, int64_t ys, int64_t xs, double alpha);
@@ -33,6 +33,9 @@ extern const dc_kernels dc_kernels_avx512; /* dispersion_correction_avx512.c */
 
 /* Kernels for isa; an ISA this build lacks falls back to the next one below. */
 const dc_kernels *dc_kernels_for(opf_isa isa);
+
+/* Elements per parallel task: big enough that a task outlasts the pool hand-off. */
+#define DC_GRAIN 32768
 
 /* Whole tensors: y (or dx) and the inputs described by nd (operand 0 is the
  * output; forward: 1 = x; backward: 1 = dy, 2 = x). Splits nd over

@@ -1,4 +1,5 @@
 /* Strided n-d iteration shared by elementwise kernels (see runtime.h). */
+#include <stdio.h>
 #include <string.h>
 
 #include "opforge/runtime.h"
@@ -74,6 +75,39 @@ void opf_nd_segments(const opf_nd *nd, int64_t begin, int64_t end, opf_segment_f
             idx[d - 1]++;
         }
     }
+}
+
+typedef struct nd_job {
+    const opf_nd *nd;
+    opf_segment_fn fn;
+    void *ctx;
+} nd_job;
+
+static void nd_range(int64_t begin, int64_t end, void *ctx) {
+    const nd_job *j = ctx;
+    opf_nd_segments(j->nd, begin, end, j->fn, j->ctx);
+}
+
+void opf_nd_parallel(const opf_nd *nd, int64_t grain, opf_segment_fn fn, void *ctx) {
+    nd_job j = {nd, fn, ctx};
+    opf_parallel_for(0, nd->numel, grain, nd_range, &j);
+}
+
+void opf_nd_log(const char *op, const opf_nd *nd, int64_t grain) {
+    if (!opf_log_enabled(OPF_LOG_DEBUG)) return;
+    char dims[256], strides[256];
+    size_t a = 0, b = 0;
+    for (int d = 0; d < nd->ndim && a < sizeof dims; d++)
+        a += (size_t)snprintf(dims + a, sizeof dims - a, d ? "x%lld" : "%lld", (long long)nd->size[d]);
+    for (int k = 0; k < nd->nops && b < sizeof strides; k++)
+        b += (size_t)snprintf(strides + b, sizeof strides - b, k ? ",%lld" : "%lld",
+                              (long long)nd->stride[k][nd->ndim - 1]);
+    int64_t chunks = (nd->numel + grain - 1) / (grain > 0 ? grain : 1);
+    int threads = opf_num_threads();
+    opf_log(OPF_LOG_DEBUG, "%s layout: %d dim(s) %s after merging, inner strides (out,in...) %s, %s path, "
+            "grain %lld -> %lld chunk(s) on %d thread(s)", op, nd->ndim, dims, strides,
+            nd->ndim == 1 && nd->stride[0][0] == 1 ? "flat" : "strided", (long long)grain,
+            (long long)(chunks < threads ? chunks : threads), threads);
 }
 
 int opf_is_dense(int ndim, const int64_t *sizes, const int64_t *strides) {

@@ -18,18 +18,18 @@ static void dispersion_correction_cpu(StableIValue *stack, uint64_t nin, uint64_
     double alpha = opf_arg_double(stack[1]);
     opf_tensor x = opf_tensor_info(FWD, "x", x_h);
     opf_check_cpu(FWD, "x", &x);
-    int dt = opf_check_float(FWD, "x", &x);
+    opf_dtype dt = opf_check_float(FWD, "x", &x);
 
     OPF_OWNED AtenTensorHandle y_h = opf_empty_like(FWD, &x);
     opf_tensor y = opf_tensor_info(FWD, "out", y_h);
     opf_nd nd;
     const int64_t *strides[] = {y.strides, x.strides};
     opf_nd_init(&nd, (int)x.ndim, x.sizes, 2, strides);
-    dc_fwd(dc_kernels_for(opf_isa_current()), (opf_dtype)dt, &nd, y.data, x.data, alpha);
+    opf_nd_log(FWD, &nd, DC_GRAIN);
+    dc_fwd(dc_kernels_for(opf_isa_current()), dt, &nd, y.data, x.data, alpha);
 
     opf_log_call(FWD, t0, 2, (opf_tensor[]){x, y});
-    stack[0] = (StableIValue)y_h;
-    y_h = NULL; /* ownership passes to the caller */
+    OPF_RETURN(stack, 0, y_h);
 }
 
 /* dispersion_correction_backward(Tensor grad, Tensor x, float alpha) -> Tensor */
@@ -43,7 +43,7 @@ static void dispersion_correction_backward_cpu(StableIValue *stack, uint64_t nin
     opf_tensor x = opf_tensor_info(BWD, "x", x_h);
     opf_check_cpu(BWD, "x", &x);
     opf_check_cpu(BWD, "grad", &g);
-    int dt = opf_check_float(BWD, "x", &x);
+    opf_dtype dt = opf_check_float(BWD, "x", &x);
     opf_check_same_dtype(BWD, "grad", &g, "x", &x);
     opf_check_same_shape(BWD, "grad", &g, "x", &x);
 
@@ -52,11 +52,11 @@ static void dispersion_correction_backward_cpu(StableIValue *stack, uint64_t nin
     opf_nd nd;
     const int64_t *strides[] = {dx.strides, g.strides, x.strides};
     opf_nd_init(&nd, (int)x.ndim, x.sizes, 3, strides);
-    dc_bwd(dc_kernels_for(opf_isa_current()), (opf_dtype)dt, &nd, dx.data, g.data, x.data, alpha);
+    opf_nd_log(BWD, &nd, DC_GRAIN);
+    dc_bwd(dc_kernels_for(opf_isa_current()), dt, &nd, dx.data, g.data, x.data, alpha);
 
     opf_log_call(BWD, t0, 3, (opf_tensor[]){g, x, dx});
-    stack[0] = (StableIValue)dx_h;
-    dx_h = NULL;
+    OPF_RETURN(stack, 0, dx_h);
 }
 
 const opf_op_desc opf_dispersion_correction_ops[2] = {

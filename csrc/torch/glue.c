@@ -98,9 +98,9 @@ opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h) 
     return t;
 }
 
-int opf_check_float(const char *op, const char *arg, const opf_tensor *t) {
-    for (int i = 0; i < 4 /* opf_dtype order */; i++)
-        if (dtypes[i].code == t->dtype) return i;
+opf_dtype opf_check_float(const char *op, const char *arg, const opf_tensor *t) {
+    for (int i = 0; i < OPF_DTYPE_COUNT; i++) /* dtypes[] starts in opf_dtype order */
+        if (dtypes[i].code == t->dtype) return (opf_dtype)i;
     opf_fail(op, "argument '%s' must be a floating-point tensor (float32, float64, bfloat16 or float16), got %s",
              arg, opf_dtype_name(t->dtype));
 }

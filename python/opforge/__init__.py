@@ -6,17 +6,21 @@
 
 from ._runtime import cpu_features, get_isa, isa_best, library, set_isa, set_log_file, set_log_level
 from . import functional
+from .build import BuildError, load, load_library
 from .functional import dispersion_correction
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BuildError",
     "cpu_features",
     "dispersion_correction",
     "functional",
     "get_isa",
     "isa_best",
     "library",
+    "load",
+    "load_library",
     "set_isa",
     "set_log_file",
     "set_log_level",

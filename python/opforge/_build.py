@@ -100,6 +100,18 @@ def compile_objects(
     return [obj for _, obj in jobs]
 
 
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+RUNTIME_LIBRARY = "libopforge.so"
+
+
+def include_dir() -> str:
+    """opforge's public C headers: shipped in the package, or csrc/include in a checkout."""
+    for d in (os.path.join(PACKAGE_DIR, "include"), os.path.join(PACKAGE_DIR, "..", "..", "csrc", "include")):
+        if os.path.exists(os.path.join(d, "opforge", "op.h")):
+            return os.path.abspath(d)
+    raise BuildError(f"opforge's C headers are missing from {PACKAGE_DIR}/include: reinstall opforge")
+
+
 def build_library(
     sources: list[str],
     output: str,
@@ -107,15 +119,23 @@ def build_library(
     build_dir: str,
     extra_cflags: list[str] | None = None,
     verbose: bool = False,
+    link_runtime: bool = False,
 ) -> str:
-    """Compiles ``sources`` and links ``output`` against libtorch_cpu."""
+    """Compiles ``sources`` and links ``output`` against libtorch_cpu. A user op
+    library (link_runtime) also links opforge's own library, whose runtime
+    (ISA choice, threads, logging) and glue helpers it shares."""
     objs = compile_objects(sources, include_dirs, build_dir, extra_cflags, verbose)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     lib = torch_lib_dir()
+    if link_runtime:
+        runtime = [f"-L{PACKAGE_DIR}", f"-Wl,-rpath,{PACKAGE_DIR}", f"-l:{RUNTIME_LIBRARY}"]
+    else:
+        runtime = [f"-Wl,-soname,{RUNTIME_LIBRARY}"]
     link = [
         compiler(),
         "-shared",
         *objs,
+        *runtime,
         f"-L{lib}",
         f"-Wl,-rpath,{lib}",
         "-Wl,-z,now",  # a missing torch symbol fails at load, not at first call

@@ -73,25 +73,35 @@ def _split(b: bytes | None, sep: str) -> tuple[str, ...]:
 
 
 class OpLibrary:
-    """A loaded op library: its ctypes handle (kept alive) and descriptors."""
+    """A loaded op library: its ctypes handle (kept alive) and descriptors.
 
-    def __init__(self, path: str, namespace: str):
+    ``runtime`` is the library that registers the ops (opforge's own, which
+    user op libraries link); None for opforge's own library itself.
+    """
+
+    def __init__(self, path: str, namespace: str, runtime: "OpLibrary | None" = None):
         check_torch_version()
+        self.path = os.path.abspath(path)
         try:
-            self.dll = ctypes.CDLL(os.path.abspath(path))
+            self.dll = ctypes.CDLL(self.path)
         except OSError as e:
             raise ImportError(
                 f"cannot load the op library {path}: {e}. A missing torch symbol means this torch "
                 f"is older than {MIN_TORCH[0]}.{MIN_TORCH[1]} or the library was built for another torch: "
-                "rebuild with `pip install --no-build-isolation -e .`"
+                "rebuild it"
             ) from e
         self.namespace = namespace
-        self.dll.opforge_op_table.restype = ctypes.POINTER(_Desc)
-        self.dll.opforge_op_table.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        table_fn = getattr(self.dll, "opforge_op_table", None)
+        if table_fn is None:
+            raise ImportError(f"{path} exports no opforge_op_table(): declare the ops with OPF_OP_TABLE")
+        table_fn.restype = ctypes.POINTER(_Desc)
+        table_fn.argtypes = [ctypes.POINTER(ctypes.c_int64)]
         count = ctypes.c_int64()
-        table = self.dll.opforge_op_table(ctypes.byref(count))
-        self._call("opforge_init")
-        self._call("opforge_register", namespace.encode(), table, count)
+        table = table_fn(ctypes.byref(count))
+        registrar = runtime or self
+        if runtime is None:
+            self._call("opforge_init")
+        registrar._call("opforge_register", namespace.encode(), table, count)
         self.ops = [self._descriptor(table[i]) for i in range(count.value)]
         for desc in self.ops:
             wire(desc)

@@ -3,7 +3,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "../../csrc/kernels/half.h"
+#include "opforge/half.h"
 #include "check.h"
 #include "opforge/runtime.h"
 

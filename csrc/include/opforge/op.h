@@ -16,6 +16,7 @@
 
 #include <stdint.h>
 
+#include "opforge/half.h"
 #include "opforge/runtime.h"
 #include "opforge/shim.h"
 
@@ -48,8 +49,16 @@ typedef struct opf_op_desc {
     int autocast; /* opf_autocast */
 } opf_op_desc;
 
-/* Every op library exports its table under this name. */
-typedef const opf_op_desc *(*opf_op_table_fn)(int64_t *count);
+/* Every op library exports its table as opforge_op_table(); OPF_OP_TABLE
+ * defines it from a list of descriptors:
+ *     OPF_OP_TABLE({.name = "myop", ...}, {.name = "myop_backward", ...})
+ */
+#define OPF_OP_TABLE(...)                                                                          \
+    OPF_EXPORT const opf_op_desc *opforge_op_table(int64_t *count) {                               \
+        static const opf_op_desc ops[] = {__VA_ARGS__};                                            \
+        *count = (int64_t)(sizeof ops / sizeof ops[0]);                                            \
+        return ops;                                                                                \
+    }
 
 /* ---- glue helpers (csrc/torch/glue.c) ---------------------------------------- */
 
@@ -68,6 +77,13 @@ void opf_tensor_release(AtenTensorHandle *h);
 /* Takes ownership of stack[i] as a tensor handle named `var##_h`. */
 #define OPF_ARG_TENSOR(var, stack, i) OPF_OWNED AtenTensorHandle var##_h = (AtenTensorHandle)(stack)[i]
 
+/* Hands an output tensor to the caller: stack[i] owns it from here on. */
+#define OPF_RETURN(stack, i, handle)                                                               \
+    do {                                                                                           \
+        (stack)[i] = (StableIValue)(handle);                                                       \
+        (handle) = NULL;                                                                           \
+    } while (0)
+
 double opf_arg_double(StableIValue v);
 int64_t opf_arg_int(StableIValue v);
 int opf_arg_bool(StableIValue v);
@@ -76,9 +92,9 @@ int opf_arg_bool(StableIValue v);
 void opf_fail(const char *op, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
 /* Reads a tensor's metadata; fails naming op and argument. */
 opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h);
-/* Index into opf_dtype for float32/float64/bfloat16/float16, or fails naming
+/* The opf_dtype of a float32/float64/bfloat16/float16 tensor, or fails naming
  * op, argument, the accepted dtypes and the dtype given. */
-int opf_check_float(const char *op, const char *arg, const opf_tensor *t);
+opf_dtype opf_check_float(const char *op, const char *arg, const opf_tensor *t);
 void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t);
 void opf_check_same_shape(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
                           const opf_tensor *ref);

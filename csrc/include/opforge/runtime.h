@@ -99,6 +99,14 @@ typedef void (*opf_segment_fn)(void *ctx, const int64_t *off, const int64_t *str
 /* Calls fn for every innermost run covering flat logical indices [begin, end). */
 void opf_nd_segments(const opf_nd *nd, int64_t begin, int64_t end, opf_segment_fn fn, void *ctx);
 
+/* The elementwise driver: splits [0, numel) over opf_parallel_for in chunks of
+ * at least grain elements and calls fn on every run of each chunk. */
+void opf_nd_parallel(const opf_nd *nd, int64_t grain, opf_segment_fn fn, void *ctx);
+
+/* At OPFORGE_LOG_LEVEL=debug: how op will walk nd (dims after merging, the
+ * innermost strides, the chunks it splits into). */
+void opf_nd_log(const char *op, const opf_nd *nd, int64_t grain);
+
 /* Dense and non-overlapping: some permutation of the dims is contiguous.
  * Elementwise outputs copy such a layout (as torch.empty_like does) so that
  * input and output can be walked as one flat array. */
