@@ -16,9 +16,9 @@ import argparse
 import torch
 
 import opforge
-from common import RESULTS, compare, plot, write_results
-from refs import assert_close
-from refs import dispersion_correction as reference
+from opforge.benchmark import RESULTS, compare, plot, write_results
+from opforge.testing import assert_close
+from opforge.testing import dispersion_correction as reference
 
 ALPHA = 0.8
 

@@ -2,16 +2,12 @@
 call the C op like a torch function, check it against the PyTorch reference,
 then backward, autocast, torch.compile, and a short speed table."""
 
-import os
-import sys
 import time
 
 import torch
 
 import opforge
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from common import compare  # noqa: E402  (benchmarks/common.py: interleaved medians)
+from opforge.benchmark import compare  # interleaved medians
 
 
 def pytorch_reference(input_tensor, alpha):

@@ -284,3 +284,5 @@ OPF_EXPORT int opforge_set_log_file(const char *path, char *err, size_t errlen) 
 }
 
 OPF_EXPORT const opf_cpu_features *opforge_cpu_features(void) { return opf_cpu(); }
+
+OPF_EXPORT uint64_t opforge_torch_abi_version(void) { return aoti_torch_abi_version(); }

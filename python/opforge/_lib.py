@@ -106,6 +106,14 @@ class OpLibrary:
         for desc in self.ops:
             wire(desc)
 
+    def __getattr__(self, name: str):
+        """lib.<op>: a Python function calling the op on the fastest path (see op_function)."""
+        if name.startswith("_") or name not in {d.name for d in self.__dict__.get("ops", [])}:
+            raise AttributeError(f"op library '{self.__dict__.get('namespace')}' has no op '{name}'")
+        fn = op_function(getattr(getattr(torch.ops, self.namespace), name).default)(_stub(self.namespace, name))
+        setattr(self, name, fn)  # cached: later lookups skip __getattr__
+        return fn
+
     def _call(self, fn: str, *args) -> None:
         err = ctypes.create_string_buffer(_ERRLEN)
         if getattr(self.dll, fn)(*args, err, ctypes.c_size_t(_ERRLEN)) != 0:
@@ -253,6 +261,15 @@ def wire(desc: OpDescriptor) -> None:
         _wire_autograd(desc, schema)
     if desc.autocast != AUTOCAST_NONE:
         _wire_autocast(desc)
+
+
+def _stub(namespace: str, name: str):
+    def op(*args):
+        pass
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"torch.ops.{namespace}.{name}, skipping the autograd kernel when no input requires grad."
+    return op
 
 
 # ---- calling ops from Python -------------------------------------------------------

@@ -10,8 +10,8 @@ import torch
 from torch.library import opcheck
 
 import opforge
-from refs import DTYPES, assert_close
-from refs import dispersion_correction as reference
+from opforge.testing import DTYPES, assert_close
+from opforge.testing import dispersion_correction as reference
 
 OP = torch.ops.opforge.dispersion_correction.default
 BWD = torch.ops.opforge.dispersion_correction_backward.default

@@ -1,0 +1,5 @@
+import sys
+
+from opforge_cli import main
+
+sys.exit(main())

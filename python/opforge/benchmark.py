@@ -1,0 +1,226 @@
+"""Benchmarking an op against its PyTorch reference: correctness first,
+warm-up, baseline and candidate interleaved in one process, medians, ratios,
+peak memory measured alike for both, CSV + markdown + PNG.
+
+    import opforge.benchmark as ob
+    rows = ob.bench(torch.ops.opforge.dispersion_correction, reference, sizes=[1 << 16, 1 << 20])
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS = os.path.join(os.getcwd(), "benchmarks", "results")
+
+
+def _calibrate(fn: Callable[[], object], target_s: float) -> int:
+    """Calls per timing sample so that one sample lasts about target_s."""
+    n, elapsed = 1, 0.0
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= target_s / 4 or n >= 1 << 20:
+            return max(1, int(n * target_s / max(elapsed, 1e-9)))
+        n *= 4
+
+
+def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float = 0.05) -> dict[str, float]:
+    """Median seconds per call of each fn, sampled round-robin so that drift in
+    machine load hits every variant alike."""
+    for fn in fns.values():  # warm-up (and compile)
+        fn()
+        fn()
+    calls = {name: _calibrate(fn, target_s) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            n = calls[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def peak_memory(fn: Callable[[], object]) -> int:
+    """Peak bytes the CPU allocator held during one call of fn, above what was
+    held before (torch's profiler memory events, the same for every variant)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        del out
+    # an allocation is charged to the op event that made it (self), a free to a "[memory]" event
+    events = sorted(
+        (e for e in prof.events() if getattr(e, "self_cpu_memory_usage", 0)), key=lambda e: e.time_range.start
+    )
+    live = peak = 0
+    for e in events:
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, label: str = ""):
+        self.total, self.done, self.label = total, 0, label
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        filled = int(30 * self.done / max(self.total, 1))
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {what:<24}")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def bench(
+    op,
+    reference: Callable,
+    sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22),
+    dtype: torch.dtype = torch.float32,
+    make_inputs: Callable[[int, torch.dtype], tuple] | None = None,
+    backward: bool = True,
+    reps: int = 7,
+    target_s: float = 0.05,
+) -> list[dict]:
+    """Speed and peak memory of op against the eager reference and against
+    torch.compile of it, per size: forward (and forward+backward) medians,
+    ratios (>1: op faster / leaner). make_inputs(n, dtype) builds the argument
+    tuple; by default every Tensor argument is n positive values, floats 0.8."""
+    from .testing import _as_overload, assert_close
+
+    from ._lib import op_function
+
+    op = _as_overload(op)
+    make_inputs = make_inputs or (lambda n, dt: _default_inputs(op, n, dt))
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    compiled = torch.compile(reference, dynamic=False)
+    # the op as opforge's Python functions call it (no autograd round trip without grad)
+    call = op_function(op)(reference)
+    variants = {"op": call, "eager": reference, "compile": compiled}
+    rows = []
+    progress = Progress(len(sizes), f"bench {op}")
+    for n in sizes:
+        args = make_inputs(n, dtype)
+        for o, w in zip(_tuple(op(*args)), _tuple(reference(*[_to64(a) for a in args]))):
+            assert_close(o, w, dtype, f"{op} n={n}")  # correct before timed
+        fwd = compare({k: (lambda f=f: f(*args)) for k, f in variants.items()}, reps=reps, target_s=target_s)
+        mem = {k: peak_memory(lambda f=f: f(*args)) for k, f in variants.items()}
+        row = {"size": n, "dtype": str(dtype).split(".")[1], "op_fwd_us": fwd["op"] * 1e6,
+               "fwd_vs_eager": fwd["eager"] / fwd["op"], "fwd_vs_compile": fwd["compile"] / fwd["op"],
+               "fwd_peak_mem_vs_eager": mem["eager"] / max(mem["op"], 1)}
+        if backward:
+            grad_args = [tuple(a.detach().requires_grad_() if _is_float(a) else a for a in args)]
+
+            def step(f):
+                outs = _tuple(f(*grad_args[0]))
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                return outs
+
+            both = compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=target_s)
+            mem = {k: peak_memory(lambda f=f: step(f)) for k, f in variants.items()}
+            row.update({"op_fwdbwd_us": both["op"] * 1e6, "fwdbwd_vs_eager": both["eager"] / both["op"],
+                        "fwdbwd_vs_compile": both["compile"] / both["op"],
+                        "peak_mem_vs_eager": mem["eager"] / max(mem["op"], 1),
+                        "peak_mem_vs_compile": mem["compile"] / max(mem["op"], 1)})
+        rows.append(row)
+        progress.step(f"size {n}")
+    return rows
+
+
+def _is_float(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+
+def _to64(a):
+    return a.double() if _is_float(a) else a
+
+
+def _tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _default_inputs(op, n: int, dtype: torch.dtype) -> tuple:
+    args = []
+    for a in op._schema.arguments:
+        ty = str(a.type)
+        if "Tensor" in ty:
+            args.append((torch.rand(n, dtype=torch.float64) + 0.01).to(dtype))
+        elif ty.startswith("float"):
+            args.append(0.8)
+        elif ty.startswith("int") or ty == "SymInt":
+            args.append(2)
+        elif ty.startswith("bool"):
+            args.append(False)
+        else:
+            raise ValueError(f"cannot generate an argument of type {ty} for {op}: pass make_inputs=")
+    return tuple(args)
+
+
+def write_results(stem: str, rows: list[dict], notes: list[str] | None = None, out_dir: str = RESULTS) -> str:
+    """Writes <stem>.csv and <stem>.md; returns the markdown table."""
+    os.makedirs(out_dir, exist_ok=True)
+    cols = list(rows[0])
+    with open(os.path.join(out_dir, f"{stem}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    table = "\n".join(lines)
+    header = [f"# {stem}", "", environment(), ""] + [f"- {n}" for n in notes or []] + [""]
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write("\n".join(header) + table + "\n")
+    return table
+
+
+def environment() -> str:
+    from . import __version__, cpu_features, get_isa
+
+    cpu = cpu_features()["model"] or "unknown CPU"
+    return (
+        f"torch {torch.__version__}, opforge {__version__}, {cpu}, ISA {get_isa()}, "
+        f"{torch.get_num_threads()} threads. Ratios are medians of interleaved runs in one process."
+    )
+
+
+def plot(stem: str, x: list, series: dict[str, list[float]], xlabel: str, ylabel: str, out_dir: str = RESULTS,
+         logx: bool = True, hline: float | None = 1.0) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in series.items():
+        ax.plot(x, ys, marker="o", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if hline is not None:
+        ax.axhline(hline, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(stem)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{stem}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

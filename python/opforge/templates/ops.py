@@ -1,0 +1,13 @@
+"""Builds (once; cached) and loads the {name} op library: torch.ops.{name}.*"""
+
+import os
+
+import opforge
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+library = opforge.load("{name}", [os.path.join(HERE, "{name}.c"), os.path.join(HERE, "{name}_avx2.c")])
+
+# Python functions calling the ops (torch.ops.{name}.* are the same ops; these
+# skip the autograd kernel's Python round trip when no input requires grad)
+{name} = library.{name}
+{name}_backward = library.{name}_backward

@@ -1,0 +1,293 @@
+"""Checking an op against a PyTorch reference (the msProbe-style figures).
+
+    import opforge.testing as ot
+    report = ot.check(torch.ops.opforge.dispersion_correction, ot.REFERENCES["dispersion_correction"])
+    print(report)            # per dtype: max abs/rel error, ULPs, cosine, shares beyond 1e-3 / 5e-3, grads
+    assert report.passed
+
+The PyTorch references of opforge's own ops live here too; the tests and the
+benchmarks import them, so what is timed is what is tested.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+
+def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The brief's reference: y = x * alpha + sqrt(x)."""
+    return x * alpha + torch.sqrt(x)
+
+
+REFERENCES: dict[str, Callable] = {"dispersion_correction": dispersion_correction}
+
+# |op - float64 reference| <= atol + rtol * |reference|. Half types are computed
+# in fp32 and rounded once, so the bound is about half an ulp of the type; fp16
+# meets the brief's checklist (absolute error < 1e-3 on values below 2).
+TOLERANCES = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=1e-6, rtol=1e-6),
+    torch.bfloat16: dict(atol=1e-2, rtol=4e-3),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+}
+DTYPES = list(TOLERANCES)
+# gradients pass through more roundings (and eager autograd of half types rounds after every op)
+GRAD_TOLERANCE_FACTOR = 4.0
+
+
+def assert_close(got: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    """Compares with a float64 reference; on failure names the worst element."""
+    tol = TOLERANCES[dtype]
+    got64 = got.double()
+    err = (got64 - want64).abs()
+    bound = tol["atol"] + tol["rtol"] * want64.abs()
+    both_nan = got64.isnan() & want64.isnan()
+    same_inf = (got64 == want64) & want64.isinf()
+    bad = ~((err <= bound) | both_nan | same_inf)
+    if bad.any():
+        i = int(bad.flatten().nonzero()[0])
+        rest = ~both_nan & ~same_inf
+        raise AssertionError(
+            f"{what} {dtype}: {int(bad.sum())} of {bad.numel()} elements out of tolerance {tol}; "
+            f"first at flat index {i}: got {got64.flatten()[i].item()!r}, want {want64.flatten()[i].item()!r}; "
+            f"max error {err[rest].max().item() if rest.any() else 0.0}"
+        )
+
+
+# ---- generated inputs ----------------------------------------------------------------
+
+EDGE_VALUES = [0.0, -0.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-40, 1e-6, 65000.0]
+
+
+def _tensor(shape, dtype, seed, edges):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.rand(shape, generator=g, dtype=torch.float64) * 4
+    if edges and t.numel() >= len(EDGE_VALUES):
+        t.view(-1)[: len(EDGE_VALUES)] = torch.tensor(EDGE_VALUES, dtype=torch.float64)
+    return t.to(dtype)
+
+
+def sample_inputs(op: torch._ops.OpOverload, dtype: torch.dtype, edges: bool = True) -> list[tuple]:
+    """Argument tuples for op from its schema: tensors of odd shapes (flat,
+    2-d, a transposed view, a 0-dim), edge values first (0, -0, negative,
+    +-inf, nan, a denormal, near fp16's max); floats 0.8, ints 2, bools False."""
+    shapes = [(4099,), (33, 17), "transposed", ()]
+    samples = []
+    for k, shape in enumerate(shapes):
+        args = []
+        for a in op._schema.arguments:
+            ty = str(a.type)
+            if "Tensor" in ty:
+                if shape == "transposed":
+                    args.append(_tensor((19, 23), dtype, 10 + k + len(args), edges).t())
+                else:
+                    args.append(_tensor(shape, dtype, 10 + k + len(args), edges))
+            elif ty in ("float", "float?"):
+                args.append(0.8)
+            elif ty in ("int", "SymInt", "int?"):
+                args.append(2)
+            elif ty in ("bool", "bool?"):
+                args.append(False)
+            elif a.has_default_value():
+                args.append(a.default_value)
+            else:
+                raise ValueError(f"cannot generate an argument of type {ty} for {op}: pass inputs=")
+        samples.append(tuple(args))
+    return samples
+
+
+# ---- the check --------------------------------------------------------------------------
+
+
+@dataclass
+class DtypeResult:
+    dtype: torch.dtype
+    supported: bool = True
+    error: str = ""
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    max_ulp: float = 0.0
+    cosine: float = 1.0
+    share_rel_1e3: float = 0.0
+    share_rel_5e3: float = 0.0
+    special_mismatches: int = 0
+    out_of_tolerance: int = 0
+    grad_max_abs: float | None = None
+    grad_max_rel: float | None = None
+    grad_out_of_tolerance: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return self.supported and not self.error and self.out_of_tolerance == 0 and self.special_mismatches == 0 \
+            and self.grad_out_of_tolerance == 0
+
+
+@dataclass
+class CheckReport:
+    op: str
+    results: list[DtypeResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        tried = [r for r in self.results if r.supported]
+        return bool(tried) and all(r.passed for r in tried)
+
+    def __str__(self) -> str:
+        head = ("dtype", "max abs", "max rel", "max ulp", "cosine", ">1e-3 rel", ">5e-3 rel", "grad max rel", "tolerance", "result")
+        rows = []
+        for r in self.results:
+            name = str(r.dtype).split(".")[1]
+            if not r.supported:
+                rows.append((name, *["-"] * 8, f"unsupported ({r.error.splitlines()[0][:60]})"))
+                continue
+            tol = TOLERANCES[r.dtype]
+            rows.append((
+                name, f"{r.max_abs:.3g}", f"{r.max_rel:.3g}", f"{r.max_ulp:.3g}", f"{r.cosine:.9f}",
+                f"{r.share_rel_1e3:.3%}", f"{r.share_rel_5e3:.3%}",
+                "-" if r.grad_max_rel is None else f"{r.grad_max_rel:.3g}",
+                f"atol {tol['atol']:g} rtol {tol['rtol']:g}",
+                "PASS" if r.passed else "FAIL" + (f" ({r.error})" if r.error else ""),
+            ))
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+        out = [f"opforge check {self.op}: {'PASS' if self.passed else 'FAIL'}", line(head)] + [line(r) for r in rows]
+        return "\n".join(out)
+
+
+def _ulps(got64: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """|got - want| in units in the last place of dtype at want's magnitude."""
+    fi = torch.finfo(dtype)
+    _, exp = torch.frexp(want64.abs().clamp_min(fi.tiny))
+    ulp = torch.ldexp(torch.full_like(want64, fi.eps), exp - 1)
+    return (got64 - want64).abs() / ulp
+
+
+def _compare(got: torch.Tensor, want64: torch.Tensor, dtype, acc: dict) -> None:
+    got64 = got.detach().double().flatten()
+    want = want64.detach().flatten()
+    special = want.isnan() | want.isinf() | got64.isnan() | got64.isinf()
+    same_special = (want.isnan() & got64.isnan()) | ((got64 == want) & want.isinf())
+    acc["special"] += int((special & ~same_special).sum())
+    ok = ~special
+    g, w = got64[ok], want[ok]
+    tol = TOLERANCES[dtype]
+    if g.numel():
+        err = (g - w).abs()
+        rel = err / w.abs().clamp_min(torch.finfo(dtype).tiny)
+        acc["max_abs"] = max(acc["max_abs"], err.max().item())
+        acc["max_rel"] = max(acc["max_rel"], rel.max().item())
+        acc["max_ulp"] = max(acc["max_ulp"], _ulps(g, w, dtype).max().item())
+        acc["n"] += g.numel()
+        acc["rel_1e3"] += int((rel > 1e-3).sum())
+        acc["rel_5e3"] += int((rel > 5e-3).sum())
+        acc["bad"] += int((err > tol["atol"] + tol["rtol"] * w.abs()).sum())
+        acc["dot"] += float((g * w).sum())
+        acc["gg"] += float((g * g).sum())
+        acc["ww"] += float((w * w).sum())
+
+
+def _as_overload(op):
+    if isinstance(op, str):
+        ns, _, name = op.partition("::")
+        op = getattr(getattr(torch.ops, ns), name)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    return op
+
+
+def check(
+    op,
+    reference: Callable,
+    inputs: Sequence[tuple] | Callable[[torch.dtype], Sequence[tuple]] | None = None,
+    dtypes: Sequence[torch.dtype] = tuple(DTYPES),
+    grad: bool = True,
+) -> CheckReport:
+    """Runs op and reference on the same inputs in every dtype and compares op
+    against the reference evaluated in float64.
+
+    inputs: argument tuples (cast to each dtype), a function dtype -> tuples,
+    or None to generate them from the op's schema (sample_inputs). Gradients
+    are compared on inputs without edge values (a finite, positive range)."""
+    op = _as_overload(op)
+    report = CheckReport(str(op._name) if hasattr(op, "_name") else str(op))
+    for dtype in dtypes:
+        r = DtypeResult(dtype)
+        acc = dict(max_abs=0.0, max_rel=0.0, max_ulp=0.0, n=0, rel_1e3=0, rel_5e3=0, bad=0, special=0,
+                   dot=0.0, gg=0.0, ww=0.0)
+        samples = _cast_samples(inputs, op, dtype, edges=True)
+        try:
+            for args in samples:
+                out = op(*args)
+                want = reference(*[_to64(a) for a in args])
+                for o, w in zip(_tuple(out), _tuple(want)):
+                    _compare(o, w, dtype, acc)
+        except RuntimeError as e:
+            r.supported, r.error = False, str(e).splitlines()[0]
+            report.results.append(r)
+            continue
+        r.max_abs, r.max_rel, r.max_ulp = acc["max_abs"], acc["max_rel"], acc["max_ulp"]
+        r.cosine = acc["dot"] / math.sqrt(acc["gg"] * acc["ww"]) if acc["gg"] and acc["ww"] else 1.0
+        r.share_rel_1e3 = acc["rel_1e3"] / max(acc["n"], 1)
+        r.share_rel_5e3 = acc["rel_5e3"] / max(acc["n"], 1)
+        r.special_mismatches, r.out_of_tolerance = acc["special"], acc["bad"]
+        if grad:
+            _check_grads(op, reference, _cast_samples(inputs, op, dtype, edges=False), dtype, r)
+        report.results.append(r)
+    return report
+
+
+def _check_grads(op, reference, samples, dtype, r: DtypeResult) -> None:
+    tol = TOLERANCES[dtype]
+    r.grad_max_abs = r.grad_max_rel = 0.0
+    for args in samples:
+        args = tuple(a.detach().clone().requires_grad_() if _is_float_tensor(a) else a for a in args)
+        ref_args = tuple(_to64(a).detach().requires_grad_() if _is_float_tensor(a) else a for a in args)
+        outs, wants = _tuple(op(*args)), _tuple(reference(*ref_args))
+        g = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) for o in outs]
+        leaves = [a for a in args if _is_float_tensor(a)]
+        ref_leaves = [a for a in ref_args if _is_float_tensor(a)]
+        got = torch.autograd.grad(outs, leaves, [x.to(dtype) for x in g], allow_unused=True)
+        want = torch.autograd.grad(wants, ref_leaves, g, allow_unused=True)
+        for a, b in zip(got, want):
+            if a is None or b is None:
+                continue
+            err = (a.double() - b).abs()
+            r.grad_max_abs = max(r.grad_max_abs, err.max().item() if err.numel() else 0.0)
+            scale = b.abs().clamp_min(torch.finfo(dtype).tiny)
+            r.grad_max_rel = max(r.grad_max_rel, (err / scale).max().item() if err.numel() else 0.0)
+            f = GRAD_TOLERANCE_FACTOR
+            r.grad_out_of_tolerance += int((err > f * (tol["atol"] + tol["rtol"] * b.abs())).sum())
+
+
+def _is_float_tensor(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+
+def _to64(a):
+    return a.double() if _is_float_tensor(a) else a
+
+
+def _tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _cast_samples(inputs, op, dtype, edges):
+    if inputs is None:
+        samples = sample_inputs(op, dtype, edges=edges)
+        if not edges:  # gradients: a finite range away from sqrt-like singularities
+            samples = [tuple(a.abs() + 0.1 if _is_float_tensor(a) else a for a in s) for s in samples]
+        return samples
+    samples = inputs(dtype) if callable(inputs) else inputs
+
+    def cast(a):
+        if not _is_float_tensor(a):
+            return a
+        if a.is_contiguous():
+            return a.to(dtype)
+        return torch.empty_strided(a.shape, a.stride(), dtype=dtype).copy_(a)  # keep the layout
+
+    return [tuple(cast(a) for a in s) for s in samples]

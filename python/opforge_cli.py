@@ -1,0 +1,211 @@
+"""The opforge command line (a module of its own, outside the opforge package,
+so that `opforge info` can still diagnose a setting that makes `import opforge`
+fail, such as an unsupported OPFORGE_ISA).
+
+    opforge info                       environment, ABI, CPU, ISA per op, diagnosis
+    opforge new NAME [--dir DIR]       scaffold a working C op project
+    opforge check OP [...]             precision against a PyTorch reference (msProbe-style)
+    opforge bench OP [...]             speed and peak memory against eager and torch.compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+def _templates() -> str:
+    spec = importlib.util.find_spec("opforge")
+    return os.path.join(os.path.dirname(spec.origin), "templates")
+
+
+# template file -> file name in the new project
+SCAFFOLD = {
+    "op.c": "{name}.c",
+    "op_avx2.c": "{name}_avx2.c",
+    "op.h": "{name}.h",
+    "ops.py": "ops.py",
+    "reference.py": "reference.py",
+    "test_op.py": "test_{name}.py",
+    "bench_op.py": "bench_{name}.py",
+    "README.md": "README.md",
+}
+
+
+def new(name: str, directory: str | None = None) -> str:
+    """Writes a working op project NAME into DIR/NAME; returns its path."""
+    if not name.isidentifier() or name.startswith("_"):
+        raise SystemExit(f"opforge new: NAME must be a C and Python identifier, got {name!r}")
+    dest = os.path.join(directory or os.getcwd(), name)
+    if os.path.exists(dest) and os.listdir(dest):
+        raise SystemExit(f"opforge new: {dest} exists and is not empty")
+    os.makedirs(dest, exist_ok=True)
+    for template, target in SCAFFOLD.items():
+        with open(os.path.join(_templates(), template)) as f:
+            text = f.read().replace("{name}", name).replace("{NAME}", name.upper())
+        with open(os.path.join(dest, target.replace("{name}", name)), "w") as f:
+            f.write(text)
+    print(f"created {dest}: cd {dest} && pytest")
+    return dest
+
+
+# ---- resolving OP and its reference ---------------------------------------------------
+
+
+def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
+    import torch
+
+    import opforge
+    import opforge.testing as ot
+
+    ns, sep, name = op_name.partition("::")
+    if not sep:
+        ns, name = "opforge", op_name
+    if sources:
+        opforge.load(ns, sources)
+    try:
+        op = getattr(getattr(torch.ops, ns), name).default
+    except (AttributeError, RuntimeError):
+        raise SystemExit(f"opforge: no op {ns}::{name} (load its C sources with --load)")
+    if reference:
+        path, _, fn = reference.rpartition(":")
+        spec = importlib.util.spec_from_file_location("_opforge_reference", path)
+        if spec is None or not fn:
+            raise SystemExit(f"opforge: --reference must be FILE.py:FUNCTION, got {reference}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        ref = getattr(module, fn)
+    elif ns == "opforge" and name in ot.REFERENCES:
+        ref = ot.REFERENCES[name]
+    else:
+        raise SystemExit(f"opforge: no reference known for {ns}::{name}: pass --reference FILE.py:FUNCTION")
+    return op, ref
+
+
+def _dtypes(names):
+    import torch
+
+    return [getattr(torch, n) for n in names]
+
+
+def check(args) -> int:
+    import opforge.testing as ot
+
+    op, ref = _resolve(args.op, args.load, args.reference)
+    report = ot.check(op, ref, dtypes=_dtypes(args.dtypes), grad=not args.no_grad)
+    print(report)
+    return 0 if report.passed else 1
+
+
+def bench(args) -> int:
+    import opforge.benchmark as ob
+
+    op, ref = _resolve(args.op, args.load, args.reference)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    stem = f"bench_{args.op.replace('::', '_')}_{args.dtype}"
+    rows = ob.bench(op, ref, sizes=sizes, dtype=_dtypes([args.dtype])[0], backward=not args.no_backward)
+    table = ob.write_results(stem, rows, out_dir=args.out)
+    ob.plot(stem, [r["size"] for r in rows],
+            {k: [r[k] for r in rows] for k in rows[0] if k.endswith(("_vs_eager", "_vs_compile"))},
+            "elements", "ratio (>1: op better)", out_dir=args.out)
+    print(table)
+    print(f"\nwrote {os.path.join(args.out, stem)}.{{csv,md,png}}")
+    return 0
+
+
+# ---- info ---------------------------------------------------------------------------------
+
+
+def info(args) -> int:
+    problems = []
+    lines = [f"python      {platform.python_version()} ({sys.executable})"]
+    try:
+        import torch
+    except ImportError:
+        print("\n".join(lines + ["torch       not installed", "", "problem: torch is missing -> pip install 'torch>=2.10'"]))
+        return 1
+    lines.append(f"torch       {torch.__version__} ({os.path.dirname(torch.__file__)})")
+    cc = shutil.which((os.environ.get("CC") or "cc").split()[0]) or shutil.which("gcc")
+    if cc:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()
+        lines.append(f"compiler    {version[0] if version else '?'} ({cc})")
+    else:
+        lines.append("compiler    not found")
+        problems.append("no C compiler: opforge.load and opforge new need one -> apt-get install gcc (or set CC)")
+    forced = {k: os.environ.get(k) for k in ("OPFORGE_ISA", "OPFORGE_LOG_LEVEL", "OPFORGE_LOG_FILE") if os.environ.get(k)}
+    try:
+        import opforge
+    except (ImportError, RuntimeError) as e:
+        problems.append(f"import opforge failed: {str(e).splitlines()[0]}")
+        if not forced:
+            print("\n".join(lines + ["", "problems:"] + [f"  - {p}" for p in problems]))
+            return 1
+        for key in forced:  # retry without the settings, to report the rest
+            os.environ.pop(key)
+        try:
+            import opforge
+        except (ImportError, RuntimeError) as e2:
+            print("\n".join(lines + ["", "problems:"] + [f"  - {p}" for p in problems + [str(e2)]]))
+            return 1
+        for key, value in forced.items():
+            if key in str(e):
+                problems.append(f"{key}={value} is not valid here -> unset it or pick a value the message lists")
+    abi = opforge.library.dll.opforge_torch_abi_version
+    abi.restype = ctypes.c_uint64
+    v = abi()
+    lines.append(f"opforge     {opforge.__version__} ({os.path.dirname(opforge.__file__)})")
+    lines.append(f"stable ABI  torch reports {v >> 56}.{(v >> 48) & 0xff}; opforge supports 2.10 and newer "
+                 f"(declarations checked against 2.13)")
+    feats = opforge.cpu_features()
+    lines.append(f"cpu         {feats.pop('model') or 'unknown'} ({os.cpu_count()} logical CPUs)")
+    lines.append("features    " + " ".join(k for k, on in feats.items() if on and not k.startswith("os_")))
+    lines.append(f"isa         {opforge.get_isa()} (best here: {opforge.isa_best()}; OPFORGE_ISA="
+                 f"{os.environ.get('OPFORGE_ISA', 'unset')})")
+    lines.append(f"threads     {torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)")
+    lines.append(f"cuda        {'available: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not available (CPU kernels only)'}")
+    lines.append(f"cache       {opforge.build.cache_dir()}")
+    lines.append("ops")
+    for d in opforge.library.ops:
+        lines.append(f"  opforge::{d.name:<34} {', '.join(d.devices)}: isa {opforge.get_isa()}"
+                     f"{', autograd' if d.backward else ''}")
+    lines.append("")
+    lines.append("no problems found" if not problems else "problems:")
+    lines += [f"  - {p}" for p in problems]
+    print("\n".join(lines))
+    return 1 if problems else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="opforge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="environment, ABI, CPU and ISA, diagnosis")
+    n = sub.add_parser("new", help="scaffold a working op project")
+    n.add_argument("name")
+    n.add_argument("--dir", default=None, help="parent folder (default: here)")
+    for cmd in ("check", "bench"):
+        c = sub.add_parser(cmd, help=f"{cmd} an op against a PyTorch reference")
+        c.add_argument("op", help="dispersion_correction, or NS::NAME of a user op")
+        c.add_argument("--load", nargs="+", metavar="FILE.c", help="C sources of a user op library (namespace NS)")
+        c.add_argument("--reference", metavar="FILE.py:FUNCTION", help="the PyTorch reference")
+        if cmd == "check":
+            c.add_argument("--dtypes", nargs="+", default=["float64", "float32", "bfloat16", "float16"])
+            c.add_argument("--no-grad", action="store_true", help="skip the gradient comparison")
+        else:
+            c.add_argument("--dtype", default="float32")
+            c.add_argument("--sizes", default=f"{1 << 12},{1 << 16},{1 << 20},{1 << 22}")
+            c.add_argument("--no-backward", action="store_true")
+            c.add_argument("--out", default=os.path.join(os.getcwd(), "results"))
+    a = p.parse_args(argv)
+    if a.cmd == "new":
+        new(a.name, a.dir)
+        return 0
+    return {"info": info, "check": check, "bench": bench}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
