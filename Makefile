@@ -1,6 +1,6 @@
 # opforge front door. Each target sets itself up on a fresh machine:
 #   make demo   the brief's example end to end + a short benchmark table
-#   make test   C tests, ABI drift check, Python tests
+#   make test   C tests, ABI drift check, Python tests (incl. the tutorial end to end)
 #   make bench  the full benchmarks (CSV, markdown, PNG under benchmarks/results/)
 PYTHON ?= python3
 VENV   := .venv
@@ -48,6 +48,7 @@ test: ctest abi-check pytest
 
 bench: build
 	$(PY) benchmarks/bench_dispersion_correction.py
+	$(PY) benchmarks/bench_build.py
 
 bench-smoke: build
 	$(PY) benchmarks/bench_dispersion_correction.py --smoke
