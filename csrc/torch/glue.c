@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "opforge/op.h"
@@ -69,6 +70,19 @@ const char *opf_dtype_name(int32_t code) {
 }
 
 /* ---- arguments --------------------------------------------------------------- */
+
+AtenTensorHandle opf_arg_optional_tensor(StableIValue v) {
+    StableIValue *box = (StableIValue *)(uintptr_t)v;
+    if (box == NULL) return NULL;
+    AtenTensorHandle h = (AtenTensorHandle)*box;
+    /* torch >= 2.13 allocates the box with torch_new_stable_ivalue; older
+     * releases with C++ new, whose memory comes from malloc */
+    if (torch_delete_stable_ivalue)
+        torch_delete_stable_ivalue(box);
+    else
+        free(box);
+    return h;
+}
 
 double opf_arg_double(StableIValue v) {
     double d;
@@ -144,23 +158,37 @@ void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, 
                  opf_dtype_name(ref->dtype), opf_dtype_name(t->dtype));
 }
 
+static AtenTensorHandle empty_strided(const char *op, int64_t ndim, const int64_t *sizes,
+                                      const int64_t *strides, int32_t dtype, const opf_tensor *like) {
+    AtenTensorHandle out = NULL;
+    int32_t index = 0;
+    int64_t numel = 1;
+    for (int64_t d = 0; d < ndim; d++) numel *= sizes[d];
+    OPF_TRY(op, aoti_torch_get_device_index(like->h, &index));
+    if (aoti_torch_empty_strided(ndim, sizes, strides, dtype, like->device_type, index, &out) !=
+        OPF_AOTI_SUCCESS) {
+        opf_tensor t = {.ndim = ndim, .sizes = sizes};
+        char shape[256];
+        shape_str(shape, sizeof shape, &t);
+        opf_fail(op, "could not allocate the output (%s %s): out of memory?", opf_dtype_name(dtype), shape);
+    }
+    void *data = NULL;
+    if (numel > 0 && aoti_torch_get_data_ptr(out, &data) == OPF_AOTI_SUCCESS)
+        opf_hint_fresh_output(data, (size_t)numel * aoti_torch_dtype_element_size(dtype));
+    return out;
+}
+
 AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like) {
     int64_t strides[OPF_MAX_DIMS];
     opf_output_strides((int)like->ndim, like->sizes, like->strides, strides);
-    AtenTensorHandle out = NULL;
-    int32_t index = 0;
-    OPF_TRY(op, aoti_torch_get_device_index(like->h, &index));
-    if (aoti_torch_empty_strided(like->ndim, like->sizes, strides, like->dtype, like->device_type,
-                                 index, &out) != OPF_AOTI_SUCCESS) {
-        char shape[256];
-        shape_str(shape, sizeof shape, like);
-        opf_fail(op, "could not allocate the output (%s %s): out of memory?",
-                 opf_dtype_name(like->dtype), shape);
-    }
-    void *data = NULL;
-    if (like->numel > 0 && aoti_torch_get_data_ptr(out, &data) == OPF_AOTI_SUCCESS)
-        opf_hint_fresh_output(data, (size_t)like->numel * aoti_torch_dtype_element_size(like->dtype));
-    return out;
+    return empty_strided(op, like->ndim, like->sizes, strides, like->dtype, like);
+}
+
+AtenTensorHandle opf_empty(const char *op, int64_t ndim, const int64_t *sizes, int32_t dtype,
+                           const opf_tensor *like) {
+    int64_t strides[OPF_MAX_DIMS];
+    opf_output_strides((int)ndim, sizes, NULL, strides);
+    return empty_strided(op, ndim, sizes, strides, dtype, like);
 }
 
 void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors) {

@@ -5,9 +5,9 @@
 """
 
 from ._runtime import cpu_features, get_isa, isa_best, library, set_isa, set_log_file, set_log_level
-from . import functional
+from . import functional, nn
 from .build import BuildError, load, load_library
-from .functional import dispersion_correction
+from .functional import dispersion_correction, linear, matmul
 
 __version__ = "0.1.0"
 
@@ -19,8 +19,11 @@ __all__ = [
     "get_isa",
     "isa_best",
     "library",
+    "linear",
     "load",
     "load_library",
+    "matmul",
+    "nn",
     "set_isa",
     "set_log_file",
     "set_log_level",

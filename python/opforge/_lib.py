@@ -170,10 +170,22 @@ def output_strides(sizes, strides) -> list:
 
 
 def _fake_output(rule: str, argnames: list[str], args: tuple) -> torch.Tensor:
-    kind, _, arg = rule.partition(":")
-    if kind == "like":
-        t = args[argnames.index(arg)]
+    """One output of the fake kernel from a descriptor shape rule, KIND:ARG,ARG..."""
+    kind, _, rest = rule.partition(":")
+    ref = [args[argnames.index(a)] for a in rest.split(",")] if rest else []
+    if kind == "like":  # ARG's shape and dtype, ARG's strides when dense (opf_output_strides)
+        t = ref[0]
         return t.new_empty_strided(t.shape, output_strides(t.shape, t.stride()))
+    if kind == "contiguous":  # ARG's shape and dtype, contiguous
+        return ref[0].new_empty(ref[0].shape)
+    if kind == "contiguous_or_empty":  # like contiguous, or [0] (dtype of the second) when ARG is None
+        return ref[0].new_empty(ref[0].shape) if ref[0] is not None else ref[1].new_empty((0,))
+    if kind == "matmul":  # a (..., M, K) . b (..., K, N) -> (..., M, N)
+        return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[-1]))
+    if kind == "linear":  # x (..., K), weight (N, K) -> (..., N)
+        return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]))
+    if kind == "linear_preact":  # as linear when the activation (third) is not 0, else [0]
+        return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]) if ref[2] else (0,))
     raise RuntimeError(f"opforge: unknown shape rule '{rule}'")
 
 
@@ -211,6 +223,7 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         outs = output if isinstance(output, tuple) else (output,)
         ctx.save_for_backward(*[outs[i] if kind == "out" else inputs[i] for kind, i in saved_from])
         ctx.consts = [inputs[i] for i in const_from]
+        ctx.absent = [inputs[i] is None for i in grad_slots]  # an absent optional tensor gets no gradient
 
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
@@ -218,8 +231,8 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         res = bwd(*args)
         res = res if isinstance(res, (tuple, list)) else (res,)
         out = [None] * len(argnames)
-        for slot, g in zip(grad_slots, res):
-            out[slot] = g
+        for slot, g, absent in zip(grad_slots, res, ctx.absent):
+            out[slot] = None if absent else g
         return tuple(out)
 
     torch.library.register_autograd(

@@ -32,3 +32,46 @@ def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
     the reference (so x = 0 gives inf). Under ``torch.autocast`` the op runs in
     the autocast dtype.
     """
+
+
+ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+
+
+def _activation_code(activation) -> int:
+    code = ACTIVATIONS.get("none" if activation is None else activation)
+    if code is None:
+        raise RuntimeError(
+            f"[opforge.linear] argument 'activation' must be one of {', '.join(map(repr, ACTIVATIONS))} or None, "
+            f"got {activation!r}"
+        )
+    return code
+
+
+@op_function(torch.ops.opforge.linear.default)
+def _linear(x, weight, bias, activation):
+    """(out, preact): see linear."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = "none"):
+    """``act(x @ weight.T + bias)`` in one pass: ``torch.nn.functional.linear``
+    with the bias and the activation applied while each output tile is in
+    registers.
+
+    Args:
+        x: (..., in_features), any strides (read in place).
+        weight: (out_features, in_features) as ``nn.Linear`` stores it, any strides.
+        bias: (out_features,) or None.
+        activation: "none", "relu", "gelu" (exact, erf), "gelu_tanh" or "silu".
+
+    float32 runs opforge's GEMM (AVX2 micro-kernel where available);
+    float64 a reference loop (for gradcheck). The pre-activation is kept for
+    the backward only when an activation is applied. Under autocast the op
+    runs in float32.
+    """
+    return _linear(x, weight, bias, _activation_code(activation))[0]
+
+
+@op_function(torch.ops.opforge.matmul.default)
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 2-d (M,K)·(K,N) or batched 3-d (B,M,K)·(B,K,N) float32 /
+    float64 tensors of any strides (transposed operands are read in place)."""

@@ -84,6 +84,8 @@ void opf_tensor_release(AtenTensorHandle *h);
         (handle) = NULL;                                                                           \
     } while (0)
 
+/* A `Tensor?` argument: the owned handle, or NULL for None (frees torch's box). */
+AtenTensorHandle opf_arg_optional_tensor(StableIValue v);
 double opf_arg_double(StableIValue v);
 int64_t opf_arg_int(StableIValue v);
 int opf_arg_bool(StableIValue v);
@@ -104,6 +106,9 @@ const char *opf_dtype_name(int32_t torch_dtype);
 
 /* New tensor with like's sizes and dtype, strides by opf_output_strides. */
 AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like);
+/* New contiguous tensor of sizes and dtype on like's device. */
+AtenTensorHandle opf_empty(const char *op, int64_t ndim, const int64_t *sizes, int32_t dtype,
+                           const opf_tensor *like);
 
 /* At OPFORGE_LOG_LEVEL=info: one line with the op, the tensors' shapes and
  * dtypes, the ISA, the thread count and the microseconds since t0_us. */

@@ -86,9 +86,10 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(void, aoti_torch_check,                                                                      \
       (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
-/* Present from torch 2.12 only: declared weak so that 2.10/2.11 still load. */
+/* Present from torch 2.12 / 2.13 only: declared weak so that older releases still load. */
 #define OPF_SHIM_WEAK_FUNCTIONS(X)                                                                 \
     X(int32_t, torch_tag_pt2_compliant_tag, (void))                                                \
+    X(AOTITorchError, torch_delete_stable_ivalue, (StableIValue * value))                          \
     X(AOTITorchError, torch_library_def_with_tags,                                                 \
       (TorchLibraryHandle self, const char *schema, const int32_t *tags, int32_t num_tags))
 

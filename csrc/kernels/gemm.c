@@ -1,0 +1,305 @@
+/*
+ * GEMM: the oracle (gemm_ref_f32), the scalar micro-kernel, packing and the
+ * blocked, threaded driver. Contract and blocking in gemm.h.
+ */
+#include <math.h>
+#include <stddef.h>
+
+#include "gemm.h"
+
+/* ---- activations -------------------------------------------------------------------- */
+
+#define GELU_K 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_C 0.044715f
+
+float gemm_act_f32(int act, float x) {
+    switch (act) {
+    case GEMM_ACT_RELU: return x < 0.0f ? 0.0f : x; /* NaN passes, as torch.relu */
+    case GEMM_ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case GEMM_ACT_GELU_TANH: return 0.5f * x * (1.0f + tanhf(GELU_K * (x + GELU_C * x * x * x)));
+    case GEMM_ACT_SILU: return x / (1.0f + expf(-x));
+    default: return x;
+    }
+}
+
+float gemm_act_grad_f32(int act, float x) {
+    switch (act) {
+    case GEMM_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    case GEMM_ACT_GELU: {
+        float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+        float pdf = expf(-0.5f * x * x) * 0.3989422804014327f;
+        return cdf + x * pdf;
+    }
+    case GEMM_ACT_GELU_TANH: {
+        float t = tanhf(GELU_K * (x + GELU_C * x * x * x));
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
+    }
+    case GEMM_ACT_SILU: {
+        float s = 1.0f / (1.0f + expf(-x));
+        return s * (1.0f + x * (1.0f - s));
+    }
+    default: return 1.0f;
+    }
+}
+
+void gemm_tile_store(const float *acc, int nr, float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
+    for (int i = 0; i < m; i++) {
+        for (int j = 0; j < n; j++) {
+            float v = acc[i * nr + j];
+            if (t->load_c) v += t->beta == 1.0f ? c[i * rsc + j] : t->beta * c[i * rsc + j];
+            if (t->bias_n) v += t->bias_n[j];
+            if (t->bias_m) v += t->bias_m[i];
+            if (t->pre) t->pre[i * t->rsp + j] = v;
+            c[i * rsc + j] = gemm_act_f32(t->act, v);
+        }
+    }
+}
+
+/* ---- the oracle --------------------------------------------------------------------- */
+
+void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,
+                  const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
+                  const gemm_epilogue *ep) {
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t j = 0; j < n; j++) {
+            double s = 0;
+            for (int64_t p = 0; p < kdim; p++) s += (double)a[i * rsa + p * csa] * b[p * rsb + j * csb];
+            float v = (float)s;
+            if (ep->beta != 0.0f) v += ep->beta * c[i * rsc + j];
+            if (ep->bias_kind == GEMM_BIAS_ROW) v += ep->bias[j];
+            if (ep->bias_kind == GEMM_BIAS_COL) v += ep->bias[i];
+            if (ep->preact) ep->preact[i * ep->rsp + j] = v;
+            c[i * rsc + j] = gemm_act_f32(ep->act, v);
+        }
+    }
+}
+
+static double act_f64(int act, double x) {
+    switch (act) {
+    case GEMM_ACT_RELU: return x < 0.0 ? 0.0 : x;
+    case GEMM_ACT_GELU: return 0.5 * x * (1.0 + erf(x * 0.70710678118654752));
+    case GEMM_ACT_GELU_TANH: return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+    case GEMM_ACT_SILU: return x / (1.0 + exp(-x));
+    default: return x;
+    }
+}
+
+double gemm_act_grad_f64(int act, double x) {
+    switch (act) {
+    case GEMM_ACT_RELU: return x > 0.0 ? 1.0 : 0.0;
+    case GEMM_ACT_GELU:
+        return 0.5 * (1.0 + erf(x * 0.70710678118654752)) + x * exp(-0.5 * x * x) * 0.3989422804014327;
+    case GEMM_ACT_GELU_TANH: {
+        double k = 0.7978845608028654, t = tanh(k * (x + 0.044715 * x * x * x));
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x);
+    }
+    case GEMM_ACT_SILU: {
+        double s = 1.0 / (1.0 + exp(-x));
+        return s * (1.0 + x * (1.0 - s));
+    }
+    default: return 1.0;
+    }
+}
+
+void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa,
+                  const double *b, int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta,
+                  const double *bias, int bias_kind, int act, double *preact, int64_t rsp) {
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t j = 0; j < n; j++) {
+            double v = 0;
+            for (int64_t p = 0; p < kdim; p++) v += a[i * rsa + p * csa] * b[p * rsb + j * csb];
+            if (beta != 0.0) v += beta * c[i * rsc + j];
+            if (bias_kind == GEMM_BIAS_ROW) v += bias[j];
+            if (bias_kind == GEMM_BIAS_COL) v += bias[i];
+            if (preact) preact[i * rsp + j] = v;
+            c[i * rsc + j] = act_f64(act, v);
+        }
+    }
+}
+
+static void act_grad_ref(float *out, const float *g, const float *pre, int64_t n, int act) {
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] * gemm_act_grad_f32(act, pre[i]);
+}
+
+typedef struct rows_job {
+    const gemm_kernels *k;
+    float *out;
+    const float *g, *pre;
+    int64_t rso, rsg, rsp, n;
+    int act;
+    float *db;
+    int beta;
+    int64_t m;
+} rows_job;
+
+static void act_grad_range(int64_t begin, int64_t end, void *ctx) {
+    const rows_job *j = ctx;
+    for (int64_t i = begin; i < end; i++)
+        j->k->act_grad(j->out + i * j->rso, j->g + i * j->rsg, j->pre + i * j->rsp, j->n, j->act);
+}
+
+void gemm_act_grad_rows(const gemm_kernels *k, float *out, int64_t rso, const float *g, int64_t rsg,
+                        const float *pre, int64_t rsp, int64_t m, int64_t n, int act) {
+    rows_job j = {.k = k, .out = out, .g = g, .pre = pre, .rso = rso, .rsg = rsg, .rsp = rsp, .n = n, .act = act};
+    opf_parallel_for(0, m, n > 0 ? 1 + 32768 / n : 1, act_grad_range, &j);
+}
+
+static void colsum_range(int64_t begin, int64_t end, void *ctx) {
+    const rows_job *j = ctx;
+    for (int64_t c = begin; c < end; c++) j->db[c] = j->beta ? j->db[c] : 0.0f;
+    for (int64_t i = 0; i < j->m; i++) /* row by row: unit-stride reads of g */
+        for (int64_t c = begin; c < end; c++) j->db[c] += j->g[i * j->rsg + c];
+}
+
+void gemm_colsum_f32(float *db, const float *g, int64_t rsg, int64_t m, int64_t n, int beta) {
+    rows_job j = {.g = g, .rsg = rsg, .m = m, .n = n, .db = db, .beta = beta};
+    opf_parallel_for(0, n, 256, colsum_range, &j);
+}
+
+/* ---- scalar micro-kernel (4 x 4) ------------------------------------------------------ */
+
+static void ukernel_ref_4x4(int64_t kc, const float *ap, const float *bp, float *c, int64_t rsc, int m,
+                            int n, const gemm_tile *t) {
+    float acc[16] = {0};
+    for (int64_t p = 0; p < kc; p++, ap += 4, bp += 4)
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) acc[i * 4 + j] += ap[i] * bp[j];
+    gemm_tile_store(acc, 4, c, rsc, m, n, t);
+}
+
+const gemm_kernels gemm_kernels_ref = {"ref_4x4", 4, 4, 64, 256, 1024, ukernel_ref_4x4, act_grad_ref};
+
+extern const gemm_kernels gemm_kernels_avx2 __attribute__((weak));
+
+const gemm_kernels *gemm_kernels_for(opf_isa isa) {
+    if (isa >= OPF_ISA_AVX2 && &gemm_kernels_avx2) return &gemm_kernels_avx2;
+    return &gemm_kernels_ref;
+}
+
+/* ---- packing ---------------------------------------------------------------------------- */
+
+/* rows [i0, i0+mr) of A's K slice [p0, p0+kc) -> ap[p*mr + r], zero padded */
+static void pack_a_sliver(float *ap, const float *a, int64_t rsa, int64_t csa, int64_t rows, int64_t kc,
+                          int mr) {
+    for (int64_t p = 0; p < kc; p++)
+        for (int r = 0; r < mr; r++) ap[p * mr + r] = r < rows ? a[r * rsa + p * csa] : 0.0f;
+}
+
+/* columns [j0, j0+nr) of B's K slice -> bp[p*nr + j], zero padded */
+static void pack_b_sliver(float *bp, const float *b, int64_t rsb, int64_t csb, int64_t cols, int64_t kc,
+                          int nr) {
+    if (csb == 1 && cols == nr) {
+        for (int64_t p = 0; p < kc; p++)
+            for (int j = 0; j < nr; j++) bp[p * nr + j] = b[p * rsb + j];
+        return;
+    }
+    for (int64_t p = 0; p < kc; p++)
+        for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? b[p * rsb + j * csb] : 0.0f;
+}
+
+/* ---- driver ------------------------------------------------------------------------------- */
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim) {
+    int64_t kc = kdim < k->kc ? kdim : k->kc, nc = n < k->nc ? n : k->nc;
+    return round_up(m, k->mr) * kc + round_up(nc, k->nr) * kc;
+}
+
+typedef struct gemm_job {
+    const gemm_kernels *k;
+    const gemm_epilogue *ep;
+    int64_t m, nc, kc, jc, pc, kdim;
+    const float *a, *b;
+    int64_t rsa, csa, rsb, csb, rsc;
+    float *c, *ap, *bp;
+    int64_t mc;  /* rows per block: at most the ISA's MC, balanced over the threads */
+    int64_t ntn; /* column chunks per row block in the compute phase */
+} gemm_job;
+
+static void pack_a_range(int64_t begin, int64_t end, void *ctx) {
+    const gemm_job *j = ctx;
+    const int mr = j->k->mr;
+    for (int64_t s = begin; s < end; s++) {
+        int64_t i0 = s * mr, rows = j->m - i0 < mr ? j->m - i0 : mr;
+        pack_a_sliver(j->ap + s * mr * j->kc, j->a + i0 * j->rsa + j->pc * j->csa, j->rsa, j->csa, rows,
+                      j->kc, mr);
+    }
+}
+
+static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
+    const gemm_job *j = ctx;
+    const int nr = j->k->nr;
+    for (int64_t s = begin; s < end; s++) {
+        int64_t j0 = s * nr, cols = j->nc - j0 < nr ? j->nc - j0 : nr;
+        pack_b_sliver(j->bp + s * nr * j->kc, j->b + j->pc * j->rsb + (j->jc + j0) * j->csb, j->rsb, j->csb,
+                      cols, j->kc, nr);
+    }
+}
+
+/* Task t: row block t / ntn (MC rows), column chunk t % ntn of the panel. */
+static void compute_range(int64_t begin, int64_t end, void *ctx) {
+    const gemm_job *j = ctx;
+    const gemm_kernels *k = j->k;
+    const gemm_epilogue *ep = j->ep;
+    const int first = j->pc == 0, last = j->pc + j->kc >= j->kdim;
+    int64_t slivers = (j->nc + k->nr - 1) / k->nr;
+    for (int64_t t = begin; t < end; t++) {
+        int64_t ib = t / j->ntn, jn = t % j->ntn;
+        int64_t i_lo = ib * j->mc, i_hi = i_lo + j->mc < j->m ? i_lo + j->mc : j->m;
+        int64_t s_lo = slivers * jn / j->ntn, s_hi = slivers * (jn + 1) / j->ntn;
+        for (int64_t s = s_lo; s < s_hi; s++) { /* B sliver stays in L1 across the rows */
+            int64_t jj = s * k->nr, n = j->nc - jj < k->nr ? j->nc - jj : k->nr, col = j->jc + jj;
+            for (int64_t i = i_lo; i < i_hi; i += k->mr) {
+                int m = (int)(i_hi - i < k->mr ? i_hi - i : k->mr);
+                gemm_tile t_ = {
+                    .load_c = !first || ep->beta != 0.0f,
+                    .beta = first ? ep->beta : 1.0f,
+                    .bias_n = last && ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + col : NULL,
+                    .bias_m = last && ep->bias_kind == GEMM_BIAS_COL ? ep->bias + i : NULL,
+                    .act = last ? ep->act : GEMM_ACT_NONE,
+                    .pre = last && ep->preact ? ep->preact + i * ep->rsp + col : NULL,
+                    .rsp = ep->rsp,
+                };
+                k->ukernel(j->kc, j->ap + (i / k->mr) * k->mr * j->kc, j->bp + s * k->nr * j->kc,
+                           j->c + i * j->rsc + col, j->rsc, m, (int)n, &t_);
+            }
+        }
+    }
+}
+
+void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
+              int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
+              const gemm_epilogue *ep, float *workspace) {
+    if (m <= 0 || n <= 0) return;
+    if (kdim <= 0) { /* empty sum: the epilogue alone */
+        gemm_ref_f32(m, n, 0, a, rsa, csa, b, rsb, csb, c, rsc, ep);
+        return;
+    }
+    int64_t kc_max = kdim < k->kc ? kdim : k->kc;
+    gemm_job j = {.k = k, .ep = ep, .m = m, .kdim = kdim, .a = a, .b = b, .rsa = rsa, .csa = csa,
+                  .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace,
+                  .bp = workspace + round_up(m, k->mr) * kc_max};
+    int threads = opf_num_threads();
+    /* as many row blocks as fit MC, rounded up to a multiple of the threads so
+     * that each thread gets the same number of equal blocks */
+    int64_t mslivers = (m + k->mr - 1) / k->mr, mblocks = (m + k->mc - 1) / k->mc;
+    mblocks = round_up(mblocks, threads);
+    j.mc = round_up((m + mblocks - 1) / mblocks, k->mr);
+    mblocks = (m + j.mc - 1) / j.mc;
+    for (int64_t jc = 0; jc < n; jc += k->nc) {
+        j.jc = jc;
+        j.nc = n - jc < k->nc ? n - jc : k->nc;
+        int64_t nslivers = (j.nc + k->nr - 1) / k->nr;
+        /* enough column chunks that every thread has work when M is small */
+        j.ntn = mblocks >= 2 * threads ? 1 : (2 * threads + mblocks - 1) / mblocks;
+        if (j.ntn > nslivers) j.ntn = nslivers;
+        for (int64_t pc = 0; pc < kdim; pc += k->kc) {
+            j.pc = pc;
+            j.kc = kdim - pc < k->kc ? kdim - pc : k->kc;
+            opf_parallel_for(0, nslivers, 16, pack_b_range, &j);
+            opf_parallel_for(0, mslivers, 16, pack_a_range, &j);
+            opf_parallel_for(0, mblocks * j.ntn, 1, compute_range, &j);
+        }
+    }
+}

@@ -1,0 +1,114 @@
+/*
+ * GEMM, float32, BLIS-style:
+ *     C (M,N) = act( A (M,K) . B (K,N) + beta * C + bias )
+ * A(i,k) = a[i*rsa + k*csa] and B(k,j) = b[k*rsb + j*csb]: any strides, so a
+ * transposed operand is read in place (packing reorders it). C(i,j) =
+ * c[i*rsc + j] (unit column stride). beta = 0 never reads C.
+ *
+ * Blocking: for each NC-wide panel of B and KC-deep slice of K, B is packed
+ * into NR-wide slivers and A into MR-tall slivers (zero padded), then an
+ * MR x NR micro-kernel sweeps the panel. Bias, activation and the optional
+ * pre-activation store run in the micro-kernel on the last K slice, while the
+ * tile is in registers. Block sizes per ISA live in the gemm_kernels tables.
+ *
+ * Kernels never allocate: the caller passes a workspace of
+ * gemm_workspace_floats() floats. Threads come from opf_parallel_for.
+ */
+#ifndef OPFORGE_KERNELS_GEMM_H
+#define OPFORGE_KERNELS_GEMM_H
+
+#include <stdint.h>
+
+#include "opforge/runtime.h"
+
+typedef enum gemm_act {
+    GEMM_ACT_NONE = 0,
+    GEMM_ACT_RELU,
+    GEMM_ACT_GELU,      /* 0.5 x (1 + erf(x / sqrt 2)) */
+    GEMM_ACT_GELU_TANH, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+    GEMM_ACT_SILU,      /* x / (1 + exp(-x)) */
+    GEMM_ACT_COUNT
+} gemm_act;
+
+typedef enum gemm_bias_kind {
+    GEMM_BIAS_NONE = 0,
+    GEMM_BIAS_ROW, /* bias[j], added to every row of C (nn.Linear) */
+    GEMM_BIAS_COL  /* bias[i], added to every column */
+} gemm_bias_kind;
+
+typedef struct gemm_epilogue {
+    float beta;
+    const float *bias;
+    int bias_kind;  /* gemm_bias_kind */
+    int act;        /* gemm_act */
+    float *preact;  /* optional (M,N), row stride rsp: the value before the activation */
+    int64_t rsp;
+} gemm_epilogue;
+
+/* What one micro-kernel call finishes: C tile (m <= MR rows, n <= NR cols).
+ * load_c: C = beta * C + acc, else C = acc. On the last K slice also bias
+ * (bias_n: per column, bias_m: per row; already offset to the tile), the
+ * activation, and the pre-activation store (pre, rsp). */
+typedef struct gemm_tile {
+    int load_c;
+    float beta;
+    const float *bias_n, *bias_m;
+    int act;
+    float *pre;
+    int64_t rsp;
+} gemm_tile;
+
+/* acc = Ap (MR x kc, packed column by column) . Bp (kc x NR, packed row by row) */
+typedef void (*gemm_ukernel_fn)(int64_t kc, const float *ap, const float *bp, float *c, int64_t rsc,
+                                int m, int n, const gemm_tile *t);
+
+/* out[i] = g[i] * act'(pre[i]) for n elements (the backward's first step) */
+typedef void (*gemm_act_grad_fn)(float *out, const float *g, const float *pre, int64_t n, int act);
+
+typedef struct gemm_kernels {
+    const char *name; /* "ref_4x4", "avx2_6x16" */
+    int mr, nr;       /* register block */
+    int64_t mc, kc, nc; /* cache blocks: A block MC x KC in L2, B panel KC x NC in L3 */
+    gemm_ukernel_fn ukernel;
+    gemm_act_grad_fn act_grad;
+} gemm_kernels;
+
+extern const gemm_kernels gemm_kernels_ref;
+extern const gemm_kernels gemm_kernels_avx2; /* gemm_avx2.c */
+
+const gemm_kernels *gemm_kernels_for(opf_isa isa);
+
+/* Floats of workspace gemm_f32 needs for an M x N x K product. */
+int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim);
+
+void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
+              int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
+              const gemm_epilogue *ep, float *workspace);
+
+/* Naive triple loop with the same epilogue, accumulating in double: the oracle. */
+void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,
+                  const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
+                  const gemm_epilogue *ep);
+
+/* float64 oracle (and the float64 path of the ops, for gradcheck): the same
+ * contract in double, activations from libm. */
+void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa,
+                  const double *b, int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta,
+                  const double *bias, int bias_kind, int act, double *preact, int64_t rsp);
+double gemm_act_grad_f64(int act, double x);
+
+/* Row blocks of g' = g * act'(pre) over (m, n) matrices with row strides, threaded. */
+void gemm_act_grad_rows(const gemm_kernels *k, float *out, int64_t rso, const float *g, int64_t rsg,
+                        const float *pre, int64_t rsp, int64_t m, int64_t n, int act);
+/* db[j] = (beta ? db[j] : 0) + sum_i g[i, j]; threaded over columns. */
+void gemm_colsum_f32(float *db, const float *g, int64_t rsg, int64_t m, int64_t n, int beta);
+
+/* Scalar activation and its derivative (also the tail path of the ISA files). */
+float gemm_act_f32(int act, float x);
+float gemm_act_grad_f32(int act, float x);
+
+/* The scalar epilogue of one tile from a full MR x NR accumulator (row stride
+ * nr): what micro-kernels use for partial tiles. */
+void gemm_tile_store(const float *acc, int nr, float *c, int64_t rsc, int m, int n, const gemm_tile *t);
+
+#endif

@@ -1,0 +1,343 @@
+/*
+ * torch glue of the GEMM ops:
+ *   matmul(a (M,K) | (B,M,K), b (K,N) | (B,K,N)) -> (M,N) | (B,M,N)
+ *   linear(x (...,K), weight (N,K), bias (N)?, activation) -> (out (...,N), preact)
+ *       out = act(x weight^T + bias); preact = x weight^T + bias, saved for the
+ *       backward when act is not "none" (else an empty tensor)
+ *   linear_backward(grad, x, weight, bias?, preact, activation) -> (dx, dweight, dbias)
+ * float32 runs the blocked GEMM of csrc/kernels/gemm.c; float64 the oracle
+ * (gradcheck). Operands of any strides are read in place; outputs are
+ * contiguous. activation: 0 none, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu.
+ */
+#include <stdlib.h>
+
+#include "../kernels/gemm.h"
+#include "opforge/op.h"
+
+static const char MM[] = "opforge::matmul";
+static const char LIN[] = "opforge::linear";
+static const char LBWD[] = "opforge::linear_backward";
+
+static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor *t) {
+    opf_check_cpu(op, arg, t);
+    opf_dtype dt = opf_check_float(op, arg, t);
+    if (dt != OPF_F32 && dt != OPF_F64)
+        opf_fail(op, "argument '%s' must be float32 or float64 (bfloat16/float16: cast, or use autocast), got %s",
+                 arg, opf_dtype_name(t->dtype));
+    return dt;
+}
+
+static void check_activation(const char *op, int64_t act) {
+    if (act < 0 || act >= GEMM_ACT_COUNT)
+        opf_fail(op, "argument 'activation' must be 0 (none), 1 (relu), 2 (gelu), 3 (gelu_tanh) or 4 (silu), got %lld",
+                 (long long)act);
+}
+
+/* Scratch float32 memory for the GEMM, owned by the returned handle. */
+static AtenTensorHandle scratch(const char *op, int64_t floats, const opf_tensor *like, float **data) {
+    int64_t n = floats > 0 ? floats : 1;
+    AtenTensorHandle h = opf_empty(op, 1, &n, aoti_torch_dtype_float32(), like);
+    opf_tensor t = opf_tensor_info(op, "workspace", h);
+    *data = t.data;
+    return h;
+}
+
+/* x (..., K) seen as matrices of `rows` rows: the leading dims merge into one
+ * row dim when their strides allow (contiguous, row slices, broadcast), else
+ * the op loops over the outer ones. */
+typedef struct rows_view {
+    int64_t rows, rs, cs;  /* one matrix: rows x K, row stride, column stride */
+    int64_t count;         /* matrices */
+    int outer;             /* dims before the matrix's row dim */
+} rows_view;
+
+static rows_view view_rows(const opf_tensor *x) {
+    rows_view v = {.rows = 1, .rs = 0, .cs = x->strides[x->ndim - 1], .count = 1, .outer = 0};
+    int64_t last = x->ndim - 2; /* innermost leading dim */
+    if (last < 0) return v;
+    v.rows = x->sizes[last];
+    v.rs = x->strides[last];
+    int d = (int)last - 1;
+    for (; d >= 0; d--) { /* merge outward while the strides chain */
+        if (x->sizes[d] == 1) continue;
+        if (v.rows == 1) {
+            v.rows = x->sizes[d];
+            v.rs = x->strides[d];
+            continue;
+        }
+        if (x->strides[d] != v.rs * v.rows) break;
+        v.rows *= x->sizes[d];
+    }
+    v.outer = d + 1;
+    for (int e = 0; e < v.outer; e++) v.count *= x->sizes[e];
+    return v;
+}
+
+/* element offset of matrix number idx of the view */
+static int64_t matrix_offset(const opf_tensor *x, const rows_view *v, int64_t idx) {
+    int64_t off = 0;
+    for (int d = v->outer - 1; d >= 0; d--) {
+        off += (idx % x->sizes[d]) * x->strides[d];
+        idx /= x->sizes[d];
+    }
+    return off;
+}
+
+/* element offset of logical row `row` (row-major over x's leading dims) */
+static int64_t row_offset(const opf_tensor *x, const rows_view *v, int64_t row) {
+    return matrix_offset(x, v, row / v->rows) + (row % v->rows) * v->rs;
+}
+
+/* ---- matmul ------------------------------------------------------------------------------ */
+
+static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    OPF_ARG_TENSOR(a, stack, 0);
+    OPF_ARG_TENSOR(b, stack, 1);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    opf_tensor a = opf_tensor_info(MM, "a", a_h), b = opf_tensor_info(MM, "b", b_h);
+    opf_dtype dt = check_operand(MM, "a", &a);
+    check_operand(MM, "b", &b);
+    opf_check_same_dtype(MM, "b", &b, "a", &a);
+    if ((a.ndim != 2 && a.ndim != 3) || a.ndim != b.ndim)
+        opf_fail(MM, "arguments 'a' and 'b' must both be 2-d (M,K),(K,N) or 3-d (B,M,K),(B,K,N), got %lld-d and %lld-d",
+                 (long long)a.ndim, (long long)b.ndim);
+    int nd = (int)a.ndim;
+    int64_t batch = nd == 3 ? a.sizes[0] : 1, m = a.sizes[nd - 2], kd = a.sizes[nd - 1], n = b.sizes[nd - 1];
+    if (b.sizes[nd - 2] != kd)
+        opf_fail(MM, "argument 'b' must have %lld rows (the columns of 'a'), got %lld", (long long)kd,
+                 (long long)b.sizes[nd - 2]);
+    if (nd == 3 && b.sizes[0] != batch)
+        opf_fail(MM, "argument 'b' must have batch size %lld (that of 'a'), got %lld", (long long)batch,
+                 (long long)b.sizes[0]);
+    int64_t sizes[3] = {batch, m, n};
+    OPF_OWNED AtenTensorHandle c_h = opf_empty(MM, nd, sizes + (3 - nd), a.dtype, &a);
+    opf_tensor c = opf_tensor_info(MM, "out", c_h);
+    int64_t asb = nd == 3 ? a.strides[0] : 0, bsb = nd == 3 ? b.strides[0] : 0;
+    const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
+    float *ws = NULL;
+    OPF_OWNED AtenTensorHandle ws_h = dt == OPF_F32 ? scratch(MM, gemm_workspace_floats(k, m, n, kd), &a, &ws) : NULL;
+    gemm_epilogue ep = {0};
+    for (int64_t i = 0; i < batch; i++) {
+        if (dt == OPF_F32)
+            gemm_f32(k, m, n, kd, (const float *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
+                     (const float *)b.data + i * bsb, b.strides[nd - 2], b.strides[nd - 1],
+                     (float *)c.data + i * m * n, n, &ep, ws);
+        else
+            gemm_ref_f64(m, n, kd, (const double *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
+                         (const double *)b.data + i * bsb, b.strides[nd - 2], b.strides[nd - 1],
+                         (double *)c.data + i * m * n, n, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+    }
+    opf_log_call(MM, t0, 3, (opf_tensor[]){a, b, c});
+    OPF_RETURN(stack, 0, c_h);
+}
+
+/* ---- linear ------------------------------------------------------------------------------- */
+
+typedef struct linear_args {
+    opf_tensor x, w, bias;
+    int has_bias;
+    opf_dtype dt;
+    int64_t k, n;
+} linear_args;
+
+static linear_args check_linear(const char *op, AtenTensorHandle x_h, AtenTensorHandle w_h,
+                                AtenTensorHandle b_h) {
+    linear_args l = {.x = opf_tensor_info(op, "x", x_h), .w = opf_tensor_info(op, "weight", w_h), .has_bias = b_h != NULL};
+    l.dt = check_operand(op, "x", &l.x);
+    check_operand(op, "weight", &l.w);
+    opf_check_same_dtype(op, "weight", &l.w, "x", &l.x);
+    if (l.x.ndim < 1) opf_fail(op, "argument 'x' must have at least 1 dim (..., in_features), got a 0-d tensor");
+    if (l.w.ndim != 2)
+        opf_fail(op, "argument 'weight' must be 2-d (out_features, in_features), got %lld-d", (long long)l.w.ndim);
+    l.k = l.x.sizes[l.x.ndim - 1];
+    l.n = l.w.sizes[0];
+    if (l.w.sizes[1] != l.k)
+        opf_fail(op, "argument 'weight' must have %lld columns (in_features, the last dim of 'x'), got %lld",
+                 (long long)l.k, (long long)l.w.sizes[1]);
+    if (l.has_bias) {
+        l.bias = opf_tensor_info(op, "bias", b_h);
+        check_operand(op, "bias", &l.bias);
+        opf_check_same_dtype(op, "bias", &l.bias, "x", &l.x);
+        if (l.bias.ndim != 1 || l.bias.sizes[0] != l.n)
+            opf_fail(op, "argument 'bias' must have shape [%lld] (out_features), got a %lld-d tensor", (long long)l.n,
+                     (long long)l.bias.ndim);
+    }
+    return l;
+}
+
+/* the shape of out: x's with the last dim replaced by n */
+static void out_sizes(const opf_tensor *x, int64_t n, int64_t *sizes) {
+    for (int64_t d = 0; d < x->ndim - 1; d++) sizes[d] = x->sizes[d];
+    sizes[x->ndim - 1] = n;
+}
+
+/* bias as a contiguous float array (a strided bias is gathered into scratch) */
+static const float *bias_f32(const linear_args *l, float *scratch_n) {
+    if (!l->has_bias) return NULL;
+    if (l->bias.strides[0] == 1) return l->bias.data;
+    for (int64_t j = 0; j < l->n; j++) scratch_n[j] = ((const float *)l->bias.data)[j * l->bias.strides[0]];
+    return scratch_n;
+}
+
+static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    OPF_ARG_TENSOR(x, stack, 0);
+    OPF_ARG_TENSOR(w, stack, 1);
+    OPF_OWNED AtenTensorHandle bias_h = opf_arg_optional_tensor(stack[2]);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    int64_t act = opf_arg_int(stack[3]);
+    check_activation(LIN, act);
+    linear_args l = check_linear(LIN, x_h, w_h, bias_h);
+    int64_t sizes[OPF_MAX_DIMS], empty = 0;
+    out_sizes(&l.x, l.n, sizes);
+    OPF_OWNED AtenTensorHandle out_h = opf_empty(LIN, l.x.ndim, sizes, l.x.dtype, &l.x);
+    OPF_OWNED AtenTensorHandle pre_h =
+        act ? opf_empty(LIN, l.x.ndim, sizes, l.x.dtype, &l.x) : opf_empty(LIN, 1, &empty, l.x.dtype, &l.x);
+    opf_tensor out = opf_tensor_info(LIN, "out", out_h), pre = opf_tensor_info(LIN, "preact", pre_h);
+    rows_view v = view_rows(&l.x);
+    const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
+    float *ws = NULL;
+    OPF_OWNED AtenTensorHandle ws_h =
+        l.dt == OPF_F32 ? scratch(LIN, gemm_workspace_floats(k, v.rows, l.n, l.k) + l.n, &l.x, &ws) : NULL;
+    const float *bias = l.dt == OPF_F32 ? bias_f32(&l, ws) : NULL;
+    for (int64_t i = 0; i < v.count; i++) {
+        int64_t xo = matrix_offset(&l.x, &v, i), oo = i * v.rows * l.n;
+        if (l.dt == OPF_F32) {
+            gemm_epilogue ep = {.beta = 0.0f, .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE,
+                                .act = (int)act, .preact = act ? (float *)pre.data + oo : NULL, .rsp = l.n};
+            gemm_f32(k, v.rows, l.n, l.k, (const float *)l.x.data + xo, v.rs, v.cs, l.w.data, l.w.strides[1],
+                     l.w.strides[0], (float *)out.data + oo, l.n, &ep, ws + l.n);
+        } else {
+            double *bias64 = NULL;
+            if (l.has_bias && l.bias.strides[0] != 1)
+                opf_fail(LIN, "argument 'bias' must be contiguous in float64, got stride %lld", (long long)l.bias.strides[0]);
+            if (l.has_bias) bias64 = l.bias.data;
+            gemm_ref_f64(v.rows, l.n, l.k, (const double *)l.x.data + xo, v.rs, v.cs, l.w.data, l.w.strides[1],
+                         l.w.strides[0], (double *)out.data + oo, l.n, 0.0, bias64,
+                         bias64 ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, (int)act, act ? (double *)pre.data + oo : NULL, l.n);
+        }
+    }
+    opf_log_call(LIN, t0, 3, (opf_tensor[]){l.x, l.w, out});
+    OPF_RETURN(stack, 0, out_h);
+    OPF_RETURN(stack, 1, pre_h);
+}
+
+/* linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, int activation)
+ *   g' = grad * act'(preact)   (grad itself for "none"), gathered into (M, N)
+ *   dx = g' weight             dweight = g'^T x             dbias = sum_rows g' */
+static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    OPF_ARG_TENSOR(grad, stack, 0);
+    OPF_ARG_TENSOR(x, stack, 1);
+    OPF_ARG_TENSOR(w, stack, 2);
+    OPF_OWNED AtenTensorHandle bias_h = opf_arg_optional_tensor(stack[3]);
+    OPF_ARG_TENSOR(pre, stack, 4);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    int64_t act = opf_arg_int(stack[5]);
+    check_activation(LBWD, act);
+    linear_args l = check_linear(LBWD, x_h, w_h, bias_h);
+    opf_tensor g = opf_tensor_info(LBWD, "grad", grad_h), pre = opf_tensor_info(LBWD, "preact", pre_h);
+    opf_check_same_dtype(LBWD, "grad", &g, "x", &l.x);
+    int64_t sizes[OPF_MAX_DIMS], empty = 0;
+    out_sizes(&l.x, l.n, sizes);
+    opf_tensor want = {.ndim = l.x.ndim, .sizes = sizes};
+    opf_check_same_shape(LBWD, "grad", &g, "the output", &want);
+    if (act) {
+        opf_check_same_dtype(LBWD, "preact", &pre, "x", &l.x);
+        opf_check_same_shape(LBWD, "preact", &pre, "the output", &want);
+    }
+    int64_t m = 1; /* rows: the product of x's leading dims */
+    for (int64_t d = 0; d < l.x.ndim - 1; d++) m *= l.x.sizes[d];
+
+    OPF_OWNED AtenTensorHandle dx_h = opf_empty(LBWD, l.x.ndim, l.x.sizes, l.x.dtype, &l.x);
+    OPF_OWNED AtenTensorHandle dw_h = opf_empty(LBWD, 2, l.w.sizes, l.x.dtype, &l.x);
+    OPF_OWNED AtenTensorHandle db_h = opf_empty(LBWD, 1, l.has_bias ? &l.n : &empty, l.x.dtype, &l.x);
+    opf_tensor dx = opf_tensor_info(LBWD, "dx", dx_h), dw = opf_tensor_info(LBWD, "dweight", dw_h),
+               db = opf_tensor_info(LBWD, "dbias", db_h);
+    rows_view gv = view_rows(&g), pv = act ? view_rows(&pre) : gv, xv = view_rows(&l.x);
+    const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
+    const size_t es = l.dt == OPF_F32 ? 4 : 8;
+    /* g' as one (m, n) contiguous matrix: scratch of m*n plus the GEMM workspace */
+    int64_t gemm_ws = gemm_workspace_floats(k, m > l.n ? m : l.n, l.k > l.n ? l.k : l.n, m > l.n ? m : l.n);
+    float *ws = NULL;
+    OPF_OWNED AtenTensorHandle ws_h = scratch(LBWD, (int64_t)((m * l.n * es + 3) / 4) + gemm_ws, &l.x, &ws);
+    char *gp = (char *)ws;
+    float *gemm_scratch = ws + (m * l.n * es + 3) / 4;
+    for (int64_t row = 0; row < m; row++) { /* gather g' row by row */
+        int64_t go = row_offset(&g, &gv, row), po = act ? row_offset(&pre, &pv, row) : 0;
+        if (l.dt == OPF_F32) {
+            const float *gr = (const float *)g.data + go, *pr = (const float *)pre.data + po;
+            float *dst = (float *)gp + row * l.n;
+            if (act && gv.cs == 1 && pv.cs == 1)
+                k->act_grad(dst, gr, pr, l.n, (int)act);
+            else
+                for (int64_t j = 0; j < l.n; j++)
+                    dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f32((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
+        } else {
+            const double *gr = (const double *)g.data + go, *pr = (const double *)pre.data + po;
+            double *dst = (double *)gp + row * l.n;
+            for (int64_t j = 0; j < l.n; j++)
+                dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
+        }
+    }
+    if (l.dt == OPF_F32) {
+        gemm_epilogue none = {0};
+        /* dx (m, k) = g' (m, n) . weight (n, k) */
+        gemm_f32(k, m, l.k, l.n, (const float *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1], dx.data, l.k,
+                 &none, gemm_scratch);
+        /* dweight (n, k) = g'^T (n, m) . x (m, k), accumulated over x's matrices */
+        for (int64_t i = 0; i < xv.count; i++) {
+            gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
+            gemm_f32(k, l.n, l.k, xv.rows, (const float *)gp + i * xv.rows * l.n, 1, l.n,
+                     (const float *)l.x.data + matrix_offset(&l.x, &xv, i), xv.rs, xv.cs, dw.data, l.k, &acc,
+                     gemm_scratch);
+        }
+        if (xv.count == 0 || m == 0) { /* no rows: zero gradients */
+            for (int64_t e = 0; e < l.n * l.k; e++) ((float *)dw.data)[e] = 0.0f;
+        }
+        if (l.has_bias) gemm_colsum_f32(db.data, (const float *)gp, l.n, m, l.n, 0);
+    } else {
+        gemm_ref_f64(m, l.k, l.n, (const double *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1], dx.data,
+                     l.k, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+        for (int64_t e = 0; e < l.n * l.k; e++) ((double *)dw.data)[e] = 0.0;
+        for (int64_t i = 0; i < xv.count; i++)
+            gemm_ref_f64(l.n, l.k, xv.rows, (const double *)gp + i * xv.rows * l.n, 1, l.n,
+                         (const double *)l.x.data + matrix_offset(&l.x, &xv, i), xv.rs, xv.cs, dw.data, l.k, 1.0,
+                         NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+        if (l.has_bias)
+            for (int64_t j = 0; j < l.n; j++) {
+                double s = 0;
+                for (int64_t i = 0; i < m; i++) s += ((const double *)gp)[i * l.n + j];
+                ((double *)db.data)[j] = s;
+            }
+    }
+    opf_log_call(LBWD, t0, 3, (opf_tensor[]){g, l.x, dw});
+    OPF_RETURN(stack, 0, dx_h);
+    OPF_RETURN(stack, 1, dw_h);
+    OPF_RETURN(stack, 2, db_h);
+}
+
+const opf_op_desc opf_linear_ops[3] = {
+    {
+        .name = "matmul",
+        .schema = "matmul(Tensor a, Tensor b) -> Tensor",
+        .cpu = matmul_cpu,
+        .shape = "matmul:a,b",
+        .autocast = OPF_AUTOCAST_FP32,
+    },
+    {
+        .name = "linear",
+        .schema = "linear(Tensor x, Tensor weight, Tensor? bias, int activation) -> (Tensor, Tensor)",
+        .cpu = linear_cpu,
+        .shape = "linear:x,weight;linear_preact:x,weight,activation",
+        .backward = "linear_backward",
+        .backward_args = "grad0,x,weight,bias,out1,activation",
+        .backward_grads = "x,weight,bias",
+        .autocast = OPF_AUTOCAST_FP32,
+    },
+    {
+        .name = "linear_backward",
+        .schema = "linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, "
+                  "int activation) -> (Tensor, Tensor, Tensor)",
+        .cpu = linear_backward_cpu,
+        .shape = "contiguous:x;contiguous:weight;contiguous_or_empty:bias,x",
+    },
+};

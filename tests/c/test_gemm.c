@@ -1,0 +1,132 @@
+/*
+ * Every compiled GEMM variant against the double-accumulating oracle, on
+ * shapes that are not multiples of the register or cache blocks, with
+ * transposed and strided operands and every epilogue (beta, bias per row and
+ * per column, each activation, the pre-activation store).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "../../csrc/kernels/gemm.h"
+#include "check.h"
+
+static const char *const ACT[] = {"none", "relu", "gelu", "gelu_tanh", "silu"};
+
+typedef struct shape {
+    int64_t m, n, k;
+} shape;
+
+static float *rand_buf(int64_t n, unsigned long long seed) {
+    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof *p);
+    for (int64_t i = 0; i < n; i++) p[i] = (float)(check_uniform(&seed) * 2.0 - 1.0);
+    return p;
+}
+
+/* one product: A stored (m,k) or transposed (k,m); B (k,n) or (n,k); A's rows
+ * spaced by an extra pad to make it strided */
+static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, int bias_kind, int act,
+                int preact) {
+    const int64_t pad = 3;
+    int64_t lda = (ta ? s.m : s.k) + pad;
+    float *a = rand_buf((ta ? s.k : s.m) * lda, 1 + (unsigned long long)s.m);
+    float *b = rand_buf(s.k * s.n, 2 + (unsigned long long)s.n);
+    float *bias = rand_buf(s.m > s.n ? s.m : s.n, 3);
+    float *c = rand_buf(s.m * s.n, 4), *want = malloc((size_t)(s.m * s.n + 1) * sizeof(float));
+    float *pre = calloc((size_t)(s.m * s.n + 1), sizeof(float)), *pre_want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
+    memcpy(want, c, (size_t)(s.m * s.n) * sizeof(float));
+    int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
+    gemm_epilogue ep = {beta, bias, bias_kind, act, preact ? pre : NULL, s.n};
+    gemm_epilogue ep_ref = ep;
+    ep_ref.preact = preact ? pre_want : NULL;
+    gemm_ref_f32(s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, want, s.n, &ep_ref);
+    float *ws = malloc((size_t)gemm_workspace_floats(kern, s.m, s.n, s.k) * sizeof(float) + 64);
+    gemm_f32(kern, s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, c, s.n, &ep, ws);
+    int64_t bad = 0, first = -1;
+    double maxerr = 0;
+    const double atol = 4e-7 * (double)s.k + 1e-5;
+    for (int64_t i = 0; i < s.m * s.n; i++) {
+        double e = fabs((double)c[i] - want[i]);
+        if (preact) e = fmax(e, fabs((double)pre[i] - pre_want[i]));
+        if (!(e <= atol + 1e-5 * fabs(want[i]))) {
+            if (first < 0) first = i;
+            bad++;
+        }
+        if (e > maxerr) maxerr = e;
+    }
+    CHECK(bad == 0,
+          "%s m=%lld n=%lld k=%lld ta=%d tb=%d beta=%g bias=%d act=%s pre=%d: %lld bad, first (%lld,%lld) "
+          "got %.7g want %.7g, max err %.3g",
+          kern->name, (long long)s.m, (long long)s.n, (long long)s.k, ta, tb, beta, bias_kind, ACT[act], preact,
+          (long long)bad, first < 0 ? -1LL : (long long)(first / s.n), first < 0 ? -1LL : (long long)(first % s.n),
+          first < 0 ? 0.0 : c[first], first < 0 ? 0.0 : want[first], maxerr);
+    free(a), free(b), free(bias), free(c), free(want), free(pre), free(pre_want), free(ws);
+}
+
+static void test_act_grad(const gemm_kernels *k) {
+    enum { N = 1003 };
+    float g[N], pre[N], got[N];
+    unsigned long long seed = 5;
+    for (int i = 0; i < N; i++) {
+        g[i] = (float)(check_uniform(&seed) * 2 - 1);
+        pre[i] = (float)(check_uniform(&seed) * 16 - 8);
+    }
+    for (int act = 0; act < GEMM_ACT_COUNT; act++) {
+        k->act_grad(got, g, pre, N, act);
+        double worst = 0;
+        for (int i = 0; i < N; i++) worst = fmax(worst, fabs(got[i] - g[i] * gemm_act_grad_f64(act, pre[i])));
+        CHECK(worst < 2e-6, "%s act_grad %s: max error %g", k->name, ACT[act], worst);
+    }
+}
+
+static void test_variant(const gemm_kernels *k) {
+    test_act_grad(k);
+    const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 1}, {13, 33, 257}, {123, 77, 301},
+                            {1, 4096, 4096}, {4096, 1, 4096}, {130, 3100, 20}, {0, 5, 3}, {5, 4, 0}};
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++) run(k, shapes[i], ta, tb, 0.0f, GEMM_BIAS_NONE, GEMM_ACT_NONE, 0);
+    /* every epilogue on a shape with partial tiles in both directions and several K slices */
+    const shape e = {37, 45, 600};
+    for (int act = 0; act < GEMM_ACT_COUNT; act++)
+        for (int bias = 0; bias < 3; bias++) {
+            run(k, e, 0, 1, 0.0f, bias, act, 1);
+            run(k, e, 1, 0, 1.0f, bias, act, 0);
+            run(k, e, 0, 0, 0.5f, bias, act, 1);
+        }
+}
+
+static void test_activations(void) {
+    /* the scalar activations against their definitions, derivatives by central difference */
+    for (int act = 1; act < GEMM_ACT_COUNT; act++) {
+        double worst = 0;
+        for (double x = -6; x <= 6; x += 0.01) {
+            double h = 1e-3, num = (gemm_act_f32(act, (float)(x + h)) - gemm_act_f32(act, (float)(x - h))) / (2 * h);
+            if (act == GEMM_ACT_RELU && fabs(x) < 2 * h) continue;
+            worst = fmax(worst, fabs(num - gemm_act_grad_f32(act, (float)x)));
+        }
+        CHECK(worst < 2e-3, "%s derivative off by %g", ACT[act], worst);
+    }
+    CHECK(isnan(gemm_act_f32(GEMM_ACT_RELU, NAN)), "relu keeps NaN");
+}
+
+int main(void) {
+    test_activations();
+    int tested = 0;
+    for (int isa = 0; isa < OPF_ISA_COUNT; isa++) {
+        char err[256];
+        if (opf_isa_set(opf_isa_name((opf_isa)isa), err, sizeof err) != 0) {
+            printf("skip %s: %s\n", opf_isa_name((opf_isa)isa), err);
+            continue;
+        }
+        const gemm_kernels *k = gemm_kernels_for((opf_isa)isa);
+        if (isa > 0 && k == gemm_kernels_for((opf_isa)(isa - 1))) {
+            printf("%s: no variant of its own, uses %s\n", opf_isa_name((opf_isa)isa), k->name);
+            continue;
+        }
+        test_variant(k);
+        printf("tested %s\n", k->name);
+        tested++;
+    }
+    CHECK(tested >= 1, "no variant tested");
+    return check_report("test_gemm");
+}

@@ -1,0 +1,188 @@
+"""linear (+ bias + activation) and matmul against PyTorch: values, strides,
+gradients, gradcheck, opcheck, torch.compile, autocast, nn.Linear, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import opforge
+
+LINEAR = torch.ops.opforge.linear.default
+MATMUL = torch.ops.opforge.matmul.default
+ACTS = {
+    "none": lambda t: t,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "silu": F.silu,
+}
+# float32 sums of K products: error grows like sqrt(K) ulps; K <= 301 here
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}
+
+
+def reference(x, w, b, act):
+    return ACTS[act](F.linear(x.double(), w.double(), None if b is None else b.double()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("shape", [(1, 1, 1), (7, 13, 5), (123, 77, 301), (2, 3, 17, 9)], ids=str)
+def test_values(shape, act, dtype):
+    *lead, k, n = shape
+    x, w, b = torch.randn(*lead, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    for bias in (b, None):
+        y = opforge.linear(x, w, bias, act)
+        assert y.shape == (*lead, n) and y.dtype == dtype
+        torch.testing.assert_close(y.double(), reference(x, w, bias, act), **TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "view",
+    ["transposed-x", "batched-x-transposed", "transposed-weight", "sliced-rows", "strided-bias", "broadcast-x"],
+)
+def test_strided_operands_read_in_place(view):
+    x, w, b = torch.randn(6, 5, 16), torch.randn(12, 16), torch.randn(12)
+    if view == "transposed-x":
+        x = torch.randn(16, 30).t()
+    elif view == "batched-x-transposed":
+        x = torch.randn(5, 6, 16).transpose(0, 1)  # leading dims that do not merge
+    elif view == "transposed-weight":
+        w = torch.randn(16, 12).t()
+    elif view == "sliced-rows":
+        x = torch.randn(6, 9, 16)[:, ::2]
+    elif view == "strided-bias":
+        b = torch.randn(24)[::2]
+    elif view == "broadcast-x":
+        x = torch.randn(1, 16).expand(7, 16)
+    torch.testing.assert_close(opforge.linear(x, w, b, "gelu").double(), reference(x, w, b, "gelu"), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_gradients_match_autograd(act):
+    x = torch.randn(4, 9, 33, requires_grad=True)
+    w = torch.randn(20, 33, requires_grad=True)
+    b = torch.randn(20, requires_grad=True)
+    g = torch.randn(4, 9, 20)
+    opforge.linear(x, w, b, act).backward(g)
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    reference(xr, wr, br, act).backward(g.double())
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_gradcheck_float64(act):
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: opforge.linear(*t, act), (x, w, b))
+    assert torch.autograd.gradcheck(lambda *t: opforge.linear(*t, None, act), (x, w))
+
+
+def test_no_bias_gets_no_gradient_slot():
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    opforge.linear(x, w, None, "relu").sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.randn(3, 5, 7), torch.randn(4, 7), torch.randn(4), 2),
+        (torch.randn(3, 7), torch.randn(4, 7), None, 0),
+        (torch.randn(5, 3, 7).transpose(0, 1), torch.randn(7, 4).t(), torch.randn(8)[::2], 4),
+        (torch.randn(7), torch.randn(4, 7), torch.randn(4), 1),
+    ],
+    ids=["3d-gelu", "no-bias", "strided-silu", "1d-relu"],
+)
+def test_opcheck_linear(args):
+    opcheck(LINEAR, args)
+    grads = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
+    opcheck(LINEAR, grads)
+
+
+def test_opcheck_matmul():
+    opcheck(MATMUL, (torch.randn(3, 7), torch.randn(7, 4)))
+    opcheck(MATMUL, (torch.randn(2, 3, 7), torch.randn(2, 4, 7).transpose(1, 2)))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (7, 13, 5), (123, 77, 301), (1, 300, 500), (300, 1, 500)], ids=str)
+def test_matmul_values(shape):
+    m, n, k = shape
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.testing.assert_close(opforge.matmul(a, b), a @ b, **TOL[torch.float32])
+    torch.testing.assert_close(opforge.matmul(b.t(), a.t()), b.t() @ a.t(), **TOL[torch.float32])
+    ab, bb = torch.randn(3, m, k), torch.randn(3, k, n)
+    torch.testing.assert_close(opforge.matmul(ab, bb), ab @ bb, **TOL[torch.float32])
+
+
+def test_every_isa_agrees():
+    x, w, b = torch.randn(37, 300), torch.randn(45, 300), torch.randn(45)
+    order = ["ref", "avx2", "avx512"]
+    outs = {}
+    try:
+        for isa in order[: order.index(opforge.isa_best()) + 1]:
+            opforge.set_isa(isa)
+            outs[isa] = opforge.linear(x, w, b, "gelu")
+    finally:
+        opforge.set_isa("auto")
+    for isa, y in outs.items():
+        torch.testing.assert_close(y, outs["ref"], **TOL[torch.float32], msg=f"{isa} vs ref")
+
+
+def test_compile_fullgraph_forward_and_backward():
+    w = torch.randn(24, 16, requires_grad=True)
+    b = torch.randn(24, requires_grad=True)
+
+    def block(t):
+        return opforge.linear(t, w, b, "gelu").sum(-1)
+
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(5, 16, requires_grad=True)
+    compiled(x).sum().backward()
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    ACTS["gelu"](F.linear(xr, wr, br)).sum(-1).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_autocast_runs_in_float32():
+    x, w, b = torch.randn(8, 16), torch.randn(4, 16), torch.randn(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = opforge.linear(x.bfloat16(), w, b, "relu")
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), reference(x.bfloat16().float(), w, b, "relu"), **TOL[torch.float32])
+
+
+def test_nn_linear_is_a_drop_in():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(16, 8)
+    mod = opforge.nn.Linear(16, 8, activation="silu")
+    mod.load_state_dict(ref.state_dict())
+    assert set(mod.state_dict()) == {"weight", "bias"}
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(mod(x), F.silu(ref(x)), **TOL[torch.float32])
+    assert "activation='silu'" in repr(mod)
+    with pytest.raises(RuntimeError, match=r"argument 'activation' must be one of .* got 'tanh'"):
+        opforge.nn.Linear(4, 4, activation="tanh")
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 6)), r"\[opforge::linear\] argument 'weight' must have 5 columns .* got 6"),
+        (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5, 1)), r"argument 'weight' must be 2-d .* got 3-d"),
+        (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5, dtype=torch.float64)), r"argument 'weight' must have the dtype of 'x' \(float32\), got float64"),
+        (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5), torch.randn(3)), r"argument 'bias' must have shape \[4\]"),
+        (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5), None, "swish"), r"argument 'activation' must be one of"),
+        (lambda: LINEAR(torch.randn(3, 5), torch.randn(4, 5), None, 9), r"argument 'activation' must be 0 \(none\).*got 9"),
+        (lambda: opforge.linear(torch.ones(3, 5, dtype=torch.int64), torch.ones(4, 5, dtype=torch.int64)), r"argument 'x' must be a floating-point tensor"),
+        (lambda: opforge.linear(torch.randn(3, 5).bfloat16(), torch.randn(4, 5).bfloat16()), r"argument 'x' must be float32 or float64 .* got bfloat16"),
+        (lambda: opforge.matmul(torch.randn(3, 5), torch.randn(6, 2)), r"\[opforge::matmul\] argument 'b' must have 5 rows .* got 6"),
+        (lambda: opforge.matmul(torch.randn(3, 5), torch.randn(2, 5, 2)), r"must both be 2-d .* got 2-d and 3-d"),
+    ],
+)
+def test_bad_input(call, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        call()
