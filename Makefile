@@ -49,6 +49,8 @@ test: ctest abi-check pytest
 
 bench: build
 	$(PY) benchmarks/bench_dispersion_correction.py
+	$(PY) benchmarks/bench_gemm.py
+	$(PY) benchmarks/bench_linear.py
 	$(PY) benchmarks/bench_build.py
 
 bench-smoke: build

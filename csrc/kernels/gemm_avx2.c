@@ -153,4 +153,4 @@ static void act_grad_avx2(float *out, const float *g, const float *pre, int64_t 
     for (; i < n; i++) out[i] = g[i] * gemm_act_grad_f32(act, pre[i]);
 }
 
-const gemm_kernels gemm_kernels_avx2 = {"avx2_6x16", MR, NR, 120, 256, 3072, ukernel_avx2_6x16, act_grad_avx2};
+const gemm_kernels gemm_kernels_avx2 = {"avx2_6x16", MR, NR, 120, 384, 3072, ukernel_avx2_6x16, act_grad_avx2};

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../kernels/probe.h"
 #include "opforge/op.h"
 
 /* ---- errors ------------------------------------------------------------------ */
@@ -314,3 +315,5 @@ OPF_EXPORT int opforge_set_log_file(const char *path, char *err, size_t errlen) 
 OPF_EXPORT const opf_cpu_features *opforge_cpu_features(void) { return opf_cpu(); }
 
 OPF_EXPORT uint64_t opforge_torch_abi_version(void) { return aoti_torch_abi_version(); }
+
+OPF_EXPORT double opforge_probe_fma(int64_t iters) { return probe_fma(opf_isa_current(), iters); }

@@ -254,60 +254,73 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
                db = opf_tensor_info(LBWD, "dbias", db_h);
     rows_view gv = view_rows(&g), pv = act ? view_rows(&pre) : gv, xv = view_rows(&l.x);
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
-    const size_t es = l.dt == OPF_F32 ? 4 : 8;
-    /* g' as one (m, n) contiguous matrix: scratch of m*n plus the GEMM workspace */
-    int64_t gemm_ws = gemm_workspace_floats(k, m > l.n ? m : l.n, l.k > l.n ? l.k : l.n, m > l.n ? m : l.n);
+    const int64_t es = l.dt == OPF_F32 ? 4 : 8;
+    /* g' is made CHUNK rows at a time: the scratch is CHUNK x N, not M x N,
+     * which is what keeps the backward's peak memory below eager PyTorch's
+     * (it materialises the whole gradient of the pre-activation) */
+    int64_t chunk = l.n > 0 ? ((int64_t)2 << 20) / l.n : m; /* ~8 MiB of float32 */
+    if (chunk < 64) chunk = 64;
+    if (chunk > xv.rows) chunk = xv.rows > 0 ? xv.rows : 1;
+    int64_t gp_floats = (chunk * l.n * es + 3) / 4;
+    int64_t gemm_ws = gemm_workspace_floats(k, chunk > l.n ? chunk : l.n, l.k > l.n ? l.k : l.n, chunk > l.n ? chunk : l.n);
     float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = scratch(LBWD, (int64_t)((m * l.n * es + 3) / 4) + gemm_ws, &l.x, &ws);
+    OPF_OWNED AtenTensorHandle ws_h = scratch(LBWD, gp_floats + gemm_ws, &l.x, &ws);
     char *gp = (char *)ws;
-    float *gemm_scratch = ws + (m * l.n * es + 3) / 4;
-    for (int64_t row = 0; row < m; row++) { /* gather g' row by row */
-        int64_t go = row_offset(&g, &gv, row), po = act ? row_offset(&pre, &pv, row) : 0;
-        if (l.dt == OPF_F32) {
-            const float *gr = (const float *)g.data + go, *pr = (const float *)pre.data + po;
-            float *dst = (float *)gp + row * l.n;
-            if (act && gv.cs == 1 && pv.cs == 1)
-                k->act_grad(dst, gr, pr, l.n, (int)act);
-            else
-                for (int64_t j = 0; j < l.n; j++)
-                    dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f32((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
-        } else {
-            const double *gr = (const double *)g.data + go, *pr = (const double *)pre.data + po;
-            double *dst = (double *)gp + row * l.n;
-            for (int64_t j = 0; j < l.n; j++)
-                dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
+    float *gemm_scratch = ws + gp_floats;
+    int first = 1;
+    for (int64_t i = 0; i < xv.count; i++) {          /* x's matrices */
+        for (int64_t r0 = 0; r0 < xv.rows; r0 += chunk) { /* row chunks of one matrix */
+            int64_t rows = xv.rows - r0 < chunk ? xv.rows - r0 : chunk, row0 = i * xv.rows + r0;
+            for (int64_t r = 0; r < rows; r++) { /* gather g' = grad * act'(preact) */
+                int64_t go = row_offset(&g, &gv, row0 + r), po = act ? row_offset(&pre, &pv, row0 + r) : 0;
+                if (l.dt == OPF_F32) {
+                    const float *gr = (const float *)g.data + go, *pr = (const float *)pre.data + po;
+                    float *dst = (float *)gp + r * l.n;
+                    if (act && gv.cs == 1 && pv.cs == 1)
+                        k->act_grad(dst, gr, pr, l.n, (int)act);
+                    else
+                        for (int64_t j = 0; j < l.n; j++)
+                            dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f32((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
+                } else {
+                    const double *gr = (const double *)g.data + go, *pr = (const double *)pre.data + po;
+                    double *dst = (double *)gp + r * l.n;
+                    for (int64_t j = 0; j < l.n; j++)
+                        dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
+                }
+            }
+            int64_t xo = matrix_offset(&l.x, &xv, i) + r0 * xv.rs;
+            if (l.dt == OPF_F32) {
+                gemm_epilogue none = {0}, acc = {.beta = first ? 0.0f : 1.0f};
+                /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
+                gemm_f32(k, rows, l.k, l.n, (const float *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1],
+                         (float *)dx.data + row0 * l.k, l.k, &none, gemm_scratch);
+                /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
+                gemm_f32(k, l.n, l.k, rows, (const float *)gp, 1, l.n, (const float *)l.x.data + xo, xv.rs, xv.cs,
+                         dw.data, l.k, &acc, gemm_scratch);
+                if (l.has_bias) gemm_colsum_f32(db.data, (const float *)gp, l.n, rows, l.n, !first);
+            } else {
+                gemm_ref_f64(rows, l.k, l.n, (const double *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1],
+                             (double *)dx.data + row0 * l.k, l.k, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                gemm_ref_f64(l.n, l.k, rows, (const double *)gp, 1, l.n, (const double *)l.x.data + xo, xv.rs, xv.cs,
+                             dw.data, l.k, first ? 0.0 : 1.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                for (int64_t j = 0; l.has_bias && j < l.n; j++) {
+                    double sum = first ? 0.0 : ((double *)db.data)[j];
+                    for (int64_t r = 0; r < rows; r++) sum += ((const double *)gp)[r * l.n + j];
+                    ((double *)db.data)[j] = sum;
+                }
+            }
+            first = 0;
         }
     }
-    if (l.dt == OPF_F32) {
-        gemm_epilogue none = {0};
-        /* dx (m, k) = g' (m, n) . weight (n, k) */
-        gemm_f32(k, m, l.k, l.n, (const float *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1], dx.data, l.k,
-                 &none, gemm_scratch);
-        /* dweight (n, k) = g'^T (n, m) . x (m, k), accumulated over x's matrices */
-        for (int64_t i = 0; i < xv.count; i++) {
-            gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
-            gemm_f32(k, l.n, l.k, xv.rows, (const float *)gp + i * xv.rows * l.n, 1, l.n,
-                     (const float *)l.x.data + matrix_offset(&l.x, &xv, i), xv.rs, xv.cs, dw.data, l.k, &acc,
-                     gemm_scratch);
+    if (first) { /* no rows at all: zero gradients of weight and bias */
+        for (int64_t e = 0; e < l.n * l.k; e++) {
+            if (l.dt == OPF_F32) ((float *)dw.data)[e] = 0.0f;
+            else ((double *)dw.data)[e] = 0.0;
         }
-        if (xv.count == 0 || m == 0) { /* no rows: zero gradients */
-            for (int64_t e = 0; e < l.n * l.k; e++) ((float *)dw.data)[e] = 0.0f;
+        for (int64_t j = 0; l.has_bias && j < l.n; j++) {
+            if (l.dt == OPF_F32) ((float *)db.data)[j] = 0.0f;
+            else ((double *)db.data)[j] = 0.0;
         }
-        if (l.has_bias) gemm_colsum_f32(db.data, (const float *)gp, l.n, m, l.n, 0);
-    } else {
-        gemm_ref_f64(m, l.k, l.n, (const double *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1], dx.data,
-                     l.k, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
-        for (int64_t e = 0; e < l.n * l.k; e++) ((double *)dw.data)[e] = 0.0;
-        for (int64_t i = 0; i < xv.count; i++)
-            gemm_ref_f64(l.n, l.k, xv.rows, (const double *)gp + i * xv.rows * l.n, 1, l.n,
-                         (const double *)l.x.data + matrix_offset(&l.x, &xv, i), xv.rs, xv.cs, dw.data, l.k, 1.0,
-                         NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
-        if (l.has_bias)
-            for (int64_t j = 0; j < l.n; j++) {
-                double s = 0;
-                for (int64_t i = 0; i < m; i++) s += ((const double *)gp)[i * l.n + j];
-                ((double *)db.data)[j] = s;
-            }
     }
     opf_log_call(LBWD, t0, 3, (opf_tensor[]){g, l.x, dw});
     OPF_RETURN(stack, 0, dx_h);

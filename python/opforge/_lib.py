@@ -218,14 +218,27 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             plan.append(("const", len(const_from)))
             const_from.append(argnames.index(a))
     grad_slots = [argnames.index(a) for a in desc.backward_grads]
+    # outputs the backward never gets a gradient for are saved values (e.g. a
+    # pre-activation): not differentiable, and no zeros are made for them
+    used_grads = {i for k, i in plan if k == "grad"}
+    saved_only = sorted({i for kind, i in saved_from if kind == "out"} - used_grads)
 
     def setup_context(ctx, inputs, output):
         outs = output if isinstance(output, tuple) else (output,)
+        if saved_only:
+            ctx.mark_non_differentiable(*[outs[i] for i in saved_only])
+            ctx.set_materialize_grads(False)
+            ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
         ctx.save_for_backward(*[outs[i] if kind == "out" else inputs[i] for kind, i in saved_from])
         ctx.consts = [inputs[i] for i in const_from]
         ctx.absent = [inputs[i] is None for i in grad_slots]  # an absent optional tensor gets no gradient
 
     def backward(ctx, *grads):
+        if saved_only:  # grads are not materialised: zeros only where the backward needs one
+            grads = tuple(
+                g if g is not None or i not in used_grads else torch.zeros(*ctx.out_meta[i][:1], dtype=ctx.out_meta[i][1], device=ctx.out_meta[i][2])
+                for i, g in enumerate(grads)
+            )
         saved = ctx.saved_tensors
         args = [grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.consts[i] for k, i in plan]
         res = bwd(*args)

@@ -51,6 +51,28 @@ def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def fma_peak_gflops(seconds: float = 0.2) -> float:
+    """Single-thread fp32 FMA peak of this core for the current ISA, measured
+    now (an FMA loop in C); 0 when the ISA has no probe."""
+    import ctypes
+
+    from ._runtime import library
+
+    probe = library.dll.opforge_probe_fma
+    probe.restype, probe.argtypes = ctypes.c_double, [ctypes.c_int64]
+    iters, best = 1 << 16, 0.0
+    for _ in range(40):
+        t0 = time.perf_counter()
+        flops = probe(iters)
+        dt = time.perf_counter() - t0
+        if flops == 0:
+            return 0.0
+        best = max(best, flops / dt / 1e9)
+        if dt < seconds / 8:
+            iters *= 2
+    return best
+
+
 def peak_memory(fn: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator held during one call of fn, above what was
     held before (torch's profiler memory events, the same for every variant)."""

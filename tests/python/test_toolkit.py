@@ -157,9 +157,17 @@ def test_info_command():
     assert bad.returncode == 1 and "OPFORGE_ISA=sse9 is not valid here" in bad.stdout
 
 
-def test_benchmark_script_smoke(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_dispersion_correction.py"),
-                        "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize(
+    "script, outputs",
+    [
+        ("bench_dispersion_correction.py", ["dispersion_correction_float32.md", "dispersion_correction_overhead.csv"]),
+        ("bench_gemm.py", ["gemm.md", "gemm.csv"]),
+        ("bench_linear.py", ["linear_gelu.md", "linear_gelu.csv"]),
+    ],
+)
+def test_benchmark_scripts_smoke(tmp_path, script, outputs):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert (tmp_path / "dispersion_correction_float32.md").exists()
-    assert (tmp_path / "dispersion_correction_overhead.csv").exists()
+    for name in outputs:
+        assert (tmp_path / name).exists()

@@ -1,0 +1,58 @@
+"""opforge.matmul (the GEMM engine) against torch.mm (MKL / oneDNN in the CPU
+wheel) on square sizes and transformer shapes, one thread and all threads,
+as GFLOP/s, % of the FMA peak measured in this process, and the ratio.
+
+    python benchmarks/bench_gemm.py [--smoke] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import opforge
+from opforge.benchmark import RESULTS, compare, fma_peak_gflops, plot, write_results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=RESULTS)
+    a = p.parse_args(argv)
+    all_threads = torch.get_num_threads()
+    square = [128, 256] if a.smoke else [256, 512, 1024, 2048]
+    # (tokens, hidden in, hidden out): the MLP of a transformer, ratio 4
+    mlp = [(128, 64, 256)] if a.smoke else [(128, 1024, 4096), (1024, 1024, 4096), (4096, 1024, 4096), (4096, 4096, 1024)]
+    shapes = [(n, n, n) for n in square] + mlp
+    rows = []
+    for threads in sorted({1, all_threads}):
+        torch.set_num_threads(threads)
+        peak = fma_peak_gflops() * threads
+        for m, k, n in shapes:
+            x, w = torch.randn(m, k), torch.randn(k, n)
+            torch.testing.assert_close(opforge.matmul(x, w), x @ w, rtol=1e-4, atol=1e-3)
+            t = compare({"opforge": lambda: opforge.matmul(x, w), "torch.mm": lambda: torch.mm(x, w)},
+                        reps=3 if a.smoke else 7, target_s=0.01 if a.smoke else 0.2)
+            flops = 2 * m * n * k
+            row = {"threads": threads, "M": m, "K": k, "N": n,
+                   "opforge_GFLOPs": flops / t["opforge"] / 1e9, "torch_mm_GFLOPs": flops / t["torch.mm"] / 1e9,
+                   "opforge_pct_peak": 100 * flops / t["opforge"] / 1e9 / peak if peak else float("nan"),
+                   "vs_torch_mm": t["torch.mm"] / t["opforge"]}
+            rows.append(row)
+            print(f"{threads} thr {m}x{k}x{n}: {row['opforge_GFLOPs']:.1f} GFLOP/s ({row['opforge_pct_peak']:.0f}% of "
+                  f"{peak:.0f}), torch.mm {row['torch_mm_GFLOPs']:.1f}: {row['vs_torch_mm']:.2f}x", flush=True)
+    torch.set_num_threads(all_threads)
+    table = write_results("gemm", rows, [
+        f"fp32, ISA {opforge.get_isa()}; peak = FMA loop measured in this process (per thread x threads)",
+        "vs_torch_mm: torch.mm time / opforge.matmul time (>1: opforge faster)",
+    ], a.out)
+    one = [r for r in rows if r["threads"] == 1 and r["M"] == r["K"] == r["N"]]
+    plot("gemm", [r["M"] for r in one], {"vs torch.mm (1 thread)": [r["vs_torch_mm"] for r in one],
+                                         "% of peak / 100": [r["opforge_pct_peak"] / 100 for r in one]},
+         "M = N = K", "ratio", a.out)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

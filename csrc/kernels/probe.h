@@ -1,0 +1,19 @@
+/*
+ * Peak probes for benchmarks ("% of peak" is against these, measured in the
+ * same process): an FMA loop with enough independent accumulators to fill
+ * both FMA pipes. Returns the floating-point operations performed.
+ */
+#ifndef OPFORGE_KERNELS_PROBE_H
+#define OPFORGE_KERNELS_PROBE_H
+
+#include <stdint.h>
+
+#include "opforge/runtime.h"
+
+typedef double (*probe_fma_fn)(int64_t iters, float *sink);
+extern const probe_fma_fn probe_fma_avx2; /* probe_avx2.c */
+
+/* FLOPs of `iters` rounds of the best FMA loop of isa (0 when it has none). */
+double probe_fma(opf_isa isa, int64_t iters);
+
+#endif
