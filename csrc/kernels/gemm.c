@@ -176,25 +176,61 @@ const gemm_kernels *gemm_kernels_for(opf_isa isa) {
     return &gemm_kernels_ref;
 }
 
-/* ---- packing ---------------------------------------------------------------------------- */
+/* ---- conversions and packing -------------------------------------------------------------- */
 
-/* rows [i0, i0+mr) of A's K slice [p0, p0+kc) -> ap[p*mr + r], zero padded */
-static void pack_a_sliver(float *ap, const float *a, int64_t rsa, int64_t csa, int64_t rows, int64_t kc,
-                          int mr) {
-    for (int64_t p = 0; p < kc; p++)
-        for (int r = 0; r < mr; r++) ap[p * mr + r] = r < rows ? a[r * rsa + p * csa] : 0.0f;
+static inline float load_elem(const void *p, int64_t i, opf_dtype dt) {
+    switch (dt) {
+    case OPF_BF16: return opf_bf16_to_f32(((const uint16_t *)p)[i]);
+    case OPF_F16: return opf_f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
 }
 
-/* columns [j0, j0+nr) of B's K slice -> bp[p*nr + j], zero padded */
-static void pack_b_sliver(float *bp, const float *b, int64_t rsb, int64_t csb, int64_t cols, int64_t kc,
-                          int nr) {
-    if (csb == 1 && cols == nr) {
+static inline const void *elem_ptr(const void *p, int64_t i, opf_dtype dt) {
+    return (const char *)p + i * (dt == OPF_F32 ? 4 : 2);
+}
+
+void gemm_load_f32(float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride) {
+    for (int64_t i = 0; i < n; i++) dst[i] = load_elem(src, i * stride, dt);
+}
+
+void gemm_store_f32(void *dst, opf_dtype dt, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (dt == OPF_BF16) ((uint16_t *)dst)[i] = opf_f32_to_bf16(src[i]);
+        else if (dt == OPF_F16) ((uint16_t *)dst)[i] = opf_f32_to_f16(src[i]);
+        else ((float *)dst)[i] = src[i];
+    }
+}
+
+/* rows [i0, i0+mr) of A's K slice [p0, p0+kc) -> ap[p*mr + r], zero padded */
+static void pack_a_sliver(float *ap, const void *a_, opf_dtype dt, int64_t rsa, int64_t csa, int64_t rows,
+                          int64_t kc, int mr) {
+    if (dt == OPF_F32) {
+        const float *a = a_;
         for (int64_t p = 0; p < kc; p++)
-            for (int j = 0; j < nr; j++) bp[p * nr + j] = b[p * rsb + j];
+            for (int r = 0; r < mr; r++) ap[p * mr + r] = r < rows ? a[r * rsa + p * csa] : 0.0f;
         return;
     }
     for (int64_t p = 0; p < kc; p++)
-        for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? b[p * rsb + j * csb] : 0.0f;
+        for (int r = 0; r < mr; r++) ap[p * mr + r] = r < rows ? load_elem(a_, r * rsa + p * csa, dt) : 0.0f;
+}
+
+/* columns [j0, j0+nr) of B's K slice -> bp[p*nr + j], zero padded */
+static void pack_b_sliver(float *bp, const void *b_, opf_dtype dt, int64_t rsb, int64_t csb, int64_t cols,
+                          int64_t kc, int nr) {
+    if (dt == OPF_F32) {
+        const float *b = b_;
+        if (csb == 1 && cols == nr) {
+            for (int64_t p = 0; p < kc; p++)
+                for (int j = 0; j < nr; j++) bp[p * nr + j] = b[p * rsb + j];
+            return;
+        }
+        for (int64_t p = 0; p < kc; p++)
+            for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? b[p * rsb + j * csb] : 0.0f;
+        return;
+    }
+    for (int64_t p = 0; p < kc; p++)
+        for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? load_elem(b_, p * rsb + j * csb, dt) : 0.0f;
 }
 
 /* ---- driver ------------------------------------------------------------------------------- */
@@ -210,7 +246,8 @@ typedef struct gemm_job {
     const gemm_kernels *k;
     const gemm_epilogue *ep;
     int64_t m, nc, kc, jc, pc, kdim;
-    const float *a, *b;
+    const void *a, *b;
+    opf_dtype ta, tb;
     int64_t rsa, csa, rsb, csb, rsc;
     float *c, *ap, *bp;
     int64_t mc;  /* rows per block: at most the ISA's MC, balanced over the threads */
@@ -222,8 +259,8 @@ static void pack_a_range(int64_t begin, int64_t end, void *ctx) {
     const int mr = j->k->mr;
     for (int64_t s = begin; s < end; s++) {
         int64_t i0 = s * mr, rows = j->m - i0 < mr ? j->m - i0 : mr;
-        pack_a_sliver(j->ap + s * mr * j->kc, j->a + i0 * j->rsa + j->pc * j->csa, j->rsa, j->csa, rows,
-                      j->kc, mr);
+        pack_a_sliver(j->ap + s * mr * j->kc, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta, j->rsa,
+                      j->csa, rows, j->kc, mr);
     }
 }
 
@@ -232,8 +269,8 @@ static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
     const int nr = j->k->nr;
     for (int64_t s = begin; s < end; s++) {
         int64_t j0 = s * nr, cols = j->nc - j0 < nr ? j->nc - j0 : nr;
-        pack_b_sliver(j->bp + s * nr * j->kc, j->b + j->pc * j->rsb + (j->jc + j0) * j->csb, j->rsb, j->csb,
-                      cols, j->kc, nr);
+        pack_b_sliver(j->bp + s * nr * j->kc, elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb), j->tb,
+                      j->rsb, j->csb, cols, j->kc, nr);
     }
 }
 
@@ -271,13 +308,19 @@ static void compute_range(int64_t begin, int64_t end, void *ctx) {
 void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
               int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
               const gemm_epilogue *ep, float *workspace) {
+    gemm_f32x(k, m, n, kdim, a, OPF_F32, rsa, csa, b, OPF_F32, rsb, csb, c, rsc, ep, workspace);
+}
+
+void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
+               int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
+               int64_t rsc, const gemm_epilogue *ep, float *workspace) {
     if (m <= 0 || n <= 0) return;
     if (kdim <= 0) { /* empty sum: the epilogue alone */
-        gemm_ref_f32(m, n, 0, a, rsa, csa, b, rsb, csb, c, rsc, ep);
+        gemm_ref_f32(m, n, 0, NULL, 0, 0, NULL, 0, 0, c, rsc, ep);
         return;
     }
     int64_t kc_max = kdim < k->kc ? kdim : k->kc;
-    gemm_job j = {.k = k, .ep = ep, .m = m, .kdim = kdim, .a = a, .b = b, .rsa = rsa, .csa = csa,
+    gemm_job j = {.k = k, .ep = ep, .m = m, .kdim = kdim, .a = a, .b = b, .ta = ta, .tb = tb, .rsa = rsa, .csa = csa,
                   .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace,
                   .bp = workspace + round_up(m, k->mr) * kc_max};
     int threads = opf_num_threads();

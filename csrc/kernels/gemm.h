@@ -19,6 +19,7 @@
 
 #include <stdint.h>
 
+#include "opforge/half.h"
 #include "opforge/runtime.h"
 
 typedef enum gemm_act {
@@ -84,6 +85,18 @@ int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64
 void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
               int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
               const gemm_epilogue *ep, float *workspace);
+
+/* The same with bfloat16 / float16 (or float32) operands, converted to
+ * float32 while they are packed: the product accumulates in float32 and C
+ * stays float32. */
+void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
+               int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
+               int64_t rsc, const gemm_epilogue *ep, float *workspace);
+
+/* dst[i] = src[i * stride] converted to float32 / from float32 (rounded to
+ * nearest even) for the three float32-computed types. */
+void gemm_load_f32(float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride);
+void gemm_store_f32(void *dst, opf_dtype dt, const float *src, int64_t n);
 
 /* Naive triple loop with the same epilogue, accumulating in double: the oracle. */
 void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,

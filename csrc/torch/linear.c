@@ -5,8 +5,9 @@
  *       out = act(x weight^T + bias); preact = x weight^T + bias, saved for the
  *       backward when act is not "none" (else an empty tensor)
  *   linear_backward(grad, x, weight, bias?, preact, activation) -> (dx, dweight, dbias)
- * float32 runs the blocked GEMM of csrc/kernels/gemm.c; float64 the oracle
- * (gradcheck). Operands of any strides are read in place; outputs are
+ * float32 runs the blocked GEMM of csrc/kernels/gemm.c; bfloat16 / float16
+ * the same GEMM on operands converted to float32 while packed, accumulating
+ * in float32 and rounding once on store; float64 the oracle (gradcheck). Operands of any strides are read in place; outputs are
  * contiguous. activation: 0 none, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu.
  */
 #include <stdlib.h>
@@ -20,12 +21,12 @@ static const char LBWD[] = "opforge::linear_backward";
 
 static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor *t) {
     opf_check_cpu(op, arg, t);
-    opf_dtype dt = opf_check_float(op, arg, t);
-    if (dt != OPF_F32 && dt != OPF_F64)
-        opf_fail(op, "argument '%s' must be float32 or float64 (bfloat16/float16: cast, or use autocast), got %s",
-                 arg, opf_dtype_name(t->dtype));
-    return dt;
+    return opf_check_float(op, arg, t);
 }
+
+static size_t elem_size(opf_dtype dt) { return dt == OPF_F64 ? 8 : dt == OPF_F32 ? 4 : 2; }
+
+static void *at(void *p, int64_t i, opf_dtype dt) { return (char *)p + i * (int64_t)elem_size(dt); }
 
 static void check_activation(const char *op, int64_t act) {
     if (act < 0 || act >= GEMM_ACT_COUNT)
@@ -114,18 +115,22 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     opf_tensor c = opf_tensor_info(MM, "out", c_h);
     int64_t asb = nd == 3 ? a.strides[0] : 0, bsb = nd == 3 ? b.strides[0] : 0;
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
+    const int half = dt == OPF_BF16 || dt == OPF_F16;
     float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = dt == OPF_F32 ? scratch(MM, gemm_workspace_floats(k, m, n, kd), &a, &ws) : NULL;
+    OPF_OWNED AtenTensorHandle ws_h =
+        dt != OPF_F64 ? scratch(MM, gemm_workspace_floats(k, m, n, kd) + (half ? m * n : 0), &a, &ws) : NULL;
     gemm_epilogue ep = {0};
     for (int64_t i = 0; i < batch; i++) {
-        if (dt == OPF_F32)
-            gemm_f32(k, m, n, kd, (const float *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
-                     (const float *)b.data + i * bsb, b.strides[nd - 2], b.strides[nd - 1],
-                     (float *)c.data + i * m * n, n, &ep, ws);
-        else
+        if (dt == OPF_F64) {
             gemm_ref_f64(m, n, kd, (const double *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
                          (const double *)b.data + i * bsb, b.strides[nd - 2], b.strides[nd - 1],
                          (double *)c.data + i * m * n, n, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+            continue;
+        }
+        float *c32 = half ? ws + gemm_workspace_floats(k, m, n, kd) : (float *)c.data + i * m * n;
+        gemm_f32x(k, m, n, kd, at(a.data, i * asb, dt), dt, a.strides[nd - 2], a.strides[nd - 1],
+                  at(b.data, i * bsb, dt), dt, b.strides[nd - 2], b.strides[nd - 1], c32, n, &ep, ws);
+        if (half) gemm_store_f32(at(c.data, i * m * n, dt), dt, c32, m * n);
     }
     opf_log_call(MM, t0, 3, (opf_tensor[]){a, b, c});
     OPF_RETURN(stack, 0, c_h);
@@ -171,14 +176,6 @@ static void out_sizes(const opf_tensor *x, int64_t n, int64_t *sizes) {
     sizes[x->ndim - 1] = n;
 }
 
-/* bias as a contiguous float array (a strided bias is gathered into scratch) */
-static const float *bias_f32(const linear_args *l, float *scratch_n) {
-    if (!l->has_bias) return NULL;
-    if (l->bias.strides[0] == 1) return l->bias.data;
-    for (int64_t j = 0; j < l->n; j++) scratch_n[j] = ((const float *)l->bias.data)[j * l->bias.strides[0]];
-    return scratch_n;
-}
-
 static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(x, stack, 0);
     OPF_ARG_TENSOR(w, stack, 1);
@@ -194,26 +191,45 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         act ? opf_empty(LIN, l.x.ndim, sizes, l.x.dtype, &l.x) : opf_empty(LIN, 1, &empty, l.x.dtype, &l.x);
     opf_tensor out = opf_tensor_info(LIN, "out", out_h), pre = opf_tensor_info(LIN, "preact", pre_h);
     rows_view v = view_rows(&l.x);
-    const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
-    float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h =
-        l.dt == OPF_F32 ? scratch(LIN, gemm_workspace_floats(k, v.rows, l.n, l.k) + l.n, &l.x, &ws) : NULL;
-    const float *bias = l.dt == OPF_F32 ? bias_f32(&l, ws) : NULL;
-    for (int64_t i = 0; i < v.count; i++) {
-        int64_t xo = matrix_offset(&l.x, &v, i), oo = i * v.rows * l.n;
-        if (l.dt == OPF_F32) {
-            gemm_epilogue ep = {.beta = 0.0f, .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE,
-                                .act = (int)act, .preact = act ? (float *)pre.data + oo : NULL, .rsp = l.n};
-            gemm_f32(k, v.rows, l.n, l.k, (const float *)l.x.data + xo, v.rs, v.cs, l.w.data, l.w.strides[1],
-                     l.w.strides[0], (float *)out.data + oo, l.n, &ep, ws + l.n);
-        } else {
-            double *bias64 = NULL;
-            if (l.has_bias && l.bias.strides[0] != 1)
-                opf_fail(LIN, "argument 'bias' must be contiguous in float64, got stride %lld", (long long)l.bias.strides[0]);
-            if (l.has_bias) bias64 = l.bias.data;
+    if (l.dt == OPF_F64) {
+        if (l.has_bias && l.bias.strides[0] != 1)
+            opf_fail(LIN, "argument 'bias' must be contiguous in float64, got stride %lld", (long long)l.bias.strides[0]);
+        for (int64_t i = 0; i < v.count; i++) {
+            int64_t xo = matrix_offset(&l.x, &v, i), oo = i * v.rows * l.n;
             gemm_ref_f64(v.rows, l.n, l.k, (const double *)l.x.data + xo, v.rs, v.cs, l.w.data, l.w.strides[1],
-                         l.w.strides[0], (double *)out.data + oo, l.n, 0.0, bias64,
-                         bias64 ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, (int)act, act ? (double *)pre.data + oo : NULL, l.n);
+                         l.w.strides[0], (double *)out.data + oo, l.n, 0.0, l.has_bias ? l.bias.data : NULL,
+                         l.has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, (int)act, act ? (double *)pre.data + oo : NULL, l.n);
+        }
+    } else {
+        /* float32 writes out (and preact) in place; 16-bit types go through
+         * float32 row chunks of ~8 MiB and are rounded once */
+        const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
+        const int half = l.dt != OPF_F32;
+        int64_t chunk = half ? (l.n > 0 ? ((int64_t)2 << 20) / l.n : v.rows) : v.rows;
+        if (chunk < 64) chunk = 64;
+        if (chunk > v.rows) chunk = v.rows > 0 ? v.rows : 1;
+        int64_t gws = gemm_workspace_floats(k, chunk, l.n, l.k);
+        float *ws = NULL;
+        OPF_OWNED AtenTensorHandle ws_h = scratch(LIN, gws + l.n + (half ? 2 * chunk * l.n : 0), &l.x, &ws);
+        float *bias = NULL, *cbuf = ws + gws + l.n, *pbuf = cbuf + chunk * l.n;
+        if (l.has_bias) {
+            bias = ws + gws;
+            gemm_load_f32(bias, l.bias.data, l.dt, l.n, l.bias.strides[0]);
+        }
+        for (int64_t i = 0; i < v.count; i++) {
+            for (int64_t r0 = 0; r0 < v.rows; r0 += chunk) {
+                int64_t rows = v.rows - r0 < chunk ? v.rows - r0 : chunk;
+                int64_t xo = matrix_offset(&l.x, &v, i) + r0 * v.rs, oo = (i * v.rows + r0) * l.n;
+                float *c32 = half ? cbuf : (float *)out.data + oo, *p32 = half ? pbuf : (float *)pre.data + oo;
+                gemm_epilogue ep = {.beta = 0.0f, .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE,
+                                    .act = (int)act, .preact = act ? p32 : NULL, .rsp = l.n};
+                gemm_f32x(k, rows, l.n, l.k, at(l.x.data, xo, l.dt), l.dt, v.rs, v.cs, l.w.data, l.dt,
+                          l.w.strides[1], l.w.strides[0], c32, l.n, &ep, ws);
+                if (half) {
+                    gemm_store_f32(at(out.data, oo, l.dt), l.dt, c32, rows * l.n);
+                    if (act) gemm_store_f32(at(pre.data, oo, l.dt), l.dt, p32, rows * l.n);
+                }
+            }
         }
     }
     opf_log_call(LIN, t0, 3, (opf_tensor[]){l.x, l.w, out});
@@ -254,51 +270,53 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
                db = opf_tensor_info(LBWD, "dbias", db_h);
     rows_view gv = view_rows(&g), pv = act ? view_rows(&pre) : gv, xv = view_rows(&l.x);
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
-    const int64_t es = l.dt == OPF_F32 ? 4 : 8;
+    const int f64 = l.dt == OPF_F64, half = l.dt == OPF_BF16 || l.dt == OPF_F16;
+    const int64_t es = f64 ? 8 : 4; /* g' is float64 or float32 */
     /* g' is made CHUNK rows at a time: the scratch is CHUNK x N, not M x N,
-     * which is what keeps the backward's peak memory below eager PyTorch's
-     * (it materialises the whole gradient of the pre-activation) */
+     * which keeps the backward's peak memory below eager PyTorch's (it
+     * materialises the whole gradient of the pre-activation) */
     int64_t chunk = l.n > 0 ? ((int64_t)2 << 20) / l.n : m; /* ~8 MiB of float32 */
     if (chunk < 64) chunk = 64;
     if (chunk > xv.rows) chunk = xv.rows > 0 ? xv.rows : 1;
     int64_t gp_floats = (chunk * l.n * es + 3) / 4;
-    int64_t gemm_ws = gemm_workspace_floats(k, chunk > l.n ? chunk : l.n, l.k > l.n ? l.k : l.n, chunk > l.n ? chunk : l.n);
+    int64_t gws = f64 ? 0 : gemm_workspace_floats(k, chunk > l.n ? chunk : l.n, l.k > l.n ? l.k : l.n, chunk > l.n ? chunk : l.n);
+    /* one float32 row of grad and of preact (converted or gathered), and for
+     * 16-bit types float32 dx rows, dweight and dbias */
+    int64_t extra = 2 * l.n + (half ? chunk * l.k + l.n * l.k + l.n : 0);
     float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = scratch(LBWD, gp_floats + gemm_ws, &l.x, &ws);
+    OPF_OWNED AtenTensorHandle ws_h = scratch(LBWD, gp_floats + gws + extra, &l.x, &ws);
     char *gp = (char *)ws;
-    float *gemm_scratch = ws + gp_floats;
+    float *gemm_scratch = ws + gp_floats, *grow = gemm_scratch + gws, *prow = grow + l.n, *hbuf = prow + l.n;
+    float *dx32 = half ? hbuf : NULL, *dw32 = half ? hbuf + chunk * l.k : dw.data;
+    float *db32 = half ? dw32 + l.n * l.k : db.data;
     int first = 1;
     for (int64_t i = 0; i < xv.count; i++) {          /* x's matrices */
         for (int64_t r0 = 0; r0 < xv.rows; r0 += chunk) { /* row chunks of one matrix */
             int64_t rows = xv.rows - r0 < chunk ? xv.rows - r0 : chunk, row0 = i * xv.rows + r0;
             for (int64_t r = 0; r < rows; r++) { /* gather g' = grad * act'(preact) */
                 int64_t go = row_offset(&g, &gv, row0 + r), po = act ? row_offset(&pre, &pv, row0 + r) : 0;
-                if (l.dt == OPF_F32) {
-                    const float *gr = (const float *)g.data + go, *pr = (const float *)pre.data + po;
-                    float *dst = (float *)gp + r * l.n;
-                    if (act && gv.cs == 1 && pv.cs == 1)
-                        k->act_grad(dst, gr, pr, l.n, (int)act);
-                    else
-                        for (int64_t j = 0; j < l.n; j++)
-                            dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f32((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
-                } else {
+                if (f64) {
                     const double *gr = (const double *)g.data + go, *pr = (const double *)pre.data + po;
                     double *dst = (double *)gp + r * l.n;
                     for (int64_t j = 0; j < l.n; j++)
                         dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
+                    continue;
                 }
+                float *dst = (float *)gp + r * l.n;
+                const float *gr = at(g.data, go, l.dt), *pr = act ? at(pre.data, po, l.dt) : NULL;
+                if (half || gv.cs != 1) { /* convert / gather to float32 rows first */
+                    gemm_load_f32(act ? grow : dst, at(g.data, go, l.dt), l.dt, l.n, gv.cs);
+                    gr = act ? grow : dst;
+                }
+                if (act && (half || pv.cs != 1)) {
+                    gemm_load_f32(prow, at(pre.data, po, l.dt), l.dt, l.n, pv.cs);
+                    pr = prow;
+                }
+                if (act) k->act_grad(dst, gr, pr, l.n, (int)act);
+                else if (gr != dst) for (int64_t j = 0; j < l.n; j++) dst[j] = gr[j];
             }
             int64_t xo = matrix_offset(&l.x, &xv, i) + r0 * xv.rs;
-            if (l.dt == OPF_F32) {
-                gemm_epilogue none = {0}, acc = {.beta = first ? 0.0f : 1.0f};
-                /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
-                gemm_f32(k, rows, l.k, l.n, (const float *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1],
-                         (float *)dx.data + row0 * l.k, l.k, &none, gemm_scratch);
-                /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
-                gemm_f32(k, l.n, l.k, rows, (const float *)gp, 1, l.n, (const float *)l.x.data + xo, xv.rs, xv.cs,
-                         dw.data, l.k, &acc, gemm_scratch);
-                if (l.has_bias) gemm_colsum_f32(db.data, (const float *)gp, l.n, rows, l.n, !first);
-            } else {
+            if (f64) {
                 gemm_ref_f64(rows, l.k, l.n, (const double *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1],
                              (double *)dx.data + row0 * l.k, l.k, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
                 gemm_ref_f64(l.n, l.k, rows, (const double *)gp, 1, l.n, (const double *)l.x.data + xo, xv.rs, xv.cs,
@@ -308,19 +326,34 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
                     for (int64_t r = 0; r < rows; r++) sum += ((const double *)gp)[r * l.n + j];
                     ((double *)db.data)[j] = sum;
                 }
+            } else {
+                gemm_epilogue none = {0}, acc = {.beta = first ? 0.0f : 1.0f};
+                float *dxr = half ? dx32 : (float *)dx.data + row0 * l.k;
+                /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
+                gemm_f32x(k, rows, l.k, l.n, gp, OPF_F32, l.n, 1, l.w.data, l.dt, l.w.strides[0], l.w.strides[1],
+                          dxr, l.k, &none, gemm_scratch);
+                if (half) gemm_store_f32(at(dx.data, row0 * l.k, l.dt), l.dt, dx32, rows * l.k);
+                /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
+                gemm_f32x(k, l.n, l.k, rows, gp, OPF_F32, 1, l.n, at(l.x.data, xo, l.dt), l.dt, xv.rs, xv.cs, dw32,
+                          l.k, &acc, gemm_scratch);
+                if (l.has_bias) gemm_colsum_f32(db32, (const float *)gp, l.n, rows, l.n, !first);
             }
             first = 0;
         }
     }
     if (first) { /* no rows at all: zero gradients of weight and bias */
         for (int64_t e = 0; e < l.n * l.k; e++) {
-            if (l.dt == OPF_F32) ((float *)dw.data)[e] = 0.0f;
-            else ((double *)dw.data)[e] = 0.0;
+            if (f64) ((double *)dw.data)[e] = 0.0;
+            else dw32[e] = 0.0f;
         }
         for (int64_t j = 0; l.has_bias && j < l.n; j++) {
-            if (l.dt == OPF_F32) ((float *)db.data)[j] = 0.0f;
-            else ((double *)db.data)[j] = 0.0;
+            if (f64) ((double *)db.data)[j] = 0.0;
+            else db32[j] = 0.0f;
         }
+    }
+    if (half) {
+        gemm_store_f32(dw.data, l.dt, dw32, l.n * l.k);
+        if (l.has_bias) gemm_store_f32(db.data, l.dt, db32, l.n);
     }
     opf_log_call(LBWD, t0, 3, (opf_tensor[]){g, l.x, dw});
     OPF_RETURN(stack, 0, dx_h);
@@ -334,7 +367,7 @@ const opf_op_desc opf_linear_ops[3] = {
         .schema = "matmul(Tensor a, Tensor b) -> Tensor",
         .cpu = matmul_cpu,
         .shape = "matmul:a,b",
-        .autocast = OPF_AUTOCAST_FP32,
+        .autocast = OPF_AUTOCAST_LOWER,
     },
     {
         .name = "linear",
@@ -344,7 +377,7 @@ const opf_op_desc opf_linear_ops[3] = {
         .backward = "linear_backward",
         .backward_args = "grad0,x,weight,bias,out1,activation",
         .backward_grads = "x,weight,bias",
-        .autocast = OPF_AUTOCAST_FP32,
+        .autocast = OPF_AUTOCAST_LOWER,
     },
     {
         .name = "linear_backward",

@@ -64,14 +64,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         activation: "none", "relu", "gelu" (exact, erf), "gelu_tanh" or "silu".
 
     float32 runs opforge's GEMM (AVX2 micro-kernel where available);
-    float64 a reference loop (for gradcheck). The pre-activation is kept for
-    the backward only when an activation is applied. Under autocast the op
-    runs in float32.
+    bfloat16 / float16 the same GEMM on operands converted to float32 while
+    packed (float32 accumulation, one rounding); float64 a reference loop (for
+    gradcheck). The pre-activation is kept for the backward only when an
+    activation is applied. Under autocast the op runs in the autocast dtype,
+    as F.linear does.
     """
     return _linear(x, weight, bias, _activation_code(activation))[0]
 
 
 @op_function(torch.ops.opforge.matmul.default)
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for 2-d (M,K)·(K,N) or batched 3-d (B,M,K)·(B,K,N) float32 /
-    float64 tensors of any strides (transposed operands are read in place)."""
+    """``a @ b`` for 2-d (M,K)·(K,N) or batched 3-d (B,M,K)·(B,K,N) tensors of
+    any strides (transposed operands are read in place); float32, bfloat16 and
+    float16 accumulate in float32, float64 runs a reference loop."""

@@ -17,15 +17,21 @@ ACTS = {
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "silu": F.silu,
 }
-# float32 sums of K products: error grows like sqrt(K) ulps; K <= 301 here
-TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}
+# float32 sums of K products: error grows like sqrt(K) ulps; K <= 301 here. 16-bit
+# types accumulate in float32 and round once: half an ulp of the type, relative.
+TOL = {
+    torch.float32: dict(rtol=2e-5, atol=2e-5),
+    torch.float64: dict(rtol=1e-10, atol=1e-10),
+    torch.bfloat16: dict(rtol=8e-3, atol=2e-2),
+    torch.float16: dict(rtol=1e-3, atol=4e-3),
+}
 
 
 def reference(x, w, b, act):
     return ACTS[act](F.linear(x.double(), w.double(), None if b is None else b.double()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("shape", [(1, 1, 1), (7, 13, 5), (123, 77, 301), (2, 3, 17, 9)], ids=str)
 def test_values(shape, act, dtype):
@@ -58,17 +64,23 @@ def test_strided_operands_read_in_place(view):
     torch.testing.assert_close(opforge.linear(x, w, b, "gelu").double(), reference(x, w, b, "gelu"), **TOL[torch.float32])
 
 
+GRAD_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=8e-2),
+            torch.float16: dict(rtol=4e-3, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", list(GRAD_TOL))
 @pytest.mark.parametrize("act", list(ACTS))
-def test_gradients_match_autograd(act):
-    x = torch.randn(4, 9, 33, requires_grad=True)
-    w = torch.randn(20, 33, requires_grad=True)
-    b = torch.randn(20, requires_grad=True)
-    g = torch.randn(4, 9, 20)
+def test_gradients_match_autograd(act, dtype):
+    x = torch.randn(4, 9, 33).to(dtype).requires_grad_()
+    w = (torch.randn(20, 33) / 4).to(dtype).requires_grad_()
+    b = torch.randn(20).to(dtype).requires_grad_()
+    g = torch.randn(4, 9, 20).to(dtype)
     opforge.linear(x, w, b, act).backward(g)
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     reference(xr, wr, br, act).backward(g.double())
     for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, **GRAD_TOL[dtype])
 
 
 @pytest.mark.parametrize("act", list(ACTS))
@@ -93,8 +105,9 @@ def test_no_bias_gets_no_gradient_slot():
         (torch.randn(3, 7), torch.randn(4, 7), None, 0),
         (torch.randn(5, 3, 7).transpose(0, 1), torch.randn(7, 4).t(), torch.randn(8)[::2], 4),
         (torch.randn(7), torch.randn(4, 7), torch.randn(4), 1),
+        (torch.randn(3, 7).bfloat16(), torch.randn(4, 7).bfloat16(), torch.randn(4).bfloat16(), 3),
     ],
-    ids=["3d-gelu", "no-bias", "strided-silu", "1d-relu"],
+    ids=["3d-gelu", "no-bias", "strided-silu", "1d-relu", "bf16-gelu_tanh"],
 )
 def test_opcheck_linear(args):
     opcheck(LINEAR, args)
@@ -113,6 +126,10 @@ def test_matmul_values(shape):
     a, b = torch.randn(m, k), torch.randn(k, n)
     torch.testing.assert_close(opforge.matmul(a, b), a @ b, **TOL[torch.float32])
     torch.testing.assert_close(opforge.matmul(b.t(), a.t()), b.t() @ a.t(), **TOL[torch.float32])
+    for dt in (torch.bfloat16, torch.float16):
+        got = opforge.matmul(a.to(dt), b.to(dt))
+        assert got.dtype == dt
+        torch.testing.assert_close(got.double(), a.to(dt).double() @ b.to(dt).double(), **TOL[dt])
     ab, bb = torch.randn(3, m, k), torch.randn(3, k, n)
     torch.testing.assert_close(opforge.matmul(ab, bb), ab @ bb, **TOL[torch.float32])
 
@@ -147,12 +164,16 @@ def test_compile_fullgraph_forward_and_backward():
     torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)
 
 
-def test_autocast_runs_in_float32():
-    x, w, b = torch.randn(8, 16), torch.randn(4, 16), torch.randn(4)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = opforge.linear(x.bfloat16(), w, b, "relu")
-    assert y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), reference(x.bfloat16().float(), w, b, "relu"), **TOL[torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_runs_in_the_autocast_dtype(dtype):
+    x, w, b = torch.randn(8, 16), torch.randn(4, 16, requires_grad=True), torch.randn(4, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        y = opforge.linear(x, w, b, "relu")  # as torch's autocast does for F.linear
+        z = opforge.matmul(x, w.detach().t())
+    assert y.dtype == dtype and z.dtype == dtype
+    torch.testing.assert_close(y.double(), reference(x.to(dtype), w.to(dtype), b.to(dtype), "relu"), **TOL[dtype])
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32  # the cast is in the graph: master weights get float32 grads
 
 
 def test_nn_linear_is_a_drop_in():
@@ -178,7 +199,7 @@ def test_nn_linear_is_a_drop_in():
         (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5), None, "swish"), r"argument 'activation' must be one of"),
         (lambda: LINEAR(torch.randn(3, 5), torch.randn(4, 5), None, 9), r"argument 'activation' must be 0 \(none\).*got 9"),
         (lambda: opforge.linear(torch.ones(3, 5, dtype=torch.int64), torch.ones(4, 5, dtype=torch.int64)), r"argument 'x' must be a floating-point tensor"),
-        (lambda: opforge.linear(torch.randn(3, 5).bfloat16(), torch.randn(4, 5).bfloat16()), r"argument 'x' must be float32 or float64 .* got bfloat16"),
+        (lambda: opforge.linear(torch.randn(3, 5).bfloat16(), torch.randn(4, 5)), r"argument 'weight' must have the dtype of 'x' \(bfloat16\), got float32"),
         (lambda: opforge.matmul(torch.randn(3, 5), torch.randn(6, 2)), r"\[opforge::matmul\] argument 'b' must have 5 rows .* got 6"),
         (lambda: opforge.matmul(torch.randn(3, 5), torch.randn(2, 5, 2)), r"must both be 2-d .* got 2-d and 3-d"),
     ],
