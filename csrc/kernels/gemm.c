@@ -284,6 +284,8 @@ static void compute_range(int64_t begin, int64_t end, void *ctx) {
     for (int64_t t = begin; t < end; t++) {
         int64_t ib = t / j->ntn, jn = t % j->ntn;
         int64_t i_lo = ib * j->mc, i_hi = i_lo + j->mc < j->m ? i_lo + j->mc : j->m;
+        if (j->ntn == 1) /* this task alone uses the block: pack it here, where it stays in L2 */
+            pack_a_range(i_lo / k->mr, (i_hi + k->mr - 1) / k->mr, (void *)j);
         int64_t s_lo = slivers * jn / j->ntn, s_hi = slivers * (jn + 1) / j->ntn;
         for (int64_t s = s_lo; s < s_hi; s++) { /* B sliver stays in L1 across the rows */
             int64_t jj = s * k->nr, n = j->nc - jj < k->nr ? j->nc - jj : k->nr, col = j->jc + jj;
@@ -341,7 +343,7 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
             j.pc = pc;
             j.kc = kdim - pc < k->kc ? kdim - pc : k->kc;
             opf_parallel_for(0, nslivers, 16, pack_b_range, &j);
-            opf_parallel_for(0, mslivers, 16, pack_a_range, &j);
+            if (j.ntn > 1) opf_parallel_for(0, mslivers, 16, pack_a_range, &j); /* blocks shared by tasks */
             opf_parallel_for(0, mblocks * j.ntn, 1, compute_range, &j);
         }
     }

@@ -92,6 +92,10 @@ static void ukernel_avx2_6x16(int64_t kc, const float *ap, const float *bp, floa
                               int n, const gemm_tile *t) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int i = 0; i < m; i++) { /* the tile is read or written after the loop: start fetching it now */
+        _mm_prefetch((const char *)(c + i * rsc), _MM_HINT_T0);
+        _mm_prefetch((const char *)(c + i * rsc + 15), _MM_HINT_T0);
+    }
     for (int64_t p = 0; p < kc; p++, ap += MR, bp += NR) {
         __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), a;
         a = _mm256_broadcast_ss(ap + 0); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
