@@ -225,8 +225,18 @@ static void pack_b_sliver(float *bp, const void *b_, opf_dtype dt, int64_t rsb, 
                 for (int j = 0; j < nr; j++) bp[p * nr + j] = b[p * rsb + j];
             return;
         }
+        if (rsb == 1) { /* B transposed (nn.Linear's weight): walk each column along K, contiguous */
+            for (int j = 0; j < nr; j++)
+                for (int64_t p = 0; p < kc; p++) bp[p * nr + j] = j < cols ? b[j * csb + p] : 0.0f;
+            return;
+        }
         for (int64_t p = 0; p < kc; p++)
             for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? b[p * rsb + j * csb] : 0.0f;
+        return;
+    }
+    if (rsb == 1) {
+        for (int j = 0; j < nr; j++)
+            for (int64_t p = 0; p < kc; p++) bp[p * nr + j] = j < cols ? load_elem(b_, j * csb + p, dt) : 0.0f;
         return;
     }
     for (int64_t p = 0; p < kc; p++)
