@@ -31,43 +31,53 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     compiled = torch.compile(eager, dynamic=False)
-    shapes = [(64, 32, 128)] if a.smoke else [(128, 1024, 4096), (1024, 1024, 4096), (4096, 1024, 4096), (4096, 4096, 1024)]
+    f32 = torch.float32
+    if a.smoke:
+        shapes = [(64, 32, 128, f32), (64, 32, 128, torch.bfloat16)]
+    else:
+        # bfloat16 at one shape only: eager's bfloat16 backward takes about a minute per step on CPUs
+        # without AVX512-BF16 / AMX
+        shapes = [(128, 1024, 4096, f32), (1024, 1024, 4096, f32), (4096, 1024, 4096, f32), (4096, 4096, 1024, f32),
+                  (1024, 1024, 4096, torch.bfloat16)]
     variants = {"opforge": fused, "eager": eager, "compile": compiled}
     rows = []
-    for tokens, hin, hout in shapes:
-        x = torch.randn(tokens, hin)
-        w = torch.randn(hout, hin) / hin**0.5
-        b = torch.randn(hout)
-        torch.testing.assert_close(fused(x, w, b), eager(x, w, b), rtol=1e-4, atol=1e-4)
+    for tokens, hin, hout, dtype in shapes:
+        x = torch.randn(tokens, hin).to(dtype)
+        w = (torch.randn(hout, hin) / hin**0.5).to(dtype)
+        b = torch.randn(hout).to(dtype)
+        tol = 1e-4 if dtype == f32 else 3e-2
+        torch.testing.assert_close(fused(x, w, b).float(), eager(x.double(), w.double(), b.double()).float(), rtol=tol, atol=tol)
         xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
-        grad = torch.randn(tokens, hout)
+        grad = torch.randn(tokens, hout).to(dtype)
 
         def step(f):
             f(xg, wg, bg).backward(grad)
             xg.grad = wg.grad = bg.grad = None
 
-        reps, target = (3, 0.01) if a.smoke else (5, 0.3)
+        reps, target = (3, 0.01) if a.smoke else ((5, 0.3) if dtype == f32 else (2, 0.01))
         fwd = compare({k: (lambda f=f: f(x, w, b)) for k, f in variants.items()}, reps=reps, target_s=target)
         both = compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=target)
         mem = {k: peak_memory(lambda f=f: step(f)) for k, f in variants.items()}
-        row = {"tokens": tokens, "in": hin, "out": hout,
+        row = {"dtype": str(dtype).split(".")[1], "tokens": tokens, "in": hin, "out": hout,
                "fwd_vs_eager": fwd["eager"] / fwd["opforge"], "fwd_vs_compile": fwd["compile"] / fwd["opforge"],
                "fwdbwd_vs_eager": both["eager"] / both["opforge"], "fwdbwd_vs_compile": both["compile"] / both["opforge"],
                "peak_MiB_opforge": mem["opforge"] / 2**20, "peak_MiB_eager": mem["eager"] / 2**20,
                "mem_saved_vs_eager_pct": 100 * (1 - mem["opforge"] / mem["eager"]),
                "mem_saved_vs_compile_pct": 100 * (1 - mem["opforge"] / mem["compile"])}
         rows.append(row)
-        print(f"{tokens}x{hin}->{hout}: fwd {row['fwd_vs_eager']:.2f}x eager {row['fwd_vs_compile']:.2f}x compile; "
+        print(f"{row['dtype']} {tokens}x{hin}->{hout}: fwd {row['fwd_vs_eager']:.2f}x eager {row['fwd_vs_compile']:.2f}x compile; "
               f"fwd+bwd {row['fwdbwd_vs_eager']:.2f}x eager {row['fwdbwd_vs_compile']:.2f}x compile; peak memory "
               f"{row['mem_saved_vs_eager_pct']:.0f}% less than eager, {row['mem_saved_vs_compile_pct']:.0f}% less than compile",
               flush=True)
     table = write_results("linear_gelu", rows, [
-        f"fp32, ISA {opforge.get_isa()}; ratios = baseline time / opforge time (>1: opforge faster)",
+        f"ISA {opforge.get_isa()}; ratios = baseline time / opforge time (>1: opforge faster); bfloat16: "
+        "opforge accumulates in float32 on the AVX2 GEMM, eager runs torch's own bfloat16 kernels",
         "peak memory: allocator high-water mark of one forward+backward (torch profiler memory events), "
         "inputs and parameters excluded, the same way for every variant",
     ], a.out)
-    plot("linear_gelu", [r["tokens"] * r["out"] for r in rows],
-         {k: [r[k] for r in rows] for k in ("fwd_vs_eager", "fwdbwd_vs_eager", "fwdbwd_vs_compile")},
+    fp32 = [r for r in rows if r["dtype"] == "float32"]
+    plot("linear_gelu", [r["tokens"] * r["out"] for r in fp32],
+         {k: [r[k] for r in fp32] for k in ("fwd_vs_eager", "fwdbwd_vs_eager", "fwdbwd_vs_compile")},
          "tokens x out_features", "speed-up (x)", a.out)
     print(table)
 
