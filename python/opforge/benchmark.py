@@ -119,9 +119,8 @@ def bench(
     torch.compile of it, per size: forward (and forward+backward) medians,
     ratios (>1: op faster / leaner). make_inputs(n, dtype) builds the argument
     tuple; by default every Tensor argument is n positive values, floats 0.8."""
-    from .testing import _as_overload, assert_close
-
     from ._lib import op_function
+    from .testing import _as_overload, _is_float_tensor, _to64, _tuple, assert_close
 
     op = _as_overload(op)
     make_inputs = make_inputs or (lambda n, dt: _default_inputs(op, n, dt))
@@ -142,7 +141,7 @@ def bench(
                "fwd_vs_eager": fwd["eager"] / fwd["op"], "fwd_vs_compile": fwd["compile"] / fwd["op"],
                "fwd_peak_mem_vs_eager": mem["eager"] / max(mem["op"], 1)}
         if backward:
-            grad_args = [tuple(a.detach().requires_grad_() if _is_float(a) else a for a in args)]
+            grad_args = [tuple(a.detach().requires_grad_() if _is_float_tensor(a) else a for a in args)]
 
             def step(f):
                 outs = _tuple(f(*grad_args[0]))
@@ -160,33 +159,10 @@ def bench(
     return rows
 
 
-def _is_float(a) -> bool:
-    return isinstance(a, torch.Tensor) and a.is_floating_point()
-
-
-def _to64(a):
-    return a.double() if _is_float(a) else a
-
-
-def _tuple(x):
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
 def _default_inputs(op, n: int, dtype: torch.dtype) -> tuple:
-    args = []
-    for a in op._schema.arguments:
-        ty = str(a.type)
-        if "Tensor" in ty:
-            args.append((torch.rand(n, dtype=torch.float64) + 0.01).to(dtype))
-        elif ty.startswith("float"):
-            args.append(0.8)
-        elif ty.startswith("int") or ty == "SymInt":
-            args.append(2)
-        elif ty.startswith("bool"):
-            args.append(False)
-        else:
-            raise ValueError(f"cannot generate an argument of type {ty} for {op}: pass make_inputs=")
-    return tuple(args)
+    from .testing import schema_args
+
+    return schema_args(op, lambda i: (torch.rand(n, dtype=torch.float64) + 0.01).to(dtype))
 
 
 def write_results(stem: str, rows: list[dict], notes: list[str] | None = None, out_dir: str = RESULTS) -> str:

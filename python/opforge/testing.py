@@ -71,32 +71,38 @@ def _tensor(shape, dtype, seed, edges):
     return t.to(dtype)
 
 
+def schema_args(op: torch._ops.OpOverload, make_tensor: Callable[[int], torch.Tensor]) -> tuple:
+    """One argument tuple for op from its schema: make_tensor(i) for the i-th
+    Tensor argument, 0.8 for floats, 2 for ints, False for bools."""
+    args = []
+    for a in op._schema.arguments:
+        ty = str(a.type)
+        if "Tensor" in ty:
+            args.append(make_tensor(len(args)))
+        elif ty in ("float", "float?"):
+            args.append(0.8)
+        elif ty in ("int", "SymInt", "int?"):
+            args.append(2)
+        elif ty in ("bool", "bool?"):
+            args.append(False)
+        elif a.has_default_value():
+            args.append(a.default_value)
+        else:
+            raise ValueError(f"cannot generate an argument of type {ty} for {op}: pass the inputs")
+    return tuple(args)
+
+
 def sample_inputs(op: torch._ops.OpOverload, dtype: torch.dtype, edges: bool = True) -> list[tuple]:
     """Argument tuples for op from its schema: tensors of odd shapes (flat,
     2-d, a transposed view, a 0-dim), edge values first (0, -0, negative,
     +-inf, nan, a denormal, near fp16's max); floats 0.8, ints 2, bools False."""
-    shapes = [(4099,), (33, 17), "transposed", ()]
     samples = []
-    for k, shape in enumerate(shapes):
-        args = []
-        for a in op._schema.arguments:
-            ty = str(a.type)
-            if "Tensor" in ty:
-                if shape == "transposed":
-                    args.append(_tensor((19, 23), dtype, 10 + k + len(args), edges).t())
-                else:
-                    args.append(_tensor(shape, dtype, 10 + k + len(args), edges))
-            elif ty in ("float", "float?"):
-                args.append(0.8)
-            elif ty in ("int", "SymInt", "int?"):
-                args.append(2)
-            elif ty in ("bool", "bool?"):
-                args.append(False)
-            elif a.has_default_value():
-                args.append(a.default_value)
-            else:
-                raise ValueError(f"cannot generate an argument of type {ty} for {op}: pass inputs=")
-        samples.append(tuple(args))
+    for k, shape in enumerate([(4099,), (33, 17), "transposed", ()]):
+        if shape == "transposed":
+            make = lambda i, k=k: _tensor((19, 23), dtype, 10 + k + i, edges).t()  # noqa: E731
+        else:
+            make = lambda i, k=k, shape=shape: _tensor(shape, dtype, 10 + k + i, edges)  # noqa: E731
+        samples.append(schema_args(op, make))
     return samples
 
 
