@@ -69,6 +69,7 @@ const opf_op_desc opf_dispersion_correction_ops[2] = {
         .backward_args = "grad0,x,alpha",
         .backward_grads = "x",
         .autocast = OPF_AUTOCAST_LOWER,
+        .flops = "3*numel(x)",
     },
     {
         .name = "dispersion_correction_backward",
@@ -76,5 +77,6 @@ const opf_op_desc opf_dispersion_correction_ops[2] = {
         .cpu = dispersion_correction_backward_cpu,
         .shape = "like:x",
         .autocast = OPF_AUTOCAST_NONE,
+        .flops = "5*numel(x)",
     },
 };

@@ -368,6 +368,7 @@ const opf_op_desc opf_linear_ops[3] = {
         .cpu = matmul_cpu,
         .shape = "matmul:a,b",
         .autocast = OPF_AUTOCAST_LOWER,
+        .flops = "2*numel(a)*size(b,-1)",
     },
     {
         .name = "linear",
@@ -378,6 +379,7 @@ const opf_op_desc opf_linear_ops[3] = {
         .backward_args = "grad0,x,weight,bias,out1,activation",
         .backward_grads = "x,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER,
+        .flops = "2*numel(x)*size(weight,0)",
     },
     {
         .name = "linear_backward",
@@ -385,5 +387,6 @@ const opf_op_desc opf_linear_ops[3] = {
                   "int activation) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_backward_cpu,
         .shape = "contiguous:x;contiguous:weight;contiguous_or_empty:bias,x",
+        .flops = "4*numel(x)*size(weight,0)",
     },
 };

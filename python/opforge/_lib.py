@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ class _Desc(ctypes.Structure):
         ("backward_args", ctypes.c_char_p),
         ("backward_grads", ctypes.c_char_p),
         ("autocast", ctypes.c_int),
+        ("flops", ctypes.c_char_p),
     ]
 
 
@@ -48,6 +50,7 @@ class OpDescriptor:
     backward_args: tuple[str, ...]
     backward_grads: tuple[str, ...]
     autocast: int
+    flops: str | None = None
 
 
 def _torch_version() -> tuple[int, int]:
@@ -130,6 +133,7 @@ class OpLibrary:
             backward_args=_split(d.backward_args, ","),
             backward_grads=_split(d.backward_grads, ","),
             autocast=d.autocast,
+            flops=_str(d.flops),
         )
 
 
@@ -280,9 +284,39 @@ def _wire_autocast(desc: OpDescriptor) -> None:
         _fragment(desc.namespace).impl(desc.name, lambda _ks, *args, run=run: run(*args), key_name, with_keyset=True)
 
 
+_FLOP_FACTOR = re.compile(r"^(?:(\d+)|numel\((\w+)\)|size\((\w+),(-?\d+)\))$")
+
+
+def _wire_flops(desc: OpDescriptor, argnames: list[str]) -> None:
+    """Registers the descriptor's FLOP estimate with torch.utils.flop_counter."""
+    factors = []
+    for term in desc.flops.replace(" ", "").split("*"):
+        m = _FLOP_FACTOR.match(term)
+        if not m:
+            raise RuntimeError(f"opforge: {desc.name}: bad flops term '{term}' in '{desc.flops}'")
+        factors.append(m.groups())
+
+    def formula(*args, out_val=None, **kwargs):
+        total = 1
+        for const, numel_arg, size_arg, dim in factors:
+            if const:
+                total *= int(const)
+            elif numel_arg:
+                total *= args[argnames.index(numel_arg)].numel()
+            else:
+                total *= args[argnames.index(size_arg)].shape[int(dim)]
+        return total
+
+    from torch.utils.flop_counter import register_flop_formula
+
+    register_flop_formula(getattr(getattr(torch.ops, desc.namespace), desc.name), get_raw=True)(formula)
+
+
 def wire(desc: OpDescriptor) -> None:
     schema = op_overload(desc)._schema
     _wire_fake(desc, [a.name for a in schema.arguments])
+    if desc.flops:
+        _wire_flops(desc, [a.name for a in schema.arguments])
     if desc.backward:
         _wire_autograd(desc, schema)
     if desc.autocast != AUTOCAST_NONE:

@@ -59,3 +59,17 @@ def test_output_strides_twin_matches_the_c_rule():
     assert _lib.output_strides([5, 4], [0, 1]) == [4, 1]
     assert _lib.output_strides([0, 4], [4, 1]) == [4, 1]
     assert _lib.output_strides([2, 1, 3], [1, 99, 2]) == [1, 99, 2]
+
+
+def test_flop_estimates_reach_the_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.randn(256, 128, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        opforge.linear(x, w, None, "gelu").sum().backward()
+        opforge.dispersion_correction(torch.rand(1000), 0.5)
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    assert counts["opforge.linear"] == 2 * 64 * 128 * 256
+    assert counts["opforge.linear_backward"] == 4 * 64 * 128 * 256
+    assert counts["opforge.dispersion_correction"] == 3 * 1000

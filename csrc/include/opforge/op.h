@@ -47,6 +47,9 @@ typedef struct opf_op_desc {
     const char *backward_args;
     const char *backward_grads;
     int autocast; /* opf_autocast */
+    /* FLOP estimate for torch.utils.flop_counter: a product of integers,
+     * numel(arg) and size(arg,dim), e.g. "2*numel(x)*size(weight,0)". NULL: none. */
+    const char *flops;
 } opf_op_desc;
 
 /* Every op library exports its table as opforge_op_table(); OPF_OP_TABLE

@@ -107,8 +107,10 @@ OPF_OP_TABLE(
      .backward = "{name}_backward",
      .backward_args = "grad0,x,alpha",   /* grad of output 0, input x (saved), alpha */
      .backward_grads = "x",
-     .autocast = OPF_AUTOCAST_FP32},     /* float32 kernel: autocast casts inputs to it */
+     .autocast = OPF_AUTOCAST_FP32,      /* float32 kernel: autocast casts inputs to it */
+     .flops = "2*numel(x)"},             /* for torch.utils.flop_counter */
     {.name = "{name}_backward",
      .schema = "{name}_backward(Tensor grad, Tensor x, float alpha) -> Tensor",
      .cpu = {name}_backward_cpu,
-     .shape = "like:x"})
+     .shape = "like:x",
+     .flops = "3*numel(x)"})
