@@ -163,9 +163,8 @@ static linear_args check_linear(const char *op, AtenTensorHandle x_h, AtenTensor
         l.bias = opf_tensor_info(op, "bias", b_h);
         check_operand(op, "bias", &l.bias);
         opf_check_same_dtype(op, "bias", &l.bias, "x", &l.x);
-        if (l.bias.ndim != 1 || l.bias.sizes[0] != l.n)
-            opf_fail(op, "argument 'bias' must have shape [%lld] (out_features), got a %lld-d tensor", (long long)l.n,
-                     (long long)l.bias.ndim);
+        opf_tensor want = {.ndim = 1, .sizes = &l.n};
+        opf_check_same_shape(op, "bias", &l.bias, "out_features", &want);
     }
     return l;
 }

@@ -195,7 +195,7 @@ def test_nn_linear_is_a_drop_in():
         (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 6)), r"\[opforge::linear\] argument 'weight' must have 5 columns .* got 6"),
         (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5, 1)), r"argument 'weight' must be 2-d .* got 3-d"),
         (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5, dtype=torch.float64)), r"argument 'weight' must have the dtype of 'x' \(float32\), got float64"),
-        (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5), torch.randn(3)), r"argument 'bias' must have shape \[4\]"),
+        (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5), torch.randn(3)), r"argument 'bias' must have the shape of 'out_features' \[4\], got \[3\]"),
         (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5), None, "swish"), r"argument 'activation' must be one of"),
         (lambda: LINEAR(torch.randn(3, 5), torch.randn(4, 5), None, 9), r"argument 'activation' must be 0 \(none\).*got 9"),
         (lambda: opforge.linear(torch.ones(3, 5, dtype=torch.int64), torch.ones(4, 5, dtype=torch.int64)), r"argument 'x' must be a floating-point tensor"),
