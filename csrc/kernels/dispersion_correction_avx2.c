@@ -10,32 +10,9 @@
 #include <math.h>
 
 #include "dispersion_correction.h"
+#include "half_avx2.h"
 
 /* ---- 8 x fp32 loads and stores of each element type -------------------------- */
-
-static inline __m256 ld_bf16(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline void st_bf16(uint16_t *p, __m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    r = _mm256_srli_epi32(r, 16);
-    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128((__m128i *)p, packed);
-}
-
-static inline __m256 ld_f16(const uint16_t *p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
-static inline void st_f16(uint16_t *p, __m256 v) {
-    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
 
 static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
@@ -43,11 +20,7 @@ static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 /* Non-temporal twins of the stores (aligned addresses only). */
 static inline void nt_f32(float *p, __m256 v) { _mm256_stream_ps(p, v); }
 
-static inline void nt_bf16(uint16_t *p, __m256 v) {
-    uint16_t tmp[8] __attribute__((aligned(16)));
-    st_bf16(tmp, v);
-    _mm_stream_si128((__m128i *)p, _mm_load_si128((const __m128i *)tmp));
-}
+static inline void nt_bf16(uint16_t *p, __m256 v) { _mm_stream_si128((__m128i *)p, bf16_round(v)); }
 
 static inline void nt_f16(uint16_t *p, __m256 v) {
     _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));

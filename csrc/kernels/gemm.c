@@ -156,6 +156,14 @@ void gemm_colsum_f32(float *db, const float *g, int64_t rsg, int64_t m, int64_t 
     opf_parallel_for(0, n, 256, colsum_range, &j);
 }
 
+static void to_f32_ref(float *dst, const uint16_t *src, int dt, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = dt == OPF_BF16 ? opf_bf16_to_f32(src[i]) : opf_f16_to_f32(src[i]);
+}
+
+static void from_f32_ref(uint16_t *dst, const float *src, int dt, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = dt == OPF_BF16 ? opf_f32_to_bf16(src[i]) : opf_f32_to_f16(src[i]);
+}
+
 /* ---- scalar micro-kernel (4 x 4) ------------------------------------------------------ */
 
 static void ukernel_ref_4x4(int64_t kc, const float *ap, const float *bp, float *c, int64_t rsc, int m,
@@ -167,7 +175,8 @@ static void ukernel_ref_4x4(int64_t kc, const float *ap, const float *bp, float 
     gemm_tile_store(acc, 4, c, rsc, m, n, t);
 }
 
-const gemm_kernels gemm_kernels_ref = {"ref_4x4", 4, 4, 64, 256, 1024, ukernel_ref_4x4, act_grad_ref};
+const gemm_kernels gemm_kernels_ref = {"ref_4x4", 4, 4, 64, 256, 1024, ukernel_ref_4x4, act_grad_ref,
+                                       to_f32_ref, from_f32_ref};
 
 extern const gemm_kernels gemm_kernels_avx2 __attribute__((weak));
 
@@ -190,25 +199,54 @@ static inline const void *elem_ptr(const void *p, int64_t i, opf_dtype dt) {
     return (const char *)p + i * (dt == OPF_F32 ? 4 : 2);
 }
 
-void gemm_load_f32(float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride) {
+typedef struct convert_job {
+    const gemm_kernels *k;
+    void *dst;
+    const void *src;
+    int dt, to_f32;
+} convert_job;
+
+static void convert_range(int64_t begin, int64_t end, void *ctx) {
+    const convert_job *j = ctx;
+    if (j->to_f32)
+        j->k->to_f32((float *)j->dst + begin, (const uint16_t *)j->src + begin, j->dt, end - begin);
+    else
+        j->k->from_f32((uint16_t *)j->dst + begin, (const float *)j->src + begin, j->dt, end - begin);
+}
+
+void gemm_load_f32(const gemm_kernels *k, float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride) {
+    if (dt != OPF_F32 && stride == 1) {
+        convert_job j = {k, dst, src, dt, 1};
+        opf_parallel_for(0, n, 1 << 16, convert_range, &j);
+        return;
+    }
     for (int64_t i = 0; i < n; i++) dst[i] = load_elem(src, i * stride, dt);
 }
 
-void gemm_store_f32(void *dst, opf_dtype dt, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        if (dt == OPF_BF16) ((uint16_t *)dst)[i] = opf_f32_to_bf16(src[i]);
-        else if (dt == OPF_F16) ((uint16_t *)dst)[i] = opf_f32_to_f16(src[i]);
-        else ((float *)dst)[i] = src[i];
+void gemm_store_f32(const gemm_kernels *k, void *dst, opf_dtype dt, const float *src, int64_t n) {
+    if (dt == OPF_F32) {
+        for (int64_t i = 0; i < n; i++) ((float *)dst)[i] = src[i];
+        return;
     }
+    convert_job j = {k, dst, src, dt, 0};
+    opf_parallel_for(0, n, 1 << 16, convert_range, &j);
 }
 
 /* rows [i0, i0+mr) of A's K slice [p0, p0+kc) -> ap[p*mr + r], zero padded */
-static void pack_a_sliver(float *ap, const void *a_, opf_dtype dt, int64_t rsa, int64_t csa, int64_t rows,
-                          int64_t kc, int mr) {
+static void pack_a_sliver(const gemm_kernels *k, float *ap, const void *a_, opf_dtype dt, int64_t rsa,
+                          int64_t csa, int64_t rows, int64_t kc, int mr) {
     if (dt == OPF_F32) {
         const float *a = a_;
         for (int64_t p = 0; p < kc; p++)
             for (int r = 0; r < mr; r++) ap[p * mr + r] = r < rows ? a[r * rsa + p * csa] : 0.0f;
+        return;
+    }
+    if (csa == 1 && kc <= 1024) { /* 16-bit rows along K: vector conversion, then interleave */
+        float row[1024];
+        for (int r = 0; r < mr; r++) {
+            if (r < rows) k->to_f32(row, (const uint16_t *)a_ + r * rsa, dt, kc);
+            for (int64_t p = 0; p < kc; p++) ap[p * mr + r] = r < rows ? row[p] : 0.0f;
+        }
         return;
     }
     for (int64_t p = 0; p < kc; p++)
@@ -216,8 +254,8 @@ static void pack_a_sliver(float *ap, const void *a_, opf_dtype dt, int64_t rsa, 
 }
 
 /* columns [j0, j0+nr) of B's K slice -> bp[p*nr + j], zero padded */
-static void pack_b_sliver(float *bp, const void *b_, opf_dtype dt, int64_t rsb, int64_t csb, int64_t cols,
-                          int64_t kc, int nr) {
+static void pack_b_sliver(const gemm_kernels *k, float *bp, const void *b_, opf_dtype dt, int64_t rsb,
+                          int64_t csb, int64_t cols, int64_t kc, int nr) {
     if (dt == OPF_F32) {
         const float *b = b_;
         if (csb == 1 && cols == nr) {
@@ -234,9 +272,16 @@ static void pack_b_sliver(float *bp, const void *b_, opf_dtype dt, int64_t rsb, 
             for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? b[p * rsb + j * csb] : 0.0f;
         return;
     }
-    if (rsb == 1) {
-        for (int j = 0; j < nr; j++)
-            for (int64_t p = 0; p < kc; p++) bp[p * nr + j] = j < cols ? load_elem(b_, j * csb + p, dt) : 0.0f;
+    if (csb == 1 && cols == nr) { /* 16-bit rows of B: convert straight into the sliver */
+        for (int64_t p = 0; p < kc; p++) k->to_f32(bp + p * nr, (const uint16_t *)b_ + p * rsb, dt, nr);
+        return;
+    }
+    if (rsb == 1 && kc <= 1024) { /* 16-bit columns along K (nn.Linear's weight) */
+        float col[1024];
+        for (int j = 0; j < nr; j++) {
+            if (j < cols) k->to_f32(col, (const uint16_t *)b_ + j * csb, dt, kc);
+            for (int64_t p = 0; p < kc; p++) bp[p * nr + j] = j < cols ? col[p] : 0.0f;
+        }
         return;
     }
     for (int64_t p = 0; p < kc; p++)
@@ -269,7 +314,7 @@ static void pack_a_range(int64_t begin, int64_t end, void *ctx) {
     const int mr = j->k->mr;
     for (int64_t s = begin; s < end; s++) {
         int64_t i0 = s * mr, rows = j->m - i0 < mr ? j->m - i0 : mr;
-        pack_a_sliver(j->ap + s * mr * j->kc, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta, j->rsa,
+        pack_a_sliver(j->k, j->ap + s * mr * j->kc, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta, j->rsa,
                       j->csa, rows, j->kc, mr);
     }
 }
@@ -279,7 +324,7 @@ static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
     const int nr = j->k->nr;
     for (int64_t s = begin; s < end; s++) {
         int64_t j0 = s * nr, cols = j->nc - j0 < nr ? j->nc - j0 : nr;
-        pack_b_sliver(j->bp + s * nr * j->kc, elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb), j->tb,
+        pack_b_sliver(j->k, j->bp + s * nr * j->kc, elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb), j->tb,
                       j->rsb, j->csb, cols, j->kc, nr);
     }
 }

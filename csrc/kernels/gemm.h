@@ -65,6 +65,9 @@ typedef void (*gemm_ukernel_fn)(int64_t kc, const float *ap, const float *bp, fl
 
 /* out[i] = g[i] * act'(pre[i]) for n elements (the backward's first step) */
 typedef void (*gemm_act_grad_fn)(float *out, const float *g, const float *pre, int64_t n, int act);
+/* n contiguous elements between float32 and a 16-bit type (dt: OPF_BF16 / OPF_F16) */
+typedef void (*gemm_to_f32_fn)(float *dst, const uint16_t *src, int dt, int64_t n);
+typedef void (*gemm_from_f32_fn)(uint16_t *dst, const float *src, int dt, int64_t n);
 
 typedef struct gemm_kernels {
     const char *name; /* "ref_4x4", "avx2_6x16" */
@@ -72,6 +75,8 @@ typedef struct gemm_kernels {
     int64_t mc, kc, nc; /* cache blocks: A block MC x KC in L2, B panel KC x NC in L3 */
     gemm_ukernel_fn ukernel;
     gemm_act_grad_fn act_grad;
+    gemm_to_f32_fn to_f32;
+    gemm_from_f32_fn from_f32;
 } gemm_kernels;
 
 extern const gemm_kernels gemm_kernels_ref;
@@ -94,9 +99,10 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
                int64_t rsc, const gemm_epilogue *ep, float *workspace);
 
 /* dst[i] = src[i * stride] converted to float32 / from float32 (rounded to
- * nearest even) for the three float32-computed types. */
-void gemm_load_f32(float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride);
-void gemm_store_f32(void *dst, opf_dtype dt, const float *src, int64_t n);
+ * nearest even) for the three float32-computed types; contiguous runs use the
+ * ISA's vector conversions and threads. */
+void gemm_load_f32(const gemm_kernels *k, float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride);
+void gemm_store_f32(const gemm_kernels *k, void *dst, opf_dtype dt, const float *src, int64_t n);
 
 /* Naive triple loop with the same epilogue, accumulating in double: the oracle. */
 void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,

@@ -11,6 +11,7 @@
 #include <math.h>
 
 #include "gemm.h"
+#include "half_avx2.h"
 
 /* ---- vector math for the activations (fp32 accuracy, ~1-2 ulp) ------------------------ */
 
@@ -157,4 +158,23 @@ static void act_grad_avx2(float *out, const float *g, const float *pre, int64_t 
     for (; i < n; i++) out[i] = g[i] * gemm_act_grad_f32(act, pre[i]);
 }
 
-const gemm_kernels gemm_kernels_avx2 = {"avx2_6x16", MR, NR, 120, 384, 3072, ukernel_avx2_6x16, act_grad_avx2};
+static void to_f32_avx2(float *dst, const uint16_t *src, int dt, int64_t n) {
+    int64_t i = 0;
+    if (dt == OPF_BF16)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ld_bf16(src + i));
+    else
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ld_f16(src + i));
+    gemm_kernels_ref.to_f32(dst + i, src + i, dt, n - i);
+}
+
+static void from_f32_avx2(uint16_t *dst, const float *src, int dt, int64_t n) {
+    int64_t i = 0;
+    if (dt == OPF_BF16)
+        for (; i + 8 <= n; i += 8) st_bf16(dst + i, _mm256_loadu_ps(src + i));
+    else
+        for (; i + 8 <= n; i += 8) st_f16(dst + i, _mm256_loadu_ps(src + i));
+    gemm_kernels_ref.from_f32(dst + i, src + i, dt, n - i);
+}
+
+const gemm_kernels gemm_kernels_avx2 = {"avx2_6x16", MR, NR, 120, 384, 3072, ukernel_avx2_6x16, act_grad_avx2,
+                                        to_f32_avx2, from_f32_avx2};

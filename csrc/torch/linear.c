@@ -130,7 +130,7 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         float *c32 = half ? ws + gemm_workspace_floats(k, m, n, kd) : (float *)c.data + i * m * n;
         gemm_f32x(k, m, n, kd, at(a.data, i * asb, dt), dt, a.strides[nd - 2], a.strides[nd - 1],
                   at(b.data, i * bsb, dt), dt, b.strides[nd - 2], b.strides[nd - 1], c32, n, &ep, ws);
-        if (half) gemm_store_f32(at(c.data, i * m * n, dt), dt, c32, m * n);
+        if (half) gemm_store_f32(k, at(c.data, i * m * n, dt), dt, c32, m * n);
     }
     opf_log_call(MM, t0, 3, (opf_tensor[]){a, b, c});
     OPF_RETURN(stack, 0, c_h);
@@ -213,7 +213,7 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         float *bias = NULL, *cbuf = ws + gws + l.n, *pbuf = cbuf + chunk * l.n;
         if (l.has_bias) {
             bias = ws + gws;
-            gemm_load_f32(bias, l.bias.data, l.dt, l.n, l.bias.strides[0]);
+            gemm_load_f32(k, bias, l.bias.data, l.dt, l.n, l.bias.strides[0]);
         }
         for (int64_t i = 0; i < v.count; i++) {
             for (int64_t r0 = 0; r0 < v.rows; r0 += chunk) {
@@ -225,8 +225,8 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
                 gemm_f32x(k, rows, l.n, l.k, at(l.x.data, xo, l.dt), l.dt, v.rs, v.cs, l.w.data, l.dt,
                           l.w.strides[1], l.w.strides[0], c32, l.n, &ep, ws);
                 if (half) {
-                    gemm_store_f32(at(out.data, oo, l.dt), l.dt, c32, rows * l.n);
-                    if (act) gemm_store_f32(at(pre.data, oo, l.dt), l.dt, p32, rows * l.n);
+                    gemm_store_f32(k, at(out.data, oo, l.dt), l.dt, c32, rows * l.n);
+                    if (act) gemm_store_f32(k, at(pre.data, oo, l.dt), l.dt, p32, rows * l.n);
                 }
             }
         }
@@ -304,11 +304,11 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
                 float *dst = (float *)gp + r * l.n;
                 const float *gr = at(g.data, go, l.dt), *pr = act ? at(pre.data, po, l.dt) : NULL;
                 if (half || gv.cs != 1) { /* convert / gather to float32 rows first */
-                    gemm_load_f32(act ? grow : dst, at(g.data, go, l.dt), l.dt, l.n, gv.cs);
+                    gemm_load_f32(k, act ? grow : dst, at(g.data, go, l.dt), l.dt, l.n, gv.cs);
                     gr = act ? grow : dst;
                 }
                 if (act && (half || pv.cs != 1)) {
-                    gemm_load_f32(prow, at(pre.data, po, l.dt), l.dt, l.n, pv.cs);
+                    gemm_load_f32(k, prow, at(pre.data, po, l.dt), l.dt, l.n, pv.cs);
                     pr = prow;
                 }
                 if (act) k->act_grad(dst, gr, pr, l.n, (int)act);
@@ -331,7 +331,7 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
                 /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
                 gemm_f32x(k, rows, l.k, l.n, gp, OPF_F32, l.n, 1, l.w.data, l.dt, l.w.strides[0], l.w.strides[1],
                           dxr, l.k, &none, gemm_scratch);
-                if (half) gemm_store_f32(at(dx.data, row0 * l.k, l.dt), l.dt, dx32, rows * l.k);
+                if (half) gemm_store_f32(k, at(dx.data, row0 * l.k, l.dt), l.dt, dx32, rows * l.k);
                 /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
                 gemm_f32x(k, l.n, l.k, rows, gp, OPF_F32, 1, l.n, at(l.x.data, xo, l.dt), l.dt, xv.rs, xv.cs, dw32,
                           l.k, &acc, gemm_scratch);
@@ -351,8 +351,8 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
         }
     }
     if (half) {
-        gemm_store_f32(dw.data, l.dt, dw32, l.n * l.k);
-        if (l.has_bias) gemm_store_f32(db.data, l.dt, db32, l.n);
+        gemm_store_f32(k, dw.data, l.dt, dw32, l.n * l.k);
+        if (l.has_bias) gemm_store_f32(k, db.data, l.dt, db32, l.n);
     }
     opf_log_call(LBWD, t0, 3, (opf_tensor[]){g, l.x, dw});
     OPF_RETURN(stack, 0, dx_h);

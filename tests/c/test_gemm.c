@@ -86,11 +86,11 @@ static void test_half_operands(const gemm_kernels *k) {
     float *got = malloc(sizeof(float) * m * n), *ws = malloc(sizeof(float) * (size_t)gemm_workspace_floats(k, m, n, kd));
     uint16_t *ah = malloc(2 * (size_t)(m * kd)), *bh = malloc(2 * (size_t)(kd * n));
     for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
-        gemm_store_f32(ah, dt, a, m * kd);
-        gemm_store_f32(bh, dt, b, kd * n);
+        gemm_store_f32(k, ah, dt, a, m * kd);
+        gemm_store_f32(k, bh, dt, b, kd * n);
         float *ar = malloc(sizeof(float) * m * kd), *br = malloc(sizeof(float) * kd * n);
-        gemm_load_f32(ar, ah, dt, m * kd, 1);
-        gemm_load_f32(br, bh, dt, kd * n, 1);
+        gemm_load_f32(k, ar, ah, dt, m * kd, 1);
+        gemm_load_f32(k, br, bh, dt, kd * n, 1);
         gemm_epilogue ep = {0};
         gemm_ref_f32(m, n, kd, ar, kd, 1, br, 1, kd, want, n, &ep); /* B read transposed */
         gemm_f32x(k, m, n, kd, ah, dt, kd, 1, bh, dt, 1, kd, got, n, &ep, ws);
@@ -102,8 +102,32 @@ static void test_half_operands(const gemm_kernels *k) {
     free(a), free(b), free(want), free(got), free(ws), free(ah), free(bh);
 }
 
+/* the vector conversions against the scalar ones, bit for bit (NaN: any NaN) */
+static void test_conversions(const gemm_kernels *k) {
+    enum { N = 65536 + 5 };
+    static uint16_t h[N], got16[N], want16[N];
+    static float got[N], want[N], f[N];
+    unsigned long long seed = 9;
+    for (int i = 0; i < N; i++) {
+        h[i] = (uint16_t)i;
+        f[i] = (float)((check_uniform(&seed) - 0.5) * (i % 3 ? 8.0 : 1e6));
+    }
+    f[1] = NAN, f[2] = INFINITY, f[3] = -0.0f, f[4] = 70000.0f, f[5] = 1e-41f;
+    for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
+        int bad = 0;
+        k->to_f32(got, h, dt, N);
+        gemm_kernels_ref.to_f32(want, h, dt, N);
+        for (int i = 0; i < N; i++) bad += !(isnan(got[i]) ? isnan(want[i]) : memcmp(&got[i], &want[i], 4) == 0);
+        k->from_f32(got16, f, dt, N);
+        gemm_kernels_ref.from_f32(want16, f, dt, N);
+        for (int i = 0; i < N; i++) bad += !(isnan(f[i]) || got16[i] == want16[i]);
+        CHECK(bad == 0, "%s %s conversions: %d mismatches", k->name, dt == OPF_BF16 ? "bf16" : "f16", bad);
+    }
+}
+
 static void test_variant(const gemm_kernels *k) {
     test_act_grad(k);
+    test_conversions(k);
     test_half_operands(k);
     const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 1}, {13, 33, 257}, {123, 77, 301},
                             {1, 4096, 4096}, {4096, 1, 4096}, {130, 3100, 20}, {0, 5, 3}, {5, 4, 0}};
