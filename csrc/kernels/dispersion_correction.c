@@ -58,8 +58,6 @@ const dc_kernels *dc_kernels_for(opf_isa isa) {
 
 /* ---- drivers ---------------------------------------------------------------- */
 
-static const size_t dtype_size[OPF_DTYPE_COUNT] = {4, 8, 2, 2};
-
 typedef struct dc_job {
     dc_fwd_fn fwd;
     dc_bwd_fn bwd;
@@ -80,12 +78,12 @@ static void dc_segment(void *ctx, const int64_t *off, const int64_t *st, int64_t
 
 void dc_fwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *y, const void *x,
             double alpha) {
-    dc_job j = {k->fwd[dt], NULL, dtype_size[dt], y, x, NULL, alpha};
+    dc_job j = {k->fwd[dt], NULL, opf_dtype_size(dt), y, x, NULL, alpha};
     opf_nd_parallel(nd, DC_GRAIN, dc_segment, &j);
 }
 
 void dc_bwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx, const void *dy,
             const void *x, double alpha) {
-    dc_job j = {NULL, k->bwd[dt], dtype_size[dt], dx, dy, x, alpha};
+    dc_job j = {NULL, k->bwd[dt], opf_dtype_size(dt), dx, dy, x, alpha};
     opf_nd_parallel(nd, DC_GRAIN, dc_segment, &j);
 }

@@ -196,7 +196,7 @@ static inline float load_elem(const void *p, int64_t i, opf_dtype dt) {
 }
 
 static inline const void *elem_ptr(const void *p, int64_t i, opf_dtype dt) {
-    return (const char *)p + i * (dt == OPF_F32 ? 4 : 2);
+    return (const char *)p + i * (int64_t)opf_dtype_size(dt);
 }
 
 typedef struct convert_job {

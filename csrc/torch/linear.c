@@ -24,9 +24,7 @@ static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor
     return opf_check_float(op, arg, t);
 }
 
-static size_t elem_size(opf_dtype dt) { return dt == OPF_F64 ? 8 : dt == OPF_F32 ? 4 : 2; }
-
-static void *at(void *p, int64_t i, opf_dtype dt) { return (char *)p + i * (int64_t)elem_size(dt); }
+static void *at(void *p, int64_t i, opf_dtype dt) { return (char *)p + i * (int64_t)opf_dtype_size(dt); }
 
 static void check_activation(const char *op, int64_t act) {
     if (act < 0 || act >= GEMM_ACT_COUNT)

@@ -6,6 +6,7 @@
 #ifndef OPFORGE_KERNELS_HALF_H
 #define OPFORGE_KERNELS_HALF_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -16,6 +17,9 @@ typedef enum opf_dtype {
     OPF_F16,
     OPF_DTYPE_COUNT
 } opf_dtype;
+
+/* Bytes per element of each opf_dtype. */
+static inline size_t opf_dtype_size(opf_dtype dt) { return dt == OPF_F64 ? 8 : dt == OPF_F32 ? 4 : 2; }
 
 static inline float opf_bits_to_f32(uint32_t u) {
     float f;
