@@ -148,6 +148,11 @@ def _fragment(namespace: str) -> torch.library.Library:
     return _libraries[namespace]
 
 
+def is_tensor_arg(arg) -> bool:
+    """A schema argument that takes a tensor: Tensor, Tensor? or Tensor[]."""
+    return "Tensor" in str(arg.type)
+
+
 def op_overload(desc: OpDescriptor, name: str | None = None) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops, desc.namespace), name or desc.name).default
 
@@ -205,7 +210,7 @@ def _wire_fake(desc: OpDescriptor, argnames: list[str]) -> None:
 
 def _wire_autograd(desc: OpDescriptor, schema) -> None:
     argnames = [a.name for a in schema.arguments]
-    is_tensor = [isinstance(a.type, torch.TensorType) or "Tensor" in str(a.type) for a in schema.arguments]
+    is_tensor = [is_tensor_arg(a) for a in schema.arguments]
     bwd = op_overload(desc, desc.backward)
     # how each backward argument is found: ("grad", i), ("saved", j) or ("const", j)
     plan, saved_from, const_from = [], [], []
@@ -232,7 +237,7 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         if saved_only:
             ctx.mark_non_differentiable(*[outs[i] for i in saved_only])
             ctx.set_materialize_grads(False)
-            ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+            ctx.out_meta = [dict(size=o.shape, dtype=o.dtype, device=o.device) for o in outs]
         ctx.save_for_backward(*[outs[i] if kind == "out" else inputs[i] for kind, i in saved_from])
         ctx.consts = [inputs[i] for i in const_from]
         ctx.absent = [inputs[i] is None for i in grad_slots]  # an absent optional tensor gets no gradient
@@ -240,8 +245,7 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
     def backward(ctx, *grads):
         if saved_only:  # grads are not materialised: zeros only where the backward needs one
             grads = tuple(
-                g if g is not None or i not in used_grads else torch.zeros(*ctx.out_meta[i][:1], dtype=ctx.out_meta[i][1], device=ctx.out_meta[i][2])
-                for i, g in enumerate(grads)
+                g if g is not None or i not in used_grads else torch.zeros(**ctx.out_meta[i]) for i, g in enumerate(grads)
             )
         saved = ctx.saved_tensors
         args = [grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.consts[i] for k, i in plan]
@@ -314,9 +318,10 @@ def _wire_flops(desc: OpDescriptor, argnames: list[str]) -> None:
 
 def wire(desc: OpDescriptor) -> None:
     schema = op_overload(desc)._schema
-    _wire_fake(desc, [a.name for a in schema.arguments])
+    argnames = [a.name for a in schema.arguments]
+    _wire_fake(desc, argnames)
     if desc.flops:
-        _wire_flops(desc, [a.name for a in schema.arguments])
+        _wire_flops(desc, argnames)
     if desc.backward:
         _wire_autograd(desc, schema)
     if desc.autocast != AUTOCAST_NONE:
@@ -356,7 +361,7 @@ def op_function(op: torch._ops.OpOverload):
     While torch.compile traces, the op is called as is.
     """
     call = op._op  # the C++ entry point, without OpOverload.__call__'s Python frame
-    tensors = [i for i, a in enumerate(op._schema.arguments) if "Tensor" in str(a.type)]
+    tensors = [i for i, a in enumerate(op._schema.arguments) if is_tensor_arg(a)]
 
     def fast(*args):
         if _compiling():

@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ._lib import is_tensor_arg
+
 
 def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
     """The brief's reference: y = x * alpha + sqrt(x)."""
@@ -77,7 +79,7 @@ def schema_args(op: torch._ops.OpOverload, make_tensor: Callable[[int], torch.Te
     args = []
     for a in op._schema.arguments:
         ty = str(a.type)
-        if "Tensor" in ty:
+        if is_tensor_arg(a):
             args.append(make_tensor(len(args)))
         elif ty in ("float", "float?"):
             args.append(0.8)
