@@ -32,10 +32,11 @@ demo: build
 build/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include
 
-ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction build/ctest/test_gemm
+ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction build/ctest/test_gemm build/ctest/test_attention
 	./build/ctest/test_runtime
 	./build/ctest/test_dispersion_correction
 	./build/ctest/test_gemm
+	./build/ctest/test_attention
 
 # torch's C++ headers and ours in one C++ file: a drifted signature fails here.
 abi-check: $(VENV)/.installed

@@ -1,0 +1,522 @@
+/*
+ * Attention driver (blocking, masking, threads, dtype conversion), the scalar
+ * reference kernels and the double-precision oracle. See attention.h.
+ */
+#include "attention.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* query and key block sizes: with D = Dv = 64 a block's Q^T, K, V, S^T and O
+ * are 16 KiB each (L2-resident) */
+enum { BQ = 64, BK = 64 };
+
+extern const attn_kernels attn_kernels_avx2 __attribute__((weak));
+
+const attn_kernels *attn_kernels_for(opf_isa isa) {
+    if (isa >= OPF_ISA_AVX2 && &attn_kernels_avx2) return &attn_kernels_avx2;
+    return &attn_kernels_ref;
+}
+
+/* ---- scalar reference kernels ------------------------------------------------------------ */
+
+static void mm_ref(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+                   int64_t ldb, float *c, int64_t ldc, int acc) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) {
+            float sum = 0.0f;
+            for (int64_t p = 0; p < k; p++) sum += a[i * rsa + p * csa] * b[p * ldb + j];
+            c[i * ldc + j] = acc ? c[i * ldc + j] + sum : sum;
+        }
+}
+
+static void softmax_cols_ref(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
+                             float *alpha) {
+    for (int64_t i = 0; i < bq; i++) {
+        float mx = m[i];
+        for (int64_t j = 0; j < bk; j++) mx = fmaxf(mx, st[j * ld + i] * scale);
+        float base = mx == -INFINITY ? 0.0f : mx, sum = 0.0f;
+        for (int64_t j = 0; j < bk; j++) {
+            float e = expf(st[j * ld + i] * scale - base);
+            st[j * ld + i] = e;
+            sum += e;
+        }
+        alpha[i] = expf(m[i] - base);
+        l[i] = l[i] * alpha[i] + sum;
+        m[i] = mx;
+    }
+}
+
+static void probs_ref(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse) {
+    for (int64_t i = 0; i < bq; i++)
+        for (int64_t j = 0; j < bk; j++) s[i * ld + j] = lse[i] == -INFINITY ? 0.0f : expf(s[i * ld + j] * scale - lse[i]);
+}
+
+static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *di, float scale) {
+    for (int64_t i = 0; i < bq; i++)
+        for (int64_t j = 0; j < bk; j++) dp[i * ld + j] = p[i * ld + j] * (dp[i * ld + j] - di[i]) * scale;
+}
+
+const attn_kernels attn_kernels_ref = {"ref", &gemm_kernels_ref, mm_ref, softmax_cols_ref, probs_ref, dscores_ref};
+
+/* ---- element access ---------------------------------------------------------------------- */
+
+static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, int64_t d) {
+    return b * st[0] + h * st[1] + i * st[2] + d * st[3];
+}
+
+static inline double load_d(const void *p, int64_t i, opf_dtype dt) {
+    switch (dt) {
+    case OPF_F64: return ((const double *)p)[i];
+    case OPF_BF16: return opf_bf16_to_f32(((const uint16_t *)p)[i]);
+    case OPF_F16: return opf_f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+static inline void store_d(void *p, int64_t i, opf_dtype dt, double v) {
+    switch (dt) {
+    case OPF_F64: ((double *)p)[i] = v; break;
+    case OPF_BF16: ((uint16_t *)p)[i] = opf_f32_to_bf16((float)v); break;
+    case OPF_F16: ((uint16_t *)p)[i] = opf_f32_to_f16((float)v); break;
+    default: ((float *)p)[i] = (float)v;
+    }
+}
+
+/* n elements from src[off + e*stride] into float32 dst */
+static void load_row(const attn_kernels *k, float *dst, const void *src, int64_t off, int64_t stride, int64_t n,
+                     opf_dtype dt) {
+    if (dt != OPF_F32 && stride == 1) {
+        k->gemm->to_f32(dst, (const uint16_t *)src + off, dt, n);
+        return;
+    }
+    for (int64_t e = 0; e < n; e++) dst[e] = (float)load_d(src, off + e * stride, dt);
+}
+
+static void store_row(const attn_kernels *k, void *dst, int64_t off, int64_t stride, const float *src, int64_t n,
+                      opf_dtype dt) {
+    if (dt != OPF_F32 && stride == 1) {
+        k->gemm->from_f32((uint16_t *)dst + off, src, dt, n);
+        return;
+    }
+    for (int64_t e = 0; e < n; e++) store_d(dst, off + e * stride, dt, src[e]);
+}
+
+/* The mask's verdict on query i, key j: -inf (masked out), or what to add. */
+static inline float mask_bias(const attn_problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
+    if (p->causal && j > i) return -INFINITY;
+    if (p->mask_kind == ATTN_MASK_NONE) return 0.0f;
+    int64_t o = off4(p->ms, b, h, i, j);
+    if (p->mask_kind == ATTN_MASK_BOOL) return ((const uint8_t *)p->mask)[o] ? 0.0f : -INFINITY;
+    return (float)load_d(p->mask, o, p->mask_dt);
+}
+
+/* Tile element (i, j) at t[i*ti + j*tj] (queries i0.., keys j0..) becomes
+ * scale * t + bias: the scaled, masked scores. */
+static void apply_mask(const attn_problem *p, float *t, int64_t ti, int64_t tj, int64_t b, int64_t h, int64_t i0,
+                       int64_t bq, int64_t j0, int64_t bk) {
+    for (int64_t i = 0; i < bq; i++)
+        for (int64_t j = 0; j < bk; j++) {
+            float *x = &t[i * ti + j * tj];
+            float bias = mask_bias(p, b, h, i0 + i, j0 + j);
+            *x = bias == -INFINITY ? -INFINITY : *x * p->scale + bias;
+        }
+}
+
+/* Does the tile need elementwise masking? (A causal tile entirely below the
+ * diagonal does not.) */
+static inline int tile_masked(const attn_problem *p, int64_t i0, int64_t j0, int64_t bk) {
+    return p->mask_kind != ATTN_MASK_NONE || (p->causal && j0 + bk - 1 > i0);
+}
+
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t round16(int64_t n) { return cdiv(n, 16) * 16; } /* keeps workspace slices 64-byte aligned */
+
+static int64_t workers_for(int64_t tasks) {
+    int64_t w = opf_num_threads();
+    if (w > tasks) w = tasks;
+    return w > 0 ? w : 1;
+}
+
+/* ---- forward ------------------------------------------------------------------------------- */
+
+static int64_t fwd_tasks(const attn_problem *p) { return p->b * p->h * cdiv(p->n, BQ); }
+
+static int64_t fwd_worker_floats(const attn_problem *p) {
+    int64_t wide = p->d > p->dv ? p->d : p->dv;
+    return round16(p->d * BQ + BK * p->d + BK * p->dv + BK * BQ + BQ * p->dv + 3 * BQ + wide);
+}
+
+int64_t attn_fwd_workspace(const attn_problem *p) { return workers_for(fwd_tasks(p)) * fwd_worker_floats(p); }
+
+typedef struct fwd_ctx {
+    const attn_kernels *k;
+    const attn_problem *p;
+    float *ws;
+    int64_t per_worker, tasks, nqb;
+    atomic_llong next;
+} fwd_ctx;
+
+static void fwd_task(const attn_kernels *k, const attn_problem *p, int64_t qb, int64_t bh, float *ws) {
+    const int64_t D = p->d, DV = p->dv, b = bh / p->h, h = bh % p->h, kvh = h / (p->h / p->hkv);
+    const int64_t i0 = qb * BQ, bq = p->n - i0 < BQ ? p->n - i0 : BQ;
+    float *qt = ws, *kbuf = qt + D * BQ, *vbuf = kbuf + BK * D, *st = vbuf + BK * DV, *o = st + BK * BQ;
+    float *m = o + BQ * DV, *l = m + BQ, *alpha = l + BQ, *row = alpha + BQ;
+    for (int64_t i = 0; i < bq; i++) { /* Q^T of the block, float32 */
+        load_row(k, row, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], D, p->dt);
+        for (int64_t d = 0; d < D; d++) qt[d * BQ + i] = row[d];
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * (size_t)(BQ * DV));
+    const int64_t kend = p->causal ? (p->s < i0 + bq ? p->s : i0 + bq) : p->s;
+    const int f32 = p->dt == OPF_F32;
+    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+        const int64_t bk = kend - j0 < BK ? kend - j0 : BK;
+        /* S^T (bk x bq) = K_block Q^T: K rows are read in place in float32 */
+        const float *ka = kbuf;
+        int64_t rsk = D, csk = 1;
+        if (f32) {
+            ka = (const float *)p->k + off4(p->ks, b, kvh, j0, 0);
+            rsk = p->ks[2], csk = p->ks[3];
+        } else {
+            for (int64_t j = 0; j < bk; j++) load_row(k, kbuf + j * D, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], D, p->dt);
+        }
+        k->mm(bk, bq, D, ka, rsk, csk, qt, BQ, st, BQ, 0);
+        float scale = p->scale;
+        if (tile_masked(p, i0, j0, bk)) {
+            apply_mask(p, st, 1, BQ, b, h, i0, bq, j0, bk);
+            scale = 1.0f;
+        }
+        k->softmax_cols(st, BQ, bk, bq, scale, m, l, alpha);
+        for (int64_t i = 0; i < bq; i++)
+            if (alpha[i] != 1.0f)
+                for (int64_t d = 0; d < DV; d++) o[i * DV + d] *= alpha[i];
+        /* O (bq x Dv) += P V_block, P(i, j) = st[j*BQ + i] */
+        const float *vb = vbuf;
+        int64_t ldv = DV;
+        if (f32 && p->vs[3] == 1) {
+            vb = (const float *)p->v + off4(p->vs, b, kvh, j0, 0);
+            ldv = p->vs[2];
+        } else {
+            for (int64_t j = 0; j < bk; j++) load_row(k, vbuf + j * DV, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], DV, p->dt);
+        }
+        k->mm(bq, DV, bk, st, 1, BQ, vb, ldv, o, DV, 1);
+    }
+    for (int64_t i = 0; i < bq; i++) {
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        for (int64_t d = 0; d < DV; d++) o[i * DV + d] *= inv;
+        store_row(k, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * DV, DV, p->dt);
+        p->lse[bh * p->n + i0 + i] = l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
+    }
+}
+
+static void fwd_worker(int64_t w0, int64_t w1, void *arg) {
+    fwd_ctx *c = arg;
+    const int64_t nbh = c->p->b * c->p->h;
+    for (int64_t w = w0; w < w1; w++) {
+        float *ws = c->ws + w * c->per_worker;
+        for (;;) {
+            int64_t t = atomic_fetch_add(&c->next, 1);
+            if (t >= c->tasks) break;
+            /* the last query blocks first: under a causal mask they are the most work */
+            fwd_task(c->k, c->p, c->nqb - 1 - t / nbh, t % nbh, ws);
+        }
+    }
+}
+
+void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
+    fwd_ctx c = {k, p, workspace, fwd_worker_floats(p), fwd_tasks(p), cdiv(p->n, BQ), 0};
+    if (c.tasks == 0) return;
+    opf_parallel_for(0, workers_for(c.tasks), 1, fwd_worker, &c);
+}
+
+/* ---- backward ------------------------------------------------------------------------------ */
+
+static int64_t bwd_tasks(const attn_problem *p) { return p->b * p->hkv * cdiv(p->s, BK); }
+
+/* per worker: the task's blocks, then dQ of one head group (g, n, d), then
+ * the first touched row per head (g int64) */
+static int64_t bwd_task_floats(const attn_problem *p) {
+    const int64_t wide = p->d > p->dv ? p->d : p->dv;
+    return round16(2 * p->d * BK + p->dv * BK + BK * p->d + BK * p->dv + BQ * p->d + BQ * p->dv + 2 * BQ * BK + wide);
+}
+
+static int64_t bwd_worker_floats(const attn_problem *p) {
+    const int64_t g = p->h / p->hkv;
+    return bwd_task_floats(p) + round16(g * p->n * p->d) + round16(2 * g);
+}
+
+/* shared: D = rowsum(dO * out) (b, h, n); float32 dQ when dq is 16-bit */
+static int64_t bwd_shared_floats(const attn_problem *p) {
+    return p->b * p->h * p->n + (p->dt != OPF_F32 ? p->b * p->h * p->n * p->d : 0);
+}
+
+int64_t attn_bwd_workspace(const attn_problem *p) {
+    return bwd_shared_floats(p) + workers_for(bwd_tasks(p)) * bwd_worker_floats(p);
+}
+
+typedef struct bwd_ctx {
+    const attn_kernels *k;
+    const attn_problem *p;
+    float *di, *dq32, *ws;
+    int64_t dq32s[4];
+    int64_t per_worker, tasks, nkb;
+    atomic_llong next;
+    pthread_mutex_t lock;
+} bwd_ctx;
+
+/* per worker: dQ of the head group it is working on, rows >= lo[] touched */
+typedef struct dq_part {
+    int64_t group;
+    float *rows; /* (g, n, d) */
+    int64_t *lo; /* per head of the group */
+} dq_part;
+
+static void flush_dq(bwd_ctx *c, dq_part *part) {
+    const attn_problem *p = c->p;
+    if (part->group < 0) return;
+    const int64_t g = p->h / p->hkv, b = part->group / p->hkv, kvh = part->group % p->hkv;
+    pthread_mutex_lock(&c->lock);
+    for (int64_t hl = 0; hl < g; hl++) {
+        const int64_t h = kvh * g + hl;
+        for (int64_t i = part->lo[hl]; i < p->n; i++) {
+            float *src = part->rows + (hl * p->n + i) * p->d, *dst = c->dq32 + off4(c->dq32s, b, h, i, 0);
+            for (int64_t d = 0; d < p->d; d++) dst[d * c->dq32s[3]] += src[d];
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    for (int64_t hl = 0; hl < g; hl++) {
+        if (part->lo[hl] < p->n)
+            memset(part->rows + (hl * p->n + part->lo[hl]) * p->d, 0, sizeof(float) * (size_t)((p->n - part->lo[hl]) * p->d));
+        part->lo[hl] = p->n;
+    }
+    part->group = -1;
+}
+
+static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, dq_part *part) {
+    const attn_kernels *k = c->k;
+    const attn_problem *p = c->p;
+    const int64_t D = p->d, DV = p->dv, g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
+    const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK;
+    float *kt = ws, *vt = kt + D * BK, *kr = vt + DV * BK, *dk = kr + BK * D, *dv = dk + BK * D;
+    float *qr = dv + BK * DV, *dor = qr + BQ * D, *s = dor + BQ * DV, *dp = s + BQ * BK, *row = dp + BQ * BK;
+    for (int64_t j = 0; j < bk; j++) { /* K rows, K^T and V^T of the block, float32 */
+        load_row(k, kr + j * D, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], D, p->dt);
+        for (int64_t d = 0; d < D; d++) kt[d * BK + j] = kr[j * D + d];
+        load_row(k, row, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], DV, p->dt);
+        for (int64_t d = 0; d < DV; d++) vt[d * BK + j] = row[d];
+    }
+    memset(dk, 0, sizeof(float) * (size_t)(BK * D));
+    memset(dv, 0, sizeof(float) * (size_t)(BK * DV));
+    if (part->group != grp) {
+        flush_dq(c, part);
+        part->group = grp;
+    }
+    /* queries before j0 see no key of this block under a causal mask */
+    const int64_t qstart = p->causal ? j0 : 0;
+    const int f32 = p->dt == OPF_F32;
+    for (int64_t hl = 0; hl < g && qstart < p->n; hl++) {
+        const int64_t h = kvh * g + hl, bh = b * p->h + h;
+        if (qstart < part->lo[hl]) part->lo[hl] = qstart;
+        for (int64_t i0 = qstart; i0 < p->n; i0 += BQ) {
+            const int64_t bq = p->n - i0 < BQ ? p->n - i0 : BQ;
+            const float *q = qr, *dout = dor;
+            int64_t ldq = D, lddo = DV;
+            if (f32 && p->qs[3] == 1) {
+                q = (const float *)p->q + off4(p->qs, b, h, i0, 0);
+                ldq = p->qs[2];
+            } else {
+                for (int64_t i = 0; i < bq; i++) load_row(k, qr + i * D, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], D, p->dt);
+            }
+            if (f32 && p->dos[3] == 1) {
+                dout = (const float *)p->dout + off4(p->dos, b, h, i0, 0);
+                lddo = p->dos[2];
+            } else {
+                for (int64_t i = 0; i < bq; i++)
+                    load_row(k, dor + i * DV, p->dout, off4(p->dos, b, h, i0 + i, 0), p->dos[3], DV, p->dt);
+            }
+            k->mm(bq, bk, D, q, ldq, 1, kt, BK, s, BK, 0); /* S = Q K^T */
+            float scale = p->scale;
+            if (tile_masked(p, i0, j0, bk)) {
+                apply_mask(p, s, BK, 1, b, h, i0, bq, j0, bk);
+                scale = 1.0f;
+            }
+            k->probs(s, BK, bq, bk, scale, p->lse + bh * p->n + i0);      /* P */
+            k->mm(bq, bk, DV, dout, lddo, 1, vt, BK, dp, BK, 0);           /* dP = dO V^T */
+            k->dscores(dp, s, BK, bq, bk, c->di + bh * p->n + i0, p->scale); /* dS */
+            k->mm(bk, DV, bq, s, 1, BK, dout, lddo, dv, DV, 1);            /* dV += P^T dO */
+            k->mm(bk, D, bq, dp, 1, BK, q, ldq, dk, D, 1);                 /* dK += dS^T Q */
+            k->mm(bq, D, bk, dp, BK, 1, kr, D, part->rows + (hl * p->n + i0) * D, D, 1); /* dQ += dS K */
+        }
+    }
+    for (int64_t j = 0; j < bk; j++) {
+        store_row(k, p->dk, off4(p->dks, b, kvh, j0 + j, 0), p->dks[3], dk + j * D, D, p->dt);
+        store_row(k, p->dvv, off4(p->dvs, b, kvh, j0 + j, 0), p->dvs[3], dv + j * DV, DV, p->dt);
+    }
+}
+
+static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
+    bwd_ctx *c = arg;
+    const attn_problem *p = c->p;
+    const int64_t g = p->h / p->hkv;
+    for (int64_t w = w0; w < w1; w++) {
+        float *ws = c->ws + w * c->per_worker;
+        float *rows = ws + bwd_task_floats(p);
+        dq_part part = {-1, rows, (int64_t *)(rows + round16(g * p->n * p->d))};
+        memset(rows, 0, sizeof(float) * (size_t)(g * p->n * p->d));
+        for (int64_t hl = 0; hl < g; hl++) part.lo[hl] = p->n;
+        for (;;) {
+            int64_t t = atomic_fetch_add(&c->next, 1);
+            if (t >= c->tasks) break;
+            bwd_task(c, t / c->nkb, t % c->nkb, ws, &part);
+        }
+        flush_dq(c, &part);
+    }
+}
+
+typedef struct rows_ctx {
+    const attn_kernels *k;
+    const attn_problem *p;
+    bwd_ctx *c;
+} rows_ctx;
+
+/* per (b, h): zero dQ's float32 accumulator, D[i] = sum_d dO[i, d] out[i, d] */
+static void bwd_prologue(int64_t bh0, int64_t bh1, void *arg) {
+    rows_ctx *r = arg;
+    const attn_problem *p = r->p;
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / p->h, h = bh % p->h;
+        for (int64_t i = 0; i < p->n; i++) {
+            float *dq = r->c->dq32 + off4(r->c->dq32s, b, h, i, 0);
+            for (int64_t d = 0; d < p->d; d++) dq[d * r->c->dq32s[3]] = 0.0f;
+            double sum = 0.0;
+            for (int64_t d = 0; d < p->dv; d++)
+                sum += load_d(p->dout, off4(p->dos, b, h, i, d), p->dt) * load_d(p->out, off4(p->os, b, h, i, d), p->dt);
+            r->c->di[bh * p->n + i] = (float)sum;
+        }
+    }
+}
+
+static void bwd_epilogue(int64_t bh0, int64_t bh1, void *arg) {
+    rows_ctx *r = arg;
+    const attn_problem *p = r->p;
+    for (int64_t bh = bh0; bh < bh1; bh++)
+        for (int64_t i = 0; i < p->n; i++)
+            store_row(r->k, p->dq, off4(p->dqs, bh / p->h, bh % p->h, i, 0), p->dqs[3],
+                      r->c->dq32 + (bh * p->n + i) * p->d, p->d, p->dt);
+}
+
+void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
+    bwd_ctx c = {.k = k, .p = p, .per_worker = bwd_worker_floats(p), .tasks = bwd_tasks(p), .nkb = cdiv(p->s, BK)};
+    c.di = workspace;
+    if (p->dt == OPF_F32) {
+        c.dq32 = p->dq;
+        memcpy(c.dq32s, p->dqs, sizeof c.dq32s);
+    } else {
+        c.dq32 = workspace + p->b * p->h * p->n;
+        int64_t st[4] = {p->h * p->n * p->d, p->n * p->d, p->d, 1};
+        memcpy(c.dq32s, st, sizeof st);
+    }
+    c.ws = workspace + bwd_shared_floats(p);
+    atomic_init(&c.next, 0);
+    pthread_mutex_init(&c.lock, NULL);
+    rows_ctx r = {k, p, &c};
+    opf_parallel_for(0, p->b * p->h, 1, bwd_prologue, &r);
+    if (c.tasks > 0) opf_parallel_for(0, workers_for(c.tasks), 1, bwd_worker, &c);
+    if (p->dt != OPF_F32) opf_parallel_for(0, p->b * p->h, 1, bwd_epilogue, &r);
+    pthread_mutex_destroy(&c.lock);
+}
+
+/* ---- oracle: row by row in double ---------------------------------------------------------- */
+
+/* scores of query i of (b, h) against every key, softmax in place; returns lse */
+static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, double *w) {
+    const int64_t kvh = h / (p->h / p->hkv);
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < p->s; j++) {
+        double bias = mask_bias(p, b, h, i, j);
+        if (p->mask_kind == ATTN_MASK_ADD && !(p->causal && j > i))
+            bias = load_d(p->mask, off4(p->ms, b, h, i, j), p->mask_dt); /* in double for float64 */
+        double dot = 0.0;
+        for (int64_t d = 0; d < p->d; d++)
+            dot += load_d(p->q, off4(p->qs, b, h, i, d), p->dt) * load_d(p->k, off4(p->ks, b, kvh, j, d), p->dt);
+        w[j] = bias == -INFINITY ? -INFINITY : dot * (double)p->scale + bias;
+        if (w[j] > mx) mx = w[j];
+    }
+    if (mx == -INFINITY) { /* no key left: zeros */
+        for (int64_t j = 0; j < p->s; j++) w[j] = 0.0;
+        return -INFINITY;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < p->s; j++) sum += (w[j] = exp(w[j] - mx));
+    for (int64_t j = 0; j < p->s; j++) w[j] /= sum;
+    return mx + log(sum);
+}
+
+void attn_ref_fwd(const attn_problem *p) {
+    double *w = malloc(sizeof(double) * (size_t)(p->s + 1));
+    if (!w) return;
+    for (int64_t b = 0; b < p->b; b++)
+        for (int64_t h = 0; h < p->h; h++) {
+            const int64_t kvh = h / (p->h / p->hkv);
+            for (int64_t i = 0; i < p->n; i++) {
+                p->lse[(b * p->h + h) * p->n + i] = (float)ref_probs(p, b, h, i, w);
+                for (int64_t d = 0; d < p->dv; d++) {
+                    double acc = 0.0;
+                    for (int64_t j = 0; j < p->s; j++) acc += w[j] * load_d(p->v, off4(p->vs, b, kvh, j, d), p->dt);
+                    store_d(p->out, off4(p->os, b, h, i, d), p->dt, acc);
+                }
+            }
+        }
+    free(w);
+}
+
+int attn_ref_bwd(const attn_problem *p) {
+    const int64_t nk = p->b * p->hkv * p->s;
+    double *w = malloc(sizeof(double) * (size_t)(2 * p->s + p->d + 1));
+    double *dk = calloc((size_t)(nk * p->d + 1), sizeof(double)), *dv = calloc((size_t)(nk * p->dv + 1), sizeof(double));
+    if (!w || !dk || !dv) {
+        free(w), free(dk), free(dv);
+        return -1;
+    }
+    double *dpr = w + p->s, *dqr = dpr + p->s;
+    for (int64_t b = 0; b < p->b; b++)
+        for (int64_t h = 0; h < p->h; h++) {
+            const int64_t kvh = h / (p->h / p->hkv), kbase = (b * p->hkv + kvh) * p->s;
+            for (int64_t i = 0; i < p->n; i++) {
+                ref_probs(p, b, h, i, w);
+                double di = 0.0;
+                for (int64_t j = 0; j < p->s; j++) {
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < p->dv; d++)
+                        dot += load_d(p->dout, off4(p->dos, b, h, i, d), p->dt) * load_d(p->v, off4(p->vs, b, kvh, j, d), p->dt);
+                    dpr[j] = dot;
+                    di += w[j] * dot;
+                }
+                for (int64_t d = 0; d < p->d; d++) dqr[d] = 0.0;
+                for (int64_t j = 0; j < p->s; j++) {
+                    const double ds = w[j] * (dpr[j] - di) * (double)p->scale;
+                    for (int64_t d = 0; d < p->dv; d++)
+                        dv[(kbase + j) * p->dv + d] += w[j] * load_d(p->dout, off4(p->dos, b, h, i, d), p->dt);
+                    for (int64_t d = 0; d < p->d; d++) {
+                        dk[(kbase + j) * p->d + d] += ds * load_d(p->q, off4(p->qs, b, h, i, d), p->dt);
+                        dqr[d] += ds * load_d(p->k, off4(p->ks, b, kvh, j, d), p->dt);
+                    }
+                }
+                for (int64_t d = 0; d < p->d; d++) store_d(p->dq, off4(p->dqs, b, h, i, d), p->dt, dqr[d]);
+            }
+        }
+    for (int64_t b = 0; b < p->b; b++)
+        for (int64_t kvh = 0; kvh < p->hkv; kvh++)
+            for (int64_t j = 0; j < p->s; j++) {
+                const int64_t r = (b * p->hkv + kvh) * p->s + j;
+                for (int64_t d = 0; d < p->d; d++) store_d(p->dk, off4(p->dks, b, kvh, j, d), p->dt, dk[r * p->d + d]);
+                for (int64_t d = 0; d < p->dv; d++) store_d(p->dvv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->dv + d]);
+            }
+    free(w), free(dk), free(dv);
+    return 0;
+}

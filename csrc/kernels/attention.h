@@ -1,0 +1,97 @@
+/*
+ * Scaled dot-product attention, flash style, float32 compute:
+ *     out = softmax(scale * q k^T + mask) v        per (batch, head)
+ * q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), any element strides;
+ * query head h reads key/value head h / (H / Hkv) (grouped-query attention,
+ * K/V never repeated). out (B, H, N, Dv) any strides, lse (B, H, N) float32
+ * contiguous: the log-sum-exp of each row, saved for the backward.
+ *
+ * Forward: each task is one block of BQ queries of one head. Q^T of the block
+ * is made once; K/V are streamed in blocks of BK keys: the score tile S^T =
+ * K Q^T (keys x queries) is formed by the ISA's matmul, the online softmax
+ * runs down its columns (one query per vector lane), and O += P V. Masked
+ * tiles are only those on the causal diagonal or under an explicit mask;
+ * tiles above the diagonal are never computed. Tasks are pulled from an
+ * atomic counter, most expensive first, so cores stay busy for any B x H.
+ *
+ * Backward (FlashAttention-2): each task is one block of BK keys of one
+ * key/value head, looping over the query blocks of every query head that
+ * reads it: P is recomputed from lse, dS = P * (dP - D) with D = rowsum(dO *
+ * out) computed once, dK and dV accumulate in the task, and dQ accumulates in
+ * a per-worker float32 buffer added into the result under a lock when the
+ * worker moves to another head group (one addition per worker and group).
+ *
+ * Semantics match torch.nn.functional.scaled_dot_product_attention: causal is
+ * top-left aligned (query i sees keys j <= i), a boolean mask keeps the keys
+ * where it is true, a float mask is added to the scores, and a row with no
+ * key left gives zeros (and zero gradients), lse = -inf.
+ */
+#ifndef OPFORGE_KERNELS_ATTENTION_H
+#define OPFORGE_KERNELS_ATTENTION_H
+
+#include <stdint.h>
+
+#include "gemm.h"
+#include "opforge/half.h"
+#include "opforge/runtime.h"
+
+typedef enum attn_mask_kind { ATTN_MASK_NONE = 0, ATTN_MASK_BOOL, ATTN_MASK_ADD } attn_mask_kind;
+
+typedef struct attn_problem {
+    int64_t b, h, hkv, n, s, d, dv; /* batch, heads, key/value heads, query and key length, head dims */
+    opf_dtype dt;                   /* of q, k, v, out, dout, dq, dk, dv */
+    const void *q, *k, *v;
+    int64_t qs[4], ks[4], vs[4];    /* element strides (b, h, n|s, d) */
+    const void *mask;               /* NULL, or (b, h, n, s) via ms (0 where broadcast) */
+    int mask_kind;                  /* attn_mask_kind */
+    opf_dtype mask_dt;              /* ATTN_MASK_ADD: the mask's float type */
+    int64_t ms[4];
+    int causal;
+    float scale;
+    void *out;
+    int64_t os[4];
+    float *lse; /* (b, h, n) contiguous */
+    /* backward: dout like out; dq, dk, dv like q, k, v */
+    const void *dout;
+    int64_t dos[4];
+    void *dq, *dk, *dvv;
+    int64_t dqs[4], dks[4], dvs[4];
+} attn_problem;
+
+typedef struct attn_kernels {
+    const char *name;
+    const gemm_kernels *gemm; /* dtype conversions */
+    /* C (m x n, row stride ldc) = (acc ? C : 0) + A B with A(i, p) = a[i*rsa + p*csa]
+     * and B(p, j) = b[p*ldb + j] */
+    void (*mm)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+               int64_t ldb, float *c, int64_t ldc, int acc);
+    /* online softmax down the columns of st (bk keys x bq queries, row stride ld):
+     * x = scale * st; m' = max(m, max_j x); st = exp(x - m'); alpha = exp(m - m');
+     * l = l * alpha + sum_j st; m = m'. A column with m' = -inf gets zeros. */
+    void (*softmax_cols)(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
+                         float *alpha);
+    /* s (bq x bk, row stride ld) = exp(scale * s - lse[i]); rows with lse = -inf get zeros */
+    void (*probs)(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse);
+    /* dp = p * (dp - di[i]) * scale (the gradient of the scaled scores) */
+    void (*dscores)(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *di, float scale);
+} attn_kernels;
+
+extern const attn_kernels attn_kernels_ref;
+extern const attn_kernels attn_kernels_avx2; /* attention_avx2.c */
+
+const attn_kernels *attn_kernels_for(opf_isa isa);
+
+/* Floats of workspace for attn_fwd / attn_bwd (float32, bfloat16, float16). */
+int64_t attn_fwd_workspace(const attn_problem *p);
+int64_t attn_bwd_workspace(const attn_problem *p);
+void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace);
+/* Needs p->out and p->lse from attn_fwd, p->dout; writes dq, dk, dv. */
+void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace);
+
+/* The oracle, row by row in double (and the float64 path of the op); any dtype
+ * incl. OPF_F64. The backward allocates its own double accumulators. Returns
+ * 0, or -1 when out of memory. */
+void attn_ref_fwd(const attn_problem *p);
+int attn_ref_bwd(const attn_problem *p);
+
+#endif

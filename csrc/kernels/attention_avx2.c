@@ -1,0 +1,145 @@
+/*
+ * Attention kernels, AVX2 + FMA: the block matmul (up to 6 x 16 floats of C
+ * in 12 ymm accumulators, A broadcast from any strides, B rows loaded in
+ * place, masked loads/stores on the last columns), the column-wise online
+ * softmax (8 queries per vector) and the backward's elementwise steps, all
+ * with exp8z (math_avx2.h).
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "attention.h"
+#include "math_avx2.h"
+
+static inline __m256i lanes_below(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* C[0..mr) x [0..8*nv) (+)= A B; masked: lanes beyond the mask are neither
+ * read from B or C nor written. mr, nv and masked are constants at each call. */
+static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int masked, int64_t k,
+                                                      const float *a, int64_t rsa, int64_t csa, const float *b,
+                                                      int64_t ldb, float *c, int64_t ldc, int acc, __m256i m0,
+                                                      __m256i m1) {
+    __m256 c0[6], c1[6];
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < k; p++, a += csa, b += ldb) {
+        __m256 b0 = masked ? _mm256_maskload_ps(b, m0) : _mm256_loadu_ps(b);
+        __m256 b1 = nv == 2 ? (masked ? _mm256_maskload_ps(b + 8, m1) : _mm256_loadu_ps(b + 8)) : b0;
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; r++) {
+            __m256 av = _mm256_broadcast_ss(a + r * rsa);
+            c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+            if (nv == 2) c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) {
+        float *cr = c + r * ldc;
+        if (masked) {
+            if (acc) c0[r] = _mm256_add_ps(c0[r], _mm256_maskload_ps(cr, m0));
+            _mm256_maskstore_ps(cr, m0, c0[r]);
+            if (nv == 2) {
+                if (acc) c1[r] = _mm256_add_ps(c1[r], _mm256_maskload_ps(cr + 8, m1));
+                _mm256_maskstore_ps(cr + 8, m1, c1[r]);
+            }
+        } else {
+            if (acc) c0[r] = _mm256_add_ps(c0[r], _mm256_loadu_ps(cr));
+            _mm256_storeu_ps(cr, c0[r]);
+            if (nv == 2) {
+                if (acc) c1[r] = _mm256_add_ps(c1[r], _mm256_loadu_ps(cr + 8));
+                _mm256_storeu_ps(cr + 8, c1[r]);
+            }
+        }
+    }
+}
+
+#define ROWS(NV, MASKED)                                                                           \
+    for (int64_t i = 0; i < m; i += 6) {                                                           \
+        const float *ai = a + i * rsa;                                                             \
+        float *ci = c + i * ldc + j;                                                               \
+        switch (m - i < 6 ? m - i : 6) {                                                           \
+        case 6: tile(6, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
+        case 5: tile(5, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
+        case 4: tile(4, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
+        case 3: tile(3, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
+        case 2: tile(2, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
+        default: tile(1, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;       \
+        }                                                                                          \
+    }
+
+static void mm_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+                    int64_t ldb, float *c, int64_t ldc, int acc) {
+    for (int64_t j = 0; j < n; j += 16) { /* one 16-column sliver of B stays in L1 across the rows */
+        const int64_t nb = n - j < 16 ? n - j : 16;
+        const float *bj = b + j;
+        __m256i m0 = lanes_below(nb), m1 = lanes_below(nb - 8);
+        if (nb == 16) {
+            ROWS(2, 0)
+        } else if (nb > 8) {
+            ROWS(2, 1)
+        } else if (nb == 8) {
+            ROWS(1, 0)
+        } else {
+            ROWS(1, 1)
+        }
+    }
+}
+
+static void softmax_cols_avx2(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
+                              float *alpha) {
+    const __m256 vs = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= bq; i += 8) {
+        __m256 mold = _mm256_loadu_ps(m + i), mx = mold;
+        for (int64_t j = 0; j < bk; j++) mx = _mm256_max_ps(mx, _mm256_mul_ps(_mm256_loadu_ps(st + j * ld + i), vs));
+        __m256 base = _mm256_blendv_ps(mx, zero, _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
+        __m256 sum = zero;
+        for (int64_t j = 0; j < bk; j++) {
+            float *x = st + j * ld + i;
+            __m256 e = exp8z(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x), vs), base));
+            _mm256_storeu_ps(x, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        __m256 a = exp8z(_mm256_sub_ps(mold, base));
+        _mm256_storeu_ps(alpha + i, a);
+        _mm256_storeu_ps(l + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), a, sum));
+        _mm256_storeu_ps(m + i, mx);
+    }
+    if (i < bq) attn_kernels_ref.softmax_cols(st + i, ld, bk, bq - i, scale, m + i, l + i, alpha + i);
+}
+
+static void probs_avx2(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < bq; i++) {
+        float *row = s + i * ld;
+        if (lse[i] == -INFINITY) {
+            for (int64_t j = 0; j < bk; j++) row[j] = 0.0f;
+            continue;
+        }
+        const __m256 vl = _mm256_set1_ps(lse[i]);
+        int64_t j = 0;
+        for (; j + 8 <= bk; j += 8)
+            _mm256_storeu_ps(row + j, exp8z(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(row + j), vs), vl)));
+        if (j < bk) attn_kernels_ref.probs(row + j, ld, 1, bk - j, scale, lse + i);
+    }
+}
+
+static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *di, float scale) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < bq; i++) {
+        float *d = dp + i * ld;
+        const float *pr = p + i * ld;
+        const __m256 vd = _mm256_set1_ps(di[i]);
+        int64_t j = 0;
+        for (; j + 8 <= bk; j += 8) {
+            __m256 g = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(d + j), vd), vs);
+            _mm256_storeu_ps(d + j, _mm256_mul_ps(_mm256_loadu_ps(pr + j), g));
+        }
+        if (j < bk) attn_kernels_ref.dscores(d + j, pr + j, ld, 1, bk - j, di + i, scale);
+    }
+}
+
+const attn_kernels attn_kernels_avx2 = {"avx2", &gemm_kernels_avx2, mm_avx2, softmax_cols_avx2, probs_avx2,
+                                        dscores_avx2};

@@ -1,0 +1,201 @@
+/*
+ * Every compiled attention variant against the double-precision oracle:
+ * forward (out, lse) and backward (dq, dk, dv) on odd lengths (1, 7, 129,
+ * 1000), head dims 16..256, causal and not, grouped-query heads, boolean and
+ * additive masks with broadcast dims, fully masked rows, transposed (B, N, H,
+ * D) and strided layouts, float32 and bfloat16.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "../../csrc/kernels/attention.h"
+#include "check.h"
+
+typedef struct cfg {
+    int64_t b, h, hkv, n, s, d, dv;
+    int causal, mask; /* mask: 0 none, 1 bool (N,S) broadcast, 2 additive (B,1,N,S), 3 bool with empty rows */
+    int layout;       /* 0 contiguous, 1 (B,N,H,D) transposed, 2 element stride 2 */
+    opf_dtype dt;
+} cfg;
+
+static size_t esize(opf_dtype dt) { return opf_dtype_size(dt); }
+
+/* a (b, h, n, d) tensor in the given layout: strides and element count */
+static int64_t layout(int lay, int64_t b, int64_t h, int64_t n, int64_t d, int64_t *st) {
+    (void)b;
+    if (lay == 1) {
+        st[0] = n * h * d, st[1] = d, st[2] = h * d, st[3] = 1;
+    } else if (lay == 2) {
+        st[0] = h * n * d * 2, st[1] = n * d * 2, st[2] = d * 2, st[3] = 2;
+        return b * h * n * d * 2;
+    } else {
+        st[0] = h * n * d, st[1] = n * d, st[2] = d, st[3] = 1;
+    }
+    return b * h * n * d;
+}
+
+static void *rand_tensor(int64_t count, opf_dtype dt, unsigned long long seed, double amp) {
+    void *p = malloc((size_t)(count > 0 ? count : 1) * esize(dt));
+    for (int64_t i = 0; i < count; i++) {
+        float v = (float)((check_uniform(&seed) * 2.0 - 1.0) * amp);
+        if (dt == OPF_BF16) ((uint16_t *)p)[i] = opf_f32_to_bf16(v);
+        else ((float *)p)[i] = v;
+    }
+    return p;
+}
+
+static double get(const void *p, int64_t i, opf_dtype dt) {
+    return dt == OPF_BF16 ? opf_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* max |got - want| over the (b, h, n, d) elements, relative to max |want| */
+static double rel_err(const void *got, const void *want, const int64_t *st, int64_t b, int64_t h, int64_t n,
+                      int64_t d, opf_dtype dt) {
+    double err = 0.0, mag = 0.1; /* errors of values below 0.1 count as absolute */
+    for (int64_t ib = 0; ib < b; ib++)
+        for (int64_t ih = 0; ih < h; ih++)
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t e = 0; e < d; e++) {
+                    int64_t o = ib * st[0] + ih * st[1] + i * st[2] + e * st[3];
+                    double g = get(got, o, dt), w = get(want, o, dt);
+                    if (isnan(g) != isnan(w)) return INFINITY;
+                    err = fmax(err, fabs(g - w));
+                    mag = fmax(mag, fabs(w));
+                }
+    return err / mag;
+}
+
+static void run(const attn_kernels *k, cfg c) {
+    attn_problem p = {.b = c.b, .h = c.h, .hkv = c.hkv, .n = c.n, .s = c.s, .d = c.d, .dv = c.dv, .dt = c.dt,
+                      .causal = c.causal, .scale = (float)(1.0 / sqrt((double)c.d))};
+    int64_t nq = layout(c.layout, c.b, c.h, c.n, c.d, p.qs), nk = layout(c.layout, c.b, c.hkv, c.s, c.d, p.ks);
+    int64_t nv = layout(c.layout, c.b, c.hkv, c.s, c.dv, p.vs), no = layout(c.layout, c.b, c.h, c.n, c.dv, p.os);
+    memcpy(p.dos, p.os, sizeof p.os), memcpy(p.dqs, p.qs, sizeof p.qs);
+    memcpy(p.dks, p.ks, sizeof p.ks), memcpy(p.dvs, p.vs, sizeof p.vs);
+    void *q = rand_tensor(nq, c.dt, 11 + (unsigned long long)c.n, 2.0), *kk = rand_tensor(nk, c.dt, 12, 2.0);
+    void *v = rand_tensor(nv, c.dt, 13, 1.0), *dout = rand_tensor(no, c.dt, 14, 1.0);
+    p.q = q, p.k = kk, p.v = v, p.dout = dout;
+    void *mask = NULL;
+    if (c.mask == 1 || c.mask == 3) { /* bool (N, S), broadcast over b and h */
+        mask = malloc((size_t)(c.n * c.s + 1));
+        unsigned long long seed = 21;
+        for (int64_t i = 0; i < c.n; i++)
+            for (int64_t j = 0; j < c.s; j++)
+                ((uint8_t *)mask)[i * c.s + j] = (c.mask == 3 && i % 5 == 2) ? 0 : check_uniform(&seed) < 0.7;
+        p.mask_kind = ATTN_MASK_BOOL;
+        p.ms[0] = p.ms[1] = 0, p.ms[2] = c.s, p.ms[3] = 1;
+    } else if (c.mask == 2) { /* additive (B, 1, N, S) in the inputs' dtype, some -inf */
+        mask = rand_tensor(c.b * c.n * c.s, c.dt, 22, 3.0);
+        for (int64_t i = 0; i < c.b * c.n * c.s; i += 7) {
+            if (c.dt == OPF_BF16) ((uint16_t *)mask)[i] = 0xff80;
+            else ((float *)mask)[i] = -INFINITY;
+        }
+        p.mask_kind = ATTN_MASK_ADD, p.mask_dt = c.dt;
+        p.ms[0] = c.n * c.s, p.ms[1] = 0, p.ms[2] = c.s, p.ms[3] = 1;
+    }
+    p.mask = mask;
+    attn_problem want = p;
+    void *out = calloc((size_t)no + 1, esize(c.dt)), *wout = calloc((size_t)no + 1, esize(c.dt));
+    float *lse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float)), *wlse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float));
+    void *dq = calloc((size_t)nq + 1, esize(c.dt)), *dk = calloc((size_t)nk + 1, esize(c.dt)), *dv = calloc((size_t)nv + 1, esize(c.dt));
+    void *wdq = calloc((size_t)nq + 1, esize(c.dt)), *wdk = calloc((size_t)nk + 1, esize(c.dt)), *wdv = calloc((size_t)nv + 1, esize(c.dt));
+    p.out = out, p.lse = lse, p.dq = dq, p.dk = dk, p.dvv = dv;
+    want.out = wout, want.lse = wlse, want.dq = wdq, want.dk = wdk, want.dvv = wdv;
+
+    attn_ref_fwd(&want);
+    CHECK(attn_ref_bwd(&want) == 0, "oracle out of memory");
+    int64_t fws = attn_fwd_workspace(&p), bws = attn_bwd_workspace(&p);
+    float *ws = malloc((size_t)((fws > bws ? fws : bws) + 16) * sizeof(float));
+    attn_fwd(k, &p, ws);
+    attn_bwd(k, &p, ws);
+
+    const double tol = c.dt == OPF_BF16 ? 1.6e-2 : 2e-5, gtol = c.dt == OPF_BF16 ? 3e-2 : 1e-4;
+    double lerr = 0.0;
+    for (int64_t i = 0; i < c.b * c.h * c.n; i++) {
+        if (isinf(wlse[i]) || isinf(lse[i])) {
+            if (wlse[i] != lse[i]) lerr = INFINITY;
+        } else {
+            lerr = fmax(lerr, fabs((double)lse[i] - wlse[i]));
+        }
+    }
+    double eo = rel_err(out, wout, p.os, c.b, c.h, c.n, c.dv, c.dt);
+    double eq = rel_err(dq, wdq, p.qs, c.b, c.h, c.n, c.d, c.dt);
+    double ek = rel_err(dk, wdk, p.ks, c.b, c.hkv, c.s, c.d, c.dt);
+    double ev = rel_err(dv, wdv, p.vs, c.b, c.hkv, c.s, c.dv, c.dt);
+    CHECK(eo <= tol && lerr <= 1e-4 && eq <= gtol && ek <= gtol && ev <= gtol,
+          "%s b=%lld h=%lld hkv=%lld n=%lld s=%lld d=%lld dv=%lld causal=%d mask=%d layout=%d %s: "
+          "out %.3g lse %.3g dq %.3g dk %.3g dv %.3g",
+          k->name, (long long)c.b, (long long)c.h, (long long)c.hkv, (long long)c.n, (long long)c.s, (long long)c.d,
+          (long long)c.dv, c.causal, c.mask, c.layout, c.dt == OPF_BF16 ? "bf16" : "f32", eo, lerr, eq, ek, ev);
+    free(q), free(kk), free(v), free(dout), free(mask), free(out), free(wout), free(lse), free(wlse);
+    free(dq), free(dk), free(dv), free(wdq), free(wdk), free(wdv), free(ws);
+}
+
+static void test_mm(const attn_kernels *k) {
+    /* the block matmul on every tail shape, with strided A and accumulation */
+    const int64_t shapes[][3] = {{1, 1, 1}, {6, 16, 3}, {7, 17, 5}, {13, 9, 64}, {5, 8, 2}, {64, 64, 64}, {3, 40, 7}};
+    for (size_t t = 0; t < sizeof shapes / sizeof shapes[0]; t++) {
+        int64_t m = shapes[t][0], n = shapes[t][1], kd = shapes[t][2];
+        for (int trans = 0; trans < 2; trans++)
+            for (int acc = 0; acc < 2; acc++) {
+                float *a = rand_tensor(m * kd, OPF_F32, 1, 1.0), *b = rand_tensor(kd * (n + 3), OPF_F32, 2, 1.0);
+                float *cc = rand_tensor(m * (n + 1), OPF_F32, 3, 1.0), *want = malloc(sizeof(float) * (size_t)(m * (n + 1)));
+                memcpy(want, cc, sizeof(float) * (size_t)(m * (n + 1)));
+                int64_t rsa = trans ? 1 : kd, csa = trans ? m : 1;
+                k->mm(m, n, kd, a, rsa, csa, b, n + 3, cc, n + 1, acc);
+                double err = 0.0;
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t j = 0; j < n + 1; j++) {
+                        double s = j < n && acc ? want[i * (n + 1) + j] : 0.0;
+                        for (int64_t p = 0; p < kd && j < n; p++) s += (double)a[i * rsa + p * csa] * b[p * (n + 3) + j];
+                        if (j == n) s = want[i * (n + 1) + j]; /* the padding column is never written */
+                        err = fmax(err, fabs(cc[i * (n + 1) + j] - s));
+                    }
+                CHECK(err < 1e-4, "%s mm m=%lld n=%lld k=%lld trans=%d acc=%d: error %g", k->name, (long long)m,
+                      (long long)n, (long long)kd, trans, acc, err);
+                free(a), free(b), free(cc), free(want);
+            }
+    }
+}
+
+static void test_variant(const attn_kernels *k) {
+    test_mm(k);
+    const int64_t lens[] = {1, 7, 129};
+    const int64_t dims[] = {16, 40, 64, 80, 128, 256};
+    for (size_t a = 0; a < 3; a++)
+        for (size_t b = 0; b < 3; b++)
+            for (int causal = 0; causal < 2; causal++)
+                run(k, (cfg){1, 2, 1, lens[a], lens[b], 64, 64, causal, 0, 0, OPF_F32});
+    for (size_t d = 0; d < sizeof dims / sizeof dims[0]; d++)
+        for (int causal = 0; causal < 2; causal++)
+            run(k, (cfg){2, 2, 2, 77, 91, dims[d], dims[d], causal, 0, (int)d % 3, OPF_F32});
+    run(k, (cfg){1, 1, 1, 1000, 1000, 64, 64, 1, 0, 1, OPF_F32});   /* long, causal, one head */
+    run(k, (cfg){1, 3, 1, 1000, 200, 32, 48, 0, 0, 0, OPF_F32});    /* long, MQA, dv != d */
+    run(k, (cfg){2, 6, 2, 130, 70, 40, 40, 1, 0, 1, OPF_F32});      /* GQA, transposed, causal */
+    run(k, (cfg){2, 4, 2, 65, 129, 64, 64, 0, 1, 0, OPF_F32});      /* bool mask */
+    run(k, (cfg){2, 4, 4, 65, 129, 64, 64, 1, 2, 2, OPF_F32});      /* additive mask + causal, strided */
+    run(k, (cfg){1, 2, 2, 50, 33, 16, 16, 0, 3, 0, OPF_F32});       /* fully masked rows */
+    run(k, (cfg){2, 4, 2, 129, 100, 64, 64, 1, 0, 1, OPF_BF16});    /* bfloat16 */
+    run(k, (cfg){1, 2, 1, 70, 70, 80, 80, 0, 2, 2, OPF_BF16});      /* bfloat16, mask, strided */
+}
+
+int main(void) {
+    int tested = 0;
+    for (int isa = 0; isa < OPF_ISA_COUNT; isa++) {
+        char err[256];
+        if (opf_isa_set(opf_isa_name((opf_isa)isa), err, sizeof err) != 0) {
+            printf("skip %s: %s\n", opf_isa_name((opf_isa)isa), err);
+            continue;
+        }
+        const attn_kernels *k = attn_kernels_for((opf_isa)isa);
+        if (isa > 0 && k == attn_kernels_for((opf_isa)(isa - 1))) {
+            printf("%s: no variant of its own, uses %s\n", opf_isa_name((opf_isa)isa), k->name);
+            continue;
+        }
+        test_variant(k);
+        printf("tested %s\n", k->name);
+        tested++;
+    }
+    CHECK(tested >= 1, "no variant tested");
+    return check_report("test_attention");
+}
