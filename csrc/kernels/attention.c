@@ -118,6 +118,14 @@ static inline float mask_bias(const attn_problem *p, int64_t b, int64_t h, int64
  * scale * t + bias: the scaled, masked scores. */
 static void apply_mask(const attn_problem *p, float *t, int64_t ti, int64_t tj, int64_t b, int64_t h, int64_t i0,
                        int64_t bq, int64_t j0, int64_t bk) {
+    if (p->mask_kind == ATTN_MASK_NONE) { /* causal diagonal tile: scale, then -inf where key > query */
+        for (int64_t i = 0; i < bq; i++)
+            for (int64_t j = 0; j < bk; j++) {
+                float *x = &t[i * ti + j * tj];
+                *x = j0 + j > i0 + i ? -INFINITY : *x * p->scale;
+            }
+        return;
+    }
     for (int64_t i = 0; i < bq; i++)
         for (int64_t j = 0; j < bk; j++) {
             float *x = &t[i * ti + j * tj];
@@ -216,14 +224,16 @@ static void fwd_task(const attn_kernels *k, const attn_problem *p, int64_t qb, i
 
 static void fwd_worker(int64_t w0, int64_t w1, void *arg) {
     fwd_ctx *c = arg;
-    const int64_t nbh = c->p->b * c->p->h;
     for (int64_t w = w0; w < w1; w++) {
         float *ws = c->ws + w * c->per_worker;
         for (;;) {
             int64_t t = atomic_fetch_add(&c->next, 1);
             if (t >= c->tasks) break;
-            /* the last query blocks first: under a causal mask they are the most work */
-            fwd_task(c->k, c->p, c->nqb - 1 - t / nbh, t % nbh, ws);
+            /* head by head, so that a head's K and V stay in cache across its
+             * query blocks; within a head the last blocks first: under a
+             * causal mask they are the most work, and the cheap ones at the
+             * end even out the threads */
+            fwd_task(c->k, c->p, c->nqb - 1 - t % c->nqb, t / c->nqb, ws);
         }
     }
 }

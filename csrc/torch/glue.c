@@ -72,17 +72,31 @@ const char *opf_dtype_name(int32_t code) {
 
 /* ---- arguments --------------------------------------------------------------- */
 
-AtenTensorHandle opf_arg_optional_tensor(StableIValue v) {
+/* An optional argument arrives as a pointer to a boxed value, NULL for None.
+ * Returns 1 and the value, or 0; frees the box. */
+static int unbox_optional(StableIValue v, StableIValue *value) {
     StableIValue *box = (StableIValue *)(uintptr_t)v;
-    if (box == NULL) return NULL;
-    AtenTensorHandle h = (AtenTensorHandle)*box;
+    if (box == NULL) return 0;
+    *value = *box;
     /* torch >= 2.13 allocates the box with torch_new_stable_ivalue; older
      * releases with C++ new, whose memory comes from malloc */
     if (torch_delete_stable_ivalue)
         torch_delete_stable_ivalue(box);
     else
         free(box);
-    return h;
+    return 1;
+}
+
+AtenTensorHandle opf_arg_optional_tensor(StableIValue v) {
+    StableIValue value;
+    return unbox_optional(v, &value) ? (AtenTensorHandle)value : NULL;
+}
+
+int opf_arg_optional_double(StableIValue v, double *out) {
+    StableIValue value;
+    if (!unbox_optional(v, &value)) return 0;
+    *out = opf_arg_double(value);
+    return 1;
 }
 
 double opf_arg_double(StableIValue v) {
@@ -159,8 +173,8 @@ void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, 
                  opf_dtype_name(ref->dtype), opf_dtype_name(t->dtype));
 }
 
-static AtenTensorHandle empty_strided(const char *op, int64_t ndim, const int64_t *sizes,
-                                      const int64_t *strides, int32_t dtype, const opf_tensor *like) {
+AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *sizes, const int64_t *strides,
+                                   int32_t dtype, const opf_tensor *like) {
     AtenTensorHandle out = NULL;
     int32_t index = 0;
     int64_t numel = 1;
@@ -182,14 +196,22 @@ static AtenTensorHandle empty_strided(const char *op, int64_t ndim, const int64_
 AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like) {
     int64_t strides[OPF_MAX_DIMS];
     opf_output_strides((int)like->ndim, like->sizes, like->strides, strides);
-    return empty_strided(op, like->ndim, like->sizes, strides, like->dtype, like);
+    return opf_empty_strided(op, like->ndim, like->sizes, strides, like->dtype, like);
 }
 
 AtenTensorHandle opf_empty(const char *op, int64_t ndim, const int64_t *sizes, int32_t dtype,
                            const opf_tensor *like) {
     int64_t strides[OPF_MAX_DIMS];
     opf_output_strides((int)ndim, sizes, NULL, strides);
-    return empty_strided(op, ndim, sizes, strides, dtype, like);
+    return opf_empty_strided(op, ndim, sizes, strides, dtype, like);
+}
+
+AtenTensorHandle opf_workspace(const char *op, int64_t floats, const opf_tensor *like, float **data) {
+    int64_t n = floats > 0 ? floats : 1;
+    AtenTensorHandle h = opf_empty(op, 1, &n, aoti_torch_dtype_float32(), like);
+    opf_tensor t = opf_tensor_info(op, "workspace", h);
+    *data = t.data;
+    return h;
 }
 
 void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors) {

@@ -32,15 +32,6 @@ static void check_activation(const char *op, int64_t act) {
                  (long long)act);
 }
 
-/* Scratch float32 memory for the GEMM, owned by the returned handle. */
-static AtenTensorHandle scratch(const char *op, int64_t floats, const opf_tensor *like, float **data) {
-    int64_t n = floats > 0 ? floats : 1;
-    AtenTensorHandle h = opf_empty(op, 1, &n, aoti_torch_dtype_float32(), like);
-    opf_tensor t = opf_tensor_info(op, "workspace", h);
-    *data = t.data;
-    return h;
-}
-
 /* x (..., K) seen as matrices of `rows` rows: the leading dims merge into one
  * row dim when their strides allow (contiguous, row slices, broadcast), else
  * the op loops over the outer ones. */
@@ -116,7 +107,7 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     const int half = dt == OPF_BF16 || dt == OPF_F16;
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h =
-        dt != OPF_F64 ? scratch(MM, gemm_workspace_floats(k, m, n, kd) + (half ? m * n : 0), &a, &ws) : NULL;
+        dt != OPF_F64 ? opf_workspace(MM, gemm_workspace_floats(k, m, n, kd) + (half ? m * n : 0), &a, &ws) : NULL;
     gemm_epilogue ep = {0};
     for (int64_t i = 0; i < batch; i++) {
         if (dt == OPF_F64) {
@@ -207,7 +198,7 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         if (chunk > v.rows) chunk = v.rows > 0 ? v.rows : 1;
         int64_t gws = gemm_workspace_floats(k, chunk, l.n, l.k);
         float *ws = NULL;
-        OPF_OWNED AtenTensorHandle ws_h = scratch(LIN, gws + l.n + (half ? 2 * chunk * l.n : 0), &l.x, &ws);
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LIN, gws + l.n + (half ? 2 * chunk * l.n : 0), &l.x, &ws);
         float *bias = NULL, *cbuf = ws + gws + l.n, *pbuf = cbuf + chunk * l.n;
         if (l.has_bias) {
             bias = ws + gws;
@@ -281,7 +272,7 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
      * 16-bit types float32 dx rows, dweight and dbias */
     int64_t extra = 2 * l.n + (half ? chunk * l.k + l.n * l.k + l.n : 0);
     float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = scratch(LBWD, gp_floats + gws + extra, &l.x, &ws);
+    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, gp_floats + gws + extra, &l.x, &ws);
     char *gp = (char *)ws;
     float *gemm_scratch = ws + gp_floats, *grow = gemm_scratch + gws, *prow = grow + l.n, *hbuf = prow + l.n;
     float *dx32 = half ? hbuf : NULL, *dw32 = half ? hbuf + chunk * l.k : dw.data;

@@ -5,6 +5,7 @@
 
 extern const opf_op_desc opf_dispersion_correction_ops[2];
 extern const opf_op_desc opf_linear_ops[3];
+extern const opf_op_desc opf_attention_ops[2];
 
 #define OPF_MAX_OPS 64
 static opf_op_desc table[OPF_MAX_OPS];
@@ -18,6 +19,7 @@ OPF_EXPORT const opf_op_desc *opforge_op_table(int64_t *count) {
     int64_t n = 0;
     n = append(n, opf_dispersion_correction_ops, 2);
     n = append(n, opf_linear_ops, 3);
+    n = append(n, opf_attention_ops, 2);
     *count = n;
     return table;
 }

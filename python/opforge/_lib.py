@@ -195,6 +195,12 @@ def _fake_output(rule: str, argnames: list[str], args: tuple) -> torch.Tensor:
         return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]))
     if kind == "linear_preact":  # as linear when the activation (third) is not 0, else [0]
         return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]) if ref[2] else (0,))
+    if kind == "attention_out":  # q (B,H,N,D), v (B,Hkv,S,Dv) -> (B,H,N,Dv), laid out as (B,N,H,Dv)
+        q, v = ref
+        b, h, n = q.shape[:3]
+        return q.new_empty((b, n, h, v.shape[-1])).transpose(1, 2)
+    if kind == "attention_lse":  # q (B,H,N,D) -> (B,H,N) float32
+        return ref[0].new_empty(ref[0].shape[:3], dtype=torch.float32)
     raise RuntimeError(f"opforge: unknown shape rule '{rule}'")
 
 

@@ -89,6 +89,8 @@ void opf_tensor_release(AtenTensorHandle *h);
 
 /* A `Tensor?` argument: the owned handle, or NULL for None (frees torch's box). */
 AtenTensorHandle opf_arg_optional_tensor(StableIValue v);
+/* A `float?` argument: 1 and *out = the value, or 0 for None (frees torch's box). */
+int opf_arg_optional_double(StableIValue v, double *out);
 double opf_arg_double(StableIValue v);
 int64_t opf_arg_int(StableIValue v);
 int opf_arg_bool(StableIValue v);
@@ -112,6 +114,13 @@ AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like);
 /* New contiguous tensor of sizes and dtype on like's device. */
 AtenTensorHandle opf_empty(const char *op, int64_t ndim, const int64_t *sizes, int32_t dtype,
                            const opf_tensor *like);
+
+/* New tensor with explicit strides, on like's device. */
+AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *sizes, const int64_t *strides,
+                                   int32_t dtype, const opf_tensor *like);
+/* Scratch float32 memory of `floats` elements from torch's allocator (so the
+ * profiler and memory stats see it), owned by the returned handle. */
+AtenTensorHandle opf_workspace(const char *op, int64_t floats, const opf_tensor *like, float **data);
 
 /* At OPFORGE_LOG_LEVEL=info: one line with the op, the tensors' shapes and
  * dtypes, the ISA, the thread count and the microseconds since t0_us. */

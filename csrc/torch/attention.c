@@ -1,0 +1,205 @@
+/*
+ * torch glue of the attention ops:
+ *   attention(q (B,H,N,D), k (B,Hkv,S,D), v (B,Hkv,S,Dv), attn_mask?, causal, scale?)
+ *       -> (out (B,H,N,Dv), lse (B,H,N) float32)
+ *   attention_backward(grad, q, k, v, attn_mask?, out, lse, causal, scale?) -> (dq, dk, dv)
+ * float32 / bfloat16 / float16 run the flash kernels of csrc/kernels/attention.c
+ * (16-bit inputs computed in float32, rounded once); float64 the oracle (for
+ * gradcheck). Inputs of any strides are read in place. out is laid out as
+ * (B, N, H, Dv) in memory and returned as its (B, H, N, Dv) view, so that
+ * out.transpose(1, 2).reshape(B, N, H * Dv) is free; dq, dk, dv take the
+ * strides of q, k, v when those are dense. attn_mask is bool (true = attend)
+ * or the dtype of q (added to the scores), broadcastable to (B, H, N, S).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "../kernels/attention.h"
+#include "opforge/op.h"
+
+static const char ATT[] = "opforge::attention";
+static const char ABWD[] = "opforge::attention_backward";
+
+typedef struct attn_args {
+    opf_tensor q, k, v, mask;
+    attn_problem p;
+} attn_args;
+
+static void shape4(char *buf, size_t len, const int64_t *s) {
+    snprintf(buf, len, "[%lld, %lld, %lld, %lld]", (long long)s[0], (long long)s[1], (long long)s[2], (long long)s[3]);
+}
+
+static void check_qkv(const char *op, const char *arg, const opf_tensor *t, const opf_tensor *q) {
+    opf_check_cpu(op, arg, t);
+    opf_check_float(op, arg, t);
+    if (q != t) opf_check_same_dtype(op, arg, t, "q", q);
+    if (t->ndim != 4)
+        opf_fail(op, "argument '%s' must be 4-d (batch, heads, length, head_dim), got %lld-d", arg, (long long)t->ndim);
+}
+
+/* mask strides over (b, h, n, s): right-aligned broadcasting, 0 where broadcast */
+static void check_mask(const char *op, attn_args *a) {
+    const opf_tensor *m = &a->mask;
+    opf_check_cpu(op, "attn_mask", m);
+    const int32_t bool_t = aoti_torch_dtype_bool();
+    if (m->dtype == bool_t) {
+        a->p.mask_kind = ATTN_MASK_BOOL;
+    } else if (m->dtype == a->q.dtype) {
+        a->p.mask_kind = ATTN_MASK_ADD;
+        a->p.mask_dt = a->p.dt;
+    } else {
+        opf_fail(op, "argument 'attn_mask' must be bool (true = attend) or %s (the dtype of 'q', added to the scores), got %s",
+                 opf_dtype_name(a->q.dtype), opf_dtype_name(m->dtype));
+    }
+    const int64_t full[4] = {a->p.b, a->p.h, a->p.n, a->p.s};
+    if (m->ndim > 4) opf_fail(op, "argument 'attn_mask' must have at most 4 dims (B, H, N, S), got %lld-d", (long long)m->ndim);
+    for (int d = 0; d < 4; d++) {
+        int64_t md = d - (4 - m->ndim);
+        if (md < 0) {
+            a->p.ms[d] = 0;
+            continue;
+        }
+        if (m->sizes[md] != full[d] && m->sizes[md] != 1) {
+            char want[96], got[160] = "[";
+            shape4(want, sizeof want, full);
+            for (int64_t e = 0; e < m->ndim; e++)
+                snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", e ? ", " : "", (long long)m->sizes[e]);
+            strncat(got, "]", sizeof got - strlen(got) - 1);
+            opf_fail(op, "argument 'attn_mask' must be broadcastable to (B, H, N, S) = %s, got shape %s", want, got);
+        }
+        a->p.ms[d] = m->sizes[md] == 1 ? 0 : m->strides[md];
+    }
+    a->p.mask = m->data;
+}
+
+static attn_args check_attention(const char *op, AtenTensorHandle q_h, AtenTensorHandle k_h, AtenTensorHandle v_h,
+                                 AtenTensorHandle mask_h, int causal, StableIValue scale) {
+    attn_args a = {.q = opf_tensor_info(op, "q", q_h), .k = opf_tensor_info(op, "k", k_h), .v = opf_tensor_info(op, "v", v_h)};
+    check_qkv(op, "q", &a.q, &a.q);
+    check_qkv(op, "k", &a.k, &a.q);
+    check_qkv(op, "v", &a.v, &a.q);
+    const int64_t *qs = a.q.sizes, *ks = a.k.sizes, *vs = a.v.sizes;
+    if (ks[0] != qs[0] || vs[0] != qs[0])
+        opf_fail(op, "arguments 'k' and 'v' must have the batch size of 'q' (%lld), got %lld and %lld", (long long)qs[0],
+                 (long long)ks[0], (long long)vs[0]);
+    if (vs[1] != ks[1])
+        opf_fail(op, "argument 'v' must have the heads of 'k' (%lld), got %lld", (long long)ks[1], (long long)vs[1]);
+    if (ks[1] < 1 || qs[1] % ks[1] != 0)
+        opf_fail(op, "argument 'k' must have a number of heads dividing the %lld heads of 'q' (grouped-query attention), got %lld",
+                 (long long)qs[1], (long long)ks[1]);
+    if (ks[3] != qs[3])
+        opf_fail(op, "argument 'k' must have the head_dim of 'q' (%lld), got %lld", (long long)qs[3], (long long)ks[3]);
+    if (vs[2] != ks[2])
+        opf_fail(op, "argument 'v' must have the key length of 'k' (%lld), got %lld", (long long)ks[2], (long long)vs[2]);
+    a.p = (attn_problem){.b = qs[0], .h = qs[1], .hkv = ks[1], .n = qs[2], .s = ks[2], .d = qs[3], .dv = vs[3],
+                         .dt = opf_check_float(op, "q", &a.q), .q = a.q.data, .k = a.k.data, .v = a.v.data,
+                         .causal = causal};
+    for (int d = 0; d < 4; d++) a.p.qs[d] = a.q.strides[d], a.p.ks[d] = a.k.strides[d], a.p.vs[d] = a.v.strides[d];
+    double sc = qs[3] > 0 ? 1.0 / sqrt((double)qs[3]) : 1.0;
+    if (opf_arg_optional_double(scale, &sc) && !isfinite(sc))
+        opf_fail(op, "argument 'scale' must be a finite number, got %g", sc);
+    a.p.scale = (float)sc;
+    if (mask_h) {
+        a.mask = opf_tensor_info(op, "attn_mask", mask_h);
+        check_mask(op, &a);
+    }
+    return a;
+}
+
+static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    OPF_ARG_TENSOR(q, stack, 0);
+    OPF_ARG_TENSOR(k, stack, 1);
+    OPF_ARG_TENSOR(v, stack, 2);
+    OPF_OWNED AtenTensorHandle mask_h = opf_arg_optional_tensor(stack[3]);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    attn_args a = check_attention(ATT, q_h, k_h, v_h, mask_h, opf_arg_bool(stack[4]), stack[5]);
+    attn_problem *p = &a.p;
+    const int64_t osz[4] = {p->b, p->h, p->n, p->dv}, ost[4] = {p->n * p->h * p->dv, p->dv, p->h * p->dv, 1};
+    const int64_t lsz[3] = {p->b, p->h, p->n};
+    OPF_OWNED AtenTensorHandle out_h = opf_empty_strided(ATT, 4, osz, ost, a.q.dtype, &a.q);
+    OPF_OWNED AtenTensorHandle lse_h = opf_empty(ATT, 3, lsz, aoti_torch_dtype_float32(), &a.q);
+    opf_tensor out = opf_tensor_info(ATT, "out", out_h), lse = opf_tensor_info(ATT, "lse", lse_h);
+    p->out = out.data, p->lse = lse.data;
+    for (int d = 0; d < 4; d++) p->os[d] = out.strides[d];
+    if (p->dt == OPF_F64) {
+        attn_ref_fwd(p);
+    } else {
+        float *ws = NULL;
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(ATT, attn_fwd_workspace(p), &a.q, &ws);
+        attn_fwd(attn_kernels_for(opf_isa_current()), p, ws);
+    }
+    opf_log_call(ATT, t0, 4, (opf_tensor[]){a.q, a.k, a.v, out});
+    OPF_RETURN(stack, 0, out_h);
+    OPF_RETURN(stack, 1, lse_h);
+}
+
+static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    OPF_ARG_TENSOR(grad, stack, 0);
+    OPF_ARG_TENSOR(q, stack, 1);
+    OPF_ARG_TENSOR(k, stack, 2);
+    OPF_ARG_TENSOR(v, stack, 3);
+    OPF_OWNED AtenTensorHandle mask_h = opf_arg_optional_tensor(stack[4]);
+    OPF_ARG_TENSOR(out, stack, 5);
+    OPF_ARG_TENSOR(lse, stack, 6);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    attn_args a = check_attention(ABWD, q_h, k_h, v_h, mask_h, opf_arg_bool(stack[7]), stack[8]);
+    attn_problem *p = &a.p;
+    opf_tensor g = opf_tensor_info(ABWD, "grad", grad_h), out = opf_tensor_info(ABWD, "out", out_h),
+               lse = opf_tensor_info(ABWD, "lse", lse_h);
+    const int64_t osz[4] = {p->b, p->h, p->n, p->dv}, lsz[3] = {p->b, p->h, p->n};
+    opf_tensor want = {.ndim = 4, .sizes = osz}, want_lse = {.ndim = 3, .sizes = lsz};
+    opf_check_same_dtype(ABWD, "grad", &g, "q", &a.q);
+    opf_check_same_shape(ABWD, "grad", &g, "the output", &want);
+    opf_check_same_dtype(ABWD, "out", &out, "q", &a.q);
+    opf_check_same_shape(ABWD, "out", &out, "the output", &want);
+    opf_check_same_shape(ABWD, "lse", &lse, "(B, H, N)", &want_lse);
+    if (lse.dtype != aoti_torch_dtype_float32() || (p->n > 1 && lse.strides[2] != 1) ||
+        (p->h > 1 && lse.strides[1] != p->n) || (p->b > 1 && lse.strides[0] != p->h * p->n))
+        opf_fail(ABWD, "argument 'lse' must be the contiguous float32 log-sum-exp returned by opforge::attention, got %s",
+                 opf_dtype_name(lse.dtype));
+    OPF_OWNED AtenTensorHandle dq_h = opf_empty_like(ABWD, &a.q);
+    OPF_OWNED AtenTensorHandle dk_h = opf_empty_like(ABWD, &a.k);
+    OPF_OWNED AtenTensorHandle dv_h = opf_empty_like(ABWD, &a.v);
+    opf_tensor dq = opf_tensor_info(ABWD, "dq", dq_h), dk = opf_tensor_info(ABWD, "dk", dk_h),
+               dv = opf_tensor_info(ABWD, "dv", dv_h);
+    p->out = out.data, p->lse = lse.data, p->dout = g.data, p->dq = dq.data, p->dk = dk.data, p->dvv = dv.data;
+    for (int d = 0; d < 4; d++) {
+        p->os[d] = out.strides[d], p->dos[d] = g.strides[d];
+        p->dqs[d] = dq.strides[d], p->dks[d] = dk.strides[d], p->dvs[d] = dv.strides[d];
+    }
+    if (p->dt == OPF_F64) {
+        if (attn_ref_bwd(p) != 0) opf_fail(ABWD, "out of memory for the float64 backward");
+    } else {
+        float *ws = NULL;
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(ABWD, attn_bwd_workspace(p), &a.q, &ws);
+        attn_bwd(attn_kernels_for(opf_isa_current()), p, ws);
+    }
+    opf_log_call(ABWD, t0, 4, (opf_tensor[]){g, a.q, a.k, a.v});
+    OPF_RETURN(stack, 0, dq_h);
+    OPF_RETURN(stack, 1, dk_h);
+    OPF_RETURN(stack, 2, dv_h);
+}
+
+const opf_op_desc opf_attention_ops[2] = {
+    {
+        .name = "attention",
+        .schema = "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool causal, float? scale) "
+                  "-> (Tensor, Tensor)",
+        .cpu = attention_cpu,
+        .shape = "attention_out:q,v;attention_lse:q",
+        .backward = "attention_backward",
+        .backward_args = "grad0,q,k,v,attn_mask,out0,out1,causal,scale",
+        .backward_grads = "q,k,v",
+        .autocast = OPF_AUTOCAST_LOWER,
+        .flops = "4*numel(q)*size(k,2)",
+    },
+    {
+        .name = "attention_backward",
+        .schema = "attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor out, "
+                  "Tensor lse, bool causal, float? scale) -> (Tensor, Tensor, Tensor)",
+        .cpu = attention_backward_cpu,
+        .shape = "like:q;like:k;like:v",
+        .flops = "10*numel(q)*size(k,2)",
+    },
+};
