@@ -7,7 +7,7 @@
 from ._runtime import cpu_features, get_isa, isa_best, library, set_isa, set_log_file, set_log_level
 from . import functional, nn
 from .build import BuildError, load, load_library
-from .functional import dispersion_correction, linear, matmul
+from .functional import dispersion_correction, linear, matmul, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,7 @@ __all__ = [
     "load_library",
     "matmul",
     "nn",
+    "scaled_dot_product_attention",
     "set_isa",
     "set_log_file",
     "set_log_level",

@@ -26,3 +26,99 @@ class Linear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", activation={self.activation!r}"
+
+
+def _mha_error(msg: str) -> RuntimeError:
+    return RuntimeError(f"[opforge.nn.MultiheadAttention] {msg}")
+
+
+def _merge_masks(attn_mask, key_padding_mask, b, h, n, s, dtype):
+    """nn.MultiheadAttention's masks (bool True = do NOT attend; float added)
+    as one scaled_dot_product_attention mask (bool True = attend)."""
+    masks = []
+    if attn_mask is not None:
+        if attn_mask.dim() == 3:
+            if attn_mask.shape[0] != b * h:
+                raise _mha_error(f"argument 'attn_mask' must be (N, S) or (B * num_heads, N, S) = ({b * h}, {n}, {s}), "
+                                 f"got {tuple(attn_mask.shape)}")
+            attn_mask = attn_mask.view(b, h, n, s)
+        masks.append(attn_mask)
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (b, s):
+            raise _mha_error(f"argument 'key_padding_mask' must be (B, S) = ({b}, {s}), got {tuple(key_padding_mask.shape)}")
+        masks.append(key_padding_mask.view(b, 1, 1, s))
+    if not masks:
+        return None
+    if all(m.dtype == torch.bool for m in masks):
+        keep = ~masks[0]
+        for m in masks[1:]:
+            keep = keep & ~m
+        return keep
+    total = None
+    for m in masks:
+        add = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(m, float("-inf")) if m.dtype == torch.bool else m.to(dtype)
+        total = add if total is None else total + add
+    return total
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention(batch_first=True)`` on opforge's linear
+    and fused attention.
+
+    Same parameters, initialisation and state_dict keys as torch's module
+    (including separate q/k/v projections when kdim/vdim differ), so a
+    checkpoint of one loads into the other. Self-attention (query is key is
+    value) runs one fused QKV projection whose output is read by the
+    attention kernel in place; the heads' output is a free view into the
+    output projection.
+
+    Differences: ``need_weights`` defaults to False and True is an error (the
+    attention weights are never materialised); ``batch_first`` must be True;
+    ``add_bias_kv``, ``add_zero_attn`` and dropout during training are not
+    supported (clear errors). ``is_causal=True`` applies the causal mask
+    itself (``attn_mask`` may be None; if given, it is taken to be that
+    causal mask, as torch documents the hint).
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=True, device=None, dtype=None):
+        if not batch_first:
+            raise _mha_error("argument 'batch_first' must be True (inputs are (B, N, E))")
+        if add_bias_kv or add_zero_attn:
+            raise _mha_error("'add_bias_kv' and 'add_zero_attn' are not supported")
+        super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
+                         batch_first=True, device=device, dtype=dtype)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if need_weights:
+            raise _mha_error("need_weights=True is not supported: the attention weights are never materialised")
+        if self.training and self.dropout > 0.0:
+            raise _mha_error(f"dropout ({self.dropout}) is not supported in training mode")
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        if query.dim() != 3:
+            raise _mha_error(f"argument 'query' must be (B, N, E) or (N, E), got {query.dim()}-d")
+        b, n, e = query.shape
+        s, h = key.shape[1], self.num_heads
+        hd = e // h
+        bias = self.in_proj_bias
+        bq, bk, bv = bias.chunk(3) if bias is not None else (None, None, None)
+        if self._qkv_same_embed_dim and query is key and key is value:
+            qkv = F.linear(query, self.in_proj_weight, bias).view(b, n, 3, h, hd)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # read in place
+        else:
+            if self._qkv_same_embed_dim:
+                wq, wk, wv = self.in_proj_weight.chunk(3)
+            else:
+                wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            q = F.linear(query, wq, bq).view(b, n, h, hd).transpose(1, 2)
+            k = F.linear(key, wk, bk).view(b, s, h, hd).transpose(1, 2)
+            v = F.linear(value, wv, bv).view(b, s, h, hd).transpose(1, 2)
+        mask = _merge_masks(None if is_causal else attn_mask, key_padding_mask, b, h, n, s, q.dtype)
+        out = F._attention(q, k, v, mask, bool(is_causal), None)[0]
+        out = F.linear(out.transpose(1, 2).reshape(b, n, e), self.out_proj.weight, self.out_proj.bias)
+        return (out.squeeze(0) if unbatched else out), None
