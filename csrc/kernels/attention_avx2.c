@@ -3,7 +3,7 @@
  * in 12 ymm accumulators, A broadcast from any strides, B rows loaded in
  * place, masked loads/stores on the last columns), the column-wise online
  * softmax (8 queries per vector) and the backward's elementwise steps, all
- * with exp8z (math_avx2.h).
+ * with exp2_8z (math_avx2.h).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -87,22 +87,25 @@ static void mm_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa
     }
 }
 
+#define LOG2E 1.44269504088896341f
+
 static void softmax_cols_avx2(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
                               float *alpha) {
-    const __m256 vs = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+    const __m256 vs = _mm256_set1_ps(scale), vs2 = _mm256_set1_ps(scale * LOG2E), log2e = _mm256_set1_ps(LOG2E);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= bq; i += 8) {
         __m256 mold = _mm256_loadu_ps(m + i), mx = mold;
         for (int64_t j = 0; j < bk; j++) mx = _mm256_max_ps(mx, _mm256_mul_ps(_mm256_loadu_ps(st + j * ld + i), vs));
         __m256 base = _mm256_blendv_ps(mx, zero, _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
-        __m256 sum = zero;
-        for (int64_t j = 0; j < bk; j++) {
+        __m256 base2 = _mm256_mul_ps(base, log2e), sum = zero;
+        for (int64_t j = 0; j < bk; j++) { /* exp(x scale - base) = 2^(x scale log2e - base log2e) */
             float *x = st + j * ld + i;
-            __m256 e = exp8z(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(x), vs), base));
+            __m256 e = exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(x), vs2, base2));
             _mm256_storeu_ps(x, e);
             sum = _mm256_add_ps(sum, e);
         }
-        __m256 a = exp8z(_mm256_sub_ps(mold, base));
+        __m256 a = exp2_8z(_mm256_mul_ps(_mm256_sub_ps(mold, base), log2e));
         _mm256_storeu_ps(alpha + i, a);
         _mm256_storeu_ps(l + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), a, sum));
         _mm256_storeu_ps(m + i, mx);
@@ -111,17 +114,16 @@ static void softmax_cols_avx2(float *st, int64_t ld, int64_t bk, int64_t bq, flo
 }
 
 static void probs_avx2(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse) {
-    const __m256 vs = _mm256_set1_ps(scale);
+    const __m256 vs2 = _mm256_set1_ps(scale * LOG2E);
     for (int64_t i = 0; i < bq; i++) {
         float *row = s + i * ld;
         if (lse[i] == -INFINITY) {
             for (int64_t j = 0; j < bk; j++) row[j] = 0.0f;
             continue;
         }
-        const __m256 vl = _mm256_set1_ps(lse[i]);
+        const __m256 vl = _mm256_set1_ps(lse[i] * LOG2E);
         int64_t j = 0;
-        for (; j + 8 <= bk; j += 8)
-            _mm256_storeu_ps(row + j, exp8z(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(row + j), vs), vl)));
+        for (; j + 8 <= bk; j += 8) _mm256_storeu_ps(row + j, exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(row + j), vs2, vl)));
         if (j < bk) attn_kernels_ref.probs(row + j, ld, 1, bk - j, scale, lse + i);
     }
 }
