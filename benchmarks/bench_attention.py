@@ -54,7 +54,7 @@ def main(argv=None):
         grid = [(4, 8, 1024, 64, f32), (1, 1, 1024, 64, f32), (1, 1, 4096, 64, f32), (1, 8, 512, 64, f32),
                 (1, 8, 2048, 64, f32), (4, 8, 128, 64, f32), (4, 8, 512, 64, f32), (1, 8, 1024, 128, f32),
                 (1, 8, 1024, 64, bf16)]
-    peak = fma_peak_gflops() * torch.get_num_threads()
+    threads = torch.get_num_threads()
     rows = []
     for b, h, n, d, dtype in grid:
         for causal in (False, True):
@@ -71,6 +71,7 @@ def main(argv=None):
                     t.grad = None
 
             reps, target = (3, 0.01) if a.smoke else (5, 0.3)
+            peak = fma_peak_gflops(0.1) * threads  # measured next to the forward: the machine's speed drifts
             with torch.no_grad():
                 fwd = compare({name: (lambda f=f: f(q, k, v, causal)) for name, f in VARIANTS.items()},
                               reps=reps, target_s=target)
@@ -96,7 +97,7 @@ def main(argv=None):
         f"ISA {opforge.get_isa()}; ratios = baseline time / opforge time (>1: opforge faster); sdpa = "
         "F.scaled_dot_product_attention (PyTorch's fused CPU kernel), math = softmax(q k^T * scale) v in eager ops",
         f"fwd_pct_peak: unmasked forward FLOPs (4 D per kept query-key pair) / time / FMA peak measured in this "
-        f"process ({peak:.0f} GFLOP/s for {torch.get_num_threads()} threads)",
+        f"process just before (single-thread FMA loop x {threads} threads)",
         "peak memory: allocator high-water mark of one forward+backward (torch profiler memory events), "
         "inputs excluded, the same way for every variant",
     ], a.out)

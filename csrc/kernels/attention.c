@@ -246,7 +246,16 @@ void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
 
 /* ---- backward ------------------------------------------------------------------------------ */
 
-static int64_t bwd_tasks(const attn_problem *p) { return p->b * p->hkv * cdiv(p->s, BK); }
+/* With enough head groups for every thread, a task is a whole group: its
+ * worker owns the group's dQ and accumulates straight into it (no per-worker
+ * copy, no lock). With fewer groups than that (e.g. batch x heads = 1), a task
+ * is one key block and dQ goes through per-worker buffers (dq_part). */
+static int whole_groups(const attn_problem *p) {
+    const int unit_cols = p->dt != OPF_F32 || p->dqs[3] == 1; /* float32 dQ is written in place */
+    return unit_cols && p->b * p->hkv >= 2 * (int64_t)opf_num_threads();
+}
+
+static int64_t bwd_tasks(const attn_problem *p) { return p->b * p->hkv * (whole_groups(p) ? 1 : cdiv(p->s, BK)); }
 
 /* per worker: the task's blocks, then dQ of one head group (g, n, d), then
  * the first touched row per head (g int64) */
@@ -257,7 +266,7 @@ static int64_t bwd_task_floats(const attn_problem *p) {
 
 static int64_t bwd_worker_floats(const attn_problem *p) {
     const int64_t g = p->h / p->hkv;
-    return bwd_task_floats(p) + round16(g * p->n * p->d) + round16(2 * g);
+    return bwd_task_floats(p) + (whole_groups(p) ? 0 : round16(g * p->n * p->d) + round16(2 * g));
 }
 
 /* shared: D = rowsum(dO * out) (b, h, n); float32 dQ when dq is 16-bit */
@@ -322,7 +331,7 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, dq_part *pa
     }
     memset(dk, 0, sizeof(float) * (size_t)(BK * D));
     memset(dv, 0, sizeof(float) * (size_t)(BK * DV));
-    if (part->group != grp) {
+    if (part && part->group != grp) {
         flush_dq(c, part);
         part->group = grp;
     }
@@ -331,7 +340,10 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, dq_part *pa
     const int f32 = p->dt == OPF_F32;
     for (int64_t hl = 0; hl < g && qstart < p->n; hl++) {
         const int64_t h = kvh * g + hl, bh = b * p->h + h;
-        if (qstart < part->lo[hl]) part->lo[hl] = qstart;
+        /* dQ rows of this head: the worker's buffer, or dQ itself when the worker owns the group */
+        float *dqh = part ? part->rows + hl * p->n * D : c->dq32 + off4(c->dq32s, b, h, 0, 0);
+        const int64_t lddq = part ? D : c->dq32s[2];
+        if (part && qstart < part->lo[hl]) part->lo[hl] = qstart;
         for (int64_t i0 = qstart; i0 < p->n; i0 += BQ) {
             const int64_t bq = p->n - i0 < BQ ? p->n - i0 : BQ;
             const float *q = qr, *dout = dor;
@@ -360,7 +372,7 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, dq_part *pa
             k->dscores(dp, s, BK, bq, bk, c->di + bh * p->n + i0, p->scale); /* dS */
             k->mm(bk, DV, bq, s, 1, BK, dout, lddo, dv, DV, 1);            /* dV += P^T dO */
             k->mm(bk, D, bq, dp, 1, BK, q, ldq, dk, D, 1);                 /* dK += dS^T Q */
-            k->mm(bq, D, bk, dp, BK, 1, kr, D, part->rows + (hl * p->n + i0) * D, D, 1); /* dQ += dS K */
+            k->mm(bq, D, bk, dp, BK, 1, kr, D, dqh + i0 * lddq, lddq, 1); /* dQ += dS K */
         }
     }
     for (int64_t j = 0; j < bk; j++) {
@@ -375,15 +387,16 @@ static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
     const int64_t g = p->h / p->hkv;
     for (int64_t w = w0; w < w1; w++) {
         float *ws = c->ws + w * c->per_worker;
+        if (whole_groups(p)) {
+            for (int64_t t; (t = atomic_fetch_add(&c->next, 1)) < c->tasks;)
+                for (int64_t kb = 0; kb < c->nkb; kb++) bwd_task(c, t, kb, ws, NULL);
+            continue;
+        }
         float *rows = ws + bwd_task_floats(p);
         dq_part part = {-1, rows, (int64_t *)(rows + round16(g * p->n * p->d))};
         memset(rows, 0, sizeof(float) * (size_t)(g * p->n * p->d));
         for (int64_t hl = 0; hl < g; hl++) part.lo[hl] = p->n;
-        for (;;) {
-            int64_t t = atomic_fetch_add(&c->next, 1);
-            if (t >= c->tasks) break;
-            bwd_task(c, t / c->nkb, t % c->nkb, ws, &part);
-        }
+        for (int64_t t; (t = atomic_fetch_add(&c->next, 1)) < c->tasks;) bwd_task(c, t / c->nkb, t % c->nkb, ws, &part);
         flush_dq(c, &part);
     }
 }
