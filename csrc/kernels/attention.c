@@ -34,13 +34,14 @@ static void mm_ref(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa,
 }
 
 static void softmax_cols_ref(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
-                             float *alpha) {
+                             float *alpha, int64_t diag) {
     for (int64_t i = 0; i < bq; i++) {
+        const int64_t keys = bk < i + diag + 1 ? bk : (i + diag + 1 > 0 ? i + diag + 1 : 0); /* unmasked: j < keys */
         float mx = m[i];
-        for (int64_t j = 0; j < bk; j++) mx = fmaxf(mx, st[j * ld + i] * scale);
+        for (int64_t j = 0; j < keys; j++) mx = fmaxf(mx, st[j * ld + i] * scale);
         float base = mx == -INFINITY ? 0.0f : mx, sum = 0.0f;
         for (int64_t j = 0; j < bk; j++) {
-            float e = expf(st[j * ld + i] * scale - base);
+            float e = j < keys ? expf(st[j * ld + i] * scale - base) : 0.0f;
             st[j * ld + i] = e;
             sum += e;
         }
@@ -50,9 +51,10 @@ static void softmax_cols_ref(float *st, int64_t ld, int64_t bk, int64_t bq, floa
     }
 }
 
-static void probs_ref(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse) {
+static void probs_ref(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag) {
     for (int64_t i = 0; i < bq; i++)
-        for (int64_t j = 0; j < bk; j++) s[i * ld + j] = lse[i] == -INFINITY ? 0.0f : expf(s[i * ld + j] * scale - lse[i]);
+        for (int64_t j = 0; j < bk; j++)
+            s[i * ld + j] = lse[i] == -INFINITY || j > i + diag ? 0.0f : expf(s[i * ld + j] * scale - lse[i]);
 }
 
 static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *di, float scale) {
@@ -115,17 +117,9 @@ static inline float mask_bias(const attn_problem *p, int64_t b, int64_t h, int64
 }
 
 /* Tile element (i, j) at t[i*ti + j*tj] (queries i0.., keys j0..) becomes
- * scale * t + bias: the scaled, masked scores. */
+ * scale * t + bias under an explicit mask (and the causal one with it). */
 static void apply_mask(const attn_problem *p, float *t, int64_t ti, int64_t tj, int64_t b, int64_t h, int64_t i0,
                        int64_t bq, int64_t j0, int64_t bk) {
-    if (p->mask_kind == ATTN_MASK_NONE) { /* causal diagonal tile: scale, then -inf where key > query */
-        for (int64_t i = 0; i < bq; i++)
-            for (int64_t j = 0; j < bk; j++) {
-                float *x = &t[i * ti + j * tj];
-                *x = j0 + j > i0 + i ? -INFINITY : *x * p->scale;
-            }
-        return;
-    }
     for (int64_t i = 0; i < bq; i++)
         for (int64_t j = 0; j < bk; j++) {
             float *x = &t[i * ti + j * tj];
@@ -134,10 +128,17 @@ static void apply_mask(const attn_problem *p, float *t, int64_t ti, int64_t tj, 
         }
 }
 
-/* Does the tile need elementwise masking? (A causal tile entirely below the
- * diagonal does not.) */
-static inline int tile_masked(const attn_problem *p, int64_t i0, int64_t j0, int64_t bk) {
-    return p->mask_kind != ATTN_MASK_NONE || (p->causal && j0 + bk - 1 > i0);
+/* How the ISA kernels mask a tile: returns the diag argument (keys j > i +
+ * diag masked), after applying an explicit mask to the tile (then *scale = 1). */
+static inline int64_t tile_diag(const attn_problem *p, float *t, int64_t ti, int64_t tj, int64_t b, int64_t h,
+                                int64_t i0, int64_t bq, int64_t j0, int64_t bk, float *scale) {
+    *scale = p->scale;
+    if (p->mask_kind != ATTN_MASK_NONE) {
+        apply_mask(p, t, ti, tj, b, h, i0, bq, j0, bk);
+        *scale = 1.0f;
+        return bk;
+    }
+    return p->causal && j0 + bk - 1 > i0 ? i0 - j0 : bk; /* only tiles crossing the diagonal */
 }
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -194,12 +195,9 @@ static void fwd_task(const attn_kernels *k, const attn_problem *p, int64_t qb, i
             for (int64_t j = 0; j < bk; j++) load_row(k, kbuf + j * D, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], D, p->dt);
         }
         k->mm(bk, bq, D, ka, rsk, csk, qt, BQ, st, BQ, 0);
-        float scale = p->scale;
-        if (tile_masked(p, i0, j0, bk)) {
-            apply_mask(p, st, 1, BQ, b, h, i0, bq, j0, bk);
-            scale = 1.0f;
-        }
-        k->softmax_cols(st, BQ, bk, bq, scale, m, l, alpha);
+        float scale;
+        const int64_t diag = tile_diag(p, st, 1, BQ, b, h, i0, bq, j0, bk, &scale);
+        k->softmax_cols(st, BQ, bk, bq, scale, m, l, alpha, diag);
         for (int64_t i = 0; i < bq; i++)
             if (alpha[i] != 1.0f)
                 for (int64_t d = 0; d < DV; d++) o[i * DV + d] *= alpha[i];
@@ -362,12 +360,9 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, dq_part *pa
                     load_row(k, dor + i * DV, p->dout, off4(p->dos, b, h, i0 + i, 0), p->dos[3], DV, p->dt);
             }
             k->mm(bq, bk, D, q, ldq, 1, kt, BK, s, BK, 0); /* S = Q K^T */
-            float scale = p->scale;
-            if (tile_masked(p, i0, j0, bk)) {
-                apply_mask(p, s, BK, 1, b, h, i0, bq, j0, bk);
-                scale = 1.0f;
-            }
-            k->probs(s, BK, bq, bk, scale, p->lse + bh * p->n + i0);      /* P */
+            float scale;
+            const int64_t diag = tile_diag(p, s, BK, 1, b, h, i0, bq, j0, bk, &scale);
+            k->probs(s, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag); /* P */
             k->mm(bq, bk, DV, dout, lddo, 1, vt, BK, dp, BK, 0);           /* dP = dO V^T */
             k->dscores(dp, s, BK, bq, bk, c->di + bh * p->n + i0, p->scale); /* dS */
             k->mm(bk, DV, bq, s, 1, BK, dout, lddo, dv, DV, 1);            /* dV += P^T dO */

@@ -67,11 +67,14 @@ typedef struct attn_kernels {
                int64_t ldb, float *c, int64_t ldc, int acc);
     /* online softmax down the columns of st (bk keys x bq queries, row stride ld):
      * x = scale * st; m' = max(m, max_j x); st = exp(x - m'); alpha = exp(m - m');
-     * l = l * alpha + sum_j st; m = m'. A column with m' = -inf gets zeros. */
+     * l = l * alpha + sum_j st; m = m'. A column with m' = -inf gets zeros.
+     * Causal diagonal: key j is masked out (x = -inf) for query i when
+     * j > i + diag; diag >= bk masks nothing. */
     void (*softmax_cols)(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
-                         float *alpha);
-    /* s (bq x bk, row stride ld) = exp(scale * s - lse[i]); rows with lse = -inf get zeros */
-    void (*probs)(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse);
+                         float *alpha, int64_t diag);
+    /* s (bq x bk, row stride ld) = exp(scale * s - lse[i]), 0 for keys j > i + diag;
+     * rows with lse = -inf get zeros */
+    void (*probs)(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag);
     /* dp = p * (dp - di[i]) * scale (the gradient of the scaled scores) */
     void (*dscores)(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *di, float scale);
 } attn_kernels;

@@ -89,42 +89,57 @@ static void mm_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa
 
 #define LOG2E 1.44269504088896341f
 
+static inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
+
 static void softmax_cols_avx2(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
-                              float *alpha) {
+                              float *alpha, int64_t diag) {
     const __m256 vs = _mm256_set1_ps(scale), vs2 = _mm256_set1_ps(scale * LOG2E), log2e = _mm256_set1_ps(LOG2E);
     const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     int64_t i = 0;
     for (; i + 8 <= bq; i += 8) {
+        /* key rows [0, full) keep every query of the group, [full, part) some, [part, bk) none */
+        const int64_t full = clamp64(i + diag + 1, 0, bk), part = clamp64(i + diag + 8, 0, bk);
+        const __m256i q = _mm256_add_epi32(_mm256_set1_epi32((int)i), lane);
         __m256 mold = _mm256_loadu_ps(m + i), mx = mold;
-        for (int64_t j = 0; j < bk; j++) mx = _mm256_max_ps(mx, _mm256_mul_ps(_mm256_loadu_ps(st + j * ld + i), vs));
+        for (int64_t j = 0; j < full; j++) mx = _mm256_max_ps(mx, _mm256_mul_ps(_mm256_loadu_ps(st + j * ld + i), vs));
+        for (int64_t j = full; j < part; j++) { /* query i keeps key j when i >= j - diag */
+            __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(q, _mm256_set1_epi32((int)(j - diag - 1))));
+            mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(st + j * ld + i), vs), keep));
+        }
         __m256 base = _mm256_blendv_ps(mx, zero, _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
         __m256 base2 = _mm256_mul_ps(base, log2e), sum = zero;
-        for (int64_t j = 0; j < bk; j++) { /* exp(x scale - base) = 2^(x scale log2e - base log2e) */
+        for (int64_t j = 0; j < full; j++) { /* exp(x scale - base) = 2^(x scale log2e - base log2e) */
             float *x = st + j * ld + i;
             __m256 e = exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(x), vs2, base2));
             _mm256_storeu_ps(x, e);
             sum = _mm256_add_ps(sum, e);
         }
+        for (int64_t j = full; j < part; j++) {
+            float *x = st + j * ld + i;
+            __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(q, _mm256_set1_epi32((int)(j - diag - 1))));
+            __m256 e = _mm256_and_ps(exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(x), vs2, base2)), keep);
+            _mm256_storeu_ps(x, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        for (int64_t j = part; j < bk; j++) _mm256_storeu_ps(st + j * ld + i, zero);
         __m256 a = exp2_8z(_mm256_mul_ps(_mm256_sub_ps(mold, base), log2e));
         _mm256_storeu_ps(alpha + i, a);
         _mm256_storeu_ps(l + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), a, sum));
         _mm256_storeu_ps(m + i, mx);
     }
-    if (i < bq) attn_kernels_ref.softmax_cols(st + i, ld, bk, bq - i, scale, m + i, l + i, alpha + i);
+    if (i < bq) attn_kernels_ref.softmax_cols(st + i, ld, bk, bq - i, scale, m + i, l + i, alpha + i, diag + i);
 }
 
-static void probs_avx2(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse) {
+static void probs_avx2(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag) {
     const __m256 vs2 = _mm256_set1_ps(scale * LOG2E);
     for (int64_t i = 0; i < bq; i++) {
         float *row = s + i * ld;
-        if (lse[i] == -INFINITY) {
-            for (int64_t j = 0; j < bk; j++) row[j] = 0.0f;
-            continue;
-        }
+        const int64_t keys = lse[i] == -INFINITY ? 0 : clamp64(i + diag + 1, 0, bk); /* the rest are 0 */
         const __m256 vl = _mm256_set1_ps(lse[i] * LOG2E);
         int64_t j = 0;
-        for (; j + 8 <= bk; j += 8) _mm256_storeu_ps(row + j, exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(row + j), vs2, vl)));
-        if (j < bk) attn_kernels_ref.probs(row + j, ld, 1, bk - j, scale, lse + i);
+        for (; j + 8 <= keys; j += 8) _mm256_storeu_ps(row + j, exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(row + j), vs2, vl)));
+        if (j < bk) attn_kernels_ref.probs(row + j, ld, 1, bk - j, scale, lse + i, i + diag - j);
     }
 }
 
