@@ -89,47 +89,66 @@ static void mm_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa
 
 #define LOG2E 1.44269504088896341f
 
-static inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
+/* The keep-mask of key row j for the 8 queries starting at i (query i keeps key
+ * j when j <= i + diag): all, none, or a lane compare. */
+static inline __m256 keep8(int64_t i, int64_t j, int64_t diag) {
+    if (j <= i + diag) return _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    if (j >= i + 8 + diag) return _mm256_setzero_ps();
+    const __m256i q = _mm256_add_epi32(_mm256_set1_epi32((int)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(q, _mm256_set1_epi32((int)(j - diag - 1))));
+}
 
+/* Columns in groups of 8 queries, up to 8 groups at a time, walked row by row:
+ * consecutive addresses (a column walk would hit each row 4 KiB apart and stall
+ * on 4K-aliasing between its stores and the next loads). */
 static void softmax_cols_avx2(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
                               float *alpha, int64_t diag) {
     const __m256 vs = _mm256_set1_ps(scale), vs2 = _mm256_set1_ps(scale * LOG2E), log2e = _mm256_set1_ps(LOG2E);
     const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    int64_t i = 0;
-    for (; i + 8 <= bq; i += 8) {
-        /* key rows [0, full) keep every query of the group, [full, part) some, [part, bk) none */
-        const int64_t full = clamp64(i + diag + 1, 0, bk), part = clamp64(i + diag + 8, 0, bk);
-        const __m256i q = _mm256_add_epi32(_mm256_set1_epi32((int)i), lane);
-        __m256 mold = _mm256_loadu_ps(m + i), mx = mold;
-        for (int64_t j = 0; j < full; j++) mx = _mm256_max_ps(mx, _mm256_mul_ps(_mm256_loadu_ps(st + j * ld + i), vs));
-        for (int64_t j = full; j < part; j++) { /* query i keeps key j when i >= j - diag */
-            __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(q, _mm256_set1_epi32((int)(j - diag - 1))));
-            mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(st + j * ld + i), vs), keep));
+    int64_t i0 = 0;
+    for (; i0 + 8 <= bq; i0 += 64) {
+        const int ng = (int)((bq - i0) / 8 < 8 ? (bq - i0) / 8 : 8);
+        const int64_t jfull = i0 + diag; /* rows j <= jfull keep every query of the chunk */
+        __m256 mx[8], base2[8], sum[8];
+        for (int g = 0; g < ng; g++) mx[g] = _mm256_loadu_ps(m + i0 + 8 * g), sum[g] = zero;
+        for (int64_t j = 0; j < bk; j++) {
+            const float *row = st + j * ld + i0;
+            if (j <= jfull) {
+                for (int g = 0; g < ng; g++) mx[g] = _mm256_max_ps(mx[g], _mm256_mul_ps(_mm256_loadu_ps(row + 8 * g), vs));
+            } else {
+                for (int g = 0; g < ng; g++) {
+                    __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(row + 8 * g), vs), keep8(i0 + 8 * g, j, diag));
+                    mx[g] = _mm256_max_ps(mx[g], x);
+                }
+            }
         }
-        __m256 base = _mm256_blendv_ps(mx, zero, _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
-        __m256 base2 = _mm256_mul_ps(base, log2e), sum = zero;
-        for (int64_t j = 0; j < full; j++) { /* exp(x scale - base) = 2^(x scale log2e - base log2e) */
-            float *x = st + j * ld + i;
-            __m256 e = exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(x), vs2, base2));
-            _mm256_storeu_ps(x, e);
-            sum = _mm256_add_ps(sum, e);
+        for (int g = 0; g < ng; g++) /* a column with no key yet: base 0, so that exp(-inf - 0) = 0 */
+            base2[g] = _mm256_mul_ps(_mm256_blendv_ps(mx[g], zero, _mm256_cmp_ps(mx[g], ninf, _CMP_EQ_OQ)), log2e);
+        for (int64_t j = 0; j < bk; j++) { /* exp(x scale - base) = 2^(x scale log2e - base log2e) */
+            float *row = st + j * ld + i0;
+            for (int g = 0; g < ng; g++) {
+                __m256 e = exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(row + 8 * g), vs2, base2[g]));
+                if (j > jfull) e = _mm256_and_ps(e, keep8(i0 + 8 * g, j, diag));
+                _mm256_storeu_ps(row + 8 * g, e);
+                sum[g] = _mm256_add_ps(sum[g], e);
+            }
         }
-        for (int64_t j = full; j < part; j++) {
-            float *x = st + j * ld + i;
-            __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(q, _mm256_set1_epi32((int)(j - diag - 1))));
-            __m256 e = _mm256_and_ps(exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(x), vs2, base2)), keep);
-            _mm256_storeu_ps(x, e);
-            sum = _mm256_add_ps(sum, e);
+        for (int g = 0; g < ng; g++) {
+            float *mg = m + i0 + 8 * g, *lg = l + i0 + 8 * g;
+            __m256 a = exp2_8z(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(mg), log2e), base2[g]));
+            _mm256_storeu_ps(alpha + i0 + 8 * g, a);
+            _mm256_storeu_ps(lg, _mm256_fmadd_ps(_mm256_loadu_ps(lg), a, sum[g]));
+            _mm256_storeu_ps(mg, mx[g]);
         }
-        for (int64_t j = part; j < bk; j++) _mm256_storeu_ps(st + j * ld + i, zero);
-        __m256 a = exp2_8z(_mm256_mul_ps(_mm256_sub_ps(mold, base), log2e));
-        _mm256_storeu_ps(alpha + i, a);
-        _mm256_storeu_ps(l + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), a, sum));
-        _mm256_storeu_ps(m + i, mx);
+        if (ng < 8) {
+            i0 += 8 * ng;
+            break;
+        }
     }
-    if (i < bq) attn_kernels_ref.softmax_cols(st + i, ld, bk, bq - i, scale, m + i, l + i, alpha + i, diag + i);
+    if (i0 < bq) attn_kernels_ref.softmax_cols(st + i0, ld, bk, bq - i0, scale, m + i0, l + i0, alpha + i0, diag + i0);
 }
+
+static inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
 
 static void probs_avx2(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag) {
     const __m256 vs2 = _mm256_set1_ps(scale * LOG2E);
