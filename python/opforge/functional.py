@@ -117,6 +117,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """
     if dropout_p != 0.0:
         raise _sdpa_error(f"argument 'dropout_p' must be 0.0 (dropout is not supported), got {dropout_p}")
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise _sdpa_error("argument 'attn_mask' requires grad, but opforge computes no gradient for the mask: "
+                          "pass attn_mask.detach()")
     nd = query.dim()
     if nd not in (3, 4) or key.dim() != nd or value.dim() != nd:
         raise _sdpa_error(

@@ -309,6 +309,7 @@ def test_log_and_profiler_name():
     "call, pattern",
     [
         (lambda: opforge.scaled_dot_product_attention(*qkv(), dropout_p=0.1), r"argument 'dropout_p' must be 0.0"),
+        (lambda: opforge.scaled_dot_product_attention(*qkv(n=5, s=6), attn_mask=torch.zeros(5, 6, requires_grad=True)), r"argument 'attn_mask' requires grad"),
         (lambda: opforge.scaled_dot_product_attention(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)), r"must all be 4-d .* or all 3-d .*got 2-d"),
         (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(3, 4, 5, 8), torch.randn(3, 4, 5, 8), None, False, None), r"\[opforge::attention\] arguments 'k' and 'v' must have the batch size of 'q' \(2\), got 3 and 3"),
         (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), None, False, None), r"argument 'k' must have a number of heads dividing the 4 heads of 'q'.*got 3"),
