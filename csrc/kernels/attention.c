@@ -213,10 +213,10 @@ static void fwd_task(const attn_kernels *k, const attn_problem *p, int64_t qb, i
         k->mm(bq, DV, bk, st, 1, BQ, vb, ldv, o, DV, 1);
     }
     for (int64_t i = 0; i < bq; i++) {
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        const float inv = l[i] == 0.0f ? 0.0f : 1.0f / l[i]; /* a NaN score keeps the row NaN */
         for (int64_t d = 0; d < DV; d++) o[i * DV + d] *= inv;
         store_row(k, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * DV, DV, p->dt);
-        p->lse[bh * p->n + i0 + i] = l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
+        p->lse[bh * p->n + i0 + i] = l[i] == 0.0f ? -INFINITY : m[i] + logf(l[i]);
     }
 }
 
@@ -248,6 +248,7 @@ void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
  * worker owns the group's dQ and accumulates straight into it (no per-worker
  * copy, no lock). With fewer groups than that (e.g. batch x heads = 1), a task
  * is one key block and dQ goes through per-worker buffers (dq_part). */
+/* Decided once per call, on the calling thread (workers may see another thread count). */
 static int whole_groups(const attn_problem *p) {
     const int unit_cols = p->dt != OPF_F32 || p->dqs[3] == 1; /* float32 dQ is written in place */
     return unit_cols && p->b * p->hkv >= 2 * (int64_t)opf_num_threads();
@@ -269,7 +270,7 @@ static int64_t bwd_worker_floats(const attn_problem *p) {
 
 /* shared: D = rowsum(dO * out) (b, h, n); float32 dQ when dq is 16-bit */
 static int64_t bwd_shared_floats(const attn_problem *p) {
-    return p->b * p->h * p->n + (p->dt != OPF_F32 ? p->b * p->h * p->n * p->d : 0);
+    return round16(p->b * p->h * p->n) + (p->dt != OPF_F32 ? round16(p->b * p->h * p->n * p->d) : 0);
 }
 
 int64_t attn_bwd_workspace(const attn_problem *p) {
@@ -282,6 +283,7 @@ typedef struct bwd_ctx {
     float *di, *dq32, *ws;
     int64_t dq32s[4];
     int64_t per_worker, tasks, nkb;
+    int whole; /* whole_groups(), as sized by attn_bwd_workspace */
     atomic_llong next;
     pthread_mutex_t lock;
 } bwd_ctx;
@@ -382,7 +384,7 @@ static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
     const int64_t g = p->h / p->hkv;
     for (int64_t w = w0; w < w1; w++) {
         float *ws = c->ws + w * c->per_worker;
-        if (whole_groups(p)) {
+        if (c->whole) {
             for (int64_t t; (t = atomic_fetch_add(&c->next, 1)) < c->tasks;)
                 for (int64_t kb = 0; kb < c->nkb; kb++) bwd_task(c, t, kb, ws, NULL);
             continue;
@@ -429,13 +431,14 @@ static void bwd_epilogue(int64_t bh0, int64_t bh1, void *arg) {
 }
 
 void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
-    bwd_ctx c = {.k = k, .p = p, .per_worker = bwd_worker_floats(p), .tasks = bwd_tasks(p), .nkb = cdiv(p->s, BK)};
+    bwd_ctx c = {.k = k, .p = p, .per_worker = bwd_worker_floats(p), .tasks = bwd_tasks(p), .nkb = cdiv(p->s, BK),
+                 .whole = whole_groups(p)};
     c.di = workspace;
     if (p->dt == OPF_F32) {
         c.dq32 = p->dq;
         memcpy(c.dq32s, p->dqs, sizeof c.dq32s);
     } else {
-        c.dq32 = workspace + p->b * p->h * p->n;
+        c.dq32 = workspace + round16(p->b * p->h * p->n);
         int64_t st[4] = {p->h * p->n * p->d, p->n * p->d, p->d, 1};
         memcpy(c.dq32s, st, sizeof st);
     }
@@ -455,6 +458,7 @@ void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
 static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, double *w) {
     const int64_t kvh = h / (p->h / p->hkv);
     double mx = -INFINITY;
+    int nan = 0;
     for (int64_t j = 0; j < p->s; j++) {
         double bias = mask_bias(p, b, h, i, j);
         if (p->mask_kind == ATTN_MASK_ADD && !(p->causal && j > i))
@@ -464,6 +468,11 @@ static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, 
             dot += load_d(p->q, off4(p->qs, b, h, i, d), p->dt) * load_d(p->k, off4(p->ks, b, kvh, j, d), p->dt);
         w[j] = bias == -INFINITY ? -INFINITY : dot * (double)p->scale + bias;
         if (w[j] > mx) mx = w[j];
+        nan |= isnan(w[j]);
+    }
+    if (nan) { /* a NaN score makes the whole row NaN, as softmax does */
+        for (int64_t j = 0; j < p->s; j++) w[j] = NAN;
+        return NAN;
     }
     if (mx == -INFINITY) { /* no key left: zeros */
         for (int64_t j = 0; j < p->s; j++) w[j] = 0.0;
@@ -475,9 +484,9 @@ static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, 
     return mx + log(sum);
 }
 
-void attn_ref_fwd(const attn_problem *p) {
+int attn_ref_fwd(const attn_problem *p) {
     double *w = malloc(sizeof(double) * (size_t)(p->s + 1));
-    if (!w) return;
+    if (!w) return -1;
     for (int64_t b = 0; b < p->b; b++)
         for (int64_t h = 0; h < p->h; h++) {
             const int64_t kvh = h / (p->h / p->hkv);
@@ -491,6 +500,7 @@ void attn_ref_fwd(const attn_problem *p) {
             }
         }
     free(w);
+    return 0;
 }
 
 int attn_ref_bwd(const attn_problem *p) {

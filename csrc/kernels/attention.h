@@ -94,7 +94,7 @@ void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace);
 /* The oracle, row by row in double (and the float64 path of the op); any dtype
  * incl. OPF_F64. The backward allocates its own double accumulators. Returns
  * 0, or -1 when out of memory. */
-void attn_ref_fwd(const attn_problem *p);
+int attn_ref_fwd(const attn_problem *p);
 int attn_ref_bwd(const attn_problem *p);
 
 #endif

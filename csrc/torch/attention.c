@@ -11,6 +11,7 @@
  * strides of q, k, v when those are dense. attn_mask is bool (true = attend)
  * or the dtype of q (added to the scores), broadcastable to (B, H, N, S).
  */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -97,8 +98,8 @@ static attn_args check_attention(const char *op, AtenTensorHandle q_h, AtenTenso
                          .causal = causal};
     for (int d = 0; d < 4; d++) a.p.qs[d] = a.q.strides[d], a.p.ks[d] = a.k.strides[d], a.p.vs[d] = a.v.strides[d];
     double sc = qs[3] > 0 ? 1.0 / sqrt((double)qs[3]) : 1.0;
-    if (opf_arg_optional_double(scale, &sc) && !isfinite(sc))
-        opf_fail(op, "argument 'scale' must be a finite number, got %g", sc);
+    if (opf_arg_optional_double(scale, &sc) && !(fabs(sc) <= FLT_MAX))
+        opf_fail(op, "argument 'scale' must be a finite float32 number, got %g", sc);
     a.p.scale = (float)sc;
     if (mask_h) {
         a.mask = opf_tensor_info(op, "attn_mask", mask_h);
@@ -123,7 +124,7 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     p->out = out.data, p->lse = lse.data;
     for (int d = 0; d < 4; d++) p->os[d] = out.strides[d];
     if (p->dt == OPF_F64) {
-        attn_ref_fwd(p);
+        if (attn_ref_fwd(p) != 0) opf_fail(ATT, "out of memory for the float64 forward");
     } else {
         float *ws = NULL;
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(ATT, attn_fwd_workspace(p), &a.q, &ws);

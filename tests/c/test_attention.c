@@ -102,7 +102,7 @@ static void run(const attn_kernels *k, cfg c) {
     p.out = out, p.lse = lse, p.dq = dq, p.dk = dk, p.dvv = dv;
     want.out = wout, want.lse = wlse, want.dq = wdq, want.dk = wdk, want.dvv = wdv;
 
-    attn_ref_fwd(&want);
+    CHECK(attn_ref_fwd(&want) == 0, "oracle out of memory");
     CHECK(attn_ref_bwd(&want) == 0, "oracle out of memory");
     int64_t fws = attn_fwd_workspace(&p), bws = attn_bwd_workspace(&p);
     float *ws = malloc((size_t)((fws > bws ? fws : bws) + 16) * sizeof(float));

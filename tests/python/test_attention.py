@@ -130,6 +130,20 @@ def test_fully_masked_rows_give_zeros_and_zero_gradients_as_torch():
         torch.testing.assert_close(a, b, **GTOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nan_propagates_as_torch(dtype):
+    q, k, v = qkv(n=6, s=9, dtype=dtype, grad=True)
+    with torch.no_grad():
+        q[0, 1, 2, 3] = float("nan")
+    out = opforge.scaled_dot_product_attention(q, k, v)
+    ref = SDPA(q, k, v)
+    assert torch.equal(out.isnan(), ref.isnan()) and out[0, 1, 2].isnan().all()
+    g = torch.randn_like(out)
+    got, want = torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan())
+
+
 def test_transposed_and_strided_inputs_are_read_in_place():
     b, n, h, d = 2, 37, 4, 16
     qkv_proj = torch.randn(b, n, 3, h, d)  # a fused QKV projection's output
@@ -320,7 +334,8 @@ def test_log_and_profiler_name():
         (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.zeros(5, 4), False, None), r"argument 'attn_mask' must be broadcastable to \(B, H, N, S\) = \[2, 4, 5, 5\], got shape \[5, 4\]"),
         (lambda: ATTN(torch.randn(4, 5, 8), torch.randn(4, 5, 8), torch.randn(4, 5, 8), None, False, None), r"argument 'q' must be 4-d"),
         (lambda: ATTN(torch.ones(2, 4, 5, 8, dtype=torch.int32), torch.ones(2, 4, 5, 8, dtype=torch.int32), torch.ones(2, 4, 5, 8, dtype=torch.int32), None, False, None), r"argument 'q' must be a floating-point tensor"),
-        (lambda: ATTN(*qkv(), None, False, float("nan")), r"argument 'scale' must be a finite number"),
+        (lambda: ATTN(*qkv(), None, False, float("nan")), r"argument 'scale' must be a finite float32 number"),
+        (lambda: ATTN(*qkv(), None, False, 1e40), r"argument 'scale' must be a finite float32 number, got 1e\+40"),
     ],
 )
 def test_bad_input(call, pattern):
