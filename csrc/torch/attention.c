@@ -13,8 +13,6 @@
  */
 #include <float.h>
 #include <math.h>
-#include <stdio.h>
-#include <string.h>
 
 #include "../kernels/attention.h"
 #include "opforge/op.h"
@@ -26,10 +24,6 @@ typedef struct attn_args {
     opf_tensor q, k, v, mask;
     attn_problem p;
 } attn_args;
-
-static void shape4(char *buf, size_t len, const int64_t *s) {
-    snprintf(buf, len, "[%lld, %lld, %lld, %lld]", (long long)s[0], (long long)s[1], (long long)s[2], (long long)s[3]);
-}
 
 static void check_qkv(const char *op, const char *arg, const opf_tensor *t, const opf_tensor *q) {
     opf_check_cpu(op, arg, t);
@@ -62,11 +56,9 @@ static void check_mask(const char *op, attn_args *a) {
             continue;
         }
         if (m->sizes[md] != full[d] && m->sizes[md] != 1) {
-            char want[96], got[160] = "[";
-            shape4(want, sizeof want, full);
-            for (int64_t e = 0; e < m->ndim; e++)
-                snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", e ? ", " : "", (long long)m->sizes[e]);
-            strncat(got, "]", sizeof got - strlen(got) - 1);
+            char want[128], got[128];
+            opf_shape_str(want, sizeof want, &(opf_tensor){.ndim = 4, .sizes = full});
+            opf_shape_str(got, sizeof got, m);
             opf_fail(op, "argument 'attn_mask' must be broadcastable to (B, H, N, S) = %s, got shape %s", want, got);
         }
         a->p.ms[d] = m->sizes[md] == 1 ? 0 : m->strides[md];

@@ -147,7 +147,7 @@ void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t) {
                  arg, device_name(t->device_type));
 }
 
-static void shape_str(char *buf, size_t len, const opf_tensor *t) {
+void opf_shape_str(char *buf, size_t len, const opf_tensor *t) {
     size_t n = (size_t)snprintf(buf, len, "[");
     for (int64_t d = 0; d < t->ndim && n < len; d++)
         n += (size_t)snprintf(buf + n, len - n, d ? ", %lld" : "%lld", (long long)t->sizes[d]);
@@ -160,8 +160,8 @@ void opf_check_same_shape(const char *op, const char *arg, const opf_tensor *t, 
     for (int64_t d = 0; same && d < t->ndim; d++) same = t->sizes[d] == ref->sizes[d];
     if (!same) {
         char a[256], b[256];
-        shape_str(a, sizeof a, t);
-        shape_str(b, sizeof b, ref);
+        opf_shape_str(a, sizeof a, t);
+        opf_shape_str(b, sizeof b, ref);
         opf_fail(op, "argument '%s' must have the shape of '%s' %s, got %s", arg, ref_arg, b, a);
     }
 }
@@ -184,7 +184,7 @@ AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *
         OPF_AOTI_SUCCESS) {
         opf_tensor t = {.ndim = ndim, .sizes = sizes};
         char shape[256];
-        shape_str(shape, sizeof shape, &t);
+        opf_shape_str(shape, sizeof shape, &t);
         opf_fail(op, "could not allocate the output (%s %s): out of memory?", opf_dtype_name(dtype), shape);
     }
     void *data = NULL;
@@ -222,7 +222,7 @@ void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors
     args[0] = '\0';
     for (int i = 0; i < n && len < sizeof args; i++) {
         char shape[256];
-        shape_str(shape, sizeof shape, &tensors[i]);
+        opf_shape_str(shape, sizeof shape, &tensors[i]);
         len += (size_t)snprintf(args + len, sizeof args - len, "%s%s%s", i ? " " : "",
                                 opf_dtype_name(tensors[i].dtype), shape);
     }
