@@ -70,24 +70,6 @@ static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, i
     return b * st[0] + h * st[1] + i * st[2] + d * st[3];
 }
 
-static inline double load_d(const void *p, int64_t i, opf_dtype dt) {
-    switch (dt) {
-    case OPF_F64: return ((const double *)p)[i];
-    case OPF_BF16: return opf_bf16_to_f32(((const uint16_t *)p)[i]);
-    case OPF_F16: return opf_f16_to_f32(((const uint16_t *)p)[i]);
-    default: return ((const float *)p)[i];
-    }
-}
-
-static inline void store_d(void *p, int64_t i, opf_dtype dt, double v) {
-    switch (dt) {
-    case OPF_F64: ((double *)p)[i] = v; break;
-    case OPF_BF16: ((uint16_t *)p)[i] = opf_f32_to_bf16((float)v); break;
-    case OPF_F16: ((uint16_t *)p)[i] = opf_f32_to_f16((float)v); break;
-    default: ((float *)p)[i] = (float)v;
-    }
-}
-
 /* n elements from src[off + e*stride] into float32 dst */
 static void load_row(const attn_kernels *k, float *dst, const void *src, int64_t off, int64_t stride, int64_t n,
                      opf_dtype dt) {
@@ -95,7 +77,7 @@ static void load_row(const attn_kernels *k, float *dst, const void *src, int64_t
         k->gemm->to_f32(dst, (const uint16_t *)src + off, dt, n);
         return;
     }
-    for (int64_t e = 0; e < n; e++) dst[e] = (float)load_d(src, off + e * stride, dt);
+    for (int64_t e = 0; e < n; e++) dst[e] = (float)opf_load_elem(src, off + e * stride, dt);
 }
 
 static void store_row(const attn_kernels *k, void *dst, int64_t off, int64_t stride, const float *src, int64_t n,
@@ -104,7 +86,7 @@ static void store_row(const attn_kernels *k, void *dst, int64_t off, int64_t str
         k->gemm->from_f32((uint16_t *)dst + off, src, dt, n);
         return;
     }
-    for (int64_t e = 0; e < n; e++) store_d(dst, off + e * stride, dt, src[e]);
+    for (int64_t e = 0; e < n; e++) opf_store_elem(dst, off + e * stride, dt, src[e]);
 }
 
 /* The mask's verdict on query i, key j: -inf (masked out), or what to add. */
@@ -113,7 +95,7 @@ static inline float mask_bias(const attn_problem *p, int64_t b, int64_t h, int64
     if (p->mask_kind == ATTN_MASK_NONE) return 0.0f;
     int64_t o = off4(p->ms, b, h, i, j);
     if (p->mask_kind == ATTN_MASK_BOOL) return ((const uint8_t *)p->mask)[o] ? 0.0f : -INFINITY;
-    return (float)load_d(p->mask, o, p->mask_dt);
+    return (float)opf_load_elem(p->mask, o, p->mask_dt);
 }
 
 /* Tile element (i, j) at t[i*ti + j*tj] (queries i0.., keys j0..) becomes
@@ -415,7 +397,7 @@ static void bwd_prologue(int64_t bh0, int64_t bh1, void *arg) {
             for (int64_t d = 0; d < p->d; d++) dq[d * r->c->dq32s[3]] = 0.0f;
             double sum = 0.0;
             for (int64_t d = 0; d < p->dv; d++)
-                sum += load_d(p->dout, off4(p->dos, b, h, i, d), p->dt) * load_d(p->out, off4(p->os, b, h, i, d), p->dt);
+                sum += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) * opf_load_elem(p->out, off4(p->os, b, h, i, d), p->dt);
             r->c->di[bh * p->n + i] = (float)sum;
         }
     }
@@ -462,10 +444,10 @@ static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, 
     for (int64_t j = 0; j < p->s; j++) {
         double bias = mask_bias(p, b, h, i, j);
         if (p->mask_kind == ATTN_MASK_ADD && !(p->causal && j > i))
-            bias = load_d(p->mask, off4(p->ms, b, h, i, j), p->mask_dt); /* in double for float64 */
+            bias = opf_load_elem(p->mask, off4(p->ms, b, h, i, j), p->mask_dt); /* in double for float64 */
         double dot = 0.0;
         for (int64_t d = 0; d < p->d; d++)
-            dot += load_d(p->q, off4(p->qs, b, h, i, d), p->dt) * load_d(p->k, off4(p->ks, b, kvh, j, d), p->dt);
+            dot += opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt) * opf_load_elem(p->k, off4(p->ks, b, kvh, j, d), p->dt);
         w[j] = bias == -INFINITY ? -INFINITY : dot * (double)p->scale + bias;
         if (w[j] > mx) mx = w[j];
         nan |= isnan(w[j]);
@@ -494,8 +476,8 @@ int attn_ref_fwd(const attn_problem *p) {
                 p->lse[(b * p->h + h) * p->n + i] = (float)ref_probs(p, b, h, i, w);
                 for (int64_t d = 0; d < p->dv; d++) {
                     double acc = 0.0;
-                    for (int64_t j = 0; j < p->s; j++) acc += w[j] * load_d(p->v, off4(p->vs, b, kvh, j, d), p->dt);
-                    store_d(p->out, off4(p->os, b, h, i, d), p->dt, acc);
+                    for (int64_t j = 0; j < p->s; j++) acc += w[j] * opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
+                    opf_store_elem(p->out, off4(p->os, b, h, i, d), p->dt, acc);
                 }
             }
         }
@@ -521,7 +503,7 @@ int attn_ref_bwd(const attn_problem *p) {
                 for (int64_t j = 0; j < p->s; j++) {
                     double dot = 0.0;
                     for (int64_t d = 0; d < p->dv; d++)
-                        dot += load_d(p->dout, off4(p->dos, b, h, i, d), p->dt) * load_d(p->v, off4(p->vs, b, kvh, j, d), p->dt);
+                        dot += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) * opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
                     dpr[j] = dot;
                     di += w[j] * dot;
                 }
@@ -529,21 +511,21 @@ int attn_ref_bwd(const attn_problem *p) {
                 for (int64_t j = 0; j < p->s; j++) {
                     const double ds = w[j] * (dpr[j] - di) * (double)p->scale;
                     for (int64_t d = 0; d < p->dv; d++)
-                        dv[(kbase + j) * p->dv + d] += w[j] * load_d(p->dout, off4(p->dos, b, h, i, d), p->dt);
+                        dv[(kbase + j) * p->dv + d] += w[j] * opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt);
                     for (int64_t d = 0; d < p->d; d++) {
-                        dk[(kbase + j) * p->d + d] += ds * load_d(p->q, off4(p->qs, b, h, i, d), p->dt);
-                        dqr[d] += ds * load_d(p->k, off4(p->ks, b, kvh, j, d), p->dt);
+                        dk[(kbase + j) * p->d + d] += ds * opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt);
+                        dqr[d] += ds * opf_load_elem(p->k, off4(p->ks, b, kvh, j, d), p->dt);
                     }
                 }
-                for (int64_t d = 0; d < p->d; d++) store_d(p->dq, off4(p->dqs, b, h, i, d), p->dt, dqr[d]);
+                for (int64_t d = 0; d < p->d; d++) opf_store_elem(p->dq, off4(p->dqs, b, h, i, d), p->dt, dqr[d]);
             }
         }
     for (int64_t b = 0; b < p->b; b++)
         for (int64_t kvh = 0; kvh < p->hkv; kvh++)
             for (int64_t j = 0; j < p->s; j++) {
                 const int64_t r = (b * p->hkv + kvh) * p->s + j;
-                for (int64_t d = 0; d < p->d; d++) store_d(p->dk, off4(p->dks, b, kvh, j, d), p->dt, dk[r * p->d + d]);
-                for (int64_t d = 0; d < p->dv; d++) store_d(p->dvv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->dv + d]);
+                for (int64_t d = 0; d < p->d; d++) opf_store_elem(p->dk, off4(p->dks, b, kvh, j, d), p->dt, dk[r * p->d + d]);
+                for (int64_t d = 0; d < p->dv; d++) opf_store_elem(p->dvv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->dv + d]);
             }
     free(w), free(dk), free(dv);
     return 0;

@@ -187,13 +187,7 @@ const gemm_kernels *gemm_kernels_for(opf_isa isa) {
 
 /* ---- conversions and packing -------------------------------------------------------------- */
 
-static inline float load_elem(const void *p, int64_t i, opf_dtype dt) {
-    switch (dt) {
-    case OPF_BF16: return opf_bf16_to_f32(((const uint16_t *)p)[i]);
-    case OPF_F16: return opf_f16_to_f32(((const uint16_t *)p)[i]);
-    default: return ((const float *)p)[i];
-    }
-}
+static inline float load_elem(const void *p, int64_t i, opf_dtype dt) { return (float)opf_load_elem(p, i, dt); }
 
 static inline const void *elem_ptr(const void *p, int64_t i, opf_dtype dt) {
     return (const char *)p + i * (int64_t)opf_dtype_size(dt);

@@ -37,15 +37,9 @@ static int64_t layout(int lay, int64_t b, int64_t h, int64_t n, int64_t d, int64
 static void *rand_tensor(int64_t count, opf_dtype dt, unsigned long long seed, double amp) {
     void *p = malloc((size_t)(count > 0 ? count : 1) * esize(dt));
     for (int64_t i = 0; i < count; i++) {
-        float v = (float)((check_uniform(&seed) * 2.0 - 1.0) * amp);
-        if (dt == OPF_BF16) ((uint16_t *)p)[i] = opf_f32_to_bf16(v);
-        else ((float *)p)[i] = v;
+        opf_store_elem(p, i, dt, (float)((check_uniform(&seed) * 2.0 - 1.0) * amp));
     }
     return p;
-}
-
-static double get(const void *p, int64_t i, opf_dtype dt) {
-    return dt == OPF_BF16 ? opf_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* max |got - want| over the (b, h, n, d) elements, relative to max |want| */
@@ -57,7 +51,7 @@ static double rel_err(const void *got, const void *want, const int64_t *st, int6
             for (int64_t i = 0; i < n; i++)
                 for (int64_t e = 0; e < d; e++) {
                     int64_t o = ib * st[0] + ih * st[1] + i * st[2] + e * st[3];
-                    double g = get(got, o, dt), w = get(want, o, dt);
+                    double g = opf_load_elem(got, o, dt), w = opf_load_elem(want, o, dt);
                     if (isnan(g) != isnan(w)) return INFINITY;
                     err = fmax(err, fabs(g - w));
                     mag = fmax(mag, fabs(w));
@@ -86,10 +80,7 @@ static void run(const attn_kernels *k, cfg c) {
         p.ms[0] = p.ms[1] = 0, p.ms[2] = c.s, p.ms[3] = 1;
     } else if (c.mask == 2) { /* additive (B, 1, N, S) in the inputs' dtype, some -inf */
         mask = rand_tensor(c.b * c.n * c.s, c.dt, 22, 3.0);
-        for (int64_t i = 0; i < c.b * c.n * c.s; i += 7) {
-            if (c.dt == OPF_BF16) ((uint16_t *)mask)[i] = 0xff80;
-            else ((float *)mask)[i] = -INFINITY;
-        }
+        for (int64_t i = 0; i < c.b * c.n * c.s; i += 7) opf_store_elem(mask, i, c.dt, -INFINITY);
         p.mask_kind = ATTN_MASK_ADD, p.mask_dt = c.dt;
         p.ms[0] = c.n * c.s, p.ms[1] = 0, p.ms[2] = c.s, p.ms[3] = 1;
     }

@@ -69,4 +69,24 @@ static inline uint16_t opf_f32_to_f16(float f) {
     return (uint16_t)(sign | (uint16_t)(r >> 13));
 }
 
+/* Element i of p (any opf_dtype) as double, and back (16-bit types rounded
+ * through float32): for strided, scalar and reference paths. */
+static inline double opf_load_elem(const void *p, int64_t i, opf_dtype dt) {
+    switch (dt) {
+    case OPF_F64: return ((const double *)p)[i];
+    case OPF_BF16: return opf_bf16_to_f32(((const uint16_t *)p)[i]);
+    case OPF_F16: return opf_f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+static inline void opf_store_elem(void *p, int64_t i, opf_dtype dt, double v) {
+    switch (dt) {
+    case OPF_F64: ((double *)p)[i] = v; break;
+    case OPF_BF16: ((uint16_t *)p)[i] = opf_f32_to_bf16((float)v); break;
+    case OPF_F16: ((uint16_t *)p)[i] = opf_f32_to_f16((float)v); break;
+    default: ((float *)p)[i] = (float)v;
+    }
+}
+
 #endif
