@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "opforge/runtime.h"
+
 static int check_failures, check_count;
 
 #define CHECK(cond, ...)                                                                           \
@@ -31,5 +33,33 @@ static inline double check_uniform(unsigned long long *s) {
     *s ^= *s << 17;
     return (double)(*s >> 11) / 9007199254740992.0;
 }
+
+/* Makes isa current for a test's variant loop; says why and returns 0 when this CPU lacks it. */
+static inline int check_use_isa(int isa) {
+    char err[256];
+    if (opf_isa_set(opf_isa_name((opf_isa)isa), err, sizeof err) == 0) return 1;
+    printf("skip %s: %s\n", opf_isa_name((opf_isa)isa), err);
+    return 0;
+}
+
+/* The variant loop of a kernel test: TEST(k) for each ISA this CPU runs, k =
+ * KERNELS_FOR(isa) (a table with a `name`). An ISA without a variant of its
+ * own gets an earlier ISA's table: that is reported, not tested again. */
+#define CHECK_EACH_VARIANT(KERNELS_FOR, TEST)                                                      \
+    do {                                                                                           \
+        int tested_ = 0;                                                                           \
+        for (int isa_ = 0; isa_ < OPF_ISA_COUNT; isa_++) {                                         \
+            if (!check_use_isa(isa_)) continue;                                                    \
+            if (isa_ > 0 && KERNELS_FOR((opf_isa)isa_) == KERNELS_FOR((opf_isa)(isa_ - 1))) {      \
+                printf("%s: no variant of its own, uses %s\n", opf_isa_name((opf_isa)isa_),        \
+                       KERNELS_FOR((opf_isa)isa_)->name);                                          \
+                continue;                                                                          \
+            }                                                                                      \
+            TEST(KERNELS_FOR((opf_isa)isa_));                                                      \
+            printf("tested %s\n", KERNELS_FOR((opf_isa)isa_)->name);                               \
+            tested_++;                                                                             \
+        }                                                                                          \
+        CHECK(tested_ >= 1, "no variant tested");                                                  \
+    } while (0)
 
 #endif

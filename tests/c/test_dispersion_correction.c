@@ -181,11 +181,7 @@ static void test_driver(opf_isa isa) {
 int main(void) {
     int tested = 0;
     for (int isa = 0; isa < OPF_ISA_COUNT; isa++) {
-        char err[256];
-        if (opf_isa_set(opf_isa_name((opf_isa)isa), err, sizeof err) != 0) {
-            printf("skip %s: %s\n", opf_isa_name((opf_isa)isa), err);
-            continue;
-        }
+        if (!check_use_isa(isa)) continue;
         const dc_kernels *k = dc_kernels_for((opf_isa)isa);
         CHECK(isa == OPF_ISA_REF || k != &dc_kernels_ref, "%s variant missing from this build",
               opf_isa_name((opf_isa)isa));
