@@ -74,20 +74,27 @@ def fma_peak_gflops(seconds: float = 0.2) -> float:
 
 
 def peak_memory(fn: Callable[[], object]) -> int:
-    """Peak bytes the CPU allocator held during one call of fn, above what was
-    held before (torch's profiler memory events, the same for every variant)."""
+    """Peak bytes the CPU allocator held during one call of fn, above what it
+    held before: the high-water mark of the allocator's running total, read
+    from every allocation and free that torch's profiler records (the same
+    for every variant; frees inside an op count when they happen)."""
+    import json
+    import tempfile
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         del out
-    # an allocation is charged to the op event that made it (self), a free to a "[memory]" event
-    events = sorted(
-        (e for e in prof.events() if getattr(e, "self_cpu_memory_usage", 0)), key=lambda e: e.time_range.start
-    )
-    live = peak = 0
-    for e in events:
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    events = sorted((e for e in trace["traceEvents"] if e.get("name") == "[memory]" and e.get("args", {}).get(
+        "Device Type", 0) == 0), key=lambda e: float(e["ts"]))
+    if not events:
+        return 0
+    base = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+    return max(0, max(e["args"]["Total Allocated"] for e in events) - base)
 
 
 class Progress:
