@@ -179,8 +179,10 @@ const gemm_kernels gemm_kernels_ref = {"ref_4x4", 4, 4, 64, 256, 1024, ukernel_r
                                        to_f32_ref, from_f32_ref};
 
 extern const gemm_kernels gemm_kernels_avx2 __attribute__((weak));
+extern const gemm_kernels gemm_kernels_avx512 __attribute__((weak));
 
 const gemm_kernels *gemm_kernels_for(opf_isa isa) {
+    if (isa >= OPF_ISA_AVX512 && &gemm_kernels_avx512) return &gemm_kernels_avx512;
     if (isa >= OPF_ISA_AVX2 && &gemm_kernels_avx2) return &gemm_kernels_avx2;
     return &gemm_kernels_ref;
 }

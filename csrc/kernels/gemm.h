@@ -70,7 +70,7 @@ typedef void (*gemm_to_f32_fn)(float *dst, const uint16_t *src, int dt, int64_t 
 typedef void (*gemm_from_f32_fn)(uint16_t *dst, const float *src, int dt, int64_t n);
 
 typedef struct gemm_kernels {
-    const char *name; /* "ref_4x4", "avx2_6x16" */
+    const char *name; /* "ref_4x4", "avx2_6x16", "avx512_12x32" */
     int mr, nr;       /* register block */
     int64_t mc, kc, nc; /* cache blocks: A block MC x KC in L2, B panel KC x NC in L3 */
     gemm_ukernel_fn ukernel;
@@ -80,7 +80,8 @@ typedef struct gemm_kernels {
 } gemm_kernels;
 
 extern const gemm_kernels gemm_kernels_ref;
-extern const gemm_kernels gemm_kernels_avx2; /* gemm_avx2.c */
+extern const gemm_kernels gemm_kernels_avx2;   /* gemm_avx2.c */
+extern const gemm_kernels gemm_kernels_avx512; /* gemm_avx512.c */
 
 const gemm_kernels *gemm_kernels_for(opf_isa isa);
 

@@ -11,7 +11,8 @@
 #include "opforge/runtime.h"
 
 typedef double (*probe_fma_fn)(int64_t iters, float *sink);
-extern const probe_fma_fn probe_fma_avx2; /* probe_avx2.c */
+extern const probe_fma_fn probe_fma_avx2;   /* probe_avx2.c */
+extern const probe_fma_fn probe_fma_avx512; /* probe_avx512.c */
 
 /* FLOPs of `iters` rounds of the best FMA loop of isa (0 when it has none). */
 double probe_fma(opf_isa isa, int64_t iters);

@@ -338,4 +338,4 @@ OPF_EXPORT const opf_cpu_features *opforge_cpu_features(void) { return opf_cpu()
 
 OPF_EXPORT uint64_t opforge_torch_abi_version(void) { return aoti_torch_abi_version(); }
 
-OPF_EXPORT double opforge_probe_fma(int64_t iters) { return probe_fma(opf_isa_current(), iters); }
+OPF_EXPORT double opforge_probe_fma(int64_t iters) { return probe_fma(opf_isa_best(), iters); }

@@ -52,8 +52,9 @@ def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float
 
 
 def fma_peak_gflops(seconds: float = 0.2) -> float:
-    """Single-thread fp32 FMA peak of this core for the current ISA, measured
-    now (an FMA loop in C); 0 when the ISA has no probe."""
+    """Single-thread fp32 FMA peak of this core, measured now by an FMA loop in
+    C with the widest vectors the CPU has (whatever ISA opforge runs), so "% of
+    peak" is against the machine; 0 where no ISA has a probe."""
     import ctypes
 
     from ._runtime import library

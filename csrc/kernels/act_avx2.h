@@ -1,0 +1,93 @@
+/*
+ * 8-wide activations and their derivatives for the GEMM epilogues (float32,
+ * ~1-2 ulp), built on math_avx2.h. Included by the files built with -mavx2
+ * -mfma (gemm_avx2.c, gemm_avx512.c).
+ */
+#ifndef OPFORGE_KERNELS_ACT_AVX2_H
+#define OPFORGE_KERNELS_ACT_AVX2_H
+
+#include <immintrin.h>
+
+#include "gemm.h"
+#include "math_avx2.h"
+
+/* tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): no overflow, exact sign */
+static inline __m256 tanh8(__m256 u) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a = _mm256_andnot_ps(sign, u);
+    __m256 e = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_or_ps(t, _mm256_and_ps(u, sign));
+}
+
+/* erf(x), Abramowitz-Stegun 7.1.26 refined: |error| < 1.5e-7 */
+static inline __m256 erf8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    __m256 a = _mm256_andnot_ps(sign, x);
+    __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), a, one));
+    __m256 p = _mm256_set1_ps(1.061405429f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+    p = _mm256_mul_ps(p, t);
+    __m256 y = _mm256_fnmadd_ps(p, exp8(_mm256_mul_ps(_mm256_mul_ps(a, a), _mm256_set1_ps(-1.0f))), one);
+    return _mm256_or_ps(y, _mm256_and_ps(x, sign));
+}
+
+static inline __m256 act8(int act, __m256 v) {
+    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    switch (act) {
+    case GEMM_ACT_RELU: /* max(v, 0) with NaN kept: blend where v < 0 */
+        return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    case GEMM_ACT_GELU:
+        return _mm256_mul_ps(_mm256_mul_ps(half, v),
+                             _mm256_add_ps(one, erf8(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752f)))));
+    case GEMM_ACT_GELU_TANH: {
+        __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+        __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                 _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), v3, v));
+        return _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, tanh8(u)));
+    }
+    case GEMM_ACT_SILU:
+        return _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+    default: return v;
+    }
+}
+
+static inline __m256 act_grad8(int act, __m256 x) {
+    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    switch (act) {
+    case GEMM_ACT_RELU: return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ), one);
+    case GEMM_ACT_GELU: {
+        __m256 cdf = _mm256_mul_ps(half, _mm256_add_ps(one, erf8(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)))));
+        __m256 pdf = _mm256_mul_ps(exp8(_mm256_mul_ps(_mm256_set1_ps(-0.5f), _mm256_mul_ps(x, x))),
+                                   _mm256_set1_ps(0.3989422804014327f));
+        return _mm256_fmadd_ps(x, pdf, cdf);
+    }
+    case GEMM_ACT_GELU_TANH: {
+        const __m256 k = _mm256_set1_ps(0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
+        __m256 x2 = _mm256_mul_ps(x, x);
+        __m256 t = tanh8(_mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(c, x2), x, x)));
+        __m256 left = _mm256_mul_ps(half, _mm256_add_ps(one, t));
+        __m256 dt = _mm256_fnmadd_ps(t, t, one);
+        __m256 inner = _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(3.0f), c), x2, one));
+        return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), dt), inner, left);
+    }
+    case GEMM_ACT_SILU: {
+        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        return _mm256_mul_ps(s, _mm256_fmadd_ps(x, _mm256_sub_ps(one, s), one));
+    }
+    default: return one;
+    }
+}
+
+/* out[i] = g[i] * act'(pre[i]), 8 lanes at a time (the gemm_kernels act_grad of both x86 tables) */
+static inline void act_grad_8wide(float *out, const float *g, const float *pre, int64_t n, int act) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(g + i), act_grad8(act, _mm256_loadu_ps(pre + i))));
+    for (; i < n; i++) out[i] = g[i] * gemm_act_grad_f32(act, pre[i]);
+}
+
+#endif
