@@ -288,9 +288,37 @@ static void pack_b_sliver(const gemm_kernels *k, float *bp, const void *b_, opf_
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+/* How a product is split: MC-row blocks (at most the ISA's MC, as many as a
+ * multiple of the threads so each thread gets equal ones), and whether each
+ * worker packs its own blocks of A (enough blocks for every thread: the block
+ * stays in that core's L2, and the workspace holds one block per worker) or
+ * A is packed whole and shared by column tasks (few, short blocks). */
+typedef struct gemm_plan {
+    int64_t mc, mblocks, workers, kc_max;
+    int own_a;
+} gemm_plan;
+
+static gemm_plan plan_for(const gemm_kernels *k, int64_t m, int64_t kdim) {
+    gemm_plan p;
+    int64_t threads = opf_num_threads();
+    p.kc_max = kdim < k->kc ? kdim : k->kc;
+    int64_t mblocks = round_up((m + k->mc - 1) / k->mc, threads);
+    p.mc = round_up((m + mblocks - 1) / mblocks, k->mr);
+    p.mblocks = (m + p.mc - 1) / p.mc;
+    p.own_a = p.mblocks >= 2 * threads;
+    p.workers = p.mblocks < threads ? p.mblocks : threads;
+    return p;
+}
+
+static int64_t a_region_floats(const gemm_kernels *k, const gemm_plan *p, int64_t m) {
+    return (p->own_a ? p->workers * p->mc : round_up(m, k->mr)) * p->kc_max;
+}
+
 int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim) {
-    int64_t kc = kdim < k->kc ? kdim : k->kc, nc = n < k->nc ? n : k->nc;
-    return round_up(m, k->mr) * kc + round_up(nc, k->nr) * kc;
+    if (m <= 0 || n <= 0 || kdim <= 0) return 0;
+    gemm_plan p = plan_for(k, m, kdim);
+    int64_t nc = n < k->nc ? n : k->nc;
+    return a_region_floats(k, &p, m) + round_up(nc, k->nr) * p.kc_max;
 }
 
 typedef struct gemm_job {
@@ -301,18 +329,23 @@ typedef struct gemm_job {
     opf_dtype ta, tb;
     int64_t rsa, csa, rsb, csb, rsc;
     float *c, *ap, *bp;
-    int64_t mc;  /* rows per block: at most the ISA's MC, balanced over the threads */
-    int64_t ntn; /* column chunks per row block in the compute phase */
+    gemm_plan plan;
+    int64_t ntn; /* column chunks per row block in the compute phase (1 when plan.own_a) */
 } gemm_job;
 
-static void pack_a_range(int64_t begin, int64_t end, void *ctx) {
-    const gemm_job *j = ctx;
+/* A slivers [begin, end) of the K slice into dst (sliver s at (s - base) * mr * kc) */
+static void pack_a_slivers(const gemm_job *j, float *dst, int64_t base, int64_t begin, int64_t end) {
     const int mr = j->k->mr;
     for (int64_t s = begin; s < end; s++) {
         int64_t i0 = s * mr, rows = j->m - i0 < mr ? j->m - i0 : mr;
-        pack_a_sliver(j->k, j->ap + s * mr * j->kc, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta, j->rsa,
-                      j->csa, rows, j->kc, mr);
+        pack_a_sliver(j->k, dst + (s - base) * mr * j->kc, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta,
+                      j->rsa, j->csa, rows, j->kc, mr);
     }
+}
+
+static void pack_a_range(int64_t begin, int64_t end, void *ctx) {
+    const gemm_job *j = ctx;
+    pack_a_slivers(j, j->ap, 0, begin, end);
 }
 
 static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
@@ -326,35 +359,46 @@ static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
 }
 
 /* Task t: row block t / ntn (MC rows), column chunk t % ntn of the panel. */
-static void compute_range(int64_t begin, int64_t end, void *ctx) {
-    const gemm_job *j = ctx;
+static void compute_task(const gemm_job *j, int64_t t, float *own_a) {
     const gemm_kernels *k = j->k;
     const gemm_epilogue *ep = j->ep;
     const int first = j->pc == 0, last = j->pc + j->kc >= j->kdim;
-    int64_t slivers = (j->nc + k->nr - 1) / k->nr;
-    for (int64_t t = begin; t < end; t++) {
-        int64_t ib = t / j->ntn, jn = t % j->ntn;
-        int64_t i_lo = ib * j->mc, i_hi = i_lo + j->mc < j->m ? i_lo + j->mc : j->m;
-        if (j->ntn == 1) /* this task alone uses the block: pack it here, where it stays in L2 */
-            pack_a_range(i_lo / k->mr, (i_hi + k->mr - 1) / k->mr, (void *)j);
-        int64_t s_lo = slivers * jn / j->ntn, s_hi = slivers * (jn + 1) / j->ntn;
-        for (int64_t s = s_lo; s < s_hi; s++) { /* B sliver stays in L1 across the rows */
-            int64_t jj = s * k->nr, n = j->nc - jj < k->nr ? j->nc - jj : k->nr, col = j->jc + jj;
-            for (int64_t i = i_lo; i < i_hi; i += k->mr) {
-                int m = (int)(i_hi - i < k->mr ? i_hi - i : k->mr);
-                gemm_tile t_ = {
-                    .load_c = !first || ep->beta != 0.0f,
-                    .beta = first ? ep->beta : 1.0f,
-                    .bias_n = last && ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + col : NULL,
-                    .bias_m = last && ep->bias_kind == GEMM_BIAS_COL ? ep->bias + i : NULL,
-                    .act = last ? ep->act : GEMM_ACT_NONE,
-                    .pre = last && ep->preact ? ep->preact + i * ep->rsp + col : NULL,
-                    .rsp = ep->rsp,
-                };
-                k->ukernel(j->kc, j->ap + (i / k->mr) * k->mr * j->kc, j->bp + s * k->nr * j->kc,
-                           j->c + i * j->rsc + col, j->rsc, m, (int)n, &t_);
-            }
+    int64_t slivers = (j->nc + k->nr - 1) / k->nr, mc = j->plan.mc;
+    int64_t ib = t / j->ntn, jn = t % j->ntn;
+    int64_t i_lo = ib * mc, i_hi = i_lo + mc < j->m ? i_lo + mc : j->m;
+    const float *ap = j->ap + (i_lo / k->mr) * k->mr * j->kc; /* the shared, whole-A packing */
+    if (own_a) { /* this worker alone uses the block: pack it here, where it stays in L2 */
+        pack_a_slivers(j, own_a, i_lo / k->mr, i_lo / k->mr, (i_hi + k->mr - 1) / k->mr);
+        ap = own_a;
+    }
+    int64_t s_lo = slivers * jn / j->ntn, s_hi = slivers * (jn + 1) / j->ntn;
+    for (int64_t s = s_lo; s < s_hi; s++) { /* B sliver stays in cache across the rows */
+        int64_t jj = s * k->nr, n = j->nc - jj < k->nr ? j->nc - jj : k->nr, col = j->jc + jj;
+        for (int64_t i = i_lo; i < i_hi; i += k->mr) {
+            int m = (int)(i_hi - i < k->mr ? i_hi - i : k->mr);
+            gemm_tile t_ = {
+                .load_c = !first || ep->beta != 0.0f,
+                .beta = first ? ep->beta : 1.0f,
+                .bias_n = last && ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + col : NULL,
+                .bias_m = last && ep->bias_kind == GEMM_BIAS_COL ? ep->bias + i : NULL,
+                .act = last ? ep->act : GEMM_ACT_NONE,
+                .pre = last && ep->preact ? ep->preact + i * ep->rsp + col : NULL,
+                .rsp = ep->rsp,
+            };
+            k->ukernel(j->kc, ap + ((i - i_lo) / k->mr) * k->mr * j->kc, j->bp + s * k->nr * j->kc,
+                       j->c + i * j->rsc + col, j->rsc, m, (int)n, &t_);
         }
+    }
+}
+
+/* Workers [w0, w1): worker w runs an equal share of the tasks, packing A
+ * blocks into its own slot of the workspace when the plan says so. */
+static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
+    const gemm_job *j = ctx;
+    int64_t tasks = j->plan.mblocks * j->ntn, workers = j->plan.workers;
+    for (int64_t w = w0; w < w1; w++) {
+        float *own_a = j->plan.own_a ? j->ap + w * j->plan.mc * j->kc : NULL;
+        for (int64_t t = tasks * w / workers; t < tasks * (w + 1) / workers; t++) compute_task(j, t, own_a);
     }
 }
 
@@ -372,30 +416,26 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
         gemm_ref_f32(m, n, 0, NULL, 0, 0, NULL, 0, 0, c, rsc, ep);
         return;
     }
-    int64_t kc_max = kdim < k->kc ? kdim : k->kc;
+    gemm_plan plan = plan_for(k, m, kdim);
     gemm_job j = {.k = k, .ep = ep, .m = m, .kdim = kdim, .a = a, .b = b, .ta = ta, .tb = tb, .rsa = rsa, .csa = csa,
                   .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace,
-                  .bp = workspace + round_up(m, k->mr) * kc_max};
-    int threads = opf_num_threads();
-    /* as many row blocks as fit MC, rounded up to a multiple of the threads so
-     * that each thread gets the same number of equal blocks */
-    int64_t mslivers = (m + k->mr - 1) / k->mr, mblocks = (m + k->mc - 1) / k->mc;
-    mblocks = round_up(mblocks, threads);
-    j.mc = round_up((m + mblocks - 1) / mblocks, k->mr);
-    mblocks = (m + j.mc - 1) / j.mc;
+                  .bp = workspace + a_region_floats(k, &plan, m), .plan = plan};
+    int64_t threads = opf_num_threads(), mslivers = (m + k->mr - 1) / k->mr;
     for (int64_t jc = 0; jc < n; jc += k->nc) {
         j.jc = jc;
         j.nc = n - jc < k->nc ? n - jc : k->nc;
         int64_t nslivers = (j.nc + k->nr - 1) / k->nr;
         /* enough column chunks that every thread has work when M is small */
-        j.ntn = mblocks >= 2 * threads ? 1 : (2 * threads + mblocks - 1) / mblocks;
+        j.ntn = plan.own_a ? 1 : (2 * threads + plan.mblocks - 1) / plan.mblocks;
         if (j.ntn > nslivers) j.ntn = nslivers;
+        int64_t workers = plan.mblocks * j.ntn < threads ? plan.mblocks * j.ntn : threads;
+        j.plan.workers = plan.own_a ? plan.workers : workers;
         for (int64_t pc = 0; pc < kdim; pc += k->kc) {
             j.pc = pc;
             j.kc = kdim - pc < k->kc ? kdim - pc : k->kc;
             opf_parallel_for(0, nslivers, 16, pack_b_range, &j);
-            if (j.ntn > 1) opf_parallel_for(0, mslivers, 16, pack_a_range, &j); /* blocks shared by tasks */
-            opf_parallel_for(0, mblocks * j.ntn, 1, compute_range, &j);
+            if (!plan.own_a) opf_parallel_for(0, mslivers, 16, pack_a_range, &j); /* blocks shared by tasks */
+            opf_parallel_for(0, j.plan.workers, 1, compute_workers, &j);
         }
     }
 }
