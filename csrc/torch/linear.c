@@ -5,6 +5,8 @@
  *       out = act(x weight^T + bias); preact = x weight^T + bias, saved for the
  *       backward when act is not "none" (else an empty tensor)
  *   linear_backward(grad, x, weight, bias?, preact, activation) -> (dx, dweight, dbias)
+ *   linear_backward_(...): the same, free to overwrite preact (the autograd
+ *       wiring's choice when the saved preact is no one else's)
  * float32 runs the blocked GEMM of csrc/kernels/gemm.c; bfloat16 / float16
  * the same GEMM on operands converted to float32 while packed, accumulating
  * in float32 and rounding once on store; float64 the oracle (gradcheck). Operands of any strides are read in place; outputs are
@@ -225,10 +227,43 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_RETURN(stack, 1, pre_h);
 }
 
+/* The backward when preact may be overwritten (linear_backward_): float32,
+ * an activation, preact and grad single matrices of unit column stride, x's
+ * rows one or more matrices. g' replaces preact in one threaded pass, then
+ * dx = g' weight and dweight = g'^T x are one GEMM each over all M rows (no
+ * scratch for g', and dweight's sum over M stays in the GEMM's registers
+ * instead of being re-read and re-written per row chunk). Returns 0 where it
+ * does not apply (the caller takes the chunked path). */
+static int backward_in_place(const linear_args *l, const opf_tensor *g, const opf_tensor *pre, int64_t act, int64_t m,
+                             const opf_tensor *dx, const opf_tensor *dw, const opf_tensor *db) {
+    rows_view gv = view_rows(g), pv = view_rows(pre), xv = view_rows(&l->x);
+    if (l->dt != OPF_F32 || !act || m == 0 || gv.count != 1 || pv.count != 1 || gv.cs != 1 || pv.cs != 1 || pv.rs != l->n)
+        return 0;
+    const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
+    float *gp = pre->data;
+    int64_t ws1 = gemm_workspace_floats(k, m, l->k, l->n), ws2 = gemm_workspace_floats(k, l->n, l->k, xv.rows);
+    float *ws = NULL;
+    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, ws1 > ws2 ? ws1 : ws2, &l->x, &ws);
+    gemm_act_grad_rows(k, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act);
+    gemm_epilogue none = {0};
+    /* dx (m, k) = g' (m, n) . weight (n, k) */
+    gemm_f32(k, m, l->k, l->n, gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1], dx->data, l->k, &none, ws);
+    /* dweight (n, k) = sum over x's matrices of g'^T (n, rows) . x (rows, k) */
+    for (int64_t i = 0; i < xv.count; i++) {
+        gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
+        gemm_f32(k, l->n, l->k, xv.rows, gp + i * xv.rows * l->n, 1, l->n,
+                 (const float *)l->x.data + matrix_offset(&l->x, &xv, i), xv.rs, xv.cs, dw->data, l->k, &acc, ws);
+    }
+    if (l->has_bias) gemm_colsum_f32(db->data, gp, l->n, m, l->n, 0);
+    return 1;
+}
+
 /* linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, int activation)
  *   g' = grad * act'(preact)   (grad itself for "none"), gathered into (M, N)
- *   dx = g' weight             dweight = g'^T x             dbias = sum_rows g' */
-static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+ *   dx = g' weight             dweight = g'^T x             dbias = sum_rows g'
+ * linear_backward_ is the same with preact overwritten by g' where it can be
+ * (the autograd wiring calls it when the saved preact is no one else's). */
+static void linear_backward_impl(StableIValue *stack, int in_place) {
     OPF_ARG_TENSOR(grad, stack, 0);
     OPF_ARG_TENSOR(x, stack, 1);
     OPF_ARG_TENSOR(w, stack, 2);
@@ -256,6 +291,13 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
     OPF_OWNED AtenTensorHandle db_h = opf_empty(LBWD, 1, l.has_bias ? &l.n : &empty, l.x.dtype, &l.x);
     opf_tensor dx = opf_tensor_info(LBWD, "dx", dx_h), dw = opf_tensor_info(LBWD, "dweight", dw_h),
                db = opf_tensor_info(LBWD, "dbias", db_h);
+    if (in_place && backward_in_place(&l, &g, &pre, act, m, &dx, &dw, &db)) {
+        opf_log_call(LBWD, t0, 3, (opf_tensor[]){g, l.x, dw});
+        OPF_RETURN(stack, 0, dx_h);
+        OPF_RETURN(stack, 1, dw_h);
+        OPF_RETURN(stack, 2, db_h);
+        return;
+    }
     rows_view gv = view_rows(&g), pv = act ? view_rows(&pre) : gv, xv = view_rows(&l.x);
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
     const int f64 = l.dt == OPF_F64, half = l.dt == OPF_BF16 || l.dt == OPF_F16;
@@ -349,7 +391,12 @@ static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
     OPF_RETURN(stack, 2, db_h);
 }
 
-const opf_op_desc opf_linear_ops[3] = {
+static void linear_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { linear_backward_impl(stack, 0); }
+static void linear_backward_inplace_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    linear_backward_impl(stack, 1);
+}
+
+const opf_op_desc opf_linear_ops[4] = {
     {
         .name = "matmul",
         .schema = "matmul(Tensor a, Tensor b) -> Tensor",
@@ -364,7 +411,7 @@ const opf_op_desc opf_linear_ops[3] = {
         .cpu = linear_cpu,
         .shape = "linear:x,weight;linear_preact:x,weight,activation",
         .backward = "linear_backward",
-        .backward_args = "grad0,x,weight,bias,out1,activation",
+        .backward_args = "grad0,x,weight,bias,out1!,activation",
         .backward_grads = "x,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "2*numel(x)*size(weight,0)",
@@ -374,6 +421,14 @@ const opf_op_desc opf_linear_ops[3] = {
         .schema = "linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, "
                   "int activation) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_backward_cpu,
+        .shape = "contiguous:x;contiguous:weight;contiguous_or_empty:bias,x",
+        .flops = "4*numel(x)*size(weight,0)",
+    },
+    {
+        .name = "linear_backward_",
+        .schema = "linear_backward_(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor(a!) preact, "
+                  "int activation) -> (Tensor, Tensor, Tensor)",
+        .cpu = linear_backward_inplace_cpu,
         .shape = "contiguous:x;contiguous:weight;contiguous_or_empty:bias,x",
         .flops = "4*numel(x)*size(weight,0)",
     },

@@ -12,6 +12,7 @@ import ctypes
 import functools
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -214,18 +215,41 @@ def _wire_fake(desc: OpDescriptor, argnames: list[str]) -> None:
     torch.library.register_fake(f"{desc.namespace}::{desc.name}", fake, lib=_fragment(desc.namespace))
 
 
+def _may_donate(ctx, saved: list, slot: int) -> bool:
+    """Whether the backward may overwrite saved[slot] (a forward output saved
+    only for it): eager mode, a graph that is not retained (the saved values
+    are used once), and after the node lets go of its saved values, nothing
+    but `saved` refers to the tensor or its storage (not the caller, not a
+    view, not a saved-tensor hook's cache)."""
+    if torch.compiler.is_compiling() or not hasattr(ctx, "maybe_clear_saved_tensors"):
+        return False
+    if torch._C._autograd._get_current_graph_task_keep_graph():
+        return False
+    ctx.maybe_clear_saved_tensors()
+    t = saved[slot]
+    if not isinstance(t, torch.Tensor) or t._use_count() != 1:
+        return False
+    storage = t.untyped_storage()
+    # references: saved's slot, t, getrefcount's argument; storage: t's and `storage`
+    return sys.getrefcount(t) == 3 and torch._C._storage_Use_Count(storage._cdata) == 2
+
+
 def _wire_autograd(desc: OpDescriptor, schema) -> None:
     argnames = [a.name for a in schema.arguments]
     is_tensor = [is_tensor_arg(a) for a in schema.arguments]
     bwd = op_overload(desc, desc.backward)
+    bwd_inplace = op_overload(desc, desc.backward + "_") if any(a.endswith("!") for a in desc.backward_args) else None
     # how each backward argument is found: ("grad", i), ("saved", j) or ("const", j)
     plan, saved_from, const_from = [], [], []
+    donatable = None  # saved slot of an "outN!" argument
     for a in desc.backward_args:
         if a.startswith("grad") and a[4:].isdigit():
             plan.append(("grad", int(a[4:])))
-        elif a.startswith("out") and a[3:].isdigit():
+        elif a.startswith("out") and a.rstrip("!")[3:].isdigit():
+            if a.endswith("!"):
+                donatable = len(saved_from)
             plan.append(("saved", len(saved_from)))
-            saved_from.append(("out", int(a[3:])))
+            saved_from.append(("out", int(a.rstrip("!")[3:])))
         elif is_tensor[argnames.index(a)]:
             plan.append(("saved", len(saved_from)))
             saved_from.append(("in", argnames.index(a)))
@@ -253,9 +277,13 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             grads = tuple(
                 g if g is not None or i not in used_grads else torch.zeros(**ctx.out_meta[i]) for i, g in enumerate(grads)
             )
-        saved = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
+        op = bwd
+        if donatable is not None and _may_donate(ctx, saved, donatable):
+            op = bwd_inplace  # the saved output is ours alone: the backward may overwrite it
         args = [grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.consts[i] for k, i in plan]
-        res = bwd(*args)
+        del saved
+        res = op(*args)
         res = res if isinstance(res, (tuple, list)) else (res,)
         out = [None] * len(argnames)
         for slot, g, absent in zip(grad_slots, res, ctx.absent):

@@ -71,5 +71,6 @@ def test_flop_estimates_reach_the_flop_counter():
         opforge.dispersion_correction(torch.rand(1000), 0.5)
     counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     assert counts["opforge.linear"] == 2 * 64 * 128 * 256
-    assert counts["opforge.linear_backward"] == 4 * 64 * 128 * 256
+    # the backward that may overwrite the saved pre-activation (linear_backward_) counts alike
+    assert counts.get("opforge.linear_backward", 0) + counts.get("opforge.linear_backward_", 0) == 4 * 64 * 128 * 256
     assert counts["opforge.dispersion_correction"] == 3 * 1000

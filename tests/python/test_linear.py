@@ -83,6 +83,54 @@ def test_gradients_match_autograd(act, dtype):
         torch.testing.assert_close(got.double(), want, **GRAD_TOL[dtype])
 
 
+def _backward_ops(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("opforge::linear_backward")}
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_backward_overwrites_the_saved_preact_only_when_no_one_else_sees_it(act):
+    code = {"gelu": 2, "silu": 4}[act]
+    x = torch.randn(2, 37, 33, requires_grad=True)
+    w = (torch.randn(20, 33) / 4).requires_grad_()
+    b = torch.randn(20, requires_grad=True)
+    g = torch.randn(2, 37, 20)
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    reference(xr, wr, br, act).backward(g.double())
+
+    def take_grads():
+        got = (x.grad, w.grad, b.grad)
+        x.grad = w.grad = b.grad = None
+        for t, want in zip(got, (xr.grad, wr.grad, br.grad)):
+            torch.testing.assert_close(t.double(), want, **GRAD_TOL[torch.float32])
+        return got
+
+    # the API keeps preact for the backward alone: the backward reuses it as its scratch
+    assert _backward_ops(lambda: opforge.linear(x, w, b, act).backward(g)) == {"opforge::linear_backward_"}
+    take_grads()
+    # a retained graph runs its backward twice: preact must survive the first
+    y = opforge.linear(x, w, b, act)
+    assert _backward_ops(lambda: y.backward(g, retain_graph=True)) == {"opforge::linear_backward"}
+    first = take_grads()
+    y.backward(g)
+    for a, c in zip(first, take_grads()):
+        assert torch.equal(a, c)
+    # the caller holds preact (the raw op returns it), or a view of it: left as it was
+    out, pre = LINEAR(x, w, b, code)
+    kept = pre.clone()
+    assert _backward_ops(lambda: out.backward(g)) == {"opforge::linear_backward"}
+    assert torch.equal(pre, kept)
+    take_grads()
+    out, pre = LINEAR(x, w, b, code)
+    view = pre[1]
+    kept = view.clone()
+    del pre
+    out.backward(g)
+    assert torch.equal(view, kept)
+    take_grads()
+
+
 @pytest.mark.parametrize("act", list(ACTS))
 def test_gradcheck_float64(act):
     x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)

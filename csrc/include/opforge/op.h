@@ -42,7 +42,11 @@ typedef struct opf_op_desc {
     const char *shape;
     /* Autograd: the backward op (same namespace), what it is called with --
      * argument names, "gradN" (gradient of output N), "outN" (output N) -- and
-     * which arguments its outputs are the gradients of. NULL: no autograd. */
+     * which arguments its outputs are the gradients of. NULL: no autograd.
+     * "outN!": output N is saved for the backward alone and may be reused as
+     * its scratch: when the graph is not retained and nothing else refers to
+     * it, the wiring calls "<backward>_" instead, an op with the same
+     * arguments that declares that one mutable (Tensor(a!)). */
     const char *backward;
     const char *backward_args;
     const char *backward_grads;
