@@ -1,9 +1,10 @@
 /*
  * torch glue of the GEMM ops:
  *   matmul(a (M,K) | (B,M,K), b (K,N) | (B,K,N)) -> (M,N) | (B,M,N)
- *   linear(x (...,K), weight (N,K), bias (N)?, activation) -> (out (...,N), preact)
+ *   linear(x (...,K), weight (N,K), bias (N)?, activation, save_preact=True) -> (out (...,N), preact)
  *       out = act(x weight^T + bias); preact = x weight^T + bias, saved for the
- *       backward when act is not "none" (else an empty tensor)
+ *       backward when act is not "none" and save_preact (else an empty tensor:
+ *       a forward that needs no backward writes only out)
  *   linear_backward(grad, x, weight, bias?, preact, activation) -> (dx, dweight, dbias)
  *   linear_backward_(...): the same, free to overwrite preact (the autograd
  *       wiring's choice when the saved preact is no one else's)
@@ -173,12 +174,13 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     int64_t act = opf_arg_int(stack[3]);
     check_activation(LIN, act);
+    const int save = act && opf_arg_bool(stack[4]); /* preact is made only for a backward */
     linear_args l = check_linear(LIN, x_h, w_h, bias_h);
     int64_t sizes[OPF_MAX_DIMS], empty = 0;
     out_sizes(&l.x, l.n, sizes);
     OPF_OWNED AtenTensorHandle out_h = opf_empty(LIN, l.x.ndim, sizes, l.x.dtype, &l.x);
     OPF_OWNED AtenTensorHandle pre_h =
-        act ? opf_empty(LIN, l.x.ndim, sizes, l.x.dtype, &l.x) : opf_empty(LIN, 1, &empty, l.x.dtype, &l.x);
+        save ? opf_empty(LIN, l.x.ndim, sizes, l.x.dtype, &l.x) : opf_empty(LIN, 1, &empty, l.x.dtype, &l.x);
     opf_tensor out = opf_tensor_info(LIN, "out", out_h), pre = opf_tensor_info(LIN, "preact", pre_h);
     rows_view v = view_rows(&l.x);
     if (l.dt == OPF_F64) {
@@ -188,7 +190,7 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
             int64_t xo = matrix_offset(&l.x, &v, i), oo = i * v.rows * l.n;
             gemm_ref_f64(v.rows, l.n, l.k, (const double *)l.x.data + xo, v.rs, v.cs, l.w.data, l.w.strides[1],
                          l.w.strides[0], (double *)out.data + oo, l.n, 0.0, l.has_bias ? l.bias.data : NULL,
-                         l.has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, (int)act, act ? (double *)pre.data + oo : NULL, l.n);
+                         l.has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, (int)act, save ? (double *)pre.data + oo : NULL, l.n);
         }
     } else {
         /* float32 writes out (and preact) in place; 16-bit types go through
@@ -200,7 +202,7 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         if (chunk > v.rows) chunk = v.rows > 0 ? v.rows : 1;
         int64_t gws = gemm_workspace_floats(k, chunk, l.n, l.k);
         float *ws = NULL;
-        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LIN, gws + l.n + (half ? 2 * chunk * l.n : 0), &l.x, &ws);
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LIN, gws + l.n + (half ? (1 + save) * chunk * l.n : 0), &l.x, &ws);
         float *bias = NULL, *cbuf = ws + gws + l.n, *pbuf = cbuf + chunk * l.n;
         if (l.has_bias) {
             bias = ws + gws;
@@ -212,12 +214,12 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
                 int64_t xo = matrix_offset(&l.x, &v, i) + r0 * v.rs, oo = (i * v.rows + r0) * l.n;
                 float *c32 = half ? cbuf : (float *)out.data + oo, *p32 = half ? pbuf : (float *)pre.data + oo;
                 gemm_epilogue ep = {.beta = 0.0f, .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE,
-                                    .act = (int)act, .preact = act ? p32 : NULL, .rsp = l.n};
+                                    .act = (int)act, .preact = save ? p32 : NULL, .rsp = l.n};
                 gemm_f32x(k, rows, l.n, l.k, at(l.x.data, xo, l.dt), l.dt, v.rs, v.cs, l.w.data, l.dt,
                           l.w.strides[1], l.w.strides[0], c32, l.n, &ep, ws);
                 if (half) {
                     gemm_store_f32(k, at(out.data, oo, l.dt), l.dt, c32, rows * l.n);
-                    if (act) gemm_store_f32(k, at(pre.data, oo, l.dt), l.dt, p32, rows * l.n);
+                    if (save) gemm_store_f32(k, at(pre.data, oo, l.dt), l.dt, p32, rows * l.n);
                 }
             }
         }
@@ -280,6 +282,9 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
     opf_tensor want = {.ndim = l.x.ndim, .sizes = sizes};
     opf_check_same_shape(LBWD, "grad", &g, "the output", &want);
     if (act) {
+        if (pre.numel == 0 && l.n > 0 && g.numel > 0)
+            opf_fail(LBWD, "argument 'preact' must be the forward's pre-activation, got an empty tensor (a forward "
+                           "with save_preact=False keeps none for a backward)");
         opf_check_same_dtype(LBWD, "preact", &pre, "x", &l.x);
         opf_check_same_shape(LBWD, "preact", &pre, "the output", &want);
     }
@@ -407,9 +412,10 @@ const opf_op_desc opf_linear_ops[4] = {
     },
     {
         .name = "linear",
-        .schema = "linear(Tensor x, Tensor weight, Tensor? bias, int activation) -> (Tensor, Tensor)",
+        .schema = "linear(Tensor x, Tensor weight, Tensor? bias, int activation, bool save_preact=True) "
+                  "-> (Tensor, Tensor)",
         .cpu = linear_cpu,
-        .shape = "linear:x,weight;linear_preact:x,weight,activation",
+        .shape = "linear:x,weight;linear_preact:x,weight,activation,save_preact",
         .backward = "linear_backward",
         .backward_args = "grad0,x,weight,bias,out1!,activation",
         .backward_grads = "x,weight,bias",

@@ -182,7 +182,7 @@ def output_strides(sizes, strides) -> list:
 def _fake_output(rule: str, argnames: list[str], args: tuple) -> torch.Tensor:
     """One output of the fake kernel from a descriptor shape rule, KIND:ARG,ARG..."""
     kind, _, rest = rule.partition(":")
-    ref = [args[argnames.index(a)] for a in rest.split(",")] if rest else []
+    ref = [args[argnames.index(a)] if argnames.index(a) < len(args) else None for a in rest.split(",")] if rest else []
     if kind == "like":  # ARG's shape and dtype, ARG's strides when dense (opf_output_strides)
         t = ref[0]
         return t.new_empty_strided(t.shape, output_strides(t.shape, t.stride()))
@@ -194,8 +194,9 @@ def _fake_output(rule: str, argnames: list[str], args: tuple) -> torch.Tensor:
         return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[-1]))
     if kind == "linear":  # x (..., K), weight (N, K) -> (..., N)
         return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]))
-    if kind == "linear_preact":  # as linear when the activation (third) is not 0, else [0]
-        return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]) if ref[2] else (0,))
+    if kind == "linear_preact":  # as linear when the activation (third) is not 0 and save_preact, else [0]
+        save = ref[2] and (len(ref) < 4 or ref[3] is None or ref[3])
+        return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]) if save else (0,))
     if kind == "attention_out":  # q (B,H,N,D), v (B,Hkv,S,Dv) -> (B,H,N,Dv), laid out as (B,N,H,Dv)
         q, v = ref
         b, h, n = q.shape[:3]

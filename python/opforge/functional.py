@@ -48,7 +48,7 @@ def _activation_code(activation) -> int:
 
 
 @op_function(torch.ops.opforge.linear.default)
-def _linear(x, weight, bias, activation):
+def _linear(x, weight, bias, activation, save_preact=True):
     """(out, preact): see linear."""
 
 
@@ -67,10 +67,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bfloat16 / float16 the same GEMM on operands converted to float32 while
     packed (float32 accumulation, one rounding); float64 a reference loop (for
     gradcheck). The pre-activation is kept for the backward only when an
-    activation is applied. Under autocast the op runs in the autocast dtype,
+    activation is applied and a gradient is needed (grad mode on and an input
+    requires grad): inference writes the output alone. The backward reuses
+    the kept pre-activation as its scratch when the graph is not retained. Under autocast the op runs in the autocast dtype,
     as F.linear does.
     """
-    return _linear(x, weight, bias, _activation_code(activation))[0]
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    return _linear(x, weight, bias, _activation_code(activation), needs_grad)[0]
 
 
 @op_function(torch.ops.opforge.matmul.default)

@@ -131,6 +131,22 @@ def test_backward_overwrites_the_saved_preact_only_when_no_one_else_sees_it(act)
     take_grads()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_inference_keeps_no_preact(dtype):
+    x, w, b = (torch.randn(*s, dtype=dtype) for s in ((5, 7, 33), (20, 33), (20,)))
+    out, pre = LINEAR(x, w, b, 2, False)
+    assert pre.numel() == 0
+    torch.testing.assert_close(out.double(), reference(x, w, b, "gelu"), **TOL[dtype])
+    kept_out, kept_pre = LINEAR(x, w, b, 2)
+    assert torch.equal(out, kept_out) and kept_pre.shape == out.shape
+    with torch.no_grad():
+        torch.testing.assert_close(opforge.linear(x, w.requires_grad_(), b, "gelu"), out)
+    opcheck(LINEAR, (x, w.detach(), b, 2, False))
+    # a backward needs the pre-activation: a clear error, not a wrong gradient
+    with pytest.raises(RuntimeError, match=r"opforge::linear_backward.*'preact'.*save_preact=False"):
+        torch.ops.opforge.linear_backward(torch.ones_like(out), x, w.detach(), b, pre, 2)
+
+
 @pytest.mark.parametrize("act", list(ACTS))
 def test_gradcheck_float64(act):
     x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
