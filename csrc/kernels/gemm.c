@@ -294,7 +294,9 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
  * stays in that core's L2, and the workspace holds one block per worker) or
  * A is packed whole and shared by column tasks (few, short blocks). */
 typedef struct gemm_plan {
-    int64_t mc, mblocks, workers, kc_max;
+    int64_t mc;                /* rows of the largest block */
+    int64_t slivers, mblocks;  /* block b: MR-row slivers [slivers * b / mblocks, slivers * (b + 1) / mblocks) */
+    int64_t workers, kc_max;
     int own_a;
 } gemm_plan;
 
@@ -302,9 +304,10 @@ static gemm_plan plan_for(const gemm_kernels *k, int64_t m, int64_t kdim) {
     gemm_plan p;
     int64_t threads = opf_num_threads();
     p.kc_max = kdim < k->kc ? kdim : k->kc;
-    int64_t mblocks = round_up((m + k->mc - 1) / k->mc, threads);
-    p.mc = round_up((m + mblocks - 1) / mblocks, k->mr);
-    p.mblocks = (m + p.mc - 1) / p.mc;
+    p.slivers = (m + k->mr - 1) / k->mr;
+    p.mblocks = round_up((m + k->mc - 1) / k->mc, threads);
+    if (p.mblocks > p.slivers) p.mblocks = p.slivers;
+    p.mc = (p.slivers + p.mblocks - 1) / p.mblocks * k->mr;
     p.own_a = p.mblocks >= 2 * threads;
     p.workers = p.mblocks < threads ? p.mblocks : threads;
     return p;
@@ -358,14 +361,18 @@ static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
     }
 }
 
-/* Task t: row block t / ntn (MC rows), column chunk t % ntn of the panel. */
+/* Task t: a row block and a column chunk of the panel. Blocks of its own A:
+ * one chunk (the whole panel). Shared A: the tasks of one column chunk are
+ * consecutive, so a worker's share is whole column chunks across all rows
+ * when the tasks divide evenly (balanced even when M is a few blocks). */
 static void compute_task(const gemm_job *j, int64_t t, float *own_a) {
     const gemm_kernels *k = j->k;
     const gemm_epilogue *ep = j->ep;
     const int first = j->pc == 0, last = j->pc + j->kc >= j->kdim;
-    int64_t slivers = (j->nc + k->nr - 1) / k->nr, mc = j->plan.mc;
-    int64_t ib = t / j->ntn, jn = t % j->ntn;
-    int64_t i_lo = ib * mc, i_hi = i_lo + mc < j->m ? i_lo + mc : j->m;
+    int64_t slivers = (j->nc + k->nr - 1) / k->nr, mb = j->plan.mblocks;
+    int64_t ib = t % mb, jn = t / mb;
+    int64_t i_lo = j->plan.slivers * ib / mb * k->mr, i_hi = j->plan.slivers * (ib + 1) / mb * k->mr;
+    if (i_hi > j->m) i_hi = j->m;
     const float *ap = j->ap + (i_lo / k->mr) * k->mr * j->kc; /* the shared, whole-A packing */
     if (own_a) { /* this worker alone uses the block: pack it here, where it stays in L2 */
         pack_a_slivers(j, own_a, i_lo / k->mr, i_lo / k->mr, (i_hi + k->mr - 1) / k->mr);

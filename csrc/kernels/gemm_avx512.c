@@ -9,7 +9,7 @@
  *
  * Blocks (Zen 4 / Ice Lake-class, 1-2 MiB L2): an A block MC x KC = 480 KiB
  * and the B sliver KC x 32 = 128 KiB it meets sit in L2 (one sliver of B is
- * 128 bytes per 24 FMAs: L2 keeps up), a B panel KC x NC = 8 MiB in L3. A
+ * 128 bytes per 24 FMAs: L2 keeps up), a B panel KC x NC = 4 MiB in L3. A
  * deep KC means C is read and written once per 1024 of K: measured against
  * KC 256-768 and MC 240 at 1024^3, 2048^3 and 4096 x 1024 x 4096, 1 and 2
  * threads, it was the best or within noise of it.
@@ -101,5 +101,5 @@ static void from_f32_avx512(uint16_t *dst, const float *src, int dt, int64_t n) 
     }
 }
 
-const gemm_kernels gemm_kernels_avx512 = {"avx512_12x32", MR, NR, 120, 1024, 2048, ukernel_avx512_12x32,
+const gemm_kernels gemm_kernels_avx512 = {"avx512_12x32", MR, NR, 120, 1024, 1024, ukernel_avx512_12x32,
                                           act_grad_8wide, to_f32_avx512, from_f32_avx512};
