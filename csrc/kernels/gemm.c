@@ -313,14 +313,6 @@ static gemm_plan plan_for(const gemm_kernels *k, int64_t m, int64_t kdim) {
     return p;
 }
 
-/* Columns per B panel. With few row blocks (shared A) the packed panel is
- * reused by only a few rows of A: a panel of 8 slivers costs little speed
- * (A is short, so re-packing it per panel is cheap) and keeps the workspace
- * small next to short outputs. */
-static int64_t panel_cols(const gemm_kernels *k, const gemm_plan *p) {
-    return p->own_a || k->nc < 8 * k->nr ? k->nc : 8 * k->nr;
-}
-
 static int64_t a_region_floats(const gemm_kernels *k, const gemm_plan *p, int64_t m) {
     return (p->own_a ? p->workers * p->mc : round_up(m, k->mr)) * p->kc_max;
 }
@@ -328,7 +320,7 @@ static int64_t a_region_floats(const gemm_kernels *k, const gemm_plan *p, int64_
 int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim) {
     if (m <= 0 || n <= 0 || kdim <= 0) return 0;
     gemm_plan p = plan_for(k, m, kdim);
-    int64_t nc = n < panel_cols(k, &p) ? n : panel_cols(k, &p);
+    int64_t nc = n < k->nc ? n : k->nc;
     return a_region_floats(k, &p, m) + round_up(nc, k->nr) * p.kc_max;
 }
 
@@ -436,10 +428,9 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
                   .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace,
                   .bp = workspace + a_region_floats(k, &plan, m), .plan = plan};
     int64_t threads = opf_num_threads(), mslivers = (m + k->mr - 1) / k->mr;
-    const int64_t ncols = panel_cols(k, &plan);
-    for (int64_t jc = 0; jc < n; jc += ncols) {
+    for (int64_t jc = 0; jc < n; jc += k->nc) {
         j.jc = jc;
-        j.nc = n - jc < ncols ? n - jc : ncols;
+        j.nc = n - jc < k->nc ? n - jc : k->nc;
         int64_t nslivers = (j.nc + k->nr - 1) / k->nr;
         /* enough column chunks that every thread has work when M is small */
         j.ntn = plan.own_a ? 1 : (2 * threads + plan.mblocks - 1) / plan.mblocks;
