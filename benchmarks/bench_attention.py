@@ -122,8 +122,8 @@ def main(argv=None):
         "F.scaled_dot_product_attention (PyTorch's fused CPU kernel), math = softmax(q k^T * scale) v in eager ops",
         f"fwd_pct_peak: unmasked forward FLOPs (4 D per kept query-key pair) / time / FMA peak measured in this "
         f"process just before (single-thread FMA loop x {threads} threads)",
-        "peak memory: allocator high-water mark of one forward+backward (torch profiler memory events), "
-        "inputs excluded, the same way for every variant",
+        "peak memory: allocator high-water mark of one forward+backward (the running total of the torch "
+        "profiler's memory events), inputs excluded, the same way for every variant",
     ], a.out)
     bar_plot(rows, a.out)
     print(table)
