@@ -260,6 +260,98 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
     return 1;
 }
 
+/* The backward in row chunks of g', for any dtype, strides and activation. */
+static void backward_chunked(const linear_args *l, const opf_tensor *g, const opf_tensor *pre, int64_t act, int64_t m,
+                             const opf_tensor *dx, const opf_tensor *dw, const opf_tensor *db) {
+    rows_view gv = view_rows(g), pv = act ? view_rows(pre) : gv, xv = view_rows(&l->x);
+    const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
+    const int f64 = l->dt == OPF_F64, half = l->dt == OPF_BF16 || l->dt == OPF_F16;
+    const int64_t es = f64 ? 8 : 4; /* g' is float64 or float32 */
+    /* g' is made CHUNK rows at a time: the scratch is CHUNK x N, not M x N,
+     * which keeps the backward's peak memory below eager PyTorch's (it
+     * materialises the whole gradient of the pre-activation) */
+    int64_t chunk = l->n > 0 ? ((int64_t)2 << 20) / l->n : m; /* ~8 MiB of float32 */
+    if (chunk < 64) chunk = 64;
+    if (chunk > xv.rows) chunk = xv.rows > 0 ? xv.rows : 1;
+    int64_t gp_floats = (chunk * l->n * es + 3) / 4;
+    int64_t gws = f64 ? 0 : gemm_workspace_floats(k, chunk > l->n ? chunk : l->n, l->k > l->n ? l->k : l->n, chunk > l->n ? chunk : l->n);
+    /* one float32 row of grad and of preact (converted or gathered), and for
+     * 16-bit types float32 dx rows, dweight and dbias */
+    int64_t extra = 2 * l->n + (half ? chunk * l->k + l->n * l->k + l->n : 0);
+    float *ws = NULL;
+    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, gp_floats + gws + extra, &l->x, &ws);
+    char *gp = (char *)ws;
+    float *gemm_scratch = ws + gp_floats, *grow = gemm_scratch + gws, *prow = grow + l->n, *hbuf = prow + l->n;
+    float *dx32 = half ? hbuf : NULL, *dw32 = half ? hbuf + chunk * l->k : dw->data;
+    float *db32 = half ? dw32 + l->n * l->k : db->data;
+    int first = 1;
+    for (int64_t i = 0; i < xv.count; i++) {          /* x's matrices */
+        for (int64_t r0 = 0; r0 < xv.rows; r0 += chunk) { /* row chunks of one matrix */
+            int64_t rows = xv.rows - r0 < chunk ? xv.rows - r0 : chunk, row0 = i * xv.rows + r0;
+            for (int64_t r = 0; r < rows; r++) { /* gather g' = grad * act'(preact) */
+                int64_t go = row_offset(g, &gv, row0 + r), po = act ? row_offset(pre, &pv, row0 + r) : 0;
+                if (f64) {
+                    const double *gr = (const double *)g->data + go, *pr = (const double *)pre->data + po;
+                    double *dst = (double *)gp + r * l->n;
+                    for (int64_t j = 0; j < l->n; j++)
+                        dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
+                    continue;
+                }
+                float *dst = (float *)gp + r * l->n;
+                const float *gr = at(g->data, go, l->dt), *pr = act ? at(pre->data, po, l->dt) : NULL;
+                if (half || gv.cs != 1) { /* convert / gather to float32 rows first */
+                    gemm_load_f32(k, act ? grow : dst, at(g->data, go, l->dt), l->dt, l->n, gv.cs);
+                    gr = act ? grow : dst;
+                }
+                if (act && (half || pv.cs != 1)) {
+                    gemm_load_f32(k, prow, at(pre->data, po, l->dt), l->dt, l->n, pv.cs);
+                    pr = prow;
+                }
+                if (act) k->act_grad(dst, gr, pr, l->n, (int)act);
+                else if (gr != dst) for (int64_t j = 0; j < l->n; j++) dst[j] = gr[j];
+            }
+            int64_t xo = matrix_offset(&l->x, &xv, i) + r0 * xv.rs;
+            if (f64) {
+                gemm_ref_f64(rows, l->k, l->n, (const double *)gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1],
+                             (double *)dx->data + row0 * l->k, l->k, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                gemm_ref_f64(l->n, l->k, rows, (const double *)gp, 1, l->n, (const double *)l->x.data + xo, xv.rs, xv.cs,
+                             dw->data, l->k, first ? 0.0 : 1.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                for (int64_t j = 0; l->has_bias && j < l->n; j++) {
+                    double sum = first ? 0.0 : ((double *)db->data)[j];
+                    for (int64_t r = 0; r < rows; r++) sum += ((const double *)gp)[r * l->n + j];
+                    ((double *)db->data)[j] = sum;
+                }
+            } else {
+                gemm_epilogue none = {0}, acc = {.beta = first ? 0.0f : 1.0f};
+                float *dxr = half ? dx32 : (float *)dx->data + row0 * l->k;
+                /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
+                gemm_f32x(k, rows, l->k, l->n, gp, OPF_F32, l->n, 1, l->w.data, l->dt, l->w.strides[0], l->w.strides[1],
+                          dxr, l->k, &none, gemm_scratch);
+                if (half) gemm_store_f32(k, at(dx->data, row0 * l->k, l->dt), l->dt, dx32, rows * l->k);
+                /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
+                gemm_f32x(k, l->n, l->k, rows, gp, OPF_F32, 1, l->n, at(l->x.data, xo, l->dt), l->dt, xv.rs, xv.cs, dw32,
+                          l->k, &acc, gemm_scratch);
+                if (l->has_bias) gemm_colsum_f32(db32, (const float *)gp, l->n, rows, l->n, !first);
+            }
+            first = 0;
+        }
+    }
+    if (first) { /* no rows at all: zero gradients of weight and bias */
+        for (int64_t e = 0; e < l->n * l->k; e++) {
+            if (f64) ((double *)dw->data)[e] = 0.0;
+            else dw32[e] = 0.0f;
+        }
+        for (int64_t j = 0; l->has_bias && j < l->n; j++) {
+            if (f64) ((double *)db->data)[j] = 0.0;
+            else db32[j] = 0.0f;
+        }
+    }
+    if (half) {
+        gemm_store_f32(k, dw->data, l->dt, dw32, l->n * l->k);
+        if (l->has_bias) gemm_store_f32(k, db->data, l->dt, db32, l->n);
+    }
+}
+
 /* linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, int activation)
  *   g' = grad * act'(preact)   (grad itself for "none"), gathered into (M, N)
  *   dx = g' weight             dweight = g'^T x             dbias = sum_rows g'
@@ -296,100 +388,8 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
     OPF_OWNED AtenTensorHandle db_h = opf_empty(LBWD, 1, l.has_bias ? &l.n : &empty, l.x.dtype, &l.x);
     opf_tensor dx = opf_tensor_info(LBWD, "dx", dx_h), dw = opf_tensor_info(LBWD, "dweight", dw_h),
                db = opf_tensor_info(LBWD, "dbias", db_h);
-    if (in_place && backward_in_place(&l, &g, &pre, act, m, &dx, &dw, &db)) {
-        opf_log_call(LBWD, t0, 3, (opf_tensor[]){g, l.x, dw});
-        OPF_RETURN(stack, 0, dx_h);
-        OPF_RETURN(stack, 1, dw_h);
-        OPF_RETURN(stack, 2, db_h);
-        return;
-    }
-    rows_view gv = view_rows(&g), pv = act ? view_rows(&pre) : gv, xv = view_rows(&l.x);
-    const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
-    const int f64 = l.dt == OPF_F64, half = l.dt == OPF_BF16 || l.dt == OPF_F16;
-    const int64_t es = f64 ? 8 : 4; /* g' is float64 or float32 */
-    /* g' is made CHUNK rows at a time: the scratch is CHUNK x N, not M x N,
-     * which keeps the backward's peak memory below eager PyTorch's (it
-     * materialises the whole gradient of the pre-activation) */
-    int64_t chunk = l.n > 0 ? ((int64_t)2 << 20) / l.n : m; /* ~8 MiB of float32 */
-    if (chunk < 64) chunk = 64;
-    if (chunk > xv.rows) chunk = xv.rows > 0 ? xv.rows : 1;
-    int64_t gp_floats = (chunk * l.n * es + 3) / 4;
-    int64_t gws = f64 ? 0 : gemm_workspace_floats(k, chunk > l.n ? chunk : l.n, l.k > l.n ? l.k : l.n, chunk > l.n ? chunk : l.n);
-    /* one float32 row of grad and of preact (converted or gathered), and for
-     * 16-bit types float32 dx rows, dweight and dbias */
-    int64_t extra = 2 * l.n + (half ? chunk * l.k + l.n * l.k + l.n : 0);
-    float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, gp_floats + gws + extra, &l.x, &ws);
-    char *gp = (char *)ws;
-    float *gemm_scratch = ws + gp_floats, *grow = gemm_scratch + gws, *prow = grow + l.n, *hbuf = prow + l.n;
-    float *dx32 = half ? hbuf : NULL, *dw32 = half ? hbuf + chunk * l.k : dw.data;
-    float *db32 = half ? dw32 + l.n * l.k : db.data;
-    int first = 1;
-    for (int64_t i = 0; i < xv.count; i++) {          /* x's matrices */
-        for (int64_t r0 = 0; r0 < xv.rows; r0 += chunk) { /* row chunks of one matrix */
-            int64_t rows = xv.rows - r0 < chunk ? xv.rows - r0 : chunk, row0 = i * xv.rows + r0;
-            for (int64_t r = 0; r < rows; r++) { /* gather g' = grad * act'(preact) */
-                int64_t go = row_offset(&g, &gv, row0 + r), po = act ? row_offset(&pre, &pv, row0 + r) : 0;
-                if (f64) {
-                    const double *gr = (const double *)g.data + go, *pr = (const double *)pre.data + po;
-                    double *dst = (double *)gp + r * l.n;
-                    for (int64_t j = 0; j < l.n; j++)
-                        dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
-                    continue;
-                }
-                float *dst = (float *)gp + r * l.n;
-                const float *gr = at(g.data, go, l.dt), *pr = act ? at(pre.data, po, l.dt) : NULL;
-                if (half || gv.cs != 1) { /* convert / gather to float32 rows first */
-                    gemm_load_f32(k, act ? grow : dst, at(g.data, go, l.dt), l.dt, l.n, gv.cs);
-                    gr = act ? grow : dst;
-                }
-                if (act && (half || pv.cs != 1)) {
-                    gemm_load_f32(k, prow, at(pre.data, po, l.dt), l.dt, l.n, pv.cs);
-                    pr = prow;
-                }
-                if (act) k->act_grad(dst, gr, pr, l.n, (int)act);
-                else if (gr != dst) for (int64_t j = 0; j < l.n; j++) dst[j] = gr[j];
-            }
-            int64_t xo = matrix_offset(&l.x, &xv, i) + r0 * xv.rs;
-            if (f64) {
-                gemm_ref_f64(rows, l.k, l.n, (const double *)gp, l.n, 1, l.w.data, l.w.strides[0], l.w.strides[1],
-                             (double *)dx.data + row0 * l.k, l.k, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
-                gemm_ref_f64(l.n, l.k, rows, (const double *)gp, 1, l.n, (const double *)l.x.data + xo, xv.rs, xv.cs,
-                             dw.data, l.k, first ? 0.0 : 1.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
-                for (int64_t j = 0; l.has_bias && j < l.n; j++) {
-                    double sum = first ? 0.0 : ((double *)db.data)[j];
-                    for (int64_t r = 0; r < rows; r++) sum += ((const double *)gp)[r * l.n + j];
-                    ((double *)db.data)[j] = sum;
-                }
-            } else {
-                gemm_epilogue none = {0}, acc = {.beta = first ? 0.0f : 1.0f};
-                float *dxr = half ? dx32 : (float *)dx.data + row0 * l.k;
-                /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
-                gemm_f32x(k, rows, l.k, l.n, gp, OPF_F32, l.n, 1, l.w.data, l.dt, l.w.strides[0], l.w.strides[1],
-                          dxr, l.k, &none, gemm_scratch);
-                if (half) gemm_store_f32(k, at(dx.data, row0 * l.k, l.dt), l.dt, dx32, rows * l.k);
-                /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
-                gemm_f32x(k, l.n, l.k, rows, gp, OPF_F32, 1, l.n, at(l.x.data, xo, l.dt), l.dt, xv.rs, xv.cs, dw32,
-                          l.k, &acc, gemm_scratch);
-                if (l.has_bias) gemm_colsum_f32(db32, (const float *)gp, l.n, rows, l.n, !first);
-            }
-            first = 0;
-        }
-    }
-    if (first) { /* no rows at all: zero gradients of weight and bias */
-        for (int64_t e = 0; e < l.n * l.k; e++) {
-            if (f64) ((double *)dw.data)[e] = 0.0;
-            else dw32[e] = 0.0f;
-        }
-        for (int64_t j = 0; l.has_bias && j < l.n; j++) {
-            if (f64) ((double *)db.data)[j] = 0.0;
-            else db32[j] = 0.0f;
-        }
-    }
-    if (half) {
-        gemm_store_f32(k, dw.data, l.dt, dw32, l.n * l.k);
-        if (l.has_bias) gemm_store_f32(k, db.data, l.dt, db32, l.n);
-    }
+    if (!in_place || !backward_in_place(&l, &g, &pre, act, m, &dx, &dw, &db))
+        backward_chunked(&l, &g, &pre, act, m, &dx, &dw, &db);
     opf_log_call(LBWD, t0, 3, (opf_tensor[]){g, l.x, dw});
     OPF_RETURN(stack, 0, dx_h);
     OPF_RETURN(stack, 1, dw_h);
