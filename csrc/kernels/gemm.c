@@ -435,8 +435,8 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
         /* enough column chunks that every thread has work when M is small */
         j.ntn = plan.own_a ? 1 : (2 * threads + plan.mblocks - 1) / plan.mblocks;
         if (j.ntn > nslivers) j.ntn = nslivers;
-        int64_t workers = plan.mblocks * j.ntn < threads ? plan.mblocks * j.ntn : threads;
-        j.plan.workers = plan.own_a ? plan.workers : workers;
+        /* (with own_a this is plan.workers: ntn = 1 and mblocks >= 2 threads) */
+        j.plan.workers = plan.mblocks * j.ntn < threads ? plan.mblocks * j.ntn : threads;
         for (int64_t pc = 0; pc < kdim; pc += k->kc) {
             j.pc = pc;
             j.kc = kdim - pc < k->kc ? kdim - pc : k->kc;
