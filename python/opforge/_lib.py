@@ -195,7 +195,7 @@ def _fake_output(rule: str, argnames: list[str], args: tuple) -> torch.Tensor:
     if kind == "linear":  # x (..., K), weight (N, K) -> (..., N)
         return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]))
     if kind == "linear_preact":  # as linear when the activation (third) is not 0 and save_preact, else [0]
-        save = ref[2] and (len(ref) < 4 or ref[3] is None or ref[3])
+        save = ref[2] and ref[3] is not False  # None: save_preact left at its default (True)
         return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]) if save else (0,))
     if kind == "attention_out":  # q (B,H,N,D), v (B,Hkv,S,Dv) -> (B,H,N,Dv), laid out as (B,N,H,Dv)
         q, v = ref
@@ -239,7 +239,6 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
     argnames = [a.name for a in schema.arguments]
     is_tensor = [is_tensor_arg(a) for a in schema.arguments]
     bwd = op_overload(desc, desc.backward)
-    bwd_inplace = op_overload(desc, desc.backward + "_") if any(a.endswith("!") for a in desc.backward_args) else None
     # how each backward argument is found: ("grad", i), ("saved", j) or ("const", j)
     plan, saved_from, const_from = [], [], []
     donatable = None  # saved slot of an "outN!" argument
@@ -257,6 +256,7 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         else:
             plan.append(("const", len(const_from)))
             const_from.append(argnames.index(a))
+    bwd_inplace = op_overload(desc, desc.backward + "_") if donatable is not None else None
     grad_slots = [argnames.index(a) for a in desc.backward_grads]
     # outputs the backward never gets a gradient for are saved values (e.g. a
     # pre-activation): not differentiable, and no zeros are made for them

@@ -63,14 +63,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         bias: (out_features,) or None.
         activation: "none", "relu", "gelu" (exact, erf), "gelu_tanh" or "silu".
 
-    float32 runs opforge's GEMM (AVX2 micro-kernel where available);
-    bfloat16 / float16 the same GEMM on operands converted to float32 while
-    packed (float32 accumulation, one rounding); float64 a reference loop (for
-    gradcheck). The pre-activation is kept for the backward only when an
-    activation is applied and a gradient is needed (grad mode on and an input
-    requires grad): inference writes the output alone. The backward reuses
-    the kept pre-activation as its scratch when the graph is not retained. Under autocast the op runs in the autocast dtype,
-    as F.linear does.
+    float32 runs opforge's GEMM (AVX-512 or AVX2 micro-kernel where
+    available); bfloat16 / float16 the same GEMM on operands converted to
+    float32 while packed (float32 accumulation, one rounding); float64 a
+    reference loop (for gradcheck). The pre-activation is kept for the
+    backward only when an activation is applied and a gradient is needed
+    (grad mode on and an input requires grad): inference writes the output
+    alone. The backward reuses the kept pre-activation as its scratch when
+    the graph is not retained. Under autocast the op runs in the autocast
+    dtype, as F.linear does.
     """
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return _linear(x, weight, bias, _activation_code(activation), needs_grad)[0]
