@@ -175,13 +175,16 @@ static void ukernel_ref_4x4(int64_t kc, const float *ap, const float *bp, float 
     gemm_tile_store(acc, 4, c, rsc, m, n, t);
 }
 
-const gemm_kernels gemm_kernels_ref = {"ref_4x4", 4, 4, 64, 256, 1024, ukernel_ref_4x4, act_grad_ref,
-                                       to_f32_ref, from_f32_ref};
+const gemm_kernels gemm_kernels_ref = {.name = "ref_4x4", .mr = 4, .nr = 4, .mc = 64, .kc = 256, .nc = 1024,
+                                       .ukernel = ukernel_ref_4x4, .act_grad = act_grad_ref, .to_f32 = to_f32_ref,
+                                       .from_f32 = from_f32_ref};
 
 extern const gemm_kernels gemm_kernels_avx2 __attribute__((weak));
 extern const gemm_kernels gemm_kernels_avx512 __attribute__((weak));
+extern const gemm_kernels gemm_kernels_avx512_bf16 __attribute__((weak));
 
 const gemm_kernels *gemm_kernels_for(opf_isa isa) {
+    if (isa >= OPF_ISA_AVX512_BF16 && &gemm_kernels_avx512_bf16) return &gemm_kernels_avx512_bf16;
     if (isa >= OPF_ISA_AVX512 && &gemm_kernels_avx512) return &gemm_kernels_avx512;
     if (isa >= OPF_ISA_AVX2 && &gemm_kernels_avx2) return &gemm_kernels_avx2;
     return &gemm_kernels_ref;
@@ -284,6 +287,54 @@ static void pack_b_sliver(const gemm_kernels *k, float *bp, const void *b_, opf_
         for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? load_elem(b_, p * rsb + j * csb, dt) : 0.0f;
 }
 
+/* bfloat16 bits of element i of a bfloat16 or float32 array */
+static inline uint32_t bf16_bits(const void *p, int64_t i, opf_dtype dt) {
+    return dt == OPF_BF16 ? ((const uint16_t *)p)[i] : opf_f32_to_bf16(((const float *)p)[i]);
+}
+
+/* Rows [0, rows) of a (row stride rs, K stride cs; bfloat16 or float32) over
+ * a K slice of kc -> dst[p*w + r] = a(r, 2p) | a(r, 2p+1) << 16, zero past
+ * rows and past kc. A packs its rows (w = MR), B its columns (w = NR: rs is
+ * B's column stride, cs its row stride). */
+static void pack_pairs(uint32_t *dst, const void *a, opf_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc,
+                       int w) {
+    const int64_t kp = (kc + 1) / 2, full = kc / 2;
+    if (dt == OPF_BF16 && cs == 1) { /* pairs are adjacent: one 32-bit copy each */
+        for (int r = 0; r < w; r++) {
+            if (r >= rows) {
+                for (int64_t p = 0; p < kp; p++) dst[p * w + r] = 0;
+                continue;
+            }
+            const uint16_t *row = (const uint16_t *)a + r * rs;
+            for (int64_t p = 0; p < full; p++) dst[p * w + r] = (uint32_t)row[2 * p] | (uint32_t)row[2 * p + 1] << 16;
+            if (kp > full) dst[full * w + r] = row[kc - 1];
+        }
+        return;
+    }
+    if (rs == 1) { /* rows adjacent (a transposed operand): interleave two K lines */
+        for (int64_t p = 0; p < kp; p++) {
+            int64_t lo = 2 * p * cs, hi = (2 * p + 1) * cs;
+            const int odd = 2 * p + 1 == kc;
+            if (dt == OPF_BF16) {
+                const uint16_t *l = (const uint16_t *)a + lo, *h = (const uint16_t *)a + hi;
+                for (int64_t r = 0; r < rows; r++) dst[p * w + r] = (uint32_t)l[r] | (odd ? 0u : (uint32_t)h[r] << 16);
+            } else {
+                const float *l = (const float *)a + lo, *h = (const float *)a + hi;
+                for (int64_t r = 0; r < rows; r++)
+                    dst[p * w + r] = opf_f32_to_bf16(l[r]) | (odd ? 0u : (uint32_t)opf_f32_to_bf16(h[r]) << 16);
+            }
+            for (int64_t r = rows; r < w; r++) dst[p * w + r] = 0;
+        }
+        return;
+    }
+    for (int64_t p = 0; p < kp; p++)
+        for (int r = 0; r < w; r++) {
+            uint32_t lo = r < rows ? bf16_bits(a, r * rs + 2 * p * cs, dt) : 0;
+            uint32_t hi = r < rows && 2 * p + 1 < kc ? bf16_bits(a, r * rs + (2 * p + 1) * cs, dt) : 0;
+            dst[p * w + r] = lo | hi << 16;
+        }
+}
+
 /* ---- driver ------------------------------------------------------------------------------- */
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -334,6 +385,8 @@ typedef struct gemm_job {
     float *c, *ap, *bp;
     gemm_plan plan;
     int64_t ntn; /* column chunks per row block in the compute phase (1 when plan.own_a) */
+    int pairs;   /* packed as bfloat16 pairs for k->ukernel_pairs */
+    int64_t kp;  /* packed depth of the K slice: kc, or its pairs */
 } gemm_job;
 
 /* A slivers [begin, end) of the K slice into dst (sliver s at (s - base) * mr * kc) */
@@ -341,8 +394,10 @@ static void pack_a_slivers(const gemm_job *j, float *dst, int64_t base, int64_t 
     const int mr = j->k->mr;
     for (int64_t s = begin; s < end; s++) {
         int64_t i0 = s * mr, rows = j->m - i0 < mr ? j->m - i0 : mr;
-        pack_a_sliver(j->k, dst + (s - base) * mr * j->kc, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta,
-                      j->rsa, j->csa, rows, j->kc, mr);
+        float *d = dst + (s - base) * mr * j->kp;
+        const void *src = elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta);
+        if (j->pairs) pack_pairs((uint32_t *)d, src, j->ta, j->rsa, j->csa, rows, j->kc, mr);
+        else pack_a_sliver(j->k, d, src, j->ta, j->rsa, j->csa, rows, j->kc, mr);
     }
 }
 
@@ -356,8 +411,10 @@ static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
     const int nr = j->k->nr;
     for (int64_t s = begin; s < end; s++) {
         int64_t j0 = s * nr, cols = j->nc - j0 < nr ? j->nc - j0 : nr;
-        pack_b_sliver(j->k, j->bp + s * nr * j->kc, elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb), j->tb,
-                      j->rsb, j->csb, cols, j->kc, nr);
+        float *d = j->bp + s * nr * j->kp;
+        const void *src = elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb);
+        if (j->pairs) pack_pairs((uint32_t *)d, src, j->tb, j->csb, j->rsb, cols, j->kc, nr);
+        else pack_b_sliver(j->k, d, src, j->tb, j->rsb, j->csb, cols, j->kc, nr);
     }
 }
 
@@ -373,7 +430,7 @@ static void compute_task(const gemm_job *j, int64_t t, float *own_a) {
     int64_t ib = t % mb, jn = t / mb;
     int64_t i_lo = j->plan.slivers * ib / mb * k->mr, i_hi = j->plan.slivers * (ib + 1) / mb * k->mr;
     if (i_hi > j->m) i_hi = j->m;
-    const float *ap = j->ap + (i_lo / k->mr) * k->mr * j->kc; /* the shared, whole-A packing */
+    const float *ap = j->ap + (i_lo / k->mr) * k->mr * j->kp; /* the shared, whole-A packing */
     if (own_a) { /* this worker alone uses the block: pack it here, where it stays in L2 */
         pack_a_slivers(j, own_a, i_lo / k->mr, i_lo / k->mr, (i_hi + k->mr - 1) / k->mr);
         ap = own_a;
@@ -392,8 +449,10 @@ static void compute_task(const gemm_job *j, int64_t t, float *own_a) {
                 .pre = last && ep->preact ? ep->preact + i * ep->rsp + col : NULL,
                 .rsp = ep->rsp,
             };
-            k->ukernel(j->kc, ap + ((i - i_lo) / k->mr) * k->mr * j->kc, j->bp + s * k->nr * j->kc,
-                       j->c + i * j->rsc + col, j->rsc, m, (int)n, &t_);
+            const float *as = ap + ((i - i_lo) / k->mr) * k->mr * j->kp, *bs = j->bp + s * k->nr * j->kp;
+            float *cs = j->c + i * j->rsc + col;
+            if (j->pairs) k->ukernel_pairs(j->kp, (const uint32_t *)as, (const uint32_t *)bs, cs, j->rsc, m, (int)n, &t_);
+            else k->ukernel(j->kc, as, bs, cs, j->rsc, m, (int)n, &t_);
         }
     }
 }
@@ -404,7 +463,7 @@ static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
     const gemm_job *j = ctx;
     int64_t tasks = j->plan.mblocks * j->ntn, workers = j->plan.workers;
     for (int64_t w = w0; w < w1; w++) {
-        float *own_a = j->plan.own_a ? j->ap + w * j->plan.mc * j->kc : NULL;
+        float *own_a = j->plan.own_a ? j->ap + w * j->plan.mc * j->kp : NULL;
         for (int64_t t = tasks * w / workers; t < tasks * (w + 1) / workers; t++) compute_task(j, t, own_a);
     }
 }
@@ -427,6 +486,7 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
     gemm_job j = {.k = k, .ep = ep, .m = m, .kdim = kdim, .a = a, .b = b, .ta = ta, .tb = tb, .rsa = rsa, .csa = csa,
                   .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace,
                   .bp = workspace + a_region_floats(k, &plan, m), .plan = plan};
+    j.pairs = k->ukernel_pairs && (ta == OPF_BF16 || tb == OPF_BF16) && ta != OPF_F16 && tb != OPF_F16;
     int64_t threads = opf_num_threads(), mslivers = (m + k->mr - 1) / k->mr;
     for (int64_t jc = 0; jc < n; jc += k->nc) {
         j.jc = jc;
@@ -440,6 +500,7 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
         for (int64_t pc = 0; pc < kdim; pc += k->kc) {
             j.pc = pc;
             j.kc = kdim - pc < k->kc ? kdim - pc : k->kc;
+            j.kp = j.pairs ? (j.kc + 1) / 2 : j.kc;
             opf_parallel_for(0, nslivers, 16, pack_b_range, &j);
             if (!plan.own_a) opf_parallel_for(0, mslivers, 16, pack_a_range, &j); /* blocks shared by tasks */
             opf_parallel_for(0, j.plan.workers, 1, compute_workers, &j);

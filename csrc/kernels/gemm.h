@@ -63,6 +63,14 @@ typedef struct gemm_tile {
 typedef void (*gemm_ukernel_fn)(int64_t kc, const float *ap, const float *bp, float *c, int64_t rsc,
                                 int m, int n, const gemm_tile *t);
 
+/* The bfloat16 pair micro-kernel: the same tile from kp K pairs. A pair is
+ * one 32-bit word holding two bfloat16 values, k = 2p in the low half and
+ * 2p + 1 in the high half: Ap[p*MR + r] pairs A(r, 2p), A(r, 2p+1) and
+ * Bp[p*NR + j] pairs B(2p, j), B(2p+1, j). Products are exact in float32 and
+ * summed in float32 (the AVX512-BF16 dot product; it flushes denormals). */
+typedef void (*gemm_ukernel_pairs_fn)(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc,
+                                      int m, int n, const gemm_tile *t);
+
 /* out[i] = g[i] * act'(pre[i]) for n elements (the backward's first step) */
 typedef void (*gemm_act_grad_fn)(float *out, const float *g, const float *pre, int64_t n, int act);
 /* n contiguous elements between float32 and a 16-bit type (dt: OPF_BF16 / OPF_F16) */
@@ -70,10 +78,11 @@ typedef void (*gemm_to_f32_fn)(float *dst, const uint16_t *src, int dt, int64_t 
 typedef void (*gemm_from_f32_fn)(uint16_t *dst, const float *src, int dt, int64_t n);
 
 typedef struct gemm_kernels {
-    const char *name; /* "ref_4x4", "avx2_6x16", "avx512_12x32" */
+    const char *name; /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32" */
     int mr, nr;       /* register block */
     int64_t mc, kc, nc; /* cache blocks: A block MC x KC in L2, B panel KC x NC in L3 */
     gemm_ukernel_fn ukernel;
+    gemm_ukernel_pairs_fn ukernel_pairs; /* NULL: bfloat16 operands are converted to float32 */
     gemm_act_grad_fn act_grad;
     gemm_to_f32_fn to_f32;
     gemm_from_f32_fn from_f32;
@@ -82,6 +91,7 @@ typedef struct gemm_kernels {
 extern const gemm_kernels gemm_kernels_ref;
 extern const gemm_kernels gemm_kernels_avx2;   /* gemm_avx2.c */
 extern const gemm_kernels gemm_kernels_avx512; /* gemm_avx512.c */
+extern const gemm_kernels gemm_kernels_avx512_bf16; /* gemm_avx512.c: the same plus the pair kernel */
 
 const gemm_kernels *gemm_kernels_for(opf_isa isa);
 
@@ -92,9 +102,12 @@ void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const f
               int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
               const gemm_epilogue *ep, float *workspace);
 
-/* The same with bfloat16 / float16 (or float32) operands, converted to
- * float32 while they are packed: the product accumulates in float32 and C
- * stays float32. */
+/* The same with bfloat16 / float16 (or float32) operands: C stays float32
+ * and the product accumulates in float32. With a pair kernel (k->ukernel_pairs)
+ * and a bfloat16 operand whose partner is bfloat16 or float32, both are
+ * packed as bfloat16 pairs (a float32 partner rounded to nearest even, as
+ * PyTorch rounds a bfloat16 op's intermediate results) and multiplied by the
+ * pair kernel. Otherwise both are converted to float32 while packed. */
 void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
                int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
                int64_t rsc, const gemm_epilogue *ep, float *workspace);

@@ -79,5 +79,6 @@ static void from_f32_avx2(uint16_t *dst, const float *src, int dt, int64_t n) {
     gemm_kernels_ref.from_f32(dst + i, src + i, dt, n - i);
 }
 
-const gemm_kernels gemm_kernels_avx2 = {"avx2_6x16", MR, NR, 120, 384, 3072, ukernel_avx2_6x16, act_grad_8wide,
-                                        to_f32_avx2, from_f32_avx2};
+const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16", .mr = MR, .nr = NR, .mc = 120, .kc = 384, .nc = 3072,
+                                        .ukernel = ukernel_avx2_6x16, .act_grad = act_grad_8wide,
+                                        .to_f32 = to_f32_avx2, .from_f32 = from_f32_avx2};

@@ -68,7 +68,7 @@ const opf_cpu_features *opf_cpu(void) {
     return &features;
 }
 
-static const char *const isa_names[OPF_ISA_COUNT] = {"ref", "avx2", "avx512"};
+static const char *const isa_names[OPF_ISA_COUNT] = {"ref", "avx2", "avx512", "avx512_bf16"};
 
 const char *opf_isa_name(opf_isa isa) {
     return (unsigned)isa < OPF_ISA_COUNT ? isa_names[isa] : "unknown";
@@ -82,6 +82,7 @@ static int isa_supported(opf_isa isa) {
     case OPF_ISA_AVX512:
         return isa_supported(OPF_ISA_AVX2) && f->os_avx512 && f->avx512f && f->avx512bw &&
                f->avx512vl && f->avx512dq;
+    case OPF_ISA_AVX512_BF16: return isa_supported(OPF_ISA_AVX512) && f->avx512bf16;
     default: return 0;
     }
 }
@@ -115,8 +116,12 @@ int opf_isa_set(const char *name, char *err, size_t errlen) {
         current_isa = (opf_isa)i;
         return 0;
     }
-    snprintf(err, errlen, "OPFORGE_ISA=%s is not a known ISA; expected one of auto, ref, avx2, avx512",
-             name);
+    char names[128] = "auto";
+    for (int i = 0; i < OPF_ISA_COUNT; i++) {
+        size_t used = strlen(names);
+        snprintf(names + used, sizeof names - used, ", %s", isa_names[i]);
+    }
+    snprintf(err, errlen, "OPFORGE_ISA=%s is not a known ISA; expected one of %s", name, names);
     return -1;
 }
 

@@ -325,6 +325,8 @@ OPF_EXPORT int opforge_set_isa(const char *name, char *err, size_t errlen) {
 
 OPF_EXPORT const char *opforge_isa(void) { return opf_isa_name(opf_isa_current()); }
 OPF_EXPORT const char *opforge_isa_best(void) { return opf_isa_name(opf_isa_best()); }
+/* The ISA names in order (a later one implies the earlier), NULL past the last. */
+OPF_EXPORT const char *opforge_isa_name_at(int i) { return i >= 0 && i < OPF_ISA_COUNT ? opf_isa_name((opf_isa)i) : NULL; }
 
 OPF_EXPORT int opforge_set_log_level(const char *name, char *err, size_t errlen) {
     return opf_log_set_level(name, err, errlen);

@@ -18,10 +18,12 @@ library = OpLibrary(_PATH, "opforge")
 _dll = library.dll
 _dll.opforge_isa.restype = ctypes.c_char_p
 _dll.opforge_isa_best.restype = ctypes.c_char_p
+_dll.opforge_isa_name_at.restype = ctypes.c_char_p
+_dll.opforge_isa_name_at.argtypes = [ctypes.c_int]
 
 
 def set_isa(name: str) -> None:
-    """Forces the kernels' ISA: "ref", "avx2", "avx512" or "auto" (the best one).
+    """Forces the kernels' ISA: one of :func:`supported_isas` or "auto" (the best one).
     The same as starting with OPFORGE_ISA=name. Raises RuntimeError when this
     CPU lacks it or the name is unknown."""
     library._call("opforge_set_isa", name.encode())
@@ -35,6 +37,17 @@ def get_isa() -> str:
 def isa_best() -> str:
     """The best ISA this CPU supports."""
     return _dll.opforge_isa_best().decode()
+
+
+def supported_isas() -> list[str]:
+    """The ISAs this CPU runs, in order ("ref", "avx2", "avx512", "avx512_bf16"
+    where it has them): each can be forced with :func:`set_isa`, and a later
+    one implies the earlier ones."""
+    names, i = [], 0
+    while (name := _dll.opforge_isa_name_at(i)) is not None:
+        names.append(name.decode())
+        i += 1
+    return names[: names.index(isa_best()) + 1]
 
 
 def set_log_level(level: str) -> None:

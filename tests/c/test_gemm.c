@@ -102,6 +102,75 @@ static void test_half_operands(const gemm_kernels *k) {
     free(a), free(b), free(want), free(got), free(ws), free(ah), free(bh);
 }
 
+/* One product on bfloat16 pairs: A and B each bfloat16 or float32 (at least
+ * one bfloat16), stored plain or transposed, A with padded rows, an epilogue
+ * with bias, activation and pre-activation. The oracle multiplies the same
+ * operands rounded to bfloat16. */
+static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype da, opf_dtype db, int act) {
+    const int64_t pad = 5, lda = (ta ? s.m : s.k) + pad, na = (ta ? s.k : s.m) * lda, nb = s.k * s.n;
+    float *a = rand_buf(na, 21 + (unsigned long long)s.k), *b = rand_buf(nb, 22 + (unsigned long long)s.m);
+    float *bias = rand_buf(s.n, 23), *want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
+    float *got = calloc((size_t)(s.m * s.n + 1), sizeof(float)), *pre = calloc((size_t)(s.m * s.n + 1), sizeof(float));
+    float *pre_want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
+    uint16_t *ah = malloc(2 * (size_t)na + 2), *bh = malloc(2 * (size_t)nb + 2);
+    gemm_store_f32(k, ah, OPF_BF16, a, na);
+    gemm_store_f32(k, bh, OPF_BF16, b, nb);
+    float *ar = malloc(sizeof(float) * (size_t)(na + 1)), *br = malloc(sizeof(float) * (size_t)(nb + 1));
+    gemm_load_f32(k, ar, ah, OPF_BF16, na, 1); /* what the pair kernel multiplies */
+    gemm_load_f32(k, br, bh, OPF_BF16, nb, 1);
+    int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
+    gemm_epilogue ep = {0.0f, bias, GEMM_BIAS_ROW, act, pre, s.n}, ep_ref = ep;
+    ep_ref.preact = pre_want;
+    gemm_ref_f32(s.m, s.n, s.k, ar, rsa, csa, br, rsb, csb, want, s.n, &ep_ref);
+    float *ws = malloc((size_t)gemm_workspace_floats(k, s.m, s.n, s.k) * sizeof(float) + 64);
+    gemm_f32x(k, s.m, s.n, s.k, da == OPF_BF16 ? (void *)ah : a, da, rsa, csa, db == OPF_BF16 ? (void *)bh : b, db, rsb,
+              csb, got, s.n, &ep, ws);
+    const double atol = 4e-7 * (double)s.k + 1e-5;
+    int64_t bad = 0;
+    double worst = 0;
+    for (int64_t i = 0; i < s.m * s.n; i++) {
+        double e = fmax(fabs((double)got[i] - want[i]), fabs((double)pre[i] - pre_want[i]));
+        bad += !(e <= atol + 1e-5 * fabs(want[i]));
+        worst = fmax(worst, e);
+    }
+    CHECK(bad == 0, "%s pairs m=%lld n=%lld k=%lld ta=%d tb=%d a=%s b=%s act=%s: %lld bad, max err %.3g", k->name,
+          (long long)s.m, (long long)s.n, (long long)s.k, ta, tb, da == OPF_BF16 ? "bf16" : "f32",
+          db == OPF_BF16 ? "bf16" : "f32", ACT[act], (long long)bad, worst);
+    free(a), free(b), free(bias), free(want), free(got), free(pre), free(pre_want), free(ah), free(bh), free(ar),
+        free(br), free(ws);
+}
+
+static void test_pair_operands(const gemm_kernels *k) {
+    const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 2}, {13, 33, 257}, {123, 77, 301}, {37, 45, 2 * k->kc + 37}};
+    const opf_dtype types[3][2] = {{OPF_BF16, OPF_BF16}, {OPF_F32, OPF_BF16}, {OPF_BF16, OPF_F32}};
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++)
+                for (int t = 0; t < 3; t++)
+                    run_pairs(k, shapes[i], ta, tb, types[t][0], types[t][1], (int)(i + ta + tb) % GEMM_ACT_COUNT);
+}
+
+/* The portable pair kernel: the driver's pair packing tested on every CPU. */
+static float bf16_lo(uint32_t w) { return opf_bf16_to_f32((uint16_t)(w & 0xffff)); }
+static float bf16_hi(uint32_t w) { return opf_bf16_to_f32((uint16_t)(w >> 16)); }
+
+static void ukernel_pairs_4x4(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc, int m, int n,
+                              const gemm_tile *t) {
+    float acc[16] = {0};
+    for (int64_t p = 0; p < kp; p++, ap += 4, bp += 4)
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) acc[i * 4 + j] += bf16_lo(ap[i]) * bf16_lo(bp[j]) + bf16_hi(ap[i]) * bf16_hi(bp[j]);
+    gemm_tile_store(acc, 4, c, rsc, m, n, t);
+}
+
+static void test_pairs_portable(void) {
+    gemm_kernels k = gemm_kernels_ref;
+    k.name = "ref_4x4 + portable pairs";
+    k.ukernel_pairs = ukernel_pairs_4x4;
+    test_pair_operands(&k);
+    printf("tested %s\n", k.name);
+}
+
 /* the vector conversions against the scalar ones, bit for bit (NaN: any NaN) */
 static void test_conversions(const gemm_kernels *k) {
     enum { N = 65536 + 5 };
@@ -129,6 +198,7 @@ static void test_variant(const gemm_kernels *k) {
     test_act_grad(k);
     test_conversions(k);
     test_half_operands(k);
+    if (k->ukernel_pairs) test_pair_operands(k);
     const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 1}, {13, 33, 257}, {123, 77, 301},
                             {1, 4096, 4096}, {4096, 1, 4096}, {130, 3100, 20}, {0, 5, 3}, {5, 4, 0}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
@@ -160,6 +230,7 @@ static void test_activations(void) {
 
 int main(void) {
     test_activations();
+    test_pairs_portable();
     CHECK_EACH_VARIANT(gemm_kernels_for, test_variant);
     return check_report("test_gemm");
 }

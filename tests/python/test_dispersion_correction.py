@@ -269,15 +269,17 @@ def test_isa_override_env():
     r = _run_python("import opforge; print(opforge.get_isa())", OPFORGE_ISA="ref")
     assert r.returncode == 0 and r.stdout.strip() == "ref", r.stderr
     r = _run_python("import opforge", OPFORGE_ISA="sse9")
-    assert r.returncode != 0 and "expected one of auto, ref, avx2, avx512" in r.stderr
-    if opforge.isa_best() != "avx512":
-        r = _run_python("import opforge", OPFORGE_ISA="avx512")
-        assert r.returncode != 0 and "not supported by this CPU" in r.stderr
+    assert r.returncode != 0 and "expected one of auto, ref, avx2, avx512, avx512_bf16" in r.stderr
+    for isa in ("avx2", "avx512", "avx512_bf16"):
+        if isa not in opforge.supported_isas():
+            r = _run_python("import opforge", OPFORGE_ISA=isa)
+            assert r.returncode != 0 and "not supported by this CPU" in r.stderr
 
 
-def _supported_isas():
-    order = ["ref", "avx2", "avx512"]
-    return order[: order.index(opforge.isa_best()) + 1]
+def test_supported_isas_are_in_order():
+    isas = opforge.supported_isas()
+    assert isas[0] == "ref" and isas[-1] == opforge.isa_best()
+    assert isas == ["ref", "avx2", "avx512", "avx512_bf16"][: len(isas)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -287,7 +289,7 @@ def test_every_isa_matches_the_reference_bitwise(dtype):
     g = torch.randn(3, 4099, dtype=dtype)
     results = {}
     try:
-        for isa in _supported_isas():
+        for isa in opforge.supported_isas():
             opforge.set_isa(isa)
             assert opforge.get_isa() == isa
             results[isa] = (OP(x, ALPHA), BWD(g, x, ALPHA), OP(x.t(), ALPHA))
@@ -296,7 +298,7 @@ def test_every_isa_matches_the_reference_bitwise(dtype):
     for isa, outs in results.items():
         for got, want in zip(outs, results["ref"]):
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{isa} vs ref")
-    with pytest.raises(RuntimeError, match="expected one of auto, ref, avx2, avx512"):
+    with pytest.raises(RuntimeError, match="expected one of auto, ref, avx2, avx512, avx512_bf16"):
         opforge.set_isa("neon")
 
 
