@@ -42,6 +42,8 @@ float gemm_act_grad_f32(int act, float x) {
     }
 }
 
+static inline uint16_t round16(float v, int dt) { return dt == OPF_BF16 ? opf_f32_to_bf16(v) : opf_f32_to_f16(v); }
+
 void gemm_tile_store(const float *acc, int nr, float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
     for (int i = 0; i < m; i++) {
         for (int j = 0; j < n; j++) {
@@ -50,7 +52,9 @@ void gemm_tile_store(const float *acc, int nr, float *c, int64_t rsc, int m, int
             if (t->bias_n) v += t->bias_n[j];
             if (t->bias_m) v += t->bias_m[i];
             if (t->pre) t->pre[i * t->rsp + j] = v;
-            c[i * rsc + j] = gemm_act_f32(t->act, v);
+            if (t->pre16) t->pre16[i * t->rsp + j] = round16(v, t->dt16);
+            if (t->c16) t->c16[i * rsc + j] = round16(gemm_act_f32(t->act, v), t->dt16);
+            else c[i * rsc + j] = gemm_act_f32(t->act, v);
         }
     }
 }
@@ -69,7 +73,9 @@ void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rs
             if (ep->bias_kind == GEMM_BIAS_ROW) v += ep->bias[j];
             if (ep->bias_kind == GEMM_BIAS_COL) v += ep->bias[i];
             if (ep->preact) ep->preact[i * ep->rsp + j] = v;
-            c[i * rsc + j] = gemm_act_f32(ep->act, v);
+            if (ep->pre16) ((uint16_t *)ep->pre16)[i * ep->rsp + j] = round16(v, ep->out_dt);
+            if (ep->out16) ((uint16_t *)ep->out16)[i * rsc + j] = round16(gemm_act_f32(ep->act, v), ep->out_dt);
+            else c[i * rsc + j] = gemm_act_f32(ep->act, v);
         }
     }
 }
@@ -368,6 +374,15 @@ static int64_t a_region_floats(const gemm_kernels *k, const gemm_plan *p, int64_
     return (p->own_a ? p->workers * p->mc : round_up(m, k->mr)) * p->kc_max;
 }
 
+static int use_pairs(const gemm_kernels *k, opf_dtype ta, opf_dtype tb) {
+    return k->ukernel_pairs && (ta == OPF_BF16 || tb == OPF_BF16) && ta != OPF_F16 && tb != OPF_F16;
+}
+
+/* a pair takes one float's room in the workspace: a slice of pairs is twice as deep */
+int64_t gemm_slice_depth(const gemm_kernels *k, opf_dtype ta, opf_dtype tb) {
+    return use_pairs(k, ta, tb) ? 2 * k->kc : k->kc;
+}
+
 int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim) {
     if (m <= 0 || n <= 0 || kdim <= 0) return 0;
     gemm_plan p = plan_for(k, m, kdim);
@@ -448,9 +463,12 @@ static void compute_task(const gemm_job *j, int64_t t, float *own_a) {
                 .act = last ? ep->act : GEMM_ACT_NONE,
                 .pre = last && ep->preact ? ep->preact + i * ep->rsp + col : NULL,
                 .rsp = ep->rsp,
+                .c16 = last && ep->out16 ? (uint16_t *)ep->out16 + i * j->rsc + col : NULL,
+                .pre16 = last && ep->pre16 ? (uint16_t *)ep->pre16 + i * ep->rsp + col : NULL,
+                .dt16 = ep->out_dt,
             };
             const float *as = ap + ((i - i_lo) / k->mr) * k->mr * j->kp, *bs = j->bp + s * k->nr * j->kp;
-            float *cs = j->c + i * j->rsc + col;
+            float *cs = j->c ? j->c + i * j->rsc + col : NULL; /* NULL: one slice into out16 */
             if (j->pairs) k->ukernel_pairs(j->kp, (const uint32_t *)as, (const uint32_t *)bs, cs, j->rsc, m, (int)n, &t_);
             else k->ukernel(j->kc, as, bs, cs, j->rsc, m, (int)n, &t_);
         }
@@ -486,7 +504,8 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
     gemm_job j = {.k = k, .ep = ep, .m = m, .kdim = kdim, .a = a, .b = b, .ta = ta, .tb = tb, .rsa = rsa, .csa = csa,
                   .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace,
                   .bp = workspace + a_region_floats(k, &plan, m), .plan = plan};
-    j.pairs = k->ukernel_pairs && (ta == OPF_BF16 || tb == OPF_BF16) && ta != OPF_F16 && tb != OPF_F16;
+    j.pairs = use_pairs(k, ta, tb);
+    const int64_t depth = gemm_slice_depth(k, ta, tb);
     int64_t threads = opf_num_threads(), mslivers = (m + k->mr - 1) / k->mr;
     for (int64_t jc = 0; jc < n; jc += k->nc) {
         j.jc = jc;
@@ -497,9 +516,9 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
         if (j.ntn > nslivers) j.ntn = nslivers;
         /* (with own_a this is plan.workers: ntn = 1 and mblocks >= 2 threads) */
         j.plan.workers = plan.mblocks * j.ntn < threads ? plan.mblocks * j.ntn : threads;
-        for (int64_t pc = 0; pc < kdim; pc += k->kc) {
+        for (int64_t pc = 0; pc < kdim; pc += depth) {
             j.pc = pc;
-            j.kc = kdim - pc < k->kc ? kdim - pc : k->kc;
+            j.kc = kdim - pc < depth ? kdim - pc : depth;
             j.kp = j.pairs ? (j.kc + 1) / 2 : j.kc;
             opf_parallel_for(0, nslivers, 16, pack_b_range, &j);
             if (!plan.own_a) opf_parallel_for(0, mslivers, 16, pack_a_range, &j); /* blocks shared by tasks */

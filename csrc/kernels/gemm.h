@@ -44,12 +44,21 @@ typedef struct gemm_epilogue {
     int act;        /* gemm_act */
     float *preact;  /* optional (M,N), row stride rsp: the value before the activation */
     int64_t rsp;
+    /* 16-bit results: with out16 set, the last K slice writes act(v) to out16
+     * (row stride rsc) and v to pre16 (row stride rsp; optional), rounded to
+     * out_dt (OPF_BF16 / OPF_F16), instead of to C and preact. C then only
+     * holds the partial sums of earlier K slices, and may be NULL when K fits
+     * one slice (kdim <= gemm_slice_depth). beta must be 0. */
+    void *out16, *pre16;
+    int out_dt;
 } gemm_epilogue;
 
 /* What one micro-kernel call finishes: C tile (m <= MR rows, n <= NR cols).
  * load_c: C = beta * C + acc, else C = acc. On the last K slice also bias
  * (bias_n: per column, bias_m: per row; already offset to the tile), the
- * activation, and the pre-activation store (pre, rsp). */
+ * activation, and the pre-activation store (pre, rsp). With c16 the result
+ * goes to c16 (row stride rsc) and the pre-activation to pre16 (rsp), both
+ * rounded to dt16; C is then read only when load_c. */
 typedef struct gemm_tile {
     int load_c;
     float beta;
@@ -57,6 +66,8 @@ typedef struct gemm_tile {
     int act;
     float *pre;
     int64_t rsp;
+    uint16_t *c16, *pre16;
+    int dt16;
 } gemm_tile;
 
 /* acc = Ap (MR x kc, packed column by column) . Bp (kc x NR, packed row by row) */
@@ -94,6 +105,10 @@ extern const gemm_kernels gemm_kernels_avx512; /* gemm_avx512.c */
 extern const gemm_kernels gemm_kernels_avx512_bf16; /* gemm_avx512.c: the same plus the pair kernel */
 
 const gemm_kernels *gemm_kernels_for(opf_isa isa);
+
+/* The K depth one slice covers for these operand types: a product with
+ * kdim <= this and 16-bit results (gemm_epilogue.out16) needs no float32 C. */
+int64_t gemm_slice_depth(const gemm_kernels *k, opf_dtype ta, opf_dtype tb);
 
 /* Floats of workspace gemm_f32 needs for an M x N x K product. */
 int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim);

@@ -14,13 +14,21 @@
 #include "half_avx2.h"
 #include "act_avx2.h"
 
-static inline void store8(float *c, float *pre, __m256 v, const gemm_tile *t, const float *bias_n,
-                          float bias_m) {
+static inline void st16(uint16_t *p, __m256 v, int dt) {
+    if (dt == OPF_BF16) st_bf16(p, v);
+    else st_f16(p, v);
+}
+
+/* 8 columns of one row: c / pre are float32 (NULL when unused), c16 / pre16 16-bit */
+static inline void store8(float *c, float *pre, uint16_t *c16, uint16_t *pre16, __m256 v, const gemm_tile *t,
+                          const float *bias_n, float bias_m) {
     if (t->load_c) v = _mm256_fmadd_ps(_mm256_set1_ps(t->beta), _mm256_loadu_ps(c), v);
     if (bias_n) v = _mm256_add_ps(v, _mm256_loadu_ps(bias_n));
     if (t->bias_m) v = _mm256_add_ps(v, _mm256_set1_ps(bias_m));
     if (pre) _mm256_storeu_ps(pre, v);
-    _mm256_storeu_ps(c, act8(t->act, v));
+    if (pre16) st16(pre16, v, t->dt16);
+    if (c16) st16(c16, act8(t->act, v), t->dt16);
+    else _mm256_storeu_ps(c, act8(t->act, v));
 }
 
 #define MR 6
@@ -31,6 +39,8 @@ static void ukernel_avx2_6x16(int64_t kc, const float *ap, const float *bp, floa
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int i = 0; i < m; i++) { /* the tile is read or written after the loop: start fetching it now */
+        if (t->c16) _mm_prefetch((const char *)(t->c16 + i * rsc), _MM_HINT_T0);
+        if (t->c16 && !t->load_c) continue;
         _mm_prefetch((const char *)(c + i * rsc), _MM_HINT_T0);
         _mm_prefetch((const char *)(c + i * rsc + 15), _MM_HINT_T0);
     }
@@ -46,10 +56,12 @@ static void ukernel_avx2_6x16(int64_t kc, const float *ap, const float *bp, floa
     __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     if (m == MR && n == NR) {
         for (int i = 0; i < MR; i++) {
-            float *pre = t->pre ? t->pre + i * t->rsp : NULL;
+            float *ci = t->c16 && !t->load_c ? NULL : c + i * rsc, *pre = t->pre ? t->pre + i * t->rsp : NULL;
+            uint16_t *c16 = t->c16 ? t->c16 + i * rsc : NULL, *pre16 = t->pre16 ? t->pre16 + i * t->rsp : NULL;
             float bm = t->bias_m ? t->bias_m[i] : 0.0f;
-            store8(c + i * rsc, pre, acc[i][0], t, t->bias_n, bm);
-            store8(c + i * rsc + 8, pre ? pre + 8 : NULL, acc[i][1], t, t->bias_n ? t->bias_n + 8 : NULL, bm);
+            store8(ci, pre, c16, pre16, acc[i][0], t, t->bias_n, bm);
+            store8(ci ? ci + 8 : NULL, pre ? pre + 8 : NULL, c16 ? c16 + 8 : NULL, pre16 ? pre16 + 8 : NULL, acc[i][1],
+                   t, t->bias_n ? t->bias_n + 8 : NULL, bm);
         }
         return;
     }

@@ -22,24 +22,42 @@
 #define MR 12
 #define NR 32
 
-static inline void store16(float *c, float *pre, __m512 v, const gemm_tile *t, const float *bias_n, float bias_m) {
+/* 16 floats rounded to bfloat16 / float16 as opforge/half.h rounds */
+static inline __m256i round16x16(__m512 v, int dt) {
+    if (dt != OPF_BF16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* 16 columns of one row: c / pre are float32 (NULL when unused), c16 / pre16 16-bit */
+static inline void store16(float *c, float *pre, uint16_t *c16, uint16_t *pre16, __m512 v, const gemm_tile *t,
+                           const float *bias_n, float bias_m) {
     if (t->load_c) v = _mm512_fmadd_ps(_mm512_set1_ps(t->beta), _mm512_loadu_ps(c), v);
     if (bias_n) v = _mm512_add_ps(v, _mm512_loadu_ps(bias_n));
     if (t->bias_m) v = _mm512_add_ps(v, _mm512_set1_ps(bias_m));
     if (pre) _mm512_storeu_ps(pre, v);
-    if (t->act == GEMM_ACT_NONE) {
-        _mm512_storeu_ps(c, v);
-        return;
-    }
-    _mm256_storeu_ps(c, act8(t->act, _mm512_castps512_ps256(v)));
-    _mm256_storeu_ps(c + 8, act8(t->act, _mm512_extractf32x8_ps(v, 1)));
+    if (pre16) _mm256_storeu_si256((__m256i *)pre16, round16x16(v, t->dt16));
+    if (t->act != GEMM_ACT_NONE)
+        v = _mm512_insertf32x8(_mm512_castps256_ps512(act8(t->act, _mm512_castps512_ps256(v))),
+                               act8(t->act, _mm512_extractf32x8_ps(v, 1)), 1);
+    if (c16) _mm256_storeu_si256((__m256i *)c16, round16x16(v, t->dt16));
+    else _mm512_storeu_ps(c, v);
 }
 
 /* the tile is read or written after the K loop: start fetching it now */
-static inline void prefetch_tile(const float *c, int64_t rsc, int m) {
+static inline void prefetch_tile(const float *c, int64_t rsc, int m, const gemm_tile *t) {
     for (int i = 0; i < m; i++) {
-        _mm_prefetch((const char *)(c + i * rsc), _MM_HINT_T0);
-        _mm_prefetch((const char *)(c + i * rsc + 31), _MM_HINT_T0);
+        if (t->c16) {
+            _mm_prefetch((const char *)(t->c16 + i * rsc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(t->c16 + i * rsc + 31), _MM_HINT_T0);
+        }
+        if (!t->c16 || t->load_c) {
+            _mm_prefetch((const char *)(c + i * rsc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + i * rsc + 31), _MM_HINT_T0);
+        }
     }
 }
 
@@ -49,10 +67,12 @@ static inline void finish_tile(__m512 acc[MR][2], float *c, int64_t rsc, int m, 
     if (m == MR && n == NR) {
 #pragma GCC unroll 12
         for (int i = 0; i < MR; i++) {
-            float *pre = t->pre ? t->pre + i * t->rsp : NULL;
+            float *ci = t->c16 && !t->load_c ? NULL : c + i * rsc, *pre = t->pre ? t->pre + i * t->rsp : NULL;
+            uint16_t *c16 = t->c16 ? t->c16 + i * rsc : NULL, *pre16 = t->pre16 ? t->pre16 + i * t->rsp : NULL;
             float bm = t->bias_m ? t->bias_m[i] : 0.0f;
-            store16(c + i * rsc, pre, acc[i][0], t, t->bias_n, bm);
-            store16(c + i * rsc + 16, pre ? pre + 16 : NULL, acc[i][1], t, t->bias_n ? t->bias_n + 16 : NULL, bm);
+            store16(ci, pre, c16, pre16, acc[i][0], t, t->bias_n, bm);
+            store16(ci ? ci + 16 : NULL, pre ? pre + 16 : NULL, c16 ? c16 + 16 : NULL, pre16 ? pre16 + 16 : NULL,
+                    acc[i][1], t, t->bias_n ? t->bias_n + 16 : NULL, bm);
         }
         return;
     }
@@ -70,7 +90,7 @@ static void ukernel_avx512_12x32(int64_t kc, const float *ap, const float *bp, f
     __m512 acc[MR][2];
 #pragma GCC unroll 12
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    prefetch_tile(c, rsc, m);
+    prefetch_tile(c, rsc, m, t);
     for (int64_t p = 0; p < kc; p++, ap += MR, bp += NR) {
         __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16);
 #pragma GCC unroll 12
@@ -93,7 +113,7 @@ __attribute__((target("avx512bf16"))) static void ukernel_avx512bf16_12x32(int64
     __m512 acc[MR][2];
 #pragma GCC unroll 12
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    prefetch_tile(c, rsc, m);
+    prefetch_tile(c, rsc, m, t);
     for (int64_t p = 0; p < kp; p++, ap += MR, bp += NR) {
         __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp), b1 = (__m512bh)_mm512_loadu_si512(bp + 16);
 #pragma GCC unroll 12
@@ -120,18 +140,7 @@ static void to_f32_avx512(float *dst, const uint16_t *src, int dt, int64_t n) {
 static void from_f32_avx512(uint16_t *dst, const float *src, int dt, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        __m512 v = _mm512_maskz_loadu_ps(m, src + i);
-        __m256i h;
-        if (dt == OPF_BF16) {
-            __m512i u = _mm512_castps_si512(v);
-            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-            h = _mm512_cvtepi32_epi16(r);
-        } else {
-            h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-        }
-        _mm256_mask_storeu_epi16(dst + i, m, h);
+        _mm256_mask_storeu_epi16(dst + i, m, round16x16(_mm512_maskz_loadu_ps(m, src + i), dt));
     }
 }
 

@@ -108,10 +108,13 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     int64_t asb = nd == 3 ? a.strides[0] : 0, bsb = nd == 3 ? b.strides[0] : 0;
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
     const int half = dt == OPF_BF16 || dt == OPF_F16;
+    /* 16-bit results are rounded by the GEMM's epilogue; a float32 C holds
+     * partial sums only when K spans several slices */
+    const int c_scratch = half && kd > gemm_slice_depth(k, dt, dt);
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h =
-        dt != OPF_F64 ? opf_workspace(MM, gemm_workspace_floats(k, m, n, kd) + (half ? m * n : 0), &a, &ws) : NULL;
-    gemm_epilogue ep = {0};
+        dt != OPF_F64 ? opf_workspace(MM, gemm_workspace_floats(k, m, n, kd) + (c_scratch ? m * n : 0), &a, &ws) : NULL;
+    gemm_epilogue ep = {.out_dt = dt};
     for (int64_t i = 0; i < batch; i++) {
         if (dt == OPF_F64) {
             gemm_ref_f64(m, n, kd, (const double *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
@@ -119,10 +122,10 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
                          (double *)c.data + i * m * n, n, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
             continue;
         }
-        float *c32 = half ? ws + gemm_workspace_floats(k, m, n, kd) : (float *)c.data + i * m * n;
+        float *c32 = half ? (c_scratch ? ws + gemm_workspace_floats(k, m, n, kd) : NULL) : (float *)c.data + i * m * n;
+        ep.out16 = half ? at(c.data, i * m * n, dt) : NULL;
         gemm_f32x(k, m, n, kd, at(a.data, i * asb, dt), dt, a.strides[nd - 2], a.strides[nd - 1],
                   at(b.data, i * bsb, dt), dt, b.strides[nd - 2], b.strides[nd - 1], c32, n, &ep, ws);
-        if (half) gemm_store_f32(k, at(c.data, i * m * n, dt), dt, c32, m * n);
     }
     opf_log_call(MM, t0, 3, (opf_tensor[]){a, b, c});
     OPF_RETURN(stack, 0, c_h);
@@ -193,17 +196,18 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
                          l.has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, (int)act, save ? (double *)pre.data + oo : NULL, l.n);
         }
     } else {
-        /* float32 writes out (and preact) in place; 16-bit types go through
-         * float32 row chunks of ~8 MiB and are rounded once */
+        /* out (and preact) are written by the GEMM's epilogue, 16-bit types
+         * rounded once there. When K spans several GEMM slices, 16-bit types
+         * keep their partial sums in a float32 C of row chunks of ~8 MiB. */
         const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
-        const int half = l.dt != OPF_F32;
-        int64_t chunk = half ? (l.n > 0 ? ((int64_t)2 << 20) / l.n : v.rows) : v.rows;
+        const int half = l.dt != OPF_F32, c_scratch = half && l.k > gemm_slice_depth(k, l.dt, l.dt);
+        int64_t chunk = c_scratch ? (l.n > 0 ? ((int64_t)2 << 20) / l.n : v.rows) : v.rows;
         if (chunk < 64) chunk = 64;
         if (chunk > v.rows) chunk = v.rows > 0 ? v.rows : 1;
         int64_t gws = gemm_workspace_floats(k, chunk, l.n, l.k);
         float *ws = NULL;
-        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LIN, gws + l.n + (half ? (1 + save) * chunk * l.n : 0), &l.x, &ws);
-        float *bias = NULL, *cbuf = ws + gws + l.n, *pbuf = cbuf + chunk * l.n;
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LIN, gws + l.n + (c_scratch ? chunk * l.n : 0), &l.x, &ws);
+        float *bias = NULL, *cbuf = c_scratch ? ws + gws + l.n : NULL;
         if (l.has_bias) {
             bias = ws + gws;
             gemm_load_f32(k, bias, l.bias.data, l.dt, l.n, l.bias.strides[0]);
@@ -212,15 +216,12 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
             for (int64_t r0 = 0; r0 < v.rows; r0 += chunk) {
                 int64_t rows = v.rows - r0 < chunk ? v.rows - r0 : chunk;
                 int64_t xo = matrix_offset(&l.x, &v, i) + r0 * v.rs, oo = (i * v.rows + r0) * l.n;
-                float *c32 = half ? cbuf : (float *)out.data + oo, *p32 = half ? pbuf : (float *)pre.data + oo;
                 gemm_epilogue ep = {.beta = 0.0f, .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE,
-                                    .act = (int)act, .preact = save ? p32 : NULL, .rsp = l.n};
+                                    .act = (int)act, .preact = save && !half ? (float *)pre.data + oo : NULL,
+                                    .rsp = l.n, .out16 = half ? at(out.data, oo, l.dt) : NULL,
+                                    .pre16 = save && half ? at(pre.data, oo, l.dt) : NULL, .out_dt = l.dt};
                 gemm_f32x(k, rows, l.n, l.k, at(l.x.data, xo, l.dt), l.dt, v.rs, v.cs, l.w.data, l.dt,
-                          l.w.strides[1], l.w.strides[0], c32, l.n, &ep, ws);
-                if (half) {
-                    gemm_store_f32(k, at(out.data, oo, l.dt), l.dt, c32, rows * l.n);
-                    if (save) gemm_store_f32(k, at(pre.data, oo, l.dt), l.dt, p32, rows * l.n);
-                }
+                          l.w.strides[1], l.w.strides[0], half ? cbuf : (float *)out.data + oo, l.n, &ep, ws);
             }
         }
     }

@@ -123,16 +123,32 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
     ep_ref.preact = pre_want;
     gemm_ref_f32(s.m, s.n, s.k, ar, rsa, csa, br, rsb, csb, want, s.n, &ep_ref);
     float *ws = malloc((size_t)gemm_workspace_floats(k, s.m, s.n, s.k) * sizeof(float) + 64);
+    /* both bfloat16: results written as bfloat16 by the epilogue, read back */
+    const int out16 = da == OPF_BF16 && db == OPF_BF16;
+    uint16_t *got16 = malloc(2 * (size_t)(s.m * s.n) + 2), *pre16 = malloc(2 * (size_t)(s.m * s.n) + 2);
+    if (out16) {
+        ep.out16 = got16, ep.pre16 = pre16, ep.preact = NULL, ep.out_dt = OPF_BF16;
+        if (s.k <= gemm_slice_depth(k, da, db)) { /* one slice: no float32 C at all */
+            free(got);
+            got = NULL;
+        }
+    }
     gemm_f32x(k, s.m, s.n, s.k, da == OPF_BF16 ? (void *)ah : a, da, rsa, csa, db == OPF_BF16 ? (void *)bh : b, db, rsb,
               csb, got, s.n, &ep, ws);
-    const double atol = 4e-7 * (double)s.k + 1e-5;
+    if (out16) {
+        if (!got) got = malloc(sizeof(float) * (size_t)(s.m * s.n + 1));
+        gemm_load_f32(k, got, got16, OPF_BF16, s.m * s.n, 1);
+        gemm_load_f32(k, pre, pre16, OPF_BF16, s.m * s.n, 1);
+    }
+    const double atol = 4e-7 * (double)s.k + 1e-5, rel = out16 ? 1.0 / 128 : 1e-5;
     int64_t bad = 0;
     double worst = 0;
     for (int64_t i = 0; i < s.m * s.n; i++) {
         double e = fmax(fabs((double)got[i] - want[i]), fabs((double)pre[i] - pre_want[i]));
-        bad += !(e <= atol + 1e-5 * fabs(want[i]));
+        bad += !(e <= atol + rel * fmax(fabs(want[i]), fabs(pre_want[i])));
         worst = fmax(worst, e);
     }
+    free(got16), free(pre16);
     CHECK(bad == 0, "%s pairs m=%lld n=%lld k=%lld ta=%d tb=%d a=%s b=%s act=%s: %lld bad, max err %.3g", k->name,
           (long long)s.m, (long long)s.n, (long long)s.k, ta, tb, da == OPF_BF16 ? "bf16" : "f32",
           db == OPF_BF16 ? "bf16" : "f32", ACT[act], (long long)bad, worst);
@@ -148,6 +164,40 @@ static void test_pair_operands(const gemm_kernels *k) {
             for (int tb = 0; tb < 2; tb++)
                 for (int t = 0; t < 3; t++)
                     run_pairs(k, shapes[i], ta, tb, types[t][0], types[t][1], (int)(i + ta + tb) % GEMM_ACT_COUNT);
+}
+
+/* 16-bit results written by the epilogue (out16 / pre16): one K slice with
+ * no float32 C, and several slices with C holding the partial sums. */
+static void test_out16(const gemm_kernels *k) {
+    const shape shapes[] = {{7, 13, 5}, {123, 77, 301}, {37, 45, 4 * k->kc + 37}};
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        shape s = shapes[si];
+        for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
+            float *a = rand_buf(s.m * s.k, 31), *b = rand_buf(s.k * s.n, 32), *bias = rand_buf(s.n, 33);
+            float *want = malloc(sizeof(float) * (size_t)(s.m * s.n)), *pre_want = malloc(sizeof(float) * (size_t)(s.m * s.n));
+            uint16_t *out = malloc(2 * (size_t)(s.m * s.n)), *pre = malloc(2 * (size_t)(s.m * s.n));
+            const int act = GEMM_ACT_GELU, one = s.k <= gemm_slice_depth(k, OPF_F32, OPF_F32);
+            float *c = one ? NULL : malloc(sizeof(float) * (size_t)(s.m * s.n));
+            float *ws = malloc((size_t)gemm_workspace_floats(k, s.m, s.n, s.k) * sizeof(float) + 64);
+            gemm_epilogue ref = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .preact = pre_want, .rsp = s.n};
+            gemm_ref_f32(s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, want, s.n, &ref);
+            gemm_epilogue ep = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .rsp = s.n, .out16 = out,
+                                .pre16 = pre, .out_dt = dt};
+            gemm_f32(k, s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, c, s.n, &ep, ws);
+            const double rel = dt == OPF_BF16 ? 1.0 / 128 : 1.0 / 1024, atol = 4e-7 * (double)s.k + 1e-5;
+            int64_t bad = 0;
+            for (int64_t i = 0; i < s.m * s.n; i++) {
+                float g = dt == OPF_BF16 ? opf_bf16_to_f32(out[i]) : opf_f16_to_f32(out[i]);
+                float p = dt == OPF_BF16 ? opf_bf16_to_f32(pre[i]) : opf_f16_to_f32(pre[i]);
+                bad += !(fabs(g - want[i]) <= atol + rel * fabs(want[i]));
+                bad += !(fabs(p - pre_want[i]) <= atol + rel * fabs(pre_want[i]));
+            }
+            CHECK(bad == 0, "%s out16 %s m=%lld n=%lld k=%lld (%s): %lld bad", k->name, dt == OPF_BF16 ? "bf16" : "f16",
+                  (long long)s.m, (long long)s.n, (long long)s.k, one ? "one slice, no C" : "C for partial sums",
+                  (long long)bad);
+            free(a), free(b), free(bias), free(want), free(pre_want), free(out), free(pre), free(c), free(ws);
+        }
+    }
 }
 
 /* The portable pair kernel: the driver's pair packing tested on every CPU. */
@@ -198,6 +248,7 @@ static void test_variant(const gemm_kernels *k) {
     test_act_grad(k);
     test_conversions(k);
     test_half_operands(k);
+    test_out16(k);
     if (k->ukernel_pairs) test_pair_operands(k);
     const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 1}, {13, 33, 257}, {123, 77, 301},
                             {1, 4096, 4096}, {4096, 1, 4096}, {130, 3100, 20}, {0, 5, 3}, {5, 4, 0}};
