@@ -129,8 +129,9 @@ static void act_grad_ref(float *out, const float *g, const float *pre, int64_t n
 
 typedef struct rows_job {
     const gemm_kernels *k;
-    float *out;
-    const float *g, *pre;
+    opf_dtype dt;
+    void *out;
+    const void *g, *pre;
     int64_t rso, rsg, rsp, n;
     int act;
     float *db;
@@ -138,27 +139,58 @@ typedef struct rows_job {
     int64_t m;
 } rows_job;
 
+enum { BLOCK16 = 256 }; /* 16-bit rows are converted this many elements at a time */
+
 static void act_grad_range(int64_t begin, int64_t end, void *ctx) {
     const rows_job *j = ctx;
-    for (int64_t i = begin; i < end; i++)
-        j->k->act_grad(j->out + i * j->rso, j->g + i * j->rsg, j->pre + i * j->rsp, j->n, j->act);
+    const int64_t es = opf_dtype_size(j->dt);
+    for (int64_t i = begin; i < end; i++) {
+        const char *g = (const char *)j->g + i * j->rsg * es, *pre = (const char *)j->pre + i * j->rsp * es;
+        char *out = (char *)j->out + i * j->rso * es;
+        if (j->dt == OPF_F32) {
+            j->k->act_grad((float *)out, (const float *)g, (const float *)pre, j->n, j->act);
+            continue;
+        }
+        float gb[BLOCK16], pb[BLOCK16];
+        for (int64_t c = 0; c < j->n; c += BLOCK16) {
+            int64_t len = j->n - c < BLOCK16 ? j->n - c : BLOCK16;
+            j->k->to_f32(gb, (const uint16_t *)g + c, j->dt, len);
+            j->k->to_f32(pb, (const uint16_t *)pre + c, j->dt, len);
+            j->k->act_grad(gb, gb, pb, len, j->act);
+            j->k->from_f32((uint16_t *)out + c, gb, j->dt, len);
+        }
+    }
 }
 
-void gemm_act_grad_rows(const gemm_kernels *k, float *out, int64_t rso, const float *g, int64_t rsg,
-                        const float *pre, int64_t rsp, int64_t m, int64_t n, int act) {
-    rows_job j = {.k = k, .out = out, .g = g, .pre = pre, .rso = rso, .rsg = rsg, .rsp = rsp, .n = n, .act = act};
+void gemm_act_grad_rows(const gemm_kernels *k, opf_dtype dt, void *out, int64_t rso, const void *g, int64_t rsg,
+                        const void *pre, int64_t rsp, int64_t m, int64_t n, int act) {
+    rows_job j = {.k = k, .dt = dt, .out = out, .g = g, .pre = pre, .rso = rso, .rsg = rsg, .rsp = rsp, .n = n,
+                  .act = act};
     opf_parallel_for(0, m, n > 0 ? 1 + 32768 / n : 1, act_grad_range, &j);
 }
 
 static void colsum_range(int64_t begin, int64_t end, void *ctx) {
     const rows_job *j = ctx;
     for (int64_t c = begin; c < end; c++) j->db[c] = j->beta ? j->db[c] : 0.0f;
-    for (int64_t i = 0; i < j->m; i++) /* row by row: unit-stride reads of g */
-        for (int64_t c = begin; c < end; c++) j->db[c] += j->g[i * j->rsg + c];
+    if (j->dt == OPF_F32) {
+        const float *g = j->g;
+        for (int64_t i = 0; i < j->m; i++) /* row by row: unit-stride reads of g */
+            for (int64_t c = begin; c < end; c++) j->db[c] += g[i * j->rsg + c];
+        return;
+    }
+    float row[BLOCK16];
+    for (int64_t c0 = begin; c0 < end; c0 += BLOCK16) {
+        int64_t len = end - c0 < BLOCK16 ? end - c0 : BLOCK16;
+        for (int64_t i = 0; i < j->m; i++) {
+            j->k->to_f32(row, (const uint16_t *)j->g + i * j->rsg + c0, j->dt, len);
+            for (int64_t c = 0; c < len; c++) j->db[c0 + c] += row[c];
+        }
+    }
 }
 
-void gemm_colsum_f32(float *db, const float *g, int64_t rsg, int64_t m, int64_t n, int beta) {
-    rows_job j = {.g = g, .rsg = rsg, .m = m, .n = n, .db = db, .beta = beta};
+void gemm_colsum(const gemm_kernels *k, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
+                 int beta) {
+    rows_job j = {.k = k, .dt = dt, .g = g, .rsg = rsg, .m = m, .n = n, .db = db, .beta = beta};
     opf_parallel_for(0, n, 256, colsum_range, &j);
 }
 

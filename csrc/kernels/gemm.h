@@ -145,11 +145,14 @@ void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t r
                   const double *bias, int bias_kind, int act, double *preact, int64_t rsp);
 double gemm_act_grad_f64(int act, double x);
 
-/* Row blocks of g' = g * act'(pre) over (m, n) matrices with row strides, threaded. */
-void gemm_act_grad_rows(const gemm_kernels *k, float *out, int64_t rso, const float *g, int64_t rsg,
-                        const float *pre, int64_t rsp, int64_t m, int64_t n, int act);
-/* db[j] = (beta ? db[j] : 0) + sum_i g[i, j]; threaded over columns. */
-void gemm_colsum_f32(float *db, const float *g, int64_t rsg, int64_t m, int64_t n, int beta);
+/* Row blocks of g' = g * act'(pre) over (m, n) matrices of type dt (float32,
+ * bfloat16 or float16; 16-bit ones computed in float32 and rounded once) with
+ * row strides, threaded. out may be pre (in place). */
+void gemm_act_grad_rows(const gemm_kernels *k, opf_dtype dt, void *out, int64_t rso, const void *g, int64_t rsg,
+                        const void *pre, int64_t rsp, int64_t m, int64_t n, int act);
+/* db[j] = (beta ? db[j] : 0) + sum_i g[i, j] in float32 over g of type dt; threaded over columns. */
+void gemm_colsum(const gemm_kernels *k, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
+                 int beta);
 
 /* Scalar activation and its derivative (also the tail path of the ISA files). */
 float gemm_act_f32(int act, float x);

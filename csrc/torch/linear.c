@@ -8,9 +8,11 @@
  *   linear_backward(grad, x, weight, bias?, preact, activation) -> (dx, dweight, dbias)
  *   linear_backward_(...): the same, free to overwrite preact (the autograd
  *       wiring's choice when the saved preact is no one else's)
- * float32 runs the blocked GEMM of csrc/kernels/gemm.c; bfloat16 / float16
- * the same GEMM on operands converted to float32 while packed, accumulating
- * in float32 and rounding once on store; float64 the oracle (gradcheck). Operands of any strides are read in place; outputs are
+ * float32 runs the blocked GEMM of csrc/kernels/gemm.c. bfloat16 runs it on
+ * bfloat16 pairs where the CPU has AVX512-BF16 (the avx512_bf16 ISA), else on
+ * operands converted to float32 while packed, as float16 always does; both
+ * accumulate in float32 and round once, in the GEMM's epilogue. float64 runs
+ * the oracle (gradcheck). Operands of any strides are read in place; outputs are
  * contiguous. activation: 0 none, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu.
  */
 #include <stdlib.h>
@@ -81,6 +83,51 @@ static int64_t row_offset(const opf_tensor *x, const rows_view *v, int64_t row) 
     return matrix_offset(x, v, row / v->rows) + (row % v->rows) * v->rs;
 }
 
+/* ---- GEMM results of any float type ----------------------------------------------------------- */
+
+/* How a product with results of type dt is run: float32 results and 16-bit
+ * ones whose K fits one GEMM slice are written by the GEMM's epilogue in one
+ * call; 16-bit results over several slices keep float32 partial sums in a C
+ * of `chunk` rows (~8 MiB) at a time. ws_floats: the workspace it needs. */
+typedef struct out_plan {
+    int64_t chunk, ws_floats;
+    int c_scratch;
+} out_plan;
+
+static out_plan plan_out(const gemm_kernels *k, opf_dtype dt, int64_t m, int64_t n, int64_t kd) {
+    out_plan p = {.chunk = m > 0 ? m : 1, .c_scratch = dt != OPF_F32 && kd > gemm_slice_depth(k, dt, dt)};
+    if (p.c_scratch) {
+        p.chunk = n > 0 ? ((int64_t)2 << 20) / n : p.chunk;
+        if (p.chunk < 64) p.chunk = 64;
+        if (p.chunk > m) p.chunk = m > 0 ? m : 1;
+    }
+    p.ws_floats = gemm_workspace_floats(k, p.chunk, n, kd) + (p.c_scratch ? p.chunk * n : 0);
+    return p;
+}
+
+/* out (m, n; row stride n) = act(A (m, kd) B (kd, n) + bias), its
+ * pre-activation to pre when not NULL, both of type dt (A and B of the same
+ * type; float32 bias). ws: p->ws_floats floats. */
+static void gemm_out(const gemm_kernels *k, const out_plan *p, int64_t m, int64_t n, int64_t kd, const void *a,
+                     int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb, void *out, void *pre,
+                     opf_dtype dt, const float *bias, int act, float *ws) {
+    float *cbuf = p->c_scratch ? ws + p->ws_floats - p->chunk * n : NULL;
+    for (int64_t r0 = 0; r0 < m; r0 += p->chunk) {
+        int64_t rows = m - r0 < p->chunk ? m - r0 : p->chunk;
+        gemm_epilogue ep = {.bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, .act = act, .rsp = n,
+                            .out_dt = dt};
+        float *c = cbuf;
+        if (dt == OPF_F32) {
+            c = (float *)out + r0 * n;
+            ep.preact = pre ? (float *)pre + r0 * n : NULL;
+        } else {
+            ep.out16 = at(out, r0 * n, dt);
+            ep.pre16 = pre ? at(pre, r0 * n, dt) : NULL;
+        }
+        gemm_f32x(k, rows, n, kd, at((void *)a, r0 * rsa, dt), dt, rsa, csa, b, dt, rsb, csb, c, n, &ep, ws);
+    }
+}
+
 /* ---- matmul ------------------------------------------------------------------------------ */
 
 static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
@@ -107,14 +154,9 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     opf_tensor c = opf_tensor_info(MM, "out", c_h);
     int64_t asb = nd == 3 ? a.strides[0] : 0, bsb = nd == 3 ? b.strides[0] : 0;
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
-    const int half = dt == OPF_BF16 || dt == OPF_F16;
-    /* 16-bit results are rounded by the GEMM's epilogue; a float32 C holds
-     * partial sums only when K spans several slices */
-    const int c_scratch = half && kd > gemm_slice_depth(k, dt, dt);
+    out_plan plan = plan_out(k, dt, m, n, kd);
     float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h =
-        dt != OPF_F64 ? opf_workspace(MM, gemm_workspace_floats(k, m, n, kd) + (c_scratch ? m * n : 0), &a, &ws) : NULL;
-    gemm_epilogue ep = {.out_dt = dt};
+    OPF_OWNED AtenTensorHandle ws_h = dt != OPF_F64 ? opf_workspace(MM, plan.ws_floats, &a, &ws) : NULL;
     for (int64_t i = 0; i < batch; i++) {
         if (dt == OPF_F64) {
             gemm_ref_f64(m, n, kd, (const double *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
@@ -122,10 +164,9 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
                          (double *)c.data + i * m * n, n, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
             continue;
         }
-        float *c32 = half ? (c_scratch ? ws + gemm_workspace_floats(k, m, n, kd) : NULL) : (float *)c.data + i * m * n;
-        ep.out16 = half ? at(c.data, i * m * n, dt) : NULL;
-        gemm_f32x(k, m, n, kd, at(a.data, i * asb, dt), dt, a.strides[nd - 2], a.strides[nd - 1],
-                  at(b.data, i * bsb, dt), dt, b.strides[nd - 2], b.strides[nd - 1], c32, n, &ep, ws);
+        gemm_out(k, &plan, m, n, kd, at(a.data, i * asb, dt), a.strides[nd - 2], a.strides[nd - 1],
+                 at(b.data, i * bsb, dt), b.strides[nd - 2], b.strides[nd - 1], at(c.data, i * m * n, dt), NULL, dt,
+                 NULL, GEMM_ACT_NONE, ws);
     }
     opf_log_call(MM, t0, 3, (opf_tensor[]){a, b, c});
     OPF_RETURN(stack, 0, c_h);
@@ -196,33 +237,19 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
                          l.has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, (int)act, save ? (double *)pre.data + oo : NULL, l.n);
         }
     } else {
-        /* out (and preact) are written by the GEMM's epilogue, 16-bit types
-         * rounded once there. When K spans several GEMM slices, 16-bit types
-         * keep their partial sums in a float32 C of row chunks of ~8 MiB. */
         const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
-        const int half = l.dt != OPF_F32, c_scratch = half && l.k > gemm_slice_depth(k, l.dt, l.dt);
-        int64_t chunk = c_scratch ? (l.n > 0 ? ((int64_t)2 << 20) / l.n : v.rows) : v.rows;
-        if (chunk < 64) chunk = 64;
-        if (chunk > v.rows) chunk = v.rows > 0 ? v.rows : 1;
-        int64_t gws = gemm_workspace_floats(k, chunk, l.n, l.k);
-        float *ws = NULL;
-        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LIN, gws + l.n + (c_scratch ? chunk * l.n : 0), &l.x, &ws);
-        float *bias = NULL, *cbuf = c_scratch ? ws + gws + l.n : NULL;
+        out_plan plan = plan_out(k, l.dt, v.rows, l.n, l.k);
+        float *ws = NULL, *bias = NULL;
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LIN, plan.ws_floats + l.n, &l.x, &ws);
         if (l.has_bias) {
-            bias = ws + gws;
+            bias = ws + plan.ws_floats;
             gemm_load_f32(k, bias, l.bias.data, l.dt, l.n, l.bias.strides[0]);
         }
         for (int64_t i = 0; i < v.count; i++) {
-            for (int64_t r0 = 0; r0 < v.rows; r0 += chunk) {
-                int64_t rows = v.rows - r0 < chunk ? v.rows - r0 : chunk;
-                int64_t xo = matrix_offset(&l.x, &v, i) + r0 * v.rs, oo = (i * v.rows + r0) * l.n;
-                gemm_epilogue ep = {.beta = 0.0f, .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE,
-                                    .act = (int)act, .preact = save && !half ? (float *)pre.data + oo : NULL,
-                                    .rsp = l.n, .out16 = half ? at(out.data, oo, l.dt) : NULL,
-                                    .pre16 = save && half ? at(pre.data, oo, l.dt) : NULL, .out_dt = l.dt};
-                gemm_f32x(k, rows, l.n, l.k, at(l.x.data, xo, l.dt), l.dt, v.rs, v.cs, l.w.data, l.dt,
-                          l.w.strides[1], l.w.strides[0], half ? cbuf : (float *)out.data + oo, l.n, &ep, ws);
-            }
+            int64_t oo = i * v.rows * l.n;
+            gemm_out(k, &plan, v.rows, l.n, l.k, at(l.x.data, matrix_offset(&l.x, &v, i), l.dt), v.rs, v.cs, l.w.data,
+                     l.w.strides[1], l.w.strides[0], at(out.data, oo, l.dt), save ? at(pre.data, oo, l.dt) : NULL, l.dt,
+                     bias, (int)act, ws);
         }
     }
     opf_log_call(LIN, t0, 3, (opf_tensor[]){l.x, l.w, out});
@@ -231,8 +258,10 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
 }
 
 /* The backward when preact may be overwritten (linear_backward_): float32,
- * an activation, preact and grad single matrices of unit column stride, x's
- * rows one or more matrices. g' replaces preact in one threaded pass, then
+ * bfloat16 or float16, an activation, preact and grad single matrices of unit
+ * column stride, x's rows one or more matrices (one for 16-bit types). g'
+ * replaces preact in one threaded pass (16-bit types: computed in float32,
+ * rounded once, as PyTorch's activation backward rounds it), then
  * dx = g' weight and dweight = g'^T x are one GEMM each over all M rows (no
  * scratch for g', and dweight's sum over M stays in the GEMM's registers
  * instead of being re-read and re-written per row chunk). Returns 0 where it
@@ -240,24 +269,37 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
 static int backward_in_place(const linear_args *l, const opf_tensor *g, const opf_tensor *pre, int64_t act, int64_t m,
                              const opf_tensor *dx, const opf_tensor *dw, const opf_tensor *db) {
     rows_view gv = view_rows(g), pv = view_rows(pre), xv = view_rows(&l->x);
-    if (l->dt != OPF_F32 || !act || m == 0 || gv.count != 1 || pv.count != 1 || gv.cs != 1 || pv.cs != 1 || pv.rs != l->n)
+    const opf_dtype dt = l->dt;
+    const int half = dt != OPF_F32;
+    if (dt == OPF_F64 || !act || m == 0 || gv.count != 1 || pv.count != 1 || gv.cs != 1 || pv.cs != 1 ||
+        pv.rs != l->n || (half && xv.count != 1))
         return 0;
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
-    float *gp = pre->data;
-    int64_t ws1 = gemm_workspace_floats(k, m, l->k, l->n), ws2 = gemm_workspace_floats(k, l->n, l->k, xv.rows);
+    void *gp = pre->data;
+    out_plan pdx = plan_out(k, dt, m, l->k, l->n), pdw = plan_out(k, dt, l->n, l->k, xv.rows);
     float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, ws1 > ws2 ? ws1 : ws2, &l->x, &ws);
-    gemm_act_grad_rows(k, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act);
-    gemm_epilogue none = {0};
+    OPF_OWNED AtenTensorHandle ws_h =
+        opf_workspace(LBWD, (pdx.ws_floats > pdw.ws_floats ? pdx.ws_floats : pdw.ws_floats) + l->n, &l->x, &ws);
+    gemm_act_grad_rows(k, dt, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act);
     /* dx (m, k) = g' (m, n) . weight (n, k) */
-    gemm_f32(k, m, l->k, l->n, gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1], dx->data, l->k, &none, ws);
+    gemm_out(k, &pdx, m, l->k, l->n, gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1], dx->data, NULL, dt, NULL,
+             GEMM_ACT_NONE, ws);
     /* dweight (n, k) = sum over x's matrices of g'^T (n, rows) . x (rows, k) */
-    for (int64_t i = 0; i < xv.count; i++) {
-        gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
-        gemm_f32(k, l->n, l->k, xv.rows, gp + i * xv.rows * l->n, 1, l->n,
-                 (const float *)l->x.data + matrix_offset(&l->x, &xv, i), xv.rs, xv.cs, dw->data, l->k, &acc, ws);
+    if (xv.count == 1) {
+        gemm_out(k, &pdw, l->n, l->k, xv.rows, gp, 1, l->n, l->x.data, xv.rs, xv.cs, dw->data, NULL, dt, NULL,
+                 GEMM_ACT_NONE, ws);
+    } else {
+        for (int64_t i = 0; i < xv.count; i++) {
+            gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
+            gemm_f32(k, l->n, l->k, xv.rows, (const float *)gp + i * xv.rows * l->n, 1, l->n,
+                     (const float *)l->x.data + matrix_offset(&l->x, &xv, i), xv.rs, xv.cs, dw->data, l->k, &acc, ws);
+        }
     }
-    if (l->has_bias) gemm_colsum_f32(db->data, gp, l->n, m, l->n, 0);
+    if (l->has_bias) {
+        float *db32 = half ? ws + (pdx.ws_floats > pdw.ws_floats ? pdx.ws_floats : pdw.ws_floats) : db->data;
+        gemm_colsum(k, db32, gp, dt, l->n, m, l->n, 0);
+        if (half) gemm_store_f32(k, db->data, dt, db32, l->n);
+    }
     return 1;
 }
 
@@ -332,7 +374,7 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
                 /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
                 gemm_f32x(k, l->n, l->k, rows, gp, OPF_F32, 1, l->n, at(l->x.data, xo, l->dt), l->dt, xv.rs, xv.cs, dw32,
                           l->k, &acc, gemm_scratch);
-                if (l->has_bias) gemm_colsum_f32(db32, (const float *)gp, l->n, rows, l->n, !first);
+                if (l->has_bias) gemm_colsum(k, db32, gp, OPF_F32, l->n, rows, l->n, !first);
             }
             first = 0;
         }

@@ -83,6 +83,22 @@ def test_gradients_match_autograd(act, dtype):
         torch.testing.assert_close(got.double(), want, **GRAD_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_backward_over_several_gemm_slices(dtype):
+    # rows and out_features beyond one GEMM slice of K (2048 bfloat16 pairs, 1024 otherwise): dx and
+    # dweight keep float32 partial sums in row chunks before rounding once
+    x = torch.randn(2100, 8).to(dtype).requires_grad_()
+    w = (torch.randn(2080, 8) / 3).to(dtype).requires_grad_()
+    b = torch.randn(2080).to(dtype).requires_grad_()
+    g = (torch.randn(2100, 2080) / 8).to(dtype)
+    assert _backward_ops(lambda: opforge.linear(x, w, b, "gelu").backward(g)) == {"opforge::linear_backward_"}
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    reference(xr, wr, br, "gelu").backward(g.double())
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
 def _backward_ops(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
