@@ -4,6 +4,9 @@
  */
 #include <math.h>
 #include <stddef.h>
+#ifdef __SSE2__
+#include <xmmintrin.h> /* every x86-64 CPU: the packing's 4 x 4 transposes */
+#endif
 
 #include "gemm.h"
 
@@ -269,11 +272,50 @@ void gemm_store_f32(const gemm_kernels *k, void *dst, opf_dtype dt, const float 
     opf_parallel_for(0, n, 1 << 16, convert_range, &j);
 }
 
+/* dst[p*w + r] = src[r*rs + p] (rows along K, contiguous), zero for rows <= r < w.
+ * K goes in blocks of 64: the part of dst being written stays in L1 while each
+ * row is read along K; a whole-K pass per row would miss L1 on every store,
+ * and reading the rows side by side (rows often 4 KiB apart) thrashes L1 sets. */
+static void pack_rows_f32(float *dst, const float *src, int64_t rs, int64_t rows, int64_t kc, int w) {
+    enum { PB = 64 };
+    for (int64_t p0 = 0; p0 < kc; p0 += PB) {
+        int64_t pe = kc - p0 < PB ? kc : p0 + PB;
+#ifdef __SSE2__
+        if (rows == w && w % 4 == 0) { /* 4 x 4 transposes: 8 memory operations per 16 elements, not 32 */
+            int64_t pv = p0 + (pe - p0) / 4 * 4;
+            for (int r = 0; r < w; r += 4) {
+                const float *r0 = src + r * rs, *r1 = r0 + rs, *r2 = r1 + rs, *r3 = r2 + rs;
+                for (int64_t p = p0; p < pv; p += 4) {
+                    __m128 x0 = _mm_loadu_ps(r0 + p), x1 = _mm_loadu_ps(r1 + p), x2 = _mm_loadu_ps(r2 + p),
+                           x3 = _mm_loadu_ps(r3 + p);
+                    _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+                    _mm_storeu_ps(dst + p * w + r, x0);
+                    _mm_storeu_ps(dst + (p + 1) * w + r, x1);
+                    _mm_storeu_ps(dst + (p + 2) * w + r, x2);
+                    _mm_storeu_ps(dst + (p + 3) * w + r, x3);
+                }
+                for (int64_t p = pv; p < pe; p++)
+                    for (int i = 0; i < 4; i++) dst[p * w + r + i] = src[(r + i) * rs + p];
+            }
+            continue;
+        }
+#endif
+        for (int r = 0; r < w; r++) {
+            const float *row = src + (r < rows ? r : 0) * rs;
+            for (int64_t p = p0; p < pe; p++) dst[p * w + r] = r < rows ? row[p] : 0.0f;
+        }
+    }
+}
+
 /* rows [i0, i0+mr) of A's K slice [p0, p0+kc) -> ap[p*mr + r], zero padded */
 static void pack_a_sliver(const gemm_kernels *k, float *ap, const void *a_, opf_dtype dt, int64_t rsa,
                           int64_t csa, int64_t rows, int64_t kc, int mr) {
     if (dt == OPF_F32) {
         const float *a = a_;
+        if (csa == 1) {
+            pack_rows_f32(ap, a, rsa, rows, kc, mr);
+            return;
+        }
         for (int64_t p = 0; p < kc; p++)
             for (int r = 0; r < mr; r++) ap[p * mr + r] = r < rows ? a[r * rsa + p * csa] : 0.0f;
         return;
@@ -300,9 +342,8 @@ static void pack_b_sliver(const gemm_kernels *k, float *bp, const void *b_, opf_
                 for (int j = 0; j < nr; j++) bp[p * nr + j] = b[p * rsb + j];
             return;
         }
-        if (rsb == 1) { /* B transposed (nn.Linear's weight): walk each column along K, contiguous */
-            for (int j = 0; j < nr; j++)
-                for (int64_t p = 0; p < kc; p++) bp[p * nr + j] = j < cols ? b[j * csb + p] : 0.0f;
+        if (rsb == 1) { /* B transposed (nn.Linear's weight): its columns run along K, contiguous */
+            pack_rows_f32(bp, b, csb, cols, kc, nr);
             return;
         }
         for (int64_t p = 0; p < kc; p++)
@@ -337,15 +378,19 @@ static inline uint32_t bf16_bits(const void *p, int64_t i, opf_dtype dt) {
 static void pack_pairs(uint32_t *dst, const void *a, opf_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc,
                        int w) {
     const int64_t kp = (kc + 1) / 2, full = kc / 2;
-    if (dt == OPF_BF16 && cs == 1) { /* pairs are adjacent: one 32-bit copy each */
-        for (int r = 0; r < w; r++) {
-            if (r >= rows) {
-                for (int64_t p = 0; p < kp; p++) dst[p * w + r] = 0;
-                continue;
+    if (dt == OPF_BF16 && cs == 1) { /* pairs are adjacent: one 32-bit copy each, in K blocks as pack_rows_f32 */
+        enum { PB = 64 };
+        for (int64_t p0 = 0; p0 < kp; p0 += PB) {
+            int64_t pe = kp - p0 < PB ? kp : p0 + PB, fe = pe < full ? pe : full;
+            for (int r = 0; r < w; r++) {
+                if (r >= rows) {
+                    for (int64_t p = p0; p < pe; p++) dst[p * w + r] = 0;
+                    continue;
+                }
+                const uint16_t *row = (const uint16_t *)a + r * rs;
+                for (int64_t p = p0; p < fe; p++) dst[p * w + r] = (uint32_t)row[2 * p] | (uint32_t)row[2 * p + 1] << 16;
+                if (pe > full) dst[full * w + r] = row[kc - 1];
             }
-            const uint16_t *row = (const uint16_t *)a + r * rs;
-            for (int64_t p = 0; p < full; p++) dst[p * w + r] = (uint32_t)row[2 * p] | (uint32_t)row[2 * p + 1] << 16;
-            if (kp > full) dst[full * w + r] = row[kc - 1];
         }
         return;
     }
