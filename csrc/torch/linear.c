@@ -4,7 +4,8 @@
  *   linear(x (...,K), weight (N,K), bias (N)?, activation, save_preact=True) -> (out (...,N), preact)
  *       out = act(x weight^T + bias); preact = x weight^T + bias, saved for the
  *       backward when act is not "none" and save_preact (else an empty tensor:
- *       a forward that needs no backward writes only out)
+ *       a forward that needs no backward writes only out, and a backward given
+ *       the empty tensor recomputes preact chunk by chunk)
  *   linear_backward(grad, x, weight, bias?, preact, activation) -> (dx, dweight, dbias)
  *   linear_backward_(...): the same, free to overwrite preact (the autograd
  *       wiring's choice when the saved preact is no one else's)
@@ -271,7 +272,7 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
     rows_view gv = view_rows(g), pv = view_rows(pre), xv = view_rows(&l->x);
     const opf_dtype dt = l->dt;
     const int half = dt != OPF_F32;
-    if (dt == OPF_F64 || !act || m == 0 || gv.count != 1 || pv.count != 1 || gv.cs != 1 || pv.cs != 1 ||
+    if (dt == OPF_F64 || !act || m == 0 || pre->numel == 0 || gv.count != 1 || pv.count != 1 || gv.cs != 1 || pv.cs != 1 ||
         pv.rs != l->n || (half && xv.count != 1))
         return 0;
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
@@ -303,10 +304,14 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
     return 1;
 }
 
-/* The backward in row chunks of g', for any dtype, strides and activation. */
+/* The backward in row chunks of g', for any dtype, strides and activation.
+ * An empty preact with an activation (a forward run with save_preact=False)
+ * is recomputed a chunk at a time, x rows . weight^T + bias, into the g'
+ * scratch: one more GEMM, and no (M, N) tensor kept between the passes. */
 static void backward_chunked(const linear_args *l, const opf_tensor *g, const opf_tensor *pre, int64_t act, int64_t m,
                              const opf_tensor *dx, const opf_tensor *dw, const opf_tensor *db) {
-    rows_view gv = view_rows(g), pv = act ? view_rows(pre) : gv, xv = view_rows(&l->x);
+    const int recompute = act && pre->numel == 0;
+    rows_view gv = view_rows(g), pv = act && !recompute ? view_rows(pre) : gv, xv = view_rows(&l->x);
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
     const int f64 = l->dt == OPF_F64, half = l->dt == OPF_BF16 || l->dt == OPF_F16;
     const int64_t es = f64 ? 8 : 4; /* g' is float64 or float32 */
@@ -317,43 +322,59 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
     if (chunk < 64) chunk = 64;
     if (chunk > xv.rows) chunk = xv.rows > 0 ? xv.rows : 1;
     int64_t gp_floats = (chunk * l->n * es + 3) / 4;
-    int64_t gws = f64 ? 0 : gemm_workspace_floats(k, chunk > l->n ? chunk : l->n, l->k > l->n ? l->k : l->n, chunk > l->n ? chunk : l->n);
-    /* one float32 row of grad and of preact (converted or gathered), and for
-     * 16-bit types float32 dx rows, dweight and dbias */
-    int64_t extra = 2 * l->n + (half ? chunk * l->k + l->n * l->k + l->n : 0);
+    /* the GEMMs: dx rows (chunk, k, n), dweight (n, k, chunk), the recomputed preact (chunk, n, k) */
+    int64_t gm = chunk > l->n ? chunk : l->n, gn = l->k > l->n ? l->k : l->n, gk = gm > l->k ? gm : l->k;
+    int64_t gws = f64 ? 0 : gemm_workspace_floats(k, gm, gn, gk);
+    /* one float32 row of grad and of preact (converted or gathered), a float32
+     * bias for the recomputation, and for 16-bit types float32 dx rows,
+     * dweight and dbias */
+    int64_t extra = 3 * l->n + (half ? chunk * l->k + l->n * l->k + l->n : 0);
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, gp_floats + gws + extra, &l->x, &ws);
     char *gp = (char *)ws;
-    float *gemm_scratch = ws + gp_floats, *grow = gemm_scratch + gws, *prow = grow + l->n, *hbuf = prow + l->n;
+    float *gemm_scratch = ws + gp_floats, *grow = gemm_scratch + gws, *prow = grow + l->n, *bias32 = prow + l->n;
+    float *hbuf = bias32 + l->n;
     float *dx32 = half ? hbuf : NULL, *dw32 = half ? hbuf + chunk * l->k : dw->data;
     float *db32 = half ? dw32 + l->n * l->k : db->data;
+    if (recompute && l->has_bias && !f64) gemm_load_f32(k, bias32, l->bias.data, l->dt, l->n, l->bias.strides[0]);
     int first = 1;
     for (int64_t i = 0; i < xv.count; i++) {          /* x's matrices */
         for (int64_t r0 = 0; r0 < xv.rows; r0 += chunk) { /* row chunks of one matrix */
             int64_t rows = xv.rows - r0 < chunk ? xv.rows - r0 : chunk, row0 = i * xv.rows + r0;
+            int64_t xo = matrix_offset(&l->x, &xv, i) + r0 * xv.rs;
+            if (recompute && f64) /* preact rows (rows, n) = x rows . weight^T + bias, into the g' scratch */
+                gemm_ref_f64(rows, l->n, l->k, (const double *)l->x.data + xo, xv.rs, xv.cs, l->w.data, l->w.strides[1],
+                             l->w.strides[0], (double *)gp, l->n, 0.0, l->has_bias ? l->bias.data : NULL,
+                             l->has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+            else if (recompute) {
+                gemm_epilogue ep = {.bias = l->has_bias ? bias32 : NULL,
+                                    .bias_kind = l->has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
+                gemm_f32x(k, rows, l->n, l->k, at(l->x.data, xo, l->dt), l->dt, xv.rs, xv.cs, l->w.data, l->dt,
+                          l->w.strides[1], l->w.strides[0], (float *)gp, l->n, &ep, gemm_scratch);
+            }
             for (int64_t r = 0; r < rows; r++) { /* gather g' = grad * act'(preact) */
-                int64_t go = row_offset(g, &gv, row0 + r), po = act ? row_offset(pre, &pv, row0 + r) : 0;
+                int64_t go = row_offset(g, &gv, row0 + r), po = act && !recompute ? row_offset(pre, &pv, row0 + r) : 0;
                 if (f64) {
-                    const double *gr = (const double *)g->data + go, *pr = (const double *)pre->data + po;
+                    const double *gr = (const double *)g->data + go;
                     double *dst = (double *)gp + r * l->n;
+                    const double *pr = recompute ? dst : (const double *)pre->data + po;
                     for (int64_t j = 0; j < l->n; j++)
-                        dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[j * pv.cs]) : gr[j * gv.cs];
+                        dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[recompute ? j : j * pv.cs]) : gr[j * gv.cs];
                     continue;
                 }
                 float *dst = (float *)gp + r * l->n;
-                const float *gr = at(g->data, go, l->dt), *pr = act ? at(pre->data, po, l->dt) : NULL;
+                const float *gr = at(g->data, go, l->dt), *pr = recompute ? dst : act ? at(pre->data, po, l->dt) : NULL;
                 if (half || gv.cs != 1) { /* convert / gather to float32 rows first */
                     gemm_load_f32(k, act ? grow : dst, at(g->data, go, l->dt), l->dt, l->n, gv.cs);
                     gr = act ? grow : dst;
                 }
-                if (act && (half || pv.cs != 1)) {
+                if (act && !recompute && (half || pv.cs != 1)) {
                     gemm_load_f32(k, prow, at(pre->data, po, l->dt), l->dt, l->n, pv.cs);
                     pr = prow;
                 }
                 if (act) k->act_grad(dst, gr, pr, l->n, (int)act);
                 else if (gr != dst) for (int64_t j = 0; j < l->n; j++) dst[j] = gr[j];
             }
-            int64_t xo = matrix_offset(&l->x, &xv, i) + r0 * xv.rs;
             if (f64) {
                 gemm_ref_f64(rows, l->k, l->n, (const double *)gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1],
                              (double *)dx->data + row0 * l->k, l->k, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
@@ -416,12 +437,9 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
     out_sizes(&l.x, l.n, sizes);
     opf_tensor want = {.ndim = l.x.ndim, .sizes = sizes};
     opf_check_same_shape(LBWD, "grad", &g, "the output", &want);
-    if (act) {
-        if (pre.numel == 0 && l.n > 0 && g.numel > 0)
-            opf_fail(LBWD, "argument 'preact' must be the forward's pre-activation, got an empty tensor (a forward "
-                           "with save_preact=False keeps none for a backward)");
+    if (act) { /* an empty preact (save_preact=False) is recomputed */
         opf_check_same_dtype(LBWD, "preact", &pre, "x", &l.x);
-        opf_check_same_shape(LBWD, "preact", &pre, "the output", &want);
+        if (pre.numel != 0 || pre.ndim != 1) opf_check_same_shape(LBWD, "preact", &pre, "the output", &want);
     }
     int64_t m = 1; /* rows: the product of x's leading dims */
     for (int64_t d = 0; d < l.x.ndim - 1; d++) m *= l.x.sizes[d];

@@ -52,7 +52,8 @@ def _linear(x, weight, bias, activation, save_preact=True):
     """(out, preact): see linear."""
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = "none"):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = "none",
+           recompute: bool = False):
     """``act(x @ weight.T + bias)`` in one pass: ``torch.nn.functional.linear``
     with the bias and the activation applied while each output tile is in
     registers.
@@ -62,19 +63,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight: (out_features, in_features) as ``nn.Linear`` stores it, any strides.
         bias: (out_features,) or None.
         activation: "none", "relu", "gelu" (exact, erf), "gelu_tanh" or "silu".
+        recompute: keep no pre-activation for the backward; the backward
+            recomputes it (x @ weight.T + bias) a row chunk at a time. Saves
+            an (..., out_features) tensor between forward and backward for one
+            more GEMM in the backward (four instead of three).
 
     float32 runs opforge's GEMM (AVX-512 or AVX2 micro-kernel where
-    available); bfloat16 / float16 the same GEMM on operands converted to
-    float32 while packed (float32 accumulation, one rounding); float64 a
-    reference loop (for gradcheck). The pre-activation is kept for the
-    backward only when an activation is applied and a gradient is needed
-    (grad mode on and an input requires grad): inference writes the output
+    available); bfloat16 the same GEMM on bfloat16 pairs where the CPU has
+    AVX512-BF16, else (and float16 always) on operands converted to float32
+    while packed (float32 accumulation, one rounding); float64 a reference
+    loop (for gradcheck). The pre-activation is kept for the backward only
+    when an activation is applied, a gradient is needed (grad mode on and an
+    input requires grad) and recompute is off: inference writes the output
     alone. The backward reuses the kept pre-activation as its scratch when
     the graph is not retained. Under autocast the op runs in the autocast
     dtype, as F.linear does.
     """
+    code = _activation_code(activation)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    return _linear(x, weight, bias, _activation_code(activation), needs_grad)[0]
+    return _linear(x, weight, bias, code, needs_grad and not recompute)[0]
 
 
 @op_function(torch.ops.opforge.matmul.default)

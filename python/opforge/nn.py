@@ -12,20 +12,23 @@ class Linear(torch.nn.Linear):
 
     Same parameters, initialisation and state_dict keys as ``torch.nn.Linear``
     (a checkpoint of one loads into the other); ``activation`` is "none",
-    "relu", "gelu", "gelu_tanh" or "silu".
+    "relu", "gelu", "gelu_tanh" or "silu". ``recompute=True`` keeps no
+    pre-activation for the backward, which recomputes it (see
+    :func:`opforge.functional.linear`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none",
-                 device=None, dtype=None):
+                 device=None, dtype=None, recompute: bool = False):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         F._activation_code(activation)  # fail early on an unknown name
         self.activation = activation
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias, self.activation)
+        return F.linear(x, self.weight, self.bias, self.activation, self.recompute)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", activation={self.activation!r}"
+        return super().extra_repr() + f", activation={self.activation!r}" + (", recompute=True" if self.recompute else "")
 
 
 def _mha_error(msg: str) -> RuntimeError:

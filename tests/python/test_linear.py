@@ -158,9 +158,36 @@ def test_inference_keeps_no_preact(dtype):
     with torch.no_grad():
         torch.testing.assert_close(opforge.linear(x, w.requires_grad_(), b, "gelu"), out)
     opcheck(LINEAR, (x, w.detach(), b, 2, False))
-    # a backward needs the pre-activation: a clear error, not a wrong gradient
-    with pytest.raises(RuntimeError, match=r"opforge::linear_backward.*'preact'.*save_preact=False"):
-        torch.ops.opforge.linear_backward(torch.ones_like(out), x, w.detach(), b, pre, 2)
+    # a backward given no pre-activation recomputes it: the same gradients
+    g = torch.randn_like(out)
+    for got, want in zip(torch.ops.opforge.linear_backward(g, x, w.detach(), b, pre, 2),
+                         torch.ops.opforge.linear_backward(g, x, w.detach(), b, kept_pre, 2)):
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    with pytest.raises(RuntimeError, match=r"opforge::linear_backward.*'preact'"):
+        torch.ops.opforge.linear_backward(g, x, w.detach(), b, kept_pre[:2], 2)
+
+
+@pytest.mark.parametrize("dtype", list(GRAD_TOL))
+@pytest.mark.parametrize("act", list(ACTS))
+def test_recompute_keeps_no_preact_and_gives_the_same_gradients(act, dtype):
+    # rows beyond the backward's chunk (2^21 / out_features = 2048 rows) and a strided x
+    x = torch.randn(2100, 24).to(dtype)[:, 1:].requires_grad_()
+    w = (torch.randn(1024, 23) / 4).to(dtype).requires_grad_()
+    b = torch.randn(1024).to(dtype).requires_grad_()
+    g = torch.randn(2100, 1024).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = opforge.linear(x, w, b, act, recompute=True)
+    assert saved and y.shape not in saved  # x, weight, bias and an empty preact
+    y.backward(g)
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    reference(xr, wr, br, act).backward(g.double())
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=GRAD_TOL[dtype]["rtol"],
+                                   atol=GRAD_TOL[dtype]["atol"] * max(1.0, want.abs().max().item() / 10))
+    mod = opforge.nn.Linear(23, 1024, activation=act, recompute=True)
+    assert "recompute=True" in repr(mod)
 
 
 @pytest.mark.parametrize("act", list(ACTS))
