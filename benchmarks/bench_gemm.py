@@ -1,6 +1,7 @@
 """opforge.matmul (the GEMM engine) against torch.mm (MKL / oneDNN in the CPU
 wheel) on square sizes and transformer shapes, one thread and all threads,
-as GFLOP/s, % of the FMA peak measured in this process, and the ratio.
+as GFLOP/s, % of the FMA peak measured in this process, and the ratio;
+float32, and bfloat16 at two shapes.
 
     python benchmarks/bench_gemm.py [--smoke] [--out DIR]
 """
@@ -35,20 +36,38 @@ def main(argv=None):
             t = compare({"opforge": lambda: opforge.matmul(x, w), "torch.mm": lambda: torch.mm(x, w)},
                         reps=3 if a.smoke else 7, target_s=0.01 if a.smoke else 0.2)
             flops = 2 * m * n * k
-            row = {"threads": threads, "M": m, "K": k, "N": n,
+            row = {"threads": threads, "M": m, "K": k, "N": n, "dtype": "float32",
                    "opforge_GFLOPs": flops / t["opforge"] / 1e9, "torch_mm_GFLOPs": flops / t["torch.mm"] / 1e9,
                    "opforge_pct_peak": 100 * flops / t["opforge"] / 1e9 / peak if peak else float("nan"),
                    "vs_torch_mm": t["torch.mm"] / t["opforge"]}
             rows.append(row)
             print(f"{threads} thr {m}x{k}x{n}: {row['opforge_GFLOPs']:.1f} GFLOP/s ({row['opforge_pct_peak']:.0f}% of "
                   f"{peak:.0f}), torch.mm {row['torch_mm_GFLOPs']:.1f}: {row['vs_torch_mm']:.2f}x", flush=True)
+    # bfloat16 (float32 accumulation): the pair kernel where the ISA is avx512_bf16; % of twice the fp32 peak,
+    # the rate of one bfloat16 dot product (two products per lane) per FMA slot
+    for threads in sorted({1, all_threads}):
+        torch.set_num_threads(threads)
+        for m, k, n in [(1024, 1024, 1024), (4096, 1024, 4096)] if not a.smoke else [(128, 128, 128)]:
+            peak = 2 * fma_peak_gflops(0.1) * threads
+            x, w = torch.randn(m, k).bfloat16(), torch.randn(k, n).bfloat16()
+            torch.testing.assert_close(opforge.matmul(x, w).float(), x.float() @ w.float(), rtol=2e-2, atol=2e-1)
+            t = compare({"opforge": lambda: opforge.matmul(x, w), "torch.mm": lambda: torch.mm(x, w)},
+                        reps=3 if a.smoke else 7, target_s=0.01 if a.smoke else 0.2)
+            flops = 2 * m * n * k
+            row = {"threads": threads, "M": m, "K": k, "N": n, "dtype": "bfloat16",
+                   "opforge_GFLOPs": flops / t["opforge"] / 1e9, "torch_mm_GFLOPs": flops / t["torch.mm"] / 1e9,
+                   "opforge_pct_peak": 100 * flops / t["opforge"] / 1e9 / peak if peak else float("nan"),
+                   "vs_torch_mm": t["torch.mm"] / t["opforge"]}
+            rows.append(row)
+            print(f"bf16 {threads} thr {m}x{k}x{n}: {row['opforge_GFLOPs']:.1f} GFLOP/s ({row['opforge_pct_peak']:.0f}% of "
+                  f"{peak:.0f}), torch.mm {row['torch_mm_GFLOPs']:.1f}: {row['vs_torch_mm']:.2f}x", flush=True)
     torch.set_num_threads(all_threads)
     table = write_results("gemm", rows, [
-        f"fp32, ISA {opforge.get_isa()}; peak = FMA loop measured in this process just before each shape "
-        "(per thread x threads)",
+        f"ISA {opforge.get_isa()}; peak = FMA loop measured in this process just before each shape "
+        "(per thread x threads); bfloat16 rows: twice that (a dot product of two bfloat16 pairs per lane)",
         "vs_torch_mm: torch.mm time / opforge.matmul time (>1: opforge faster)",
     ], a.out)
-    one = [r for r in rows if r["threads"] == 1 and r["M"] == r["K"] == r["N"]]
+    one = [r for r in rows if r["threads"] == 1 and r["M"] == r["K"] == r["N"] and r["dtype"] == "float32"]
     plot("gemm", [r["M"] for r in one], {"vs torch.mm (1 thread)": [r["vs_torch_mm"] for r in one],
                                          "% of peak / 100": [r["opforge_pct_peak"] / 100 for r in one]},
          "M = N = K", "ratio", a.out)
