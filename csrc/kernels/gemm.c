@@ -307,63 +307,41 @@ static void pack_rows_f32(float *dst, const float *src, int64_t rs, int64_t rows
     }
 }
 
-/* rows [i0, i0+mr) of A's K slice [p0, p0+kc) -> ap[p*mr + r], zero padded */
-static void pack_a_sliver(const gemm_kernels *k, float *ap, const void *a_, opf_dtype dt, int64_t rsa,
-                          int64_t csa, int64_t rows, int64_t kc, int mr) {
-    if (dt == OPF_F32) {
-        const float *a = a_;
-        if (csa == 1) {
-            pack_rows_f32(ap, a, rsa, rows, kc, mr);
-            return;
-        }
-        for (int64_t p = 0; p < kc; p++)
-            for (int r = 0; r < mr; r++) ap[p * mr + r] = r < rows ? a[r * rsa + p * csa] : 0.0f;
+/* Rows [0, rows) of an operand (row stride rs, K stride cs) over a K slice of
+ * kc -> dst[p*w + r] as float32, zero past rows. A packs its rows (w = MR), B
+ * its columns (w = NR: rs is B's column stride, cs its row stride), as
+ * pack_pairs does for bfloat16 pairs. */
+static void pack_sliver(const gemm_kernels *k, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
+                        int64_t rows, int64_t kc, int w) {
+    if (cs == 1 && dt == OPF_F32) { /* rows along K: A, or nn.Linear's weight as B */
+        pack_rows_f32(dst, src, rs, rows, kc, w);
         return;
     }
-    if (csa == 1 && kc <= 1024) { /* 16-bit rows along K: vector conversion, then interleave */
+    if (cs == 1 && kc <= 1024) { /* 16-bit rows along K: vector conversion, then interleave */
         float row[1024];
-        for (int r = 0; r < mr; r++) {
-            if (r < rows) k->to_f32(row, (const uint16_t *)a_ + r * rsa, dt, kc);
-            for (int64_t p = 0; p < kc; p++) ap[p * mr + r] = r < rows ? row[p] : 0.0f;
+        for (int r = 0; r < w; r++) {
+            if (r < rows) k->to_f32(row, (const uint16_t *)src + r * rs, dt, kc);
+            for (int64_t p = 0; p < kc; p++) dst[p * w + r] = r < rows ? row[p] : 0.0f;
         }
         return;
     }
-    for (int64_t p = 0; p < kc; p++)
-        for (int r = 0; r < mr; r++) ap[p * mr + r] = r < rows ? load_elem(a_, r * rsa + p * csa, dt) : 0.0f;
-}
-
-/* columns [j0, j0+nr) of B's K slice -> bp[p*nr + j], zero padded */
-static void pack_b_sliver(const gemm_kernels *k, float *bp, const void *b_, opf_dtype dt, int64_t rsb,
-                          int64_t csb, int64_t cols, int64_t kc, int nr) {
+    if (rs == 1 && rows == w) { /* a full line of w per K step (B as stored, A transposed): copy or convert */
+        for (int64_t p = 0; p < kc; p++) {
+            if (dt == OPF_F32)
+                for (int r = 0; r < w; r++) dst[p * w + r] = ((const float *)src)[p * cs + r];
+            else
+                k->to_f32(dst + p * w, (const uint16_t *)src + p * cs, dt, w);
+        }
+        return;
+    }
     if (dt == OPF_F32) {
-        const float *b = b_;
-        if (csb == 1 && cols == nr) {
-            for (int64_t p = 0; p < kc; p++)
-                for (int j = 0; j < nr; j++) bp[p * nr + j] = b[p * rsb + j];
-            return;
-        }
-        if (rsb == 1) { /* B transposed (nn.Linear's weight): its columns run along K, contiguous */
-            pack_rows_f32(bp, b, csb, cols, kc, nr);
-            return;
-        }
+        const float *a = src;
         for (int64_t p = 0; p < kc; p++)
-            for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? b[p * rsb + j * csb] : 0.0f;
-        return;
-    }
-    if (csb == 1 && cols == nr) { /* 16-bit rows of B: convert straight into the sliver */
-        for (int64_t p = 0; p < kc; p++) k->to_f32(bp + p * nr, (const uint16_t *)b_ + p * rsb, dt, nr);
-        return;
-    }
-    if (rsb == 1 && kc <= 1024) { /* 16-bit columns along K (nn.Linear's weight) */
-        float col[1024];
-        for (int j = 0; j < nr; j++) {
-            if (j < cols) k->to_f32(col, (const uint16_t *)b_ + j * csb, dt, kc);
-            for (int64_t p = 0; p < kc; p++) bp[p * nr + j] = j < cols ? col[p] : 0.0f;
-        }
+            for (int r = 0; r < w; r++) dst[p * w + r] = r < rows ? a[r * rs + p * cs] : 0.0f;
         return;
     }
     for (int64_t p = 0; p < kc; p++)
-        for (int j = 0; j < nr; j++) bp[p * nr + j] = j < cols ? load_elem(b_, p * rsb + j * csb, dt) : 0.0f;
+        for (int r = 0; r < w; r++) dst[p * w + r] = r < rows ? load_elem(src, r * rs + p * cs, dt) : 0.0f;
 }
 
 /* bfloat16 bits of element i of a bfloat16 or float32 array */
@@ -481,15 +459,20 @@ typedef struct gemm_job {
     int64_t kp;  /* packed depth of the K slice: kc, or its pairs */
 } gemm_job;
 
+/* one sliver of the K slice: w rows of an operand (row stride rs, K stride cs), float32 or pairs */
+static void pack_one(const gemm_job *j, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs, int64_t rows,
+                     int w) {
+    if (j->pairs) pack_pairs((uint32_t *)dst, src, dt, rs, cs, rows, j->kc, w);
+    else pack_sliver(j->k, dst, src, dt, rs, cs, rows, j->kc, w);
+}
+
 /* A slivers [begin, end) of the K slice into dst (sliver s at (s - base) * mr * kc) */
 static void pack_a_slivers(const gemm_job *j, float *dst, int64_t base, int64_t begin, int64_t end) {
     const int mr = j->k->mr;
     for (int64_t s = begin; s < end; s++) {
         int64_t i0 = s * mr, rows = j->m - i0 < mr ? j->m - i0 : mr;
-        float *d = dst + (s - base) * mr * j->kp;
-        const void *src = elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta);
-        if (j->pairs) pack_pairs((uint32_t *)d, src, j->ta, j->rsa, j->csa, rows, j->kc, mr);
-        else pack_a_sliver(j->k, d, src, j->ta, j->rsa, j->csa, rows, j->kc, mr);
+        pack_one(j, dst + (s - base) * mr * j->kp, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta, j->rsa,
+                 j->csa, rows, mr);
     }
 }
 
@@ -503,10 +486,8 @@ static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
     const int nr = j->k->nr;
     for (int64_t s = begin; s < end; s++) {
         int64_t j0 = s * nr, cols = j->nc - j0 < nr ? j->nc - j0 : nr;
-        float *d = j->bp + s * nr * j->kp;
-        const void *src = elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb);
-        if (j->pairs) pack_pairs((uint32_t *)d, src, j->tb, j->csb, j->rsb, cols, j->kc, nr);
-        else pack_b_sliver(j->k, d, src, j->tb, j->rsb, j->csb, cols, j->kc, nr);
+        pack_one(j, j->bp + s * nr * j->kp, elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb), j->tb,
+                 j->csb, j->rsb, cols, nr); /* B's columns are the sliver's rows */
     }
 }
 
