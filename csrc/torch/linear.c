@@ -86,6 +86,14 @@ static int64_t row_offset(const opf_tensor *x, const rows_view *v, int64_t row) 
 
 /* ---- GEMM results of any float type ----------------------------------------------------------- */
 
+/* Rows per chunk when a row chunk of an (rows, n) float32 scratch is made at
+ * a time: ~8 MiB, at least 64 rows, at most all of them. */
+static int64_t chunk_rows(int64_t rows, int64_t n) {
+    int64_t c = n > 0 ? ((int64_t)2 << 20) / n : rows;
+    if (c < 64) c = 64;
+    return c > rows ? (rows > 0 ? rows : 1) : c;
+}
+
 /* How a product with results of type dt is run: float32 results and 16-bit
  * ones whose K fits one GEMM slice are written by the GEMM's epilogue in one
  * call; 16-bit results over several slices keep float32 partial sums in a C
@@ -96,12 +104,8 @@ typedef struct out_plan {
 } out_plan;
 
 static out_plan plan_out(const gemm_kernels *k, opf_dtype dt, int64_t m, int64_t n, int64_t kd) {
-    out_plan p = {.chunk = m > 0 ? m : 1, .c_scratch = dt != OPF_F32 && kd > gemm_slice_depth(k, dt, dt)};
-    if (p.c_scratch) {
-        p.chunk = n > 0 ? ((int64_t)2 << 20) / n : p.chunk;
-        if (p.chunk < 64) p.chunk = 64;
-        if (p.chunk > m) p.chunk = m > 0 ? m : 1;
-    }
+    out_plan p = {.c_scratch = dt != OPF_F32 && kd > gemm_slice_depth(k, dt, dt)};
+    p.chunk = p.c_scratch ? chunk_rows(m, n) : (m > 0 ? m : 1);
     p.ws_floats = gemm_workspace_floats(k, p.chunk, n, kd) + (p.c_scratch ? p.chunk * n : 0);
     return p;
 }
@@ -278,9 +282,9 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
     void *gp = pre->data;
     out_plan pdx = plan_out(k, dt, m, l->k, l->n), pdw = plan_out(k, dt, l->n, l->k, xv.rows);
+    const int64_t gws = pdx.ws_floats > pdw.ws_floats ? pdx.ws_floats : pdw.ws_floats; /* then a float32 dbias */
     float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h =
-        opf_workspace(LBWD, (pdx.ws_floats > pdw.ws_floats ? pdx.ws_floats : pdw.ws_floats) + l->n, &l->x, &ws);
+    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, gws + l->n, &l->x, &ws);
     gemm_act_grad_rows(k, dt, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act);
     /* dx (m, k) = g' (m, n) . weight (n, k) */
     gemm_out(k, &pdx, m, l->k, l->n, gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1], dx->data, NULL, dt, NULL,
@@ -297,7 +301,7 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
         }
     }
     if (l->has_bias) {
-        float *db32 = half ? ws + (pdx.ws_floats > pdw.ws_floats ? pdx.ws_floats : pdw.ws_floats) : db->data;
+        float *db32 = half ? ws + gws : db->data;
         gemm_colsum(k, db32, gp, dt, l->n, m, l->n, 0);
         if (half) gemm_store_f32(k, db->data, dt, db32, l->n);
     }
@@ -318,9 +322,7 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
     /* g' is made CHUNK rows at a time: the scratch is CHUNK x N, not M x N,
      * which keeps the backward's peak memory below eager PyTorch's (it
      * materialises the whole gradient of the pre-activation) */
-    int64_t chunk = l->n > 0 ? ((int64_t)2 << 20) / l->n : m; /* ~8 MiB of float32 */
-    if (chunk < 64) chunk = 64;
-    if (chunk > xv.rows) chunk = xv.rows > 0 ? xv.rows : 1;
+    int64_t chunk = chunk_rows(xv.rows, l->n);
     int64_t gp_floats = (chunk * l->n * es + 3) / 4;
     /* the GEMMs: dx rows (chunk, k, n), dweight (n, k, chunk), the recomputed preact (chunk, n, k) */
     int64_t gm = chunk > l->n ? chunk : l->n, gn = l->k > l->n ? l->k : l->n, gk = gm > l->k ? gm : l->k;
