@@ -26,41 +26,31 @@ def main(argv=None):
     # (tokens, hidden in, hidden out): the MLP of a transformer, ratio 4
     mlp = [(128, 64, 256)] if a.smoke else [(128, 1024, 4096), (1024, 1024, 4096), (4096, 1024, 4096), (4096, 4096, 1024)]
     shapes = [(n, n, n) for n in square] + mlp
-    rows = []
-    for threads in sorted({1, all_threads}):
-        torch.set_num_threads(threads)
-        for m, k, n in shapes:
-            peak = fma_peak_gflops(0.1) * threads  # measured next to each shape: the machine's speed drifts
-            x, w = torch.randn(m, k), torch.randn(k, n)
-            torch.testing.assert_close(opforge.matmul(x, w), x @ w, rtol=1e-4, atol=1e-3)
-            t = compare({"opforge": lambda: opforge.matmul(x, w), "torch.mm": lambda: torch.mm(x, w)},
-                        reps=3 if a.smoke else 7, target_s=0.01 if a.smoke else 0.2)
-            flops = 2 * m * n * k
-            row = {"threads": threads, "M": m, "K": k, "N": n, "dtype": "float32",
-                   "opforge_GFLOPs": flops / t["opforge"] / 1e9, "torch_mm_GFLOPs": flops / t["torch.mm"] / 1e9,
-                   "opforge_pct_peak": 100 * flops / t["opforge"] / 1e9 / peak if peak else float("nan"),
-                   "vs_torch_mm": t["torch.mm"] / t["opforge"]}
-            rows.append(row)
-            print(f"{threads} thr {m}x{k}x{n}: {row['opforge_GFLOPs']:.1f} GFLOP/s ({row['opforge_pct_peak']:.0f}% of "
-                  f"{peak:.0f}), torch.mm {row['torch_mm_GFLOPs']:.1f}: {row['vs_torch_mm']:.2f}x", flush=True)
     # bfloat16 (float32 accumulation): the pair kernel where the ISA is avx512_bf16; % of twice the fp32 peak,
     # the rate of one bfloat16 dot product (two products per lane) per FMA slot
-    for threads in sorted({1, all_threads}):
-        torch.set_num_threads(threads)
-        for m, k, n in [(1024, 1024, 1024), (4096, 1024, 4096)] if not a.smoke else [(128, 128, 128)]:
-            peak = 2 * fma_peak_gflops(0.1) * threads
-            x, w = torch.randn(m, k).bfloat16(), torch.randn(k, n).bfloat16()
-            torch.testing.assert_close(opforge.matmul(x, w).float(), x.float() @ w.float(), rtol=2e-2, atol=2e-1)
-            t = compare({"opforge": lambda: opforge.matmul(x, w), "torch.mm": lambda: torch.mm(x, w)},
-                        reps=3 if a.smoke else 7, target_s=0.01 if a.smoke else 0.2)
-            flops = 2 * m * n * k
-            row = {"threads": threads, "M": m, "K": k, "N": n, "dtype": "bfloat16",
-                   "opforge_GFLOPs": flops / t["opforge"] / 1e9, "torch_mm_GFLOPs": flops / t["torch.mm"] / 1e9,
-                   "opforge_pct_peak": 100 * flops / t["opforge"] / 1e9 / peak if peak else float("nan"),
-                   "vs_torch_mm": t["torch.mm"] / t["opforge"]}
-            rows.append(row)
-            print(f"bf16 {threads} thr {m}x{k}x{n}: {row['opforge_GFLOPs']:.1f} GFLOP/s ({row['opforge_pct_peak']:.0f}% of "
-                  f"{peak:.0f}), torch.mm {row['torch_mm_GFLOPs']:.1f}: {row['vs_torch_mm']:.2f}x", flush=True)
+    runs = [(torch.float32, shapes, 1, dict(rtol=1e-4, atol=1e-3)),
+            (torch.bfloat16, [(128, 128, 128)] if a.smoke else [(1024, 1024, 1024), (4096, 1024, 4096)], 2,
+             dict(rtol=2e-2, atol=2e-1))]
+    rows = []
+    for dtype, dtype_shapes, peak_factor, tol in runs:
+        name = str(dtype).split(".")[1]
+        for threads in sorted({1, all_threads}):
+            torch.set_num_threads(threads)
+            for m, k, n in dtype_shapes:
+                peak = peak_factor * fma_peak_gflops(0.1) * threads  # measured next to each shape: speed drifts
+                x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+                torch.testing.assert_close(opforge.matmul(x, w).float(), x.float() @ w.float(), **tol)
+                t = compare({"opforge": lambda: opforge.matmul(x, w), "torch.mm": lambda: torch.mm(x, w)},
+                            reps=3 if a.smoke else 7, target_s=0.01 if a.smoke else 0.2)
+                flops = 2 * m * n * k
+                row = {"threads": threads, "M": m, "K": k, "N": n, "dtype": name,
+                       "opforge_GFLOPs": flops / t["opforge"] / 1e9, "torch_mm_GFLOPs": flops / t["torch.mm"] / 1e9,
+                       "opforge_pct_peak": 100 * flops / t["opforge"] / 1e9 / peak if peak else float("nan"),
+                       "vs_torch_mm": t["torch.mm"] / t["opforge"]}
+                rows.append(row)
+                print(f"{name} {threads} thr {m}x{k}x{n}: {row['opforge_GFLOPs']:.1f} GFLOP/s "
+                      f"({row['opforge_pct_peak']:.0f}% of {peak:.0f}), torch.mm {row['torch_mm_GFLOPs']:.1f}: "
+                      f"{row['vs_torch_mm']:.2f}x", flush=True)
     torch.set_num_threads(all_threads)
     table = write_results("gemm", rows, [
         f"ISA {opforge.get_isa()}; peak = FMA loop measured in this process just before each shape "
