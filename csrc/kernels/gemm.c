@@ -459,21 +459,52 @@ typedef struct gemm_job {
     int64_t kp;  /* packed depth of the K slice: kc, or its pairs */
 } gemm_job;
 
-/* one sliver of the K slice: w rows of an operand (row stride rs, K stride cs), float32 or pairs */
-static void pack_one(const gemm_job *j, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs, int64_t rows,
-                     int w) {
-    if (j->pairs) pack_pairs((uint32_t *)dst, src, dt, rs, cs, rows, j->kc, w);
-    else pack_sliver(j->k, dst, src, dt, rs, cs, rows, j->kc, w);
+/* Float32 lines along the slivers' rows (rs == 1: B as stored, or a
+ * transposed A): slivers [0, ceil(rows / w)) of the K slice at once, K step
+ * outermost. Each step reads one run of `rows` adjacent floats; sliver by
+ * sliver it would be w floats from every K line, lines that are often a
+ * multiple of 4 KiB apart, where the hardware prefetchers do not follow. */
+static void pack_lines_f32(float *dst, const float *src, int64_t cs, int64_t rows, int64_t kc, int w) {
+    enum { AHEAD = 8 }; /* K lines fetched ahead */
+    const int64_t slivers = (rows + w - 1) / w;
+    for (int64_t p = 0; p < kc; p++) {
+        const float *line = src + p * cs;
+        if (p + AHEAD < kc)
+            for (int64_t r = 0; r < rows; r += 16) __builtin_prefetch(line + AHEAD * cs + r);
+        for (int64_t s = 0; s < slivers; s++) {
+            float *d = dst + s * w * kc + p * w;
+            const float *l = line + s * w;
+            int64_t n = rows - s * w < w ? rows - s * w : w;
+            for (int r = 0; r < n; r++) d[r] = l[r];
+            for (int r = (int)n; r < w; r++) d[r] = 0.0f;
+        }
+    }
+}
+
+/* Slivers of `rows` rows of an operand (row stride rs, K stride cs) over the
+ * K slice, w rows each (the last zero padded), into dst: sliver s at
+ * dst + s * w * kp, float32 or pairs */
+static void pack_slivers(const gemm_job *j, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
+                         int64_t rows, int w) {
+    if (!j->pairs && dt == OPF_F32 && rs == 1 && cs != 1) {
+        pack_lines_f32(dst, src, cs, rows, j->kc, w);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += w) {
+        const void *s0 = elem_ptr(src, r0 * rs, dt);
+        int64_t n = rows - r0 < w ? rows - r0 : w;
+        float *d = dst + r0 / w * w * j->kp;
+        if (j->pairs) pack_pairs((uint32_t *)d, s0, dt, rs, cs, n, j->kc, w);
+        else pack_sliver(j->k, d, s0, dt, rs, cs, n, j->kc, w);
+    }
 }
 
 /* A slivers [begin, end) of the K slice into dst (sliver s at (s - base) * mr * kc) */
 static void pack_a_slivers(const gemm_job *j, float *dst, int64_t base, int64_t begin, int64_t end) {
     const int mr = j->k->mr;
-    for (int64_t s = begin; s < end; s++) {
-        int64_t i0 = s * mr, rows = j->m - i0 < mr ? j->m - i0 : mr;
-        pack_one(j, dst + (s - base) * mr * j->kp, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta, j->rsa,
-                 j->csa, rows, mr);
-    }
+    int64_t i0 = begin * mr, i1 = end * mr < j->m ? end * mr : j->m;
+    pack_slivers(j, dst + (begin - base) * mr * j->kp, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta,
+                 j->rsa, j->csa, i1 - i0, mr);
 }
 
 static void pack_a_range(int64_t begin, int64_t end, void *ctx) {
@@ -481,14 +512,12 @@ static void pack_a_range(int64_t begin, int64_t end, void *ctx) {
     pack_a_slivers(j, j->ap, 0, begin, end);
 }
 
-static void pack_b_range(int64_t begin, int64_t end, void *ctx) {
+static void pack_b_range(int64_t begin, int64_t end, void *ctx) { /* B's columns are the slivers' rows */
     const gemm_job *j = ctx;
     const int nr = j->k->nr;
-    for (int64_t s = begin; s < end; s++) {
-        int64_t j0 = s * nr, cols = j->nc - j0 < nr ? j->nc - j0 : nr;
-        pack_one(j, j->bp + s * nr * j->kp, elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb), j->tb,
-                 j->csb, j->rsb, cols, nr); /* B's columns are the sliver's rows */
-    }
+    int64_t j0 = begin * nr, j1 = end * nr < j->nc ? end * nr : j->nc;
+    pack_slivers(j, j->bp + begin * nr * j->kp, elem_ptr(j->b, j->pc * j->rsb + (j->jc + j0) * j->csb, j->tb), j->tb,
+                 j->csb, j->rsb, j1 - j0, nr);
 }
 
 /* Task t: a row block and a column chunk of the panel. Blocks of its own A:
