@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import opforge
-from opforge.benchmark import RESULTS, compare, fma_peak_gflops, peak_memory, write_results
+from opforge.benchmark import RESULTS, compare, fma_probe, peak_memory, write_results
 
 
 def math_attention(q, k, v, causal):
@@ -79,6 +79,7 @@ def main(argv=None):
                 (1, 8, 2048, 64, f32), (4, 8, 128, 64, f32), (4, 8, 512, 64, f32), (1, 8, 1024, 128, f32),
                 (1, 8, 1024, 64, bf16)]
     threads = torch.get_num_threads()
+    probe, probe_flops = fma_probe()
     rows = []
     for b, h, n, d, dtype in grid:
         for causal in (False, True):
@@ -95,10 +96,10 @@ def main(argv=None):
                     t.grad = None
 
             reps, target = (3, 0.01) if a.smoke else (5, 0.3)
-            peak = fma_peak_gflops(0.1) * threads  # measured next to the forward: the machine's speed drifts
-            with torch.no_grad():
-                fwd = compare({name: (lambda f=f: f(q, k, v, causal)) for name, f in VARIANTS.items()},
-                              reps=reps, target_s=target)
+            with torch.no_grad():  # the FMA peak sampled in the same rounds as the forward: speed drifts
+                fwd = compare({**{name: (lambda f=f: f(q, k, v, causal)) for name, f in VARIANTS.items()},
+                               **({"peak": probe} if probe else {})}, reps=reps, target_s=target)
+            peak = probe_flops / fwd["peak"] / 1e9 * threads if probe else 0.0
             both = compare({name: (lambda f=f: step(f)) for name, f in VARIANTS.items()}, reps=reps, target_s=target)
             mem = {name: peak_memory(lambda f=f: step(f)) for name, f in VARIANTS.items()}
             flops = 4 * b * h * d * unmasked_pairs(n, n, causal)
@@ -120,8 +121,8 @@ def main(argv=None):
     table = write_results("attention", rows, [
         f"ISA {opforge.get_isa()}; ratios = baseline time / opforge time (>1: opforge faster); sdpa = "
         "F.scaled_dot_product_attention (PyTorch's fused CPU kernel), math = softmax(q k^T * scale) v in eager ops",
-        f"fwd_pct_peak: unmasked forward FLOPs (4 D per kept query-key pair) / time / FMA peak measured in this "
-        f"process just before (single-thread FMA loop x {threads} threads)",
+        f"fwd_pct_peak: unmasked forward FLOPs (4 D per kept query-key pair) / time / FMA peak: a single-thread "
+        f"FMA loop x {threads} threads, timed as one more variant in the forward's rounds, median against median",
         "peak memory: allocator high-water mark of one forward+backward (the running total of the torch "
         "profiler's memory events), inputs excluded, the same way for every variant",
     ], a.out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import os
+import random
 import statistics
 import sys
 import time
@@ -35,42 +36,63 @@ def _calibrate(fn: Callable[[], object], target_s: float) -> int:
 
 def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float = 0.05) -> dict[str, float]:
     """Median seconds per call of each fn, sampled round-robin so that drift in
-    machine load hits every variant alike."""
+    machine load hits every variant alike. The order changes every round (a
+    fixed shuffle): with calls of a large op, whatever one variant leaves
+    behind (freed memory, cold caches, busy threads) would otherwise always
+    fall on the variant that follows it."""
     for fn in fns.values():  # warm-up (and compile)
         fn()
         fn()
     calls = {name: _calibrate(fn, target_s) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    order, shuffle = list(fns), random.Random(0)
     for _ in range(reps):
-        for name, fn in fns.items():
-            n = calls[name]
+        for name in order:
+            fn, n = fns[name], calls[name]
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
             samples[name].append((time.perf_counter() - t0) / n)
+        shuffle.shuffle(order)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def fma_peak_gflops(seconds: float = 0.2) -> float:
-    """Single-thread fp32 FMA peak of this core, measured now by an FMA loop in
-    C with the widest vectors the CPU has (whatever ISA opforge runs), so "% of
-    peak" is against the machine; 0 where no ISA has a probe."""
+def fma_probe(seconds: float = 0.02) -> tuple[Callable[[], float] | None, float]:
+    """The single-thread fp32 FMA loop in C with the widest vectors the CPU
+    has (whatever ISA opforge runs), sized to about `seconds` a call, and the
+    FLOPs of one call; (None, 0) where no ISA has a probe. Timed as one more
+    variant of compare(), the peak is sampled in the same rounds as the ops it
+    is a peak for: "% of peak" then compares a median to a median."""
     import ctypes
 
     from ._runtime import library
 
     probe = library.dll.opforge_probe_fma
     probe.restype, probe.argtypes = ctypes.c_double, [ctypes.c_int64]
-    iters, best = 1 << 16, 0.0
-    for _ in range(40):
+    iters = 1 << 12
+    while True:
         t0 = time.perf_counter()
         flops = probe(iters)
         dt = time.perf_counter() - t0
         if flops == 0:
-            return 0.0
-        best = max(best, flops / dt / 1e9)
-        if dt < seconds / 8:
-            iters *= 2
+            return None, 0.0
+        if dt >= seconds / 2 or iters >= 1 << 40:
+            break
+        iters *= 2
+    return (lambda: probe(iters)), flops
+
+
+def fma_peak_gflops(seconds: float = 0.2) -> float:
+    """The best of a few runs of fma_probe now, GFLOP/s of one core; 0 where no
+    ISA has a probe."""
+    fn, flops = fma_probe(seconds / 8)
+    if fn is None:
+        return 0.0
+    best = 0.0
+    for _ in range(8):
+        t0 = time.perf_counter()
+        fn()
+        best = max(best, flops / (time.perf_counter() - t0) / 1e9)
     return best
 
 
