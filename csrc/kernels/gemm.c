@@ -481,13 +481,48 @@ static void pack_lines_f32(float *dst, const float *src, int64_t cs, int64_t row
     }
 }
 
+/* The same for bfloat16 pairs (pack_pairs' layout) from bfloat16 or float32
+ * lines: K lines 2p and 2p + 1 are read side by side, one run of `rows`
+ * each, and interleaved into the slivers; zero past kc. */
+static void pack_lines_pairs(uint32_t *dst, const void *src, opf_dtype dt, int64_t cs, int64_t rows, int64_t kc,
+                             int w) {
+    enum { AHEAD = 4 }; /* pairs of K lines fetched ahead */
+    const int64_t slivers = (rows + w - 1) / w, kp = (kc + 1) / 2, es = opf_dtype_size(dt);
+    for (int64_t p = 0; p < kp; p++) {
+        const char *lo = (const char *)src + 2 * p * cs * es, *hi = lo + cs * es;
+        const int odd = 2 * p + 1 == kc;
+        if (p + AHEAD < kp)
+            for (int64_t b = 0; b < rows * es; b += 64) {
+                __builtin_prefetch(lo + 2 * AHEAD * cs * es + b);
+                __builtin_prefetch(hi + 2 * AHEAD * cs * es + b);
+            }
+        for (int64_t s = 0; s < slivers; s++) {
+            uint32_t *d = dst + s * w * kp + p * w;
+            int64_t r0 = s * w, n = rows - r0 < w ? rows - r0 : w;
+            if (dt == OPF_BF16) {
+                const uint16_t *l = (const uint16_t *)lo + r0, *h = (const uint16_t *)hi + r0;
+                if (odd)
+                    for (int r = 0; r < n; r++) d[r] = l[r];
+                else
+                    for (int r = 0; r < n; r++) d[r] = (uint32_t)l[r] | (uint32_t)h[r] << 16;
+            } else {
+                const float *l = (const float *)lo + r0, *h = (const float *)hi + r0;
+                for (int r = 0; r < n; r++)
+                    d[r] = opf_f32_to_bf16(l[r]) | (odd ? 0u : (uint32_t)opf_f32_to_bf16(h[r]) << 16);
+            }
+            for (int r = (int)n; r < w; r++) d[r] = 0;
+        }
+    }
+}
+
 /* Slivers of `rows` rows of an operand (row stride rs, K stride cs) over the
  * K slice, w rows each (the last zero padded), into dst: sliver s at
  * dst + s * w * kp, float32 or pairs */
 static void pack_slivers(const gemm_job *j, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
                          int64_t rows, int w) {
-    if (!j->pairs && dt == OPF_F32 && rs == 1 && cs != 1) {
-        pack_lines_f32(dst, src, cs, rows, j->kc, w);
+    if (rs == 1 && cs != 1 && (dt == OPF_F32 || (j->pairs && dt == OPF_BF16))) {
+        if (j->pairs) pack_lines_pairs((uint32_t *)dst, src, dt, cs, rows, j->kc, w);
+        else pack_lines_f32(dst, src, cs, rows, j->kc, w);
         return;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += w) {

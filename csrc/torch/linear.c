@@ -366,6 +366,10 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
                 }
                 float *dst = (float *)gp + r * l->n;
                 const float *gr = at(g->data, go, l->dt), *pr = recompute ? dst : act ? at(pre->data, po, l->dt) : NULL;
+                if (recompute && half) { /* rounded as the forward stores it: the gradients of a kept preact */
+                    k->from_f32((uint16_t *)prow, dst, l->dt, l->n);
+                    k->to_f32(dst, (const uint16_t *)prow, l->dt, l->n);
+                }
                 if (half || gv.cs != 1) { /* convert / gather to float32 rows first */
                     gemm_load_f32(k, act ? grow : dst, at(g->data, go, l->dt), l->dt, l->n, gv.cs);
                     gr = act ? grow : dst;
