@@ -144,32 +144,57 @@ typedef struct rows_job {
 
 enum { BLOCK16 = 256 }; /* 16-bit rows are converted this many elements at a time */
 
-static void act_grad_range(int64_t begin, int64_t end, void *ctx) {
-    const rows_job *j = ctx;
+/* rows [i0, i1) x columns [c0, c1) of g' = g * act'(pre); with j->db also
+ * db[c] = sum over the rows of g' as stored (16-bit: the rounded values), in
+ * row order as gemm_colsum sums */
+static void act_grad_block(const rows_job *j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
     const int64_t es = opf_dtype_size(j->dt);
-    for (int64_t i = begin; i < end; i++) {
+    float *db = j->db;
+    for (int64_t c = c0; db && c < c1; c++) db[c] = 0.0f;
+    for (int64_t i = i0; i < i1; i++) {
         const char *g = (const char *)j->g + i * j->rsg * es, *pre = (const char *)j->pre + i * j->rsp * es;
         char *out = (char *)j->out + i * j->rso * es;
         if (j->dt == OPF_F32) {
-            j->k->act_grad((float *)out, (const float *)g, (const float *)pre, j->n, j->act);
+            float *o = (float *)out;
+            j->k->act_grad(o + c0, (const float *)g + c0, (const float *)pre + c0, c1 - c0, j->act);
+            for (int64_t c = c0; db && c < c1; c++) db[c] += o[c];
             continue;
         }
         float gb[BLOCK16], pb[BLOCK16];
-        for (int64_t c = 0; c < j->n; c += BLOCK16) {
-            int64_t len = j->n - c < BLOCK16 ? j->n - c : BLOCK16;
+        for (int64_t c = c0; c < c1; c += BLOCK16) {
+            int64_t len = c1 - c < BLOCK16 ? c1 - c : BLOCK16;
             j->k->to_f32(gb, (const uint16_t *)g + c, j->dt, len);
             j->k->to_f32(pb, (const uint16_t *)pre + c, j->dt, len);
             j->k->act_grad(gb, gb, pb, len, j->act);
             j->k->from_f32((uint16_t *)out + c, gb, j->dt, len);
+            if (!db) continue;
+            j->k->to_f32(gb, (const uint16_t *)out + c, j->dt, len);
+            for (int64_t e = 0; e < len; e++) db[c + e] += gb[e];
         }
     }
 }
 
+static void act_grad_rows_range(int64_t begin, int64_t end, void *ctx) {
+    const rows_job *j = ctx;
+    act_grad_block(j, begin, end, 0, j->n);
+}
+
+static void act_grad_cols_range(int64_t begin, int64_t end, void *ctx) {
+    const rows_job *j = ctx;
+    act_grad_block(j, 0, j->m, begin, end);
+}
+
 void gemm_act_grad_rows(const gemm_kernels *k, opf_dtype dt, void *out, int64_t rso, const void *g, int64_t rsg,
-                        const void *pre, int64_t rsp, int64_t m, int64_t n, int act) {
+                        const void *pre, int64_t rsp, int64_t m, int64_t n, int act, float *db) {
     rows_job j = {.k = k, .dt = dt, .out = out, .g = g, .pre = pre, .rso = rso, .rsg = rsg, .rsp = rsp, .n = n,
-                  .act = act};
-    opf_parallel_for(0, m, n > 0 ? 1 + 32768 / n : 1, act_grad_range, &j);
+                  .act = act, .db = db, .m = m};
+    if (db && n >= 256 * opf_num_threads()) { /* threads split the columns: each sums its own */
+        opf_parallel_for(0, n, 256, act_grad_cols_range, &j);
+        return;
+    }
+    j.db = NULL; /* too few columns for every thread: rows, then the sums */
+    opf_parallel_for(0, m, n > 0 ? 1 + 32768 / n : 1, act_grad_rows_range, &j);
+    if (db) gemm_colsum(k, db, out, dt, rso, m, n, 0);
 }
 
 static void colsum_range(int64_t begin, int64_t end, void *ctx) {

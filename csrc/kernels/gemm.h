@@ -147,9 +147,11 @@ double gemm_act_grad_f64(int act, double x);
 
 /* Row blocks of g' = g * act'(pre) over (m, n) matrices of type dt (float32,
  * bfloat16 or float16; 16-bit ones computed in float32 and rounded once) with
- * row strides, threaded. out may be pre (in place). */
+ * row strides, threaded. out may be pre (in place). With db (optional, n
+ * floats) also db[j] = sum_i g'[i, j] of g' as stored, in the same pass: what
+ * gemm_colsum gives, without reading g' again. */
 void gemm_act_grad_rows(const gemm_kernels *k, opf_dtype dt, void *out, int64_t rso, const void *g, int64_t rsg,
-                        const void *pre, int64_t rsp, int64_t m, int64_t n, int act);
+                        const void *pre, int64_t rsp, int64_t m, int64_t n, int act, float *db);
 /* db[j] = (beta ? db[j] : 0) + sum_i g[i, j] in float32 over g of type dt; threaded over columns. */
 void gemm_colsum(const gemm_kernels *k, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
                  int beta);

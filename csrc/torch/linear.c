@@ -265,8 +265,9 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
 /* The backward when preact may be overwritten (linear_backward_): float32,
  * bfloat16 or float16, an activation, preact and grad single matrices of unit
  * column stride, x's rows one or more matrices (one for 16-bit types). g'
- * replaces preact in one threaded pass (16-bit types: computed in float32,
- * rounded once, as PyTorch's activation backward rounds it), then
+ * replaces preact in one threaded pass that also sums dbias (16-bit types:
+ * computed in float32, rounded once, as PyTorch's activation backward rounds
+ * it), then
  * dx = g' weight and dweight = g'^T x are one GEMM each over all M rows (no
  * scratch for g', and dweight's sum over M stays in the GEMM's registers
  * instead of being re-read and re-written per row chunk). Returns 0 where it
@@ -285,7 +286,8 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
     const int64_t gws = pdx.ws_floats > pdw.ws_floats ? pdx.ws_floats : pdw.ws_floats; /* then a float32 dbias */
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, gws + l->n, &l->x, &ws);
-    gemm_act_grad_rows(k, dt, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act);
+    float *db32 = !l->has_bias ? NULL : half ? ws + gws : db->data;
+    gemm_act_grad_rows(k, dt, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act, db32); /* and dbias */
     /* dx (m, k) = g' (m, n) . weight (n, k) */
     gemm_out(k, &pdx, m, l->k, l->n, gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1], dx->data, NULL, dt, NULL,
              GEMM_ACT_NONE, ws);
@@ -300,11 +302,7 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
                      (const float *)l->x.data + matrix_offset(&l->x, &xv, i), xv.rs, xv.cs, dw->data, l->k, &acc, ws);
         }
     }
-    if (l->has_bias) {
-        float *db32 = half ? ws + gws : db->data;
-        gemm_colsum(k, db32, gp, dt, l->n, m, l->n, 0);
-        if (half) gemm_store_f32(k, db->data, dt, db32, l->n);
-    }
+    if (l->has_bias && half) gemm_store_f32(k, db->data, dt, db32, l->n);
     return 1;
 }
 

@@ -78,6 +78,49 @@ static void test_act_grad(const gemm_kernels *k) {
     }
 }
 
+/* g' = g * act'(pre) over strided rows, in place or not, with and without
+ * the fused dbias sums (few columns: rows split, then sums; many: columns
+ * split, each thread summing its own), float32 and 16-bit: against g' from
+ * the scalar derivative and sums in double of g' as stored */
+static void test_act_grad_rows(const gemm_kernels *k) {
+    const opf_dtype dts[] = {OPF_F32, OPF_BF16, OPF_F16};
+    const int64_t shapes[][2] = {{5, 3}, {37, 100}, {19, 1500}};
+    unsigned long long seed = 11;
+    for (int d = 0; d < 3; d++)
+        for (int si = 0; si < 3; si++)
+            for (int mode = 0; mode < 4; mode++) { /* in place or not, x sums or not */
+                const int in_place = mode & 1, sums = mode >> 1;
+                const opf_dtype dt = dts[d];
+                const int64_t m = shapes[si][0], n = shapes[si][1], rsg = n + 5, rsp = n + 3, es = opf_dtype_size(dt);
+                const int act = 1 + (d + si + mode) % (GEMM_ACT_COUNT - 1);
+                char *g = malloc(m * rsg * es), *pre = malloc(m * rsp * es), *sep = malloc(m * rsp * es);
+                float *db = malloc(n * sizeof(float));
+                double *want = malloc(m * n * sizeof(double));
+                for (int64_t e = 0; e < m * rsg; e++) opf_store_elem(g, e, dt, check_uniform(&seed) * 2 - 1);
+                for (int64_t e = 0; e < m * rsp; e++) opf_store_elem(pre, e, dt, check_uniform(&seed) * 8 - 4);
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t c = 0; c < n; c++)
+                        want[i * n + c] = opf_load_elem(g, i * rsg + c, dt) *
+                                          gemm_act_grad_f64(act, opf_load_elem(pre, i * rsp + c, dt));
+                char *out = in_place ? pre : sep;
+                gemm_act_grad_rows(k, dt, out, rsp, g, rsg, pre, rsp, m, n, act, sums ? db : NULL);
+                const double tol = dt == OPF_F32 ? 4e-6 : dt == OPF_BF16 ? 8e-3 : 1e-3;
+                int64_t bad = 0, bad_sums = 0;
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t c = 0; c < n; c++)
+                        bad += fabs(opf_load_elem(out, i * rsp + c, dt) - want[i * n + c]) > tol * (1 + fabs(want[i * n + c]));
+                for (int64_t c = 0; sums && c < n; c++) { /* the sums of g' as stored */
+                    double sum = 0;
+                    for (int64_t i = 0; i < m; i++) sum += opf_load_elem(out, i * rsp + c, dt);
+                    bad_sums += fabs(db[c] - sum) > 1e-6 * m * (1 + fabs(sum));
+                }
+                CHECK(bad == 0 && bad_sums == 0, "%s act_grad_rows %s m=%lld n=%lld in_place=%d sums=%d: %lld bad, %lld bad sums",
+                      k->name, dt == OPF_F32 ? "f32" : dt == OPF_BF16 ? "bf16" : "f16", (long long)m, (long long)n,
+                      in_place, sums, (long long)bad, (long long)bad_sums);
+                free(g), free(pre), free(sep), free(db), free(want);
+            }
+}
+
 /* bfloat16 / float16 operands, converted while packed: against the oracle on
  * the same (rounded) values */
 static void test_half_operands(const gemm_kernels *k) {
@@ -246,6 +289,7 @@ static void test_conversions(const gemm_kernels *k) {
 
 static void test_variant(const gemm_kernels *k) {
     test_act_grad(k);
+    test_act_grad_rows(k);
     test_conversions(k);
     test_half_operands(k);
     test_out16(k);
