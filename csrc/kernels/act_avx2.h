@@ -20,8 +20,9 @@ static inline __m256 tanh8(__m256 u) {
     return _mm256_or_ps(t, _mm256_and_ps(u, sign));
 }
 
-/* erf(x), Abramowitz-Stegun 7.1.26 refined: |error| < 1.5e-7 */
-static inline __m256 erf8(__m256 x) {
+/* erf(x), Abramowitz-Stegun 7.1.26 refined: |error| < 1.5e-7; *e gets the
+ * exp(-x^2) it is made of (GELU's derivative needs it too: its pdf term) */
+static inline __m256 erf8e(__m256 x, __m256 *e) {
     const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
     __m256 a = _mm256_andnot_ps(sign, x);
     __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), a, one));
@@ -31,8 +32,14 @@ static inline __m256 erf8(__m256 x) {
     p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
     p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
     p = _mm256_mul_ps(p, t);
-    __m256 y = _mm256_fnmadd_ps(p, exp8(_mm256_mul_ps(_mm256_mul_ps(a, a), _mm256_set1_ps(-1.0f))), one);
+    *e = exp8(_mm256_mul_ps(_mm256_mul_ps(a, a), _mm256_set1_ps(-1.0f)));
+    __m256 y = _mm256_fnmadd_ps(p, *e, one);
     return _mm256_or_ps(y, _mm256_and_ps(x, sign));
+}
+
+static inline __m256 erf8(__m256 x) {
+    __m256 e;
+    return erf8e(x, &e);
 }
 
 static inline __m256 act8(int act, __m256 v) {
@@ -59,11 +66,10 @@ static inline __m256 act_grad8(int act, __m256 x) {
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     switch (act) {
     case GEMM_ACT_RELU: return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ), one);
-    case GEMM_ACT_GELU: {
-        __m256 cdf = _mm256_mul_ps(half, _mm256_add_ps(one, erf8(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)))));
-        __m256 pdf = _mm256_mul_ps(exp8(_mm256_mul_ps(_mm256_set1_ps(-0.5f), _mm256_mul_ps(x, x))),
-                                   _mm256_set1_ps(0.3989422804014327f));
-        return _mm256_fmadd_ps(x, pdf, cdf);
+    case GEMM_ACT_GELU: { /* Phi(x) + x phi(x); erf(x / sqrt 2) is made of exp(-x^2 / 2), phi's exponential */
+        __m256 e;
+        __m256 cdf = _mm256_mul_ps(half, _mm256_add_ps(one, erf8e(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)), &e)));
+        return _mm256_fmadd_ps(x, _mm256_mul_ps(e, _mm256_set1_ps(0.3989422804014327f)), cdf);
     }
     case GEMM_ACT_GELU_TANH: {
         const __m256 k = _mm256_set1_ps(0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
