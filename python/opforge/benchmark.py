@@ -14,7 +14,7 @@ import random
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,12 +34,14 @@ def _calibrate(fn: Callable[[], object], target_s: float) -> int:
         n *= 4
 
 
-def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float = 0.05) -> dict[str, float]:
-    """Median seconds per call of each fn, sampled round-robin so that drift in
-    machine load hits every variant alike. The order changes every round (a
-    fixed shuffle): with calls of a large op, whatever one variant leaves
-    behind (freed memory, cold caches, busy threads) would otherwise always
-    fall on the variant that follows it."""
+def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float = 0.05,
+            stat: Callable[[list[float]], Any] = statistics.median) -> dict[str, Any]:
+    """Median seconds per call of each fn (or another `stat` of its samples,
+    such as min), sampled round-robin so that drift in machine load hits every
+    variant alike. The order changes every round (a fixed shuffle): with calls
+    of a large op, whatever one variant leaves behind (freed memory, cold
+    caches, busy threads) would otherwise always fall on the variant that
+    follows it."""
     for fn in fns.values():  # warm-up (and compile)
         fn()
         fn()
@@ -54,7 +56,7 @@ def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float
                 fn()
             samples[name].append((time.perf_counter() - t0) / n)
         shuffle.shuffle(order)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return {name: stat(s) for name, s in samples.items()}
 
 
 def fma_probe(seconds: float = 0.02) -> tuple[Callable[[], float] | None, float]:
