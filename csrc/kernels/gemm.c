@@ -350,13 +350,8 @@ static void pack_sliver(const gemm_kernels *k, float *dst, const void *src, opf_
         }
         return;
     }
-    if (rs == 1 && rows == w) { /* a full line of w per K step (B as stored, A transposed): copy or convert */
-        for (int64_t p = 0; p < kc; p++) {
-            if (dt == OPF_F32)
-                for (int r = 0; r < w; r++) dst[p * w + r] = ((const float *)src)[p * cs + r];
-            else
-                k->to_f32(dst + p * w, (const uint16_t *)src + p * cs, dt, w);
-        }
+    if (rs == 1 && rows == w && dt != OPF_F32) { /* a full 16-bit line of w per K step (float32: pack_lines_f32) */
+        for (int64_t p = 0; p < kc; p++) k->to_f32(dst + p * w, (const uint16_t *)src + p * cs, dt, w);
         return;
     }
     if (dt == OPF_F32) {
@@ -394,22 +389,6 @@ static void pack_pairs(uint32_t *dst, const void *a, opf_dtype dt, int64_t rs, i
                 for (int64_t p = p0; p < fe; p++) dst[p * w + r] = (uint32_t)row[2 * p] | (uint32_t)row[2 * p + 1] << 16;
                 if (pe > full) dst[full * w + r] = row[kc - 1];
             }
-        }
-        return;
-    }
-    if (rs == 1) { /* rows adjacent (a transposed operand): interleave two K lines */
-        for (int64_t p = 0; p < kp; p++) {
-            int64_t lo = 2 * p * cs, hi = (2 * p + 1) * cs;
-            const int odd = 2 * p + 1 == kc;
-            if (dt == OPF_BF16) {
-                const uint16_t *l = (const uint16_t *)a + lo, *h = (const uint16_t *)a + hi;
-                for (int64_t r = 0; r < rows; r++) dst[p * w + r] = (uint32_t)l[r] | (odd ? 0u : (uint32_t)h[r] << 16);
-            } else {
-                const float *l = (const float *)a + lo, *h = (const float *)a + hi;
-                for (int64_t r = 0; r < rows; r++)
-                    dst[p * w + r] = opf_f32_to_bf16(l[r]) | (odd ? 0u : (uint32_t)opf_f32_to_bf16(h[r]) << 16);
-            }
-            for (int64_t r = rows; r < w; r++) dst[p * w + r] = 0;
         }
         return;
     }
@@ -545,7 +524,7 @@ static void pack_lines_pairs(uint32_t *dst, const void *src, opf_dtype dt, int64
  * dst + s * w * kp, float32 or pairs */
 static void pack_slivers(const gemm_job *j, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
                          int64_t rows, int w) {
-    if (rs == 1 && cs != 1 && (dt == OPF_F32 || (j->pairs && dt == OPF_BF16))) {
+    if (rs == 1 && cs != 1 && (j->pairs || dt == OPF_F32)) { /* pairs come from bfloat16 or float32 */
         if (j->pairs) pack_lines_pairs((uint32_t *)dst, src, dt, cs, rows, j->kc, w);
         else pack_lines_f32(dst, src, cs, rows, j->kc, w);
         return;

@@ -84,20 +84,6 @@ def fma_probe(seconds: float = 0.02) -> tuple[Callable[[], float] | None, float]
     return (lambda: probe(iters)), flops
 
 
-def fma_peak_gflops(seconds: float = 0.2) -> float:
-    """The best of a few runs of fma_probe now, GFLOP/s of one core; 0 where no
-    ISA has a probe."""
-    fn, flops = fma_probe(seconds / 8)
-    if fn is None:
-        return 0.0
-    best = 0.0
-    for _ in range(8):
-        t0 = time.perf_counter()
-        fn()
-        best = max(best, flops / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
 def peak_memory(fn: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator held during one call of fn, above what it
     held before: the high-water mark of the allocator's running total, read
