@@ -1,5 +1,5 @@
+#define _POSIX_C_SOURCE 200809L /* sysconf, pthreads */
 /*
-#define _POSIX_C_SOURCE 200809L
  * parallel_for. Inside PyTorch the glue installs a backend over
  * torch_parallel_for (torch's intra-op pool, so torch.set_num_threads holds and
  * no second thread pool competes for the cores). Standalone (the C tests) the
