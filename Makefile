@@ -32,10 +32,15 @@ demo: build
 build/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include
 
-ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction build/ctest/test_gemm build/ctest/test_attention
+# the AMX kernel over a C model of its tile instructions, for CPUs without AMX
+build/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
+	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_AMX_EMULATE
+
+ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction build/ctest/test_gemm build/ctest/test_gemm_amx_emulated build/ctest/test_attention
 	./build/ctest/test_runtime
 	./build/ctest/test_dispersion_correction
 	./build/ctest/test_gemm
+	./build/ctest/test_gemm_amx_emulated
 	./build/ctest/test_attention
 
 # torch's C++ headers and ours in one C++ file: a drifted signature fails here.

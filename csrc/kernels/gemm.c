@@ -4,6 +4,7 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <string.h>
 #ifdef __SSE2__
 #include <xmmintrin.h> /* every x86-64 CPU: the packing's 4 x 4 transposes */
 #endif
@@ -248,8 +249,10 @@ const gemm_kernels gemm_kernels_ref = {.name = "ref_4x4", .mr = 4, .nr = 4, .mc 
 extern const gemm_kernels gemm_kernels_avx2 __attribute__((weak));
 extern const gemm_kernels gemm_kernels_avx512 __attribute__((weak));
 extern const gemm_kernels gemm_kernels_avx512_bf16 __attribute__((weak));
+extern const gemm_kernels gemm_kernels_amx __attribute__((weak));
 
 const gemm_kernels *gemm_kernels_for(opf_isa isa) {
+    if (isa >= OPF_ISA_AMX && &gemm_kernels_amx) return &gemm_kernels_amx;
     if (isa >= OPF_ISA_AVX512_BF16 && &gemm_kernels_avx512_bf16) return &gemm_kernels_avx512_bf16;
     if (isa >= OPF_ISA_AVX512 && &gemm_kernels_avx512) return &gemm_kernels_avx512;
     if (isa >= OPF_ISA_AVX2 && &gemm_kernels_avx2) return &gemm_kernels_avx2;
@@ -420,6 +423,7 @@ static gemm_plan plan_for(const gemm_kernels *k, int64_t m, int64_t kdim) {
     gemm_plan p;
     int64_t threads = opf_num_threads();
     p.kc_max = kdim < k->kc ? kdim : k->kc;
+    if (k->tile_pairs) p.kc_max = round_up(p.kc_max, k->tile_pairs); /* zero pairs up to a whole tile */
     p.slivers = (m + k->mr - 1) / k->mr;
     p.mblocks = round_up((m + k->mc - 1) / k->mc, threads);
     if (p.mblocks > p.slivers) p.mblocks = p.slivers;
@@ -446,7 +450,12 @@ int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64
     if (m <= 0 || n <= 0 || kdim <= 0) return 0;
     gemm_plan p = plan_for(k, m, kdim);
     int64_t nc = n < k->nc ? n : k->nc;
-    return a_region_floats(k, &p, m) + round_up(nc, k->nr) * p.kc_max;
+    int64_t floats = a_region_floats(k, &p, m) + round_up(nc, k->nr) * p.kc_max;
+    if (k->f32) { /* either table may run: room for the larger */
+        int64_t other = gemm_workspace_floats(k->f32, m, n, kdim);
+        if (other > floats) floats = other;
+    }
+    return floats;
 }
 
 typedef struct gemm_job {
@@ -485,11 +494,17 @@ static void pack_lines_f32(float *dst, const float *src, int64_t cs, int64_t row
     }
 }
 
+/* Pairs [kp, kps) of each of `slivers` slivers (stride w * kps): zero */
+static void zero_pairs(uint32_t *dst, int64_t slivers, int w, int64_t kp, int64_t kps) {
+    for (int64_t s = 0; kp < kps && s < slivers; s++) memset(dst + s * w * kps + kp * w, 0, sizeof(uint32_t) * w * (kps - kp));
+}
+
 /* The same for bfloat16 pairs (pack_pairs' layout) from bfloat16 or float32
  * lines: K lines 2p and 2p + 1 are read side by side, one run of `rows`
- * each, and interleaved into the slivers; zero past kc. */
+ * each, and interleaved into the slivers; zero past kc, and pairs [kp, kps)
+ * zero where the sliver stride w * kps is deeper (tile_pairs). */
 static void pack_lines_pairs(uint32_t *dst, const void *src, opf_dtype dt, int64_t cs, int64_t rows, int64_t kc,
-                             int w) {
+                             int w, int64_t kps) {
     enum { AHEAD = 4 }; /* pairs of K lines fetched ahead */
     const int64_t slivers = (rows + w - 1) / w, kp = (kc + 1) / 2, es = opf_dtype_size(dt);
     for (int64_t p = 0; p < kp; p++) {
@@ -501,7 +516,7 @@ static void pack_lines_pairs(uint32_t *dst, const void *src, opf_dtype dt, int64
                 __builtin_prefetch(hi + 2 * AHEAD * cs * es + b);
             }
         for (int64_t s = 0; s < slivers; s++) {
-            uint32_t *d = dst + s * w * kp + p * w;
+            uint32_t *d = dst + s * w * kps + p * w;
             int64_t r0 = s * w, n = rows - r0 < w ? rows - r0 : w;
             if (dt == OPF_BF16) {
                 const uint16_t *l = (const uint16_t *)lo + r0, *h = (const uint16_t *)hi + r0;
@@ -517,6 +532,7 @@ static void pack_lines_pairs(uint32_t *dst, const void *src, opf_dtype dt, int64
             for (int r = (int)n; r < w; r++) d[r] = 0;
         }
     }
+    zero_pairs(dst, slivers, w, kp, kps);
 }
 
 /* Slivers of `rows` rows of an operand (row stride rs, K stride cs) over the
@@ -525,7 +541,7 @@ static void pack_lines_pairs(uint32_t *dst, const void *src, opf_dtype dt, int64
 static void pack_slivers(const gemm_job *j, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
                          int64_t rows, int w) {
     if (rs == 1 && cs != 1 && (j->pairs || dt == OPF_F32)) { /* pairs come from bfloat16 or float32 */
-        if (j->pairs) pack_lines_pairs((uint32_t *)dst, src, dt, cs, rows, j->kc, w);
+        if (j->pairs) pack_lines_pairs((uint32_t *)dst, src, dt, cs, rows, j->kc, w, j->kp);
         else pack_lines_f32(dst, src, cs, rows, j->kc, w);
         return;
     }
@@ -533,8 +549,37 @@ static void pack_slivers(const gemm_job *j, float *dst, const void *src, opf_dty
         const void *s0 = elem_ptr(src, r0 * rs, dt);
         int64_t n = rows - r0 < w ? rows - r0 : w;
         float *d = dst + r0 / w * w * j->kp;
-        if (j->pairs) pack_pairs((uint32_t *)d, s0, dt, rs, cs, n, j->kc, w);
-        else pack_sliver(j->k, d, s0, dt, rs, cs, n, j->kc, w);
+        if (j->pairs) {
+            pack_pairs((uint32_t *)d, s0, dt, rs, cs, n, j->kc, w);
+            zero_pairs((uint32_t *)d, 1, w, (j->kc + 1) / 2, j->kp);
+        } else {
+            pack_sliver(j->k, d, s0, dt, rs, cs, n, j->kc, w);
+        }
+    }
+}
+
+/* A's slivers for a tile pair kernel (gemm_kernels.tile_pairs): each block
+ * of tp pairs is packed as pack_slivers packs a slice of 2 tp, then turned
+ * into tile rows (row r: its tp pairs side by side). */
+static void pack_tile_rows(const gemm_job *j, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
+                           int64_t rows) {
+    enum { TP_MAX = 16, MR_MAX = 32 };
+    const int w = j->k->mr, tp = j->k->tile_pairs;
+    uint32_t blk[TP_MAX * MR_MAX];
+    for (int64_t r0 = 0; r0 < rows; r0 += w) {
+        int64_t n = rows - r0 < w ? rows - r0 : w;
+        uint32_t *d = (uint32_t *)dst + r0 / w * w * j->kp;
+        for (int64_t p0 = 0; p0 < j->kp; p0 += tp, d += w * tp) {
+            int64_t k0 = 2 * p0, kc = j->kc - k0 < 2 * tp ? j->kc - k0 : 2 * tp;
+            memset(blk, 0, sizeof(uint32_t) * w * tp);
+            if (kc > 0) {
+                const void *s0 = elem_ptr(src, r0 * rs + k0 * cs, dt);
+                if (rs == 1 && cs != 1) pack_lines_pairs(blk, s0, dt, cs, n, kc, w, tp);
+                else pack_pairs(blk, s0, dt, rs, cs, n, kc, w);
+            }
+            for (int r = 0; r < w; r++)
+                for (int q = 0; q < tp; q++) d[r * tp + q] = blk[q * w + r];
+        }
     }
 }
 
@@ -542,8 +587,9 @@ static void pack_slivers(const gemm_job *j, float *dst, const void *src, opf_dty
 static void pack_a_slivers(const gemm_job *j, float *dst, int64_t base, int64_t begin, int64_t end) {
     const int mr = j->k->mr;
     int64_t i0 = begin * mr, i1 = end * mr < j->m ? end * mr : j->m;
-    pack_slivers(j, dst + (begin - base) * mr * j->kp, elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta), j->ta,
-                 j->rsa, j->csa, i1 - i0, mr);
+    const void *src = elem_ptr(j->a, i0 * j->rsa + j->pc * j->csa, j->ta);
+    if (j->pairs && j->k->tile_pairs) pack_tile_rows(j, dst + (begin - base) * mr * j->kp, src, j->ta, j->rsa, j->csa, i1 - i0);
+    else pack_slivers(j, dst + (begin - base) * mr * j->kp, src, j->ta, j->rsa, j->csa, i1 - i0, mr);
 }
 
 static void pack_a_range(int64_t begin, int64_t end, void *ctx) {
@@ -622,6 +668,7 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
                int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
                int64_t rsc, const gemm_epilogue *ep, float *workspace) {
     if (m <= 0 || n <= 0) return;
+    if (k->f32 && !use_pairs(k, ta, tb)) k = k->f32;
     if (kdim <= 0) { /* empty sum: the epilogue alone */
         gemm_ref_f32(m, n, 0, NULL, 0, 0, NULL, 0, 0, c, rsc, ep);
         return;
@@ -646,6 +693,7 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
             j.pc = pc;
             j.kc = kdim - pc < depth ? kdim - pc : depth;
             j.kp = j.pairs ? (j.kc + 1) / 2 : j.kc;
+            if (j.pairs && k->tile_pairs) j.kp = round_up(j.kp, k->tile_pairs);
             opf_parallel_for(0, nslivers, 16, pack_b_range, &j);
             if (!plan.own_a) opf_parallel_for(0, mslivers, 16, pack_a_range, &j); /* blocks shared by tasks */
             opf_parallel_for(0, j.plan.workers, 1, compute_workers, &j);

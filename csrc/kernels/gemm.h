@@ -89,20 +89,30 @@ typedef void (*gemm_to_f32_fn)(float *dst, const uint16_t *src, int dt, int64_t 
 typedef void (*gemm_from_f32_fn)(uint16_t *dst, const float *src, int dt, int64_t n);
 
 typedef struct gemm_kernels {
-    const char *name; /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32" */
-    int mr, nr;       /* register block */
+    const char *name; /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32", "amx_32x32" */
+    int mr, nr;       /* register block (of the pair kernel, where `f32` is set) */
     int64_t mc, kc, nc; /* cache blocks: A block MC x KC in L2, B panel KC x NC in L3 */
     gemm_ukernel_fn ukernel;
     gemm_ukernel_pairs_fn ukernel_pairs; /* NULL: bfloat16 operands are converted to float32 */
     gemm_act_grad_fn act_grad;
     gemm_to_f32_fn to_f32;
     gemm_from_f32_fn from_f32;
+    /* Tile layout of the pair kernel (AMX): 0, or the pairs of one tile row
+     * (16). Then A slivers are packed a tile at a time, row-major:
+     * Ap[(p / tile_pairs) * MR * tile_pairs + r * tile_pairs + p % tile_pairs]
+     * pairs A(r, 2p), A(r, 2p+1); B keeps the layout above; and the packed
+     * depth of both is padded with zero pairs to a multiple of tile_pairs. */
+    int tile_pairs;
+    /* The table products that are not multiplied as pairs run on (a pair
+     * kernel whose MR / NR the float32 kernel does not share); NULL: this one */
+    const struct gemm_kernels *f32;
 } gemm_kernels;
 
 extern const gemm_kernels gemm_kernels_ref;
 extern const gemm_kernels gemm_kernels_avx2;   /* gemm_avx2.c */
 extern const gemm_kernels gemm_kernels_avx512; /* gemm_avx512.c */
 extern const gemm_kernels gemm_kernels_avx512_bf16; /* gemm_avx512.c: the same plus the pair kernel */
+extern const gemm_kernels gemm_kernels_amx;         /* gemm_amx.c: AMX-BF16 tiles for pairs, else avx512 */
 
 const gemm_kernels *gemm_kernels_for(opf_isa isa);
 

@@ -1,4 +1,5 @@
 /* CPU feature detection (cpuid + XCR0) and the process-wide ISA choice. */
+#define _DEFAULT_SOURCE /* syscall */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,6 +8,10 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 static uint64_t xgetbv0(void) {
     uint32_t lo, hi;
@@ -24,6 +29,7 @@ static void detect(opf_cpu_features *f) {
         uint64_t xcr0 = xgetbv0();
         f->os_avx = (xcr0 & 0x6) == 0x6;            /* XMM and YMM state */
         f->os_avx512 = (xcr0 & 0xe6) == 0xe6;       /* + opmask, ZMM_Hi256, Hi16_ZMM */
+        f->os_amx = (xcr0 & 0x60000) == 0x60000;    /* XTILECFG, XTILEDATA */
     }
     if (__get_cpuid_max(0, NULL) >= 7) {
         __cpuid_count(7, 0, a, b, c, d);
@@ -45,8 +51,24 @@ static void detect(opf_cpu_features *f) {
         f->model[48] = '\0';
     }
 }
+
+/* Linux hands out the 8 KiB tile state per process on request (5.16 and
+ * later); without it the first tile instruction faults. Asked once. */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+        enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+        state = 0;
+#endif
+    }
+    return state;
+}
 #else
 static void detect(opf_cpu_features *f) { (void)f; }
+static int amx_permitted(void) { return 0; }
 #endif
 
 static opf_cpu_features features;
@@ -68,7 +90,7 @@ const opf_cpu_features *opf_cpu(void) {
     return &features;
 }
 
-static const char *const isa_names[OPF_ISA_COUNT] = {"ref", "avx2", "avx512", "avx512_bf16"};
+static const char *const isa_names[OPF_ISA_COUNT] = {"ref", "avx2", "avx512", "avx512_bf16", "amx"};
 
 const char *opf_isa_name(opf_isa isa) {
     return (unsigned)isa < OPF_ISA_COUNT ? isa_names[isa] : "unknown";
@@ -83,6 +105,8 @@ static int isa_supported(opf_isa isa) {
         return isa_supported(OPF_ISA_AVX2) && f->os_avx512 && f->avx512f && f->avx512bw &&
                f->avx512vl && f->avx512dq;
     case OPF_ISA_AVX512_BF16: return isa_supported(OPF_ISA_AVX512) && f->avx512bf16;
+    case OPF_ISA_AMX:
+        return isa_supported(OPF_ISA_AVX512_BF16) && f->amx_tile && f->amx_bf16 && f->os_amx && amx_permitted();
     default: return 0;
     }
 }

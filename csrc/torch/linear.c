@@ -10,7 +10,7 @@
  *   linear_backward_(...): the same, free to overwrite preact (the autograd
  *       wiring's choice when the saved preact is no one else's)
  * float32 runs the blocked GEMM of csrc/kernels/gemm.c. bfloat16 runs it on
- * bfloat16 pairs where the CPU has AVX512-BF16 (the avx512_bf16 ISA), else on
+ * bfloat16 pairs where the CPU has AVX512-BF16 (the avx512_bf16 ISA; amx: AMX tiles), else on
  * operands converted to float32 while packed, as float16 always does; both
  * accumulate in float32 and round once, in the GEMM's epilogue. float64 runs
  * the oracle (gradcheck). Operands of any strides are read in place; outputs are

@@ -2,7 +2,7 @@
 
 Used by setup.py for opforge's own library. It imports nothing from torch at
 module level so that setup.py can load it by path before opforge is built.
-Files named ``*_avx2.c`` / ``*_avx512.c`` get that ISA's ``-m`` flags and no
+Files named ``*_avx2.c`` / ``*_avx512.c`` / ``*_amx.c`` get that ISA's ``-m`` flags and no
 other file does: the library runs on any x86-64 CPU and picks kernels at run
 time. Never ``-march=native``.
 """
@@ -33,6 +33,7 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
+ISA_FLAGS["amx"] = ISA_FLAGS["avx512"] + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
 
 
 class BuildError(RuntimeError):
@@ -151,10 +152,13 @@ def build_library(
     return output
 
 
-def build_test_binary(sources: list[str], output: str, include_dirs: list[str], build_dir: str) -> str:
+def build_test_binary(
+    sources: list[str], output: str, include_dirs: list[str], build_dir: str, defines: list[str] | None = None
+) -> str:
     """Compiles a standalone C test (kernels + runtime, no torch) with the
-    library's flags, so the tests exercise exactly what ships."""
-    objs = compile_objects(sources, include_dirs, build_dir, ["-g"])
+    library's flags, so the tests exercise exactly what ships (plus ``defines``,
+    e.g. a test model of instructions the CPU lacks)."""
+    objs = compile_objects(sources, include_dirs, build_dir, ["-g", *(f"-D{d}" for d in defines or [])])
     _run([compiler(), *objs, "-lpthread", "-lm", "-o", output])
     return output
 
@@ -166,5 +170,8 @@ if __name__ == "__main__":
     p.add_argument("output")
     p.add_argument("sources", nargs="+")
     p.add_argument("-I", dest="include", action="append", default=[])
+    p.add_argument("-D", dest="defines", action="append", default=[])
     a = p.parse_args()
-    build_test_binary(a.sources, a.output, a.include, os.path.join(os.path.dirname(a.output), "obj"))
+    # objects built with defines of their own get a folder of their own
+    obj = "obj" + "".join("-" + d.split("=")[0].lower() for d in a.defines)
+    build_test_binary(a.sources, a.output, a.include, os.path.join(os.path.dirname(a.output), obj), a.defines)

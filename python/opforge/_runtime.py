@@ -40,8 +40,8 @@ def isa_best() -> str:
 
 
 def supported_isas() -> list[str]:
-    """The ISAs this CPU runs, in order ("ref", "avx2", "avx512", "avx512_bf16"
-    where it has them): each can be forced with :func:`set_isa`, and a later
+    """The ISAs this CPU runs, in order ("ref", "avx2", "avx512", "avx512_bf16",
+    "amx" where it has them): each can be forced with :func:`set_isa`, and a later
     one implies the earlier ones."""
     names, i = [], 0
     while (name := _dll.opforge_isa_name_at(i)) is not None:
@@ -65,7 +65,7 @@ class _CpuFeatures(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int)
         for name in (
-            "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512bf16 amx_tile amx_bf16 os_avx os_avx512"
+            "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512bf16 amx_tile amx_bf16 os_avx os_avx512 os_amx"
         ).split()
     ] + [("model", ctypes.c_char * 64)]
 

@@ -70,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     float32 runs opforge's GEMM (AVX-512 or AVX2 micro-kernel where
     available); bfloat16 the same GEMM on bfloat16 pairs where the CPU has
-    AVX512-BF16, else (and float16 always) on operands converted to float32
+    AVX512-BF16 (AMX-BF16 tiles where it has those), else (and float16 always) on operands converted to float32
     while packed (float32 accumulation, one rounding); float64 a reference
     loop (for gradcheck). The pre-activation is kept for the backward only
     when an activation is applied, a gradient is needed (grad mode on and an

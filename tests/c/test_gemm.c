@@ -326,6 +326,18 @@ static void test_activations(void) {
 int main(void) {
     test_activations();
     test_pairs_portable();
+#ifdef OPF_AMX_EMULATE
+    /* the AMX kernel's packing, padding and epilogue over the C model of its
+     * tile instructions (the epilogue and the model's build need AVX-512) */
+    if (opf_isa_best() >= OPF_ISA_AVX512_BF16) {
+        test_variant(&gemm_kernels_amx);
+        printf("tested %s over emulated tiles\n", gemm_kernels_amx.name);
+    } else {
+        printf("skip %s over emulated tiles: the CPU lacks AVX512-BF16\n", gemm_kernels_amx.name);
+    }
+    return check_report("test_gemm (AMX emulated)");
+#else
     CHECK_EACH_VARIANT(gemm_kernels_for, test_variant);
     return check_report("test_gemm");
+#endif
 }

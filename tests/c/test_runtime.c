@@ -10,7 +10,7 @@
 static void test_isa(void) {
     char err[512] = "";
     CHECK(opf_isa_set("bogus", err, sizeof err) == -1, "unknown ISA accepted");
-    CHECK(strstr(err, "auto, ref, avx2, avx512, avx512_bf16") != NULL, "message lacks the valid names: %s", err);
+    CHECK(strstr(err, "auto, ref, avx2, avx512, avx512_bf16, amx") != NULL, "message lacks the valid names: %s", err);
     CHECK(opf_isa_set("ref", err, sizeof err) == 0 && opf_isa_current() == OPF_ISA_REF, "ref refused");
     CHECK(opf_isa_set("auto", err, sizeof err) == 0 && opf_isa_current() == opf_isa_best(),
           "auto is not the best ISA");

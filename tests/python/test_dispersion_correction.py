@@ -269,8 +269,8 @@ def test_isa_override_env():
     r = _run_python("import opforge; print(opforge.get_isa())", OPFORGE_ISA="ref")
     assert r.returncode == 0 and r.stdout.strip() == "ref", r.stderr
     r = _run_python("import opforge", OPFORGE_ISA="sse9")
-    assert r.returncode != 0 and "expected one of auto, ref, avx2, avx512, avx512_bf16" in r.stderr
-    for isa in ("avx2", "avx512", "avx512_bf16"):
+    assert r.returncode != 0 and "expected one of auto, ref, avx2, avx512, avx512_bf16, amx" in r.stderr
+    for isa in ("avx2", "avx512", "avx512_bf16", "amx"):
         if isa not in opforge.supported_isas():
             r = _run_python("import opforge", OPFORGE_ISA=isa)
             assert r.returncode != 0 and "not supported by this CPU" in r.stderr
@@ -279,7 +279,7 @@ def test_isa_override_env():
 def test_supported_isas_are_in_order():
     isas = opforge.supported_isas()
     assert isas[0] == "ref" and isas[-1] == opforge.isa_best()
-    assert isas == ["ref", "avx2", "avx512", "avx512_bf16"][: len(isas)]
+    assert isas == ["ref", "avx2", "avx512", "avx512_bf16", "amx"][: len(isas)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -298,7 +298,7 @@ def test_every_isa_matches_the_reference_bitwise(dtype):
     for isa, outs in results.items():
         for got, want in zip(outs, results["ref"]):
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{isa} vs ref")
-    with pytest.raises(RuntimeError, match="expected one of auto, ref, avx2, avx512, avx512_bf16"):
+    with pytest.raises(RuntimeError, match="expected one of auto, ref, avx2, avx512, avx512_bf16, amx"):
         opforge.set_isa("neon")
 
 

@@ -15,14 +15,25 @@ extern "C" {
 /* ---- ISA ------------------------------------------------------------------ */
 
 /* Ordered: a later ISA implies every earlier one is usable. avx512_bf16 is
- * avx512 plus the AVX512-BF16 dot products (bfloat16 GEMMs). */
-typedef enum opf_isa { OPF_ISA_REF = 0, OPF_ISA_AVX2, OPF_ISA_AVX512, OPF_ISA_AVX512_BF16, OPF_ISA_COUNT } opf_isa;
+ * avx512 plus the AVX512-BF16 dot products (bfloat16 GEMMs); amx is
+ * avx512_bf16 plus AMX-BF16 tiles, once the kernel has granted this process
+ * the tile state (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked on first use;
+ * refused, the CPU's best is avx512_bf16). */
+typedef enum opf_isa {
+    OPF_ISA_REF = 0,
+    OPF_ISA_AVX2,
+    OPF_ISA_AVX512,
+    OPF_ISA_AVX512_BF16,
+    OPF_ISA_AMX,
+    OPF_ISA_COUNT
+} opf_isa;
 
 typedef struct opf_cpu_features {
     int avx2, fma, f16c;                                 /* AVX2 path needs all three */
     int avx512f, avx512bw, avx512vl, avx512dq, avx512bf16; /* AVX-512 path: f, bw, vl, dq */
     int amx_tile, amx_bf16;
     int os_avx, os_avx512;                               /* XCR0 lets us use the registers */
+    int os_amx;                                          /* XCR0 has the tile state (XTILECFG, XTILEDATA) */
     char model[64];
 } opf_cpu_features;
 
@@ -32,7 +43,7 @@ const char *opf_isa_name(opf_isa isa);
 opf_isa opf_isa_best(void);
 /* ISA every kernel should use now (best, or what OPFORGE_ISA / opf_isa_set chose). */
 opf_isa opf_isa_current(void);
-/* Parses a name ("ref", "avx2", "avx512", "avx512_bf16", or "" / "auto" for the best) and makes
+/* Parses a name ("ref", "avx2", "avx512", "avx512_bf16", "amx", or "" / "auto" for the best) and makes
  * it current. Returns 0, or -1 with a message naming the valid choices in err. */
 int opf_isa_set(const char *name, char *err, size_t errlen);
 /* Reads OPFORGE_ISA and OPFORGE_LOG_LEVEL / OPFORGE_LOG_FILE. 0 or -1 with err. */
