@@ -200,7 +200,8 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
 }
 
 static void test_pair_operands(const gemm_kernels *k) {
-    const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 2}, {13, 33, 257}, {123, 77, 301}, {37, 45, 2 * k->kc + 37}};
+    const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 2}, {13, 33, 257}, {123, 77, 301}, {300, 70, 100},
+                            {37, 45, 2 * k->kc + 37}}; /* 300 rows: blocks of A per worker */
     const opf_dtype types[3][2] = {{OPF_BF16, OPF_BF16}, {OPF_F32, OPF_BF16}, {OPF_BF16, OPF_F32}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         for (int ta = 0; ta < 2; ta++)
