@@ -25,7 +25,8 @@ def main(argv=None):
     probe, probe_flops = fma_probe()
     square = [128, 256] if a.smoke else [256, 512, 1024, 2048]
     # (tokens, hidden in, hidden out): the MLP of a transformer, ratio 4
-    mlp = [(128, 64, 256)] if a.smoke else [(128, 1024, 4096), (1024, 1024, 4096), (4096, 1024, 4096), (4096, 4096, 1024)]
+    mlp = [(128, 64, 256)] if a.smoke else [(128, 1024, 4096), (1024, 1024, 4096), (4096, 1024, 4096), (4096, 4096, 1024),
+                                             (8192, 512, 2048), (512, 4096, 16384)]
     shapes = [(n, n, n) for n in square] + mlp
     # bfloat16 (float32 accumulation): the pair kernel where the ISA is avx512_bf16 or amx; % of twice the fp32
     # peak, the rate of one bfloat16 dot product (two products per lane) per FMA slot (no such bound for AMX

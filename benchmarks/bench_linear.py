@@ -43,8 +43,9 @@ def main(argv=None):
     else:
         # bfloat16 at the headline shape only where the CPU has AVX512-BF16: elsewhere eager's bfloat16
         # backward takes about a minute per step
+        # tokens 128..8192, hidden 512..4096, MLP ratio 4 (up and down projections)
         shapes = [(128, 1024, 4096, f32), (1024, 1024, 4096, f32), (4096, 1024, 4096, f32), (4096, 4096, 1024, f32),
-                  (1024, 1024, 4096, torch.bfloat16)]
+                  (8192, 512, 2048, f32), (512, 4096, 16384, f32), (1024, 1024, 4096, torch.bfloat16)]
         if "avx512_bf16" in opforge.supported_isas():
             shapes.append((4096, 1024, 4096, torch.bfloat16))
     variants = {"opforge": fused, "eager": eager, "compile": compiled}

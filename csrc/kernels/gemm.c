@@ -558,9 +558,10 @@ static void pack_slivers(const gemm_job *j, float *dst, const void *src, opf_dty
     }
 }
 
-/* A's slivers for a tile pair kernel (gemm_kernels.tile_pairs): each block
- * of tp pairs is packed as pack_slivers packs a slice of 2 tp, then turned
- * into tile rows (row r: its tp pairs side by side). */
+/* A's slivers for a tile pair kernel (gemm_kernels.tile_pairs), a block of
+ * tp pairs at a time (row r: its tp pairs side by side). bfloat16 rows along
+ * K are already in that order: a copy per row. Otherwise the block is packed
+ * as pack_slivers packs a slice of 2 tp, then transposed into tile rows. */
 static void pack_tile_rows(const gemm_job *j, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
                            int64_t rows) {
     enum { TP_MAX = 16, MR_MAX = 32 };
@@ -571,6 +572,13 @@ static void pack_tile_rows(const gemm_job *j, float *dst, const void *src, opf_d
         uint32_t *d = (uint32_t *)dst + r0 / w * w * j->kp;
         for (int64_t p0 = 0; p0 < j->kp; p0 += tp, d += w * tp) {
             int64_t k0 = 2 * p0, kc = j->kc - k0 < 2 * tp ? j->kc - k0 : 2 * tp;
+            if (dt == OPF_BF16 && cs == 1 && kc == 2 * tp) { /* bfloat16 rows along K: a tile row is a copy */
+                for (int r = 0; r < w; r++) {
+                    if (r < n) memcpy(d + r * tp, (const uint16_t *)src + (r0 + r) * rs + k0, sizeof(uint32_t) * tp);
+                    else memset(d + r * tp, 0, sizeof(uint32_t) * tp);
+                }
+                continue;
+            }
             memset(blk, 0, sizeof(uint32_t) * w * tp);
             if (kc > 0) {
                 const void *s0 = elem_ptr(src, r0 * rs + k0 * cs, dt);
