@@ -379,6 +379,13 @@ static inline uint32_t bf16_bits(const void *p, int64_t i, opf_dtype dt) {
 static void pack_pairs(uint32_t *dst, const void *a, opf_dtype dt, int64_t rs, int64_t cs, int64_t rows, int64_t kc,
                        int w) {
     const int64_t kp = (kc + 1) / 2, full = kc / 2;
+    if (dt == OPF_BF16 && cs == 1 && rows == w && w % 4 == 0 && rs % 2 == 0 && (uintptr_t)a % 4 == 0) {
+        /* full pairs are 32-bit words along 4-byte aligned rows: pack_rows_f32's 4 x 4 transposes move them
+         * bit for bit (as floats, never computed on); an odd K's last pair alone */
+        pack_rows_f32((float *)dst, (const float *)a, rs / 2, rows, full, w);
+        for (int r = 0; kp > full && r < w; r++) dst[full * w + r] = ((const uint16_t *)a)[r * rs + kc - 1];
+        return;
+    }
     if (dt == OPF_BF16 && cs == 1) { /* pairs are adjacent: one 32-bit copy each, in K blocks as pack_rows_f32 */
         enum { PB = 64 };
         for (int64_t p0 = 0; p0 < kp; p0 += PB) {
