@@ -46,6 +46,9 @@ def _worker(rank, world, port, out_dir, amp):
     shards = [(x[rank::world], y[rank::world]) for x, y in _data()]  # each rank: half of every batch
     _train(model, shards, amp)
     torch.save(model.module.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    # both ranks done before either tears gloo down: a rank that destroys the group (rank 0 also hosts the
+    # store) while its peer is still talking to it has died with std::terminate on a loaded machine
+    dist.barrier()
     dist.destroy_process_group()
 
 
