@@ -4,6 +4,7 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __SSE2__
 #include <xmmintrin.h> /* every x86-64 CPU: the packing's 4 x 4 transposes */
@@ -574,6 +575,7 @@ static void pack_tile_rows(const gemm_job *j, float *dst, const void *src, opf_d
     enum { TP_MAX = 16, MR_MAX = 32 };
     const int w = j->k->mr, tp = j->k->tile_pairs;
     uint32_t blk[TP_MAX * MR_MAX];
+    if (w > MR_MAX || tp > TP_MAX) abort(); /* a table this scratch was not sized for */
     for (int64_t r0 = 0; r0 < rows; r0 += w) {
         int64_t n = rows - r0 < w ? rows - r0 : w;
         uint32_t *d = (uint32_t *)dst + r0 / w * w * j->kp;
@@ -671,6 +673,7 @@ static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
         float *own_a = j->plan.own_a ? j->ap + w * j->plan.mc * j->kp : NULL;
         for (int64_t t = tasks * w / workers; t < tasks * (w + 1) / workers; t++) compute_task(j, t, own_a);
     }
+    if (j->k->release) j->k->release();
 }
 
 void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,

@@ -106,6 +106,9 @@ typedef struct gemm_kernels {
     /* The table products that are not multiplied as pairs run on (a pair
      * kernel whose MR / NR the float32 kernel does not share); NULL: this one */
     const struct gemm_kernels *f32;
+    /* Called by each worker after its micro-kernel calls of a pass (AMX:
+     * releases the tiles); NULL: nothing to do */
+    void (*release)(void);
 } gemm_kernels;
 
 extern const gemm_kernels gemm_kernels_ref;

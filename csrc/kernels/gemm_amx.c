@@ -82,10 +82,15 @@ static void emu_dp(int d, int a, int b) {
 #define TILE_LOAD(t, base, stride) emu_load(t, base, stride)
 #define TILE_STORE(t, base, stride) emu_store(t, base, stride)
 #define TILE_DP(d, a, b) emu_dp(d, a, b)
+static void tiles_release(void) {}
 #else
-/* The compiler's tile intrinsics are asm statements that do not declare the
- * memory they read or write: a barrier on each side keeps the packing's
- * stores before the loads and the epilogue's loads after the stores. */
+/* The compiler's tile loads are asm statements that do not declare the
+ * memory they read (its tile store declares a clobber, one version and not
+ * another): a barrier on each side keeps the packing's stores before the
+ * loads and the epilogue's loads after the stores. _tile_loadconfig declares
+ * only 8 of the 64 bytes it reads; `config` is a constant object, so no store
+ * to it can be pending (a configuration built on the stack would need a
+ * barrier first). */
 #define TILE_CONFIG() _tile_loadconfig(&config)
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_LOAD(t, base, stride)                                                                 \
@@ -99,6 +104,10 @@ static void emu_dp(int d, int a, int b) {
         __asm__ volatile("" ::: "memory");                                                         \
     } while (0)
 #define TILE_DP(d, a, b) _tile_dpbf16ps(d, a, b)
+/* back to the initial tile state: signal frames and context switches no
+ * longer carry the 8 KiB of tile data, and no stale configuration is left to
+ * code in this thread that assumes its own is still loaded */
+static void tiles_release(void) { _tile_release(); }
 #endif
 
 static void ukernel_amx_32x32(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc, int m,
@@ -144,4 +153,5 @@ static void ukernel_amx_32x32(int64_t kp, const uint32_t *ap, const uint32_t *bp
 const gemm_kernels gemm_kernels_amx = {.name = "amx_32x32", .mr = MR, .nr = NR, .mc = 128, .kc = 1024, .nc = 1024,
                                        .ukernel = NULL, .ukernel_pairs = ukernel_amx_32x32,
                                        .act_grad = act_grad_8wide, .to_f32 = to_f32_avx512,
-                                       .from_f32 = from_f32_avx512, .tile_pairs = TP, .f32 = &gemm_kernels_avx512};
+                                       .from_f32 = from_f32_avx512, .tile_pairs = TP, .f32 = &gemm_kernels_avx512,
+                                       .release = tiles_release};
