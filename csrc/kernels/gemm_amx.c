@@ -16,7 +16,7 @@
  * through a 4 KiB buffer to the AVX-512 epilogue.
  *
  * OPF_AMX_EMULATE builds the same kernel over a C model of the five tile
- * instructions (Intel SDM semantics; denormals not flushed), so the packing,
+ * instructions (the Intel SDM's operation, denormals flushed), so the packing,
  * padding and epilogue are tested on CPUs without AMX.
  */
 #include <string.h>
@@ -41,6 +41,9 @@ static const _Alignas(64) tile_config config = {
     .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
 
 #ifdef OPF_AMX_EMULATE
+#include <float.h>
+#include <math.h>
+
 typedef struct emu_tile {
     int rows, colsb;
     uint32_t w[16][16];
@@ -57,23 +60,28 @@ static void emu_store(int t, void *base, int64_t stride) {
     for (int r = 0; r < emu[t].rows; r++) memcpy((char *)base + r * stride, emu[t].w[r], emu[t].colsb);
 }
 static void emu_zero(int t) { memset(emu[t].w, 0, sizeof emu[t].w); }
+/* denormals read as zero and written as zero, as the tile unit does */
+static float flush(float f) { return fabsf(f) < FLT_MIN ? 0.0f * f : f; }
 static float bf16_lo(uint32_t w) {
     uint32_t u = w << 16;
     float f;
     memcpy(&f, &u, 4);
-    return f;
+    return flush(f);
 }
 static float bf16_hi(uint32_t w) { return bf16_lo(w >> 16); }
-/* dst.row[m].fp32[n] += a.row[m].bf16[2k] * b.row[k].bf16[2n] + a.row[m].bf16[2k+1] * b.row[k].bf16[2n+1] */
+/* The SDM's operation: per dst element an even and an odd float32 sum over
+ * the K pairs (a.row[m].bf16[2k] * b.row[k].bf16[2n], and the 2k+1 / 2n+1
+ * halves), each step one fused multiply-add, then both added to dst. */
 static void emu_dp(int d, int a, int b) {
     for (int m = 0; m < emu[d].rows; m++)
         for (int n = 0; n < emu[d].colsb / 4; n++) {
-            float acc;
-            memcpy(&acc, &emu[d].w[m][n], 4);
+            float acc, even = 0.0f, odd = 0.0f;
             for (int k = 0; k < emu[a].colsb / 4; k++) {
-                acc += bf16_lo(emu[a].w[m][k]) * bf16_lo(emu[b].w[k][n]);
-                acc += bf16_hi(emu[a].w[m][k]) * bf16_hi(emu[b].w[k][n]);
+                even = flush(fmaf(bf16_lo(emu[a].w[m][k]), bf16_lo(emu[b].w[k][n]), even));
+                odd = flush(fmaf(bf16_hi(emu[a].w[m][k]), bf16_hi(emu[b].w[k][n]), odd));
             }
+            memcpy(&acc, &emu[d].w[m][n], 4);
+            acc = flush(flush(acc + even) + odd);
             memcpy(&emu[d].w[m][n], &acc, 4);
         }
 }
