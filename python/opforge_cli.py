@@ -166,6 +166,11 @@ def info(args) -> int:
     lines.append("features    " + " ".join(k for k, on in feats.items() if on and not k.startswith("os_")))
     lines.append(f"isa         {opforge.get_isa()} (best here: {opforge.isa_best()}; OPFORGE_ISA="
                  f"{os.environ.get('OPFORGE_ISA', 'unset')})")
+    if feats["amx_tile"] and feats["amx_bf16"]:
+        why = ("the OS does not enable the tile state (XCR0)" if not feats["os_amx"] else
+               "Linux refused this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        lines.append("amx         " + ("bfloat16 GEMMs on AMX-BF16 tiles" if "amx" in opforge.supported_isas() else
+                                      f"present but not usable: {why}; bfloat16 GEMMs run on AVX512-BF16"))
     lines.append(f"threads     {torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)")
     lines.append(f"cuda        {'available: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not available (CPU kernels only)'}")
     lines.append(f"cache       {opforge.build.cache_dir()}")

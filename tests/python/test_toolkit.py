@@ -171,3 +171,21 @@ def test_benchmark_scripts_smoke(tmp_path, script, outputs):
     assert r.returncode == 0, r.stderr[-2000:]
     for name in outputs:
         assert (tmp_path / name).exists()
+
+
+@pytest.mark.parametrize("os_amx, granted, expect", [
+    (True, True, "bfloat16 GEMMs on AMX-BF16 tiles"),
+    (True, False, "Linux refused this process the tile state"),
+    (False, False, "the OS does not enable the tile state"),
+])
+def test_info_reports_amx(monkeypatch, capsys, os_amx, granted, expect):
+    # what this CPU lacks is reported as an AMX one would be: the line says whether the tiles run and why not
+    import opforge_cli
+
+    feats = dict(opforge.cpu_features(), amx_tile=True, amx_bf16=True, os_amx=os_amx)
+    isas = opforge.supported_isas() + (["amx"] if granted else [])
+    monkeypatch.setattr(opforge, "cpu_features", lambda: dict(feats))
+    monkeypatch.setattr(opforge, "supported_isas", lambda: isas)
+    opforge_cli.info(None)
+    amx = [l for l in capsys.readouterr().out.splitlines() if l.startswith("amx ")]
+    assert len(amx) == 1 and expect in amx[0], amx
