@@ -62,13 +62,8 @@ static void emu_store(int t, void *base, int64_t stride) {
 static void emu_zero(int t) { memset(emu[t].w, 0, sizeof emu[t].w); }
 /* denormals read as zero and written as zero, as the tile unit does */
 static float flush(float f) { return fabsf(f) < FLT_MIN ? 0.0f * f : f; }
-static float bf16_lo(uint32_t w) {
-    uint32_t u = w << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return flush(f);
-}
-static float bf16_hi(uint32_t w) { return bf16_lo(w >> 16); }
+static float bf16_lo(uint32_t w) { return flush(opf_bf16_to_f32((uint16_t)w)); }
+static float bf16_hi(uint32_t w) { return flush(opf_bf16_to_f32((uint16_t)(w >> 16))); }
 /* The SDM's operation: per dst element an even and an odd float32 sum over
  * the K pairs (a.row[m].bf16[2k] * b.row[k].bf16[2n], and the 2k+1 / 2n+1
  * halves), each step one fused multiply-add, then both added to dst. */
@@ -146,14 +141,8 @@ static void ukernel_amx_32x32(int64_t kp, const uint32_t *ap, const uint32_t *bp
         gemm_tile_store(acc, NR, c, rsc, m, n, t);
         return;
     }
-    for (int i = 0; i < MR; i++) {
-        float *ci = t->c16 && !t->load_c ? NULL : c + i * rsc, *pre = t->pre ? t->pre + i * t->rsp : NULL;
-        uint16_t *c16 = t->c16 ? t->c16 + i * rsc : NULL, *pre16 = t->pre16 ? t->pre16 + i * t->rsp : NULL;
-        float bm = t->bias_m ? t->bias_m[i] : 0.0f;
-        for (int h = 0; h < NR; h += 16)
-            store16(ci ? ci + h : NULL, pre ? pre + h : NULL, c16 ? c16 + h : NULL, pre16 ? pre16 + h : NULL,
-                    _mm512_load_ps(acc + i * NR + h), t, t->bias_n ? t->bias_n + h : NULL, bm);
-    }
+    for (int i = 0; i < MR; i++)
+        store_row32(c, rsc, i, _mm512_load_ps(acc + i * NR), _mm512_load_ps(acc + i * NR + 16), t);
 }
 
 /* MC 128 x KC 1024 pairs: an A block of 512 KiB, a B sliver of 128 KiB in a

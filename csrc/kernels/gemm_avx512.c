@@ -28,14 +28,7 @@
 static inline void finish_tile(__m512 acc[MR][2], float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
     if (m == MR && n == NR) {
 #pragma GCC unroll 12
-        for (int i = 0; i < MR; i++) {
-            float *ci = t->c16 && !t->load_c ? NULL : c + i * rsc, *pre = t->pre ? t->pre + i * t->rsp : NULL;
-            uint16_t *c16 = t->c16 ? t->c16 + i * rsc : NULL, *pre16 = t->pre16 ? t->pre16 + i * t->rsp : NULL;
-            float bm = t->bias_m ? t->bias_m[i] : 0.0f;
-            store16(ci, pre, c16, pre16, acc[i][0], t, t->bias_n, bm);
-            store16(ci ? ci + 16 : NULL, pre ? pre + 16 : NULL, c16 ? c16 + 16 : NULL, pre16 ? pre16 + 16 : NULL,
-                    acc[i][1], t, t->bias_n ? t->bias_n + 16 : NULL, bm);
-        }
+        for (int i = 0; i < MR; i++) store_row32(c, rsc, i, acc[i][0], acc[i][1], t);
         return;
     }
     float buf[MR * NR];

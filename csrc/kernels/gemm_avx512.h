@@ -37,6 +37,16 @@ static inline void store16(float *c, float *pre, uint16_t *c16, uint16_t *pre16,
     else _mm512_storeu_ps(c, v);
 }
 
+/* Row i of a full 32-column tile (lo: columns 0-15, hi: 16-31) through the epilogue */
+static inline void store_row32(float *c, int64_t rsc, int i, __m512 lo, __m512 hi, const gemm_tile *t) {
+    float *ci = t->c16 && !t->load_c ? NULL : c + i * rsc, *pre = t->pre ? t->pre + i * t->rsp : NULL;
+    uint16_t *c16 = t->c16 ? t->c16 + i * rsc : NULL, *pre16 = t->pre16 ? t->pre16 + i * t->rsp : NULL;
+    float bm = t->bias_m ? t->bias_m[i] : 0.0f;
+    store16(ci, pre, c16, pre16, lo, t, t->bias_n, bm);
+    store16(ci ? ci + 16 : NULL, pre ? pre + 16 : NULL, c16 ? c16 + 16 : NULL, pre16 ? pre16 + 16 : NULL, hi, t,
+            t->bias_n ? t->bias_n + 16 : NULL, bm);
+}
+
 /* the tile is read or written after the K loop: start fetching it now */
 static inline void prefetch_tile(const float *c, int64_t rsc, int m, const gemm_tile *t) {
     for (int i = 0; i < m; i++) {
