@@ -88,12 +88,20 @@ static inline __m256 act_grad8(int act, __m256 x) {
     }
 }
 
-/* out[i] = g[i] * act'(pre[i]), 8 lanes at a time (the gemm_kernels act_grad of both x86 tables) */
+/* out[i] = g[i] * act'(pre[i]), 8 lanes at a time (the gemm_kernels act_grad of both x86 tables). The
+ * tail goes through the same vector code on a padded copy: an element's value must not depend on where a
+ * thread's range of columns ends (libm's scalar erff / expf round differently), or the gradients would
+ * change with the thread count. */
 static inline void act_grad_8wide(float *out, const float *g, const float *pre, int64_t n, int act) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(g + i), act_grad8(act, _mm256_loadu_ps(pre + i))));
-    for (; i < n; i++) out[i] = g[i] * gemm_act_grad_f32(act, pre[i]);
+    if (i < n) {
+        float gt[8] = {0}, pt[8] = {0}, ot[8];
+        for (int64_t e = i; e < n; e++) gt[e - i] = g[e], pt[e - i] = pre[e];
+        _mm256_storeu_ps(ot, _mm256_mul_ps(_mm256_loadu_ps(gt), act_grad8(act, _mm256_loadu_ps(pt))));
+        for (int64_t e = i; e < n; e++) out[e] = ot[e - i];
+    }
 }
 
 #endif

@@ -421,15 +421,15 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
  * stays in that core's L2, and the workspace holds one block per worker) or
  * A is packed whole and shared by column tasks (few, short blocks). */
 typedef struct gemm_plan {
+    int64_t threads;           /* the thread count the plan is for */
     int64_t mc;                /* rows of the largest block */
     int64_t slivers, mblocks;  /* block b: MR-row slivers [slivers * b / mblocks, slivers * (b + 1) / mblocks) */
     int64_t workers, kc_max;
     int own_a;
 } gemm_plan;
 
-static gemm_plan plan_for(const gemm_kernels *k, int64_t m, int64_t kdim) {
-    gemm_plan p;
-    int64_t threads = opf_num_threads();
+static gemm_plan plan_for(const gemm_kernels *k, int64_t m, int64_t kdim, int64_t threads) {
+    gemm_plan p = {.threads = threads};
     p.kc_max = kdim < k->kc ? kdim : k->kc;
     if (k->tile_pairs) p.kc_max = round_up(p.kc_max, k->tile_pairs); /* zero pairs up to a whole tile */
     p.slivers = (m + k->mr - 1) / k->mr;
@@ -441,8 +441,20 @@ static gemm_plan plan_for(const gemm_kernels *k, int64_t m, int64_t kdim) {
     return p;
 }
 
-static int64_t a_region_floats(const gemm_kernels *k, const gemm_plan *p, int64_t m) {
-    return (p->own_a ? p->workers * p->mc : round_up(m, k->mr)) * p->kc_max;
+/* Where the packed operands go: A's region (the whole of A, or one block per
+ * worker) at the start, then one KC x NC panel of B. The one statement of the
+ * workspace a plan carves: gemm_workspace_floats sizes with it, gemm_f32x
+ * carves with it and checks the total against what it was given. */
+typedef struct gemm_layout {
+    int64_t b_offset, floats;
+} gemm_layout;
+
+static gemm_layout layout_for(const gemm_kernels *k, const gemm_plan *p, int64_t m, int64_t n) {
+    int64_t nc = n < k->nc ? n : k->nc;
+    gemm_layout l;
+    l.b_offset = (p->own_a ? p->workers * p->mc : round_up(m, k->mr)) * p->kc_max;
+    l.floats = l.b_offset + round_up(nc, k->nr) * p->kc_max;
+    return l;
 }
 
 static int use_pairs(const gemm_kernels *k, opf_dtype ta, opf_dtype tb) {
@@ -456,9 +468,8 @@ int64_t gemm_slice_depth(const gemm_kernels *k, opf_dtype ta, opf_dtype tb) {
 
 int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim) {
     if (m <= 0 || n <= 0 || kdim <= 0) return 0;
-    gemm_plan p = plan_for(k, m, kdim);
-    int64_t nc = n < k->nc ? n : k->nc;
-    int64_t floats = a_region_floats(k, &p, m) + round_up(nc, k->nr) * p.kc_max;
+    gemm_plan p = plan_for(k, m, kdim, opf_num_threads());
+    int64_t floats = layout_for(k, &p, m, n).floats;
     if (k->f32) { /* either table may run: room for the larger */
         int64_t other = gemm_workspace_floats(k->f32, m, n, kdim);
         if (other > floats) floats = other;
@@ -676,28 +687,36 @@ static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
     if (j->k->release) j->k->release();
 }
 
-void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
-              int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
-              const gemm_epilogue *ep, float *workspace) {
-    gemm_f32x(k, m, n, kdim, a, OPF_F32, rsa, csa, b, OPF_F32, rsb, csb, c, rsc, ep, workspace);
+int gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
+             int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
+             const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
+    return gemm_f32x(k, m, n, kdim, a, OPF_F32, rsa, csa, b, OPF_F32, rsb, csb, c, rsc, ep, workspace, ws_floats);
 }
 
-void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
-               int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
-               int64_t rsc, const gemm_epilogue *ep, float *workspace) {
-    if (m <= 0 || n <= 0) return;
+int gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
+              int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
+              int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
+    if (m <= 0 || n <= 0) return 0;
     if (k->f32 && !use_pairs(k, ta, tb)) k = k->f32;
     if (kdim <= 0) { /* empty sum: the epilogue alone */
         gemm_ref_f32(m, n, 0, NULL, 0, 0, NULL, 0, 0, c, rsc, ep);
-        return;
+        return 0;
     }
-    gemm_plan plan = plan_for(k, m, kdim);
+    gemm_plan plan = plan_for(k, m, kdim, opf_num_threads());
+    gemm_layout lay = layout_for(k, &plan, m, n);
+    if (lay.floats > ws_floats) {
+        /* sized while fewer threads were set? One worker's plan never needs more than a plan for
+         * more threads (its blocks are at most `threads` times larger, and there is one of them) */
+        plan = plan_for(k, m, kdim, 1);
+        lay = layout_for(k, &plan, m, n);
+        if (lay.floats > ws_floats) return -1; /* a caller that sized for another product */
+    }
     gemm_job j = {.k = k, .ep = ep, .m = m, .kdim = kdim, .a = a, .b = b, .ta = ta, .tb = tb, .rsa = rsa, .csa = csa,
-                  .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace,
-                  .bp = workspace + a_region_floats(k, &plan, m), .plan = plan};
+                  .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace, .bp = workspace + lay.b_offset,
+                  .plan = plan};
     j.pairs = use_pairs(k, ta, tb);
     const int64_t depth = gemm_slice_depth(k, ta, tb);
-    int64_t threads = opf_num_threads(), mslivers = (m + k->mr - 1) / k->mr;
+    int64_t threads = plan.threads, mslivers = (m + k->mr - 1) / k->mr;
     for (int64_t jc = 0; jc < n; jc += k->nc) {
         j.jc = jc;
         j.nc = n - jc < k->nc ? n - jc : k->nc;
@@ -717,4 +736,5 @@ void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const 
             opf_parallel_for(0, j.plan.workers, 1, compute_workers, &j);
         }
     }
+    return 0;
 }

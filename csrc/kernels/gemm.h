@@ -11,8 +11,9 @@
  * pre-activation store run in the micro-kernel on the last K slice, while the
  * tile is in registers. Block sizes per ISA live in the gemm_kernels tables.
  *
- * Kernels never allocate: the caller passes a workspace of
- * gemm_workspace_floats() floats. Threads come from opf_parallel_for.
+ * Kernels never allocate: the caller passes a workspace and its size, at
+ * least gemm_workspace_floats() of the product being run. Threads come from
+ * opf_parallel_for.
  */
 #ifndef OPFORGE_KERNELS_GEMM_H
 #define OPFORGE_KERNELS_GEMM_H
@@ -123,12 +124,18 @@ const gemm_kernels *gemm_kernels_for(opf_isa isa);
  * kdim <= this and 16-bit results (gemm_epilogue.out16) needs no float32 C. */
 int64_t gemm_slice_depth(const gemm_kernels *k, opf_dtype ta, opf_dtype tb);
 
-/* Floats of workspace gemm_f32 needs for an M x N x K product. */
+/* Floats of workspace gemm_f32 / gemm_f32x need for an M x N x K product, at
+ * the current thread count. It is not monotonic in M: a few rows pack the
+ * whole of A, enough rows for every thread pack one block per worker, so a
+ * caller that runs a product in row chunks sizes for each chunk length it
+ * runs (the full chunk and the last, shorter one) and takes the larger. */
 int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim);
 
-void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
-              int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
-              const gemm_epilogue *ep, float *workspace);
+/* Returns 0, or -1 without touching anything when ws_floats is smaller than
+ * the plan it would run needs (a caller that sized for another product). */
+int gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
+             int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
+             const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
 
 /* The same with bfloat16 / float16 (or float32) operands: C stays float32
  * and the product accumulates in float32. With a pair kernel (k->ukernel_pairs)
@@ -136,9 +143,9 @@ void gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const f
  * packed as bfloat16 pairs (a float32 partner rounded to nearest even, as
  * PyTorch rounds a bfloat16 op's intermediate results) and multiplied by the
  * pair kernel. Otherwise both are converted to float32 while packed. */
-void gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
-               int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
-               int64_t rsc, const gemm_epilogue *ep, float *workspace);
+int gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
+              int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
+              int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
 
 /* dst[i] = src[i * stride] converted to float32 / from float32 (rounded to
  * nearest even) for the three float32-computed types; contiguous runs use the

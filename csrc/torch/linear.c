@@ -97,26 +97,45 @@ static int64_t chunk_rows(int64_t rows, int64_t n) {
 /* How a product with results of type dt is run: float32 results and 16-bit
  * ones whose K fits one GEMM slice are written by the GEMM's epilogue in one
  * call; 16-bit results over several slices keep float32 partial sums in a C
- * of `chunk` rows (~8 MiB) at a time. ws_floats: the workspace it needs. */
+ * of `chunk` rows (~8 MiB) at a time. gemm_floats: the GEMM's workspace, for
+ * the full chunk and the last one (it is not monotonic in the rows);
+ * ws_floats: that and the C. */
 typedef struct out_plan {
-    int64_t chunk, ws_floats;
+    int64_t chunk, gemm_floats, ws_floats;
     int c_scratch;
 } out_plan;
+
+/* The GEMM workspace for (rows, n, kd) products over `total` rows run `chunk` rows at a time */
+static int64_t chunked_ws(const gemm_kernels *k, int64_t chunk, int64_t total, int64_t n, int64_t kd) {
+    int64_t full = gemm_workspace_floats(k, chunk, n, kd), last = total % chunk;
+    int64_t tail = last ? gemm_workspace_floats(k, last, n, kd) : 0;
+    return full > tail ? full : tail;
+}
 
 static out_plan plan_out(const gemm_kernels *k, opf_dtype dt, int64_t m, int64_t n, int64_t kd) {
     out_plan p = {.c_scratch = dt != OPF_F32 && kd > gemm_slice_depth(k, dt, dt)};
     p.chunk = p.c_scratch ? chunk_rows(m, n) : (m > 0 ? m : 1);
-    p.ws_floats = gemm_workspace_floats(k, p.chunk, n, kd) + (p.c_scratch ? p.chunk * n : 0);
+    p.gemm_floats = chunked_ws(k, p.chunk, m, n, kd);
+    p.ws_floats = p.gemm_floats + (p.c_scratch ? p.chunk * n : 0);
     return p;
 }
+
+/* gemm_f32x, failing the op when the workspace was sized for another product (a bug of ours: the
+ * error says so instead of writing past the workspace) */
+#define RUN_GEMM(op, ...)                                                                              \
+    do {                                                                                               \
+        if (gemm_f32x(__VA_ARGS__))                                                                    \
+            opf_fail(op, "internal error: the GEMM workspace is smaller than its plan needs (please "    \
+                         "report it with the shapes)");                                               \
+    } while (0)
 
 /* out (m, n; row stride n) = act(A (m, kd) B (kd, n) + bias), its
  * pre-activation to pre when not NULL, both of type dt (A and B of the same
  * type; float32 bias). ws: p->ws_floats floats. */
-static void gemm_out(const gemm_kernels *k, const out_plan *p, int64_t m, int64_t n, int64_t kd, const void *a,
-                     int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb, void *out, void *pre,
-                     opf_dtype dt, const float *bias, int act, float *ws) {
-    float *cbuf = p->c_scratch ? ws + p->ws_floats - p->chunk * n : NULL;
+static void gemm_out(const char *op, const gemm_kernels *k, const out_plan *p, int64_t m, int64_t n, int64_t kd,
+                     const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb, void *out,
+                     void *pre, opf_dtype dt, const float *bias, int act, float *ws) {
+    float *cbuf = p->c_scratch ? ws + p->gemm_floats : NULL;
     for (int64_t r0 = 0; r0 < m; r0 += p->chunk) {
         int64_t rows = m - r0 < p->chunk ? m - r0 : p->chunk;
         gemm_epilogue ep = {.bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, .act = act, .rsp = n,
@@ -129,7 +148,8 @@ static void gemm_out(const gemm_kernels *k, const out_plan *p, int64_t m, int64_
             ep.out16 = at(out, r0 * n, dt);
             ep.pre16 = pre ? at(pre, r0 * n, dt) : NULL;
         }
-        gemm_f32x(k, rows, n, kd, at((void *)a, r0 * rsa, dt), dt, rsa, csa, b, dt, rsb, csb, c, n, &ep, ws);
+        RUN_GEMM(op, k, rows, n, kd, at((void *)a, r0 * rsa, dt), dt, rsa, csa, b, dt, rsb, csb, c, n, &ep, ws,
+                 p->gemm_floats);
     }
 }
 
@@ -169,7 +189,7 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
                          (double *)c.data + i * m * n, n, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
             continue;
         }
-        gemm_out(k, &plan, m, n, kd, at(a.data, i * asb, dt), a.strides[nd - 2], a.strides[nd - 1],
+        gemm_out(MM, k, &plan, m, n, kd, at(a.data, i * asb, dt), a.strides[nd - 2], a.strides[nd - 1],
                  at(b.data, i * bsb, dt), b.strides[nd - 2], b.strides[nd - 1], at(c.data, i * m * n, dt), NULL, dt,
                  NULL, GEMM_ACT_NONE, ws);
     }
@@ -252,7 +272,7 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         }
         for (int64_t i = 0; i < v.count; i++) {
             int64_t oo = i * v.rows * l.n;
-            gemm_out(k, &plan, v.rows, l.n, l.k, at(l.x.data, matrix_offset(&l.x, &v, i), l.dt), v.rs, v.cs, l.w.data,
+            gemm_out(LIN, k, &plan, v.rows, l.n, l.k, at(l.x.data, matrix_offset(&l.x, &v, i), l.dt), v.rs, v.cs, l.w.data,
                      l.w.strides[1], l.w.strides[0], at(out.data, oo, l.dt), save ? at(pre.data, oo, l.dt) : NULL, l.dt,
                      bias, (int)act, ws);
         }
@@ -289,17 +309,18 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
     float *db32 = !l->has_bias ? NULL : half ? ws + gws : db->data;
     gemm_act_grad_rows(k, dt, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act, db32); /* and dbias */
     /* dx (m, k) = g' (m, n) . weight (n, k) */
-    gemm_out(k, &pdx, m, l->k, l->n, gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1], dx->data, NULL, dt, NULL,
+    gemm_out(LBWD, k, &pdx, m, l->k, l->n, gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1], dx->data, NULL, dt, NULL,
              GEMM_ACT_NONE, ws);
     /* dweight (n, k) = sum over x's matrices of g'^T (n, rows) . x (rows, k) */
     if (xv.count == 1) {
-        gemm_out(k, &pdw, l->n, l->k, xv.rows, gp, 1, l->n, l->x.data, xv.rs, xv.cs, dw->data, NULL, dt, NULL,
+        gemm_out(LBWD, k, &pdw, l->n, l->k, xv.rows, gp, 1, l->n, l->x.data, xv.rs, xv.cs, dw->data, NULL, dt, NULL,
                  GEMM_ACT_NONE, ws);
     } else {
         for (int64_t i = 0; i < xv.count; i++) {
             gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
-            gemm_f32(k, l->n, l->k, xv.rows, (const float *)gp + i * xv.rows * l->n, 1, l->n,
-                     (const float *)l->x.data + matrix_offset(&l->x, &xv, i), xv.rs, xv.cs, dw->data, l->k, &acc, ws);
+            RUN_GEMM(LBWD, k, l->n, l->k, xv.rows, (const float *)gp + i * xv.rows * l->n, OPF_F32, 1, l->n,
+                     (const float *)l->x.data + matrix_offset(&l->x, &xv, i), OPF_F32, xv.rs, xv.cs, dw->data, l->k,
+                     &acc, ws, pdw.gemm_floats);
         }
     }
     if (l->has_bias && half) gemm_store_f32(k, db->data, dt, db32, l->n);
@@ -322,9 +343,16 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
      * materialises the whole gradient of the pre-activation) */
     int64_t chunk = chunk_rows(xv.rows, l->n);
     int64_t gp_floats = (chunk * l->n * es + 3) / 4;
-    /* the GEMMs: dx rows (chunk, k, n), dweight (n, k, chunk), the recomputed preact (chunk, n, k) */
-    int64_t gm = chunk > l->n ? chunk : l->n, gn = l->k > l->n ? l->k : l->n, gk = gm > l->k ? gm : l->k;
-    int64_t gws = f64 ? 0 : gemm_workspace_floats(k, gm, gn, gk);
+    /* the GEMMs, for the full chunk and the last one: dx rows (rows, k, n), dweight (n, k, rows), the
+     * recomputed preact (rows, n, k) */
+    int64_t gws = 0;
+    for (int last = 0; !f64 && last < 2; last++) {
+        int64_t rows = last ? xv.rows % chunk : chunk;
+        if (rows == 0) continue;
+        int64_t need[3] = {gemm_workspace_floats(k, rows, l->k, l->n), gemm_workspace_floats(k, l->n, l->k, rows),
+                           recompute ? gemm_workspace_floats(k, rows, l->n, l->k) : 0};
+        for (int g = 0; g < 3; g++) gws = need[g] > gws ? need[g] : gws;
+    }
     /* one float32 row of grad and of preact (converted or gathered), a float32
      * bias for the recomputation, and for 16-bit types float32 dx rows,
      * dweight and dbias */
@@ -349,8 +377,8 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
             else if (recompute) {
                 gemm_epilogue ep = {.bias = l->has_bias ? bias32 : NULL,
                                     .bias_kind = l->has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
-                gemm_f32x(k, rows, l->n, l->k, at(l->x.data, xo, l->dt), l->dt, xv.rs, xv.cs, l->w.data, l->dt,
-                          l->w.strides[1], l->w.strides[0], (float *)gp, l->n, &ep, gemm_scratch);
+                RUN_GEMM(LBWD, k, rows, l->n, l->k, at(l->x.data, xo, l->dt), l->dt, xv.rs, xv.cs, l->w.data, l->dt,
+                         l->w.strides[1], l->w.strides[0], (float *)gp, l->n, &ep, gemm_scratch, gws);
             }
             for (int64_t r = 0; r < rows; r++) { /* gather g' = grad * act'(preact) */
                 int64_t go = row_offset(g, &gv, row0 + r), po = act && !recompute ? row_offset(pre, &pv, row0 + r) : 0;
@@ -393,12 +421,12 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
                 gemm_epilogue none = {0}, acc = {.beta = first ? 0.0f : 1.0f};
                 float *dxr = half ? dx32 : (float *)dx->data + row0 * l->k;
                 /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
-                gemm_f32x(k, rows, l->k, l->n, gp, OPF_F32, l->n, 1, l->w.data, l->dt, l->w.strides[0], l->w.strides[1],
-                          dxr, l->k, &none, gemm_scratch);
+                RUN_GEMM(LBWD, k, rows, l->k, l->n, gp, OPF_F32, l->n, 1, l->w.data, l->dt, l->w.strides[0],
+                         l->w.strides[1], dxr, l->k, &none, gemm_scratch, gws);
                 if (half) gemm_store_f32(k, at(dx->data, row0 * l->k, l->dt), l->dt, dx32, rows * l->k);
                 /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
-                gemm_f32x(k, l->n, l->k, rows, gp, OPF_F32, 1, l->n, at(l->x.data, xo, l->dt), l->dt, xv.rs, xv.cs, dw32,
-                          l->k, &acc, gemm_scratch);
+                RUN_GEMM(LBWD, k, l->n, l->k, rows, gp, OPF_F32, 1, l->n, at(l->x.data, xo, l->dt), l->dt, xv.rs, xv.cs,
+                         dw32, l->k, &acc, gemm_scratch, gws);
                 if (l->has_bias) gemm_colsum(k, db32, gp, OPF_F32, l->n, rows, l->n, !first);
             }
             first = 0;

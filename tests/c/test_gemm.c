@@ -4,6 +4,7 @@
  * transposed and strided operands and every epilogue (beta, bias per row and
  * per column, each activation, the pre-activation store).
  */
+#define _POSIX_C_SOURCE 200809L /* setenv: the thread count per test */
 #include <math.h>
 #include <string.h>
 
@@ -39,8 +40,11 @@ static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, i
     gemm_epilogue ep_ref = ep;
     ep_ref.preact = preact ? pre_want : NULL;
     gemm_ref_f32(s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, want, s.n, &ep_ref);
-    float *ws = malloc((size_t)gemm_workspace_floats(kern, s.m, s.n, s.k) * sizeof(float) + 64);
-    gemm_f32(kern, s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, c, s.n, &ep, ws);
+    int64_t wsn = gemm_workspace_floats(kern, s.m, s.n, s.k);
+    float *ws = check_ws_alloc(wsn);
+    CHECK(gemm_f32(kern, s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, c, s.n, &ep, ws, wsn) == 0, "%s: workspace refused",
+          kern->name);
+    check_ws_free(ws, kern->name);
     int64_t bad = 0, first = -1;
     double maxerr = 0;
     const double atol = 4e-7 * (double)s.k + 1e-5;
@@ -59,7 +63,7 @@ static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, i
           kern->name, (long long)s.m, (long long)s.n, (long long)s.k, ta, tb, beta, bias_kind, ACT[act], preact,
           (long long)bad, first < 0 ? -1LL : (long long)(first / s.n), first < 0 ? -1LL : (long long)(first % s.n),
           first < 0 ? 0.0 : c[first], first < 0 ? 0.0 : want[first], maxerr);
-    free(a), free(b), free(bias), free(c), free(want), free(pre), free(pre_want), free(ws);
+    free(a), free(b), free(bias), free(c), free(want), free(pre), free(pre_want);
 }
 
 static void test_act_grad(const gemm_kernels *k) {
@@ -126,7 +130,8 @@ static void test_act_grad_rows(const gemm_kernels *k) {
 static void test_half_operands(const gemm_kernels *k) {
     const int64_t m = 37, n = 45, kd = 300;
     float *a = rand_buf(m * kd, 11), *b = rand_buf(kd * n, 12), *want = malloc(sizeof(float) * m * n);
-    float *got = malloc(sizeof(float) * m * n), *ws = malloc(sizeof(float) * (size_t)gemm_workspace_floats(k, m, n, kd));
+    const int64_t wsn = gemm_workspace_floats(k, m, n, kd);
+    float *got = malloc(sizeof(float) * m * n), *ws = check_ws_alloc(wsn);
     uint16_t *ah = malloc(2 * (size_t)(m * kd)), *bh = malloc(2 * (size_t)(kd * n));
     for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
         gemm_store_f32(k, ah, dt, a, m * kd);
@@ -136,13 +141,14 @@ static void test_half_operands(const gemm_kernels *k) {
         gemm_load_f32(k, br, bh, dt, kd * n, 1);
         gemm_epilogue ep = {0};
         gemm_ref_f32(m, n, kd, ar, kd, 1, br, 1, kd, want, n, &ep); /* B read transposed */
-        gemm_f32x(k, m, n, kd, ah, dt, kd, 1, bh, dt, 1, kd, got, n, &ep, ws);
+        CHECK(gemm_f32x(k, m, n, kd, ah, dt, kd, 1, bh, dt, 1, kd, got, n, &ep, ws, wsn) == 0, "workspace refused");
         double worst = 0;
         for (int64_t i = 0; i < m * n; i++) worst = fmax(worst, fabs((double)got[i] - want[i]));
         CHECK(worst < 1e-4, "%s %s operands: max error %g", k->name, dt == OPF_BF16 ? "bf16" : "f16", worst);
         free(ar), free(br);
     }
-    free(a), free(b), free(want), free(got), free(ws), free(ah), free(bh);
+    check_ws_free(ws, "half operands");
+    free(a), free(b), free(want), free(got), free(ah), free(bh);
 }
 
 /* One product on bfloat16 pairs: A and B each bfloat16 or float32 (at least
@@ -165,7 +171,8 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
     gemm_epilogue ep = {0.0f, bias, GEMM_BIAS_ROW, act, pre, s.n}, ep_ref = ep;
     ep_ref.preact = pre_want;
     gemm_ref_f32(s.m, s.n, s.k, ar, rsa, csa, br, rsb, csb, want, s.n, &ep_ref);
-    float *ws = malloc((size_t)gemm_workspace_floats(k, s.m, s.n, s.k) * sizeof(float) + 64);
+    const int64_t wsn = gemm_workspace_floats(k, s.m, s.n, s.k);
+    float *ws = check_ws_alloc(wsn);
     /* both bfloat16: results written as bfloat16 by the epilogue, read back */
     const int out16 = da == OPF_BF16 && db == OPF_BF16;
     uint16_t *got16 = malloc(2 * (size_t)(s.m * s.n) + 2), *pre16 = malloc(2 * (size_t)(s.m * s.n) + 2);
@@ -176,8 +183,10 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
             got = NULL;
         }
     }
-    gemm_f32x(k, s.m, s.n, s.k, da == OPF_BF16 ? (void *)ah : a, da, rsa, csa, db == OPF_BF16 ? (void *)bh : b, db, rsb,
-              csb, got, s.n, &ep, ws);
+    CHECK(gemm_f32x(k, s.m, s.n, s.k, da == OPF_BF16 ? (void *)ah : a, da, rsa, csa, db == OPF_BF16 ? (void *)bh : b,
+                    db, rsb, csb, got, s.n, &ep, ws, wsn) == 0,
+          "workspace refused");
+    check_ws_free(ws, k->name);
     if (out16) {
         if (!got) got = malloc(sizeof(float) * (size_t)(s.m * s.n + 1));
         gemm_load_f32(k, got, got16, OPF_BF16, s.m * s.n, 1);
@@ -196,7 +205,7 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
           (long long)s.m, (long long)s.n, (long long)s.k, ta, tb, da == OPF_BF16 ? "bf16" : "f32",
           db == OPF_BF16 ? "bf16" : "f32", ACT[act], (long long)bad, worst);
     free(a), free(b), free(bias), free(want), free(got), free(pre), free(pre_want), free(ah), free(bh), free(ar),
-        free(br), free(ws);
+        free(br);
 }
 
 static void test_pair_operands(const gemm_kernels *k) {
@@ -222,12 +231,14 @@ static void test_out16(const gemm_kernels *k) {
             uint16_t *out = malloc(2 * (size_t)(s.m * s.n)), *pre = malloc(2 * (size_t)(s.m * s.n));
             const int act = GEMM_ACT_GELU, one = s.k <= gemm_slice_depth(k, OPF_F32, OPF_F32);
             float *c = one ? NULL : malloc(sizeof(float) * (size_t)(s.m * s.n));
-            float *ws = malloc((size_t)gemm_workspace_floats(k, s.m, s.n, s.k) * sizeof(float) + 64);
+            const int64_t wsn = gemm_workspace_floats(k, s.m, s.n, s.k);
+            float *ws = check_ws_alloc(wsn);
             gemm_epilogue ref = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .preact = pre_want, .rsp = s.n};
             gemm_ref_f32(s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, want, s.n, &ref);
             gemm_epilogue ep = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .rsp = s.n, .out16 = out,
                                 .pre16 = pre, .out_dt = dt};
-            gemm_f32(k, s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, c, s.n, &ep, ws);
+            CHECK(gemm_f32(k, s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, c, s.n, &ep, ws, wsn) == 0, "workspace refused");
+            check_ws_free(ws, k->name);
             const double rel = dt == OPF_BF16 ? 1.0 / 128 : 1.0 / 1024, atol = 4e-7 * (double)s.k + 1e-5;
             int64_t bad = 0;
             for (int64_t i = 0; i < s.m * s.n; i++) {
@@ -239,7 +250,7 @@ static void test_out16(const gemm_kernels *k) {
             CHECK(bad == 0, "%s out16 %s m=%lld n=%lld k=%lld (%s): %lld bad", k->name, dt == OPF_BF16 ? "bf16" : "f16",
                   (long long)s.m, (long long)s.n, (long long)s.k, one ? "one slice, no C" : "C for partial sums",
                   (long long)bad);
-            free(a), free(b), free(bias), free(want), free(pre_want), free(out), free(pre), free(c), free(ws);
+            free(a), free(b), free(bias), free(want), free(pre_want), free(out), free(pre), free(c);
         }
     }
 }
@@ -288,7 +299,77 @@ static void test_conversions(const gemm_kernels *k) {
     }
 }
 
+/* The workspace a plan needs against the one gemm_workspace_floats sizes: every row count from 1 past the
+ * point where each worker packs its own blocks of A (the plans switch there, and the need is not monotonic
+ * in M), at 1, 2 and 3 threads, float32 / bfloat16 / float16 operands, each run in a workspace of exactly
+ * the size reported, between guard words; and when the thread count changes between sizing and running,
+ * the product still fits (or is refused) without a write outside. */
+static void test_workspace_plans(const gemm_kernels *k) {
+    const char *saved = getenv("OPFORGE_NUM_THREADS");
+    char saved_copy[32] = "";
+    if (saved) snprintf(saved_copy, sizeof saved_copy, "%s", saved);
+    const int64_t n = 2 * k->nr + 3, kd = 9, mmax = 2 * 3 * k->mc + 3 * k->mr;
+    float *a = rand_buf(mmax * kd, 41), *b = rand_buf(kd * n, 42), *want = malloc(sizeof(float) * (size_t)(mmax * n));
+    float *got = malloc(sizeof(float) * (size_t)(mmax * n));
+    uint16_t *ah = malloc(2 * (size_t)(mmax * kd)), *bh = malloc(2 * (size_t)(kd * n));
+    gemm_epilogue ep = {0};
+    for (int threads = 1; threads <= 3; threads++) {
+        char env[8];
+        snprintf(env, sizeof env, "%d", threads);
+        setenv("OPFORGE_NUM_THREADS", env, 1);
+        for (opf_dtype dt = OPF_F32; dt <= OPF_F16; dt = dt == OPF_F32 ? OPF_BF16 : dt + 1) {
+            const void *ap = a, *bp = b;
+            if (dt != OPF_F32) {
+                gemm_store_f32(k, ah, dt, a, mmax * kd);
+                gemm_store_f32(k, bh, dt, b, kd * n);
+                ap = ah, bp = bh;
+            }
+            int64_t bad = 0, refused = 0, first_bad = -1;
+            for (int64_t m = 1; m <= mmax; m++) {
+                int64_t wsn = gemm_workspace_floats(k, m, n, kd);
+                float *ws = check_ws_alloc(wsn);
+                refused += gemm_f32x(k, m, n, kd, ap, dt, kd, 1, bp, dt, n, 1, got, n, &ep, ws, wsn) != 0;
+                check_ws_free(ws, k->name);
+                if (m == mmax || m % 37 == 0) { /* values too, now and then */
+                    float *ar = malloc(sizeof(float) * (size_t)(m * kd)), *br = malloc(sizeof(float) * (size_t)(kd * n));
+                    gemm_load_f32(k, ar, ap, dt, m * kd, 1);
+                    gemm_load_f32(k, br, bp, dt, kd * n, 1);
+                    gemm_ref_f32(m, n, kd, ar, kd, 1, br, n, 1, want, n, &ep);
+                    for (int64_t i = 0; i < m * n; i++)
+                        if (!(fabs((double)got[i] - want[i]) <= 1e-2 + 1e-2 * fabs(want[i])) && first_bad < 0) first_bad = m;
+                    bad += first_bad >= 0;
+                    free(ar), free(br);
+                }
+            }
+            CHECK(refused == 0 && bad == 0, "%s workspace sweep dt=%d threads=%d: %lld refused, wrong values from m=%lld",
+                  k->name, (int)dt, threads, (long long)refused, (long long)first_bad);
+        }
+    }
+    /* sized at one thread count, run at another: fits through the one-worker plan, or is refused */
+    for (int64_t m = 1; m <= mmax; m += 7) {
+        for (int pair = 0; pair < 2; pair++) {
+            setenv("OPFORGE_NUM_THREADS", pair ? "3" : "1", 1);
+            int64_t wsn = gemm_workspace_floats(k, m, n, kd);
+            setenv("OPFORGE_NUM_THREADS", pair ? "1" : "3", 1);
+            float *ws = check_ws_alloc(wsn);
+            int rc = gemm_f32(k, m, n, kd, a, kd, 1, b, n, 1, got, n, &ep, ws, wsn);
+            check_ws_free(ws, "thread count changed");
+            CHECK(rc == 0, "%s m=%lld: sized at %d threads, refused at %d", k->name, (long long)m, pair ? 3 : 1,
+                  pair ? 1 : 3);
+        }
+        /* too small a workspace: refused, or run by a plan that fits; nothing written outside */
+        int64_t wsn = gemm_workspace_floats(k, m, n, kd);
+        float *ws = check_ws_alloc(wsn / 2);
+        (void)gemm_f32(k, m, n, kd, a, kd, 1, b, n, 1, got, n, &ep, ws, wsn / 2);
+        check_ws_free(ws, "half the workspace");
+    }
+    if (saved) setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
+    else unsetenv("OPFORGE_NUM_THREADS");
+    free(a), free(b), free(want), free(got), free(ah), free(bh);
+}
+
 static void test_variant(const gemm_kernels *k) {
+    test_workspace_plans(k);
     test_act_grad(k);
     test_act_grad_rows(k);
     test_conversions(k);

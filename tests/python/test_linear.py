@@ -314,3 +314,98 @@ def test_nn_linear_is_a_drop_in():
 def test_bad_input(call, pattern):
     with pytest.raises(RuntimeError, match=pattern):
         call()
+
+
+# ---- reproducers of defects an adversarial probe found -----------------------------------------
+
+def _isas_threads():
+    return [(isa, t) for isa in opforge.supported_isas() for t in (1, 2)]
+
+
+@pytest.fixture
+def isa_threads(request):
+    isa, threads = request.param
+    saved = torch.get_num_threads()
+    opforge.set_isa(isa)
+    torch.set_num_threads(threads)
+    yield isa, threads
+    opforge.set_isa("auto")
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("isa_threads", _isas_threads(), indirect=True, ids=str)
+@pytest.mark.parametrize("mode", ["none", "recompute", "retain_graph"])
+@pytest.mark.parametrize("shape", [(200, 256, 256), (112, 100, 129), (160, 256, 256), (240, 300, 300), (230, 250, 250)],
+                         ids=str)
+def test_chunked_backward_sizes_the_workspace_for_the_last_chunk(shape, mode, isa_threads):
+    # The chunked backward sized its GEMM workspace for the full row chunk, but a shorter last chunk packs the
+    # whole of A where the full one packs a block per worker and needs more: heap corruption at these shapes.
+    m, k, n = shape
+    x, w, b = torch.randn(m, k, requires_grad=True), (torch.randn(n, k) / 8).requires_grad_(), torch.randn(n, requires_grad=True)
+    act = "none" if mode == "none" else "gelu"
+    y = opforge.linear(x, w, b, act, recompute=mode == "recompute")
+    g = torch.randn_like(y)
+    y.backward(g, retain_graph=mode == "retain_graph")
+    xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+    reference(xr, wr, br, act).backward(g.double())
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_multihead_attention_on_200_tokens():
+    mha = opforge.nn.MultiheadAttention(256, 8)
+    x = torch.randn(1, 200, 256, requires_grad=True)
+    out = mha(x, x, x)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_bfloat16_backward_of_a_strided_batch():
+    x = torch.randn(100, 1, 129).bfloat16().requires_grad_()
+    w = (torch.randn(300, 129) / 8).bfloat16().requires_grad_()
+    g = torch.randn(100, 1, 300).bfloat16()
+    opforge.linear(x, w, None, "none").backward(g)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    reference(xr, wr, None, "none").backward(g.double())
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=2e-2, atol=2e-2 * xr.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype, m, kd, threads", [(torch.float16, 752, 1100, 2), (torch.bfloat16, 752, 2100, 2),
+                                                   (torch.float16, 720, 1100, 2), (torch.float16, 740, 1100, 1),
+                                                   (torch.bfloat16, 1264, 2100, 1)])
+def test_16bit_matmul_last_row_chunk(dtype, m, kd, threads):
+    # 16-bit results over several K slices are made in row chunks of float32 partial sums; the last, shorter
+    # chunk needed more workspace than the full one it was sized for: garbage and NaNs in its rows.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(m, kd).to(dtype), torch.randn(kd, 4096).to(dtype)
+        got = opforge.matmul(a, b)
+    finally:
+        torch.set_num_threads(saved)
+    want = a.double() @ b.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2 * kd ** 0.5)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_gradients_do_not_depend_on_the_thread_count(act):
+    # the activation's derivative ran a scalar libm path at the end of each thread's column range, so the
+    # float32 gradients changed with the thread count
+    x = torch.randn(300, 200, requires_grad=True)
+    w = (torch.randn(1000, 200) / 8).requires_grad_()
+    b = torch.randn(1000, requires_grad=True)
+    g = torch.randn(300, 1000)
+    saved, grads = torch.get_num_threads(), {}
+    try:
+        for threads in (1, 2, 2):
+            torch.set_num_threads(threads)
+            for t in (x, w, b):
+                t.grad = None
+            opforge.linear(x, w, b, act).backward(g)
+            grads.setdefault(threads, []).append([t.grad.clone() for t in (x, w, b)])
+    finally:
+        torch.set_num_threads(saved)
+    runs = grads[1] + grads[2]
+    for run in runs[1:]:
+        for got, want in zip(run, runs[0]):
+            assert torch.equal(got, want)
