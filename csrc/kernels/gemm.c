@@ -114,14 +114,14 @@ double gemm_act_grad_f64(int act, double x) {
 
 void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa,
                   const double *b, int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta,
-                  const double *bias, int bias_kind, int act, double *preact, int64_t rsp) {
+                  const double *bias, int64_t bias_stride, int bias_kind, int act, double *preact, int64_t rsp) {
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j = 0; j < n; j++) {
             double v = 0;
             for (int64_t p = 0; p < kdim; p++) v += a[i * rsa + p * csa] * b[p * rsb + j * csb];
             if (beta != 0.0) v += beta * c[i * rsc + j];
-            if (bias_kind == GEMM_BIAS_ROW) v += bias[j];
-            if (bias_kind == GEMM_BIAS_COL) v += bias[i];
+            if (bias_kind == GEMM_BIAS_ROW) v += bias[j * bias_stride];
+            if (bias_kind == GEMM_BIAS_COL) v += bias[i * bias_stride];
             if (preact) preact[i * rsp + j] = v;
             c[i * rsc + j] = act_f64(act, v);
         }

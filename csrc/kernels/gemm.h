@@ -159,10 +159,10 @@ void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rs
                   const gemm_epilogue *ep);
 
 /* float64 oracle (and the float64 path of the ops, for gradcheck): the same
- * contract in double, activations from libm. */
+ * contract in double, activations from libm; the bias of any stride. */
 void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa,
                   const double *b, int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta,
-                  const double *bias, int bias_kind, int act, double *preact, int64_t rsp);
+                  const double *bias, int64_t bias_stride, int bias_kind, int act, double *preact, int64_t rsp);
 double gemm_act_grad_f64(int act, double x);
 
 /* Row blocks of g' = g * act'(pre) over (m, n) matrices of type dt (float32,

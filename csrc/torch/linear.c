@@ -186,7 +186,7 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         if (dt == OPF_F64) {
             gemm_ref_f64(m, n, kd, (const double *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
                          (const double *)b.data + i * bsb, b.strides[nd - 2], b.strides[nd - 1],
-                         (double *)c.data + i * m * n, n, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                         (double *)c.data + i * m * n, n, 0.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
             continue;
         }
         gemm_out(MM, k, &plan, m, n, kd, at(a.data, i * asb, dt), a.strides[nd - 2], a.strides[nd - 1],
@@ -195,6 +195,67 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     }
     opf_log_call(MM, t0, 3, (opf_tensor[]){a, b, c});
     OPF_RETURN(stack, 0, c_h);
+}
+
+/* matmul_backward(grad (..., M, N), a (..., M, K), b (..., K, N)) -> (da = grad b^T, db = a^T grad), both
+ * contiguous: two GEMMs that read grad, a and b in place through their strides */
+static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    static const char MMB[] = "opforge::matmul_backward";
+    OPF_ARG_TENSOR(g, stack, 0);
+    OPF_ARG_TENSOR(a, stack, 1);
+    OPF_ARG_TENSOR(b, stack, 2);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    opf_tensor g = opf_tensor_info(MMB, "grad", g_h), a = opf_tensor_info(MMB, "a", a_h), b = opf_tensor_info(MMB, "b", b_h);
+    opf_dtype dt = check_operand(MMB, "a", &a);
+    check_operand(MMB, "b", &b);
+    check_operand(MMB, "grad", &g);
+    opf_check_same_dtype(MMB, "b", &b, "a", &a);
+    opf_check_same_dtype(MMB, "grad", &g, "a", &a);
+    if ((a.ndim != 2 && a.ndim != 3) || a.ndim != b.ndim)
+        opf_fail(MMB, "arguments 'a' and 'b' must both be 2-d (M,K),(K,N) or 3-d (B,M,K),(B,K,N), got %lld-d and %lld-d",
+                 (long long)a.ndim, (long long)b.ndim);
+    int nd = (int)a.ndim;
+    int64_t batch = nd == 3 ? a.sizes[0] : 1, m = a.sizes[nd - 2], kd = a.sizes[nd - 1], n = b.sizes[nd - 1];
+    if (b.sizes[nd - 2] != kd || (nd == 3 && b.sizes[0] != batch))
+        opf_fail(MMB, "argument 'b' must be (..., %lld, N) with the batch of 'a', got %lld rows", (long long)kd,
+                 (long long)b.sizes[nd - 2]);
+    int64_t want_sizes[3] = {batch, m, n};
+    opf_tensor want = {.ndim = nd, .sizes = want_sizes + (3 - nd)};
+    opf_check_same_shape(MMB, "grad", &g, "the output", &want);
+    OPF_OWNED AtenTensorHandle da_h = opf_empty(MMB, nd, a.sizes, a.dtype, &a);
+    OPF_OWNED AtenTensorHandle db_h = opf_empty(MMB, nd, b.sizes, b.dtype, &b);
+    opf_tensor da = opf_tensor_info(MMB, "da", da_h), db = opf_tensor_info(MMB, "db", db_h);
+    const int64_t gsb = nd == 3 ? g.strides[0] : 0, asb = nd == 3 ? a.strides[0] : 0, bsb = nd == 3 ? b.strides[0] : 0;
+    const int64_t grs = g.strides[nd - 2], gcs = g.strides[nd - 1], ars = a.strides[nd - 2], acs = a.strides[nd - 1];
+    const int64_t brs = b.strides[nd - 2], bcs = b.strides[nd - 1];
+    if (dt == OPF_F64) {
+        for (int64_t i = 0; i < batch; i++) {
+            const double *gi = (const double *)g.data + i * gsb, *ai = (const double *)a.data + i * asb;
+            const double *bi = (const double *)b.data + i * bsb;
+            gemm_ref_f64(m, kd, n, gi, grs, gcs, bi, bcs, brs, (double *)da.data + i * m * kd, kd, 0.0, NULL, 0,
+                         GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+            gemm_ref_f64(kd, n, m, ai, acs, ars, gi, grs, gcs, (double *)db.data + i * kd * n, n, 0.0, NULL, 0,
+                         GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+        }
+    } else {
+        const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
+        out_plan pa = plan_out(k, dt, m, kd, n), pb = plan_out(k, dt, kd, n, m);
+        float *ws = NULL;
+        OPF_OWNED AtenTensorHandle ws_h =
+            opf_workspace(MMB, pa.ws_floats > pb.ws_floats ? pa.ws_floats : pb.ws_floats, &a, &ws);
+        for (int64_t i = 0; i < batch; i++) {
+            const void *gi = at(g.data, i * gsb, dt), *ai = at(a.data, i * asb, dt), *bi = at(b.data, i * bsb, dt);
+            /* da (m, kd) = grad (m, n) . b^T (n, kd) */
+            gemm_out(MMB, k, &pa, m, kd, n, gi, grs, gcs, bi, bcs, brs, at(da.data, i * m * kd, dt), NULL, dt, NULL,
+                     GEMM_ACT_NONE, ws);
+            /* db (kd, n) = a^T (kd, m) . grad (m, n) */
+            gemm_out(MMB, k, &pb, kd, n, m, ai, acs, ars, gi, grs, gcs, at(db.data, i * kd * n, dt), NULL, dt, NULL,
+                     GEMM_ACT_NONE, ws);
+        }
+    }
+    opf_log_call(MMB, t0, 3, (opf_tensor[]){g, a, b});
+    OPF_RETURN(stack, 0, da_h);
+    OPF_RETURN(stack, 1, db_h);
 }
 
 /* ---- linear ------------------------------------------------------------------------------- */
@@ -253,12 +314,10 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     opf_tensor out = opf_tensor_info(LIN, "out", out_h), pre = opf_tensor_info(LIN, "preact", pre_h);
     rows_view v = view_rows(&l.x);
     if (l.dt == OPF_F64) {
-        if (l.has_bias && l.bias.strides[0] != 1)
-            opf_fail(LIN, "argument 'bias' must be contiguous in float64, got stride %lld", (long long)l.bias.strides[0]);
         for (int64_t i = 0; i < v.count; i++) {
             int64_t xo = matrix_offset(&l.x, &v, i), oo = i * v.rows * l.n;
             gemm_ref_f64(v.rows, l.n, l.k, (const double *)l.x.data + xo, v.rs, v.cs, l.w.data, l.w.strides[1],
-                         l.w.strides[0], (double *)out.data + oo, l.n, 0.0, l.has_bias ? l.bias.data : NULL,
+                         l.w.strides[0], (double *)out.data + oo, l.n, 0.0, l.has_bias ? l.bias.data : NULL, l.has_bias ? l.bias.strides[0] : 0,
                          l.has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, (int)act, save ? (double *)pre.data + oo : NULL, l.n);
         }
     } else {
@@ -373,6 +432,7 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
             if (recompute && f64) /* preact rows (rows, n) = x rows . weight^T + bias, into the g' scratch */
                 gemm_ref_f64(rows, l->n, l->k, (const double *)l->x.data + xo, xv.rs, xv.cs, l->w.data, l->w.strides[1],
                              l->w.strides[0], (double *)gp, l->n, 0.0, l->has_bias ? l->bias.data : NULL,
+                             l->has_bias ? l->bias.strides[0] : 0,
                              l->has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
             else if (recompute) {
                 gemm_epilogue ep = {.bias = l->has_bias ? bias32 : NULL,
@@ -409,9 +469,9 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
             }
             if (f64) {
                 gemm_ref_f64(rows, l->k, l->n, (const double *)gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1],
-                             (double *)dx->data + row0 * l->k, l->k, 0.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                             (double *)dx->data + row0 * l->k, l->k, 0.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
                 gemm_ref_f64(l->n, l->k, rows, (const double *)gp, 1, l->n, (const double *)l->x.data + xo, xv.rs, xv.cs,
-                             dw->data, l->k, first ? 0.0 : 1.0, NULL, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                             dw->data, l->k, first ? 0.0 : 1.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
                 for (int64_t j = 0; l->has_bias && j < l->n; j++) {
                     double sum = first ? 0.0 : ((double *)db->data)[j];
                     for (int64_t r = 0; r < rows; r++) sum += ((const double *)gp)[r * l->n + j];
@@ -494,14 +554,24 @@ static void linear_backward_inplace_cpu(StableIValue *stack, uint64_t nin, uint6
     linear_backward_impl(stack, 1);
 }
 
-const opf_op_desc opf_linear_ops[4] = {
+const opf_op_desc opf_linear_ops[5] = {
     {
         .name = "matmul",
         .schema = "matmul(Tensor a, Tensor b) -> Tensor",
         .cpu = matmul_cpu,
         .shape = "matmul:a,b",
+        .backward = "matmul_backward",
+        .backward_args = "grad0,a,b",
+        .backward_grads = "a,b",
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "2*numel(a)*size(b,-1)",
+    },
+    {
+        .name = "matmul_backward",
+        .schema = "matmul_backward(Tensor grad, Tensor a, Tensor b) -> (Tensor, Tensor)",
+        .cpu = matmul_backward_cpu,
+        .shape = "contiguous:a;contiguous:b",
+        .flops = "4*numel(a)*size(b,-1)",
     },
     {
         .name = "linear",

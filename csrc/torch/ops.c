@@ -4,7 +4,7 @@
 #include "opforge/op.h"
 
 extern const opf_op_desc opf_dispersion_correction_ops[2];
-extern const opf_op_desc opf_linear_ops[4];
+extern const opf_op_desc opf_linear_ops[5];
 extern const opf_op_desc opf_attention_ops[2];
 
 #define OPF_MAX_OPS 64
@@ -18,7 +18,7 @@ static int64_t append(int64_t n, const opf_op_desc *ops, int64_t count) {
 OPF_EXPORT const opf_op_desc *opforge_op_table(int64_t *count) {
     int64_t n = 0;
     n = append(n, opf_dispersion_correction_ops, 2);
-    n = append(n, opf_linear_ops, 4);
+    n = append(n, opf_linear_ops, 5);
     n = append(n, opf_attention_ops, 2);
     *count = n;
     return table;

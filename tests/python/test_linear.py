@@ -409,3 +409,37 @@ def test_gradients_do_not_depend_on_the_thread_count(act):
     for run in runs[1:]:
         for got, want in zip(run, runs[0]):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", list(GRAD_TOL) + [torch.float64])
+@pytest.mark.parametrize("batched", [False, True])
+def test_matmul_gradients(dtype, batched):
+    # matmul had no backward: its output required grad and a.grad stayed None
+    lead = (3,) if batched else ()
+    a = torch.randn(*lead, 37, 45).to(dtype).requires_grad_()
+    b = torch.randn(*lead, 29, 45).to(dtype).transpose(-1, -2).requires_grad_()  # read transposed, in place
+    g = torch.randn(*lead, 37, 29).to(dtype)
+    opforge.matmul(a, b).backward(g)
+    ar, br = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    (ar @ br).backward(g.double())
+    tol = GRAD_TOL.get(dtype, TOL[torch.float64])
+    for got, want in ((a.grad, ar.grad), (b.grad, br.grad)):
+        assert got is not None and got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_matmul_gradcheck_and_opcheck():
+    a = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(opforge.matmul, (a, b))
+    opcheck(MATMUL, (torch.randn(2, 3, 7, requires_grad=True), torch.randn(2, 4, 7).transpose(1, 2).requires_grad_()))
+
+
+def test_float64_bias_of_any_stride():
+    # a float64 bias with a non-unit stride (even a size-1 one, which torch counts as contiguous) was refused
+    x, w = torch.randn(5, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    for b in (torch.randn(12, dtype=torch.float64)[::2], torch.randn(1, 6, dtype=torch.float64).t()[:, 0]):
+        torch.testing.assert_close(opforge.linear(x, w, b, "gelu"), reference(x, w, b, "gelu"), **TOL[torch.float64])
+    one = torch.randn(3, dtype=torch.float64)[::3]
+    w1 = torch.randn(1, 8, dtype=torch.float64)
+    torch.testing.assert_close(opforge.linear(x, w1, one), reference(x, w1, one, "none"), **TOL[torch.float64])
