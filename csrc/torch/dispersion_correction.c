@@ -17,11 +17,15 @@ static void dispersion_correction_cpu(StableIValue *stack, uint64_t nin, uint64_
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     double alpha = opf_arg_double(stack[1]);
     opf_tensor x = opf_tensor_info(FWD, "x", x_h);
-    opf_check_cpu(FWD, "x", &x);
+    opf_check_device(FWD, "x", &x, "x", &x);
     opf_dtype dt = opf_check_float(FWD, "x", &x);
 
     OPF_OWNED AtenTensorHandle y_h = opf_empty_like(FWD, &x);
     opf_tensor y = opf_tensor_info(FWD, "out", y_h);
+    if (opf_is_meta(&x)) {
+        OPF_RETURN(stack, 0, y_h);
+        return;
+    }
     opf_nd nd;
     const int64_t *strides[] = {y.strides, x.strides};
     opf_nd_init(&nd, (int)x.ndim, x.sizes, 2, strides);
@@ -41,14 +45,18 @@ static void dispersion_correction_backward_cpu(StableIValue *stack, uint64_t nin
     double alpha = opf_arg_double(stack[2]);
     opf_tensor g = opf_tensor_info(BWD, "grad", grad_h);
     opf_tensor x = opf_tensor_info(BWD, "x", x_h);
-    opf_check_cpu(BWD, "x", &x);
-    opf_check_cpu(BWD, "grad", &g);
+    opf_check_device(BWD, "x", &x, "x", &x);
+    opf_check_device(BWD, "grad", &g, "x", &x);
     opf_dtype dt = opf_check_float(BWD, "x", &x);
     opf_check_same_dtype(BWD, "grad", &g, "x", &x);
     opf_check_same_shape(BWD, "grad", &g, "x", &x);
 
     OPF_OWNED AtenTensorHandle dx_h = opf_empty_like(BWD, &x);
     opf_tensor dx = opf_tensor_info(BWD, "out", dx_h);
+    if (opf_is_meta(&x)) {
+        OPF_RETURN(stack, 0, dx_h);
+        return;
+    }
     opf_nd nd;
     const int64_t *strides[] = {dx.strides, g.strides, x.strides};
     opf_nd_init(&nd, (int)x.ndim, x.sizes, 3, strides);
@@ -70,6 +78,7 @@ const opf_op_desc opf_dispersion_correction_ops[2] = {
         .backward_grads = "x",
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "3*numel(x)",
+        .meta = 1,
     },
     {
         .name = "dispersion_correction_backward",
@@ -78,5 +87,6 @@ const opf_op_desc opf_dispersion_correction_ops[2] = {
         .shape = "like:x",
         .autocast = OPF_AUTOCAST_NONE,
         .flops = "5*numel(x)",
+        .meta = 1,
     },
 };

@@ -147,6 +147,18 @@ void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t) {
                  arg, device_name(t->device_type));
 }
 
+void opf_check_device(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg, const opf_tensor *ref) {
+    const int32_t cpu = aoti_torch_device_type_cpu(), meta = aoti_torch_device_type_meta();
+    if (t->device_type != cpu && t->device_type != meta)
+        opf_fail(op, "argument '%s' must be on the cpu device (this kernel is the CPU one), got %s", arg,
+                 device_name(t->device_type));
+    if (t->device_type != ref->device_type)
+        opf_fail(op, "argument '%s' must be on the device of '%s' (%s), got %s", arg, ref_arg,
+                 device_name(ref->device_type), device_name(t->device_type));
+}
+
+int opf_is_meta(const opf_tensor *t) { return t->device_type == aoti_torch_device_type_meta(); }
+
 void opf_shape_str(char *buf, size_t len, const opf_tensor *t) {
     size_t n = (size_t)snprintf(buf, len, "[");
     for (int64_t d = 0; d < t->ndim && n < len; d++)

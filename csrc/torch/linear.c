@@ -25,8 +25,10 @@ static const char MM[] = "opforge::matmul";
 static const char LIN[] = "opforge::linear";
 static const char LBWD[] = "opforge::linear_backward";
 
-static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor *t) {
-    opf_check_cpu(op, arg, t);
+/* t on the device of ref (cpu, or meta for the fake kernel) and of a float type */
+static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
+                               const opf_tensor *ref) {
+    opf_check_device(op, arg, t, ref_arg, ref);
     return opf_check_float(op, arg, t);
 }
 
@@ -160,8 +162,8 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(b, stack, 1);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     opf_tensor a = opf_tensor_info(MM, "a", a_h), b = opf_tensor_info(MM, "b", b_h);
-    opf_dtype dt = check_operand(MM, "a", &a);
-    check_operand(MM, "b", &b);
+    opf_dtype dt = check_operand(MM, "a", &a, "a", &a);
+    check_operand(MM, "b", &b, "a", &a);
     opf_check_same_dtype(MM, "b", &b, "a", &a);
     if ((a.ndim != 2 && a.ndim != 3) || a.ndim != b.ndim)
         opf_fail(MM, "arguments 'a' and 'b' must both be 2-d (M,K),(K,N) or 3-d (B,M,K),(B,K,N), got %lld-d and %lld-d",
@@ -177,6 +179,10 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     int64_t sizes[3] = {batch, m, n};
     OPF_OWNED AtenTensorHandle c_h = opf_empty(MM, nd, sizes + (3 - nd), a.dtype, &a);
     opf_tensor c = opf_tensor_info(MM, "out", c_h);
+    if (opf_is_meta(&a)) {
+        OPF_RETURN(stack, 0, c_h);
+        return;
+    }
     int64_t asb = nd == 3 ? a.strides[0] : 0, bsb = nd == 3 ? b.strides[0] : 0;
     const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
     out_plan plan = plan_out(k, dt, m, n, kd);
@@ -206,9 +212,9 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
     OPF_ARG_TENSOR(b, stack, 2);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     opf_tensor g = opf_tensor_info(MMB, "grad", g_h), a = opf_tensor_info(MMB, "a", a_h), b = opf_tensor_info(MMB, "b", b_h);
-    opf_dtype dt = check_operand(MMB, "a", &a);
-    check_operand(MMB, "b", &b);
-    check_operand(MMB, "grad", &g);
+    opf_dtype dt = check_operand(MMB, "a", &a, "a", &a);
+    check_operand(MMB, "b", &b, "a", &a);
+    check_operand(MMB, "grad", &g, "a", &a);
     opf_check_same_dtype(MMB, "b", &b, "a", &a);
     opf_check_same_dtype(MMB, "grad", &g, "a", &a);
     if ((a.ndim != 2 && a.ndim != 3) || a.ndim != b.ndim)
@@ -225,6 +231,11 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
     OPF_OWNED AtenTensorHandle da_h = opf_empty(MMB, nd, a.sizes, a.dtype, &a);
     OPF_OWNED AtenTensorHandle db_h = opf_empty(MMB, nd, b.sizes, b.dtype, &b);
     opf_tensor da = opf_tensor_info(MMB, "da", da_h), db = opf_tensor_info(MMB, "db", db_h);
+    if (opf_is_meta(&a)) {
+        OPF_RETURN(stack, 0, da_h);
+        OPF_RETURN(stack, 1, db_h);
+        return;
+    }
     const int64_t gsb = nd == 3 ? g.strides[0] : 0, asb = nd == 3 ? a.strides[0] : 0, bsb = nd == 3 ? b.strides[0] : 0;
     const int64_t grs = g.strides[nd - 2], gcs = g.strides[nd - 1], ars = a.strides[nd - 2], acs = a.strides[nd - 1];
     const int64_t brs = b.strides[nd - 2], bcs = b.strides[nd - 1];
@@ -270,8 +281,8 @@ typedef struct linear_args {
 static linear_args check_linear(const char *op, AtenTensorHandle x_h, AtenTensorHandle w_h,
                                 AtenTensorHandle b_h) {
     linear_args l = {.x = opf_tensor_info(op, "x", x_h), .w = opf_tensor_info(op, "weight", w_h), .has_bias = b_h != NULL};
-    l.dt = check_operand(op, "x", &l.x);
-    check_operand(op, "weight", &l.w);
+    l.dt = check_operand(op, "x", &l.x, "x", &l.x);
+    check_operand(op, "weight", &l.w, "x", &l.x);
     opf_check_same_dtype(op, "weight", &l.w, "x", &l.x);
     if (l.x.ndim < 1) opf_fail(op, "argument 'x' must have at least 1 dim (..., in_features), got a 0-d tensor");
     if (l.w.ndim != 2)
@@ -283,7 +294,7 @@ static linear_args check_linear(const char *op, AtenTensorHandle x_h, AtenTensor
                  (long long)l.k, (long long)l.w.sizes[1]);
     if (l.has_bias) {
         l.bias = opf_tensor_info(op, "bias", b_h);
-        check_operand(op, "bias", &l.bias);
+        check_operand(op, "bias", &l.bias, "x", &l.x);
         opf_check_same_dtype(op, "bias", &l.bias, "x", &l.x);
         opf_tensor want = {.ndim = 1, .sizes = &l.n};
         opf_check_same_shape(op, "bias", &l.bias, "out_features", &want);
@@ -312,6 +323,11 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_OWNED AtenTensorHandle pre_h =
         save ? opf_empty(LIN, l.x.ndim, sizes, l.x.dtype, &l.x) : opf_empty(LIN, 1, &empty, l.x.dtype, &l.x);
     opf_tensor out = opf_tensor_info(LIN, "out", out_h), pre = opf_tensor_info(LIN, "preact", pre_h);
+    if (opf_is_meta(&l.x)) {
+        OPF_RETURN(stack, 0, out_h);
+        OPF_RETURN(stack, 1, pre_h);
+        return;
+    }
     rows_view v = view_rows(&l.x);
     if (l.dt == OPF_F64) {
         for (int64_t i = 0; i < v.count; i++) {
@@ -524,12 +540,14 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
     check_activation(LBWD, act);
     linear_args l = check_linear(LBWD, x_h, w_h, bias_h);
     opf_tensor g = opf_tensor_info(LBWD, "grad", grad_h), pre = opf_tensor_info(LBWD, "preact", pre_h);
+    opf_check_device(LBWD, "grad", &g, "x", &l.x);
     opf_check_same_dtype(LBWD, "grad", &g, "x", &l.x);
     int64_t sizes[OPF_MAX_DIMS], empty = 0;
     out_sizes(&l.x, l.n, sizes);
     opf_tensor want = {.ndim = l.x.ndim, .sizes = sizes};
     opf_check_same_shape(LBWD, "grad", &g, "the output", &want);
     if (act) { /* an empty preact (save_preact=False) is recomputed */
+        opf_check_device(LBWD, "preact", &pre, "x", &l.x);
         opf_check_same_dtype(LBWD, "preact", &pre, "x", &l.x);
         if (pre.numel != 0 || pre.ndim != 1) opf_check_same_shape(LBWD, "preact", &pre, "the output", &want);
     }
@@ -541,7 +559,7 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
     OPF_OWNED AtenTensorHandle db_h = opf_empty(LBWD, 1, l.has_bias ? &l.n : &empty, l.x.dtype, &l.x);
     opf_tensor dx = opf_tensor_info(LBWD, "dx", dx_h), dw = opf_tensor_info(LBWD, "dweight", dw_h),
                db = opf_tensor_info(LBWD, "dbias", db_h);
-    if (!in_place || !backward_in_place(&l, &g, &pre, act, m, &dx, &dw, &db))
+    if (!opf_is_meta(&l.x) && (!in_place || !backward_in_place(&l, &g, &pre, act, m, &dx, &dw, &db)))
         backward_chunked(&l, &g, &pre, act, m, &dx, &dw, &db);
     opf_log_call(LBWD, t0, 3, (opf_tensor[]){g, l.x, dw});
     OPF_RETURN(stack, 0, dx_h);
@@ -565,6 +583,7 @@ const opf_op_desc opf_linear_ops[5] = {
         .backward_grads = "a,b",
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "2*numel(a)*size(b,-1)",
+        .meta = 1,
     },
     {
         .name = "matmul_backward",
@@ -572,6 +591,7 @@ const opf_op_desc opf_linear_ops[5] = {
         .cpu = matmul_backward_cpu,
         .shape = "contiguous:a;contiguous:b",
         .flops = "4*numel(a)*size(b,-1)",
+        .meta = 1,
     },
     {
         .name = "linear",
@@ -584,6 +604,7 @@ const opf_op_desc opf_linear_ops[5] = {
         .backward_grads = "x,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "2*numel(x)*size(weight,0)",
+        .meta = 1,
     },
     {
         .name = "linear_backward",
@@ -592,6 +613,7 @@ const opf_op_desc opf_linear_ops[5] = {
         .cpu = linear_backward_cpu,
         .shape = "contiguous:x;contiguous:weight;contiguous_or_empty:bias,x",
         .flops = "4*numel(x)*size(weight,0)",
+        .meta = 1,
     },
     {
         .name = "linear_backward_",
@@ -600,5 +622,6 @@ const opf_op_desc opf_linear_ops[5] = {
         .cpu = linear_backward_inplace_cpu,
         .shape = "contiguous:x;contiguous:weight;contiguous_or_empty:bias,x",
         .flops = "4*numel(x)*size(weight,0)",
+        .meta = 1,
     },
 };

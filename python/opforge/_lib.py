@@ -35,6 +35,7 @@ class _Desc(ctypes.Structure):
         ("backward_grads", ctypes.c_char_p),
         ("autocast", ctypes.c_int),
         ("flops", ctypes.c_char_p),
+        ("meta", ctypes.c_int),
     ]
 
 
@@ -52,6 +53,7 @@ class OpDescriptor:
     backward_grads: tuple[str, ...]
     autocast: int
     flops: str | None = None
+    meta: bool = False
 
 
 def _torch_version() -> tuple[int, int]:
@@ -135,6 +137,7 @@ class OpLibrary:
             backward_grads=_split(d.backward_grads, ","),
             autocast=d.autocast,
             flops=_str(d.flops),
+            meta=bool(d.meta),
         )
 
 
@@ -206,10 +209,57 @@ def _fake_output(rule: str, argnames: list[str], args: tuple) -> torch.Tensor:
     raise RuntimeError(f"opforge: unknown shape rule '{rule}'")
 
 
+def _check_one_device(desc: OpDescriptor, argnames: list[str], args: tuple) -> None:
+    """Every tensor argument on one device: a meta tensor beside cpu ones reaches the fake kernel (Meta
+    outranks CPU in dispatch), which would otherwise shape a cpu output of uninitialised memory."""
+    first = None
+    for name, a in zip(argnames, args):
+        if isinstance(a, torch.Tensor):
+            if first is None:
+                first = (name, a.device)
+            elif a.device != first[1]:
+                raise RuntimeError(
+                    f"[{desc.namespace}::{desc.name}] argument '{name}' must be on the device of "
+                    f"'{first[0]}' ({first[1]}), got {a.device}"
+                )
+
+
+def _concrete(t: torch.Tensor) -> bool:
+    return all(isinstance(v, int) for v in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _fake_from_kernel(op, args: tuple):
+    """The C kernel on meta stand-ins of the arguments (it checks them as it checks real ones and
+    allocates its outputs, computing nothing), then fake outputs of the shapes, strides and dtypes it made."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    like = next(a for a in args if isinstance(a, torch.Tensor))
+    with unset_fake_temporarily():
+        metas = [
+            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+            for a in args
+        ]
+        outs = op.redispatch(_CPU_KEYS, *metas)
+    single = not isinstance(outs, (tuple, list))
+    outs = (outs,) if single else tuple(outs)
+    fakes = tuple(like.new_empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device) for o in outs)
+    return fakes[0] if single else fakes
+
+
 def _wire_fake(desc: OpDescriptor, argnames: list[str]) -> None:
     rules = desc.shape
+    op = op_overload(desc)
 
     def fake(*args):
+        _check_one_device(desc, argnames, args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if desc.meta and tensors and all(_concrete(t) for t in tensors):
+            return _fake_from_kernel(op, args)
+        # symbolic sizes (torch.compile(dynamic=True)): the descriptor's shape rules
         outs = tuple(_fake_output(r, argnames, args) for r in rules)
         return outs[0] if len(outs) == 1 else outs
 

@@ -169,14 +169,18 @@ def test_rejects_non_float_dtypes(dtype):
         opforge.dispersion_correction(x, ALPHA)
 
 
-def test_rejects_a_device_the_kernel_lacks():
-    # only the CPU kernel exists; force a meta tensor into it past the fake kernel
-    m = torch.empty(3, device="meta")
+def test_the_cpu_kernel_checks_meta_tensors_and_computes_nothing():
+    # the fake kernel runs the C kernel on meta stand-ins: it checks and shapes, as for real tensors
+    m = torch.empty(3, 5, device="meta").t()
     cpu_only = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-    with pytest.raises(RuntimeError, match=r"\[opforge::dispersion_correction\] argument 'x' must be on the cpu device.*got meta"):
-        OP.redispatch(cpu_only, m, ALPHA)
-    # a meta tensor through the front door gets the fake kernel's answer
-    assert opforge.dispersion_correction(m, ALPHA).shape == (3,)
+    out = OP.redispatch(cpu_only, m, ALPHA)
+    assert out.device.type == "meta" and out.shape == (5, 3) and out.stride() == (1, 5)
+    with pytest.raises(RuntimeError, match=r"\[opforge::dispersion_correction\] argument 'x' must be a floating-point"):
+        OP.redispatch(cpu_only, torch.empty(3, device="meta", dtype=torch.int32), ALPHA)
+    # through the front door, and mixed with a cpu tensor in the backward
+    assert opforge.dispersion_correction(m, ALPHA).shape == (5, 3)
+    with pytest.raises(RuntimeError, match=r"argument 'x' must be on the device of 'grad' \(cpu\), got meta"):
+        torch.ops.opforge.dispersion_correction_backward(torch.randn(3), torch.empty(3, device="meta"), ALPHA)
 
 
 @pytest.mark.parametrize(

@@ -443,3 +443,51 @@ def test_float64_bias_of_any_stride():
     one = torch.randn(3, dtype=torch.float64)[::3]
     w1 = torch.randn(1, 8, dtype=torch.float64)
     torch.testing.assert_close(opforge.linear(x, w1, one), reference(x, w1, one, "none"), **TOL[torch.float64])
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda m: MATMUL(torch.empty(2, 3, device=m), torch.empty(5, 4, device=m)), r"argument 'b' must have 3 rows"),
+        (lambda m: MATMUL(torch.empty(2, 3, device=m, dtype=torch.int32), torch.empty(3, 4, device=m, dtype=torch.int32)),
+         r"argument 'a' must be a floating-point tensor"),
+        (lambda m: LINEAR(torch.empty(3, 5, device=m), torch.empty(4, 6, device=m), None, 0), r"must have 5 columns"),
+        (lambda m: LINEAR(torch.empty(3, 5, device=m), torch.empty(4, 5, device=m), torch.empty(3, device=m), 0),
+         r"argument 'bias' must have the shape of 'out_features' \[4\], got \[3\]"),
+        (lambda m: LINEAR(torch.empty(3, 5), torch.empty(4, 5), torch.empty(4, device=m), 0),
+         r"argument 'bias' must be on the device of 'x' \(cpu\), got meta"),
+        (lambda m: MATMUL(torch.empty(3, 5), torch.empty(5, 2, device=m)), r"argument 'b' must be on the device of 'a'"),
+    ],
+)
+def test_meta_and_fake_calls_check_what_the_kernel_checks(call, pattern):
+    # fake / meta calls returned plausible shapes for inputs the kernel refuses, and a cpu tensor of
+    # uninitialised memory for mixed meta and cpu inputs
+    with pytest.raises(RuntimeError, match=pattern):
+        call("meta")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(RuntimeError, match=pattern):
+        call("meta")
+
+
+def test_export_refuses_what_eager_refuses():
+    class MM(torch.nn.Module):
+        def forward(self, a, b):
+            return opforge.matmul(a, b)
+
+    with pytest.raises(RuntimeError, match=r"\[opforge::matmul\] argument 'b' must have 3 rows"):
+        torch.export.export(MM(), (torch.randn(2, 3), torch.randn(5, 4)))
+    ep = torch.export.export(MM(), (torch.randn(2, 3), torch.randn(3, 4)))
+    a, b = torch.randn(2, 3), torch.randn(3, 4)
+    torch.testing.assert_close(ep.module()(a, b), a @ b, **TOL[torch.float32])
+
+
+def test_fake_outputs_have_the_kernels_shapes_and_strides():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w = torch.randn(4, 6, 5).transpose(0, 1), torch.randn(3, 5)
+    real = LINEAR(x, w, None, 2, True)
+    with FakeTensorMode() as mode:
+        fake = LINEAR(mode.from_tensor(x), mode.from_tensor(w), None, 2, True)
+    for r, f in zip(real, fake):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)

@@ -54,6 +54,12 @@ typedef struct opf_op_desc {
     /* FLOP estimate for torch.utils.flop_counter: a product of integers,
      * numel(arg) and size(arg,dim), e.g. "2*numel(x)*size(weight,0)". NULL: none. */
     const char *flops;
+    /* 1: the cpu kernel takes meta tensors (it checks them and allocates its
+     * outputs as usual, and computes nothing): the fake kernel runs it on
+     * meta stand-ins of concrete-sized inputs, so torch.compile and
+     * torch.export refuse what eager refuses, with the same message, and
+     * the outputs' shapes and strides come from the C that makes them. */
+    int meta;
 } opf_op_desc;
 
 /* Every op library exports its table as opforge_op_table(); OPF_OP_TABLE
@@ -107,6 +113,11 @@ opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h);
  * op, argument, the accepted dtypes and the dtype given. */
 opf_dtype opf_check_float(const char *op, const char *arg, const opf_tensor *t);
 void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t);
+/* For kernels of ops whose descriptor sets .meta: t on the cpu device or meta, and on ref's device (ref
+ * may be t itself). A kernel given meta tensors checks and allocates as usual and computes nothing
+ * (opf_is_meta): that is how the fake kernel checks what the real one checks. */
+void opf_check_device(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg, const opf_tensor *ref);
+int opf_is_meta(const opf_tensor *t);
 void opf_check_same_shape(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
                           const opf_tensor *ref);
 void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
