@@ -109,8 +109,9 @@ class OpLibrary:
             self._call("opforge_init")
         registrar._call("opforge_register", namespace.encode(), table, count)
         self.ops = [self._descriptor(table[i]) for i in range(count.value)]
+        backward_ops = {name for d in self.ops if d.backward for name in (d.backward, d.backward + "_")}
         for desc in self.ops:
-            wire(desc)
+            wire(desc, is_backward=desc.name in backward_ops)
 
     def __getattr__(self, name: str):
         """lib.<op>: a Python function calling the op on the fastest path (see op_function)."""
@@ -309,8 +310,8 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
 
 
 def _wire_not_differentiable(desc: OpDescriptor) -> None:
-    """An op without a backward (a backward op itself, or one that declares
-    none): asking it for a gradient raises instead of dropping it."""
+    """An op that declares no backward: asking it for a gradient raises
+    instead of dropping it."""
     op, qualname = op_overload(desc), f"{desc.namespace}::{desc.name}"
 
     def autograd_kernel(keyset, *args, **kwargs):
@@ -446,7 +447,7 @@ def _wire_flops(desc: OpDescriptor, argnames: list[str]) -> None:
     register_flop_formula(getattr(getattr(torch.ops, desc.namespace), desc.name), get_raw=True)(formula)
 
 
-def wire(desc: OpDescriptor) -> None:
+def wire(desc: OpDescriptor, is_backward: bool = False) -> None:
     schema = op_overload(desc)._schema
     argnames = [a.name for a in schema.arguments]
     _wire_fake(desc, argnames)
@@ -454,7 +455,10 @@ def wire(desc: OpDescriptor) -> None:
         _wire_flops(desc, argnames)
     if desc.backward:
         _wire_autograd(desc, schema)
-    else:
+    elif not is_backward:
+        # A backward op keeps torch's C++ fallback: compiled backward graphs
+        # call it with the autograd keys live, where a Python kernel would
+        # cost microseconds per call; the generic backward never records it.
         _wire_not_differentiable(desc)
     if desc.autocast != AUTOCAST_NONE:
         _wire_autocast(desc)
