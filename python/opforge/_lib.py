@@ -352,14 +352,16 @@ class _FirstOrderOnly(torch.autograd.Function):
     def backward(ctx, *grads):
         raise RuntimeError(
             f"[{ctx.qualname}] double backward is not supported: the op's backward has no derivative of its own, "
-            "so its gradient cannot be differentiated again (torch.autograd.grad(..., create_graph=True) followed "
-            "by another grad, gradgradcheck, hessians); compute higher-order derivatives with a reference "
-            "implementation in torch operations"
+            "so a gradient taken with create_graph=True cannot be differentiated again (a second grad, "
+            "gradgradcheck, a Hessian)"
         )
 
 
 def _has_tangent(args) -> bool:
     return any(isinstance(a, torch.Tensor) and _unpack_dual(a).tangent is not None for a in args)
+
+
+_FUNC_TRANSFORMS = {"grad": "torch.func.grad, vjp, jacrev or hessian"}
 
 
 def _refuse_unsupported_ad(qualname: str, args: tuple, differentiable: bool) -> None:
@@ -369,11 +371,9 @@ def _refuse_unsupported_ad(qualname: str, args: tuple, differentiable: bool) -> 
     gradient at all of an op without a backward."""
     if _forward_ad._current_level >= 0 and _has_tangent(args):
         raise RuntimeError(
-            f"[{qualname}] forward-mode AD is not supported (torch.func.jvp, jacfwd, torch.autograd.forward_ad "
-            "dual tensors): the op has no forward derivative; use reverse mode (torch.autograd.grad, .backward())"
-            if differentiable else
-            f"[{qualname}] forward-mode AD is not supported (torch.func.jvp, jacfwd, torch.autograd.forward_ad "
-            "dual tensors): the op has no derivative; pass tensors without a tangent"
+            f"[{qualname}] forward-mode AD is not supported (torch.func.jvp, jacfwd, forward_ad dual tensors): "
+            + ("the op has a backward only; use reverse mode (torch.autograd.grad, .backward())" if differentiable
+               else "the op has no derivative; pass tensors without a tangent")
         )
     if not (_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
         return
@@ -385,10 +385,10 @@ def _refuse_unsupported_ad(qualname: str, args: tuple, differentiable: bool) -> 
     interpreter = _functorch_interpreter()
     if interpreter is not None:
         transform = str(interpreter.key()).rpartition(".")[2].lower()
+        where = _FUNC_TRANSFORMS.get(transform, f"torch.func transform '{transform}' with an input that requires grad")
         raise RuntimeError(
-            f"[{qualname}] torch.func transforms are not supported with gradients (here {transform}: torch.func.grad, "
-            "vjp, jacrev, hessian, or vmap over inputs that require grad): the op's backward is registered for "
-            "torch.autograd only; use torch.autograd.grad, or torch.no_grad() / detached inputs under vmap"
+            f"[{qualname}] torch.func transforms are not supported with gradients (here {where}): the op's "
+            "backward is wired for torch.autograd only; use torch.autograd.grad"
         )
 
 
