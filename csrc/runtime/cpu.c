@@ -154,6 +154,6 @@ int opf_runtime_init(char *err, size_t errlen) {
     const char *level = getenv("OPFORGE_LOG_LEVEL");
     if (level && level[0] && opf_log_set_level(level, err, errlen)) return -1;
     const char *file = getenv("OPFORGE_LOG_FILE");
-    if (file && file[0] && opf_log_set_file(file, err, errlen)) return -1;
+    if (file && file[0] && opf_log_set_file(file, "the environment variable OPFORGE_LOG_FILE", err, errlen)) return -1;
     return 0;
 }

@@ -1,5 +1,7 @@
 /* Logging: one global level, lines to stderr or OPFORGE_LOG_FILE. */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -10,6 +12,21 @@
 
 int opf_log_level_value = OPF_LOG_WARNING;
 static FILE *log_file; /* NULL: stderr */
+
+/* Guards log_file: ops log from any thread (torch's intra-op pool included)
+ * while another may switch the file, and a FILE must not be closed under a
+ * writer. Held across fork so that the child inherits it unlocked. */
+static pthread_mutex_t sink_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t sink_once = PTHREAD_ONCE_INIT;
+
+static void sink_acquire(void) { pthread_mutex_lock(&sink_lock); }
+static void sink_release(void) { pthread_mutex_unlock(&sink_lock); }
+static void sink_register_fork(void) { pthread_atfork(sink_acquire, sink_release, sink_release); }
+
+static void sink_enter(void) {
+    pthread_once(&sink_once, sink_register_fork);
+    sink_acquire();
+}
 
 static const char *const level_names[] = {"error", "warning", "info", "debug"};
 
@@ -26,18 +43,23 @@ int opf_log_set_level(const char *name, char *err, size_t errlen) {
     return -1;
 }
 
-int opf_log_set_file(const char *path, char *err, size_t errlen) {
+int opf_log_set_file(const char *path, const char *source, char *err, size_t errlen) {
     FILE *f = NULL;
     if (path && path[0]) {
         f = fopen(path, "a");
         if (!f) {
-            snprintf(err, errlen, "OPFORGE_LOG_FILE=%s cannot be opened for appending", path);
+            char reason[128];
+            strerror_r(errno, reason, sizeof reason);
+            snprintf(err, errlen, "%s: cannot open '%s' for appending: %s", source, path, reason);
             return -1;
         }
         setvbuf(f, NULL, _IOLBF, 0);
     }
-    if (log_file) fclose(log_file);
+    sink_enter();
+    FILE *old = log_file;
     log_file = f;
+    sink_release();
+    if (old) fclose(old); /* no writer can hold it now: each takes the lock to find the file */
     return 0;
 }
 
@@ -49,9 +71,11 @@ void opf_log(opf_log_level level, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
     va_end(ap);
+    sink_enter();
     FILE *out = log_file ? log_file : stderr;
-    fprintf(out, "%s\n", line); /* one write per line keeps threads' lines whole */
+    fprintf(out, "%s\n", line);
     fflush(out);
+    sink_release();
 }
 
 double opf_now_us(void) {

@@ -43,31 +43,55 @@ typedef struct dtype_entry {
     int32_t code;
     const char *name;
 } dtype_entry;
-static dtype_entry dtypes[16];
+
+/* Every dtype the stable ABI names, so that a message can name what it
+ * rejects; the first four in opf_dtype order. A NULL getter is a weak symbol
+ * this torch lacks. */
+static const struct {
+    int32_t (*code)(void);
+    const char *name;
+} dtype_getters[] = {
+    {aoti_torch_dtype_float32, "float32"},
+    {aoti_torch_dtype_float64, "float64"},
+    {aoti_torch_dtype_bfloat16, "bfloat16"},
+    {aoti_torch_dtype_float16, "float16"},
+    {aoti_torch_dtype_uint8, "uint8"},
+    {aoti_torch_dtype_uint16, "uint16"},
+    {aoti_torch_dtype_uint32, "uint32"},
+    {aoti_torch_dtype_uint64, "uint64"},
+    {aoti_torch_dtype_int8, "int8"},
+    {aoti_torch_dtype_int16, "int16"},
+    {aoti_torch_dtype_int32, "int32"},
+    {aoti_torch_dtype_int64, "int64"},
+    {aoti_torch_dtype_bool, "bool"},
+    {aoti_torch_dtype_complex32, "complex32"},
+    {aoti_torch_dtype_complex64, "complex64"},
+    {aoti_torch_dtype_complex128, "complex128"},
+    {aoti_torch_dtype_float8_e5m2, "float8_e5m2"},
+    {aoti_torch_dtype_float8_e4m3fn, "float8_e4m3fn"},
+    {aoti_torch_dtype_float8_e5m2fnuz, "float8_e5m2fnuz"},
+    {aoti_torch_dtype_float8_e4m3fnuz, "float8_e4m3fnuz"},
+    {aoti_torch_dtype_float8_e8m0fnu, "float8_e8m0fnu"},
+    {aoti_torch_dtype_float4_e2m1fn_x2, "float4_e2m1fn_x2"},
+};
+#define OPF_NDTYPE_GETTERS ((int)(sizeof dtype_getters / sizeof dtype_getters[0]))
+static dtype_entry dtypes[OPF_NDTYPE_GETTERS];
 static int ndtypes;
 
 static void dtypes_init(void) {
-#define DT(fn, nm) dtypes[ndtypes++] = (dtype_entry){fn(), nm};
-    /* the first four in opf_dtype order */
-    DT(aoti_torch_dtype_float32, "float32")
-    DT(aoti_torch_dtype_float64, "float64")
-    DT(aoti_torch_dtype_bfloat16, "bfloat16")
-    DT(aoti_torch_dtype_float16, "float16")
-    DT(aoti_torch_dtype_uint8, "uint8")
-    DT(aoti_torch_dtype_int8, "int8")
-    DT(aoti_torch_dtype_int16, "int16")
-    DT(aoti_torch_dtype_int32, "int32")
-    DT(aoti_torch_dtype_int64, "int64")
-    DT(aoti_torch_dtype_bool, "bool")
-    DT(aoti_torch_dtype_complex64, "complex64")
-    DT(aoti_torch_dtype_complex128, "complex128")
-#undef DT
+    for (int i = 0; i < OPF_NDTYPE_GETTERS; i++)
+        if (dtype_getters[i].code) dtypes[ndtypes++] = (dtype_entry){dtype_getters[i].code(), dtype_getters[i].name};
 }
 
 const char *opf_dtype_name(int32_t code) {
     for (int i = 0; i < ndtypes; i++)
         if (dtypes[i].code == code) return dtypes[i].name;
-    return "an unsupported dtype";
+    /* A few buffers per thread: one message may name two unknown dtypes. */
+    static _Thread_local char unknown[4][32];
+    static _Thread_local unsigned next;
+    char *buf = unknown[next++ % 4];
+    snprintf(buf, sizeof unknown[0], "dtype code %d", (int)code);
+    return buf;
 }
 
 /* ---- arguments --------------------------------------------------------------- */
@@ -345,7 +369,7 @@ OPF_EXPORT int opforge_set_log_level(const char *name, char *err, size_t errlen)
 }
 
 OPF_EXPORT int opforge_set_log_file(const char *path, char *err, size_t errlen) {
-    return opf_log_set_file(path, err, errlen);
+    return opf_log_set_file(path, "set_log_file()", err, errlen);
 }
 
 OPF_EXPORT const opf_cpu_features *opforge_cpu_features(void) { return opf_cpu(); }

@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
+from torch._library.autograd import Info as AutogradInfo, make_autograd_impl
 
 MIN_TORCH = (2, 10)
 _ERRLEN = 2048
@@ -109,8 +111,9 @@ class OpLibrary:
             self._call("opforge_init")
         registrar._call("opforge_register", namespace.encode(), table, count)
         self.ops = [self._descriptor(table[i]) for i in range(count.value)]
+        backward_ops = {name for d in self.ops if d.backward for name in (d.backward, d.backward + "_")}
         for desc in self.ops:
-            wire(desc)
+            wire(desc, is_backward=desc.name in backward_ops)
 
     def __getattr__(self, name: str):
         """lib.<op>: a Python function calling the op on the fastest path (see op_function)."""
@@ -286,6 +289,7 @@ def _may_donate(ctx, saved: list, slot: int) -> bool:
 
 
 def _wire_autograd(desc: OpDescriptor, schema) -> None:
+    qualname = f"{desc.namespace}::{desc.name}"
     argnames = [a.name for a in schema.arguments]
     is_tensor = [is_tensor_arg(a) for a in schema.arguments]
     bwd = op_overload(desc, desc.backward)
@@ -334,16 +338,108 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             op = bwd_inplace  # the saved output is ours alone: the backward may overwrite it
         args = [grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.consts[i] for k, i in plan]
         del saved
-        res = op(*args)
-        res = res if isinstance(res, (tuple, list)) else (res,)
+        recording = _grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        res = _call_below_autograd(op, args)
+        res = tuple(res) if isinstance(res, (tuple, list)) else (res,)
+        if recording:  # create_graph=True: the results join the graph, and differentiating them raises
+            res = _FirstOrderOnly.apply(qualname, res, *[a for a in args if isinstance(a, torch.Tensor)])
         out = [None] * len(argnames)
         for slot, g, absent in zip(grad_slots, res, ctx.absent):
             out[slot] = None if absent else g
         return tuple(out)
 
-    torch.library.register_autograd(
-        f"{desc.namespace}::{desc.name}", backward, setup_context=setup_context, lib=_fragment(desc.namespace)
-    )
+    # what torch.library.register_autograd registers, behind the checks for
+    # the differentiation modes the generated autograd.Function cannot serve
+    generated = make_autograd_impl(op_overload(desc), AutogradInfo(backward, setup_context))
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        _refuse_unsupported_ad(qualname, args, differentiable=True)
+        return generated(keyset, *args, **kwargs)
+
+    _fragment(desc.namespace).impl(desc.name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _wire_not_differentiable(desc: OpDescriptor) -> None:
+    """An op that declares no backward: asking it for a gradient raises
+    instead of dropping it."""
+    op, qualname = op_overload(desc), f"{desc.namespace}::{desc.name}"
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        _refuse_unsupported_ad(qualname, args, differentiable=False)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    _fragment(desc.namespace).impl(desc.name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _call_below_autograd(op: torch._ops.OpOverload, args: list):
+    """Runs op without recording it: a backward op inside a backward pass."""
+    if _compiling():
+        with torch.no_grad():
+            return op(*args)
+    if _is_excluded(_AUTOGRAD):
+        return op._op(*args)
+    _set_excluded(_AUTOGRAD, True)
+    try:
+        return op._op(*args)
+    finally:
+        _set_excluded(_AUTOGRAD, False)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Puts a backward op's results into a graph being recorded (a backward
+    with create_graph=True), wired to the tensors they were computed from, so
+    that differentiating them again raises naming the op instead of giving
+    zeros or "not used in the graph". The backward ops have no derivative of
+    their own."""
+
+    @staticmethod
+    def forward(ctx, qualname, results, *inputs):
+        ctx.qualname = qualname
+        return tuple(r.view_as(r) for r in results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"[{ctx.qualname}] double backward is not supported: the op's backward has no derivative of its own, "
+            "so a gradient taken with create_graph=True cannot be differentiated again (a second grad, "
+            "gradgradcheck, a Hessian)"
+        )
+
+
+def _has_tangent(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and _unpack_dual(a).tangent is not None for a in args)
+
+
+_FUNC_TRANSFORMS = {"grad": "torch.func.grad, vjp, jacrev or hessian"}
+
+
+def _refuse_unsupported_ad(qualname: str, args: tuple, differentiable: bool) -> None:
+    """Raises, naming the op, for a derivative it cannot give: forward-mode AD
+    (a tangent would be dropped: zeros or None), the torch.func transforms
+    (torch's generated autograd.Function does not run under them), and any
+    gradient at all of an op without a backward."""
+    if _forward_ad._current_level >= 0 and _has_tangent(args):
+        raise RuntimeError(
+            f"[{qualname}] forward-mode AD is not supported (torch.func.jvp, jacfwd, forward_ad dual tensors): "
+            + ("the op has a backward only; use reverse mode (torch.autograd.grad, .backward())" if differentiable
+               else "the op has no derivative; pass tensors without a tangent")
+        )
+    if not (_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        return
+    if not differentiable:
+        raise RuntimeError(
+            f"[{qualname}] has no derivative, but an input requires grad: call it under torch.no_grad() or on "
+            "detached inputs"
+        )
+    interpreter = _functorch_interpreter()
+    if interpreter is not None:
+        transform = str(interpreter.key()).rpartition(".")[2].lower()
+        where = _FUNC_TRANSFORMS.get(transform, f"torch.func transform '{transform}' with an input that requires grad")
+        raise RuntimeError(
+            f"[{qualname}] torch.func transforms are not supported with gradients (here {where}): the op's "
+            "backward is wired for torch.autograd only; use torch.autograd.grad"
+        )
 
 
 def _cast(value, device_type: str, dtype: torch.dtype):
@@ -401,7 +497,7 @@ def _wire_flops(desc: OpDescriptor, argnames: list[str]) -> None:
     register_flop_formula(getattr(getattr(torch.ops, desc.namespace), desc.name), get_raw=True)(formula)
 
 
-def wire(desc: OpDescriptor) -> None:
+def wire(desc: OpDescriptor, is_backward: bool = False) -> None:
     schema = op_overload(desc)._schema
     argnames = [a.name for a in schema.arguments]
     _wire_fake(desc, argnames)
@@ -409,6 +505,11 @@ def wire(desc: OpDescriptor) -> None:
         _wire_flops(desc, argnames)
     if desc.backward:
         _wire_autograd(desc, schema)
+    elif not is_backward:
+        # A backward op keeps torch's C++ fallback: compiled backward graphs
+        # call it with the autograd keys live, where a Python kernel would
+        # cost microseconds per call; the generic backward never records it.
+        _wire_not_differentiable(desc)
     if desc.autocast != AUTOCAST_NONE:
         _wire_autocast(desc)
 
@@ -429,6 +530,8 @@ _compiling = torch.compiler.is_compiling
 _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
+_unpack_dual = _forward_ad.unpack_dual
+_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
 
 
 def op_function(op: torch._ops.OpOverload):
@@ -443,7 +546,8 @@ def op_function(op: torch._ops.OpOverload):
     of a small op's time. When grad mode is off or no tensor argument requires
     grad, that kernel would only redispatch below autograd; this excludes the
     autograd keys for the call instead (a thread-local flag, restored after).
-    While torch.compile traces, the op is called as is.
+    While torch.compile traces, the op is called as is; under forward-mode
+    AD the autograd kernel runs, to refuse tangents it cannot propagate.
     """
     call = op._op  # the C++ entry point, without OpOverload.__call__'s Python frame
     tensors = [i for i, a in enumerate(op._schema.arguments) if is_tensor_arg(a)]
@@ -456,7 +560,7 @@ def op_function(op: torch._ops.OpOverload):
                 t = args[i]
                 if t is not None and getattr(t, "requires_grad", False):
                     return call(*args)
-        if _is_excluded(_AUTOGRAD):
+        if _is_excluded(_AUTOGRAD) or _forward_ad._current_level >= 0:
             return call(*args)
         _set_excluded(_AUTOGRAD, True)
         try:

@@ -76,7 +76,9 @@ typedef enum opf_log_level {
 extern int opf_log_level_value; /* read on every call: keep it a plain load */
 static inline int opf_log_enabled(opf_log_level level) { return (int)level <= opf_log_level_value; }
 int opf_log_set_level(const char *name, char *err, size_t errlen);
-int opf_log_set_file(const char *path, char *err, size_t errlen);
+/* source names what asked for the file (an environment variable, a function)
+ * in the message when it cannot be opened. */
+int opf_log_set_file(const char *path, const char *source, char *err, size_t errlen);
 void opf_log(opf_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 double opf_now_us(void);
 

@@ -8,7 +8,7 @@
  * a torch release that changes one fails `make test` instead of crashing.
  *
  * Minimum torch: 2.10 (torch_library_impl, torch_parallel_for, torch_get_num_threads).
- * torch_library_def_with_tags (2.12) is looked up as a weak symbol.
+ * torch_library_def_with_tags and two dtypes (2.12) are looked up as weak symbols.
  */
 #ifndef OPFORGE_SHIM_H
 #define OPFORGE_SHIM_H
@@ -55,6 +55,14 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(int32_t, aoti_torch_dtype_bool, (void))                                                      \
     X(int32_t, aoti_torch_dtype_complex64, (void))                                                 \
     X(int32_t, aoti_torch_dtype_complex128, (void))                                                \
+    X(int32_t, aoti_torch_dtype_complex32, (void))                                                 \
+    X(int32_t, aoti_torch_dtype_uint16, (void))                                                    \
+    X(int32_t, aoti_torch_dtype_uint32, (void))                                                    \
+    X(int32_t, aoti_torch_dtype_uint64, (void))                                                    \
+    X(int32_t, aoti_torch_dtype_float8_e5m2, (void))                                               \
+    X(int32_t, aoti_torch_dtype_float8_e4m3fn, (void))                                             \
+    X(int32_t, aoti_torch_dtype_float8_e5m2fnuz, (void))                                           \
+    X(int32_t, aoti_torch_dtype_float8_e4m3fnuz, (void))                                           \
     X(size_t, aoti_torch_dtype_element_size, (int32_t dtype))                                      \
     X(uint64_t, aoti_torch_abi_version, (void))                                                    \
     X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))                  \
@@ -88,6 +96,8 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
 
 /* Present from torch 2.12 / 2.13 only: declared weak so that older releases still load. */
 #define OPF_SHIM_WEAK_FUNCTIONS(X)                                                                 \
+    X(int32_t, aoti_torch_dtype_float8_e8m0fnu, (void))                                            \
+    X(int32_t, aoti_torch_dtype_float4_e2m1fn_x2, (void))                                          \
     X(int32_t, torch_tag_pt2_compliant_tag, (void))                                                \
     X(AOTITorchError, torch_delete_stable_ivalue, (StableIValue * value))                          \
     X(AOTITorchError, torch_library_def_with_tags,                                                 \
