@@ -197,6 +197,11 @@ def _compiled(fn):
     return torch.compile(fn, backend=counter, fullgraph=True, dynamic=True), counter
 
 
+def _op_graphs(counter) -> int:
+    # graphs holding opforge's ops: a fresh inductor cache may also compile an empty frame of its own
+    return sum("torch.ops.opforge" in g.code for g in counter.graphs)
+
+
 @pytest.mark.parametrize("bias, activation, grad", [(True, "gelu", True), (False, "none", True), (True, "relu", False)])
 def test_compile_dynamic_linear(bias, activation, grad):
     w = torch.randn(12, 9, requires_grad=grad)
@@ -215,7 +220,7 @@ def test_compile_dynamic_linear(bias, activation, grad):
             ref.sum().backward()
             torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)
-    assert counter.frame_count == 1  # the second size reused the symbolic graph
+    assert _op_graphs(counter) == 1  # the second size reused the symbolic graph
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -228,7 +233,7 @@ def test_compile_dynamic_matmul(batched):
         torch.testing.assert_close(y, a.detach() @ b.detach() + 1, rtol=1e-4, atol=1e-4)
         y.sum().backward()
         torch.testing.assert_close(a.grad, torch.ones(*lead, m, n) @ b.detach().transpose(-1, -2), rtol=1e-4, atol=1e-4)
-    assert counter.frame_count == 1
+    assert _op_graphs(counter) == 1
 
 
 @pytest.mark.parametrize("mask", [False, True])
@@ -252,4 +257,4 @@ def test_compile_dynamic_attention(mask):
         ref.sum().backward()
         for a, r in zip((q, k, v), leaves):
             torch.testing.assert_close(a.grad, r.grad, rtol=1e-4, atol=1e-4)
-    assert counter.frame_count == 1
+    assert _op_graphs(counter) == 1
