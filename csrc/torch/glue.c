@@ -291,7 +291,12 @@ static int op_name(const char *ns, const char *schema, char *name, size_t len, c
     const char *begin = schema, *end = paren ? paren : schema;
     while (begin < end && *begin == ' ') begin++;
     while (end > begin && end[-1] == ' ') end--;
-    if (!paren || begin == end || (size_t)(end - begin) >= len) {
+    if ((size_t)(end - begin) >= len) {
+        snprintf(err, errlen, "op name in schema '%s' (namespace '%s') is longer than %zu characters", schema, ns,
+                 len - 1);
+        return -1;
+    }
+    if (!paren || begin == end) {
         snprintf(err, errlen,
                  "op schema '%s' in namespace '%s' does not start with an op name and '(': expected "
                  "'name(Tensor x, ...) -> Tensor'",

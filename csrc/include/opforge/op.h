@@ -64,9 +64,10 @@ typedef struct opf_op_desc {
      *                    "[x[:-1], weight[0]] if activation and save_preact",
      *                    "[bias[:]] dtype=x if bias"
      *
-     * Rules are checked when the library loads: an unknown form, an argument
-     * the schema lacks, or a count that differs from the schema's outputs
-     * fails there, naming the op. */
+     * Rules are checked against the schema when the library loads: an
+     * unknown form, an argument the schema lacks, a Tensor? read outside
+     * `if` (it may be None), or a rule count that differs from the schema's
+     * outputs fails there, naming the op. */
     const char *shape;
     /* Autograd: the backward op (same namespace), what it is called with --
      * argument names, "gradN" (gradient of output N), "outN" (output N) -- and
