@@ -73,10 +73,12 @@ class ShapeRule:
     def evaluate(self, args: tuple) -> torch.Tensor:
         """A new (fake) tensor as the rule describes, made on the device of the first tensor argument."""
         args = tuple(args) + self.defaults[len(args) :]  # arguments left out take their schema defaults
-        base = next(a for a in args if isinstance(a, torch.Tensor))
         if self.like is not None:
             t = args[self.like]
             return t.new_empty_strided(t.shape, output_strides(t.shape, t.stride()))
+        base = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if base is None:
+            raise RuntimeError(f"[{self.op}] output {self.output} ('{self.text}'): no tensor argument to take the device from")
         dtype = args[self.dtype].dtype if isinstance(self.dtype, int) else self.dtype
         if not all(_given(args[i]) for i in self.when):
             return base.new_empty((0,), dtype=dtype)
