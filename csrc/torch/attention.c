@@ -174,13 +174,14 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     OPF_RETURN(stack, 2, dv_h);
 }
 
-const opf_op_desc opf_attention_ops[2] = {
+const opf_op_desc opf_attention_ops[] = {
     {
-        .name = "attention",
         .schema = "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool causal, float? scale) "
                   "-> (Tensor, Tensor)",
         .cpu = attention_cpu,
-        .shape = "attention_out:q,v;attention_lse:q",
+        /* out as attention_cpu allocates it, (B, N, H, Dv), returned as its (B, H, N, Dv) view:
+         * heads side by side in a row, so out.transpose(1, 2).reshape(B, N, H * Dv) is free */
+        .shape = "[q[0], q[2], q[1], v[-1]] perm=0,2,1,3; [q[:3]] dtype=float32",
         .backward = "attention_backward",
         .backward_args = "grad0,q,k,v,attn_mask,out0,out1,causal,scale",
         .backward_grads = "q,k,v",
@@ -188,11 +189,11 @@ const opf_op_desc opf_attention_ops[2] = {
         .flops = "4*numel(q)*size(k,2)",
     },
     {
-        .name = "attention_backward",
         .schema = "attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor out, "
                   "Tensor lse, bool causal, float? scale) -> (Tensor, Tensor, Tensor)",
         .cpu = attention_backward_cpu,
         .shape = "like:q;like:k;like:v",
         .flops = "10*numel(q)*size(k,2)",
     },
+    OPF_OP_END,
 };

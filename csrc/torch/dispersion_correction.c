@@ -67,9 +67,8 @@ static void dispersion_correction_backward_cpu(StableIValue *stack, uint64_t nin
     OPF_RETURN(stack, 0, dx_h);
 }
 
-const opf_op_desc opf_dispersion_correction_ops[2] = {
+const opf_op_desc opf_dispersion_correction_ops[] = {
     {
-        .name = "dispersion_correction",
         .schema = "dispersion_correction(Tensor x, float alpha) -> Tensor",
         .cpu = dispersion_correction_cpu,
         .shape = "like:x",
@@ -81,7 +80,6 @@ const opf_op_desc opf_dispersion_correction_ops[2] = {
         .meta = 1,
     },
     {
-        .name = "dispersion_correction_backward",
         .schema = "dispersion_correction_backward(Tensor grad, Tensor x, float alpha) -> Tensor",
         .cpu = dispersion_correction_backward_cpu,
         .shape = "like:x",
@@ -89,4 +87,5 @@ const opf_op_desc opf_dispersion_correction_ops[2] = {
         .flops = "5*numel(x)",
         .meta = 1,
     },
+    OPF_OP_END,
 };

@@ -309,10 +309,35 @@ static int keep_lib(TorchLibraryHandle h, char *err, size_t errlen) {
     return 0;
 }
 
-static int register_impls(const char *ns, const char *key, const opf_op_desc *ops, int64_t n,
-                          size_t field, char *err, size_t errlen) {
+/* The op's name: its schema up to '(', which is where a descriptor states it. */
+static int op_name(const char *ns, const char *schema, char *name, size_t len, char *err, size_t errlen) {
+    const char *paren = strchr(schema, '(');
+    const char *begin = schema, *end = paren ? paren : schema;
+    while (begin < end && *begin == ' ') begin++;
+    while (end > begin && end[-1] == ' ') end--;
+    if ((size_t)(end - begin) >= len) {
+        snprintf(err, errlen, "op name in schema '%s' (namespace '%s') is longer than %zu characters", schema, ns,
+                 len - 1);
+        return -1;
+    }
+    if (!paren || begin == end) {
+        snprintf(err, errlen,
+                 "op schema '%s' in namespace '%s' does not start with an op name and '(': expected "
+                 "'name(Tensor x, ...) -> Tensor'",
+                 schema, ns);
+        return -1;
+    }
+    memcpy(name, begin, (size_t)(end - begin));
+    name[end - begin] = '\0';
+    return 0;
+}
+
+#define OPF_MAX_NAME 256
+
+static int register_impls(const char *ns, const char *key, const opf_op_desc *ops, size_t field, char *err,
+                          size_t errlen) {
     int any = 0;
-    for (int64_t i = 0; i < n; i++) any |= *(OpfBoxedKernel *)((const char *)&ops[i] + field) != NULL;
+    for (const opf_op_desc *op = ops; op->schema; op++) any |= *(OpfBoxedKernel *)((const char *)op + field) != NULL;
     if (!any) return 0;
     TorchLibraryHandle impl = NULL;
     if (aoti_torch_library_init_impl(ns, key, __FILE__, __LINE__, &impl) != OPF_AOTI_SUCCESS) {
@@ -320,39 +345,45 @@ static int register_impls(const char *ns, const char *key, const opf_op_desc *op
         return -1;
     }
     if (keep_lib(impl, err, errlen)) return -1;
-    for (int64_t i = 0; i < n; i++) {
-        OpfBoxedKernel fn = *(OpfBoxedKernel *)((const char *)&ops[i] + field);
-        if (fn && torch_library_impl(impl, ops[i].name, fn, OPF_TORCH_BUILD_VERSION) != OPF_AOTI_SUCCESS) {
-            snprintf(err, errlen, "could not register the %s kernel of %s::%s", key, ns, ops[i].name);
+    for (const opf_op_desc *op = ops; op->schema; op++) {
+        OpfBoxedKernel fn = *(OpfBoxedKernel *)((const char *)op + field);
+        char name[OPF_MAX_NAME];
+        if (!fn) continue;
+        if (op_name(ns, op->schema, name, sizeof name, err, errlen)) return -1;
+        if (torch_library_impl(impl, name, fn, OPF_TORCH_BUILD_VERSION) != OPF_AOTI_SUCCESS) {
+            snprintf(err, errlen, "could not register the %s kernel of %s::%s", key, ns, name);
             return -1;
         }
     }
     return 0;
 }
 
-OPF_EXPORT int opforge_register(const char *ns, const opf_op_desc *ops, int64_t n, char *err,
-                                size_t errlen) {
+/* Defines the ops of a table ended by OPF_OP_END and registers their kernels. */
+OPF_EXPORT int opforge_register(const char *ns, const opf_op_desc *ops, char *err, size_t errlen) {
+    char name[OPF_MAX_NAME];
+    for (const opf_op_desc *op = ops; op->schema; op++)
+        if (op_name(ns, op->schema, name, sizeof name, err, errlen)) return -1;
     TorchLibraryHandle def = NULL;
     if (aoti_torch_library_init_def(ns, __FILE__, __LINE__, &def) != OPF_AOTI_SUCCESS) {
         snprintf(err, errlen, "could not define namespace '%s' (already defined by another library?)", ns);
         return -1;
     }
     if (keep_lib(def, err, errlen)) return -1;
-    for (int64_t i = 0; i < n; i++) {
+    for (const opf_op_desc *op = ops; op->schema; op++) {
         AOTITorchError rc;
         if (torch_library_def_with_tags && torch_tag_pt2_compliant_tag) {
             int32_t tag = torch_tag_pt2_compliant_tag();
-            rc = torch_library_def_with_tags(def, ops[i].schema, &tag, 1);
+            rc = torch_library_def_with_tags(def, op->schema, &tag, 1);
         } else {
-            rc = aoti_torch_library_def(def, ops[i].schema);
+            rc = aoti_torch_library_def(def, op->schema);
         }
         if (rc != OPF_AOTI_SUCCESS) {
-            snprintf(err, errlen, "could not define %s::%s from schema '%s'", ns, ops[i].name, ops[i].schema);
+            snprintf(err, errlen, "could not define an op of namespace '%s' from schema '%s'", ns, op->schema);
             return -1;
         }
     }
-    if (register_impls(ns, "CPU", ops, n, offsetof(opf_op_desc, cpu), err, errlen)) return -1;
-    return register_impls(ns, "CUDA", ops, n, offsetof(opf_op_desc, cuda), err, errlen);
+    if (register_impls(ns, "CPU", ops, offsetof(opf_op_desc, cpu), err, errlen)) return -1;
+    return register_impls(ns, "CUDA", ops, offsetof(opf_op_desc, cuda), err, errlen);
 }
 
 OPF_EXPORT int opforge_set_isa(const char *name, char *err, size_t errlen) {

@@ -572,12 +572,11 @@ static void linear_backward_inplace_cpu(StableIValue *stack, uint64_t nin, uint6
     linear_backward_impl(stack, 1);
 }
 
-const opf_op_desc opf_linear_ops[5] = {
+const opf_op_desc opf_linear_ops[] = {
     {
-        .name = "matmul",
         .schema = "matmul(Tensor a, Tensor b) -> Tensor",
         .cpu = matmul_cpu,
-        .shape = "matmul:a,b",
+        .shape = "[a[:-1], b[-1]]",
         .backward = "matmul_backward",
         .backward_args = "grad0,a,b",
         .backward_grads = "a,b",
@@ -586,19 +585,17 @@ const opf_op_desc opf_linear_ops[5] = {
         .meta = 1,
     },
     {
-        .name = "matmul_backward",
         .schema = "matmul_backward(Tensor grad, Tensor a, Tensor b) -> (Tensor, Tensor)",
         .cpu = matmul_backward_cpu,
-        .shape = "contiguous:a;contiguous:b",
+        .shape = "[a[:]]; [b[:]]",
         .flops = "4*numel(a)*size(b,-1)",
         .meta = 1,
     },
     {
-        .name = "linear",
         .schema = "linear(Tensor x, Tensor weight, Tensor? bias, int activation, bool save_preact=True) "
                   "-> (Tensor, Tensor)",
         .cpu = linear_cpu,
-        .shape = "linear:x,weight;linear_preact:x,weight,activation,save_preact",
+        .shape = "[x[:-1], weight[0]]; [x[:-1], weight[0]] if activation and save_preact",
         .backward = "linear_backward",
         .backward_args = "grad0,x,weight,bias,out1!,activation",
         .backward_grads = "x,weight,bias",
@@ -607,21 +604,20 @@ const opf_op_desc opf_linear_ops[5] = {
         .meta = 1,
     },
     {
-        .name = "linear_backward",
         .schema = "linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, "
                   "int activation) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_backward_cpu,
-        .shape = "contiguous:x;contiguous:weight;contiguous_or_empty:bias,x",
+        .shape = "[x[:]]; [weight[:]]; [bias[:]] dtype=x if bias",
         .flops = "4*numel(x)*size(weight,0)",
         .meta = 1,
     },
     {
-        .name = "linear_backward_",
         .schema = "linear_backward_(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor(a!) preact, "
                   "int activation) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_backward_inplace_cpu,
-        .shape = "contiguous:x;contiguous:weight;contiguous_or_empty:bias,x",
+        .shape = "[x[:]]; [weight[:]]; [bias[:]] dtype=x if bias",
         .flops = "4*numel(x)*size(weight,0)",
         .meta = 1,
     },
+    OPF_OP_END,
 };

@@ -1,25 +1,30 @@
 /* The table of opforge's own ops, read by the Python layer at import. */
-#include <string.h>
+#include <stdio.h>
 
 #include "opforge/op.h"
 
-extern const opf_op_desc opf_dispersion_correction_ops[2];
-extern const opf_op_desc opf_linear_ops[5];
-extern const opf_op_desc opf_attention_ops[2];
+/* Each op file's table, ended by OPF_OP_END. */
+extern const opf_op_desc opf_dispersion_correction_ops[];
+extern const opf_op_desc opf_linear_ops[];
+extern const opf_op_desc opf_attention_ops[];
+
+static const opf_op_desc *const groups[] = {opf_dispersion_correction_ops, opf_linear_ops, opf_attention_ops};
 
 #define OPF_MAX_OPS 64
-static opf_op_desc table[OPF_MAX_OPS];
+static opf_op_desc table[OPF_MAX_OPS + 1]; /* and its end */
 
-static int64_t append(int64_t n, const opf_op_desc *ops, int64_t count) {
-    memcpy(&table[n], ops, sizeof *ops * (size_t)count);
-    return n + count;
-}
-
-OPF_EXPORT const opf_op_desc *opforge_op_table(int64_t *count) {
-    int64_t n = 0;
-    n = append(n, opf_dispersion_correction_ops, 2);
-    n = append(n, opf_linear_ops, 5);
-    n = append(n, opf_attention_ops, 2);
-    *count = n;
+OPF_EXPORT const opf_op_desc *opforge_op_table(char *err, size_t errlen) {
+    int n = 0;
+    for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
+        for (const opf_op_desc *op = groups[g]; op->schema; op++) {
+            if (n == OPF_MAX_OPS) {
+                snprintf(err, errlen, "more than OPF_MAX_OPS (%d) ops in opforge's table (csrc/torch/ops.c): raise it",
+                         OPF_MAX_OPS);
+                return NULL;
+            }
+            table[n++] = *op;
+        }
+    }
+    table[n] = (opf_op_desc)OPF_OP_END;
     return table;
 }

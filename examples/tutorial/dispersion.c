@@ -111,8 +111,7 @@ static void dispersion_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t 
 /* ---- descriptors: what the Python layer wires (fake, autograd, autocast) ---------- */
 
 OPF_OP_TABLE(
-    {.name = "dispersion",
-     .schema = "dispersion(Tensor x, float alpha) -> Tensor",
+    {.schema = "dispersion(Tensor x, float alpha) -> Tensor",
      .cpu = dispersion_cpu,
      .shape = "like:x",
      .backward = "dispersion_backward",
@@ -120,7 +119,6 @@ OPF_OP_TABLE(
      .backward_grads = "x",
      .autocast = OPF_AUTOCAST_FP32,
      .flops = "3*numel(x)"},
-    {.name = "dispersion_backward",
-     .schema = "dispersion_backward(Tensor grad, Tensor x, float alpha) -> Tensor",
+    {.schema = "dispersion_backward(Tensor grad, Tensor x, float alpha) -> Tensor",
      .cpu = dispersion_backward_cpu,
      .shape = "like:x"})

@@ -19,6 +19,8 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch._library.autograd import Info as AutogradInfo, make_autograd_impl
 
+from ._shape import ShapeRule, compile_rules, output_strides  # noqa: F401  (output_strides: the public twin)
+
 MIN_TORCH = (2, 10)
 _ERRLEN = 2048
 
@@ -27,7 +29,6 @@ AUTOCAST_NONE, AUTOCAST_LOWER, AUTOCAST_FP32 = 0, 1, 2
 
 class _Desc(ctypes.Structure):
     _fields_ = [
-        ("name", ctypes.c_char_p),
         ("schema", ctypes.c_char_p),
         ("cpu", ctypes.c_void_p),
         ("cuda", ctypes.c_void_p),
@@ -49,7 +50,7 @@ class OpDescriptor:
     name: str
     schema: str
     devices: tuple[str, ...]
-    shape: tuple[str, ...]
+    shape: tuple[ShapeRule, ...]
     backward: str | None
     backward_args: tuple[str, ...]
     backward_grads: tuple[str, ...]
@@ -103,14 +104,20 @@ class OpLibrary:
         if table_fn is None:
             raise ImportError(f"{path} exports no opforge_op_table(): declare the ops with OPF_OP_TABLE")
         table_fn.restype = ctypes.POINTER(_Desc)
-        table_fn.argtypes = [ctypes.POINTER(ctypes.c_int64)]
-        count = ctypes.c_int64()
-        table = table_fn(ctypes.byref(count))
+        table_fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        err = ctypes.create_string_buffer(_ERRLEN)
+        table = table_fn(err, ctypes.c_size_t(_ERRLEN))
+        if not table:
+            raise ImportError(f"opforge: {path}: {err.value.decode()}")
+        count = 0
+        while table[count].schema is not None:  # the table ends with OPF_OP_END
+            count += 1
+        # every descriptor is checked before any op is registered: a bad one leaves the namespace free
+        self.ops = [self._descriptor(table[i]) for i in range(count)]
         registrar = runtime or self
         if runtime is None:
             self._call("opforge_init")
-        registrar._call("opforge_register", namespace.encode(), table, count)
-        self.ops = [self._descriptor(table[i]) for i in range(count.value)]
+        registrar._call("opforge_register", namespace.encode(), table)
         backward_ops = {name for d in self.ops if d.backward for name in (d.backward, d.backward + "_")}
         for desc in self.ops:
             wire(desc, is_backward=desc.name in backward_ops)
@@ -129,12 +136,18 @@ class OpLibrary:
             raise RuntimeError(f"opforge: {err.value.decode()}")
 
     def _descriptor(self, d: _Desc) -> OpDescriptor:
+        schema = _str(d.schema)
+        name = schema.partition("(")[0].strip()  # as opforge_register reads it
+        try:
+            parsed = torch._C.parse_schema(schema)
+        except RuntimeError as e:
+            raise RuntimeError(f"[{self.namespace}::{name}] cannot parse the schema '{schema}': {e}") from e
         return OpDescriptor(
             namespace=self.namespace,
-            name=_str(d.name),
-            schema=_str(d.schema),
+            name=name,
+            schema=schema,
             devices=tuple(dev for dev, fn in (("cpu", d.cpu), ("cuda", d.cuda)) if fn),
-            shape=_split(d.shape, ";"),
+            shape=compile_rules(f"{self.namespace}::{name}", parsed, _str(d.shape)),
             backward=_str(d.backward),
             backward_args=_split(d.backward_args, ","),
             backward_grads=_split(d.backward_grads, ","),
@@ -162,54 +175,6 @@ def is_tensor_arg(arg) -> bool:
 
 def op_overload(desc: OpDescriptor, name: str | None = None) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops, desc.namespace), name or desc.name).default
-
-
-def output_strides(sizes, strides) -> list:
-    """Python twin of opf_output_strides (csrc/runtime/nditer.c): the strides the
-    C kernels give a new output shaped like a tensor with these sizes/strides."""
-    dims = [d for d, s in enumerate(sizes) if s != 1]
-    dense = all(s != 0 for s in sizes)
-    if dense:
-        expected = 1
-        for d in sorted(dims, key=lambda d: strides[d]):  # stable, as the C sort
-            if strides[d] != expected:
-                dense = False
-                break
-            expected *= sizes[d]
-    if dense:
-        return list(strides)
-    out, step = [0] * len(sizes), 1
-    for d in range(len(sizes) - 1, -1, -1):
-        out[d] = step
-        step *= max(sizes[d], 1)
-    return out
-
-
-def _fake_output(rule: str, argnames: list[str], args: tuple) -> torch.Tensor:
-    """One output of the fake kernel from a descriptor shape rule, KIND:ARG,ARG..."""
-    kind, _, rest = rule.partition(":")
-    ref = [args[argnames.index(a)] if argnames.index(a) < len(args) else None for a in rest.split(",")] if rest else []
-    if kind == "like":  # ARG's shape and dtype, ARG's strides when dense (opf_output_strides)
-        t = ref[0]
-        return t.new_empty_strided(t.shape, output_strides(t.shape, t.stride()))
-    if kind == "contiguous":  # ARG's shape and dtype, contiguous
-        return ref[0].new_empty(ref[0].shape)
-    if kind == "contiguous_or_empty":  # like contiguous, or [0] (dtype of the second) when ARG is None
-        return ref[0].new_empty(ref[0].shape) if ref[0] is not None else ref[1].new_empty((0,))
-    if kind == "matmul":  # a (..., M, K) . b (..., K, N) -> (..., M, N)
-        return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[-1]))
-    if kind == "linear":  # x (..., K), weight (N, K) -> (..., N)
-        return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]))
-    if kind == "linear_preact":  # as linear when the activation (third) is not 0 and save_preact, else [0]
-        save = ref[2] and ref[3] is not False  # None: save_preact left at its default (True)
-        return ref[0].new_empty((*ref[0].shape[:-1], ref[1].shape[0]) if save else (0,))
-    if kind == "attention_out":  # q (B,H,N,D), v (B,Hkv,S,Dv) -> (B,H,N,Dv), laid out as (B,N,H,Dv)
-        q, v = ref
-        b, h, n = q.shape[:3]
-        return q.new_empty((b, n, h, v.shape[-1])).transpose(1, 2)
-    if kind == "attention_lse":  # q (B,H,N,D) -> (B,H,N) float32
-        return ref[0].new_empty(ref[0].shape[:3], dtype=torch.float32)
-    raise RuntimeError(f"opforge: unknown shape rule '{rule}'")
 
 
 def _check_one_device(desc: OpDescriptor, argnames: list[str], args: tuple) -> None:
@@ -263,7 +228,7 @@ def _wire_fake(desc: OpDescriptor, argnames: list[str]) -> None:
         if desc.meta and tensors and all(_concrete(t) for t in tensors):
             return _fake_from_kernel(op, args)
         # symbolic sizes (torch.compile(dynamic=True)): the descriptor's shape rules
-        outs = tuple(_fake_output(r, argnames, args) for r in rules)
+        outs = tuple(r.evaluate(args) for r in rules)
         return outs[0] if len(outs) == 1 else outs
 
     torch.library.register_fake(f"{desc.namespace}::{desc.name}", fake, lib=_fragment(desc.namespace))

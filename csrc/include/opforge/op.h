@@ -14,6 +14,7 @@
 #ifndef OPFORGE_OP_H
 #define OPFORGE_OP_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "opforge/half.h"
@@ -32,13 +33,41 @@ typedef enum opf_autocast {
     OPF_AUTOCAST_FP32      /* cast floating inputs to float32 */
 } opf_autocast;
 
+/* The op's name is the schema's up to its '(': it is written once, there. */
 typedef struct opf_op_desc {
-    const char *name;   /* "dispersion_correction" */
-    const char *schema; /* "dispersion_correction(Tensor x, float alpha) -> Tensor" */
+    const char *schema; /* "dispersion_correction(Tensor x, float alpha) -> Tensor"; NULL ends a table */
     OpfBoxedKernel cpu; /* kernel per dispatch key; NULL where there is none */
     OpfBoxedKernel cuda;
-    /* Fake-tensor rule per output, ';'-separated. "like:x": the shape and
-     * dtype of argument x, x's strides if x is dense (opf_output_strides). */
+    /* Fake-tensor rule per output, ';'-separated: what the fake kernel makes
+     * when sizes are symbolic (torch.compile(dynamic=True)) or the op has no
+     * .meta kernel. Each rule is one of two forms; ARG names a schema argument.
+     *
+     *   like:ARG         ARG's sizes and dtype, ARG's strides if ARG is dense
+     *                    (opf_output_strides).                       "like:x"
+     *   [SIZES] OPTION*  a new contiguous tensor. SIZES is a comma list of
+     *                    ARG[i] (one size of ARG; negative i counts from the
+     *                    end), ARG[i:j] (a slice of its sizes, either end
+     *                    optional; ARG[:] is all of them) and integers; []
+     *                    is a 0-d tensor.      "[x[:-1], weight[0]]", "[a[:]]"
+     *     dtype=ARG|DTYPE  the dtype of argument ARG, or a fixed one (float32,
+     *                    float64, float16, bfloat16, int64, int32, int8,
+     *                    uint8, bool). Default: the first argument in SIZES.
+     *                                            "[q[:3]] dtype=float32"
+     *     perm=I,J,...   SIZES are the sizes as laid out in memory and the
+     *                    output is that tensor's permute(I,J,...) view: the
+     *                    layout the C glue allocates, stated next to it.
+     *                    "[q[0], q[2], q[1], v[-1]] perm=0,2,1,3": allocated
+     *                    (B, N, H, Dv), returned as (B, H, N, Dv)
+     *     if ARG and ...  the output is empty, [0], unless every ARG is given
+     *                    and true (not None, not false, not 0); an argument
+     *                    left out takes its schema default.
+     *                    "[x[:-1], weight[0]] if activation and save_preact",
+     *                    "[bias[:]] dtype=x if bias"
+     *
+     * Rules are checked against the schema when the library loads: an
+     * unknown form, an argument the schema lacks, a Tensor? read outside
+     * `if` (it may be None), or a rule count that differs from the schema's
+     * outputs fails there, naming the op. */
     const char *shape;
     /* Autograd: the backward op (same namespace), what it is called with --
      * argument names, "gradN" (gradient of output N), "outN" (output N) -- and
@@ -62,14 +91,19 @@ typedef struct opf_op_desc {
     int meta;
 } opf_op_desc;
 
-/* Every op library exports its table as opforge_op_table(); OPF_OP_TABLE
- * defines it from a list of descriptors:
- *     OPF_OP_TABLE({.name = "myop", ...}, {.name = "myop_backward", ...})
+/* The entry that ends every op table: the tables state no counts. */
+#define OPF_OP_END {.schema = NULL}
+
+/* Every op library exports its table as opforge_op_table(err, errlen): the
+ * descriptors up to OPF_OP_END, or NULL with a message in err. OPF_OP_TABLE
+ * defines it from a list of descriptors and adds the end:
+ *     OPF_OP_TABLE({.schema = "myop(Tensor x) -> Tensor", ...},
+ *                  {.schema = "myop_backward(Tensor grad, Tensor x) -> Tensor", ...})
  */
 #define OPF_OP_TABLE(...)                                                                          \
-    OPF_EXPORT const opf_op_desc *opforge_op_table(int64_t *count) {                               \
-        static const opf_op_desc ops[] = {__VA_ARGS__};                                            \
-        *count = (int64_t)(sizeof ops / sizeof ops[0]);                                            \
+    OPF_EXPORT const opf_op_desc *opforge_op_table(char *err, size_t errlen) {                     \
+        static const opf_op_desc ops[] = {__VA_ARGS__, OPF_OP_END};                                \
+        (void)err, (void)errlen;                                                                   \
         return ops;                                                                                \
     }
 

@@ -100,8 +100,7 @@ static void {name}_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
 /* ---- descriptors: the Python layer wires fake kernel, autograd and autocast -------- */
 
 OPF_OP_TABLE(
-    {.name = "{name}",
-     .schema = "{name}(Tensor x, float alpha) -> Tensor",
+    {.schema = "{name}(Tensor x, float alpha) -> Tensor",
      .cpu = {name}_cpu,
      .shape = "like:x",                  /* output: x's shape, dtype and (dense) layout */
      .backward = "{name}_backward",
@@ -109,8 +108,7 @@ OPF_OP_TABLE(
      .backward_grads = "x",
      .autocast = OPF_AUTOCAST_FP32,      /* float32 kernel: autocast casts inputs to it */
      .flops = "2*numel(x)"},             /* for torch.utils.flop_counter */
-    {.name = "{name}_backward",
-     .schema = "{name}_backward(Tensor grad, Tensor x, float alpha) -> Tensor",
+    {.schema = "{name}_backward(Tensor grad, Tensor x, float alpha) -> Tensor",
      .cpu = {name}_backward_cpu,
      .shape = "like:x",
      .flops = "3*numel(x)"})
