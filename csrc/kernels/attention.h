@@ -18,9 +18,10 @@
  * key/value head, looping over the query blocks of every query head that
  * reads it: P is recomputed from lse, dS = P * (dP - D) with D = rowsum(dO *
  * out) computed once, dK and dV accumulate in the task, and dQ takes dS K of
- * each key block in key-block order, whatever the threads (bitwise the same
- * result on any thread count): a task waits its turn at each query block.
- * With enough key/value heads for every thread a task is a whole head group.
+ * each key block in key-block order whatever the threads (bitwise the same on
+ * any thread count): straight into dQ, or through a ring of per-task slots
+ * added in task order. With enough key/value heads for every thread a task is
+ * a whole head group and walks its key blocks itself.
  *
  * Semantics match torch.nn.functional.scaled_dot_product_attention: causal is
  * top-left aligned (query i sees keys j <= i), a boolean mask keeps the keys
