@@ -297,15 +297,16 @@ typedef struct bwd_ctx {
 /* The first query that sees key block kb: under a causal mask, none before its first key. */
 static int64_t first_query(const attn_problem *p, int64_t kb) { return p->causal ? kb * BK : 0; }
 
-/* dQ (b, h of group grp, rows >= first_query) += the slot of key block kb */
+/* dQ (b, h of group grp, rows >= first_query) += the slot of key block kb; dQ's
+ * rows are unit-stride (dq_in_place or the float32 workspace), so this vectorises */
 static void add_slot(bwd_ctx *c, int64_t grp, int64_t kb, const float *slot) {
     const attn_problem *p = c->p;
     const int64_t g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
     for (int64_t hl = 0; hl < g; hl++)
         for (int64_t i = first_query(p, kb); i < p->n; i++) {
-            const float *src = slot + (hl * p->n + i) * p->d;
-            float *dst = c->dq32 + off4(c->dq32s, b, kvh * g + hl, i, 0);
-            for (int64_t d = 0; d < p->d; d++) dst[d * c->dq32s[3]] += src[d];
+            const float *restrict src = slot + (hl * p->n + i) * p->d;
+            float *restrict dst = c->dq32 + off4(c->dq32s, b, kvh * g + hl, i, 0);
+            for (int64_t d = 0; d < p->d; d++) dst[d] += src[d];
         }
 }
 
