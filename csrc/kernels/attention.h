@@ -17,9 +17,11 @@
  * Backward (FlashAttention-2): each task is one block of BK keys of one
  * key/value head, looping over the query blocks of every query head that
  * reads it: P is recomputed from lse, dS = P * (dP - D) with D = rowsum(dO *
- * out) computed once, dK and dV accumulate in the task, and dQ accumulates in
- * a per-worker float32 buffer added into the result under a lock when the
- * worker moves to another head group (one addition per worker and group).
+ * out) computed once, dK and dV accumulate in the task, and dQ takes dS K of
+ * each key block in key-block order whatever the threads (bitwise the same on
+ * any thread count): straight into dQ, or through a ring of per-task slots
+ * added in task order. With enough key/value heads for every thread a task is
+ * a whole head group and walks its key blocks itself.
  *
  * Semantics match torch.nn.functional.scaled_dot_product_attention: causal is
  * top-left aligned (query i sees keys j <= i), a boolean mask keeps the keys
@@ -47,7 +49,7 @@ typedef struct attn_problem {
     opf_dtype mask_dt;              /* ATTN_MASK_ADD: the mask's float type */
     int64_t ms[4];
     int causal;
-    float scale;
+    double scale; /* exact for the float64 oracle; the float32 kernels round it once */
     void *out;
     int64_t os[4];
     float *lse; /* (b, h, n) contiguous */

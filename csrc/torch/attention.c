@@ -66,8 +66,9 @@ static void check_mask(const char *op, attn_args *a) {
     a->p.mask = m->data;
 }
 
+/* scale: has_scale ? the given scale : None */
 static attn_args check_attention(const char *op, AtenTensorHandle q_h, AtenTensorHandle k_h, AtenTensorHandle v_h,
-                                 AtenTensorHandle mask_h, int causal, StableIValue scale) {
+                                 AtenTensorHandle mask_h, int causal, int has_scale, double scale) {
     attn_args a = {.q = opf_tensor_info(op, "q", q_h), .k = opf_tensor_info(op, "k", k_h), .v = opf_tensor_info(op, "v", v_h)};
     check_qkv(op, "q", &a.q, &a.q);
     check_qkv(op, "k", &a.k, &a.q);
@@ -78,7 +79,8 @@ static attn_args check_attention(const char *op, AtenTensorHandle q_h, AtenTenso
                  (long long)ks[0], (long long)vs[0]);
     if (vs[1] != ks[1])
         opf_fail(op, "argument 'v' must have the heads of 'k' (%lld), got %lld", (long long)ks[1], (long long)vs[1]);
-    if (ks[1] < 1 || qs[1] % ks[1] != 0)
+    /* no query head (H = 0) needs no key/value head: an empty result, as torch's */
+    if (ks[1] < 1 ? qs[1] != 0 : qs[1] % ks[1] != 0)
         opf_fail(op, "argument 'k' must have a number of heads dividing the %lld heads of 'q' (grouped-query attention), got %lld",
                  (long long)qs[1], (long long)ks[1]);
     if (ks[3] != qs[3])
@@ -89,10 +91,10 @@ static attn_args check_attention(const char *op, AtenTensorHandle q_h, AtenTenso
                          .dt = opf_check_float(op, "q", &a.q), .q = a.q.data, .k = a.k.data, .v = a.v.data,
                          .causal = causal};
     for (int d = 0; d < 4; d++) a.p.qs[d] = a.q.strides[d], a.p.ks[d] = a.k.strides[d], a.p.vs[d] = a.v.strides[d];
-    double sc = qs[3] > 0 ? 1.0 / sqrt((double)qs[3]) : 1.0;
-    if (opf_arg_optional_double(scale, &sc) && !(fabs(sc) <= FLT_MAX))
-        opf_fail(op, "argument 'scale' must be a finite float32 number, got %g", sc);
-    a.p.scale = (float)sc;
+    const int f64 = a.p.dt == OPF_F64;
+    if (has_scale && !(fabs(scale) <= (f64 ? DBL_MAX : FLT_MAX)))
+        opf_fail(op, "argument 'scale' must be a finite %s number, got %g", f64 ? "float64" : "float32", scale);
+    a.p.scale = has_scale ? scale : qs[3] > 0 ? 1.0 / sqrt((double)qs[3]) : 1.0;
     if (mask_h) {
         a.mask = opf_tensor_info(op, "attn_mask", mask_h);
         check_mask(op, &a);
@@ -104,9 +106,13 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(q, stack, 0);
     OPF_ARG_TENSOR(k, stack, 1);
     OPF_ARG_TENSOR(v, stack, 2);
+    /* every boxed optional is unboxed before the first check that can throw:
+     * unboxing frees torch's box, which an error would leak */
     OPF_OWNED AtenTensorHandle mask_h = opf_arg_optional_tensor(stack[3]);
+    double scale = 0.0;
+    const int has_scale = opf_arg_optional_double(stack[5], &scale);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    attn_args a = check_attention(ATT, q_h, k_h, v_h, mask_h, opf_arg_bool(stack[4]), stack[5]);
+    attn_args a = check_attention(ATT, q_h, k_h, v_h, mask_h, opf_arg_bool(stack[4]), has_scale, scale);
     attn_problem *p = &a.p;
     const int64_t osz[4] = {p->b, p->h, p->n, p->dv}, ost[4] = {p->n * p->h * p->dv, p->dv, p->h * p->dv, 1};
     const int64_t lsz[3] = {p->b, p->h, p->n};
@@ -132,11 +138,14 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     OPF_ARG_TENSOR(q, stack, 1);
     OPF_ARG_TENSOR(k, stack, 2);
     OPF_ARG_TENSOR(v, stack, 3);
-    OPF_OWNED AtenTensorHandle mask_h = opf_arg_optional_tensor(stack[4]);
     OPF_ARG_TENSOR(out, stack, 5);
     OPF_ARG_TENSOR(lse, stack, 6);
+    /* unboxed before the first check that can throw, as in attention_cpu */
+    OPF_OWNED AtenTensorHandle mask_h = opf_arg_optional_tensor(stack[4]);
+    double scale = 0.0;
+    const int has_scale = opf_arg_optional_double(stack[8], &scale);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    attn_args a = check_attention(ABWD, q_h, k_h, v_h, mask_h, opf_arg_bool(stack[7]), stack[8]);
+    attn_args a = check_attention(ABWD, q_h, k_h, v_h, mask_h, opf_arg_bool(stack[7]), has_scale, scale);
     attn_problem *p = &a.p;
     opf_tensor g = opf_tensor_info(ABWD, "grad", grad_h), out = opf_tensor_info(ABWD, "out", out_h),
                lse = opf_tensor_info(ABWD, "lse", lse_h);
@@ -147,8 +156,11 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     opf_check_same_dtype(ABWD, "out", &out, "q", &a.q);
     opf_check_same_shape(ABWD, "out", &out, "the output", &want);
     opf_check_same_shape(ABWD, "lse", &lse, "(B, H, N)", &want_lse);
-    if (lse.dtype != aoti_torch_dtype_float32() || (p->n > 1 && lse.strides[2] != 1) ||
-        (p->h > 1 && lse.strides[1] != p->n) || (p->b > 1 && lse.strides[0] != p->h * p->n))
+    /* strides matter only where there is an element to read (torch gives an
+     * empty tensor's dims strides of its own) */
+    if (lse.dtype != aoti_torch_dtype_float32() ||
+        (lse.numel > 0 && ((p->n > 1 && lse.strides[2] != 1) || (p->h > 1 && lse.strides[1] != p->n) ||
+                           (p->b > 1 && lse.strides[0] != p->h * p->n))))
         opf_fail(ABWD, "argument 'lse' must be the contiguous float32 log-sum-exp returned by opforge::attention, got %s",
                  opf_dtype_name(lse.dtype));
     OPF_OWNED AtenTensorHandle dq_h = opf_empty_like(ABWD, &a.q);

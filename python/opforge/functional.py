@@ -124,7 +124,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     (reference loop, for gradcheck). Rows with no key left give zeros, as
     torch's. The output is (B, H, N, Dv) laid out as (B, N, H, Dv) in memory,
     so ``out.transpose(1, 2).reshape(B, N, H * Dv)`` is a view. Gradients
-    flow to query, key and value (not to a float attn_mask).
+    flow to query, key and value (not to a float attn_mask), bitwise the same
+    run to run and on any thread count. Empty shapes (B, H, N or S = 0)
+    behave as torch's: S = 0 gives zeros.
     """
     if dropout_p != 0.0:
         raise _sdpa_error(f"argument 'dropout_p' must be 0.0 (dropout is not supported), got {dropout_p}")

@@ -3,9 +3,13 @@
  * forward (out, lse) and backward (dq, dk, dv) on odd lengths (1, 7, 129,
  * 1000), head dims 16..256, causal and not, grouped-query heads, boolean and
  * additive masks with broadcast dims, fully masked rows, transposed (B, N, H,
- * D) and strided layouts, float32 and bfloat16.
+ * D) and strided layouts, float32 and bfloat16; the backward bitwise the same
+ * on 1 to 4 threads, run after run; empty shapes; the float64 oracle at a
+ * scale float32 cannot hold.
  */
+#define _POSIX_C_SOURCE 200809L /* setenv: the standalone thread count is OPFORGE_NUM_THREADS */
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "../../csrc/kernels/attention.h"
@@ -59,9 +63,57 @@ static double rel_err(const void *got, const void *want, const int64_t *st, int6
     return err / mag;
 }
 
+static void set_threads(int n) {
+    char buf[16];
+    snprintf(buf, sizeof buf, "%d", n);
+    setenv("OPFORGE_NUM_THREADS", buf, 1);
+}
+
+/* the (b, h, n, d) elements of got and want bit for bit (the gaps of strided layouts aside) */
+static int same_bits(const void *got, const void *want, const int64_t *st, int64_t b, int64_t h, int64_t n, int64_t d,
+                     opf_dtype dt) {
+    for (int64_t ib = 0; ib < b; ib++)
+        for (int64_t ih = 0; ih < h; ih++)
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t e = 0; e < d; e++) {
+                    size_t o = (size_t)(ib * st[0] + ih * st[1] + i * st[2] + e * st[3]) * esize(dt);
+                    if (memcmp((const char *)got + o, (const char *)want + o, esize(dt)) != 0) return 0;
+                }
+    return 1;
+}
+
+/* attn_bwd again on 1, 2 (three times) and 4 threads (more than the cores of a
+ * small machine: workers lose their core mid-task): dq, dk, dv must equal the
+ * first run's bit for bit */
+static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq, const void *dk, const void *dv,
+                           size_t nq, size_t nk, size_t nv) {
+    const char *env = getenv("OPFORGE_NUM_THREADS");
+    char *threads0 = env ? strdup(env) : NULL;
+    void *gq = malloc(nq + 1), *gk = malloc(nk + 1), *gv = malloc(nv + 1);
+    p.dq = gq, p.dk = gk, p.dvv = gv;
+    const int runs[5] = {1, 2, 2, 2, 4};
+    for (int r = 0; r < 5; r++) {
+        set_threads(runs[r]);
+        float *ws = malloc((size_t)(attn_bwd_workspace(&p) + 16) * sizeof(float));
+        memset(gq, 0x7f, nq), memset(gk, 0x7f, nk), memset(gv, 0x7f, nv);
+        attn_bwd(k, &p, ws);
+        free(ws);
+        CHECK(same_bits(gq, dq, p.dqs, p.b, p.h, p.n, p.d, p.dt) && same_bits(gk, dk, p.dks, p.b, p.hkv, p.s, p.d, p.dt) &&
+                  same_bits(gv, dv, p.dvs, p.b, p.hkv, p.s, p.dv, p.dt),
+              "%s b=%lld h=%lld hkv=%lld n=%lld s=%lld causal=%d: backward on %d threads (check %d) differs from the first run",
+              k->name, (long long)p.b, (long long)p.h, (long long)p.hkv, (long long)p.n, (long long)p.s, p.causal,
+              runs[r], r + 1);
+    }
+    if (threads0)
+        setenv("OPFORGE_NUM_THREADS", threads0, 1);
+    else
+        unsetenv("OPFORGE_NUM_THREADS");
+    free(threads0), free(gq), free(gk), free(gv);
+}
+
 static void run(const attn_kernels *k, cfg c) {
     attn_problem p = {.b = c.b, .h = c.h, .hkv = c.hkv, .n = c.n, .s = c.s, .d = c.d, .dv = c.dv, .dt = c.dt,
-                      .causal = c.causal, .scale = (float)(1.0 / sqrt((double)c.d))};
+                      .causal = c.causal, .scale = 1.0 / sqrt((double)c.d)};
     int64_t nq = layout(c.layout, c.b, c.h, c.n, c.d, p.qs), nk = layout(c.layout, c.b, c.hkv, c.s, c.d, p.ks);
     int64_t nv = layout(c.layout, c.b, c.hkv, c.s, c.dv, p.vs), no = layout(c.layout, c.b, c.h, c.n, c.dv, p.os);
     memcpy(p.dos, p.os, sizeof p.os), memcpy(p.dqs, p.qs, sizeof p.qs);
@@ -99,6 +151,8 @@ static void run(const attn_kernels *k, cfg c) {
     float *ws = malloc((size_t)((fws > bws ? fws : bws) + 16) * sizeof(float));
     attn_fwd(k, &p, ws);
     attn_bwd(k, &p, ws);
+
+    check_bwd_bits(k, p, dq, dk, dv, (size_t)nq * esize(c.dt), (size_t)nk * esize(c.dt), (size_t)nv * esize(c.dt));
 
     const double tol = c.dt == OPF_BF16 ? 1.6e-2 : 2e-5, gtol = c.dt == OPF_BF16 ? 3e-2 : 1e-4;
     double lerr = 0.0;
@@ -168,9 +222,51 @@ static void test_variant(const attn_kernels *k) {
     run(k, (cfg){1, 2, 2, 50, 33, 16, 16, 0, 3, 0, OPF_F32});       /* fully masked rows */
     run(k, (cfg){2, 4, 2, 129, 100, 64, 64, 1, 0, 1, OPF_BF16});    /* bfloat16 */
     run(k, (cfg){1, 2, 1, 70, 70, 80, 80, 0, 2, 2, OPF_BF16});      /* bfloat16, mask, strided */
+    run(k, (cfg){3, 4, 1, 200, 300, 32, 32, 1, 0, 0, OPF_F32});     /* 3 groups: whole on 1 thread, key blocks on 2 */
+    /* empty: no query, no key (zeros, lse -inf), no batch, no head */
+    run(k, (cfg){2, 2, 1, 0, 7, 16, 16, 0, 0, 0, OPF_F32});
+    run(k, (cfg){2, 2, 1, 9, 0, 16, 16, 1, 0, 0, OPF_F32});
+    run(k, (cfg){2, 2, 1, 9, 0, 16, 16, 0, 1, 2, OPF_BF16});
+    run(k, (cfg){0, 2, 2, 9, 7, 16, 16, 0, 0, 0, OPF_F32});
+    run(k, (cfg){2, 0, 0, 9, 7, 16, 16, 0, 0, 0, OPF_F32});
+    run(k, (cfg){2, 0, 2, 9, 70, 16, 16, 1, 0, 1, OPF_F32});
+}
+
+/* The float64 oracle (the op's float64 path) keeps the scale in double: 0.3
+ * and 1/sqrt(3) are not float32 numbers, and rounding them costs ~1e-8. */
+static void test_oracle_scale(void) {
+    const double q[3] = {0.7, -1.3, 2.1}, k[2][3] = {{1.1, 0.4, -0.9}, {-0.2, 1.7, 0.6}}, v[2] = {1.5, -2.5};
+    const double scales[2] = {0.3, 1.0 / sqrt(3.0)};
+    for (int t = 0; t < 2; t++) {
+        double out = 0.0, dq[3] = {0};
+        float lse;
+        attn_problem p = {.b = 1, .h = 1, .hkv = 1, .n = 1, .s = 2, .d = 3, .dv = 1, .dt = OPF_F64, .scale = scales[t],
+                          .q = q, .k = k, .v = v, .qs = {3, 3, 3, 1}, .ks = {6, 6, 3, 1}, .vs = {2, 2, 1, 1},
+                          .out = &out, .os = {1, 1, 1, 1}, .lse = &lse};
+        CHECK(attn_ref_fwd(&p) == 0, "oracle out of memory");
+        double x[2], w[2], dw = 0.0;
+        for (int j = 0; j < 2; j++) x[j] = scales[t] * (q[0] * k[j][0] + q[1] * k[j][1] + q[2] * k[j][2]);
+        const double m = fmax(x[0], x[1]), z = exp(x[0] - m) + exp(x[1] - m);
+        for (int j = 0; j < 2; j++) w[j] = exp(x[j] - m) / z;
+        const double want = w[0] * v[0] + w[1] * v[1];
+        /* dq for dout = 1: sum_j w_j (v_j - out) scale k_j */
+        const double one = 1.0;
+        p.dout = &one, memcpy(p.dos, p.os, sizeof p.os), p.dq = dq, memcpy(p.dqs, p.qs, sizeof p.qs);
+        double dk[6], dvv[2];
+        p.dk = dk, memcpy(p.dks, p.ks, sizeof p.ks), p.dvv = dvv, memcpy(p.dvs, p.vs, sizeof p.vs);
+        CHECK(attn_ref_bwd(&p) == 0, "oracle out of memory");
+        for (int d = 0; d < 3; d++) {
+            double g = 0.0;
+            for (int j = 0; j < 2; j++) g += w[j] * (v[j] - want) * scales[t] * k[j][d];
+            dw = fmax(dw, fabs(dq[d] - g));
+        }
+        CHECK(fabs(out - want) < 1e-15 && dw < 1e-15, "float64 oracle at scale %.17g: out %.17g want %.17g, dq error %g",
+              scales[t], out, want, dw);
+    }
 }
 
 int main(void) {
+    test_oracle_scale();
     CHECK_EACH_VARIANT(attn_kernels_for, test_variant);
     return check_report("test_attention");
 }

@@ -1,7 +1,11 @@
 """attention against torch.nn.functional.scaled_dot_product_attention: values per
 dtype, causal with unequal lengths, grouped-query heads, masks, fully masked
-rows, strides, gradients, gradcheck, opcheck, torch.compile, autocast,
-nn.MultiheadAttention, bad input."""
+rows, strides, gradients, gradcheck, float64 to the last bits, empty shapes,
+opcheck, a backward bitwise the same on any thread count, no leak on failing
+calls, torch.compile, autocast, nn.MultiheadAttention, bad input."""
+
+import ctypes
+import os
 
 import pytest
 import torch
@@ -198,6 +202,126 @@ def test_gradcheck_float64(case):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("d", [3, 5, 7, 80])
+def test_float64_matches_sdpa_to_the_last_bits(d, scale, causal):
+    # 1/sqrt(d) and 0.3 are not float32 numbers: a scale rounded to float32 costs ~1e-8
+    q, k, v = qkv(b=2, h=2, n=19, s=23, d=d, dtype=torch.float64, grad=True)
+    out = opforge.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    want = SDPA(q, k, v, is_causal=causal, scale=scale)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"d{name}")
+
+
+# (B, H, Hkv, N, S): no batch, no head, no query, no key; a batch of one and of two
+EMPTY = [(0, 2, 2, 5, 7), (2, 0, 0, 5, 7), (2, 0, 2, 5, 7), (1, 2, 1, 0, 7), (2, 3, 3, 0, 7), (2, 2, 2, 5, 0),
+         (2, 4, 2, 0, 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", EMPTY, ids=str)
+def test_empty_shapes_as_torch(shape, dtype):
+    b, h, hkv, n, s = shape
+    q, k, v = (torch.randn(b, x, m, 8).to(dtype).requires_grad_() for x, m in ((h, n), (hkv, s), (hkv, s)))
+    mask = torch.rand(n, s) > 0.5
+    for kw in (dict(), dict(is_causal=True), dict(attn_mask=mask)):
+        out = opforge.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        want = SDPA(q, k, v, enable_gqa=True, **kw)  # S = 0: zeros, and zero gradients
+        assert out.shape == want.shape and out.dtype == dtype
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        g = torch.randn_like(out)
+        for name, a, w in zip("qkv", torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+            assert a.shape == w.shape, f"d{name}"
+            torch.testing.assert_close(a, w, rtol=0, atol=0, msg=f"d{name}")
+    opcheck(ATTN, (q, k, v, mask, True, 0.3))
+
+
+def _backward(q, k, v, g, causal):
+    return torch.autograd.grad(opforge.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), g)
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, n, causal, dtype",
+    [(1, 1, 1, 1000, False, torch.float32), (1, 1, 1, 700, True, torch.float32), (3, 4, 1, 300, True, torch.float32),
+     (1, 2, 2, 500, False, torch.bfloat16)],
+    ids=["one-head", "one-head-causal", "3-groups-causal", "bf16"],
+)
+def test_backward_bitwise_the_same_run_to_run_and_on_any_thread_count(b, h, hkv, n, causal, dtype):
+    # fewer head groups than twice the threads: tasks are key blocks whose dQ parts
+    # meet in one tensor; the order they are added in must not depend on timing
+    q, k, v = qkv(b=b, h=h, hkv=hkv, n=n, s=n, d=64, dtype=dtype, grad=True)
+    g = torch.randn(b, h, n, 64).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = _backward(q, k, v, g, causal)
+        for run in range(20):
+            for name, a, w in zip("qkv", _backward(q, k, v, g, causal), first):
+                assert torch.equal(a, w), f"d{name} of run {run + 2} differs from run 1 on 2 threads"
+        torch.set_num_threads(1)
+        for name, a, w in zip("qkv", _backward(q, k, v, g, causal), first):
+            assert torch.equal(a, w), f"d{name} differs between 1 and 2 threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_runs_under_deterministic_algorithms():
+    q, k, v = qkv(b=1, h=1, n=300, s=300, grad=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        g = torch.randn(1, 1, 300, 16)
+        first = _backward(q, k, v, g, True)
+        assert all(torch.equal(a, w) for a, w in zip(_backward(q, k, v, g, True), first))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_bytes():
+    """Bytes the C heap has handed out and not got back (glibc's mallinfo2): unlike the
+    resident set, a leak shows even where earlier tests left free memory to reuse.
+    Elsewhere the resident set."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc/self/statm")
+def test_failing_calls_with_a_scale_do_not_leak():
+    # the optional scale arrives boxed; a check that throws must not strand the box
+    q, k, v = qkv(b=1, h=2, n=5, s=5, d=8)
+    out, lse = ATTN(q, k, v, None, False, 0.3)
+    calls = {
+        "attention": lambda: ATTN(q, k.double(), v, None, False, 0.3),
+        "attention_backward": lambda: torch.ops.opforge.attention_backward(out, q, k.double(), v, None, out, lse, False, 0.3),
+    }
+    for name, call in calls.items():
+        def fail_many(n):
+            for _ in range(n):
+                try:
+                    call()
+                except RuntimeError:
+                    pass
+
+        fail_many(2000)  # warm up allocator caches
+        before = _heap_bytes()
+        fail_many(20_000)
+        grown = _heap_bytes() - before
+        # the leak was 32-460 B per call: >= 640 KiB here
+        assert grown < 200 * 2**10, f"{name}: memory in use grew by {grown / 2**10:.0f} KiB over 20,000 failing calls"
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -328,6 +452,7 @@ def test_log_and_profiler_name():
         (lambda: opforge.scaled_dot_product_attention(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)), r"must all be 4-d .* or all 3-d .*got 2-d"),
         (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(3, 4, 5, 8), torch.randn(3, 4, 5, 8), None, False, None), r"\[opforge::attention\] arguments 'k' and 'v' must have the batch size of 'q' \(2\), got 3 and 3"),
         (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), None, False, None), r"argument 'k' must have a number of heads dividing the 4 heads of 'q'.*got 3"),
+        (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(2, 0, 5, 8), torch.randn(2, 0, 5, 8), None, False, None), r"argument 'k' must have a number of heads dividing the 4 heads of 'q'.*got 0"),
         (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 6), torch.randn(2, 4, 5, 8), None, False, None), r"argument 'k' must have the head_dim of 'q' \(8\), got 6"),
         (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), None, False, None), r"argument 'v' must have the key length of 'k' \(5\), got 6"),
         (lambda: ATTN(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8).double(), torch.randn(2, 4, 5, 8), None, False, None), r"argument 'k' must have the dtype of 'q' \(float32\), got float64"),
@@ -337,6 +462,7 @@ def test_log_and_profiler_name():
         (lambda: ATTN(torch.ones(2, 4, 5, 8, dtype=torch.int32), torch.ones(2, 4, 5, 8, dtype=torch.int32), torch.ones(2, 4, 5, 8, dtype=torch.int32), None, False, None), r"argument 'q' must be a floating-point tensor"),
         (lambda: ATTN(*qkv(), None, False, float("nan")), r"argument 'scale' must be a finite float32 number"),
         (lambda: ATTN(*qkv(), None, False, 1e40), r"argument 'scale' must be a finite float32 number, got 1e\+40"),
+        (lambda: ATTN(*qkv(dtype=torch.float64), None, False, float("inf")), r"argument 'scale' must be a finite float64 number, got inf"),
     ],
 )
 def test_bad_input(call, pattern):
