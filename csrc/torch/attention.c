@@ -26,7 +26,7 @@ typedef struct attn_args {
 } attn_args;
 
 static void check_qkv(const char *op, const char *arg, const opf_tensor *t, const opf_tensor *q) {
-    opf_check_cpu(op, arg, t);
+    opf_check_device(op, arg, t, "q", q);
     opf_check_float(op, arg, t);
     if (q != t) opf_check_same_dtype(op, arg, t, "q", q);
     if (t->ndim != 4)
@@ -36,7 +36,7 @@ static void check_qkv(const char *op, const char *arg, const opf_tensor *t, cons
 /* mask strides over (b, h, n, s): right-aligned broadcasting, 0 where broadcast */
 static void check_mask(const char *op, attn_args *a) {
     const opf_tensor *m = &a->mask;
-    opf_check_cpu(op, "attn_mask", m);
+    opf_check_device(op, "attn_mask", m, "q", &a->q);
     const int32_t bool_t = aoti_torch_dtype_bool();
     if (m->dtype == bool_t) {
         a->p.mask_kind = ATTN_MASK_BOOL;
@@ -121,7 +121,9 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     opf_tensor out = opf_tensor_info(ATT, "out", out_h), lse = opf_tensor_info(ATT, "lse", lse_h);
     p->out = out.data, p->lse = lse.data;
     for (int d = 0; d < 4; d++) p->os[d] = out.strides[d];
-    if (p->dt == OPF_F64) {
+    if (opf_is_meta(&a.q)) {
+        /* the fake kernel's meta stand-ins: checked and shaped, nothing to compute */
+    } else if (p->dt == OPF_F64) {
         if (attn_ref_fwd(p) != 0) opf_fail(ATT, "out of memory for the float64 forward");
     } else {
         float *ws = NULL;
@@ -151,6 +153,9 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
                lse = opf_tensor_info(ABWD, "lse", lse_h);
     const int64_t osz[4] = {p->b, p->h, p->n, p->dv}, lsz[3] = {p->b, p->h, p->n};
     opf_tensor want = {.ndim = 4, .sizes = osz}, want_lse = {.ndim = 3, .sizes = lsz};
+    opf_check_device(ABWD, "grad", &g, "q", &a.q);
+    opf_check_device(ABWD, "out", &out, "q", &a.q);
+    opf_check_device(ABWD, "lse", &lse, "q", &a.q);
     opf_check_same_dtype(ABWD, "grad", &g, "q", &a.q);
     opf_check_same_shape(ABWD, "grad", &g, "the output", &want);
     opf_check_same_dtype(ABWD, "out", &out, "q", &a.q);
@@ -173,7 +178,9 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
         p->os[d] = out.strides[d], p->dos[d] = g.strides[d];
         p->dqs[d] = dq.strides[d], p->dks[d] = dk.strides[d], p->dvs[d] = dv.strides[d];
     }
-    if (p->dt == OPF_F64) {
+    if (opf_is_meta(&a.q)) {
+        /* the fake kernel's meta stand-ins: checked and shaped, nothing to compute */
+    } else if (p->dt == OPF_F64) {
         if (attn_ref_bwd(p) != 0) opf_fail(ABWD, "out of memory for the float64 backward");
     } else {
         float *ws = NULL;
@@ -199,6 +206,7 @@ const opf_op_desc opf_attention_ops[] = {
         .backward_grads = "q,k,v",
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "4*numel(q)*size(k,2)",
+        .meta = 1,
     },
     {
         .schema = "attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor out, "
@@ -206,6 +214,7 @@ const opf_op_desc opf_attention_ops[] = {
         .cpu = attention_backward_cpu,
         .shape = "like:q;like:k;like:v",
         .flops = "10*numel(q)*size(k,2)",
+        .meta = 1,
     },
     OPF_OP_END,
 };

@@ -468,3 +468,17 @@ def test_log_and_profiler_name():
 def test_bad_input(call, pattern):
     with pytest.raises(RuntimeError, match=pattern):
         call()
+
+
+def test_meta_and_fake_calls_check_what_the_kernel_checks():
+    # fake kernels returned plausible shapes for head counts the kernel refuses, and a cpu tensor for a meta mask
+    A = torch.ops.opforge.attention.default
+    q, k, v = torch.empty(1, 2, 3, 4, device="meta"), torch.empty(1, 3, 5, 4, device="meta"), torch.empty(1, 3, 5, 6, device="meta")
+    with pytest.raises(RuntimeError, match=r"\[opforge::attention\] argument 'k' must have a number of heads dividing"):
+        A(q, k, v, None, False, None)
+    with pytest.raises(RuntimeError, match=r"argument 'attn_mask' must be on the device of 'q' \(cpu\), got meta"):
+        A(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 6),
+          torch.ones(3, 5, dtype=torch.bool, device="meta"), False, None)
+    out, lse = A(q, k[:, :2], v[:, :2], None, True, None)
+    real, _ = A(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 6), None, True, None)
+    assert (out.shape, out.stride(), lse.shape) == (real.shape, real.stride(), (1, 2, 3))
