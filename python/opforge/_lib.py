@@ -519,6 +519,7 @@ def op_function(op: torch._ops.OpOverload):
     """
     call = _private.op_entry(op)
     tls = _private.autograd_tls()
+    may_skip, set_excluded, _ = tls or (None, None, None)
     tensors = [i for i, a in enumerate(op._schema.arguments) if is_tensor_arg(a)]
 
     def fast(*args):
@@ -529,13 +530,13 @@ def op_function(op: torch._ops.OpOverload):
                 t = args[i]
                 if t is not None and getattr(t, "requires_grad", False):
                     return call(*args)
-        if tls is None or tls[0]() or _private.forward_ad_active():
+        if tls is None or not may_skip():
             return call(*args)
-        tls[1](True)
+        set_excluded(True)
         try:
             return call(*args)
         finally:
-            tls[1](False)
+            set_excluded(False)
 
     def wrap(stub):
         return functools.update_wrapper(fast, stub)

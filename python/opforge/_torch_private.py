@@ -10,7 +10,7 @@ module of opforge touches a private torch name.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import sys
 
 import torch
@@ -37,9 +37,11 @@ _AUTOGRAD = _attr(_C, "DispatchKey.AutogradFunctionality")
 
 
 def autograd_tls():
-    """(is_excluded, set_excluded) for the autograd keys' thread-local exclusion,
-    or None when the functions are missing or do not round-trip: callers then
-    call ops normally (through the autograd kernel, which redispatches)."""
+    """(may_skip, set_excluded, is_excluded) for the autograd keys' thread-local exclusion, or
+    None when the functions are missing or do not round-trip: callers then call
+    ops normally (through the autograd kernel, which redispatches). may_skip():
+    the keys are not already excluded and no forward-AD level is open, in one
+    call, as it runs on every op call."""
     is_excluded = _attr(_C, "_dispatch_tls_is_dispatch_key_excluded")
     set_excluded = _attr(_C, "_dispatch_tls_set_dispatch_key_excluded")
     if is_excluded is None or set_excluded is None or _AUTOGRAD is None:
@@ -53,7 +55,14 @@ def autograd_tls():
             return None
     except Exception:
         return None
-    return (lambda: is_excluded(_AUTOGRAD)), (lambda on: set_excluded(_AUTOGRAD, on))
+    fwd = _forward_ad
+    if not isinstance(getattr(fwd, "_current_level", None), int):
+        return None
+
+    def may_skip(key=_AUTOGRAD):
+        return not is_excluded(key) and fwd._current_level < 0
+
+    return may_skip, functools.partial(set_excluded, _AUTOGRAD), functools.partial(is_excluded, _AUTOGRAD)
 
 
 def op_entry(op):
@@ -67,7 +76,7 @@ def call_below_autograd(op, args: list):
     """op(*args) without recording it: a backward op inside a backward pass."""
     tls = _tls
     if tls is not None:
-        is_excluded, set_excluded = tls
+        _, set_excluded, is_excluded = tls
         if is_excluded():
             return op_entry(op)(*args)
         set_excluded(True)
