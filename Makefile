@@ -2,6 +2,8 @@
 #   make demo   the brief's example end to end + a short benchmark table
 #   make test   C tests, ABI drift check, Python tests (incl. the tutorial end to end)
 #   make bench  the full benchmarks (CSV, markdown, PNG under benchmarks/results/)
+#   make test-other-torch TORCH_WHEEL=...  the Python tests of the library as built
+#               (against the pinned torch) under another torch release, in .venv-other/
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +11,7 @@ LIB    := python/opforge/libopforge.so
 CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
 TORCH_INCLUDE = $(shell $(PY) -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 
-.PHONY: all setup build demo test ctest abi-check pytest bench bench-smoke clean
+.PHONY: all setup build demo test ctest abi-check pytest test-other-torch bench bench-smoke clean
 
 all: build
 
@@ -52,6 +54,26 @@ pytest: build
 	$(PY) -m pytest -q tests/python
 
 test: ctest abi-check pytest
+
+# The stable-ABI promise, checked: the library built against the pinned torch
+# must load and pass under another release, so nothing here rebuilds it (an
+# existing libopforge.so is used as is). The venv is remade when TORCH_WHEEL
+# (a wheel path or a pip requirement) changes; the other pins are installed
+# without the torch line so that pip does not re-resolve torch.
+OTHER_VENV  := .venv-other
+OTHER_PY    := $(OTHER_VENV)/bin/python
+TORCH_WHEEL ?= torch==2.14.1
+
+test-other-torch: | $(LIB)
+	@if [ "$$(cat $(OTHER_VENV)/.torch 2>/dev/null)" != "$(TORCH_WHEEL)" ]; then \
+	  set -e; rm -rf $(OTHER_VENV); $(PYTHON) -m venv $(OTHER_VENV); \
+	  $(OTHER_PY) -m pip install -q "$(TORCH_WHEEL)"; \
+	  grep -vE '^torch([=<>~! ;]|$$)' requirements-dev.txt > $(OTHER_VENV)/requirements-no-torch.txt; \
+	  $(OTHER_PY) -m pip install -q -r $(OTHER_VENV)/requirements-no-torch.txt; \
+	  echo "$(TORCH_WHEEL)" > $(OTHER_VENV)/.torch; \
+	fi
+	@$(OTHER_PY) -c "import torch; print('test-other-torch: torch', torch.__version__)"
+	PYTHONPATH=$(CURDIR)/python $(OTHER_PY) -m pytest -q tests/python
 
 bench: build
 	$(PY) benchmarks/bench_dispersion_correction.py

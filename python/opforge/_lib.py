@@ -12,12 +12,12 @@ import ctypes
 import functools
 import os
 import re
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
-from torch._library.autograd import Info as AutogradInfo, make_autograd_impl
+
+from . import _torch_private as _private
 
 from ._shape import ShapeRule, compile_rules, output_strides  # noqa: F401  (output_strides: the public twin)
 
@@ -202,8 +202,7 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 def _fake_from_kernel(op, args: tuple):
     """The C kernel on meta stand-ins of the arguments (it checks them as it checks real ones and
     allocates its outputs, computing nothing), then fake outputs of the shapes, strides and dtypes it made."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    unset_fake_temporarily = _private.fake_mode_exit()
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     like = next(a for a in args if isinstance(a, torch.Tensor))
     with unset_fake_temporarily():
@@ -225,32 +224,13 @@ def _wire_fake(desc: OpDescriptor, argnames: list[str]) -> None:
     def fake(*args):
         _check_one_device(desc, argnames, args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if desc.meta and tensors and all(_concrete(t) for t in tensors):
+        if desc.meta and tensors and all(_concrete(t) for t in tensors) and _private.fake_mode_exit():
             return _fake_from_kernel(op, args)
         # symbolic sizes (torch.compile(dynamic=True)): the descriptor's shape rules
         outs = tuple(r.evaluate(args) for r in rules)
         return outs[0] if len(outs) == 1 else outs
 
     torch.library.register_fake(f"{desc.namespace}::{desc.name}", fake, lib=_fragment(desc.namespace))
-
-
-def _may_donate(ctx, saved: list, slot: int) -> bool:
-    """Whether the backward may overwrite saved[slot] (a forward output saved
-    only for it): eager mode, a graph that is not retained (the saved values
-    are used once), and after the node lets go of its saved values, nothing
-    but `saved` refers to the tensor or its storage (not the caller, not a
-    view, not a saved-tensor hook's cache)."""
-    if torch.compiler.is_compiling() or not hasattr(ctx, "maybe_clear_saved_tensors"):
-        return False
-    if torch._C._autograd._get_current_graph_task_keep_graph():
-        return False
-    ctx.maybe_clear_saved_tensors()
-    t = saved[slot]
-    if not isinstance(t, torch.Tensor) or t._use_count() != 1:
-        return False
-    storage = t.untyped_storage()
-    # references: saved's slot, t, getrefcount's argument; storage: t's and `storage`
-    return sys.getrefcount(t) == 3 and torch._C._storage_Use_Count(storage._cdata) == 2
 
 
 def _wire_autograd(desc: OpDescriptor, schema) -> None:
@@ -299,7 +279,7 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             )
         saved = list(ctx.saved_tensors)
         op = bwd
-        if donatable is not None and _may_donate(ctx, saved, donatable):
+        if donatable is not None and _private.may_donate(ctx, saved, donatable):
             op = bwd_inplace  # the saved output is ours alone: the backward may overwrite it
         args = [grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.consts[i] for k, i in plan]
         del saved
@@ -315,7 +295,10 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
 
     # what torch.library.register_autograd registers, behind the checks for
     # the differentiation modes the generated autograd.Function cannot serve
-    generated = make_autograd_impl(op_overload(desc), AutogradInfo(backward, setup_context))
+    generated = _private.autograd_kernel(qualname, op_overload(desc), backward, setup_context)
+    if generated is None:  # torch's own registration, without the refusals below (torch raises its own errors)
+        torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=_fragment(desc.namespace))
+        return
 
     def autograd_kernel(keyset, *args, **kwargs):
         _refuse_unsupported_ad(qualname, args, differentiable=True)
@@ -331,8 +314,7 @@ def _wire_not_differentiable(desc: OpDescriptor) -> None:
 
     def autograd_kernel(keyset, *args, **kwargs):
         _refuse_unsupported_ad(qualname, args, differentiable=False)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+        return _private.redispatch_below_autograd(op, keyset, args, kwargs)
 
     _fragment(desc.namespace).impl(desc.name, autograd_kernel, "Autograd", with_keyset=True)
 
@@ -342,13 +324,7 @@ def _call_below_autograd(op: torch._ops.OpOverload, args: list):
     if _compiling():
         with torch.no_grad():
             return op(*args)
-    if _is_excluded(_AUTOGRAD):
-        return op._op(*args)
-    _set_excluded(_AUTOGRAD, True)
-    try:
-        return op._op(*args)
-    finally:
-        _set_excluded(_AUTOGRAD, False)
+    return _private.call_below_autograd(op, args)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -384,7 +360,7 @@ def _refuse_unsupported_ad(qualname: str, args: tuple, differentiable: bool) -> 
     (a tangent would be dropped: zeros or None), the torch.func transforms
     (torch's generated autograd.Function does not run under them), and any
     gradient at all of an op without a backward."""
-    if _forward_ad._current_level >= 0 and _has_tangent(args):
+    if _private.forward_ad_active() and _has_tangent(args):
         raise RuntimeError(
             f"[{qualname}] forward-mode AD is not supported (torch.func.jvp, jacfwd, forward_ad dual tensors): "
             + ("the op has a backward only; use reverse mode (torch.autograd.grad, .backward())" if differentiable
@@ -397,9 +373,8 @@ def _refuse_unsupported_ad(qualname: str, args: tuple, differentiable: bool) -> 
             f"[{qualname}] has no derivative, but an input requires grad: call it under torch.no_grad() or on "
             "detached inputs"
         )
-    interpreter = _functorch_interpreter()
-    if interpreter is not None:
-        transform = str(interpreter.key()).rpartition(".")[2].lower()
+    transform = _private.functorch_transform()
+    if transform is not None:
         where = _FUNC_TRANSFORMS.get(transform, f"torch.func transform '{transform}' with an input that requires grad")
         raise RuntimeError(
             f"[{qualname}] torch.func transforms are not supported with gradients (here {where}): the op's "
@@ -419,18 +394,14 @@ def _cast(value, device_type: str, dtype: torch.dtype):
 def _wire_autocast(desc: OpDescriptor) -> None:
     op = op_overload(desc)
     for device in ("cpu", "cuda"):
-        key_name = "Autocast" + torch._C._dispatch_key_for_device(device)
-        key = getattr(torch._C.DispatchKey, key_name)
+        key_name = _private.autocast_key_name(device)
 
-        def run(*args, device=device, key=key):
+        def run(*args, device=device, key_name=key_name):
             dtype = torch.get_autocast_dtype(device) if desc.autocast == AUTOCAST_LOWER else torch.float32
-            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            with _private.autocast_excluded(device, key_name):
                 return op(*_cast(args, device, dtype))
 
-        # the Python dispatcher (used while torch.compile traces) reads py_kernels
-        if op.has_kernel_for_dispatch_key(key):
-            op.py_kernels.pop(key, None)
-        op.py_impl(key)(run)
+        _private.set_python_dispatcher_kernel(op, key_name, run)
         _fragment(desc.namespace).impl(desc.name, lambda _ks, *args, run=run: run(*args), key_name, with_keyset=True)
 
 
@@ -492,11 +463,7 @@ def _stub(namespace: str, name: str):
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
-_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
-_AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 _unpack_dual = _forward_ad.unpack_dual
-_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
 
 
 def op_function(op: torch._ops.OpOverload):
@@ -513,8 +480,11 @@ def op_function(op: torch._ops.OpOverload):
     autograd keys for the call instead (a thread-local flag, restored after).
     While torch.compile traces, the op is called as is; under forward-mode
     AD the autograd kernel runs, to refuse tangents it cannot propagate.
+    Where torch lacks the thread-local functions, the op is always called as is.
     """
-    call = op._op  # the C++ entry point, without OpOverload.__call__'s Python frame
+    call = _private.op_entry(op)
+    tls = _private.autograd_tls()
+    may_skip, set_excluded, _ = tls or (None, None, None)
     tensors = [i for i, a in enumerate(op._schema.arguments) if is_tensor_arg(a)]
 
     def fast(*args):
@@ -525,13 +495,13 @@ def op_function(op: torch._ops.OpOverload):
                 t = args[i]
                 if t is not None and getattr(t, "requires_grad", False):
                     return call(*args)
-        if _is_excluded(_AUTOGRAD) or _forward_ad._current_level >= 0:
+        if tls is None or not may_skip():
             return call(*args)
-        _set_excluded(_AUTOGRAD, True)
+        set_excluded(True)
         try:
             return call(*args)
         finally:
-            _set_excluded(_AUTOGRAD, False)
+            set_excluded(False)
 
     def wrap(stub):
         return functools.update_wrapper(fast, stub)
