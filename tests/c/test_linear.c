@@ -1,0 +1,250 @@
+/*
+ * The fused linear of every compiled GEMM variant against the float64
+ * reference path of the same module: forward (out, preact) with and without
+ * bias, each activation, float32 / bfloat16 / float16, x contiguous,
+ * transposed, as several matrices that do not merge and as ones that do; odd
+ * shapes; row counts around the backward's chunk boundary at 1-3 threads; a
+ * 16-bit forward whose float32 C is made in row chunks; and the backward in
+ * both strategies (in place over a donated preact, chunked), with preact
+ * recomputed. Every workspace sits between guard words, sized exactly as the
+ * workspace function says.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "../../csrc/kernels/linear.h"
+#include "check.h"
+
+/* x layouts: (m, K) contiguous; (m, K) transposed (with grad transposed too);
+ * (3, rows, K) matrices of padded rows and column stride 2 (do not merge);
+ * (3, rows, K) contiguous (merge into one) */
+enum { X_CONTIGUOUS, X_TRANSPOSED, X_MATRICES, X_MERGING, X_LAYOUTS };
+
+typedef struct cfg {
+    int64_t rows, kdim, n; /* rows of one matrix of x: m = rows, or 3 rows for the 3-d layouts */
+    int layout, bias, act;
+    opf_dtype dt;
+    int save;         /* the forward stores preact; without, the backward recomputes it */
+    int forward_only; /* shapes too large for the float64 backward in a test */
+} cfg;
+
+/* an array of count elements of dt and its exact float64 copy */
+typedef struct arr {
+    void *lo;
+    double *hi;
+} arr;
+
+static int in_place_runs; /* the in-place strategy must be reached, not only allowed for */
+
+static arr arr_rand(int64_t count, opf_dtype dt, unsigned long long seed, double amp) {
+    size_t c = (size_t)(count > 0 ? count : 1);
+    arr a = {malloc(c * opf_dtype_size(dt)), malloc(c * sizeof(double))};
+    seed = seed * 2654435761ull + 1;
+    for (int64_t i = 0; i < count; i++) {
+        opf_store_elem(a.lo, i, dt, (check_uniform(&seed) * 2.0 - 1.0) * amp);
+        a.hi[i] = opf_load_elem(a.lo, i, dt);
+    }
+    return a;
+}
+
+/* filled with NaN, as output arrays are: a kernel that leaves one unwritten shows */
+static arr arr_empty(int64_t count, opf_dtype dt) {
+    size_t c = (size_t)(count > 0 ? count : 1);
+    arr a = {malloc(c * opf_dtype_size(dt)), malloc(c * sizeof(double))};
+    memset(a.lo, 0xff, c * opf_dtype_size(dt));
+    return a;
+}
+
+static void arr_free(arr *a) { free(a->lo), free(a->hi); }
+
+/* max |got - want| over count contiguous elements relative to max |want| (at least 1) */
+static void compare(const char *what, const cfg *c, const char *variant, const void *got, const double *want,
+                    int64_t count) {
+    const double tol = c->dt == OPF_F32 ? 1e-4 : c->dt == OPF_F16 ? 1e-2 : 3e-2;
+    double err = 0.0, mag = 1.0;
+    int64_t worst = -1;
+    for (int64_t i = 0; i < count; i++) {
+        double g = opf_load_elem(got, i, c->dt), e = fabs(g - want[i]);
+        mag = fmax(mag, fabs(want[i]));
+        if (!(e <= err)) err = e, worst = i; /* a NaN is the worst */
+    }
+    CHECK(worst < 0 || err / mag <= tol,
+          "%s %s: rows=%lld K=%lld N=%lld layout=%d bias=%d act=%d dt=%d save=%d: index %lld got %g want %g, "
+          "max error %g of %g",
+          variant, what, (long long)c->rows, (long long)c->kdim, (long long)c->n, c->layout, c->bias, c->act,
+          (int)c->dt, c->save, (long long)worst, worst < 0 ? 0.0 : opf_load_elem(got, worst, c->dt),
+          worst < 0 ? 0.0 : want[worst], err, mag);
+}
+
+/* the leading dims and strides of an x-like (..., cols) array in the layout; returns the elements it spans */
+static int64_t layout_of(int layout, int64_t rows, int64_t cols, int64_t *ndim, int64_t *sizes, int64_t *strides) {
+    switch (layout) {
+    case X_TRANSPOSED:
+        *ndim = 2, sizes[0] = rows, sizes[1] = cols, strides[0] = 1, strides[1] = rows;
+        return rows * cols;
+    case X_MATRICES:
+        *ndim = 3, sizes[0] = 3, sizes[1] = rows, sizes[2] = cols;
+        strides[0] = (rows + 1) * cols * 2, strides[1] = cols * 2, strides[2] = 2;
+        return 3 * (rows + 1) * cols * 2;
+    case X_MERGING:
+        *ndim = 3, sizes[0] = 3, sizes[1] = rows, sizes[2] = cols;
+        strides[0] = rows * cols, strides[1] = cols, strides[2] = 1;
+        return 3 * rows * cols;
+    default:
+        *ndim = 2, sizes[0] = rows, sizes[1] = cols, strides[0] = cols, strides[1] = 1;
+        return rows * cols;
+    }
+}
+
+static void run(const gemm_kernels *gemm, cfg c) {
+    const int64_t m = c.layout >= X_MATRICES ? 3 * c.rows : c.rows, kdim = c.kdim, n = c.n;
+    const char *name = gemm->name;
+    int64_t xsizes[3], xstrides[3], gsizes[3], gstrides[3], xdim, gdim;
+    int64_t xcount = layout_of(c.layout, c.rows, kdim, &xdim, xsizes, xstrides);
+    /* grad: transposed with a transposed x, else contiguous */
+    int64_t gcount = layout_of(c.layout == X_TRANSPOSED ? X_TRANSPOSED : c.layout == X_CONTIGUOUS ? X_CONTIGUOUS : X_MERGING,
+                               c.rows, n, &gdim, gsizes, gstrides);
+    const int64_t bias_stride = c.layout == X_MATRICES ? 3 : 1;
+    arr x = arr_rand(xcount, c.dt, 1 + (unsigned long long)(m * 31 + kdim), 1.0);
+    arr w = arr_rand(n * kdim, c.dt, 2 + (unsigned long long)n, 1.0 / sqrt((double)(kdim > 0 ? kdim : 1)));
+    arr b = arr_rand(n * bias_stride, c.dt, 3, 0.5), grad = arr_rand(gcount, c.dt, 4, 1.0);
+    arr out = arr_empty(m * n, c.dt), pre = arr_empty(m * n, c.dt);
+    linear_problem p = {.m = m, .in_features = kdim, .out_features = n, .dt = c.dt, .act = c.act,
+                        .x = {x.lo, xdim, xsizes, xstrides}, .weight = w.lo, .bias = c.bias ? b.lo : NULL,
+                        .bias_stride = bias_stride, .out = out.lo, .preact = c.act && c.save ? pre.lo : NULL};
+    if (c.layout == X_TRANSPOSED) p.weight_strides[0] = 1, p.weight_strides[1] = n;
+    else p.weight_strides[0] = kdim, p.weight_strides[1] = 1;
+    /* the reference: the same views over the float64 copies, preact always stored */
+    linear_problem r = p;
+    r.dt = OPF_F64, r.x.data = x.hi, r.weight = w.hi, r.bias = c.bias ? b.hi : NULL, r.out = out.hi, r.preact = pre.hi;
+    CHECK(linear_fwd(gemm, &r, NULL, linear_fwd_workspace(gemm, &r)) == 0, "float64 forward refused");
+
+    int64_t wsn = linear_fwd_workspace(gemm, &p);
+    float *ws = check_ws_alloc(wsn);
+    int rc = linear_fwd(gemm, &p, ws, wsn);
+    check_ws_free(ws, "forward");
+    CHECK(rc == 0, "%s forward refused its workspace of %lld floats", name, (long long)wsn);
+    compare("out", &c, name, out.lo, out.hi, m * n);
+    if (p.preact) compare("preact", &c, name, pre.lo, pre.hi, m * n);
+    if (c.forward_only) {
+        arr_free(&x), arr_free(&w), arr_free(&b), arr_free(&grad), arr_free(&out), arr_free(&pre);
+        return;
+    }
+
+    /* backward: the reference from its float64 preact, then each strategy this problem has */
+    arr dx = arr_empty(m * kdim, c.dt), dw = arr_empty(n * kdim, c.dt), db = arr_empty(n, c.dt);
+    r.grad = (linear_view){grad.hi, gdim, gsizes, gstrides};
+    r.saved_preact = (linear_view){c.act ? pre.hi : NULL, 2, (int64_t[]){m, n}, (int64_t[]){n, 1}};
+    r.dx = dx.hi, r.dweight = dw.hi, r.dbias = c.bias ? db.hi : NULL;
+    wsn = linear_bwd_workspace(gemm, &r, LINEAR_BWD_CHUNKED);
+    ws = check_ws_alloc(wsn);
+    CHECK(linear_bwd(gemm, &r, LINEAR_BWD_CHUNKED, ws, wsn) == 0, "float64 backward refused");
+    check_ws_free(ws, "float64 backward");
+
+    void *donated = malloc((size_t)(m * n > 0 ? m * n : 1) * opf_dtype_size(c.dt));
+    for (int in_place = 0; in_place < 2; in_place++) {
+        if (p.preact) memcpy(donated, pre.lo, (size_t)(m * n) * opf_dtype_size(c.dt));
+        linear_problem q = p;
+        q.grad = (linear_view){grad.lo, gdim, gsizes, gstrides};
+        q.saved_preact = (linear_view){p.preact ? donated : NULL, 2, (int64_t[]){m, n}, (int64_t[]){n, 1}};
+        q.dx = dx.lo, q.dweight = dw.lo, q.dbias = c.bias ? db.lo : NULL;
+        const size_t es = opf_dtype_size(c.dt); /* NaN in every output: one the strategy leaves unwritten shows */
+        memset(dx.lo, 0xff, (size_t)(m * kdim) * es), memset(dw.lo, 0xff, (size_t)(n * kdim) * es);
+        memset(db.lo, 0xff, (size_t)n * es);
+        linear_bwd_strategy s = linear_bwd_plan(&q, in_place);
+        if (in_place && s != LINEAR_BWD_IN_PLACE) break; /* only the chunked strategy applies */
+        in_place_runs += in_place;
+        CHECK(s == (in_place ? LINEAR_BWD_IN_PLACE : LINEAR_BWD_CHUNKED), "%s: strategy %d without a donated preact",
+              name, (int)s);
+        wsn = linear_bwd_workspace(gemm, &q, s);
+        ws = check_ws_alloc(wsn);
+        rc = linear_bwd(gemm, &q, s, ws, wsn);
+        check_ws_free(ws, in_place ? "backward in place" : c.act && !p.preact ? "backward recomputing" : "backward");
+        CHECK(rc == 0, "%s backward %d refused its workspace of %lld floats", name, (int)s, (long long)wsn);
+        const char *tag = in_place ? "in place" : c.act && !p.preact ? "recomputed" : "chunked";
+        char what[64];
+        snprintf(what, sizeof what, "dx (%s)", tag);
+        compare(what, &c, name, dx.lo, dx.hi, m * kdim);
+        snprintf(what, sizeof what, "dweight (%s)", tag);
+        compare(what, &c, name, dw.lo, dw.hi, n * kdim);
+        snprintf(what, sizeof what, "dbias (%s)", tag);
+        if (c.bias) compare(what, &c, name, db.lo, db.hi, n);
+    }
+    /* one float short: refused, nothing written outside */
+    linear_problem q = p;
+    q.grad = (linear_view){grad.lo, gdim, gsizes, gstrides};
+    q.saved_preact = (linear_view){NULL, 2, (int64_t[]){m, n}, (int64_t[]){n, 1}};
+    q.dx = dx.lo, q.dweight = dw.lo, q.dbias = c.bias ? db.lo : NULL;
+    wsn = linear_bwd_workspace(gemm, &q, LINEAR_BWD_CHUNKED) - 1;
+    ws = check_ws_alloc(wsn);
+    rc = linear_bwd(gemm, &q, LINEAR_BWD_CHUNKED, ws, wsn);
+    check_ws_free(ws, "backward, one float short");
+    CHECK(rc == LINEAR_ERR_WORKSPACE, "%s: a backward workspace one float short was not refused (%d)", name, rc);
+
+    free(donated);
+    arr_free(&x), arr_free(&w), arr_free(&b), arr_free(&grad), arr_free(&out), arr_free(&pre);
+    arr_free(&dx), arr_free(&dw), arr_free(&db);
+}
+
+static const opf_dtype dtypes[] = {OPF_F32, OPF_BF16, OPF_F16};
+
+static void set_threads(int threads) {
+    char env[8];
+    snprintf(env, sizeof env, "%d", threads);
+    setenv("OPFORGE_NUM_THREADS", env, 1);
+}
+
+static void test_variant(const gemm_kernels *gemm) {
+    /* every activation, bias, dtype, layout and saving of preact on odd shapes */
+    const int64_t shapes[][3] = {{1, 1, 1}, {7, 13, 5}, {0, 5, 3}, {33, 40, 19}};
+    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
+        for (int layout = 0; layout < X_LAYOUTS; layout++)
+            for (size_t d = 0; d < 3; d++)
+                for (int act = 0; act < GEMM_ACT_COUNT; act++)
+                    for (int bias = 0; bias < 2; bias++)
+                        for (int save = 0; save < 2; save++)
+                            run(gemm, (cfg){shapes[s][0], shapes[s][1], shapes[s][2], layout, bias, act, dtypes[d], save});
+    for (size_t d = 0; d < 3; d++)
+        for (int layout = 0; layout < X_LAYOUTS; layout++) {
+            run(gemm, (cfg){123, 77, 301, layout, 1, GEMM_ACT_GELU, dtypes[d], 1});
+            run(gemm, (cfg){123, 77, 301, layout, 0, GEMM_ACT_SILU, dtypes[d], 0});
+        }
+    /* row counts around the backward's chunk boundary at 1-3 threads. A wide N makes the chunk a little over
+     * one MC block of rows: at one thread the full chunk packs A a block per worker and a last chunk of
+     * 3/4 of it packs all of A, the larger workspace of the two */
+    const char *saved = getenv("OPFORGE_NUM_THREADS");
+    char saved_copy[32] = "";
+    if (saved) snprintf(saved_copy, sizeof saved_copy, "%s", saved);
+    const int64_t wide = 16000, chunk = linear_chunk_rows(1 << 20, wide);
+    CHECK(chunk > gemm->mc && chunk < 2 * gemm->mc + 8, "chunk of %lld rows for N=%lld: the boundary test misses it",
+          (long long)chunk, (long long)wide);
+    const int64_t rows[] = {chunk, chunk + 1, chunk + 3 * chunk / 4, 2 * chunk - 1};
+    for (int threads = 1; threads <= 3; threads++) {
+        set_threads(threads);
+        /* each dtype, with preact stored and recomputed, meets each row count over the thread counts */
+        for (size_t i = 0; i < 4; i++) {
+            int turn = (int)i + threads;
+            run(gemm, (cfg){rows[i], 7, wide, X_CONTIGUOUS, 1, turn % 2 ? GEMM_ACT_GELU : GEMM_ACT_GELU_TANH,
+                            dtypes[turn % 3], turn % 2});
+        }
+        if (threads == 2) {
+            run(gemm, (cfg){rows[1], 5, wide, X_MATRICES, 0, GEMM_ACT_RELU, OPF_F32, 1});
+            run(gemm, (cfg){rows[2], 5, wide, X_TRANSPOSED, 1, GEMM_ACT_NONE, OPF_BF16, 0});
+        }
+    }
+    /* 16-bit results over several K slices: the forward's float32 C in row chunks, the last one short */
+    set_threads(2);
+    for (size_t d = 1; d < 3; d++) {
+        const int64_t n = ((int64_t)2 << 20) / 64, kdim = gemm_slice_depth(gemm, dtypes[d], dtypes[d]) + 3;
+        run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, kdim, n, X_CONTIGUOUS, 1, GEMM_ACT_SILU, dtypes[d], 1, 1});
+    }
+    if (saved) setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
+    else unsetenv("OPFORGE_NUM_THREADS");
+    CHECK(in_place_runs > 0, "%s: no problem ran the backward in place", gemm->name);
+    in_place_runs = 0;
+}
+
+int main(void) {
+    CHECK_EACH_VARIANT(gemm_kernels_for, test_variant);
+    return check_report("test_linear");
+}
