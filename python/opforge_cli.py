@@ -24,11 +24,11 @@ def _templates() -> str:
     return os.path.join(os.path.dirname(spec.origin), "templates")
 
 
-# template file -> file name in the new project
+# template file -> file name in the new project (kernel.*: not op.h, the name of opforge's public header)
 SCAFFOLD = {
-    "op.c": "{name}.c",
-    "op_avx2.c": "{name}_avx2.c",
-    "op.h": "{name}.h",
+    "kernel.c": "{name}.c",
+    "kernel_avx2.c": "{name}_avx2.c",
+    "kernel.h": "{name}.h",
     "ops.py": "ops.py",
     "reference.py": "reference.py",
     "test_op.py": "test_{name}.py",
