@@ -2,6 +2,8 @@
 #   make demo   the brief's example end to end + a short benchmark table
 #   make test   C tests, ABI drift check, Python tests (incl. the tutorial end to end)
 #   make bench  the full benchmarks (CSV, markdown, PNG under benchmarks/results/)
+#   OPFORGE_NAMESPACE=acme_ops_1a2b make clean build
+#               the ops as torch.ops.acme_ops_1a2b (default: torch.ops.opforge)
 #   make test-other-torch TORCH_WHEEL=...  the Python tests of the library as built
 #               (against the pinned torch) under another torch release, in .venv-other/
 PYTHON ?= python3

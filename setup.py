@@ -3,6 +3,9 @@
 Build without isolation so that the torch already installed is linked
 (an isolated build would download another torch):
     pip install --no-build-isolation -e .
+
+OPFORGE_NAMESPACE=acme_ops_1a2b registers the ops as torch.ops.acme_ops_1a2b
+instead of torch.ops.opforge (a distribution needing a namespace of its own).
 """
 
 import glob
@@ -42,6 +45,7 @@ class BuildOpLibrary(build_ext):
             self.get_ext_fullpath(ext.name),
             include_dirs=[os.path.join(ROOT, "csrc/include")],
             build_dir=os.path.join(self.build_temp, "opforge"),
+            extra_cflags=_build.namespace_flags(os.environ.get("OPFORGE_NAMESPACE")),
             verbose=self.verbose > 1,
         )
 

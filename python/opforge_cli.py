@@ -24,11 +24,11 @@ def _templates() -> str:
     return os.path.join(os.path.dirname(spec.origin), "templates")
 
 
-# template file -> file name in the new project
+# template file -> file name in the new project (kernel.*: not op.h, the name of opforge's public header)
 SCAFFOLD = {
-    "op.c": "{name}.c",
-    "op_avx2.c": "{name}_avx2.c",
-    "op.h": "{name}.h",
+    "kernel.c": "{name}.c",
+    "kernel_avx2.c": "{name}_avx2.c",
+    "kernel.h": "{name}.h",
     "ops.py": "ops.py",
     "reference.py": "reference.py",
     "test_op.py": "test_{name}.py",
@@ -65,7 +65,7 @@ def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
 
     ns, sep, name = op_name.partition("::")
     if not sep:
-        ns, name = "opforge", op_name
+        ns, name = opforge.namespace, op_name
     if sources:
         opforge.load(ns, sources)
     try:
@@ -80,7 +80,7 @@ def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         ref = getattr(module, fn)
-    elif ns == "opforge" and name in ot.REFERENCES:
+    elif ns == opforge.namespace and name in ot.REFERENCES:
         ref = ot.REFERENCES[name]
     else:
         raise SystemExit(f"opforge: no reference known for {ns}::{name}: pass --reference FILE.py:FUNCTION")
@@ -176,7 +176,7 @@ def info(args) -> int:
     lines.append(f"cache       {opforge.build.cache_dir()}")
     lines.append("ops")
     for d in opforge.library.ops:
-        lines.append(f"  opforge::{d.name:<34} {', '.join(d.devices)}: isa {opforge.get_isa()}"
+        lines.append(f"  {d.namespace}::{d.name:<34} {', '.join(d.devices)}: isa {opforge.get_isa()}"
                      f"{', autograd' if d.backward else ''}")
     lines.append("")
     lines.append("no problems found" if not problems else "problems:")

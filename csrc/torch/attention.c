@@ -15,10 +15,11 @@
 #include <math.h>
 
 #include "../kernels/attention.h"
+#include "namespace.h"
 #include "opforge/op.h"
 
-static const char ATT[] = "opforge::attention";
-static const char ABWD[] = "opforge::attention_backward";
+static const char ATT[] = OPF_QUALNAME("attention");
+static const char ABWD[] = OPF_QUALNAME("attention_backward");
 
 typedef struct attn_args {
     opf_tensor q, k, v, mask;
@@ -166,7 +167,7 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     if (lse.dtype != aoti_torch_dtype_float32() ||
         (lse.numel > 0 && ((p->n > 1 && lse.strides[2] != 1) || (p->h > 1 && lse.strides[1] != p->n) ||
                            (p->b > 1 && lse.strides[0] != p->h * p->n))))
-        opf_fail(ABWD, "argument 'lse' must be the contiguous float32 log-sum-exp returned by opforge::attention, got %s",
+        opf_fail(ABWD, "argument 'lse' must be the contiguous float32 log-sum-exp returned by %s, got %s", ATT,
                  opf_dtype_name(lse.dtype));
     OPF_OWNED AtenTensorHandle dq_h = opf_empty_like(ABWD, &a.q);
     OPF_OWNED AtenTensorHandle dk_h = opf_empty_like(ABWD, &a.k);

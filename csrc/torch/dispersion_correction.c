@@ -5,10 +5,11 @@
  * x is dense (transposed, permuted), else it is contiguous.
  */
 #include "../kernels/dispersion_correction.h"
+#include "namespace.h"
 #include "opforge/op.h"
 
-static const char FWD[] = "opforge::dispersion_correction";
-static const char BWD[] = "opforge::dispersion_correction_backward";
+static const char FWD[] = OPF_QUALNAME("dispersion_correction");
+static const char BWD[] = OPF_QUALNAME("dispersion_correction_backward");
 
 /* dispersion_correction(Tensor x, float alpha) -> Tensor */
 static void dispersion_correction_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "../kernels/probe.h"
+#include "namespace.h"
 #include "opforge/op.h"
 
 /* ---- errors ------------------------------------------------------------------ */
@@ -385,6 +386,9 @@ OPF_EXPORT int opforge_register(const char *ns, const opf_op_desc *ops, char *er
     if (register_impls(ns, "CPU", ops, offsetof(opf_op_desc, cpu), err, errlen)) return -1;
     return register_impls(ns, "CUDA", ops, offsetof(opf_op_desc, cuda), err, errlen);
 }
+
+/* Where opforge's own ops register: a build parameter, read by the Python layer at load. */
+OPF_EXPORT const char *opforge_namespace(void) { return OPF_NAMESPACE; }
 
 OPF_EXPORT int opforge_set_isa(const char *name, char *err, size_t errlen) {
     return opf_isa_set(name, err, errlen);

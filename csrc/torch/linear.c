@@ -21,11 +21,12 @@
 #include <stdlib.h>
 
 #include "../kernels/linear.h"
+#include "namespace.h"
 #include "opforge/op.h"
 
-static const char MM[] = "opforge::matmul";
-static const char LIN[] = "opforge::linear";
-static const char LBWD[] = "opforge::linear_backward";
+static const char MM[] = OPF_QUALNAME("matmul");
+static const char LIN[] = OPF_QUALNAME("linear");
+static const char LBWD[] = OPF_QUALNAME("linear_backward");
 
 /* t on the device of ref (cpu, or meta for the fake kernel) and of a float type */
 static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
@@ -101,7 +102,7 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
 /* matmul_backward(grad (..., M, N), a (..., M, K), b (..., K, N)) -> (da = grad b^T, db = a^T grad), both
  * contiguous: two GEMMs that read grad, a and b in place through their strides */
 static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
-    static const char MMB[] = "opforge::matmul_backward";
+    static const char MMB[] = OPF_QUALNAME("matmul_backward");
     OPF_ARG_TENSOR(g, stack, 0);
     OPF_ARG_TENSOR(a, stack, 1);
     OPF_ARG_TENSOR(b, stack, 2);

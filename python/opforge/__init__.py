@@ -2,9 +2,11 @@
 
     import opforge
     y = opforge.dispersion_correction(x, 0.8)          # torch.ops.opforge.dispersion_correction
+    opforge.ops.dispersion_correction(x, 0.8)          # the same op, under the namespace built in
 """
 
-from ._runtime import cpu_features, get_isa, isa_best, library, set_isa, set_log_file, set_log_level, supported_isas
+from ._runtime import (cpu_features, get_isa, isa_best, library, namespace, ops, set_isa, set_log_file, set_log_level,
+                       supported_isas)
 from . import functional, nn
 from .build import BuildError, load, load_library
 from .functional import dispersion_correction, linear, matmul, scaled_dot_product_attention
@@ -23,7 +25,9 @@ __all__ = [
     "load",
     "load_library",
     "matmul",
+    "namespace",
     "nn",
+    "ops",
     "scaled_dot_product_attention",
     "set_isa",
     "set_log_file",

@@ -101,6 +101,20 @@ def compile_objects(
     return [obj for _, obj in jobs]
 
 
+DEFAULT_NAMESPACE = "opforge"
+
+
+def namespace_flags(namespace: str | None) -> list[str]:
+    """The C flag that compiles opforge's ops under torch.ops.<namespace>
+    (csrc/torch/namespace.h); none for the default namespace."""
+    if not namespace or namespace == DEFAULT_NAMESPACE:
+        return []
+    if not namespace.isidentifier() or not namespace.isascii():
+        raise BuildError(f"the op namespace (OPFORGE_NAMESPACE) must be a Python identifier such as "
+                         f"acme_ops_1a2b, got {namespace!r}")
+    return [f'-DOPF_NAMESPACE="{namespace}"']
+
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 RUNTIME_LIBRARY = "libopforge.so"
 

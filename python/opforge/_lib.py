@@ -86,9 +86,11 @@ class OpLibrary:
 
     ``runtime`` is the library that registers the ops (opforge's own, which
     user op libraries link); None for opforge's own library itself.
+    ``namespace`` None: the one compiled into the library (opforge's own,
+    whose namespace is a build parameter, exported as opforge_namespace).
     """
 
-    def __init__(self, path: str, namespace: str, runtime: "OpLibrary | None" = None):
+    def __init__(self, path: str, namespace: str | None = None, runtime: "OpLibrary | None" = None):
         check_torch_version()
         self.path = os.path.abspath(path)
         try:
@@ -99,6 +101,12 @@ class OpLibrary:
                 f"is older than {MIN_TORCH[0]}.{MIN_TORCH[1]} or the library was built for another torch: "
                 "rebuild it"
             ) from e
+        if namespace is None:
+            compiled_in = getattr(self.dll, "opforge_namespace", None)
+            if compiled_in is None or runtime is not None:
+                raise ImportError(f"{path} has no namespace compiled in: pass the namespace to load it under")
+            compiled_in.restype = ctypes.c_char_p
+            namespace = compiled_in().decode()
         self.namespace = namespace
         table_fn = getattr(self.dll, "opforge_op_table", None)
         if table_fn is None:

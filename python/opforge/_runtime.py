@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+import torch
+
 from ._lib import OpLibrary
 
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libopforge.so")
@@ -14,7 +16,9 @@ if not os.path.exists(_PATH):
         "`pip install --no-build-isolation -e .`"
     )
 
-library = OpLibrary(_PATH, "opforge")
+library = OpLibrary(_PATH)  # under the namespace it was built with (OPFORGE_NAMESPACE, default opforge)
+namespace = library.namespace
+ops = getattr(torch.ops, namespace)
 _dll = library.dll
 _dll.opforge_isa.restype = ctypes.c_char_p
 _dll.opforge_isa_best.restype = ctypes.c_char_p

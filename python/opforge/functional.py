@@ -1,6 +1,7 @@
 """opforge's ops, called like ``torch.nn.functional``.
 
-Each function is the registered ``torch.ops.opforge.<op>``: autograd,
+Each function is the registered ``torch.ops.opforge.<op>`` (``opforge.ops``,
+the namespace being a build parameter): autograd,
 ``torch.compile(fullgraph=True)``, autocast and the profiler work on it.
 """
 
@@ -8,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _runtime  # noqa: F401  (loads and registers the ops)
 from ._lib import op_function
+from ._runtime import ops  # loads and registers the ops
 
 
-@op_function(torch.ops.opforge.dispersion_correction.default)
+@op_function(ops.dispersion_correction.default)
 def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
     """``x * alpha + sqrt(x)``, elementwise, in one pass over memory.
 
@@ -47,7 +48,7 @@ def _activation_code(activation) -> int:
     return code
 
 
-@op_function(torch.ops.opforge.linear.default)
+@op_function(ops.linear.default)
 def _linear(x, weight, bias, activation, save_preact=True):
     """(out, preact): see linear."""
 
@@ -84,14 +85,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _linear(x, weight, bias, code, needs_grad and not recompute)[0]
 
 
-@op_function(torch.ops.opforge.matmul.default)
+@op_function(ops.matmul.default)
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for 2-d (M,K)·(K,N) or batched 3-d (B,M,K)·(B,K,N) tensors of
     any strides (transposed operands are read in place); float32, bfloat16 and
     float16 accumulate in float32, float64 runs a reference loop."""
 
 
-@op_function(torch.ops.opforge.attention.default)
+@op_function(ops.attention.default)
 def _attention(q, k, v, attn_mask, causal, scale):
     """(out, lse): see scaled_dot_product_attention."""
 

@@ -5,8 +5,8 @@
     print(report)            # per dtype: max abs/rel error, ULPs, cosine, shares beyond 1e-3 / 5e-3, grads
     assert report.passed
 
-The PyTorch references of opforge's own ops live here too; the tests and the
-benchmarks import them, so what is timed is what is tested.
+The PyTorch references of opforge's own ops, with the inputs each is checked
+on, live in opforge.references (REFERENCES, also reachable from here).
 """
 
 from __future__ import annotations
@@ -18,14 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from ._lib import is_tensor_arg
-
-
-def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """The brief's reference: y = x * alpha + sqrt(x)."""
-    return x * alpha + torch.sqrt(x)
-
-
-REFERENCES: dict[str, Callable] = {"dispersion_correction": dispersion_correction}
+from .references import REFERENCES, Reference, dispersion_correction  # noqa: F401  (re-exported)
 
 # |op - float64 reference| <= atol + rtol * |reference|. Half types are computed
 # in fp32 and rounded once, so the bound is about half an ulp of the type; fp16
@@ -217,10 +210,16 @@ def check(
     """Runs op and reference on the same inputs in every dtype and compares op
     against the reference evaluated in float64.
 
-    inputs: argument tuples (cast to each dtype), a function dtype -> tuples,
-    or None to generate them from the op's schema (sample_inputs). Gradients
-    are compared on inputs without edge values (a finite, positive range)."""
+    inputs: argument tuples (cast to each dtype), a function dtype -> tuples
+    (float64 tensors cast to dtype, others kept: a float32 saved value), or
+    None: the reference's own (a Reference's inputs), else generated from the
+    op's schema (sample_inputs). Gradients are compared on inputs without edge
+    values (a finite, positive range), and not for a Reference without grad.
+    A reference returning fewer outputs than the op is compared on those."""
     op = _as_overload(op)
+    if isinstance(reference, Reference):
+        inputs = reference.inputs if inputs is None else inputs
+        grad = grad and reference.grad
     report = CheckReport(str(op._name) if hasattr(op, "_name") else str(op))
     for dtype in dtypes:
         r = DtypeResult(dtype)
@@ -254,7 +253,8 @@ def _check_grads(op, reference, samples, dtype, r: DtypeResult) -> None:
     for args in samples:
         args = tuple(a.detach().clone().requires_grad_() if _is_float_tensor(a) else a for a in args)
         ref_args = tuple(_to64(a).detach().requires_grad_() if _is_float_tensor(a) else a for a in args)
-        outs, wants = _tuple(op(*args)), _tuple(reference(*ref_args))
+        wants = _tuple(reference(*ref_args))
+        outs = _tuple(op(*args))[: len(wants)]
         g = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) for o in outs]
         leaves = [a for a in args if _is_float_tensor(a)]
         ref_leaves = [a for a in ref_args if _is_float_tensor(a)]
@@ -292,7 +292,7 @@ def _cast_samples(inputs, op, dtype, edges):
     samples = inputs(dtype) if callable(inputs) else inputs
 
     def cast(a):
-        if not _is_float_tensor(a):
+        if not _is_float_tensor(a) or (callable(inputs) and a.dtype != torch.float64):
             return a
         if a.is_contiguous():
             return a.to(dtype)

@@ -139,6 +139,20 @@ def test_check_command():
     assert r.stdout.count("PASS") == 5  # the title and four dtypes
 
 
+def test_every_op_has_a_reference():
+    # the in-place twins (linear_backward_) overwrite an input: a check would compare against a clobbered one
+    assert set(ot.REFERENCES) == {d.name for d in opforge.library.ops if not d.name.endswith("_")}
+
+
+@pytest.mark.parametrize("op", sorted(ot.REFERENCES))
+def test_check_command_knows_every_op(op):
+    r = _cli("check", op)
+    assert r.returncode == 0 and "no reference" not in r.stderr, r.stdout + r.stderr
+    assert r.stdout.count("PASS") == 5, r.stdout  # the title and four dtypes
+    if op.endswith("_backward"):  # a backward op has no derivative of its own to compare
+        assert all(line.split()[7] == "-" for line in r.stdout.splitlines()[2:]), r.stdout
+
+
 def test_bench_command(tmp_path):
     r = _cli("bench", "dispersion_correction", "--sizes", "4096", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
