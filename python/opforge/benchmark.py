@@ -8,11 +8,14 @@ peak memory measured alike for both, CSV + markdown + PNG.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import random
+import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -90,9 +93,9 @@ def peak_memory(fn: Callable[[], object]) -> int:
     from every allocation and free that torch's profiler records (the same
     for every variant; frees inside an op count when they happen)."""
     import json
-    import tempfile
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_log(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         del out
     with tempfile.TemporaryDirectory() as d:
@@ -106,6 +109,29 @@ def peak_memory(fn: Callable[[], object]) -> int:
         return 0
     base = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
     return max(0, max(e["args"]["Total Allocated"] for e in events) - base)
+
+
+# Kineto logs every profiler start and stop ("USDT: ... profiler_start") to
+# fd 2 from C++; its KINETO_LOG_LEVEL is read once, when torch loads, so only
+# redirecting the descriptor silences it. Other lines are passed on.
+_PROFILER_LOG = re.compile(r"^(USDT|STAGE):.*SyncActivityProfilerHandler")
+
+
+@contextlib.contextmanager
+def _without_profiler_log():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            rest = [line for line in log if not _PROFILER_LOG.match(line)]
+            if rest:
+                sys.stderr.write("".join(rest))
 
 
 class Progress:
