@@ -73,13 +73,7 @@ def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
     except (AttributeError, RuntimeError):
         raise SystemExit(f"opforge: no op {ns}::{name} (load its C sources with --load)")
     if reference:
-        path, _, fn = reference.rpartition(":")
-        spec = importlib.util.spec_from_file_location("_opforge_reference", path)
-        if spec is None or not fn:
-            raise SystemExit(f"opforge: --reference must be FILE.py:FUNCTION, got {reference}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        ref = getattr(module, fn)
+        ref = _load_function(reference, "--reference")
     elif ns == opforge.namespace and name in ot.REFERENCES:
         ref = ot.REFERENCES[name]
     else:
@@ -93,22 +87,106 @@ def _dtypes(names):
     return [getattr(torch, n) for n in names]
 
 
+def _load_function(spec: str, what: str):
+    path, _, fn = spec.rpartition(":")
+    if not path or not fn or not os.path.isfile(path):
+        raise SystemExit(f"opforge: {what} must be FILE.py:FUNCTION with an existing FILE.py, got {spec!r}")
+    module_spec = importlib.util.spec_from_file_location(f"_opforge_{what.strip('-')}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, fn, None)):
+        raise SystemExit(f"opforge: {what}: {path} defines no function {fn!r}")
+    return getattr(module, fn)
+
+
+def _shapes(op, specs: list[str] | None) -> dict[str, tuple[int, ...]]:
+    """--shape NAME=D0,D1,... per Tensor argument, checked against op's schema."""
+    from opforge._lib import is_tensor_arg
+
+    names = [a.name for a in op._schema.arguments if is_tensor_arg(a)]
+    shapes = {}
+    for spec in specs or []:
+        name, _, dims = spec.partition("=")
+        if name not in names:
+            raise SystemExit(f"opforge: --shape {spec}: {op} has no Tensor argument {name!r} "
+                             f"(its Tensor arguments: {', '.join(names)})")
+        try:
+            shapes[name] = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
+        except ValueError:
+            raise SystemExit(f"opforge: --shape must be NAME=D0,D1,... (e.g. x=64,512), got {spec!r}")
+    return shapes
+
+
+def _given_inputs(op, args):
+    """A function dtype -> argument tuple from --inputs or --shape; None for
+    neither (the schema's default inputs)."""
+    import torch
+
+    import opforge.testing as ot
+
+    if args.inputs and args.shape:
+        raise SystemExit("opforge: pass --inputs or --shape, not both")
+    if args.inputs:
+        fn = _load_function(args.inputs, "--inputs")
+
+        def given(dtype):
+            values = ot._tuple(fn())
+            return tuple(a.to(dtype) if ot._is_float_tensor(a) else a for a in values)
+        return given
+    if not args.shape:
+        return None
+    shapes = _shapes(op, args.shape)
+    names = [a.name for a in op._schema.arguments]
+
+    def generated(dtype):
+        def make(i):
+            shape = shapes.get(names[i], (1024,))
+            g = torch.Generator().manual_seed(i)
+            return (torch.rand(shape, generator=g, dtype=torch.float64) + 0.01).to(dtype)
+        return ot.schema_args(op, make)
+    return generated
+
+
+def _failed(cmd: str, e: Exception) -> SystemExit:
+    """The op or its reference refused the inputs: one clear line, no traceback."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return SystemExit(f"opforge {cmd}: {first}\n(inputs are 1-d from the schema unless given: "
+                      "--shape NAME=D0,D1 per argument, or --inputs FILE.py:FUNCTION returning the argument tuple)")
+
+
 def check(args) -> int:
     import opforge.testing as ot
 
     op, ref = _resolve(args.op, args.load, args.reference)
-    report = ot.check(op, ref, dtypes=_dtypes(args.dtypes), grad=not args.no_grad)
+    given = _given_inputs(op, args)
+    try:
+        report = ot.check(op, ref, inputs=(lambda dt: [given(dt)]) if given else None, dtypes=_dtypes(args.dtypes),
+                          grad=not args.no_grad, atol=args.atol, rtol=args.rtol)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise _failed("check", e)
     print(report)
+    if not any(r.supported for r in report.results):
+        print("\nno dtype ran: if the op wants other shapes, give them with --shape NAME=D0,D1 or --inputs FILE.py:FUNCTION")
     return 0 if report.passed else 1
 
 
 def bench(args) -> int:
     import opforge.benchmark as ob
+    import opforge.testing as ot
 
     op, ref = _resolve(args.op, args.load, args.reference)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    dtype = _dtypes([args.dtype])[0]
+    given = _given_inputs(op, args)
+    if given:  # one input set: its size is its elements
+        sizes, make_inputs = [sum(a.numel() for a in given(dtype) if ot._is_float_tensor(a))], lambda n, dt: given(dt)
+    else:
+        sizes, make_inputs = [int(s) for s in args.sizes.split(",")], None
     stem = f"bench_{args.op.replace('::', '_')}_{args.dtype}"
-    rows = ob.bench(op, ref, sizes=sizes, dtype=_dtypes([args.dtype])[0], backward=not args.no_backward)
+    try:
+        rows = ob.bench(op, ref, sizes=sizes, dtype=dtype, make_inputs=make_inputs, backward=not args.no_backward,
+                        atol=args.atol, rtol=args.rtol)
+    except (RuntimeError, ValueError, TypeError, AssertionError) as e:
+        raise _failed("bench", e)
     table = ob.write_results(stem, rows, out_dir=args.out)
     ob.plot(stem, [r["size"] for r in rows],
             {k: [r[k] for r in rows] for k in rows[0] if k.endswith(("_vs_eager", "_vs_compile"))},
@@ -197,12 +275,18 @@ def main(argv=None) -> int:
         c.add_argument("op", help="dispersion_correction, or NS::NAME of a user op")
         c.add_argument("--load", nargs="+", metavar="FILE.c", help="C sources of a user op library (namespace NS)")
         c.add_argument("--reference", metavar="FILE.py:FUNCTION", help="the PyTorch reference")
+        c.add_argument("--shape", action="append", metavar="NAME=D0,D1",
+                       help="shape of Tensor argument NAME (repeat per argument; default: 1-d)")
+        c.add_argument("--inputs", metavar="FILE.py:FUNCTION", help="a function returning the argument tuple")
+        c.add_argument("--atol", type=float, help="absolute tolerance (default: per dtype)")
+        c.add_argument("--rtol", type=float, help="relative tolerance (default: per dtype)")
         if cmd == "check":
             c.add_argument("--dtypes", nargs="+", default=["float64", "float32", "bfloat16", "float16"])
             c.add_argument("--no-grad", action="store_true", help="skip the gradient comparison")
         else:
             c.add_argument("--dtype", default="float32")
-            c.add_argument("--sizes", default=f"{1 << 12},{1 << 16},{1 << 20},{1 << 22}")
+            c.add_argument("--sizes", default=f"{1 << 12},{1 << 16},{1 << 20},{1 << 22}",
+                           help="elements of the default 1-d inputs (not with --shape or --inputs)")
             c.add_argument("--no-backward", action="store_true")
             c.add_argument("--out", default=os.path.join(os.getcwd(), "results"))
     a = p.parse_args(argv)

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import sysconfig
 
 CFLAGS = [
@@ -26,6 +27,9 @@ CFLAGS = [
     "-Wall",
     "-Wextra",
     "-Wno-unused-parameter",
+    # C11 has no implicit declarations; gcc still accepts them with a warning,
+    # and a misspelled call would then surface only at load, as a missing symbol
+    "-Werror=implicit-function-declaration",
 ]
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
@@ -68,10 +72,18 @@ def torch_lib_dir() -> str:
     return os.path.join(os.path.dirname(torch.__file__), "lib")
 
 
-def _run(cmd: list[str]) -> None:
+def _run(cmd: list[str], warnings: str = "") -> str:
+    """Runs cmd; returns what it printed (warnings). On failure the BuildError
+    carries its output and ``warnings`` (those of the steps before it)."""
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
-        raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}")
+        raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}{warnings}")
+    return proc.stdout
+
+
+def _show(output: str) -> None:
+    if output.strip():
+        sys.stderr.write(output if output.endswith("\n") else output + "\n")
 
 
 def compile_objects(
@@ -80,8 +92,11 @@ def compile_objects(
     build_dir: str,
     extra_cflags: list[str] | None = None,
     verbose: bool = False,
-) -> list[str]:
-    """Compiles each source (in parallel) with CFLAGS plus its ISA's flags."""
+) -> tuple[list[str], str]:
+    """Compiles each source (in parallel) with CFLAGS plus its ISA's flags;
+    returns the objects and the compiler's warnings. A failure raises a
+    BuildError with every file's messages, warnings of the files that
+    compiled included."""
     cc = compiler()
     os.makedirs(build_dir, exist_ok=True)
     incs = [f"-I{d}" for d in include_dirs]
@@ -96,9 +111,19 @@ def compile_objects(
     if verbose:
         for cmd, _ in jobs:
             print(" ".join(cmd))
+    def run(cmd):
+        try:
+            return "", _run(cmd)
+        except BuildError as e:
+            return str(e), ""
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        list(pool.map(lambda job: _run(job[0]), jobs))
-    return [obj for _, obj in jobs]
+        results = list(pool.map(lambda job: run(job[0]), jobs))
+    errors = "".join(e for e, _ in results)
+    warnings = "".join(w for _, w in results)
+    if errors:
+        raise BuildError(errors + warnings)
+    return [obj for _, obj in jobs], warnings
 
 
 DEFAULT_NAMESPACE = "opforge"
@@ -139,21 +164,25 @@ def build_library(
     """Compiles ``sources`` and links ``output`` against libtorch_cpu. A user op
     library (link_runtime) also links opforge's own library, whose runtime
     (ISA choice, threads, logging) and glue helpers it shares."""
-    objs = compile_objects(sources, include_dirs, build_dir, extra_cflags, verbose)
+    objs, warnings = compile_objects(sources, include_dirs, build_dir, extra_cflags, verbose)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     lib = torch_lib_dir()
     if link_runtime:
-        runtime = [f"-L{PACKAGE_DIR}", f"-Wl,-rpath,{PACKAGE_DIR}", f"-l:{RUNTIME_LIBRARY}"]
+        # a user library is built where it runs: the paths of this torch and opforge hold
+        runtime = [f"-L{PACKAGE_DIR}", f"-Wl,-rpath,{PACKAGE_DIR}", f"-l:{RUNTIME_LIBRARY}", f"-Wl,-rpath,{lib}"]
     else:
-        runtime = [f"-Wl,-soname,{RUNTIME_LIBRARY}"]
+        # opforge's own library ships in a wheel: no path of the build machine.
+        # torch is imported (libtorch_cpu loaded) before it; $ORIGIN finds the
+        # torch installed beside opforge otherwise.
+        runtime = [f"-Wl,-soname,{RUNTIME_LIBRARY}", "-Wl,-rpath,$ORIGIN/../torch/lib"]
     link = [
         compiler(),
         "-shared",
         *objs,
         *runtime,
         f"-L{lib}",
-        f"-Wl,-rpath,{lib}",
         "-Wl,-z,now",  # a missing torch symbol fails at load, not at first call
+        "-Wl,-z,defs",  # a symbol no linked library defines (a misspelled call) fails here, not at load
         "-ltorch_cpu",
         "-lpthread",
         "-lm",
@@ -162,7 +191,7 @@ def build_library(
     ]
     if verbose:
         print(" ".join(link))
-    _run(link)
+    _show(warnings + _run(link, warnings))
     return output
 
 
@@ -172,8 +201,8 @@ def build_test_binary(
     """Compiles a standalone C test (kernels + runtime, no torch) with the
     library's flags, so the tests exercise exactly what ships (plus ``defines``,
     e.g. a test model of instructions the CPU lacks)."""
-    objs = compile_objects(sources, include_dirs, build_dir, ["-g", *(f"-D{d}" for d in defines or [])])
-    _run([compiler(), *objs, "-lpthread", "-lm", "-o", output])
+    objs, warnings = compile_objects(sources, include_dirs, build_dir, ["-g", *(f"-D{d}" for d in defines or [])])
+    _show(warnings + _run([compiler(), *objs, "-lpthread", "-lm", "-o", output], warnings))
     return output
 
 

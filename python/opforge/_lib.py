@@ -129,14 +129,16 @@ class OpLibrary:
         backward_ops = {name for d in self.ops if d.backward for name in (d.backward, d.backward + "_")}
         for desc in self.ops:
             wire(desc, is_backward=desc.name in backward_ops)
+        # lib.<op> is built here, not on first lookup: dynamo cannot trace
+        # op_function (it iterates the schema), so a first lookup inside a
+        # torch.compile'd function would break the graph
+        for desc in self.ops:
+            if not hasattr(self, desc.name):  # an op named like an attribute (ops, path) stays torch.ops-only
+                setattr(self, desc.name, op_function(op_overload(desc))(_stub(namespace, desc.name)))
 
     def __getattr__(self, name: str):
-        """lib.<op>: a Python function calling the op on the fastest path (see op_function)."""
-        if name.startswith("_") or name not in {d.name for d in self.__dict__.get("ops", [])}:
-            raise AttributeError(f"op library '{self.__dict__.get('namespace')}' has no op '{name}'")
-        fn = op_function(getattr(getattr(torch.ops, self.namespace), name).default)(_stub(self.namespace, name))
-        setattr(self, name, fn)  # cached: later lookups skip __getattr__
-        return fn
+        """Only reached for names that are not ops (every op is an attribute, set at load)."""
+        raise AttributeError(f"op library '{self.__dict__.get('namespace')}' has no op '{name}'")
 
     def _call(self, fn: str, *args) -> None:
         err = ctypes.create_string_buffer(_ERRLEN)
@@ -477,8 +479,8 @@ _unpack_dual = _forward_ad.unpack_dual
 def op_function(op: torch._ops.OpOverload):
     """Decorator: turns a documented stub into the Python entry point of ``op``.
 
-    The returned function has the stub's name, docstring and signature and
-    calls ``op`` directly, skipping its autograd kernel when no gradient can
+    The returned function has the stub's name, docstring and signature, ``op``
+    as its attribute ``op``, and calls ``op`` directly, skipping its autograd kernel when no gradient can
     flow.
 
     The autograd formula is registered from Python (the stable C ABI cannot
@@ -512,6 +514,8 @@ def op_function(op: torch._ops.OpOverload):
             set_excluded(False)
 
     def wrap(stub):
-        return functools.update_wrapper(fast, stub)
+        functools.update_wrapper(fast, stub)
+        fast.op = op  # what opforge.testing.check and opforge.benchmark.bench take it for
+        return fast
 
     return wrap

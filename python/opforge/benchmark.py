@@ -8,11 +8,14 @@ peak memory measured alike for both, CSV + markdown + PNG.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import random
+import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -90,9 +93,9 @@ def peak_memory(fn: Callable[[], object]) -> int:
     from every allocation and free that torch's profiler records (the same
     for every variant; frees inside an op count when they happen)."""
     import json
-    import tempfile
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_log(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         del out
     with tempfile.TemporaryDirectory() as d:
@@ -106,6 +109,29 @@ def peak_memory(fn: Callable[[], object]) -> int:
         return 0
     base = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
     return max(0, max(e["args"]["Total Allocated"] for e in events) - base)
+
+
+# Kineto logs every profiler start and stop ("USDT: ... profiler_start") to
+# fd 2 from C++; its KINETO_LOG_LEVEL is read once, when torch loads, so only
+# redirecting the descriptor silences it. Other lines are passed on.
+_PROFILER_LOG = re.compile(r"^(USDT|STAGE):.*SyncActivityProfilerHandler")
+
+
+@contextlib.contextmanager
+def _without_profiler_log():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            rest = [line for line in log if not _PROFILER_LOG.match(line)]
+            if rest:
+                sys.stderr.write("".join(rest))
 
 
 class Progress:
@@ -132,11 +158,16 @@ def bench(
     backward: bool = True,
     reps: int = 7,
     target_s: float = 0.05,
+    atol: float | None = None,
+    rtol: float | None = None,
 ) -> list[dict]:
     """Speed and peak memory of op against the eager reference and against
-    torch.compile of it, per size: forward (and forward+backward) medians,
-    ratios (>1: op faster / leaner). make_inputs(n, dtype) builds the argument
-    tuple; by default every Tensor argument is n positive values, floats 0.8."""
+    torch.compile of it, per size: forward (and forward+backward) medians with
+    the op's min and max, ratios of medians (>1: op faster / leaner); a
+    warning on stderr where a variant's max/min exceeds NOISE.
+    make_inputs(n, dtype) builds the argument tuple; by default every Tensor
+    argument is n positive values, floats 0.8. op must match the reference
+    before it is timed, within opforge.testing.tolerance(dtype, atol, rtol)."""
     from ._lib import op_function
     from .testing import _as_overload, _is_float_tensor, _to64, _tuple, assert_close
 
@@ -147,15 +178,19 @@ def bench(
     # the op as opforge's Python functions call it (no autograd round trip without grad)
     call = op_function(op)(reference)
     variants = {"op": call, "eager": reference, "compile": compiled}
-    rows = []
+    rows, warnings = [], []
     progress = Progress(len(sizes), f"bench {op}")
     for n in sizes:
         args = make_inputs(n, dtype)
         for o, w in zip(_tuple(op(*args)), _tuple(reference(*[_to64(a) for a in args]))):
-            assert_close(o, w, dtype, f"{op} n={n}")  # correct before timed
-        fwd = compare({k: (lambda f=f: f(*args)) for k, f in variants.items()}, reps=reps, target_s=target_s)
+            assert_close(o, w, dtype, f"{op} n={n}", atol=atol, rtol=rtol)  # correct before timed
+        timed = compare({k: (lambda f=f: f(*args)) for k, f in variants.items()}, reps=reps, target_s=target_s,
+                        stat=_spread)
+        noisy = _noisy(timed, f"size {n} forward")
+        fwd = {k: median for k, (_, median, _) in timed.items()}
         mem = {k: peak_memory(lambda f=f: f(*args)) for k, f in variants.items()}
         row = {"size": n, "dtype": str(dtype).split(".")[1], "op_fwd_us": fwd["op"] * 1e6,
+               "op_fwd_min_us": timed["op"][0] * 1e6, "op_fwd_max_us": timed["op"][2] * 1e6,
                "fwd_vs_eager": fwd["eager"] / fwd["op"], "fwd_vs_compile": fwd["compile"] / fwd["op"],
                "fwd_peak_mem_vs_eager": mem["eager"] / max(mem["op"], 1)}
         if backward:
@@ -166,15 +201,36 @@ def bench(
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
                 return outs
 
-            both = compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=target_s)
+            timed = compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=target_s,
+                            stat=_spread)
+            noisy += _noisy(timed, f"size {n} forward+backward")
+            both = {k: median for k, (_, median, _) in timed.items()}
             mem = {k: peak_memory(lambda f=f: step(f)) for k, f in variants.items()}
-            row.update({"op_fwdbwd_us": both["op"] * 1e6, "fwdbwd_vs_eager": both["eager"] / both["op"],
+            row.update({"op_fwdbwd_us": both["op"] * 1e6, "op_fwdbwd_min_us": timed["op"][0] * 1e6,
+                        "op_fwdbwd_max_us": timed["op"][2] * 1e6, "fwdbwd_vs_eager": both["eager"] / both["op"],
                         "fwdbwd_vs_compile": both["compile"] / both["op"],
                         "peak_mem_vs_eager": mem["eager"] / max(mem["op"], 1),
                         "peak_mem_vs_compile": mem["compile"] / max(mem["op"], 1)})
         rows.append(row)
         progress.step(f"size {n}")
+        warnings += noisy
+    for line in warnings:  # after the progress bar's last line
+        sys.stderr.write(f"warning: {op} {line}\n")
     return rows
+
+
+# max/min of one variant's samples above which its median is not to be trusted
+NOISE = 1.5
+
+
+def _spread(samples: list[float]) -> tuple[float, float, float]:
+    return min(samples), statistics.median(samples), max(samples)
+
+
+def _noisy(timed: dict[str, tuple[float, float, float]], what: str) -> list[str]:
+    return [f"{what}: {name} timings spread {hi / lo:.3g}x (min {lo * 1e6:.4g} us, median {mid * 1e6:.4g} us, "
+            f"max {hi * 1e6:.4g} us): the machine was busy; close other work and re-run"
+            for name, (lo, mid, hi) in timed.items() if hi > NOISE * lo]
 
 
 def _default_inputs(op, n: int, dtype: torch.dtype) -> tuple:

@@ -34,9 +34,18 @@ DTYPES = list(TOLERANCES)
 GRAD_TOLERANCE_FACTOR = 4.0
 
 
-def assert_close(got: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
-    """Compares with a float64 reference; on failure names the worst element."""
-    tol = TOLERANCES[dtype]
+def tolerance(dtype: torch.dtype, atol: float | None = None, rtol: float | None = None) -> dict:
+    """TOLERANCES[dtype], with atol and/or rtol overridden where given."""
+    tol = dict(TOLERANCES[dtype])
+    tol.update({k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None})
+    return tol
+
+
+def assert_close(got: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype, what: str = "",
+                 atol: float | None = None, rtol: float | None = None) -> None:
+    """Compares with a float64 reference within tolerance(dtype, atol, rtol);
+    on failure names the worst element."""
+    tol = tolerance(dtype, atol, rtol)
     got64 = got.double()
     err = (got64 - want64).abs()
     bound = tol["atol"] + tol["rtol"] * want64.abs()
@@ -49,7 +58,8 @@ def assert_close(got: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype, wh
         raise AssertionError(
             f"{what} {dtype}: {int(bad.sum())} of {bad.numel()} elements out of tolerance {tol}; "
             f"first at flat index {i}: got {got64.flatten()[i].item()!r}, want {want64.flatten()[i].item()!r}; "
-            f"max error {err[rest].max().item() if rest.any() else 0.0}"
+            f"max error {err[rest].max().item() if rest.any() else 0.0}. A looser bound, if this is "
+            "rounding (a float32 reduction): atol=/rtol= (--atol/--rtol)"
         )
 
 
@@ -120,11 +130,26 @@ class DtypeResult:
     grad_max_abs: float | None = None
     grad_max_rel: float | None = None
     grad_out_of_tolerance: int = 0
+    atol: float = 0.0
+    rtol: float = 0.0
 
     @property
     def passed(self) -> bool:
         return self.supported and not self.error and self.out_of_tolerance == 0 and self.special_mismatches == 0 \
             and self.grad_out_of_tolerance == 0
+
+    @property
+    def reason(self) -> str:
+        """Why it did not pass, in full ("" when it passed)."""
+        why = [self.error] if self.error else []
+        if self.special_mismatches:
+            why.append(f"{self.special_mismatches} NaN/inf values differ from the reference's "
+                       "(a NaN not propagated, or an inf where it is finite)")
+        if self.out_of_tolerance:
+            why.append(f"{self.out_of_tolerance} values out of tolerance")
+        if self.grad_out_of_tolerance:
+            why.append(f"{self.grad_out_of_tolerance} gradient values out of {GRAD_TOLERANCE_FACTOR:g}x the tolerance")
+        return "; ".join(why)
 
 
 @dataclass
@@ -138,24 +163,25 @@ class CheckReport:
         return bool(tried) and all(r.passed for r in tried)
 
     def __str__(self) -> str:
-        head = ("dtype", "max abs", "max rel", "max ulp", "cosine", ">1e-3 rel", ">5e-3 rel", "grad max rel", "tolerance", "result")
+        head = ("dtype", "max abs", "max rel", "max ulp", "cosine", ">1e-3 rel", ">5e-3 rel", "grad max rel", "tolerance",
+                "result", "reason")
         rows = []
         for r in self.results:
             name = str(r.dtype).split(".")[1]
             if not r.supported:
-                rows.append((name, *["-"] * 8, f"unsupported ({r.error.splitlines()[0][:60]})"))
+                rows.append((name, *["-"] * 8, "unsupported", r.error))  # the whole message: the last column
                 continue
-            tol = TOLERANCES[r.dtype]
             rows.append((
                 name, f"{r.max_abs:.3g}", f"{r.max_rel:.3g}", f"{r.max_ulp:.3g}", f"{r.cosine:.9f}",
                 f"{r.share_rel_1e3:.3%}", f"{r.share_rel_5e3:.3%}",
                 "-" if r.grad_max_rel is None else f"{r.grad_max_rel:.3g}",
-                f"atol {tol['atol']:g} rtol {tol['rtol']:g}",
-                "PASS" if r.passed else "FAIL" + (f" ({r.error})" if r.error else ""),
+                f"atol {r.atol:g} rtol {r.rtol:g}",
+                "PASS" if r.passed else "FAIL", r.reason,
             ))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
         line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-        out = [f"opforge check {self.op}: {'PASS' if self.passed else 'FAIL'}", line(head)] + [line(r) for r in rows]
+        out = [f"opforge check {self.op}: {'PASS' if self.passed else 'FAIL'}", line(head).rstrip()] + \
+            [line(r).rstrip() for r in rows]
         return "\n".join(out)
 
 
@@ -167,7 +193,7 @@ def _ulps(got64: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype) -> torc
     return (got64 - want64).abs() / ulp
 
 
-def _compare(got: torch.Tensor, want64: torch.Tensor, dtype, acc: dict) -> None:
+def _compare(got: torch.Tensor, want64: torch.Tensor, dtype, acc: dict, tol: dict) -> None:
     got64 = got.detach().double().flatten()
     want = want64.detach().flatten()
     special = want.isnan() | want.isinf() | got64.isnan() | got64.isinf()
@@ -175,7 +201,6 @@ def _compare(got: torch.Tensor, want64: torch.Tensor, dtype, acc: dict) -> None:
     acc["special"] += int((special & ~same_special).sum())
     ok = ~special
     g, w = got64[ok], want[ok]
-    tol = TOLERANCES[dtype]
     if g.numel():
         err = (g - w).abs()
         rel = err / w.abs().clamp_min(torch.finfo(dtype).tiny)
@@ -192,6 +217,9 @@ def _compare(got: torch.Tensor, want64: torch.Tensor, dtype, acc: dict) -> None:
 
 
 def _as_overload(op):
+    """An OpOverload from one, its packet, "ns::name", or an op's Python function (lib.<op>)."""
+    if isinstance(getattr(op, "op", None), torch._ops.OpOverload):
+        return op.op
     if isinstance(op, str):
         ns, _, name = op.partition("::")
         op = getattr(getattr(torch.ops, ns), name)
@@ -206,6 +234,8 @@ def check(
     inputs: Sequence[tuple] | Callable[[torch.dtype], Sequence[tuple]] | None = None,
     dtypes: Sequence[torch.dtype] = tuple(DTYPES),
     grad: bool = True,
+    atol: float | None = None,
+    rtol: float | None = None,
 ) -> CheckReport:
     """Runs op and reference on the same inputs in every dtype and compares op
     against the reference evaluated in float64.
@@ -215,14 +245,16 @@ def check(
     None: the reference's own (a Reference's inputs), else generated from the
     op's schema (sample_inputs). Gradients are compared on inputs without edge
     values (a finite, positive range), and not for a Reference without grad.
-    A reference returning fewer outputs than the op is compared on those."""
+    A reference returning fewer outputs than the op is compared on those.
+    atol/rtol override TOLERANCES (every dtype) where given."""
     op = _as_overload(op)
     if isinstance(reference, Reference):
         inputs = reference.inputs if inputs is None else inputs
         grad = grad and reference.grad
     report = CheckReport(str(op._name) if hasattr(op, "_name") else str(op))
     for dtype in dtypes:
-        r = DtypeResult(dtype)
+        tol = tolerance(dtype, atol, rtol)
+        r = DtypeResult(dtype, atol=tol["atol"], rtol=tol["rtol"])
         acc = dict(max_abs=0.0, max_rel=0.0, max_ulp=0.0, n=0, rel_1e3=0, rel_5e3=0, bad=0, special=0,
                    dot=0.0, gg=0.0, ww=0.0)
         samples = _cast_samples(inputs, op, dtype, edges=True)
@@ -231,7 +263,7 @@ def check(
                 out = op(*args)
                 want = reference(*[_to64(a) for a in args])
                 for o, w in zip(_tuple(out), _tuple(want)):
-                    _compare(o, w, dtype, acc)
+                    _compare(o, w, dtype, acc, tol)
         except RuntimeError as e:
             r.supported, r.error = False, str(e).splitlines()[0]
             report.results.append(r)
@@ -248,7 +280,7 @@ def check(
 
 
 def _check_grads(op, reference, samples, dtype, r: DtypeResult) -> None:
-    tol = TOLERANCES[dtype]
+    tol = dict(atol=r.atol, rtol=r.rtol)
     r.grad_max_abs = r.grad_max_rel = 0.0
     for args in samples:
         args = tuple(a.detach().clone().requires_grad_() if _is_float_tensor(a) else a for a in args)

@@ -1,7 +1,8 @@
 """{name} against its eager reference and torch.compile of it: speed and peak
 memory ratios (>1: {name} is better). Writes results/bench_{name}.{csv,md,png}.
-Run: python bench_{name}.py"""
+Run: python bench_{name}.py   (--smoke: one small size, a few short samples)"""
 
+import argparse
 import os
 
 import torch
@@ -10,11 +11,16 @@ import opforge.benchmark as ob
 from ops import {name}
 from reference import {name} as reference
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 if __name__ == "__main__":
-    rows = ob.bench({name}, reference, sizes=[1 << 12, 1 << 16, 1 << 20, 1 << 22], dtype=torch.float32)
-    print(ob.write_results("bench_{name}", rows, out_dir=OUT))
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--smoke", action="store_true", help="one small size, a few short samples: checks the script runs")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    a = p.parse_args()
+    sizes, timing = ([1 << 10], dict(reps=2, target_s=0.002)) if a.smoke else ([1 << 12, 1 << 16, 1 << 20, 1 << 22], {})
+    rows = ob.bench({name}, reference, sizes=sizes, dtype=torch.float32, **timing)
+    print(ob.write_results("bench_{name}", rows, out_dir=a.out))
     ob.plot("bench_{name}", [r["size"] for r in rows],
             {k: [r[k] for r in rows] for k in ("fwd_vs_eager", "fwd_vs_compile", "fwdbwd_vs_eager")},
-            "elements", "speed-up (x)", out_dir=OUT)
+            "elements", "speed-up (x)", out_dir=a.out)
