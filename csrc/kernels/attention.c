@@ -14,12 +14,12 @@
  * are 16 KiB each (L2-resident) */
 enum { BQ = 64, BK = 64 };
 
+/* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
 extern const attn_kernels attn_kernels_avx2 __attribute__((weak));
 
-const attn_kernels *attn_kernels_for(opf_isa isa) {
-    if (isa >= OPF_ISA_AVX2 && &attn_kernels_avx2) return &attn_kernels_avx2;
-    return &attn_kernels_ref;
-}
+const opf_variants attn_variants = OPF_VARIANTS("attention", &attn_kernels_ref, &attn_kernels_avx2);
+
+const attn_kernels *attn_kernels_for(opf_isa isa) { return opf_variant_pick(&attn_variants, isa); }
 
 /* ---- scalar reference kernels ------------------------------------------------------------ */
 
@@ -62,7 +62,9 @@ static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64
         for (int64_t j = 0; j < bk; j++) dp[i * ld + j] = p[i * ld + j] * (dp[i * ld + j] - di[i]) * scale;
 }
 
-const attn_kernels attn_kernels_ref = {"ref", &gemm_kernels_ref, mm_ref, softmax_cols_ref, probs_ref, dscores_ref};
+const attn_kernels attn_kernels_ref = {.name = "ref", .isa = OPF_ISA_REF, .cvt = &cvt_kernels_ref, .mm = mm_ref,
+                                       .softmax_cols = softmax_cols_ref, .probs = probs_ref,
+                                       .dscores = dscores_ref};
 
 /* ---- element access ---------------------------------------------------------------------- */
 
@@ -74,7 +76,7 @@ static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, i
 static void load_row(const attn_kernels *k, float *dst, const void *src, int64_t off, int64_t stride, int64_t n,
                      opf_dtype dt) {
     if (dt != OPF_F32 && stride == 1) {
-        k->gemm->to_f32(dst, (const uint16_t *)src + off, dt, n);
+        k->cvt->to_f32(dst, (const uint16_t *)src + off, dt, n);
         return;
     }
     for (int64_t e = 0; e < n; e++) dst[e] = (float)opf_load_elem(src, off + e * stride, dt);
@@ -83,7 +85,7 @@ static void load_row(const attn_kernels *k, float *dst, const void *src, int64_t
 static void store_row(const attn_kernels *k, void *dst, int64_t off, int64_t stride, const float *src, int64_t n,
                       opf_dtype dt) {
     if (dt != OPF_F32 && stride == 1) {
-        k->gemm->from_f32((uint16_t *)dst + off, src, dt, n);
+        k->cvt->from_f32((uint16_t *)dst + off, src, dt, n);
         return;
     }
     for (int64_t e = 0; e < n; e++) opf_store_elem(dst, off + e * stride, dt, src[e]);

@@ -33,7 +33,7 @@
 
 #include <stdint.h>
 
-#include "gemm.h"
+#include "convert.h"
 #include "opforge/half.h"
 #include "opforge/runtime.h"
 
@@ -61,8 +61,8 @@ typedef struct attn_problem {
 } attn_problem;
 
 typedef struct attn_kernels {
-    const char *name;
-    const gemm_kernels *gemm; /* dtype conversions */
+    OPF_VARIANT_HEAD;
+    const cvt_kernels *cvt; /* 16-bit rows to and from float32 */
     /* C (m x n, row stride ldc) = (acc ? C : 0) + A B with A(i, p) = a[i*rsa + p*csa]
      * and B(p, j) = b[p*ldb + j] */
     void (*mm)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
@@ -83,6 +83,7 @@ typedef struct attn_kernels {
 
 extern const attn_kernels attn_kernels_ref;
 extern const attn_kernels attn_kernels_avx2; /* attention_avx2.c */
+extern const opf_variants attn_variants;
 
 const attn_kernels *attn_kernels_for(opf_isa isa);
 

@@ -177,5 +177,6 @@ static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int6
     }
 }
 
-const attn_kernels attn_kernels_avx2 = {"avx2", &gemm_kernels_avx2, mm_avx2, softmax_cols_avx2, probs_avx2,
-                                        dscores_avx2};
+const attn_kernels attn_kernels_avx2 = {.name = "avx2", .isa = OPF_ISA_AVX2, .cvt = &cvt_kernels_avx2, .mm = mm_avx2,
+                                        .softmax_cols = softmax_cols_avx2, .probs = probs_avx2,
+                                        .dscores = dscores_avx2};

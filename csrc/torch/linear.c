@@ -35,7 +35,7 @@ static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor
 static void *at(void *p, int64_t i, opf_dtype dt) { return (char *)p + i * (int64_t)opf_dtype_size(dt); }
 
 static void check_activation(const char *op, int64_t act) {
-    if (act < 0 || act >= GEMM_ACT_COUNT)
+    if (act < 0 || act >= ACT_COUNT)
         opf_fail(op, "argument 'activation' must be 0 (none), 1 (relu), 2 (gelu), 3 (gelu_tanh) or 4 (silu), got %lld",
                  (long long)act);
 }
@@ -192,12 +192,12 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         if (dt == OPF_F64) {
             gemm_ref_f64(m, n, kd, (const double *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
                          (const double *)b.data + i * bsb, b.strides[nd - 2], b.strides[nd - 1],
-                         (double *)c.data + i * m * n, n, 0.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                         (double *)c.data + i * m * n, n, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
             continue;
         }
         gemm_out(MM, k, &plan, m, n, kd, at(a.data, i * asb, dt), a.strides[nd - 2], a.strides[nd - 1],
                  at(b.data, i * bsb, dt), b.strides[nd - 2], b.strides[nd - 1], at(c.data, i * m * n, dt), NULL, dt,
-                 NULL, GEMM_ACT_NONE, ws);
+                 NULL, ACT_NONE, ws);
     }
     opf_log_call(MM, t0, 3, (opf_tensor[]){a, b, c});
     OPF_RETURN(stack, 0, c_h);
@@ -244,9 +244,9 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
             const double *gi = (const double *)g.data + i * gsb, *ai = (const double *)a.data + i * asb;
             const double *bi = (const double *)b.data + i * bsb;
             gemm_ref_f64(m, kd, n, gi, grs, gcs, bi, bcs, brs, (double *)da.data + i * m * kd, kd, 0.0, NULL, 0,
-                         GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                         GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
             gemm_ref_f64(kd, n, m, ai, acs, ars, gi, grs, gcs, (double *)db.data + i * kd * n, n, 0.0, NULL, 0,
-                         GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                         GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
         }
     } else {
         const gemm_kernels *k = gemm_kernels_for(opf_isa_current());
@@ -258,10 +258,10 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
             const void *gi = at(g.data, i * gsb, dt), *ai = at(a.data, i * asb, dt), *bi = at(b.data, i * bsb, dt);
             /* da (m, kd) = grad (m, n) . b^T (n, kd) */
             gemm_out(MMB, k, &pa, m, kd, n, gi, grs, gcs, bi, bcs, brs, at(da.data, i * m * kd, dt), NULL, dt, NULL,
-                     GEMM_ACT_NONE, ws);
+                     ACT_NONE, ws);
             /* db (kd, n) = a^T (kd, m) . grad (m, n) */
             gemm_out(MMB, k, &pb, kd, n, m, ai, acs, ars, gi, grs, gcs, at(db.data, i * kd * n, dt), NULL, dt, NULL,
-                     GEMM_ACT_NONE, ws);
+                     ACT_NONE, ws);
         }
     }
     opf_log_call(MMB, t0, 3, (opf_tensor[]){g, a, b});
@@ -343,7 +343,7 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LIN, plan.ws_floats + l.n, &l.x, &ws);
         if (l.has_bias) {
             bias = ws + plan.ws_floats;
-            gemm_load_f32(k, bias, l.bias.data, l.dt, l.n, l.bias.strides[0]);
+            cvt_load_f32(k->cvt, bias, l.bias.data, l.dt, l.n, l.bias.strides[0]);
         }
         for (int64_t i = 0; i < v.count; i++) {
             int64_t oo = i * v.rows * l.n;
@@ -382,14 +382,14 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LBWD, gws + l->n, &l->x, &ws);
     float *db32 = !l->has_bias ? NULL : half ? ws + gws : db->data;
-    gemm_act_grad_rows(k, dt, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act, db32); /* and dbias */
+    act_grad_rows(k->act, k->cvt, dt, gp, l->n, g->data, gv.rs, gp, l->n, m, l->n, (int)act, db32); /* and dbias */
     /* dx (m, k) = g' (m, n) . weight (n, k) */
     gemm_out(LBWD, k, &pdx, m, l->k, l->n, gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1], dx->data, NULL, dt, NULL,
-             GEMM_ACT_NONE, ws);
+             ACT_NONE, ws);
     /* dweight (n, k) = sum over x's matrices of g'^T (n, rows) . x (rows, k) */
     if (xv.count == 1) {
         gemm_out(LBWD, k, &pdw, l->n, l->k, xv.rows, gp, 1, l->n, l->x.data, xv.rs, xv.cs, dw->data, NULL, dt, NULL,
-                 GEMM_ACT_NONE, ws);
+                 ACT_NONE, ws);
     } else {
         for (int64_t i = 0; i < xv.count; i++) {
             gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
@@ -398,7 +398,7 @@ static int backward_in_place(const linear_args *l, const opf_tensor *g, const op
                      &acc, ws, pdw.gemm_floats);
         }
     }
-    if (l->has_bias && half) gemm_store_f32(k, db->data, dt, db32, l->n);
+    if (l->has_bias && half) cvt_store_f32(k->cvt, db->data, dt, db32, l->n);
     return 1;
 }
 
@@ -439,7 +439,7 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
     float *hbuf = bias32 + l->n;
     float *dx32 = half ? hbuf : NULL, *dw32 = half ? hbuf + chunk * l->k : dw->data;
     float *db32 = half ? dw32 + l->n * l->k : db->data;
-    if (recompute && l->has_bias && !f64) gemm_load_f32(k, bias32, l->bias.data, l->dt, l->n, l->bias.strides[0]);
+    if (recompute && l->has_bias && !f64) cvt_load_f32(k->cvt, bias32, l->bias.data, l->dt, l->n, l->bias.strides[0]);
     int first = 1;
     for (int64_t i = 0; i < xv.count; i++) {          /* x's matrices */
         for (int64_t r0 = 0; r0 < xv.rows; r0 += chunk) { /* row chunks of one matrix */
@@ -449,7 +449,7 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
                 gemm_ref_f64(rows, l->n, l->k, (const double *)l->x.data + xo, xv.rs, xv.cs, l->w.data, l->w.strides[1],
                              l->w.strides[0], (double *)gp, l->n, 0.0, l->has_bias ? l->bias.data : NULL,
                              l->has_bias ? l->bias.strides[0] : 0,
-                             l->has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                             l->has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
             else if (recompute) {
                 gemm_epilogue ep = {.bias = l->has_bias ? bias32 : NULL,
                                     .bias_kind = l->has_bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
@@ -463,31 +463,31 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
                     double *dst = (double *)gp + r * l->n;
                     const double *pr = recompute ? dst : (const double *)pre->data + po;
                     for (int64_t j = 0; j < l->n; j++)
-                        dst[j] = act ? gr[j * gv.cs] * gemm_act_grad_f64((int)act, pr[recompute ? j : j * pv.cs]) : gr[j * gv.cs];
+                        dst[j] = act ? gr[j * gv.cs] * act_grad_f64((int)act, pr[recompute ? j : j * pv.cs]) : gr[j * gv.cs];
                     continue;
                 }
                 float *dst = (float *)gp + r * l->n;
                 const float *gr = at(g->data, go, l->dt), *pr = recompute ? dst : act ? at(pre->data, po, l->dt) : NULL;
                 if (recompute && half) { /* rounded as the forward stores it: the gradients of a kept preact */
-                    k->from_f32((uint16_t *)prow, dst, l->dt, l->n);
-                    k->to_f32(dst, (const uint16_t *)prow, l->dt, l->n);
+                    k->cvt->from_f32((uint16_t *)prow, dst, l->dt, l->n);
+                    k->cvt->to_f32(dst, (const uint16_t *)prow, l->dt, l->n);
                 }
                 if (half || gv.cs != 1) { /* convert / gather to float32 rows first */
-                    gemm_load_f32(k, act ? grow : dst, at(g->data, go, l->dt), l->dt, l->n, gv.cs);
+                    cvt_load_f32(k->cvt, act ? grow : dst, at(g->data, go, l->dt), l->dt, l->n, gv.cs);
                     gr = act ? grow : dst;
                 }
                 if (act && !recompute && (half || pv.cs != 1)) {
-                    gemm_load_f32(k, prow, at(pre->data, po, l->dt), l->dt, l->n, pv.cs);
+                    cvt_load_f32(k->cvt, prow, at(pre->data, po, l->dt), l->dt, l->n, pv.cs);
                     pr = prow;
                 }
-                if (act) k->act_grad(dst, gr, pr, l->n, (int)act);
+                if (act) k->act->grad(dst, gr, pr, l->n, (int)act);
                 else if (gr != dst) for (int64_t j = 0; j < l->n; j++) dst[j] = gr[j];
             }
             if (f64) {
                 gemm_ref_f64(rows, l->k, l->n, (const double *)gp, l->n, 1, l->w.data, l->w.strides[0], l->w.strides[1],
-                             (double *)dx->data + row0 * l->k, l->k, 0.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                             (double *)dx->data + row0 * l->k, l->k, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
                 gemm_ref_f64(l->n, l->k, rows, (const double *)gp, 1, l->n, (const double *)l->x.data + xo, xv.rs, xv.cs,
-                             dw->data, l->k, first ? 0.0 : 1.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                             dw->data, l->k, first ? 0.0 : 1.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
                 for (int64_t j = 0; l->has_bias && j < l->n; j++) {
                     double sum = first ? 0.0 : ((double *)db->data)[j];
                     for (int64_t r = 0; r < rows; r++) sum += ((const double *)gp)[r * l->n + j];
@@ -499,11 +499,11 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
                 /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
                 RUN_GEMM(LBWD, k, rows, l->k, l->n, gp, OPF_F32, l->n, 1, l->w.data, l->dt, l->w.strides[0],
                          l->w.strides[1], dxr, l->k, &none, gemm_scratch, gws);
-                if (half) gemm_store_f32(k, at(dx->data, row0 * l->k, l->dt), l->dt, dx32, rows * l->k);
+                if (half) cvt_store_f32(k->cvt, at(dx->data, row0 * l->k, l->dt), l->dt, dx32, rows * l->k);
                 /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
                 RUN_GEMM(LBWD, k, l->n, l->k, rows, gp, OPF_F32, 1, l->n, at(l->x.data, xo, l->dt), l->dt, xv.rs, xv.cs,
                          dw32, l->k, &acc, gemm_scratch, gws);
-                if (l->has_bias) gemm_colsum(k, db32, gp, OPF_F32, l->n, rows, l->n, !first);
+                if (l->has_bias) colsum_f32(k->cvt, db32, gp, OPF_F32, l->n, rows, l->n, !first);
             }
             first = 0;
         }
@@ -519,8 +519,8 @@ static void backward_chunked(const linear_args *l, const opf_tensor *g, const op
         }
     }
     if (half) {
-        gemm_store_f32(k, dw->data, l->dt, dw32, l->n * l->k);
-        if (l->has_bias) gemm_store_f32(k, db->data, l->dt, db32, l->n);
+        cvt_store_f32(k->cvt, dw->data, l->dt, dw32, l->n * l->k);
+        if (l->has_bias) cvt_store_f32(k->cvt, db->data, l->dt, db32, l->n);
     }
 }
 

@@ -4,7 +4,8 @@
     y = opforge.dispersion_correction(x, 0.8)          # torch.ops.opforge.dispersion_correction
 """
 
-from ._runtime import cpu_features, get_isa, isa_best, library, set_isa, set_log_file, set_log_level, supported_isas
+from ._runtime import (cpu_features, get_isa, isa_best, kernel_variants, library, set_isa, set_log_file, set_log_level,
+                       supported_isas)
 from . import functional, nn
 from .build import BuildError, load, load_library
 from .functional import dispersion_correction, linear, matmul, scaled_dot_product_attention
@@ -18,6 +19,7 @@ __all__ = [
     "functional",
     "get_isa",
     "isa_best",
+    "kernel_variants",
     "library",
     "linear",
     "load",
