@@ -38,7 +38,7 @@ static void convert_range(int64_t begin, int64_t end, void *ctx) {
 
 void cvt_load_f32(const cvt_kernels *kern, float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride) {
     if (dt != OPF_F32 && stride == 1) {
-        convert_job job = {kern, dst, src, dt, 1};
+        convert_job job = {.kern = kern, .dst = dst, .src = src, .dt = dt, .to_f32 = 1};
         opf_parallel_for(0, n, 1 << 16, convert_range, &job);
         return;
     }
@@ -50,6 +50,6 @@ void cvt_store_f32(const cvt_kernels *kern, void *dst, opf_dtype dt, const float
         for (int64_t i = 0; i < n; i++) ((float *)dst)[i] = src[i];
         return;
     }
-    convert_job job = {kern, dst, src, dt, 0};
+    convert_job job = {.kern = kern, .dst = dst, .src = src, .dt = dt, .to_f32 = 0};
     opf_parallel_for(0, n, 1 << 16, convert_range, &job);
 }

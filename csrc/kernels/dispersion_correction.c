@@ -77,12 +77,12 @@ static void dc_segment(void *ctx, const int64_t *off, const int64_t *st, int64_t
 
 void dc_fwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *y, const void *x,
             double alpha) {
-    dc_job j = {k->fwd[dt], NULL, opf_dtype_size(dt), y, x, NULL, alpha};
+    dc_job j = {.fwd = k->fwd[dt], .es = opf_dtype_size(dt), .out = y, .in1 = x, .alpha = alpha};
     opf_nd_parallel(nd, DC_GRAIN, dc_segment, &j);
 }
 
 void dc_bwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx, const void *dy,
             const void *x, double alpha) {
-    dc_job j = {NULL, k->bwd[dt], opf_dtype_size(dt), dx, dy, x, alpha};
+    dc_job j = {.bwd = k->bwd[dt], .es = opf_dtype_size(dt), .out = dx, .in1 = dy, .in2 = x, .alpha = alpha};
     opf_nd_parallel(nd, DC_GRAIN, dc_segment, &j);
 }

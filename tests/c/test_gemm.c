@@ -36,7 +36,8 @@ static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, i
     float *pre = calloc((size_t)(s.m * s.n + 1), sizeof(float)), *pre_want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
     memcpy(want, c, (size_t)(s.m * s.n) * sizeof(float));
     int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
-    gemm_epilogue ep = {beta, bias, bias_kind, act, preact ? pre : NULL, s.n};
+    gemm_epilogue ep = {.beta = beta, .bias = bias, .bias_kind = bias_kind, .act = act, .preact = preact ? pre : NULL,
+                        .rsp = s.n};
     gemm_epilogue ep_ref = ep;
     ep_ref.preact = preact ? pre_want : NULL;
     gemm_ref_f32(s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, want, s.n, &ep_ref);
@@ -169,7 +170,7 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
     cvt_load_f32(k->cvt, ar, ah, OPF_BF16, na, 1); /* what the pair kernel multiplies */
     cvt_load_f32(k->cvt, br, bh, OPF_BF16, nb, 1);
     int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
-    gemm_epilogue ep = {0.0f, bias, GEMM_BIAS_ROW, act, pre, s.n}, ep_ref = ep;
+    gemm_epilogue ep = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .preact = pre, .rsp = s.n}, ep_ref = ep;
     ep_ref.preact = pre_want;
     gemm_ref_f32(s.m, s.n, s.k, ar, rsa, csa, br, rsb, csb, want, s.n, &ep_ref);
     const int64_t wsn = gemm_workspace_floats(k, s.m, s.n, s.k);
