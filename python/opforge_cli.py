@@ -254,8 +254,10 @@ def info(args) -> int:
     lines.append(f"cache       {opforge.build.cache_dir()}")
     lines.append("ops")
     for d in opforge.library.ops:
-        lines.append(f"  {d.namespace}::{d.name:<34} {', '.join(d.devices)}: isa {opforge.get_isa()}"
-                     f"{', autograd' if d.backward else ''}")
+        lines.append(f"  {d.namespace}::{d.name:<34} {', '.join(d.devices)}{', autograd' if d.backward else ''}")
+    lines.append(f"kernels     variants (needed ISA); * runs at isa {opforge.get_isa()}")
+    for family, variants in opforge.kernel_variants().items():
+        lines.append(f"  {family:<22} " + ", ".join(f"{'*' if cur else ''}{name} ({isa})" for name, isa, cur in variants))
     lines.append("")
     lines.append("no problems found" if not problems else "problems:")
     lines += [f"  - {p}" for p in problems]

@@ -1,14 +1,14 @@
 /*
- * 8-wide activations and their derivatives for the GEMM epilogues (float32,
- * ~1-2 ulp), built on math_avx2.h. Included by the files built with -mavx2
- * -mfma (gemm_avx2.c, gemm_avx512.c).
+ * 8-wide activations and their derivatives (float32, ~1-2 ulp), built on
+ * math_avx2.h: the GEMM epilogues' and act_avx2.c's. Included by the files
+ * built with -mavx2 -mfma (gemm_avx2.c, gemm_avx512.c, gemm_amx.c, act_avx2.c).
  */
 #ifndef OPFORGE_KERNELS_ACT_AVX2_H
 #define OPFORGE_KERNELS_ACT_AVX2_H
 
 #include <immintrin.h>
 
-#include "gemm.h"
+#include "act.h"
 #include "math_avx2.h"
 
 /* tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): no overflow, exact sign */
@@ -42,36 +42,36 @@ static inline __m256 erf8(__m256 x) {
     return erf8e(x, &e);
 }
 
-static inline __m256 act8(int act, __m256 v) {
+static inline __m256 act8(act_kind act, __m256 v) {
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     switch (act) {
-    case GEMM_ACT_RELU: /* max(v, 0) with NaN kept: blend where v < 0 */
+    case ACT_RELU: /* max(v, 0) with NaN kept: blend where v < 0 */
         return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
-    case GEMM_ACT_GELU:
+    case ACT_GELU:
         return _mm256_mul_ps(_mm256_mul_ps(half, v),
                              _mm256_add_ps(one, erf8(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752f)))));
-    case GEMM_ACT_GELU_TANH: {
+    case ACT_GELU_TANH: {
         __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
         __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                                  _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), v3, v));
         return _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, tanh8(u)));
     }
-    case GEMM_ACT_SILU:
+    case ACT_SILU:
         return _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
     default: return v;
     }
 }
 
-static inline __m256 act_grad8(int act, __m256 x) {
+static inline __m256 act_grad8(act_kind act, __m256 x) {
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     switch (act) {
-    case GEMM_ACT_RELU: return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ), one);
-    case GEMM_ACT_GELU: { /* Phi(x) + x phi(x); erf(x / sqrt 2) is made of exp(-x^2 / 2), phi's exponential */
+    case ACT_RELU: return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ), one);
+    case ACT_GELU: { /* Phi(x) + x phi(x); erf(x / sqrt 2) is made of exp(-x^2 / 2), phi's exponential */
         __m256 e;
         __m256 cdf = _mm256_mul_ps(half, _mm256_add_ps(one, erf8e(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)), &e)));
         return _mm256_fmadd_ps(x, _mm256_mul_ps(e, _mm256_set1_ps(0.3989422804014327f)), cdf);
     }
-    case GEMM_ACT_GELU_TANH: {
+    case ACT_GELU_TANH: {
         const __m256 k = _mm256_set1_ps(0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
         __m256 x2 = _mm256_mul_ps(x, x);
         __m256 t = tanh8(_mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(c, x2), x, x)));
@@ -80,27 +80,11 @@ static inline __m256 act_grad8(int act, __m256 x) {
         __m256 inner = _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(3.0f), c), x2, one));
         return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), dt), inner, left);
     }
-    case GEMM_ACT_SILU: {
+    case ACT_SILU: {
         __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
         return _mm256_mul_ps(s, _mm256_fmadd_ps(x, _mm256_sub_ps(one, s), one));
     }
     default: return one;
-    }
-}
-
-/* out[i] = g[i] * act'(pre[i]), 8 lanes at a time (the gemm_kernels act_grad of both x86 tables). The
- * tail goes through the same vector code on a padded copy: an element's value must not depend on where a
- * thread's range of columns ends (libm's scalar erff / expf round differently), or the gradients would
- * change with the thread count. */
-static inline void act_grad_8wide(float *out, const float *g, const float *pre, int64_t n, int act) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(g + i), act_grad8(act, _mm256_loadu_ps(pre + i))));
-    if (i < n) {
-        float gt[8] = {0}, pt[8] = {0}, ot[8];
-        for (int64_t e = i; e < n; e++) gt[e - i] = g[e], pt[e - i] = pre[e];
-        _mm256_storeu_ps(ot, _mm256_mul_ps(_mm256_loadu_ps(gt), act_grad8(act, _mm256_loadu_ps(pt))));
-        for (int64_t e = i; e < n; e++) out[e] = ot[e - i];
     }
 }
 

@@ -10,16 +10,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* query and key block sizes: with D = Dv = 64 a block's Q^T, K, V, S^T and O
+/* query and key block sizes: with Dqk = Dv = 64 a block's Q^T, K, V, S^T and O
  * are 16 KiB each (L2-resident) */
 enum { BQ = 64, BK = 64 };
 
+/* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
 extern const attn_kernels attn_kernels_avx2 __attribute__((weak));
 
-const attn_kernels *attn_kernels_for(opf_isa isa) {
-    if (isa >= OPF_ISA_AVX2 && &attn_kernels_avx2) return &attn_kernels_avx2;
-    return &attn_kernels_ref;
-}
+const opf_variants attn_variants = OPF_VARIANTS("attention", &attn_kernels_ref, &attn_kernels_avx2);
+
+const attn_kernels *attn_kernels_for(opf_isa isa) { return opf_variant_pick(&attn_variants, isa); }
 
 /* ---- scalar reference kernels ------------------------------------------------------------ */
 
@@ -51,18 +51,20 @@ static void softmax_cols_ref(float *st, int64_t ld, int64_t bk, int64_t bq, floa
     }
 }
 
-static void probs_ref(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag) {
+static void probs_ref(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag) {
     for (int64_t i = 0; i < bq; i++)
         for (int64_t j = 0; j < bk; j++)
-            s[i * ld + j] = lse[i] == -INFINITY || j > i + diag ? 0.0f : expf(s[i * ld + j] * scale - lse[i]);
+            scores[i * ld + j] = lse[i] == -INFINITY || j > i + diag ? 0.0f : expf(scores[i * ld + j] * scale - lse[i]);
 }
 
-static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *di, float scale) {
+static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta, float scale) {
     for (int64_t i = 0; i < bq; i++)
-        for (int64_t j = 0; j < bk; j++) dp[i * ld + j] = p[i * ld + j] * (dp[i * ld + j] - di[i]) * scale;
+        for (int64_t j = 0; j < bk; j++) dp[i * ld + j] = p[i * ld + j] * (dp[i * ld + j] - delta[i]) * scale;
 }
 
-const attn_kernels attn_kernels_ref = {"ref", &gemm_kernels_ref, mm_ref, softmax_cols_ref, probs_ref, dscores_ref};
+const attn_kernels attn_kernels_ref = {.name = "ref", .isa = OPF_ISA_REF, .cvt = &cvt_kernels_ref, .mm = mm_ref,
+                                       .softmax_cols = softmax_cols_ref, .probs = probs_ref,
+                                       .dscores = dscores_ref};
 
 /* ---- element access ---------------------------------------------------------------------- */
 
@@ -74,7 +76,7 @@ static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, i
 static void load_row(const attn_kernels *k, float *dst, const void *src, int64_t off, int64_t stride, int64_t n,
                      opf_dtype dt) {
     if (dt != OPF_F32 && stride == 1) {
-        k->gemm->to_f32(dst, (const uint16_t *)src + off, dt, n);
+        k->cvt->to_f32(dst, (const uint16_t *)src + off, dt, n);
         return;
     }
     for (int64_t e = 0; e < n; e++) dst[e] = (float)opf_load_elem(src, off + e * stride, dt);
@@ -83,7 +85,7 @@ static void load_row(const attn_kernels *k, float *dst, const void *src, int64_t
 static void store_row(const attn_kernels *k, void *dst, int64_t off, int64_t stride, const float *src, int64_t n,
                       opf_dtype dt) {
     if (dt != OPF_F32 && stride == 1) {
-        k->gemm->from_f32((uint16_t *)dst + off, src, dt, n);
+        k->cvt->from_f32((uint16_t *)dst + off, src, dt, n);
         return;
     }
     for (int64_t e = 0; e < n; e++) opf_store_elem(dst, off + e * stride, dt, src[e]);
@@ -127,6 +129,13 @@ static inline int64_t tile_diag(const attn_problem *p, float *t, int64_t ti, int
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t round16(int64_t n) { return cdiv(n, 16) * 16; } /* keeps workspace slices 64-byte aligned */
 
+/* The next n floats of a workspace being laid out from offset *at: their offset */
+static int64_t carve(int64_t *at, int64_t n) {
+    const int64_t offset = *at;
+    *at += n;
+    return offset;
+}
+
 static int64_t workers_for(int64_t tasks) {
     int64_t w = opf_num_threads();
     if (w > tasks) w = tasks;
@@ -137,12 +146,30 @@ static int64_t workers_for(int64_t tasks) {
 
 static int64_t fwd_tasks(const attn_problem *p) { return p->b * p->h * cdiv(p->n, BQ); }
 
-static int64_t fwd_worker_floats(const attn_problem *p) {
-    int64_t wide = p->d > p->dv ? p->d : p->dv;
-    return round16(p->d * BQ + BK * p->d + BK * p->dv + BK * BQ + BQ * p->dv + 3 * BQ + wide);
+/* A forward worker's slice of the workspace, as offsets: the one statement of
+ * it (attn_fwd_workspace sizes with it, fwd_task carves with it) */
+typedef struct fwd_layout {
+    int64_t qt, kbuf, vbuf, st, o, m, l, alpha, row, floats;
+} fwd_layout;
+
+static fwd_layout fwd_layout_for(const attn_problem *p) {
+    const int64_t d_qk = p->d_qk, d_v = p->d_v;
+    fwd_layout lay;
+    int64_t at = 0;
+    lay.qt = carve(&at, d_qk * BQ);   /* Q^T of the block */
+    lay.kbuf = carve(&at, BK * d_qk); /* K and V rows in float32, when not read in place */
+    lay.vbuf = carve(&at, BK * d_v);
+    lay.st = carve(&at, BK * BQ);     /* S^T, then P^T */
+    lay.o = carve(&at, BQ * d_v);     /* O, unnormalised */
+    lay.m = carve(&at, BQ);           /* the online softmax's running max, sum and rescale */
+    lay.l = carve(&at, BQ);
+    lay.alpha = carve(&at, BQ);
+    lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
+    lay.floats = round16(at);
+    return lay;
 }
 
-int64_t attn_fwd_workspace(const attn_problem *p) { return workers_for(fwd_tasks(p)) * fwd_worker_floats(p); }
+int64_t attn_fwd_workspace(const attn_problem *p) { return workers_for(fwd_tasks(p)) * fwd_layout_for(p).floats; }
 
 typedef struct fwd_ctx {
     const attn_kernels *k;
@@ -153,52 +180,53 @@ typedef struct fwd_ctx {
 } fwd_ctx;
 
 static void fwd_task(const attn_kernels *k, const attn_problem *p, int64_t qb, int64_t bh, float *ws) {
-    const int64_t D = p->d, DV = p->dv, b = bh / p->h, h = bh % p->h, kvh = h / (p->h / p->hkv);
+    const int64_t d_qk = p->d_qk, d_v = p->d_v, b = bh / p->h, h = bh % p->h, kvh = h / (p->h / p->hkv);
     const int64_t i0 = qb * BQ, bq = p->n - i0 < BQ ? p->n - i0 : BQ;
-    float *qt = ws, *kbuf = qt + D * BQ, *vbuf = kbuf + BK * D, *st = vbuf + BK * DV, *o = st + BK * BQ;
-    float *m = o + BQ * DV, *l = m + BQ, *alpha = l + BQ, *row = alpha + BQ;
+    const fwd_layout lay = fwd_layout_for(p);
+    float *qt = ws + lay.qt, *kbuf = ws + lay.kbuf, *vbuf = ws + lay.vbuf, *st = ws + lay.st, *o = ws + lay.o;
+    float *m = ws + lay.m, *l = ws + lay.l, *alpha = ws + lay.alpha, *row = ws + lay.row;
     for (int64_t i = 0; i < bq; i++) { /* Q^T of the block, float32 */
-        load_row(k, row, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], D, p->dt);
-        for (int64_t d = 0; d < D; d++) qt[d * BQ + i] = row[d];
+        load_row(k, row, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
+        for (int64_t d = 0; d < d_qk; d++) qt[d * BQ + i] = row[d];
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
-    memset(o, 0, sizeof(float) * (size_t)(BQ * DV));
+    memset(o, 0, sizeof(float) * (size_t)(BQ * d_v));
     const int64_t kend = p->causal ? (p->s < i0 + bq ? p->s : i0 + bq) : p->s;
     const int f32 = p->dt == OPF_F32;
     for (int64_t j0 = 0; j0 < kend; j0 += BK) {
         const int64_t bk = kend - j0 < BK ? kend - j0 : BK;
         /* S^T (bk x bq) = K_block Q^T: K rows are read in place in float32 */
         const float *ka = kbuf;
-        int64_t rsk = D, csk = 1;
+        int64_t rsk = d_qk, csk = 1;
         if (f32) {
             ka = (const float *)p->k + off4(p->ks, b, kvh, j0, 0);
             rsk = p->ks[2], csk = p->ks[3];
         } else {
-            for (int64_t j = 0; j < bk; j++) load_row(k, kbuf + j * D, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], D, p->dt);
+            for (int64_t j = 0; j < bk; j++) load_row(k, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
         }
-        k->mm(bk, bq, D, ka, rsk, csk, qt, BQ, st, BQ, 0);
+        k->mm(bk, bq, d_qk, ka, rsk, csk, qt, BQ, st, BQ, 0);
         float scale;
         const int64_t diag = tile_diag(p, st, 1, BQ, b, h, i0, bq, j0, bk, &scale);
         k->softmax_cols(st, BQ, bk, bq, scale, m, l, alpha, diag);
         for (int64_t i = 0; i < bq; i++)
             if (alpha[i] != 1.0f)
-                for (int64_t d = 0; d < DV; d++) o[i * DV + d] *= alpha[i];
+                for (int64_t d = 0; d < d_v; d++) o[i * d_v + d] *= alpha[i];
         /* O (bq x Dv) += P V_block, P(i, j) = st[j*BQ + i] */
         const float *vb = vbuf;
-        int64_t ldv = DV;
+        int64_t ldv = d_v;
         if (f32 && p->vs[3] == 1) {
             vb = (const float *)p->v + off4(p->vs, b, kvh, j0, 0);
             ldv = p->vs[2];
         } else {
-            for (int64_t j = 0; j < bk; j++) load_row(k, vbuf + j * DV, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], DV, p->dt);
+            for (int64_t j = 0; j < bk; j++) load_row(k, vbuf + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
         }
-        k->mm(bq, DV, bk, st, 1, BQ, vb, ldv, o, DV, 1);
+        k->mm(bq, d_v, bk, st, 1, BQ, vb, ldv, o, d_v, 1);
     }
     for (int64_t i = 0; i < bq; i++) {
         const float inv = l[i] == 0.0f ? 0.0f : 1.0f / l[i]; /* a NaN score keeps the row NaN */
-        for (int64_t d = 0; d < DV; d++) o[i * DV + d] *= inv;
-        store_row(k, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * DV, DV, p->dt);
+        for (int64_t d = 0; d < d_v; d++) o[i * d_v + d] *= inv;
+        store_row(k, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * d_v, d_v, p->dt);
         p->lse[bh * p->n + i0 + i] = l[i] == 0.0f ? -INFINITY : m[i] + logf(l[i]);
     }
 }
@@ -220,7 +248,9 @@ static void fwd_worker(int64_t w0, int64_t w1, void *arg) {
 }
 
 void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
-    fwd_ctx c = {k, p, workspace, fwd_worker_floats(p), fwd_tasks(p), cdiv(p->n, BQ), 0};
+    fwd_ctx c = {.k = k, .p = p, .ws = workspace, .per_worker = fwd_layout_for(p).floats, .tasks = fwd_tasks(p),
+                 .nqb = cdiv(p->n, BQ)};
+    atomic_init(&c.next, 0);
     if (c.tasks == 0) return;
     opf_parallel_for(0, workers_for(c.tasks), 1, fwd_worker, &c);
 }
@@ -248,16 +278,34 @@ static int whole_groups(const attn_problem *p) { return p->b * p->hkv >= 2 * (in
 
 static int64_t bwd_tasks(const attn_problem *p) { return p->b * p->hkv * (whole_groups(p) ? 1 : cdiv(p->s, BK)); }
 
-/* per worker: the task's blocks */
-static int64_t bwd_worker_floats(const attn_problem *p) {
-    const int64_t wide = p->d > p->dv ? p->d : p->dv;
-    return round16(2 * p->d * BK + p->dv * BK + BK * p->d + BK * p->dv + BQ * p->d + BQ * p->dv + 2 * BQ * BK + wide);
+/* A backward worker's slice of the workspace, as offsets: the one statement
+ * of it (bwd_layout_for sizes with it, bwd_task carves with it) */
+typedef struct bwd_worker_layout {
+    int64_t kt, vt, kr, dk, dv, qr, dor, scores, dp, row, floats;
+} bwd_worker_layout;
+
+static bwd_worker_layout bwd_worker_layout_for(const attn_problem *p) {
+    const int64_t d_qk = p->d_qk, d_v = p->d_v;
+    bwd_worker_layout lay;
+    int64_t at = 0;
+    lay.kt = carve(&at, d_qk * BK); /* K^T, V^T and the K rows of the key block, float32 */
+    lay.vt = carve(&at, d_v * BK);
+    lay.kr = carve(&at, BK * d_qk);
+    lay.dk = carve(&at, BK * d_qk); /* the block's dK and dV, accumulated */
+    lay.dv = carve(&at, BK * d_v);
+    lay.qr = carve(&at, BQ * d_qk); /* Q and dO rows of a query block, when not read in place */
+    lay.dor = carve(&at, BQ * d_v);
+    lay.scores = carve(&at, BQ * BK); /* S, then P */
+    lay.dp = carve(&at, BQ * BK);     /* dP, then dS */
+    lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
+    lay.floats = round16(at);
+    return lay;
 }
 
 /* float32 dQ is accumulated in place when its rows are unit-stride (the block matmul's C) */
 static int dq_in_place(const attn_problem *p) { return p->dt == OPF_F32 && p->dqs[3] == 1; }
 
-static int64_t slot_floats(const attn_problem *p) { return p->hkv ? round16(p->h / p->hkv * p->n * p->d) : 0; }
+static int64_t slot_floats(const attn_problem *p) { return p->hkv ? round16(p->h / p->hkv * p->n * p->d_qk) : 0; }
 
 /* Slots of the ring: at least two per worker, so that a worker runs a round
  * ahead before it waits, and as many as fit in 8 MiB (every task when dQ is
@@ -270,22 +318,34 @@ static int64_t ring_slots(const attn_problem *p) {
     return slots < tasks ? slots : tasks;
 }
 
-/* shared: D = rowsum(dO * out) (b, h, n); a float32 dQ (b, h, n, d) unless in
- * place; the ring's slots, each (g, n, d), and their task numbers (int64) */
-static int64_t bwd_shared_floats(const attn_problem *p) {
-    const int64_t slots = ring_slots(p);
-    return round16(p->b * p->h * p->n) + (dq_in_place(p) ? 0 : round16(p->b * p->h * p->n * p->d)) +
-           slots * slot_floats(p) + round16(2 * slots);
+/* The backward's workspace, as offsets: delta = rowsum(dO * out) (b, h, n);
+ * a float32 dQ (b, h, n, d_qk) unless in place (then dq32 < 0); the ring's
+ * slots, each (g, n, d_qk), and their task numbers (int64); then one slice per
+ * worker. The one statement of it: attn_bwd_workspace sizes with it, attn_bwd
+ * carves with it. */
+typedef struct bwd_layout {
+    int64_t slots, per_worker;
+    int64_t delta, dq32, ring, slot_task, workers, floats;
+} bwd_layout;
+
+static bwd_layout bwd_layout_for(const attn_problem *p) {
+    bwd_layout lay = {.slots = ring_slots(p), .per_worker = bwd_worker_layout_for(p).floats};
+    int64_t at = 0;
+    lay.delta = carve(&at, round16(p->b * p->h * p->n));
+    lay.dq32 = dq_in_place(p) ? -1 : carve(&at, round16(p->b * p->h * p->n * p->d_qk));
+    lay.ring = carve(&at, lay.slots * slot_floats(p));
+    lay.slot_task = carve(&at, round16(2 * lay.slots));
+    lay.workers = carve(&at, workers_for(bwd_tasks(p)) * lay.per_worker);
+    lay.floats = at;
+    return lay;
 }
 
-int64_t attn_bwd_workspace(const attn_problem *p) {
-    return bwd_shared_floats(p) + workers_for(bwd_tasks(p)) * bwd_worker_floats(p);
-}
+int64_t attn_bwd_workspace(const attn_problem *p) { return bwd_layout_for(p).floats; }
 
 typedef struct bwd_ctx {
     const attn_kernels *k;
     const attn_problem *p;
-    float *di, *dq32, *ws, *ring;
+    float *delta, *dq32, *ws, *ring;
     int64_t dq32s[4];
     int64_t per_worker, tasks, nkb, slots;
     int whole; /* whole_groups(), as sized by attn_bwd_workspace */
@@ -307,9 +367,9 @@ static void add_slot(bwd_ctx *c, int64_t grp, int64_t kb, const float *slot) {
     const int64_t g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
     for (int64_t hl = 0; hl < g; hl++)
         for (int64_t i = first_query(p, kb); i < p->n; i++) {
-            const float *restrict src = slot + (hl * p->n + i) * p->d;
+            const float *restrict src = slot + (hl * p->n + i) * p->d_qk;
             float *restrict dst = c->dq32 + off4(c->dq32s, b, kvh * g + hl, i, 0);
-            for (int64_t d = 0; d < p->d; d++) dst[d] += src[d];
+            for (int64_t d = 0; d < p->d_qk; d++) dst[d] += src[d];
         }
 }
 
@@ -317,56 +377,57 @@ static void add_slot(bwd_ctx *c, int64_t grp, int64_t kb, const float *slot) {
 static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot) {
     const attn_kernels *k = c->k;
     const attn_problem *p = c->p;
-    const int64_t D = p->d, DV = p->dv, g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
+    const int64_t d_qk = p->d_qk, d_v = p->d_v, g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
     const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK;
-    float *kt = ws, *vt = kt + D * BK, *kr = vt + DV * BK, *dk = kr + BK * D, *dv = dk + BK * D;
-    float *qr = dv + BK * DV, *dor = qr + BQ * D, *s = dor + BQ * DV, *dp = s + BQ * BK, *row = dp + BQ * BK;
+    const bwd_worker_layout lay = bwd_worker_layout_for(p);
+    float *kt = ws + lay.kt, *vt = ws + lay.vt, *kr = ws + lay.kr, *dk = ws + lay.dk, *dv = ws + lay.dv;
+    float *qr = ws + lay.qr, *dor = ws + lay.dor, *scores = ws + lay.scores, *dp = ws + lay.dp, *row = ws + lay.row;
     for (int64_t j = 0; j < bk; j++) { /* K rows, K^T and V^T of the block, float32 */
-        load_row(k, kr + j * D, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], D, p->dt);
-        for (int64_t d = 0; d < D; d++) kt[d * BK + j] = kr[j * D + d];
-        load_row(k, row, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], DV, p->dt);
-        for (int64_t d = 0; d < DV; d++) vt[d * BK + j] = row[d];
+        load_row(k, kr + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
+        for (int64_t d = 0; d < d_qk; d++) kt[d * BK + j] = kr[j * d_qk + d];
+        load_row(k, row, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
+        for (int64_t d = 0; d < d_v; d++) vt[d * BK + j] = row[d];
     }
-    memset(dk, 0, sizeof(float) * (size_t)(BK * D));
-    memset(dv, 0, sizeof(float) * (size_t)(BK * DV));
+    memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
+    memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
     const int64_t qstart = first_query(p, kb);
     const int f32 = p->dt == OPF_F32;
     for (int64_t hl = 0; hl < g && qstart < p->n; hl++) {
         const int64_t h = kvh * g + hl, bh = b * p->h + h;
         /* the slot is written once per row (acc 0), dQ accumulated (acc 1): the same sums */
-        float *dqh = slot ? slot + hl * p->n * D : c->dq32 + off4(c->dq32s, b, h, 0, 0);
-        const int64_t lddq = slot ? D : c->dq32s[2];
+        float *dqh = slot ? slot + hl * p->n * d_qk : c->dq32 + off4(c->dq32s, b, h, 0, 0);
+        const int64_t lddq = slot ? d_qk : c->dq32s[2];
         for (int64_t i0 = qstart; i0 < p->n; i0 += BQ) {
             const int64_t bq = p->n - i0 < BQ ? p->n - i0 : BQ;
             const float *q = qr, *dout = dor;
-            int64_t ldq = D, lddo = DV;
+            int64_t ldq = d_qk, lddo = d_v;
             if (f32 && p->qs[3] == 1) {
                 q = (const float *)p->q + off4(p->qs, b, h, i0, 0);
                 ldq = p->qs[2];
             } else {
-                for (int64_t i = 0; i < bq; i++) load_row(k, qr + i * D, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], D, p->dt);
+                for (int64_t i = 0; i < bq; i++) load_row(k, qr + i * d_qk, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
             }
             if (f32 && p->dos[3] == 1) {
                 dout = (const float *)p->dout + off4(p->dos, b, h, i0, 0);
                 lddo = p->dos[2];
             } else {
                 for (int64_t i = 0; i < bq; i++)
-                    load_row(k, dor + i * DV, p->dout, off4(p->dos, b, h, i0 + i, 0), p->dos[3], DV, p->dt);
+                    load_row(k, dor + i * d_v, p->dout, off4(p->dos, b, h, i0 + i, 0), p->dos[3], d_v, p->dt);
             }
-            k->mm(bq, bk, D, q, ldq, 1, kt, BK, s, BK, 0); /* S = Q K^T */
+            k->mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
             float scale;
-            const int64_t diag = tile_diag(p, s, BK, 1, b, h, i0, bq, j0, bk, &scale);
-            k->probs(s, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag);         /* P */
-            k->mm(bq, bk, DV, dout, lddo, 1, vt, BK, dp, BK, 0);                   /* dP = dO V^T */
-            k->dscores(dp, s, BK, bq, bk, c->di + bh * p->n + i0, (float)p->scale); /* dS */
-            k->mm(bk, DV, bq, s, 1, BK, dout, lddo, dv, DV, 1);                    /* dV += P^T dO */
-            k->mm(bk, D, bq, dp, 1, BK, q, ldq, dk, D, 1);                         /* dK += dS^T Q */
-            k->mm(bq, D, bk, dp, BK, 1, kr, D, dqh + i0 * lddq, lddq, !slot);      /* dQ += dS K */
+            const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
+            k->probs(scores, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag);         /* P */
+            k->mm(bq, bk, d_v, dout, lddo, 1, vt, BK, dp, BK, 0);                   /* dP = dO V^T */
+            k->dscores(dp, scores, BK, bq, bk, c->delta + bh * p->n + i0, (float)p->scale); /* dS */
+            k->mm(bk, d_v, bq, scores, 1, BK, dout, lddo, dv, d_v, 1);                    /* dV += P^T dO */
+            k->mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                         /* dK += dS^T Q */
+            k->mm(bq, d_qk, bk, dp, BK, 1, kr, d_qk, dqh + i0 * lddq, lddq, !slot);      /* dQ += dS K */
         }
     }
     for (int64_t j = 0; j < bk; j++) {
-        store_row(k, p->dk, off4(p->dks, b, kvh, j0 + j, 0), p->dks[3], dk + j * D, D, p->dt);
-        store_row(k, p->dvv, off4(p->dvs, b, kvh, j0 + j, 0), p->dvs[3], dv + j * DV, DV, p->dt);
+        store_row(k, p->dk, off4(p->dks, b, kvh, j0 + j, 0), p->dks[3], dk + j * d_qk, d_qk, p->dt);
+        store_row(k, p->dv, off4(p->dvs, b, kvh, j0 + j, 0), p->dvs[3], dv + j * d_v, d_v, p->dt);
     }
 }
 
@@ -416,7 +477,7 @@ typedef struct rows_ctx {
     bwd_ctx *c;
 } rows_ctx;
 
-/* per (b, h): zero dQ's float32 accumulator, D[i] = sum_d dO[i, d] out[i, d] */
+/* per (b, h): zero dQ's float32 accumulator, delta[i] = sum_d dO[i, d] out[i, d] */
 static void bwd_prologue(int64_t bh0, int64_t bh1, void *arg) {
     rows_ctx *r = arg;
     const attn_problem *p = r->p;
@@ -424,11 +485,11 @@ static void bwd_prologue(int64_t bh0, int64_t bh1, void *arg) {
         const int64_t b = bh / p->h, h = bh % p->h;
         for (int64_t i = 0; i < p->n; i++) {
             float *dq = r->c->dq32 + off4(r->c->dq32s, b, h, i, 0);
-            for (int64_t d = 0; d < p->d; d++) dq[d * r->c->dq32s[3]] = 0.0f;
+            for (int64_t d = 0; d < p->d_qk; d++) dq[d * r->c->dq32s[3]] = 0.0f;
             double sum = 0.0;
-            for (int64_t d = 0; d < p->dv; d++)
+            for (int64_t d = 0; d < p->d_v; d++)
                 sum += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) * opf_load_elem(p->out, off4(p->os, b, h, i, d), p->dt);
-            r->c->di[bh * p->n + i] = (float)sum;
+            r->c->delta[bh * p->n + i] = (float)sum;
         }
     }
 }
@@ -439,32 +500,31 @@ static void bwd_epilogue(int64_t bh0, int64_t bh1, void *arg) {
     for (int64_t bh = bh0; bh < bh1; bh++)
         for (int64_t i = 0; i < p->n; i++)
             store_row(r->k, p->dq, off4(p->dqs, bh / p->h, bh % p->h, i, 0), p->dqs[3],
-                      r->c->dq32 + (bh * p->n + i) * p->d, p->d, p->dt);
+                      r->c->dq32 + (bh * p->n + i) * p->d_qk, p->d_qk, p->dt);
 }
 
 void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
-    bwd_ctx c = {.k = k, .p = p, .per_worker = bwd_worker_floats(p), .tasks = bwd_tasks(p), .nkb = cdiv(p->s, BK),
-                 .slots = ring_slots(p), .whole = whole_groups(p)};
-    const int in_place = dq_in_place(p);
-    c.di = workspace;
-    float *next = workspace + round16(p->b * p->h * p->n);
+    const bwd_layout lay = bwd_layout_for(p);
+    bwd_ctx c = {.k = k, .p = p, .per_worker = lay.per_worker, .tasks = bwd_tasks(p), .nkb = cdiv(p->s, BK),
+                 .slots = lay.slots, .whole = whole_groups(p)};
+    const int in_place = lay.dq32 < 0;
+    c.delta = workspace + lay.delta;
     if (in_place) {
         c.dq32 = p->dq;
         memcpy(c.dq32s, p->dqs, sizeof c.dq32s);
     } else {
-        c.dq32 = next;
-        next += round16(p->b * p->h * p->n * p->d);
-        int64_t st[4] = {p->h * p->n * p->d, p->n * p->d, p->d, 1};
+        c.dq32 = workspace + lay.dq32;
+        int64_t st[4] = {p->h * p->n * p->d_qk, p->n * p->d_qk, p->d_qk, 1};
         memcpy(c.dq32s, st, sizeof st);
     }
-    c.ring = next;
-    c.slot_task = (int64_t *)(next + c.slots * slot_floats(p));
+    c.ring = workspace + lay.ring;
+    c.slot_task = (int64_t *)(workspace + lay.slot_task);
     for (int64_t i = 0; i < c.slots; i++) c.slot_task[i] = -1;
-    c.ws = workspace + bwd_shared_floats(p);
+    c.ws = workspace + lay.workers;
     atomic_init(&c.next, 0);
     pthread_mutex_init(&c.lock, NULL);
     pthread_cond_init(&c.moved, NULL);
-    rows_ctx r = {k, p, &c};
+    rows_ctx r = {.k = k, .p = p, .c = &c};
     opf_parallel_for(0, p->b * p->h, 1, bwd_prologue, &r);
     if (c.tasks > 0) opf_parallel_for(0, workers_for(c.tasks), 1, bwd_worker, &c);
     if (!in_place) opf_parallel_for(0, p->b * p->h, 1, bwd_epilogue, &r);
@@ -484,7 +544,7 @@ static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, 
         if (p->mask_kind == ATTN_MASK_ADD && !(p->causal && j > i))
             bias = opf_load_elem(p->mask, off4(p->ms, b, h, i, j), p->mask_dt); /* in double for float64 */
         double dot = 0.0;
-        for (int64_t d = 0; d < p->d; d++)
+        for (int64_t d = 0; d < p->d_qk; d++)
             dot += opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt) * opf_load_elem(p->k, off4(p->ks, b, kvh, j, d), p->dt);
         w[j] = bias == -INFINITY ? -INFINITY : dot * p->scale + bias;
         if (w[j] > mx) mx = w[j];
@@ -512,7 +572,7 @@ int attn_ref_fwd(const attn_problem *p) {
             const int64_t kvh = h / (p->h / p->hkv);
             for (int64_t i = 0; i < p->n; i++) {
                 p->lse[(b * p->h + h) * p->n + i] = (float)ref_probs(p, b, h, i, w);
-                for (int64_t d = 0; d < p->dv; d++) {
+                for (int64_t d = 0; d < p->d_v; d++) {
                     double acc = 0.0;
                     for (int64_t j = 0; j < p->s; j++) acc += w[j] * opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
                     opf_store_elem(p->out, off4(p->os, b, h, i, d), p->dt, acc);
@@ -525,8 +585,8 @@ int attn_ref_fwd(const attn_problem *p) {
 
 int attn_ref_bwd(const attn_problem *p) {
     const int64_t nk = p->b * p->hkv * p->s;
-    double *w = malloc(sizeof(double) * (size_t)(2 * p->s + p->d + 1));
-    double *dk = calloc((size_t)(nk * p->d + 1), sizeof(double)), *dv = calloc((size_t)(nk * p->dv + 1), sizeof(double));
+    double *w = malloc(sizeof(double) * (size_t)(2 * p->s + p->d_qk + 1));
+    double *dk = calloc((size_t)(nk * p->d_qk + 1), sizeof(double)), *dv = calloc((size_t)(nk * p->d_v + 1), sizeof(double));
     if (!w || !dk || !dv) {
         free(w), free(dk), free(dv);
         return -1;
@@ -537,33 +597,33 @@ int attn_ref_bwd(const attn_problem *p) {
             const int64_t kvh = h / (p->h / p->hkv), kbase = (b * p->hkv + kvh) * p->s;
             for (int64_t i = 0; i < p->n; i++) {
                 ref_probs(p, b, h, i, w);
-                double di = 0.0;
+                double delta = 0.0;
                 for (int64_t j = 0; j < p->s; j++) {
                     double dot = 0.0;
-                    for (int64_t d = 0; d < p->dv; d++)
+                    for (int64_t d = 0; d < p->d_v; d++)
                         dot += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) * opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
                     dpr[j] = dot;
-                    di += w[j] * dot;
+                    delta += w[j] * dot;
                 }
-                for (int64_t d = 0; d < p->d; d++) dqr[d] = 0.0;
+                for (int64_t d = 0; d < p->d_qk; d++) dqr[d] = 0.0;
                 for (int64_t j = 0; j < p->s; j++) {
-                    const double ds = w[j] * (dpr[j] - di) * p->scale;
-                    for (int64_t d = 0; d < p->dv; d++)
-                        dv[(kbase + j) * p->dv + d] += w[j] * opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt);
-                    for (int64_t d = 0; d < p->d; d++) {
-                        dk[(kbase + j) * p->d + d] += ds * opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt);
+                    const double ds = w[j] * (dpr[j] - delta) * p->scale;
+                    for (int64_t d = 0; d < p->d_v; d++)
+                        dv[(kbase + j) * p->d_v + d] += w[j] * opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt);
+                    for (int64_t d = 0; d < p->d_qk; d++) {
+                        dk[(kbase + j) * p->d_qk + d] += ds * opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt);
                         dqr[d] += ds * opf_load_elem(p->k, off4(p->ks, b, kvh, j, d), p->dt);
                     }
                 }
-                for (int64_t d = 0; d < p->d; d++) opf_store_elem(p->dq, off4(p->dqs, b, h, i, d), p->dt, dqr[d]);
+                for (int64_t d = 0; d < p->d_qk; d++) opf_store_elem(p->dq, off4(p->dqs, b, h, i, d), p->dt, dqr[d]);
             }
         }
     for (int64_t b = 0; b < p->b; b++)
         for (int64_t kvh = 0; kvh < p->hkv; kvh++)
             for (int64_t j = 0; j < p->s; j++) {
                 const int64_t r = (b * p->hkv + kvh) * p->s + j;
-                for (int64_t d = 0; d < p->d; d++) opf_store_elem(p->dk, off4(p->dks, b, kvh, j, d), p->dt, dk[r * p->d + d]);
-                for (int64_t d = 0; d < p->dv; d++) opf_store_elem(p->dvv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->dv + d]);
+                for (int64_t d = 0; d < p->d_qk; d++) opf_store_elem(p->dk, off4(p->dks, b, kvh, j, d), p->dt, dk[r * p->d_qk + d]);
+                for (int64_t d = 0; d < p->d_v; d++) opf_store_elem(p->dv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->d_v + d]);
             }
     free(w), free(dk), free(dv);
     return 0;

@@ -1,7 +1,7 @@
 /*
  * Scaled dot-product attention, flash style, float32 compute:
  *     out = softmax(scale * q k^T + mask) v        per (batch, head)
- * q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), any element strides;
+ * q (B, H, N, Dqk), k (B, Hkv, S, Dqk), v (B, Hkv, S, Dv), any element strides;
  * query head h reads key/value head h / (H / Hkv) (grouped-query attention,
  * K/V never repeated). out (B, H, N, Dv) any strides, lse (B, H, N) float32
  * contiguous: the log-sum-exp of each row, saved for the backward.
@@ -16,8 +16,8 @@
  *
  * Backward (FlashAttention-2): each task is one block of BK keys of one
  * key/value head, looping over the query blocks of every query head that
- * reads it: P is recomputed from lse, dS = P * (dP - D) with D = rowsum(dO *
- * out) computed once, dK and dV accumulate in the task, and dQ takes dS K of
+ * reads it: P is recomputed from lse, dS = P * (dP - delta) with delta =
+ * rowsum(dO * out) computed once, dK and dV accumulate in the task, and dQ takes dS K of
  * each key block in key-block order whatever the threads (bitwise the same on
  * any thread count): straight into dQ, or through a ring of per-task slots
  * added in task order. With enough key/value heads for every thread a task is
@@ -33,19 +33,19 @@
 
 #include <stdint.h>
 
-#include "gemm.h"
+#include "convert.h"
 #include "opforge/half.h"
 #include "opforge/runtime.h"
 
 typedef enum attn_mask_kind { ATTN_MASK_NONE = 0, ATTN_MASK_BOOL, ATTN_MASK_ADD } attn_mask_kind;
 
 typedef struct attn_problem {
-    int64_t b, h, hkv, n, s, d, dv; /* batch, heads, key/value heads, query and key length, head dims */
+    int64_t b, h, hkv, n, s, d_qk, d_v; /* batch, heads, key/value heads, query and key length, head dims */
     opf_dtype dt;                   /* of q, k, v, out, dout, dq, dk, dv */
     const void *q, *k, *v;
     int64_t qs[4], ks[4], vs[4];    /* element strides (b, h, n|s, d) */
     const void *mask;               /* NULL, or (b, h, n, s) via ms (0 where broadcast) */
-    int mask_kind;                  /* attn_mask_kind */
+    attn_mask_kind mask_kind;
     opf_dtype mask_dt;              /* ATTN_MASK_ADD: the mask's float type */
     int64_t ms[4];
     int causal;
@@ -53,16 +53,16 @@ typedef struct attn_problem {
     void *out;
     int64_t os[4];
     float *lse; /* (b, h, n) contiguous */
-    /* backward: dout like out; dq, dk, dv like q, k, v */
+    /* backward: dout like out; the gradients dq, dk, dv like q, k, v */
     const void *dout;
     int64_t dos[4];
-    void *dq, *dk, *dvv;
+    void *dq, *dk, *dv;
     int64_t dqs[4], dks[4], dvs[4];
 } attn_problem;
 
 typedef struct attn_kernels {
-    const char *name;
-    const gemm_kernels *gemm; /* dtype conversions */
+    OPF_VARIANT_HEAD;
+    const cvt_kernels *cvt; /* 16-bit rows to and from float32 */
     /* C (m x n, row stride ldc) = (acc ? C : 0) + A B with A(i, p) = a[i*rsa + p*csa]
      * and B(p, j) = b[p*ldb + j] */
     void (*mm)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
@@ -74,15 +74,16 @@ typedef struct attn_kernels {
      * j > i + diag; diag >= bk masks nothing. */
     void (*softmax_cols)(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
                          float *alpha, int64_t diag);
-    /* s (bq x bk, row stride ld) = exp(scale * s - lse[i]), 0 for keys j > i + diag;
-     * rows with lse = -inf get zeros */
-    void (*probs)(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag);
-    /* dp = p * (dp - di[i]) * scale (the gradient of the scaled scores) */
-    void (*dscores)(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *di, float scale);
+    /* scores (bq x bk, row stride ld) = exp(scale * scores - lse[i]), 0 for keys
+     * j > i + diag; rows with lse = -inf get zeros */
+    void (*probs)(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag);
+    /* dp = p * (dp - delta[i]) * scale (the gradient of the scaled scores) */
+    void (*dscores)(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta, float scale);
 } attn_kernels;
 
 extern const attn_kernels attn_kernels_ref;
 extern const attn_kernels attn_kernels_avx2; /* attention_avx2.c */
+extern const opf_variants attn_variants;
 
 const attn_kernels *attn_kernels_for(opf_isa isa);
 

@@ -150,10 +150,10 @@ static void softmax_cols_avx2(float *st, int64_t ld, int64_t bk, int64_t bq, flo
 
 static inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
 
-static void probs_avx2(float *s, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag) {
+static void probs_avx2(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag) {
     const __m256 vs2 = _mm256_set1_ps(scale * LOG2E);
     for (int64_t i = 0; i < bq; i++) {
-        float *row = s + i * ld;
+        float *row = scores + i * ld;
         const int64_t keys = lse[i] == -INFINITY ? 0 : clamp64(i + diag + 1, 0, bk); /* the rest are 0 */
         const __m256 vl = _mm256_set1_ps(lse[i] * LOG2E);
         int64_t j = 0;
@@ -162,20 +162,21 @@ static void probs_avx2(float *s, int64_t ld, int64_t bq, int64_t bk, float scale
     }
 }
 
-static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *di, float scale) {
+static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta, float scale) {
     const __m256 vs = _mm256_set1_ps(scale);
     for (int64_t i = 0; i < bq; i++) {
         float *d = dp + i * ld;
         const float *pr = p + i * ld;
-        const __m256 vd = _mm256_set1_ps(di[i]);
+        const __m256 vd = _mm256_set1_ps(delta[i]);
         int64_t j = 0;
         for (; j + 8 <= bk; j += 8) {
             __m256 g = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(d + j), vd), vs);
             _mm256_storeu_ps(d + j, _mm256_mul_ps(_mm256_loadu_ps(pr + j), g));
         }
-        if (j < bk) attn_kernels_ref.dscores(d + j, pr + j, ld, 1, bk - j, di + i, scale);
+        if (j < bk) attn_kernels_ref.dscores(d + j, pr + j, ld, 1, bk - j, delta + i, scale);
     }
 }
 
-const attn_kernels attn_kernels_avx2 = {"avx2", &gemm_kernels_avx2, mm_avx2, softmax_cols_avx2, probs_avx2,
-                                        dscores_avx2};
+const attn_kernels attn_kernels_avx2 = {.name = "avx2", .isa = OPF_ISA_AVX2, .cvt = &cvt_kernels_avx2, .mm = mm_avx2,
+                                        .softmax_cols = softmax_cols_avx2, .probs = probs_avx2,
+                                        .dscores = dscores_avx2};

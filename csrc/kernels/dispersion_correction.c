@@ -37,6 +37,8 @@ DC_REF(bf16, uint16_t, float, opf_bf16_to_f32, opf_f32_to_bf16, sqrtf)
 DC_REF(f16, uint16_t, float, opf_f16_to_f32, opf_f32_to_f16, sqrtf)
 
 const dc_kernels dc_kernels_ref = {
+    .name = "ref",
+    .isa = OPF_ISA_REF,
     .fwd = {[OPF_F32] = dc_fwd_f32, [OPF_F64] = dc_fwd_f64, [OPF_BF16] = dc_fwd_bf16,
             [OPF_F16] = dc_fwd_f16},
     .bwd = {[OPF_F32] = dc_bwd_f32, [OPF_F64] = dc_bwd_f64, [OPF_BF16] = dc_bwd_bf16,
@@ -44,17 +46,14 @@ const dc_kernels dc_kernels_ref = {
 };
 
 /* The ISA files are left out of builds for other architectures: weak references
- * resolve to NULL there and the table falls back. */
+ * resolve to NULL there and the choice falls back. */
 extern const dc_kernels dc_kernels_avx2 __attribute__((weak));
 extern const dc_kernels dc_kernels_avx512 __attribute__((weak));
 
-const dc_kernels *dc_kernels_for(opf_isa isa) {
-    const dc_kernels *table[OPF_ISA_COUNT] = {&dc_kernels_ref, &dc_kernels_avx2,
-                                              &dc_kernels_avx512};
-    for (int i = isa; i > 0; i--)
-        if (table[i]) return table[i];
-    return &dc_kernels_ref;
-}
+const opf_variants dc_variants = OPF_VARIANTS("dispersion_correction", &dc_kernels_ref, &dc_kernels_avx2,
+                                              &dc_kernels_avx512);
+
+const dc_kernels *dc_kernels_for(opf_isa isa) { return opf_variant_pick(&dc_variants, isa); }
 
 /* ---- drivers ---------------------------------------------------------------- */
 
@@ -78,12 +77,12 @@ static void dc_segment(void *ctx, const int64_t *off, const int64_t *st, int64_t
 
 void dc_fwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *y, const void *x,
             double alpha) {
-    dc_job j = {k->fwd[dt], NULL, opf_dtype_size(dt), y, x, NULL, alpha};
+    dc_job j = {.fwd = k->fwd[dt], .es = opf_dtype_size(dt), .out = y, .in1 = x, .alpha = alpha};
     opf_nd_parallel(nd, DC_GRAIN, dc_segment, &j);
 }
 
 void dc_bwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx, const void *dy,
             const void *x, double alpha) {
-    dc_job j = {NULL, k->bwd[dt], opf_dtype_size(dt), dx, dy, x, alpha};
+    dc_job j = {.bwd = k->bwd[dt], .es = opf_dtype_size(dt), .out = dx, .in1 = dy, .in2 = x, .alpha = alpha};
     opf_nd_parallel(nd, DC_GRAIN, dc_segment, &j);
 }

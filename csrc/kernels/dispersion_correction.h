@@ -23,6 +23,7 @@ typedef void (*dc_bwd_fn)(void *dx, const void *dy, const void *x, int64_t n, in
                           int64_t dys, int64_t xs, double alpha);
 
 typedef struct dc_kernels {
+    OPF_VARIANT_HEAD;
     dc_fwd_fn fwd[OPF_DTYPE_COUNT];
     dc_bwd_fn bwd[OPF_DTYPE_COUNT];
 } dc_kernels;
@@ -30,6 +31,7 @@ typedef struct dc_kernels {
 extern const dc_kernels dc_kernels_ref;
 extern const dc_kernels dc_kernels_avx2;   /* dispersion_correction_avx2.c */
 extern const dc_kernels dc_kernels_avx512; /* dispersion_correction_avx512.c */
+extern const opf_variants dc_variants;
 
 /* Kernels for isa; an ISA this build lacks falls back to the next one below. */
 const dc_kernels *dc_kernels_for(opf_isa isa);

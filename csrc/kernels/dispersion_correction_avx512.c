@@ -121,6 +121,8 @@ static void dc_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, in
 }
 
 const dc_kernels dc_kernels_avx512 = {
+    .name = "avx512",
+    .isa = OPF_ISA_AVX512,
     .fwd = {[OPF_F32] = dc_fwd_f32, [OPF_F64] = dc_fwd_f64, [OPF_BF16] = dc_fwd_bf16,
             [OPF_F16] = dc_fwd_f16},
     .bwd = {[OPF_F32] = dc_bwd_f32, [OPF_F64] = dc_bwd_f64, [OPF_BF16] = dc_bwd_bf16,

@@ -14,23 +14,21 @@
  * Kernels never allocate: the caller passes a workspace and its size, at
  * least gemm_workspace_floats() of the product being run. Threads come from
  * opf_parallel_for.
+ *
+ * Files by job, as BLIS separates them: gemm_ref.c (the oracles, the scalar
+ * epilogue and micro-kernel, the reference table), gemm_pack.c (packing),
+ * gemm.c (plan, workspace layout, driver), gemm_<isa>.c (micro-kernels and
+ * their tables). Activations are act.h's, dtype conversions convert.h's.
  */
 #ifndef OPFORGE_KERNELS_GEMM_H
 #define OPFORGE_KERNELS_GEMM_H
 
 #include <stdint.h>
 
+#include "act.h"
+#include "convert.h"
 #include "opforge/half.h"
 #include "opforge/runtime.h"
-
-typedef enum gemm_act {
-    GEMM_ACT_NONE = 0,
-    GEMM_ACT_RELU,
-    GEMM_ACT_GELU,      /* 0.5 x (1 + erf(x / sqrt 2)) */
-    GEMM_ACT_GELU_TANH, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
-    GEMM_ACT_SILU,      /* x / (1 + exp(-x)) */
-    GEMM_ACT_COUNT
-} gemm_act;
 
 typedef enum gemm_bias_kind {
     GEMM_BIAS_NONE = 0,
@@ -41,8 +39,8 @@ typedef enum gemm_bias_kind {
 typedef struct gemm_epilogue {
     float beta;
     const float *bias;
-    int bias_kind;  /* gemm_bias_kind */
-    int act;        /* gemm_act */
+    gemm_bias_kind bias_kind;
+    act_kind act;
     float *preact;  /* optional (M,N), row stride rsp: the value before the activation */
     int64_t rsp;
     /* 16-bit results: with out16 set, the last K slice writes act(v) to out16
@@ -51,7 +49,7 @@ typedef struct gemm_epilogue {
      * holds the partial sums of earlier K slices, and may be NULL when K fits
      * one slice (kdim <= gemm_slice_depth). beta must be 0. */
     void *out16, *pre16;
-    int out_dt;
+    opf_dtype out_dt;
 } gemm_epilogue;
 
 /* What one micro-kernel call finishes: C tile (m <= MR rows, n <= NR cols).
@@ -64,15 +62,15 @@ typedef struct gemm_tile {
     int load_c;
     float beta;
     const float *bias_n, *bias_m;
-    int act;
+    act_kind act;
     float *pre;
     int64_t rsp;
     uint16_t *c16, *pre16;
-    int dt16;
+    opf_dtype dt16;
 } gemm_tile;
 
-/* acc = Ap (MR x kc, packed column by column) . Bp (kc x NR, packed row by row) */
-typedef void (*gemm_ukernel_fn)(int64_t kc, const float *ap, const float *bp, float *c, int64_t rsc,
+/* acc = Ap (MR x depth, packed column by column) . Bp (depth x NR, packed row by row) */
+typedef void (*gemm_ukernel_fn)(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc,
                                 int m, int n, const gemm_tile *t);
 
 /* The bfloat16 pair micro-kernel: the same tile from kp K pairs. A pair is
@@ -83,21 +81,17 @@ typedef void (*gemm_ukernel_fn)(int64_t kc, const float *ap, const float *bp, fl
 typedef void (*gemm_ukernel_pairs_fn)(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc,
                                       int m, int n, const gemm_tile *t);
 
-/* out[i] = g[i] * act'(pre[i]) for n elements (the backward's first step) */
-typedef void (*gemm_act_grad_fn)(float *out, const float *g, const float *pre, int64_t n, int act);
-/* n contiguous elements between float32 and a 16-bit type (dt: OPF_BF16 / OPF_F16) */
-typedef void (*gemm_to_f32_fn)(float *dst, const uint16_t *src, int dt, int64_t n);
-typedef void (*gemm_from_f32_fn)(uint16_t *dst, const float *src, int dt, int64_t n);
-
 typedef struct gemm_kernels {
-    const char *name; /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32", "amx_32x32" */
+    OPF_VARIANT_HEAD; /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32", "amx_32x32" */
     int mr, nr;       /* register block (of the pair kernel, where `f32` is set) */
     int64_t mc, kc, nc; /* cache blocks: A block MC x KC in L2, B panel KC x NC in L3 */
     gemm_ukernel_fn ukernel;
     gemm_ukernel_pairs_fn ukernel_pairs; /* NULL: bfloat16 operands are converted to float32 */
-    gemm_act_grad_fn act_grad;
-    gemm_to_f32_fn to_f32;
-    gemm_from_f32_fn from_f32;
+    /* The conversions of the same ISA (16-bit operands are converted while
+     * packed), and the activations whose derivatives match this epilogue's
+     * activations (the linear backward takes them from here) */
+    const cvt_kernels *cvt;
+    const act_kernels *act;
     /* Tile layout of the pair kernel (AMX): 0, or the pairs of one tile row
      * (16). Then A slivers are packed a tile at a time, row-major:
      * Ap[(p / tile_pairs) * MR * tile_pairs + r * tile_pairs + p % tile_pairs]
@@ -117,41 +111,36 @@ extern const gemm_kernels gemm_kernels_avx2;   /* gemm_avx2.c */
 extern const gemm_kernels gemm_kernels_avx512; /* gemm_avx512.c */
 extern const gemm_kernels gemm_kernels_avx512_bf16; /* gemm_avx512.c: the same plus the pair kernel */
 extern const gemm_kernels gemm_kernels_amx;         /* gemm_amx.c: AMX-BF16 tiles for pairs, else avx512 */
+extern const opf_variants gemm_variants;
 
 const gemm_kernels *gemm_kernels_for(opf_isa isa);
 
 /* The K depth one slice covers for these operand types: a product with
  * kdim <= this and 16-bit results (gemm_epilogue.out16) needs no float32 C. */
-int64_t gemm_slice_depth(const gemm_kernels *k, opf_dtype ta, opf_dtype tb);
+int64_t gemm_slice_depth(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb);
 
 /* Floats of workspace gemm_f32 / gemm_f32x need for an M x N x K product, at
  * the current thread count. It is not monotonic in M: a few rows pack the
  * whole of A, enough rows for every thread pack one block per worker, so a
  * caller that runs a product in row chunks sizes for each chunk length it
  * runs (the full chunk and the last, shorter one) and takes the larger. */
-int64_t gemm_workspace_floats(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim);
+int64_t gemm_workspace_floats(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim);
 
 /* Returns 0, or -1 without touching anything when ws_floats is smaller than
  * the plan it would run needs (a caller that sized for another product). */
-int gemm_f32(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
+int gemm_f32(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
              int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
              const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
 
 /* The same with bfloat16 / float16 (or float32) operands: C stays float32
- * and the product accumulates in float32. With a pair kernel (k->ukernel_pairs)
+ * and the product accumulates in float32. With a pair kernel (kern->ukernel_pairs)
  * and a bfloat16 operand whose partner is bfloat16 or float32, both are
  * packed as bfloat16 pairs (a float32 partner rounded to nearest even, as
  * PyTorch rounds a bfloat16 op's intermediate results) and multiplied by the
  * pair kernel. Otherwise both are converted to float32 while packed. */
-int gemm_f32x(const gemm_kernels *k, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
+int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
               int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
               int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
-
-/* dst[i] = src[i * stride] converted to float32 / from float32 (rounded to
- * nearest even) for the three float32-computed types; contiguous runs use the
- * ISA's vector conversions and threads. */
-void gemm_load_f32(const gemm_kernels *k, float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride);
-void gemm_store_f32(const gemm_kernels *k, void *dst, opf_dtype dt, const float *src, int64_t n);
 
 /* Naive triple loop with the same epilogue, accumulating in double: the oracle. */
 void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,
@@ -162,23 +151,8 @@ void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rs
  * contract in double, activations from libm; the bias of any stride. */
 void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa,
                   const double *b, int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta,
-                  const double *bias, int64_t bias_stride, int bias_kind, int act, double *preact, int64_t rsp);
-double gemm_act_grad_f64(int act, double x);
-
-/* Row blocks of g' = g * act'(pre) over (m, n) matrices of type dt (float32,
- * bfloat16 or float16; 16-bit ones computed in float32 and rounded once) with
- * row strides, threaded. out may be pre (in place). With db (optional, n
- * floats) also db[j] = sum_i g'[i, j] of g' as stored, in the same pass: what
- * gemm_colsum gives, without reading g' again. */
-void gemm_act_grad_rows(const gemm_kernels *k, opf_dtype dt, void *out, int64_t rso, const void *g, int64_t rsg,
-                        const void *pre, int64_t rsp, int64_t m, int64_t n, int act, float *db);
-/* db[j] = (beta ? db[j] : 0) + sum_i g[i, j] in float32 over g of type dt; threaded over columns. */
-void gemm_colsum(const gemm_kernels *k, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
-                 int beta);
-
-/* Scalar activation and its derivative (also the tail path of the ISA files). */
-float gemm_act_f32(int act, float x);
-float gemm_act_grad_f32(int act, float x);
+                  const double *bias, int64_t bias_stride, gemm_bias_kind bias_kind, act_kind act, double *preact,
+                  int64_t rsp);
 
 /* The scalar epilogue of one tile from a full MR x NR accumulator (row stride
  * nr): what micro-kernels use for partial tiles. */

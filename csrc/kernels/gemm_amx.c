@@ -147,8 +147,7 @@ static void ukernel_amx_32x32(int64_t kp, const uint32_t *ap, const uint32_t *bp
 
 /* MC 128 x KC 1024 pairs: an A block of 512 KiB, a B sliver of 128 KiB in a
  * 2 MiB L2; untuned (no AMX CPU was at hand when it was written). */
-const gemm_kernels gemm_kernels_amx = {.name = "amx_32x32", .mr = MR, .nr = NR, .mc = 128, .kc = 1024, .nc = 1024,
-                                       .ukernel = NULL, .ukernel_pairs = ukernel_amx_32x32,
-                                       .act_grad = act_grad_8wide, .to_f32 = to_f32_avx512,
-                                       .from_f32 = from_f32_avx512, .tile_pairs = TP, .f32 = &gemm_kernels_avx512,
-                                       .release = tiles_release};
+const gemm_kernels gemm_kernels_amx = {.name = "amx_32x32", .isa = OPF_ISA_AMX, .mr = MR, .nr = NR, .mc = 128,
+                                       .kc = 1024, .nc = 1024, .ukernel = NULL, .ukernel_pairs = ukernel_amx_32x32,
+                                       .cvt = &cvt_kernels_avx512, .act = &act_kernels_avx2, .tile_pairs = TP,
+                                       .f32 = &gemm_kernels_avx512, .release = tiles_release};

@@ -8,13 +8,12 @@
  * an A block MC x KC = 120 KiB in L2, a B panel KC x NC = 3 MiB in L3.
  */
 #include <immintrin.h>
-#include <math.h>
 
 #include "gemm.h"
 #include "half_avx2.h"
 #include "act_avx2.h"
 
-static inline void st16(uint16_t *p, __m256 v, int dt) {
+static inline void st16(uint16_t *p, __m256 v, opf_dtype dt) {
     if (dt == OPF_BF16) st_bf16(p, v);
     else st_f16(p, v);
 }
@@ -34,7 +33,7 @@ static inline void store8(float *c, float *pre, uint16_t *c16, uint16_t *pre16, 
 #define MR 6
 #define NR 16
 
-static void ukernel_avx2_6x16(int64_t kc, const float *ap, const float *bp, float *c, int64_t rsc, int m,
+static void ukernel_avx2_6x16(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc, int m,
                               int n, const gemm_tile *t) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -44,7 +43,7 @@ static void ukernel_avx2_6x16(int64_t kc, const float *ap, const float *bp, floa
         _mm_prefetch((const char *)(c + i * rsc), _MM_HINT_T0);
         _mm_prefetch((const char *)(c + i * rsc + 15), _MM_HINT_T0);
     }
-    for (int64_t p = 0; p < kc; p++, ap += MR, bp += NR) {
+    for (int64_t p = 0; p < depth; p++, ap += MR, bp += NR) {
         __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), a;
         a = _mm256_broadcast_ss(ap + 0); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
         a = _mm256_broadcast_ss(ap + 1); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
@@ -73,24 +72,6 @@ static void ukernel_avx2_6x16(int64_t kc, const float *ap, const float *bp, floa
     gemm_tile_store(buf, NR, c, rsc, m, n, t);
 }
 
-static void to_f32_avx2(float *dst, const uint16_t *src, int dt, int64_t n) {
-    int64_t i = 0;
-    if (dt == OPF_BF16)
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ld_bf16(src + i));
-    else
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ld_f16(src + i));
-    gemm_kernels_ref.to_f32(dst + i, src + i, dt, n - i);
-}
-
-static void from_f32_avx2(uint16_t *dst, const float *src, int dt, int64_t n) {
-    int64_t i = 0;
-    if (dt == OPF_BF16)
-        for (; i + 8 <= n; i += 8) st_bf16(dst + i, _mm256_loadu_ps(src + i));
-    else
-        for (; i + 8 <= n; i += 8) st_f16(dst + i, _mm256_loadu_ps(src + i));
-    gemm_kernels_ref.from_f32(dst + i, src + i, dt, n - i);
-}
-
-const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16", .mr = MR, .nr = NR, .mc = 120, .kc = 384, .nc = 3072,
-                                        .ukernel = ukernel_avx2_6x16, .act_grad = act_grad_8wide,
-                                        .to_f32 = to_f32_avx2, .from_f32 = from_f32_avx2};
+const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16", .isa = OPF_ISA_AVX2, .mr = MR, .nr = NR, .mc = 120,
+                                        .kc = 384, .nc = 3072, .ukernel = ukernel_avx2_6x16, .cvt = &cvt_kernels_avx2,
+                                        .act = &act_kernels_avx2};

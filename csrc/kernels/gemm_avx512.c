@@ -40,13 +40,13 @@ static inline void finish_tile(__m512 acc[MR][2], float *c, int64_t rsc, int m, 
     gemm_tile_store(buf, NR, c, rsc, m, n, t);
 }
 
-static void ukernel_avx512_12x32(int64_t kc, const float *ap, const float *bp, float *c, int64_t rsc, int m, int n,
+static void ukernel_avx512_12x32(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc, int m, int n,
                                  const gemm_tile *t) {
     __m512 acc[MR][2];
 #pragma GCC unroll 12
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     prefetch_tile(c, rsc, m, t);
-    for (int64_t p = 0; p < kc; p++, ap += MR, bp += NR) {
+    for (int64_t p = 0; p < depth; p++, ap += MR, bp += NR) {
         __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16);
 #pragma GCC unroll 12
         for (int i = 0; i < MR; i++) {
@@ -81,12 +81,13 @@ __attribute__((target("avx512bf16"))) static void ukernel_avx512bf16_12x32(int64
     finish_tile(acc, c, rsc, m, n, t);
 }
 
-const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32", .mr = MR, .nr = NR, .mc = 120, .kc = 1024,
-                                          .nc = 1024, .ukernel = ukernel_avx512_12x32, .act_grad = act_grad_8wide,
-                                          .to_f32 = to_f32_avx512, .from_f32 = from_f32_avx512};
+/* the activation gradient is the AVX2 one: the epilogue's activations are the AVX2 ones too */
+const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32", .isa = OPF_ISA_AVX512, .mr = MR, .nr = NR, .mc = 120,
+                                          .kc = 1024, .nc = 1024, .ukernel = ukernel_avx512_12x32,
+                                          .cvt = &cvt_kernels_avx512, .act = &act_kernels_avx2};
 
-const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32", .mr = MR, .nr = NR, .mc = 120,
-                                               .kc = 1024, .nc = 1024, .ukernel = ukernel_avx512_12x32,
+const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32", .isa = OPF_ISA_AVX512_BF16, .mr = MR,
+                                               .nr = NR, .mc = 120, .kc = 1024, .nc = 1024,
+                                               .ukernel = ukernel_avx512_12x32,
                                                .ukernel_pairs = ukernel_avx512bf16_12x32,
-                                               .act_grad = act_grad_8wide, .to_f32 = to_f32_avx512,
-                                               .from_f32 = from_f32_avx512};
+                                               .cvt = &cvt_kernels_avx512, .act = &act_kernels_avx2};

@@ -1,7 +1,7 @@
 /*
  * AVX-512 pieces the AVX-512 and AMX GEMM kernels share: the 16-lane
  * epilogue (beta, bias, pre-activation, activation, 16-bit rounding) and the
- * bfloat16 / float16 conversions. Include from files built with the avx512
+ * tile prefetch. Include from files built with the avx512
  * flags only.
  */
 #ifndef OPFORGE_KERNELS_GEMM_AVX512_H
@@ -11,16 +11,7 @@
 
 #include "act_avx2.h"
 #include "gemm.h"
-
-/* 16 floats rounded to bfloat16 / float16 as opforge/half.h rounds */
-static inline __m256i round16x16(__m512 v, int dt) {
-    if (dt != OPF_BF16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
-}
+#include "half_avx512.h"
 
 /* 16 columns of one row: c / pre are float32 (NULL when unused), c16 / pre16 16-bit */
 static inline void store16(float *c, float *pre, uint16_t *c16, uint16_t *pre16, __m512 v, const gemm_tile *t,
@@ -30,7 +21,7 @@ static inline void store16(float *c, float *pre, uint16_t *c16, uint16_t *pre16,
     if (t->bias_m) v = _mm512_add_ps(v, _mm512_set1_ps(bias_m));
     if (pre) _mm512_storeu_ps(pre, v);
     if (pre16) _mm256_storeu_si256((__m256i *)pre16, round16x16(v, t->dt16));
-    if (t->act != GEMM_ACT_NONE)
+    if (t->act != ACT_NONE)
         v = _mm512_insertf32x8(_mm512_castps256_ps512(act8(t->act, _mm512_castps512_ps256(v))),
                                act8(t->act, _mm512_extractf32x8_ps(v, 1)), 1);
     if (c16) _mm256_storeu_si256((__m256i *)c16, round16x16(v, t->dt16));
@@ -58,24 +49,6 @@ static inline void prefetch_tile(const float *c, int64_t rsc, int m, const gemm_
             _mm_prefetch((const char *)(c + i * rsc), _MM_HINT_T0);
             _mm_prefetch((const char *)(c + i * rsc + 31), _MM_HINT_T0);
         }
-    }
-}
-
-/* conversions: 16 lanes, masked tails (rounding as opforge/half.h) */
-static inline void to_f32_avx512(float *dst, const uint16_t *src, int dt, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        __m256i h = _mm256_maskz_loadu_epi16(m, src + i);
-        __m512 v = dt == OPF_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                                  : _mm512_cvtph_ps(h);
-        _mm512_mask_storeu_ps(dst + i, m, v);
-    }
-}
-
-static inline void from_f32_avx512(uint16_t *dst, const float *src, int dt, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        _mm256_mask_storeu_epi16(dst + i, m, round16x16(_mm512_maskz_loadu_ps(m, src + i), dt));
     }
 }
 

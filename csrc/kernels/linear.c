@@ -148,7 +148,7 @@ int linear_fwd(const gemm_kernels *gemm, const linear_problem *p, float *ws, int
     float *bias = NULL;
     if (p->bias) {
         bias = ws + l.bias;
-        gemm_load_f32(gemm, bias, p->bias, p->dt, n, p->bias_stride);
+        cvt_load_f32(gemm->cvt, bias, p->bias, p->dt, n, p->bias_stride);
     }
     for (int64_t i = 0; i < v.count; i++) {
         int64_t oo = i * v.rows * n;
@@ -198,14 +198,14 @@ static int bwd_in_place(const gemm_kernels *gemm, const linear_problem *p, float
     rows_view gv = view_rows(&p->grad), xv = view_rows(&p->x);
     void *gp = p->saved_preact.data;
     float *db32 = !p->bias ? NULL : half ? ws + l.dbias : p->dbias;
-    gemm_act_grad_rows(gemm, dt, gp, n, p->grad.data, gv.rs, gp, n, p->m, n, p->act, db32); /* and dbias */
+    act_grad_rows(gemm->act, gemm->cvt, dt, gp, n, p->grad.data, gv.rs, gp, n, p->m, n, p->act, db32); /* and dbias */
     /* dx (m, k) = g' (m, n) . weight (n, k) */
     TRY(linear_gemm(gemm, &l.dx, p->m, kdim, n, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1], p->dx,
-                    NULL, dt, NULL, GEMM_ACT_NONE, ws));
+                    NULL, dt, NULL, ACT_NONE, ws));
     /* dweight (n, k) = sum over x's matrices of g'^T (n, rows) . x (rows, k) */
     if (xv.count == 1) {
         TRY(linear_gemm(gemm, &l.dweight, n, kdim, xv.rows, gp, 1, n, p->x.data, xv.rs, xv.cs, p->dweight, NULL, dt,
-                        NULL, GEMM_ACT_NONE, ws));
+                        NULL, ACT_NONE, ws));
     } else {
         for (int64_t i = 0; i < xv.count; i++) {
             gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
@@ -214,7 +214,7 @@ static int bwd_in_place(const gemm_kernels *gemm, const linear_problem *p, float
                           kdim, &acc, ws, l.dweight.gemm_floats));
         }
     }
-    if (p->bias && half) gemm_store_f32(gemm, p->dbias, dt, db32, n);
+    if (p->bias && half) cvt_store_f32(gemm->cvt, p->dbias, dt, db32, n);
     return 0;
 }
 
@@ -265,7 +265,7 @@ static void gather_grad_f64(const linear_problem *p, const rows_view *gv, const 
         const double *pr =
             recompute ? dst : p->act ? (const double *)p->saved_preact.data + row_offset(&p->saved_preact, pv, row0 + r) : NULL;
         for (int64_t j = 0; j < n; j++)
-            dst[j] = p->act ? gr[j * gv->cs] * gemm_act_grad_f64(p->act, pr[recompute ? j : j * pv->cs]) : gr[j * gv->cs];
+            dst[j] = p->act ? gr[j * gv->cs] * act_grad_f64(p->act, pr[recompute ? j : j * pv->cs]) : gr[j * gv->cs];
     }
 }
 
@@ -282,18 +282,18 @@ static void gather_grad_f32(const gemm_kernels *gemm, const linear_problem *p, c
         const float *gr = at(p->grad.data, go, p->dt);
         const float *pr = recompute ? dst : act ? at(p->saved_preact.data, po, p->dt) : NULL;
         if (recompute && half) { /* rounded as the forward stores it: the gradients of a kept preact */
-            gemm->from_f32((uint16_t *)prow, dst, p->dt, n);
-            gemm->to_f32(dst, (const uint16_t *)prow, p->dt, n);
+            gemm->cvt->from_f32((uint16_t *)prow, dst, p->dt, n);
+            gemm->cvt->to_f32(dst, (const uint16_t *)prow, p->dt, n);
         }
         if (half || gv->cs != 1) { /* convert / gather to float32 rows first */
-            gemm_load_f32(gemm, act ? grow : dst, at(p->grad.data, go, p->dt), p->dt, n, gv->cs);
+            cvt_load_f32(gemm->cvt, act ? grow : dst, at(p->grad.data, go, p->dt), p->dt, n, gv->cs);
             gr = act ? grow : dst;
         }
         if (act && !recompute && (half || pv->cs != 1)) {
-            gemm_load_f32(gemm, prow, at(p->saved_preact.data, po, p->dt), p->dt, n, pv->cs);
+            cvt_load_f32(gemm->cvt, prow, at(p->saved_preact.data, po, p->dt), p->dt, n, pv->cs);
             pr = prow;
         }
-        if (act) gemm->act_grad(dst, gr, pr, n, act);
+        if (act) gemm->act->grad(dst, gr, pr, n, act);
         else if (gr != dst)
             for (int64_t j = 0; j < n; j++) dst[j] = gr[j];
     }
@@ -312,7 +312,7 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
     float *gemm_ws = ws + l.gemm_ws, *bias32 = ws + l.bias;
     float *dx32 = half ? ws + l.dx : NULL, *dw32 = half ? ws + l.dweight : p->dweight;
     float *db32 = half ? ws + l.dbias : p->dbias;
-    if (recompute && p->bias && !f64) gemm_load_f32(gemm, bias32, p->bias, dt, n, p->bias_stride);
+    if (recompute && p->bias && !f64) cvt_load_f32(gemm->cvt, bias32, p->bias, dt, n, p->bias_stride);
     int first = 1;
     for (int64_t i = 0; i < xv.count; i++) {              /* x's matrices */
         for (int64_t r0 = 0; r0 < xv.rows; r0 += l.chunk) { /* row chunks of one matrix */
@@ -321,7 +321,7 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
             if (recompute && f64) /* preact rows (rows, n) = x rows . weight^T + bias, into the g' scratch */
                 gemm_ref_f64(rows, n, kdim, (const double *)p->x.data + xo, xv.rs, xv.cs, p->weight,
                              p->weight_strides[1], p->weight_strides[0], gp, n, 0.0, p->bias, p->bias ? p->bias_stride : 0,
-                             p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                             p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
             else if (recompute) {
                 gemm_epilogue ep = {.bias = p->bias ? bias32 : NULL, .bias_kind = p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
                 TRY(gemm_f32x(gemm, rows, n, kdim, at(p->x.data, xo, dt), dt, xv.rs, xv.cs, p->weight, dt,
@@ -330,9 +330,9 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
             if (f64) {
                 gather_grad_f64(p, &gv, &pv, recompute, row0, rows, gp);
                 gemm_ref_f64(rows, kdim, n, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1],
-                             (double *)p->dx + row0 * kdim, kdim, 0.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                             (double *)p->dx + row0 * kdim, kdim, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
                 gemm_ref_f64(n, kdim, rows, gp, 1, n, (const double *)p->x.data + xo, xv.rs, xv.cs, p->dweight, kdim,
-                             first ? 0.0 : 1.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                             first ? 0.0 : 1.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
                 for (int64_t j = 0; p->bias && j < n; j++) {
                     double sum = first ? 0.0 : ((double *)p->dbias)[j];
                     for (int64_t r = 0; r < rows; r++) sum += ((const double *)gp)[r * n + j];
@@ -345,11 +345,11 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
                 /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
                 TRY(gemm_f32x(gemm, rows, kdim, n, gp, OPF_F32, n, 1, p->weight, dt, p->weight_strides[0],
                               p->weight_strides[1], dxr, kdim, &none, gemm_ws, l.gemm_floats));
-                if (half) gemm_store_f32(gemm, at(p->dx, row0 * kdim, dt), dt, dx32, rows * kdim);
+                if (half) cvt_store_f32(gemm->cvt, at(p->dx, row0 * kdim, dt), dt, dx32, rows * kdim);
                 /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
                 TRY(gemm_f32x(gemm, n, kdim, rows, gp, OPF_F32, 1, n, at(p->x.data, xo, dt), dt, xv.rs, xv.cs, dw32,
                               kdim, &acc, gemm_ws, l.gemm_floats));
-                if (p->bias) gemm_colsum(gemm, db32, gp, OPF_F32, n, rows, n, !first);
+                if (p->bias) colsum_f32(gemm->cvt, db32, gp, OPF_F32, n, rows, n, !first);
             }
             first = 0;
         }
@@ -365,8 +365,8 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
         }
     }
     if (half) {
-        gemm_store_f32(gemm, p->dweight, dt, dw32, n * kdim);
-        if (p->bias) gemm_store_f32(gemm, p->dbias, dt, db32, n);
+        cvt_store_f32(gemm->cvt, p->dweight, dt, dw32, n * kdim);
+        if (p->bias) cvt_store_f32(gemm->cvt, p->dbias, dt, db32, n);
     }
     return 0;
 }

@@ -52,7 +52,7 @@ typedef struct linear_view {
 typedef struct linear_problem {
     int64_t m, in_features, out_features; /* M rows (x's leading dims), K, N */
     opf_dtype dt;                          /* of every tensor below */
-    int act;                               /* gemm_act */
+    int act;                               /* act_kind */
     linear_view x;                         /* (..., K) */
     const void *weight;                    /* (N, K): weight[o * weight_strides[0] + i * weight_strides[1]] */
     int64_t weight_strides[2];

@@ -11,8 +11,18 @@
 #include "opforge/runtime.h"
 
 typedef double (*probe_fma_fn)(int64_t iters, float *sink);
-extern const probe_fma_fn probe_fma_avx2;   /* probe_avx2.c */
-extern const probe_fma_fn probe_fma_avx512; /* probe_avx512.c */
+
+typedef struct probe_kernels {
+    OPF_VARIANT_HEAD;
+    probe_fma_fn fma; /* NULL: no probe (the reference: a scalar loop says nothing of the vector peak) */
+} probe_kernels;
+
+extern const probe_kernels probe_kernels_ref;
+extern const probe_kernels probe_kernels_avx2;   /* probe_avx2.c */
+extern const probe_kernels probe_kernels_avx512; /* probe_avx512.c */
+extern const opf_variants probe_variants;
+
+const probe_kernels *probe_kernels_for(opf_isa isa);
 
 /* FLOPs of `iters` rounds of the best FMA loop of isa (0 when it has none). */
 double probe_fma(opf_isa isa, int64_t iters);

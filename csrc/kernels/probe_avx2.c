@@ -22,4 +22,4 @@ static double fma_loop(int64_t iters, float *sink) {
     return (double)iters * 12 * 8 * 2;
 }
 
-const probe_fma_fn probe_fma_avx2 = fma_loop;
+const probe_kernels probe_kernels_avx2 = {.name = "avx2", .isa = OPF_ISA_AVX2, .fma = fma_loop};

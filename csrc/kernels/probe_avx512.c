@@ -22,4 +22,4 @@ static double fma_loop(int64_t iters, float *sink) {
     return (double)iters * 16 * 16 * 2;
 }
 
-const probe_fma_fn probe_fma_avx512 = fma_loop;
+const probe_kernels probe_kernels_avx512 = {.name = "avx512", .isa = OPF_ISA_AVX512, .fma = fma_loop};

@@ -1,4 +1,5 @@
-/* CPU feature detection (cpuid + XCR0) and the process-wide ISA choice. */
+/* CPU feature detection (cpuid + XCR0), the process-wide ISA choice and the
+ * choice of a kernel family's variant for it. */
 #define _DEFAULT_SOURCE /* syscall */
 #include <stdio.h>
 #include <stdlib.h>
@@ -156,4 +157,13 @@ int opf_runtime_init(char *err, size_t errlen) {
     const char *file = getenv("OPFORGE_LOG_FILE");
     if (file && file[0] && opf_log_set_file(file, "the environment variable OPFORGE_LOG_FILE", err, errlen)) return -1;
     return 0;
+}
+
+const void *opf_variant_pick(const opf_variants *vs, opf_isa isa) {
+    const opf_variant *best = NULL;
+    for (int i = 0; i < vs->count; i++) {
+        const opf_variant *v = vs->tables[i];
+        if (v && v->isa <= isa && (!best || v->isa >= best->isa)) best = v;
+    }
+    return best;
 }

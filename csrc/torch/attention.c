@@ -88,7 +88,7 @@ static attn_args check_attention(const char *op, AtenTensorHandle q_h, AtenTenso
         opf_fail(op, "argument 'k' must have the head_dim of 'q' (%lld), got %lld", (long long)qs[3], (long long)ks[3]);
     if (vs[2] != ks[2])
         opf_fail(op, "argument 'v' must have the key length of 'k' (%lld), got %lld", (long long)ks[2], (long long)vs[2]);
-    a.p = (attn_problem){.b = qs[0], .h = qs[1], .hkv = ks[1], .n = qs[2], .s = ks[2], .d = qs[3], .dv = vs[3],
+    a.p = (attn_problem){.b = qs[0], .h = qs[1], .hkv = ks[1], .n = qs[2], .s = ks[2], .d_qk = qs[3], .d_v = vs[3],
                          .dt = opf_check_float(op, "q", &a.q), .q = a.q.data, .k = a.k.data, .v = a.v.data,
                          .causal = causal};
     for (int d = 0; d < 4; d++) a.p.qs[d] = a.q.strides[d], a.p.ks[d] = a.k.strides[d], a.p.vs[d] = a.v.strides[d];
@@ -115,7 +115,7 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     attn_args a = check_attention(ATT, q_h, k_h, v_h, mask_h, opf_arg_bool(stack[4]), has_scale, scale);
     attn_problem *p = &a.p;
-    const int64_t osz[4] = {p->b, p->h, p->n, p->dv}, ost[4] = {p->n * p->h * p->dv, p->dv, p->h * p->dv, 1};
+    const int64_t osz[4] = {p->b, p->h, p->n, p->d_v}, ost[4] = {p->n * p->h * p->d_v, p->d_v, p->h * p->d_v, 1};
     const int64_t lsz[3] = {p->b, p->h, p->n};
     OPF_OWNED AtenTensorHandle out_h = opf_empty_strided(ATT, 4, osz, ost, a.q.dtype, &a.q);
     OPF_OWNED AtenTensorHandle lse_h = opf_empty(ATT, 3, lsz, aoti_torch_dtype_float32(), &a.q);
@@ -152,7 +152,7 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     attn_problem *p = &a.p;
     opf_tensor g = opf_tensor_info(ABWD, "grad", grad_h), out = opf_tensor_info(ABWD, "out", out_h),
                lse = opf_tensor_info(ABWD, "lse", lse_h);
-    const int64_t osz[4] = {p->b, p->h, p->n, p->dv}, lsz[3] = {p->b, p->h, p->n};
+    const int64_t osz[4] = {p->b, p->h, p->n, p->d_v}, lsz[3] = {p->b, p->h, p->n};
     opf_tensor want = {.ndim = 4, .sizes = osz}, want_lse = {.ndim = 3, .sizes = lsz};
     opf_check_device(ABWD, "grad", &g, "q", &a.q);
     opf_check_device(ABWD, "out", &out, "q", &a.q);
@@ -174,7 +174,7 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     OPF_OWNED AtenTensorHandle dv_h = opf_empty_like(ABWD, &a.v);
     opf_tensor dq = opf_tensor_info(ABWD, "dq", dq_h), dk = opf_tensor_info(ABWD, "dk", dk_h),
                dv = opf_tensor_info(ABWD, "dv", dv_h);
-    p->out = out.data, p->lse = lse.data, p->dout = g.data, p->dq = dq.data, p->dk = dk.data, p->dvv = dv.data;
+    p->out = out.data, p->lse = lse.data, p->dout = g.data, p->dq = dq.data, p->dk = dk.data, p->dv = dv.data;
     for (int d = 0; d < 4; d++) {
         p->os[d] = out.strides[d], p->dos[d] = g.strides[d];
         p->dqs[d] = dq.strides[d], p->dks[d] = dk.strides[d], p->dvs[d] = dv.strides[d];

@@ -9,6 +9,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../kernels/act.h"
+#include "../kernels/attention.h"
+#include "../kernels/convert.h"
+#include "../kernels/dispersion_correction.h"
+#include "../kernels/gemm.h"
 #include "../kernels/probe.h"
 #include "namespace.h"
 #include "opforge/op.h"
@@ -398,6 +403,26 @@ OPF_EXPORT const char *opforge_isa(void) { return opf_isa_name(opf_isa_current()
 OPF_EXPORT const char *opforge_isa_best(void) { return opf_isa_name(opf_isa_best()); }
 /* The ISA names in order (a later one implies the earlier), NULL past the last. */
 OPF_EXPORT const char *opforge_isa_name_at(int i) { return i >= 0 && i < OPF_ISA_COUNT ? opf_isa_name((opf_isa)i) : NULL; }
+
+static const opf_variants *const kernel_families[] = {&dc_variants, &gemm_variants, &attn_variants, &act_variants,
+                                                      &cvt_variants, &probe_variants};
+
+/* Variant i of kernel family f, read from the tables the kernels are chosen
+ * from: the family's name, the variant's (NULL where this build lacks it),
+ * the ISA it needs, and whether the current ISA runs it. Returns 1, 0 past
+ * the family's last variant, -1 past the last family. */
+OPF_EXPORT int opforge_kernel_variant(int f, int i, const char **family, const char **name, const char **isa,
+                                      int *current) {
+    if (f < 0 || f >= (int)(sizeof kernel_families / sizeof *kernel_families)) return -1;
+    const opf_variants *vs = kernel_families[f];
+    if (i < 0 || i >= vs->count) return 0;
+    const opf_variant *v = vs->tables[i];
+    *family = vs->family;
+    *name = v ? v->name : NULL;
+    *isa = v ? opf_isa_name(v->isa) : NULL;
+    *current = v && opf_variant_pick(vs, opf_isa_current()) == v;
+    return 1;
+}
 
 OPF_EXPORT int opforge_set_log_level(const char *name, char *err, size_t errlen) {
     return opf_log_set_level(name, err, errlen);

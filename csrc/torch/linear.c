@@ -38,7 +38,7 @@ static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor
 static void *at(void *p, int64_t i, opf_dtype dt) { return (char *)p + i * (int64_t)opf_dtype_size(dt); }
 
 static void check_activation(const char *op, int64_t act) {
-    if (act < 0 || act >= GEMM_ACT_COUNT)
+    if (act < 0 || act >= ACT_COUNT)
         opf_fail(op, "argument 'activation' must be 0 (none), 1 (relu), 2 (gelu), 3 (gelu_tanh) or 4 (silu), got %lld",
                  (long long)act);
 }
@@ -88,12 +88,12 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         if (dt == OPF_F64) {
             gemm_ref_f64(m, n, kd, (const double *)a.data + i * asb, a.strides[nd - 2], a.strides[nd - 1],
                          (const double *)b.data + i * bsb, b.strides[nd - 2], b.strides[nd - 1],
-                         (double *)c.data + i * m * n, n, 0.0, NULL, 0, GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                         (double *)c.data + i * m * n, n, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
             continue;
         }
         check_ran(MM, linear_gemm(gemm, &plan, m, n, kd, at(a.data, i * asb, dt), a.strides[nd - 2], a.strides[nd - 1],
                                   at(b.data, i * bsb, dt), b.strides[nd - 2], b.strides[nd - 1],
-                                  at(c.data, i * m * n, dt), NULL, dt, NULL, GEMM_ACT_NONE, ws));
+                                  at(c.data, i * m * n, dt), NULL, dt, NULL, ACT_NONE, ws));
     }
     opf_log_call(MM, t0, 3, (opf_tensor[]){a, b, c});
     OPF_RETURN(stack, 0, c_h);
@@ -140,9 +140,9 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
             const double *gi = (const double *)g.data + i * gsb, *ai = (const double *)a.data + i * asb;
             const double *bi = (const double *)b.data + i * bsb;
             gemm_ref_f64(m, kd, n, gi, grs, gcs, bi, bcs, brs, (double *)da.data + i * m * kd, kd, 0.0, NULL, 0,
-                         GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                         GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
             gemm_ref_f64(kd, n, m, ai, acs, ars, gi, grs, gcs, (double *)db.data + i * kd * n, n, 0.0, NULL, 0,
-                         GEMM_BIAS_NONE, GEMM_ACT_NONE, NULL, 0);
+                         GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
         }
     } else {
         const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
@@ -154,10 +154,10 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
             const void *gi = at(g.data, i * gsb, dt), *ai = at(a.data, i * asb, dt), *bi = at(b.data, i * bsb, dt);
             /* da (m, kd) = grad (m, n) . b^T (n, kd) */
             check_ran(MMB, linear_gemm(gemm, &pa, m, kd, n, gi, grs, gcs, bi, bcs, brs, at(da.data, i * m * kd, dt),
-                                       NULL, dt, NULL, GEMM_ACT_NONE, ws));
+                                       NULL, dt, NULL, ACT_NONE, ws));
             /* db (kd, n) = a^T (kd, m) . grad (m, n) */
             check_ran(MMB, linear_gemm(gemm, &pb, kd, n, m, ai, acs, ars, gi, grs, gcs, at(db.data, i * kd * n, dt),
-                                       NULL, dt, NULL, GEMM_ACT_NONE, ws));
+                                       NULL, dt, NULL, ACT_NONE, ws));
         }
     }
     opf_log_call(MMB, t0, 3, (opf_tensor[]){g, a, b});

@@ -5,8 +5,8 @@
     opforge.ops.dispersion_correction(x, 0.8)          # the same op, under the namespace built in
 """
 
-from ._runtime import (cpu_features, get_isa, isa_best, library, namespace, ops, set_isa, set_log_file, set_log_level,
-                       supported_isas)
+from ._runtime import (cpu_features, get_isa, isa_best, kernel_variants, library, namespace, ops, set_isa, set_log_file,
+                       set_log_level, supported_isas)
 from . import functional, nn
 from .build import BuildError, load, load_library
 from .functional import dispersion_correction, linear, matmul, scaled_dot_product_attention
@@ -20,6 +20,7 @@ __all__ = [
     "functional",
     "get_isa",
     "isa_best",
+    "kernel_variants",
     "library",
     "linear",
     "load",

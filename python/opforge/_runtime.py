@@ -24,6 +24,8 @@ _dll.opforge_isa.restype = ctypes.c_char_p
 _dll.opforge_isa_best.restype = ctypes.c_char_p
 _dll.opforge_isa_name_at.restype = ctypes.c_char_p
 _dll.opforge_isa_name_at.argtypes = [ctypes.c_int]
+_dll.opforge_kernel_variant.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.POINTER(ctypes.c_char_p)] * 3 + [
+    ctypes.POINTER(ctypes.c_int)]
 
 
 def set_isa(name: str) -> None:
@@ -52,6 +54,25 @@ def supported_isas() -> list[str]:
         names.append(name.decode())
         i += 1
     return names[: names.index(isa_best()) + 1]
+
+
+def kernel_variants() -> dict[str, list[tuple[str, str, bool]]]:
+    """Each kernel family's variants in this build, read from the C tables the
+    kernels are chosen from: (name, the ISA it needs, whether the current ISA
+    runs it), the reference first."""
+    out: dict[str, list[tuple[str, str, bool]]] = {}
+    family, name, isa, current = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int()
+    f = 0
+    while True:
+        i = 0
+        while (r := _dll.opforge_kernel_variant(f, i, *map(ctypes.byref, (family, name, isa, current)))) == 1:
+            if name.value is not None:
+                out.setdefault(family.value.decode(), []).append((name.value.decode(), isa.value.decode(),
+                                                                  bool(current.value)))
+            i += 1
+        if r < 0:
+            return out
+        f += 1
 
 
 def set_log_level(level: str) -> None:

@@ -90,7 +90,7 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
     const char *env = getenv("OPFORGE_NUM_THREADS");
     char *threads0 = env ? strdup(env) : NULL;
     void *gq = malloc(nq + 1), *gk = malloc(nk + 1), *gv = malloc(nv + 1);
-    p.dq = gq, p.dk = gk, p.dvv = gv;
+    p.dq = gq, p.dk = gk, p.dv = gv;
     const int runs[5] = {1, 2, 2, 2, 4};
     for (int r = 0; r < 5; r++) {
         set_threads(runs[r]);
@@ -98,8 +98,8 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
         memset(gq, 0x7f, nq), memset(gk, 0x7f, nk), memset(gv, 0x7f, nv);
         attn_bwd(k, &p, ws);
         free(ws);
-        CHECK(same_bits(gq, dq, p.dqs, p.b, p.h, p.n, p.d, p.dt) && same_bits(gk, dk, p.dks, p.b, p.hkv, p.s, p.d, p.dt) &&
-                  same_bits(gv, dv, p.dvs, p.b, p.hkv, p.s, p.dv, p.dt),
+        CHECK(same_bits(gq, dq, p.dqs, p.b, p.h, p.n, p.d_qk, p.dt) && same_bits(gk, dk, p.dks, p.b, p.hkv, p.s, p.d_qk, p.dt) &&
+                  same_bits(gv, dv, p.dvs, p.b, p.hkv, p.s, p.d_v, p.dt),
               "%s b=%lld h=%lld hkv=%lld n=%lld s=%lld causal=%d: backward on %d threads (check %d) differs from the first run",
               k->name, (long long)p.b, (long long)p.h, (long long)p.hkv, (long long)p.n, (long long)p.s, p.causal,
               runs[r], r + 1);
@@ -112,7 +112,7 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
 }
 
 static void run(const attn_kernels *k, cfg c) {
-    attn_problem p = {.b = c.b, .h = c.h, .hkv = c.hkv, .n = c.n, .s = c.s, .d = c.d, .dv = c.dv, .dt = c.dt,
+    attn_problem p = {.b = c.b, .h = c.h, .hkv = c.hkv, .n = c.n, .s = c.s, .d_qk = c.d, .d_v = c.dv, .dt = c.dt,
                       .causal = c.causal, .scale = 1.0 / sqrt((double)c.d)};
     int64_t nq = layout(c.layout, c.b, c.h, c.n, c.d, p.qs), nk = layout(c.layout, c.b, c.hkv, c.s, c.d, p.ks);
     int64_t nv = layout(c.layout, c.b, c.hkv, c.s, c.dv, p.vs), no = layout(c.layout, c.b, c.h, c.n, c.dv, p.os);
@@ -142,8 +142,8 @@ static void run(const attn_kernels *k, cfg c) {
     float *lse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float)), *wlse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float));
     void *dq = calloc((size_t)nq + 1, esize(c.dt)), *dk = calloc((size_t)nk + 1, esize(c.dt)), *dv = calloc((size_t)nv + 1, esize(c.dt));
     void *wdq = calloc((size_t)nq + 1, esize(c.dt)), *wdk = calloc((size_t)nk + 1, esize(c.dt)), *wdv = calloc((size_t)nv + 1, esize(c.dt));
-    p.out = out, p.lse = lse, p.dq = dq, p.dk = dk, p.dvv = dv;
-    want.out = wout, want.lse = wlse, want.dq = wdq, want.dk = wdk, want.dvv = wdv;
+    p.out = out, p.lse = lse, p.dq = dq, p.dk = dk, p.dv = dv;
+    want.out = wout, want.lse = wlse, want.dq = wdq, want.dk = wdk, want.dv = wdv;
 
     CHECK(attn_ref_fwd(&want) == 0, "oracle out of memory");
     CHECK(attn_ref_bwd(&want) == 0, "oracle out of memory");
@@ -240,7 +240,7 @@ static void test_oracle_scale(void) {
     for (int t = 0; t < 2; t++) {
         double out = 0.0, dq[3] = {0};
         float lse;
-        attn_problem p = {.b = 1, .h = 1, .hkv = 1, .n = 1, .s = 2, .d = 3, .dv = 1, .dt = OPF_F64, .scale = scales[t],
+        attn_problem p = {.b = 1, .h = 1, .hkv = 1, .n = 1, .s = 2, .d_qk = 3, .d_v = 1, .dt = OPF_F64, .scale = scales[t],
                           .q = q, .k = k, .v = v, .qs = {3, 3, 3, 1}, .ks = {6, 6, 3, 1}, .vs = {2, 2, 1, 1},
                           .out = &out, .os = {1, 1, 1, 1}, .lse = &lse};
         CHECK(attn_ref_fwd(&p) == 0, "oracle out of memory");
@@ -252,8 +252,8 @@ static void test_oracle_scale(void) {
         /* dq for dout = 1: sum_j w_j (v_j - out) scale k_j */
         const double one = 1.0;
         p.dout = &one, memcpy(p.dos, p.os, sizeof p.os), p.dq = dq, memcpy(p.dqs, p.qs, sizeof p.qs);
-        double dk[6], dvv[2];
-        p.dk = dk, memcpy(p.dks, p.ks, sizeof p.ks), p.dvv = dvv, memcpy(p.dvs, p.vs, sizeof p.vs);
+        double dk[6], dv[2];
+        p.dk = dk, memcpy(p.dks, p.ks, sizeof p.ks), p.dv = dv, memcpy(p.dvs, p.vs, sizeof p.vs);
         CHECK(attn_ref_bwd(&p) == 0, "oracle out of memory");
         for (int d = 0; d < 3; d++) {
             double g = 0.0;

@@ -36,7 +36,8 @@ static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, i
     float *pre = calloc((size_t)(s.m * s.n + 1), sizeof(float)), *pre_want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
     memcpy(want, c, (size_t)(s.m * s.n) * sizeof(float));
     int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
-    gemm_epilogue ep = {beta, bias, bias_kind, act, preact ? pre : NULL, s.n};
+    gemm_epilogue ep = {.beta = beta, .bias = bias, .bias_kind = bias_kind, .act = act, .preact = preact ? pre : NULL,
+                        .rsp = s.n};
     gemm_epilogue ep_ref = ep;
     ep_ref.preact = preact ? pre_want : NULL;
     gemm_ref_f32(s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, want, s.n, &ep_ref);
@@ -66,7 +67,7 @@ static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, i
     free(a), free(b), free(bias), free(c), free(want), free(pre), free(pre_want);
 }
 
-static void test_act_grad(const gemm_kernels *k) {
+static void test_act_grad(const act_kernels *k) {
     enum { N = 1003 };
     float g[N], pre[N], got[N];
     unsigned long long seed = 5;
@@ -74,10 +75,10 @@ static void test_act_grad(const gemm_kernels *k) {
         g[i] = (float)(check_uniform(&seed) * 2 - 1);
         pre[i] = (float)(check_uniform(&seed) * 16 - 8);
     }
-    for (int act = 0; act < GEMM_ACT_COUNT; act++) {
-        k->act_grad(got, g, pre, N, act);
+    for (int act = 0; act < ACT_COUNT; act++) {
+        k->grad(got, g, pre, N, act);
         double worst = 0;
-        for (int i = 0; i < N; i++) worst = fmax(worst, fabs(got[i] - g[i] * gemm_act_grad_f64(act, pre[i])));
+        for (int i = 0; i < N; i++) worst = fmax(worst, fabs(got[i] - g[i] * act_grad_f64(act, pre[i])));
         CHECK(worst < 2e-6, "%s act_grad %s: max error %g", k->name, ACT[act], worst);
     }
 }
@@ -86,7 +87,8 @@ static void test_act_grad(const gemm_kernels *k) {
  * the fused dbias sums (few columns: rows split, then sums; many: columns
  * split, each thread summing its own), float32 and 16-bit: against g' from
  * the scalar derivative and sums in double of g' as stored */
-static void test_act_grad_rows(const gemm_kernels *k) {
+static void test_act_grad_rows(const act_kernels *k) {
+    const cvt_kernels *cvt = cvt_kernels_for(opf_isa_current());
     const opf_dtype dts[] = {OPF_F32, OPF_BF16, OPF_F16};
     const int64_t shapes[][2] = {{5, 3}, {37, 100}, {19, 1500}};
     unsigned long long seed = 11;
@@ -96,7 +98,7 @@ static void test_act_grad_rows(const gemm_kernels *k) {
                 const int in_place = mode & 1, sums = mode >> 1;
                 const opf_dtype dt = dts[d];
                 const int64_t m = shapes[si][0], n = shapes[si][1], rsg = n + 5, rsp = n + 3, es = opf_dtype_size(dt);
-                const int act = 1 + (d + si + mode) % (GEMM_ACT_COUNT - 1);
+                const int act = 1 + (d + si + mode) % (ACT_COUNT - 1);
                 char *g = malloc(m * rsg * es), *pre = malloc(m * rsp * es), *sep = malloc(m * rsp * es);
                 float *db = malloc(n * sizeof(float));
                 double *want = malloc(m * n * sizeof(double));
@@ -105,9 +107,9 @@ static void test_act_grad_rows(const gemm_kernels *k) {
                 for (int64_t i = 0; i < m; i++)
                     for (int64_t c = 0; c < n; c++)
                         want[i * n + c] = opf_load_elem(g, i * rsg + c, dt) *
-                                          gemm_act_grad_f64(act, opf_load_elem(pre, i * rsp + c, dt));
+                                          act_grad_f64(act, opf_load_elem(pre, i * rsp + c, dt));
                 char *out = in_place ? pre : sep;
-                gemm_act_grad_rows(k, dt, out, rsp, g, rsg, pre, rsp, m, n, act, sums ? db : NULL);
+                act_grad_rows(k, cvt, dt, out, rsp, g, rsg, pre, rsp, m, n, act, sums ? db : NULL);
                 const double tol = dt == OPF_F32 ? 4e-6 : dt == OPF_BF16 ? 8e-3 : 1e-3;
                 int64_t bad = 0, bad_sums = 0;
                 for (int64_t i = 0; i < m; i++)
@@ -134,11 +136,11 @@ static void test_half_operands(const gemm_kernels *k) {
     float *got = malloc(sizeof(float) * m * n), *ws = check_ws_alloc(wsn);
     uint16_t *ah = malloc(2 * (size_t)(m * kd)), *bh = malloc(2 * (size_t)(kd * n));
     for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
-        gemm_store_f32(k, ah, dt, a, m * kd);
-        gemm_store_f32(k, bh, dt, b, kd * n);
+        cvt_store_f32(k->cvt, ah, dt, a, m * kd);
+        cvt_store_f32(k->cvt, bh, dt, b, kd * n);
         float *ar = malloc(sizeof(float) * m * kd), *br = malloc(sizeof(float) * kd * n);
-        gemm_load_f32(k, ar, ah, dt, m * kd, 1);
-        gemm_load_f32(k, br, bh, dt, kd * n, 1);
+        cvt_load_f32(k->cvt, ar, ah, dt, m * kd, 1);
+        cvt_load_f32(k->cvt, br, bh, dt, kd * n, 1);
         gemm_epilogue ep = {0};
         gemm_ref_f32(m, n, kd, ar, kd, 1, br, 1, kd, want, n, &ep); /* B read transposed */
         CHECK(gemm_f32x(k, m, n, kd, ah, dt, kd, 1, bh, dt, 1, kd, got, n, &ep, ws, wsn) == 0, "workspace refused");
@@ -162,13 +164,13 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
     float *got = calloc((size_t)(s.m * s.n + 1), sizeof(float)), *pre = calloc((size_t)(s.m * s.n + 1), sizeof(float));
     float *pre_want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
     uint16_t *ah = malloc(2 * (size_t)na + 2), *bh = malloc(2 * (size_t)nb + 2);
-    gemm_store_f32(k, ah, OPF_BF16, a, na);
-    gemm_store_f32(k, bh, OPF_BF16, b, nb);
+    cvt_store_f32(k->cvt, ah, OPF_BF16, a, na);
+    cvt_store_f32(k->cvt, bh, OPF_BF16, b, nb);
     float *ar = malloc(sizeof(float) * (size_t)(na + 1)), *br = malloc(sizeof(float) * (size_t)(nb + 1));
-    gemm_load_f32(k, ar, ah, OPF_BF16, na, 1); /* what the pair kernel multiplies */
-    gemm_load_f32(k, br, bh, OPF_BF16, nb, 1);
+    cvt_load_f32(k->cvt, ar, ah, OPF_BF16, na, 1); /* what the pair kernel multiplies */
+    cvt_load_f32(k->cvt, br, bh, OPF_BF16, nb, 1);
     int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
-    gemm_epilogue ep = {0.0f, bias, GEMM_BIAS_ROW, act, pre, s.n}, ep_ref = ep;
+    gemm_epilogue ep = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .preact = pre, .rsp = s.n}, ep_ref = ep;
     ep_ref.preact = pre_want;
     gemm_ref_f32(s.m, s.n, s.k, ar, rsa, csa, br, rsb, csb, want, s.n, &ep_ref);
     const int64_t wsn = gemm_workspace_floats(k, s.m, s.n, s.k);
@@ -189,8 +191,8 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
     check_ws_free(ws, k->name);
     if (out16) {
         if (!got) got = malloc(sizeof(float) * (size_t)(s.m * s.n + 1));
-        gemm_load_f32(k, got, got16, OPF_BF16, s.m * s.n, 1);
-        gemm_load_f32(k, pre, pre16, OPF_BF16, s.m * s.n, 1);
+        cvt_load_f32(k->cvt, got, got16, OPF_BF16, s.m * s.n, 1);
+        cvt_load_f32(k->cvt, pre, pre16, OPF_BF16, s.m * s.n, 1);
     }
     const double atol = 4e-7 * (double)s.k + 1e-5, rel = out16 ? 1.0 / 128 : 1e-5;
     int64_t bad = 0;
@@ -216,7 +218,7 @@ static void test_pair_operands(const gemm_kernels *k) {
         for (int ta = 0; ta < 2; ta++)
             for (int tb = 0; tb < 2; tb++)
                 for (int t = 0; t < 3; t++)
-                    run_pairs(k, shapes[i], ta, tb, types[t][0], types[t][1], (int)(i + ta + tb) % GEMM_ACT_COUNT);
+                    run_pairs(k, shapes[i], ta, tb, types[t][0], types[t][1], (int)(i + ta + tb) % ACT_COUNT);
 }
 
 /* 16-bit results written by the epilogue (out16 / pre16): one K slice with
@@ -229,7 +231,7 @@ static void test_out16(const gemm_kernels *k) {
             float *a = rand_buf(s.m * s.k, 31), *b = rand_buf(s.k * s.n, 32), *bias = rand_buf(s.n, 33);
             float *want = malloc(sizeof(float) * (size_t)(s.m * s.n)), *pre_want = malloc(sizeof(float) * (size_t)(s.m * s.n));
             uint16_t *out = malloc(2 * (size_t)(s.m * s.n)), *pre = malloc(2 * (size_t)(s.m * s.n));
-            const int act = GEMM_ACT_GELU, one = s.k <= gemm_slice_depth(k, OPF_F32, OPF_F32);
+            const int act = ACT_GELU, one = s.k <= gemm_slice_depth(k, OPF_F32, OPF_F32);
             float *c = one ? NULL : malloc(sizeof(float) * (size_t)(s.m * s.n));
             const int64_t wsn = gemm_workspace_floats(k, s.m, s.n, s.k);
             float *ws = check_ws_alloc(wsn);
@@ -277,7 +279,7 @@ static void test_pairs_portable(void) {
 }
 
 /* the vector conversions against the scalar ones, bit for bit (NaN: any NaN) */
-static void test_conversions(const gemm_kernels *k) {
+static void test_conversions(const cvt_kernels *k) {
     enum { N = 65536 + 5 };
     static uint16_t h[N], got16[N], want16[N];
     static float got[N], want[N], f[N];
@@ -290,10 +292,10 @@ static void test_conversions(const gemm_kernels *k) {
     for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
         int bad = 0;
         k->to_f32(got, h, dt, N);
-        gemm_kernels_ref.to_f32(want, h, dt, N);
+        cvt_kernels_ref.to_f32(want, h, dt, N);
         for (int i = 0; i < N; i++) bad += !(isnan(got[i]) ? isnan(want[i]) : memcmp(&got[i], &want[i], 4) == 0);
         k->from_f32(got16, f, dt, N);
-        gemm_kernels_ref.from_f32(want16, f, dt, N);
+        cvt_kernels_ref.from_f32(want16, f, dt, N);
         for (int i = 0; i < N; i++) bad += !(isnan(f[i]) || got16[i] == want16[i]);
         CHECK(bad == 0, "%s %s conversions: %d mismatches", k->name, dt == OPF_BF16 ? "bf16" : "f16", bad);
     }
@@ -320,8 +322,8 @@ static void test_workspace_plans(const gemm_kernels *k) {
         for (opf_dtype dt = OPF_F32; dt <= OPF_F16; dt = dt == OPF_F32 ? OPF_BF16 : dt + 1) {
             const void *ap = a, *bp = b;
             if (dt != OPF_F32) {
-                gemm_store_f32(k, ah, dt, a, mmax * kd);
-                gemm_store_f32(k, bh, dt, b, kd * n);
+                cvt_store_f32(k->cvt, ah, dt, a, mmax * kd);
+                cvt_store_f32(k->cvt, bh, dt, b, kd * n);
                 ap = ah, bp = bh;
             }
             int64_t bad = 0, refused = 0, first_bad = -1;
@@ -332,8 +334,8 @@ static void test_workspace_plans(const gemm_kernels *k) {
                 check_ws_free(ws, k->name);
                 if (m == mmax || m % 37 == 0) { /* values too, now and then */
                     float *ar = malloc(sizeof(float) * (size_t)(m * kd)), *br = malloc(sizeof(float) * (size_t)(kd * n));
-                    gemm_load_f32(k, ar, ap, dt, m * kd, 1);
-                    gemm_load_f32(k, br, bp, dt, kd * n, 1);
+                    cvt_load_f32(k->cvt, ar, ap, dt, m * kd, 1);
+                    cvt_load_f32(k->cvt, br, bp, dt, kd * n, 1);
                     gemm_ref_f32(m, n, kd, ar, kd, 1, br, n, 1, want, n, &ep);
                     for (int64_t i = 0; i < m * n; i++)
                         if (!(fabs((double)got[i] - want[i]) <= 1e-2 + 1e-2 * fabs(want[i])) && first_bad < 0) first_bad = m;
@@ -370,9 +372,6 @@ static void test_workspace_plans(const gemm_kernels *k) {
 
 static void test_variant(const gemm_kernels *k) {
     test_workspace_plans(k);
-    test_act_grad(k);
-    test_act_grad_rows(k);
-    test_conversions(k);
     test_half_operands(k);
     test_out16(k);
     if (k->ukernel_pairs) test_pair_operands(k);
@@ -380,10 +379,10 @@ static void test_variant(const gemm_kernels *k) {
                             {1, 4096, 4096}, {4096, 1, 4096}, {130, 3100, 20}, {0, 5, 3}, {5, 4, 0}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         for (int ta = 0; ta < 2; ta++)
-            for (int tb = 0; tb < 2; tb++) run(k, shapes[i], ta, tb, 0.0f, GEMM_BIAS_NONE, GEMM_ACT_NONE, 0);
+            for (int tb = 0; tb < 2; tb++) run(k, shapes[i], ta, tb, 0.0f, GEMM_BIAS_NONE, ACT_NONE, 0);
     /* every epilogue on a shape with partial tiles in both directions and several K slices */
     const shape e = {37, 45, 2 * k->kc + 37};
-    for (int act = 0; act < GEMM_ACT_COUNT; act++)
+    for (int act = 0; act < ACT_COUNT; act++)
         for (int bias = 0; bias < 3; bias++) {
             run(k, e, 0, 1, 0.0f, bias, act, 1);
             run(k, e, 1, 0, 1.0f, bias, act, 0);
@@ -391,18 +390,23 @@ static void test_variant(const gemm_kernels *k) {
         }
 }
 
+static void test_act_variant(const act_kernels *k) {
+    test_act_grad(k);
+    test_act_grad_rows(k);
+}
+
 static void test_activations(void) {
     /* the scalar activations against their definitions, derivatives by central difference */
-    for (int act = 1; act < GEMM_ACT_COUNT; act++) {
+    for (int act = 1; act < ACT_COUNT; act++) {
         double worst = 0;
         for (double x = -6; x <= 6; x += 0.01) {
-            double h = 1e-3, num = (gemm_act_f32(act, (float)(x + h)) - gemm_act_f32(act, (float)(x - h))) / (2 * h);
-            if (act == GEMM_ACT_RELU && fabs(x) < 2 * h) continue;
-            worst = fmax(worst, fabs(num - gemm_act_grad_f32(act, (float)x)));
+            double h = 1e-3, num = (act_f32(act, (float)(x + h)) - act_f32(act, (float)(x - h))) / (2 * h);
+            if (act == ACT_RELU && fabs(x) < 2 * h) continue;
+            worst = fmax(worst, fabs(num - act_grad_f32(act, (float)x)));
         }
         CHECK(worst < 2e-3, "%s derivative off by %g", ACT[act], worst);
     }
-    CHECK(isnan(gemm_act_f32(GEMM_ACT_RELU, NAN)), "relu keeps NaN");
+    CHECK(isnan(act_f32(ACT_RELU, NAN)), "relu keeps NaN");
 }
 
 int main(void) {
@@ -419,6 +423,8 @@ int main(void) {
     }
     return check_report("test_gemm (AMX emulated)");
 #else
+    CHECK_EACH_VARIANT(act_kernels_for, test_act_variant);
+    CHECK_EACH_VARIANT(cvt_kernels_for, test_conversions);
     CHECK_EACH_VARIANT(gemm_kernels_for, test_variant);
     return check_report("test_gemm");
 #endif

@@ -9,6 +9,7 @@
  * recomputed. Every workspace sits between guard words, sized exactly as the
  * workspace function says.
  */
+#define _POSIX_C_SOURCE 200809L /* setenv: the thread count per test */
 #include <math.h>
 #include <string.h>
 
@@ -200,14 +201,14 @@ static void test_variant(const gemm_kernels *gemm) {
     for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
         for (int layout = 0; layout < X_LAYOUTS; layout++)
             for (size_t d = 0; d < 3; d++)
-                for (int act = 0; act < GEMM_ACT_COUNT; act++)
+                for (int act = 0; act < ACT_COUNT; act++)
                     for (int bias = 0; bias < 2; bias++)
                         for (int save = 0; save < 2; save++)
                             run(gemm, (cfg){shapes[s][0], shapes[s][1], shapes[s][2], layout, bias, act, dtypes[d], save});
     for (size_t d = 0; d < 3; d++)
         for (int layout = 0; layout < X_LAYOUTS; layout++) {
-            run(gemm, (cfg){123, 77, 301, layout, 1, GEMM_ACT_GELU, dtypes[d], 1});
-            run(gemm, (cfg){123, 77, 301, layout, 0, GEMM_ACT_SILU, dtypes[d], 0});
+            run(gemm, (cfg){123, 77, 301, layout, 1, ACT_GELU, dtypes[d], 1});
+            run(gemm, (cfg){123, 77, 301, layout, 0, ACT_SILU, dtypes[d], 0});
         }
     /* row counts around the backward's chunk boundary at 1-3 threads. A wide N makes the chunk a little over
      * one MC block of rows: at one thread the full chunk packs A a block per worker and a last chunk of
@@ -224,19 +225,19 @@ static void test_variant(const gemm_kernels *gemm) {
         /* each dtype, with preact stored and recomputed, meets each row count over the thread counts */
         for (size_t i = 0; i < 4; i++) {
             int turn = (int)i + threads;
-            run(gemm, (cfg){rows[i], 7, wide, X_CONTIGUOUS, 1, turn % 2 ? GEMM_ACT_GELU : GEMM_ACT_GELU_TANH,
+            run(gemm, (cfg){rows[i], 7, wide, X_CONTIGUOUS, 1, turn % 2 ? ACT_GELU : ACT_GELU_TANH,
                             dtypes[turn % 3], turn % 2});
         }
         if (threads == 2) {
-            run(gemm, (cfg){rows[1], 5, wide, X_MATRICES, 0, GEMM_ACT_RELU, OPF_F32, 1});
-            run(gemm, (cfg){rows[2], 5, wide, X_TRANSPOSED, 1, GEMM_ACT_NONE, OPF_BF16, 0});
+            run(gemm, (cfg){rows[1], 5, wide, X_MATRICES, 0, ACT_RELU, OPF_F32, 1});
+            run(gemm, (cfg){rows[2], 5, wide, X_TRANSPOSED, 1, ACT_NONE, OPF_BF16, 0});
         }
     }
     /* 16-bit results over several K slices: the forward's float32 C in row chunks, the last one short */
     set_threads(2);
     for (size_t d = 1; d < 3; d++) {
         const int64_t n = ((int64_t)2 << 20) / 64, kdim = gemm_slice_depth(gemm, dtypes[d], dtypes[d]) + 3;
-        run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, kdim, n, X_CONTIGUOUS, 1, GEMM_ACT_SILU, dtypes[d], 1, 1});
+        run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, kdim, n, X_CONTIGUOUS, 1, ACT_SILU, dtypes[d], 1, 1});
     }
     if (saved) setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
     else unsetenv("OPFORGE_NUM_THREADS");

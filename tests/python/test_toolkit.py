@@ -165,7 +165,7 @@ def test_info_command():
     r = _cli("info")
     assert r.returncode == 0, r.stdout + r.stderr
     for part in ("torch", "stable ABI", "cpu", f"isa         {opforge.get_isa()}", "threads", "cuda",
-                 "opforge::dispersion_correction", "no problems found"):
+                 "opforge::dispersion_correction", "kernels ", "  gemm ", "no problems found"):
         assert part in r.stdout
     bad = _cli("info", OPFORGE_ISA="sse9")
     assert bad.returncode == 1 and "OPFORGE_ISA=sse9 is not valid here" in bad.stdout

@@ -49,6 +49,38 @@ int opf_isa_set(const char *name, char *err, size_t errlen);
 /* Reads OPFORGE_ISA and OPFORGE_LOG_LEVEL / OPFORGE_LOG_FILE. 0 or -1 with err. */
 int opf_runtime_init(char *err, size_t errlen);
 
+/* ---- kernel variants ---------------------------------------------------------- */
+
+/* Every variant table of a kernel family (gemm_kernels, attn_kernels, ...)
+ * begins with these two members, so that one function chooses among any
+ * family's tables and one listing names them all. */
+#define OPF_VARIANT_HEAD                                                                           \
+    const char *name; /* "avx2_6x16": the ISA, then what sets it apart */                         \
+    opf_isa isa       /* the ISA its code needs */
+
+typedef struct opf_variant {
+    OPF_VARIANT_HEAD;
+} opf_variant;
+
+/* A kernel family's variant tables, the reference first. An entry is NULL
+ * where the build leaves its ISA file out (a weak reference), so the list has
+ * a count, not a NULL end. */
+typedef struct opf_variants {
+    const char *family; /* "gemm" */
+    int count;
+    const void *const *tables; /* each begins with OPF_VARIANT_HEAD */
+} opf_variants;
+
+#define OPF_VARIANTS(FAMILY, ...)                                                                  \
+    {.family = FAMILY,                                                                             \
+     .count = (int)(sizeof((const void *const[]){__VA_ARGS__}) / sizeof(const void *)),            \
+     .tables = (const void *const[]){__VA_ARGS__}}
+
+/* The table of vs for isa: of those present whose ISA isa includes, the one
+ * needing the latest ISA (the later entry on a tie). The reference needs
+ * OPF_ISA_REF, so there is always one. */
+const void *opf_variant_pick(const opf_variants *vs, opf_isa isa);
+
 /* ---- parallel_for ------------------------------------------------------------ */
 
 typedef void (*opf_range_fn)(int64_t begin, int64_t end, void *ctx);

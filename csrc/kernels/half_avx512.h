@@ -1,0 +1,22 @@
+/*
+ * 16-lane rounding of float32 to bfloat16 / float16, AVX-512 (F, BW). Included
+ * by files built with the avx512 flags only. Rounding matches opforge/half.h:
+ * nearest even, NaN -> 0x7fc0 for bfloat16.
+ */
+#ifndef OPFORGE_KERNELS_HALF_AVX512_H
+#define OPFORGE_KERNELS_HALF_AVX512_H
+
+#include <immintrin.h>
+
+#include "opforge/half.h"
+
+static inline __m256i round16x16(__m512 v, opf_dtype dt) {
+    if (dt != OPF_BF16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+#endif
