@@ -35,7 +35,8 @@ def runtime() -> list[str]:
     for name in ("libasan.so", "libubsan.so"):
         path = subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
         if not os.path.isabs(path):
-            raise _build.BuildError(f"{cc} has no {name}: install the sanitizer runtimes (apt-get install libasan8 libubsan1)")
+            raise _build.BuildError(f"{cc} has no {name}: install the sanitizer runtimes "
+                                    "(apt-get install libasan8 libubsan1)")
         libs.append(path)
     return libs
 
@@ -52,7 +53,7 @@ def build_package(dest: str) -> None:
     shutil.rmtree(pkg, ignore_errors=True)
     shutil.copytree(os.path.join(ROOT, "python", "opforge"), pkg,
                     ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    sources = sorted(s for d in ("runtime", "kernels", "torch") for s in glob.glob(os.path.join(ROOT, "csrc", d, "*.c")))
+    sources = sorted(s for part in ("runtime", "kernels", "torch") for s in glob.glob(f"{ROOT}/csrc/{part}/*.c"))
     _build.build_library(sources, os.path.join(pkg, _build.RUNTIME_LIBRARY), [os.path.join(ROOT, "csrc", "include")],
                          os.path.join(dest, "obj"), SANITIZE)
 

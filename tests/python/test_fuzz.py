@@ -10,7 +10,7 @@ import fuzz
 # Cases are drawn per seed and per the CPU's ISA list. On AVX2 machines the
 # first cases of these seeds include 16-bit GEMMs over row chunks and linear's
 # chunked backward at everyday sizes.
-RUNS = {195: 90, 178: 90}
+RUNS = {578: 90, 629: 90}
 
 
 @pytest.mark.parametrize("seed", list(RUNS))
