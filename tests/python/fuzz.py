@@ -48,6 +48,7 @@ import math
 import os
 import queue
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -814,7 +815,7 @@ def _stderr_tail(path: str, lines: int = 12) -> str:
     keep = [ln for ln in text.splitlines() if ln.strip()]
     # an ASan report: its headline and summary say what and where
     asan = [ln for ln in keep if "ERROR: AddressSanitizer" in ln or "SUMMARY:" in ln or "runtime error:" in ln]
-    return "\n".join(asan[:4] if asan else keep[-lines:])
+    return "\n       ".join(asan[:4] if asan else keep[-lines:])
 
 
 @dataclass
@@ -823,11 +824,15 @@ class Failure:
     cases: list  # the case numbers that reproduce it, run in this order in one process
     desc: str
     what: str
+    ops: list | None = None  # the subset of ops the cases were drawn from
 
     def reproducer(self) -> str:
-        cmd = f"python tests/python/fuzz.py --seed {self.seed}" + "".join(f" --case {i}" for i in self.cases)
-        pp = os.environ.get("PYTHONPATH")
-        return (f"PYTHONPATH={pp} " if pp else "") + cmd
+        """The command that reruns the case, with the environment that picks the library (a sanitized
+        copy needs its runtimes preloaded)."""
+        env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("ASAN_OPTIONS", "LD_PRELOAD", "PYTHONPATH")
+               if os.environ.get(k) and (k == "PYTHONPATH" or "asan" in os.environ.get("LD_PRELOAD", ""))]
+        cmd = [f"python tests/python/fuzz.py --seed {self.seed}"] + [f"--case {i}" for i in self.cases]
+        return " ".join(env + cmd + ([f"--ops {','.join(self.ops)}"] if self.ops else []))
 
 
 @dataclass
@@ -869,20 +874,14 @@ class _Child:
         os.unlink(self.errfile.name)
 
 
-def _run_alone(seed: int, cases: list, env: dict, timeout: float) -> tuple[int, str]:
-    """Runs cases in one fresh child: (return code, stderr tail)."""
+def _run_alone(seed: int, cases: list, ops, env: dict, timeout: float) -> int:
+    """Runs cases in one fresh child, in this order: its return code."""
     cmd = [sys.executable, os.path.abspath(__file__), "--seed", str(seed), "--quiet"]
-    for i in cases:
-        cmd += ["--case", str(i)]
+    cmd += [a for i in cases for a in ("--case", str(i))] + (["--ops", ",".join(ops)] if ops else [])
     try:
-        p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True, timeout=timeout)
+        return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
-        return -signal.SIGKILL, "timed out"
-    with tempfile.NamedTemporaryFile("w", delete=False) as f:
-        f.write(p.stderr)
-    tail = _stderr_tail(f.name)
-    os.unlink(f.name)
-    return p.returncode, tail
+        return -signal.SIGKILL
 
 
 def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs: int = 1, ops=None,
@@ -926,7 +925,7 @@ def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs:
             rep.cases += 1
             rep.per_op[msg["op"]] = rep.per_op.get(msg["op"], 0) + 1
             if msg["failures"]:
-                f = Failure(seed, [msg["end"]], msg["desc"], "; ".join(msg["failures"]))
+                f = Failure(seed, [msg["end"]], msg["desc"], "; ".join(msg["failures"]), ops)
                 rep.failures.append(f)
                 log(f"FAIL case {msg['end']}: {f.desc}\n     {f.what}\n     reproduce: {f.reproducer()}")
             else:
@@ -954,15 +953,15 @@ def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs:
         # does it crash alone? else with the case run before it in the same process?
         repro = [crashed]
         if not hung:
-            rc1, _ = _run_alone(seed, [crashed], env, case_timeout)
+            rc1 = _run_alone(seed, [crashed], ops, env, case_timeout)
             if rc1 == 0 and prev is not None:
-                rc2, _ = _run_alone(seed, [prev, crashed], env, case_timeout)
+                rc2 = _run_alone(seed, [prev, crashed], ops, env, case_timeout)
                 repro = [prev, crashed] if rc2 != 0 else repro
                 if rc2 == 0:
                     what += " (not reproduced by the case alone nor after the case before it)"
             elif rc1 == 0:
                 what += " (not reproduced by the case alone)"
-        f = Failure(seed, repro, describe(c), what)
+        f = Failure(seed, repro, describe(c), what, ops)
         rep.failures.append(f)
         log(f"FAIL case {crashed}: {f.desc}\n     {f.what}\n     reproduce: {f.reproducer()}")
         start(wid, crashed + jobs)
