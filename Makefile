@@ -6,6 +6,8 @@
 #               the ops as torch.ops.acme_ops_1a2b (default: torch.ops.opforge)
 #   make test-other-torch TORCH_WHEEL=...  the Python tests of the library as built
 #               (against the pinned torch) under another torch release, in .venv-other/
+#   make fuzz   random cases of every op against float64 PyTorch, for FUZZ_SECONDS, on a fresh seed
+#   make sanitize  the C tests and a short fuzz with AddressSanitizer + UndefinedBehaviorSanitizer
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -13,7 +15,7 @@ LIB    := python/opforge/libopforge.so
 CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
 TORCH_INCLUDE = $(shell $(PY) -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 
-.PHONY: all setup build demo test ctest abi-check pytest test-other-torch bench bench-smoke clean
+.PHONY: all setup build demo test ctest abi-check pytest test-other-torch bench bench-smoke fuzz sanitize clean
 
 all: build
 
@@ -77,6 +79,36 @@ test-other-torch: | $(LIB)
 	fi
 	@$(OTHER_PY) -c "import torch; print('test-other-torch: torch', torch.__version__)"
 	PYTHONPATH=$(CURDIR)/python $(OTHER_PY) -m pytest -q tests/python
+
+# cases run in child processes: a crash fails its case and the run goes on; each failure prints the
+# command that reruns it (FUZZ_ARGS: e.g. --seed 7, --ops linear,matmul)
+FUZZ_SECONDS ?= 300
+FUZZ_JOBS ?= 2
+FUZZ_ARGS ?=
+
+fuzz: build
+	$(PY) tests/python/fuzz.py --seconds $(FUZZ_SECONDS) --jobs $(FUZZ_JOBS) $(FUZZ_ARGS)
+
+# ASan + UBSan: the C tests, and the fuzz on a sanitized copy of the package (build/asan/python) in a
+# python that preloads the sanitizer runtimes. The default build is left as it is.
+SAN_DIR := build/asan
+SAN_CTESTS := $(patsubst tests/c/%.c,%,$(wildcard tests/c/test_*.c)) test_gemm_amx_emulated
+SAN_OPTIONS := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+SANITIZE_FUZZ_SECONDS ?= 180
+
+$(SAN_DIR)/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge/_build.py tests/sanitize.py | $(VENV)/.installed
+	$(PY) tests/sanitize.py test $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include
+
+$(SAN_DIR)/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) python/opforge/_build.py tests/sanitize.py | $(VENV)/.installed
+	$(PY) tests/sanitize.py test $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_AMX_EMULATE
+
+$(SAN_DIR)/python/opforge/libopforge.so: $(CSRC) $(wildcard python/opforge/*.py) tests/sanitize.py | $(VENV)/.installed
+	$(PY) tests/sanitize.py library $(SAN_DIR)/python
+
+sanitize: $(addprefix $(SAN_DIR)/ctest/,$(SAN_CTESTS)) $(SAN_DIR)/python/opforge/libopforge.so
+	@for t in $(SAN_CTESTS); do echo "./$(SAN_DIR)/ctest/$$t"; $(SAN_OPTIONS) ./$(SAN_DIR)/ctest/$$t || exit 1; done
+	$(SAN_OPTIONS) LD_PRELOAD="$$($(PY) tests/sanitize.py runtime)" PYTHONPATH=$(SAN_DIR)/python \
+		$(PY) tests/python/fuzz.py --seconds $(SANITIZE_FUZZ_SECONDS) --jobs $(FUZZ_JOBS) $(FUZZ_ARGS)
 
 bench: build
 	$(PY) benchmarks/bench_dispersion_correction.py

@@ -1,0 +1,1032 @@
+#!/usr/bin/env python3
+"""Randomized differential test: opforge's ops against float64 PyTorch.
+
+Each case is drawn from (seed, index) alone: an op (dispersion_correction;
+matmul, 2-d or batched 3-d; linear with each activation, bias or not,
+recompute or not, inference, the raw op with its pre-activation, a backward
+with or without a retained graph; scaled_dot_product_attention with causal,
+bool or float masks broadcast from any shape, grouped-query heads, a scale,
+dropout_p=0, a backward), its shapes, the layouts of its inputs (permuted,
+sliced, stepped, expanded: read in place by the kernels), a dtype (float32,
+bfloat16, float16, float64), an ISA of ``opforge.supported_isas()`` and a
+thread count (1 or 2).
+
+Shapes run from 0 to ~1500 a dim: log-uniform, or near the sizes where
+opforge's plans change (GEMM register, cache and thread blocks, the 16-bit
+slice depth, the 8 MiB row chunks of linear, attention's 64-row blocks, the
+elementwise grain), with the total work of a case capped so a case takes a
+fraction of a second.
+
+Every output and gradient is checked element by element against a float64
+reference on the same (rounded) inputs, within a bound that follows the
+rounding: a sum of K products accumulated in precision u is within
+u * c(K) * (|A| @ |B|) of the exact one, errors of a pre-activation or of the
+scores carry through the activation's or softmax's derivative, and a 16-bit
+result adds one rounding (an ulp of its type). Garbage, a dropped K slice, a
+wrong row chunk or NaN exceed it by orders of magnitude.
+
+Cases run in child processes, so an abort or a segfault fails the case that
+was running instead of ending the run; a case that crashes is re-run alone to
+check that it reproduces. Children run with glibc's heap checks
+(libc_malloc_debug, MALLOC_CHECK_=3: every free checks the block's bounds;
+MALLOC_PERTURB_: fresh and freed memory is filled with a pattern) unless
+--no-malloc-check or an ASan runtime is preloaded.
+
+    python tests/python/fuzz.py --seconds 600          # a fresh seed until time is up
+    python tests/python/fuzz.py --seed 7 --cases 500   # cases 0..499 of seed 7
+    python tests/python/fuzz.py --seed 7 --case 42     # one case, in this process, in detail
+
+Without PYTHONPATH the script tests the opforge of this checkout (python/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import json
+import math
+import os
+import queue
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+if __name__ == "__main__" and not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import opforge  # noqa: E402
+
+# ---- where plans change (csrc/kernels/gemm*.c, csrc/torch/linear.c, attention.c, dispersion_correction.h) ----
+
+# GEMM: register blocks MR x NR (ref 4x4, AVX2 6x16, AVX-512 12x32, AMX 32x32), row blocks MC (64, 120,
+# 128; split into a multiple of the threads, and packed per worker from two blocks a thread), K slices
+# KC (256, 384, 1024; 2048 bfloat16 pairs), column panels NC (1024, 3072)
+GEMM_MARKS = (4, 6, 12, 16, 32, 48, 64, 96, 120, 128, 240, 256, 360, 384, 480, 512, 768, 1024, 1152, 1536, 2048, 3072)
+# linear and 16-bit GEMMs over several K slices work in row chunks of ~8 MiB of float32: 2**21 / N rows, >= 64
+CHUNK_FLOATS = 1 << 21
+K_SLICES = (256, 384, 1024, 2048)
+ATTN_MARKS = (1, 8, 16, 32, 63, 64, 65, 128, 192, 256, 512, 1024)  # 64-row query and key blocks
+HEAD_DIMS = (1, 7, 8, 16, 31, 32, 33, 40, 64, 80, 96, 128, 129, 256)
+DC_MARKS = (7, 8, 15, 16, 17, 31, 32, 33, 64, 4097, 32767, 32768, 32769, 65536, 100000)  # vectors, the 32768 grain
+
+ACTS = {
+    "none": lambda t: t,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "silu": F.silu,
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+# Relative precision of the arithmetic (float32 for every type but float64); of one rounding to the
+# result type, twice the largest relative rounding error for margin (bfloat16 keeps 8 significant bits,
+# float16 11); and the spacing of the smallest results.
+U_ACC = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-24, "float16": 2.0**-24}
+U_OUT = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
+ATOL = {"float64": 1e-300, "float32": 1e-38, "bfloat16": 1e-38, "float16": 2.0**-24}
+# vectorised exp, erf, tanh and sigmoid: a few ulps
+C_FN = 64.0
+# bounds on |act'| and |act''| (gelu' <= 1.13, silu' <= 1.1; gelu'' <= 0.8, silu'' <= 0.5)
+ACT_L1, ACT_L2 = 1.25, 1.0
+
+
+def c_sum(k: int) -> float:
+    """Random rounding errors of a k-term float sum, in units of u times the sum of |terms|: they grow
+    like sqrt(k) (blocked and vectorised sums, terms of both signs)."""
+    return 4.0 * math.sqrt(k) + 8.0
+
+
+def sum_err(u: float, k: int, abs_sum, exact):
+    """A bound on the rounding error of a k-term sum in precision u, whose terms' absolute values sum to
+    abs_sum and whose exact value is exact: random errors (c_sum), plus the drift of partial sums that
+    grow steadily toward the result (terms of one sign, e.g. operands broadcast along the sum), whose
+    roundings add up to about k / 2 times |exact|."""
+    return u * (c_sum(k) * abs_sum + 0.5 * k * exact.abs())
+
+
+# ---- drawing a case: plain Python random, so a case is the same on every run ----------------------
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi + 0.5)))))
+
+
+def _near(rng: random.Random, mark: int) -> int:
+    if rng.random() < 0.6:
+        return mark + rng.randint(-2, 2)
+    spread = max(1, mark // 8)
+    return mark + rng.randint(-spread, spread)
+
+
+def _dim(rng: random.Random, hi: int, marks=GEMM_MARKS, zero: float = 0.02) -> int:
+    """A size: sometimes 0, sometimes tiny, log-uniform in [1, hi], uniform in [16, hi] (everyday
+    sizes, where most plans pick between their block counts), or near a size where a plan changes (one
+    of marks, or a multiple of 64)."""
+    r = rng.random()
+    if r < zero:
+        return 0
+    if r < 0.06:
+        return rng.randint(1, 9)
+    if r < 0.2:
+        return _log_uniform(rng, 1, hi)
+    if r < 0.65:
+        return rng.randint(min(16, hi), hi)
+    choices = [m for m in marks if m <= hi] + [64 * rng.randint(1, max(1, hi // 64))]
+    return min(max(_near(rng, rng.choice(choices)), 1), hi)
+
+
+def _chunk_rows(n: int) -> int:
+    return max(64, CHUNK_FLOATS // n) if n > 0 else 1
+
+
+def _gemm_dims(rng: random.Random, hi: int, wide: int, big: bool) -> tuple[int, int, int]:
+    """(rows, columns, depth) of a product. Some (most of the big cases) are one or two row chunks of
+    linear's backward and the 16-bit GEMMs (2**21 / n rows) and a last chunk of any size, with a depth
+    just over a K slice: the last chunk's plan differs from the others', and a 16-bit result keeps
+    float32 partial sums over the slices."""
+    if rng.random() < (0.75 if big else 0.1):
+        n = _log_uniform(rng, CHUNK_FLOATS // (2 * hi), wide) if rng.random() < 0.5 else \
+            _near(rng, rng.choice([m for m in GEMM_MARKS if CHUNK_FLOATS // (2 * hi) <= m <= wide]))
+        chunk = _chunk_rows(n)
+        last = rng.randint(-2, 2) if rng.random() < 0.3 else max(_dim(rng, chunk - 1, zero=0.0), 1)
+        m = max(1, chunk * rng.choice((1, 1, 2)) + last)
+        k = rng.choice(K_SLICES) + rng.randint(1, 48) if rng.random() < 0.8 else _dim(rng, 2200)
+        return m, n, k
+    return _dim(rng, hi), _dim(rng, wide if rng.random() < 0.1 else hi), _dim(rng, 2200)
+
+
+def _layout(rng: random.Random, shape, p_plain: float = 0.45, expand: bool = True):
+    """How a tensor of `shape` is laid out: None (contiguous) or a view of a bigger base tensor, with its
+    dims permuted (perm: the base's dim order), stepped (step) or offset within a padded dim (pad), or
+    broadcast from size 1 (expand)."""
+    nd = len(shape)
+    if nd == 0 or rng.random() < p_plain:
+        return None
+    lay = {"perm": list(range(nd)), "step": [1] * nd, "pad": [0] * nd, "expand": []}
+    if nd > 1 and rng.random() < 0.6:
+        while lay["perm"] == list(range(nd)):
+            rng.shuffle(lay["perm"])
+    if rng.random() < 0.35:
+        lay["step"][rng.randrange(nd)] = rng.choice((2, 3))
+    if rng.random() < 0.35:
+        lay["pad"][rng.randrange(nd)] = rng.randint(1, 5)
+    wide = [d for d in range(nd) if shape[d] > 1]
+    if expand and wide and rng.random() < 0.2:
+        lay["expand"] = [rng.choice(wide)]
+    return lay
+
+
+def _layout_str(lay) -> str:
+    if lay is None:
+        return ""
+    parts = []
+    if lay["perm"] != sorted(lay["perm"]):
+        parts.append("perm" + "".join(map(str, lay["perm"])))
+    parts += [f"step{d}={s}" for d, s in enumerate(lay["step"]) if s != 1]
+    parts += [f"pad{d}={p}" for d, p in enumerate(lay["pad"]) if p]
+    parts += [f"expand{d}" for d in lay["expand"]]
+    return "[" + ",".join(parts) + "]" if parts else ""
+
+
+REF_RATE = 15e9  # flop/s of the references' float64 GEMMs
+PASS_RATE = 1e8  # elements/s of their elementwise passes
+
+
+def _seconds(c: dict, op_flops: float, ref_flops: float, passes: float) -> float:
+    """A rough time for a case on 2 AVX2 cores: opforge's flops (float64 and ref run scalar loops), the
+    references' GEMMs and elementwise passes over float64 tensors."""
+    rate = 1e9 if c["dtype"] == "float64" else 6e9 if c["isa"] == "ref" else 25e9
+    return op_flops / rate + ref_flops / REF_RATE + passes / PASS_RATE
+
+
+def _draw_matmul(rng, c):
+    c["batch"] = rng.choice((0, 0, 1, 2, rng.randint(1, 6)))  # 0: 2-d
+    hi = 1536
+    m, n, k = _gemm_dims(rng, hi, 8192, c["big"])
+    c["m"], c["k"], c["n"] = m, k, n
+    lead = [c["batch"]] if c["batch"] else []
+    c["a_layout"] = _layout(rng, lead + [m, k])
+    c["b_layout"] = _layout(rng, lead + [k, n])
+    b = max(c["batch"], 1)
+    flops = 2.0 * b * m * n * k
+    return _seconds(c, flops, 2 * flops, b * (10 * m * n + 3 * m * k + 3 * k * n))
+
+
+def _draw_linear(rng, c):
+    c["act"] = rng.choice(list(ACTS))
+    c["bias"] = rng.random() < 0.7
+    c["mode"] = rng.choice(("inference", "raw", "backward", "backward", "retain"))
+    c["recompute"] = rng.random() < 0.4
+    if c["mode"] in ("backward", "retain"):
+        c["grads"] = rng.choice(("xwb", "xwb", "x", "wb", "w"))
+    hi = 1536
+    rows, n, k = _gemm_dims(rng, hi, 4096, c["big"])
+    nlead = rng.choices((0, 1, 2, 3), (0.05, 0.6, 0.25, 0.1))[0]
+    lead = [rng.choice((1, 2, 3, rng.randint(1, 9))) for _ in range(max(nlead - 1, 0))] + [rows] * (nlead > 0)
+    c["x_shape"], c["n"] = lead + [k], n
+    c["x_layout"] = _layout(rng, c["x_shape"])
+    c["w_layout"] = _layout(rng, [n, k])
+    # float64 takes a contiguous bias only (a documented limit)
+    c["b_layout"] = _layout(rng, [n]) if c["bias"] and c["dtype"] != "float64" else None
+    c["w_scale"] = rng.choice((1.0, 1.0 / math.sqrt(max(k, 1))))
+    m = math.prod(lead)
+    bwd = c["mode"] in ("backward", "retain")
+    gemms = 1 + bwd * (3 + c["recompute"]) * (1 + (c["mode"] == "retain"))
+    flops = 2.0 * m * n * k
+    return _seconds(c, gemms * flops, (6 if bwd else 2) * flops, (40 if bwd else 12) * m * n + 4 * (m + n) * k)
+
+
+def _draw_attention(rng, c):
+    c["dims"] = rng.choice((4, 4, 4, 3))
+    c["b"] = rng.choice((1, 1, 2, 3))
+    if c["dims"] == 4:
+        c["hkv"] = rng.choice((1, 1, 2, 3))
+        c["h"] = c["hkv"] * rng.choice((1, 1, 2, 4))
+    else:
+        c["h"] = c["hkv"] = 1
+    c["n"] = _dim(rng, 1536, ATTN_MARKS, zero=0.01)
+    c["s"] = c["n"] if rng.random() < 0.4 else _dim(rng, 1536, ATTN_MARKS, zero=0.01)
+    c["d"] = rng.choice(HEAD_DIMS) if rng.random() < 0.7 else rng.randint(1, 160)
+    c["dv"] = c["d"] if rng.random() < 0.7 else rng.choice(HEAD_DIMS)
+    c["causal"] = rng.random() < 0.4
+    c["mask"] = rng.choice((None, None, "bool", "float", "float-inf"))
+    if c["mask"]:
+        # a shape broadcastable to (B, H, N, S): right-aligned, 1 where broadcast, 1 to 4 dims
+        full = [c["b"], c["h"], c["n"], c["s"]] if c["dims"] == 4 else [c["b"], c["n"], c["s"]]
+        nd = rng.randint(1, len(full))
+        c["mask_shape"] = [1 if rng.random() < 0.3 else s for s in full[len(full) - nd:]]
+        c["mask_keep"] = rng.choice((0.9, 0.5, 0.05))  # share of True, or of finite scores
+        c["mask_layout"] = _layout(rng, c["mask_shape"], p_plain=0.7)
+    c["scale"] = None if rng.random() < 0.6 else rng.choice((0.3, 1.0, round(rng.uniform(0.01, 2.0), 4), -0.5))
+    c["grad"] = rng.random() < 0.5
+    qkv = [("q", c["h"], c["n"], c["d"]), ("k", c["hkv"], c["s"], c["d"]), ("v", c["hkv"], c["s"], c["dv"])]
+    for name, h, length, d in qkv:
+        shape = [c["b"], h, length, d] if c["dims"] == 4 else [c["b"], length, d]
+        c[name + "_layout"] = _layout(rng, shape)
+    area = c["b"] * c["h"] * c["n"] * c["s"]
+    flops = 2.0 * area * (c["d"] + c["dv"]) * (3.5 if c["grad"] else 1)
+    return _seconds(c, flops, 3 * flops, area * (45 if c["grad"] else 15))
+
+
+def _draw_dispersion(rng, c):
+    nd = rng.choices((0, 1, 2, 3, 4), (0.05, 0.3, 0.35, 0.2, 0.1))[0]
+    shape = []
+    for _ in range(nd):
+        shape.append(_dim(rng, 1 << 17 if nd == 1 else 1536 if nd == 2 else 96, DC_MARKS, zero=0.03))
+    while math.prod(shape) > 4_000_000:
+        shape[shape.index(max(shape))] //= 2
+    c["shape"] = shape
+    c["layout"] = _layout(rng, shape)
+    c["alpha"] = rng.choice((0.8, 0.0, -1.5, 1e-3, round(rng.uniform(-3, 3), 5)))
+    c["specials"] = rng.random() < 0.3  # 0, -0, negatives, inf, nan, subnormals among the inputs
+    c["grad"] = rng.random() < 0.5
+    return _seconds(c, 0, 0, math.prod(shape) * 30)
+
+
+DRAW = {"matmul": _draw_matmul, "linear": _draw_linear, "attention": _draw_attention,
+        "dispersion_correction": _draw_dispersion}
+# the GEMM ops have the most plans (blocks, threads, slices, chunks, paths of the backward)
+OP_WEIGHTS = {"matmul": 0.25, "linear": 0.45, "attention": 0.2, "dispersion_correction": 0.1}
+# estimated seconds a case may take: most cases are small; a fifth may be big, since a 16-bit GEMM over
+# row chunks needs M * N >= 2**21 and K over a slice (>= 8e8 multiply-adds)
+CASE_SECONDS, BIG_CASE_SECONDS, BIG_SHARE = 0.8, 2.5, 0.2
+
+
+def draw(seed: int, index: int, isas, ops=None) -> dict:
+    """Case `index` of `seed`: a dict of plain values (JSON), the same on every run on a CPU with these
+    ISAs. Draws again (from the same stream) while its estimated time is over its budget."""
+    rng = random.Random(f"opforge-fuzz:{seed}:{index}")
+    names = [op for op in OP_WEIGHTS if ops is None or op in ops]
+    op = rng.choices(names, [OP_WEIGHTS[o] for o in names])[0]
+    budget = BIG_CASE_SECONDS if rng.random() < BIG_SHARE else CASE_SECONDS
+    for _ in range(500):
+        c = {"seed": seed, "index": index, "op": op,
+             "dtype": rng.choices(list(DTYPES), (0.45, 0.2, 0.2, 0.15))[0],
+             "isa": rng.choice(list(isas)), "threads": rng.choice((1, 2)), "data_seed": rng.getrandbits(62),
+             "big": budget > CASE_SECONDS}
+        cost = DRAW[op](rng, c)
+        if cost <= budget:
+            c["estimate_s"] = round(cost, 4)
+            return c
+    raise RuntimeError(f"fuzz: no case of {op} within {budget} s after 500 draws (seed {seed}, case {index})")
+
+
+def describe(c: dict) -> str:
+    head = f"{c['op']} {c['dtype']} isa={c['isa']} threads={c['threads']}"
+    if c["op"] == "matmul":
+        lead = f"{c['batch']}," if c["batch"] else ""
+        return (f"{head} a=({lead}{c['m']},{c['k']}){_layout_str(c['a_layout'])} "
+                f"b=({lead}{c['k']},{c['n']}){_layout_str(c['b_layout'])}")
+    if c["op"] == "linear":
+        x = ",".join(map(str, c["x_shape"]))
+        bias = f"({c['n']}){_layout_str(c['b_layout'])}" if c["bias"] else "None"
+        grads = f" grads={c['grads']}" if "grads" in c else ""
+        w = f"({c['n']},{c['x_shape'][-1]}){_layout_str(c['w_layout'])}"
+        return (f"{head} x=({x}){_layout_str(c['x_layout'])} w={w} b={bias} act={c['act']} "
+                f"recompute={c['recompute']} mode={c['mode']}{grads}")
+    if c["op"] == "attention":
+        mask = f" mask={c['mask']}{tuple(c['mask_shape'])}{_layout_str(c['mask_layout'])} keep={c['mask_keep']}" \
+            if c["mask"] else ""
+        lay = "".join(f" {t}{_layout_str(c[t + '_layout'])}" for t in "qkv" if c[t + "_layout"])
+        return (f"{head} {c['dims']}-d B={c['b']} H={c['h']} Hkv={c['hkv']} N={c['n']} S={c['s']} D={c['d']} "
+                f"Dv={c['dv']} causal={c['causal']} scale={c['scale']}{mask}{lay} grad={c['grad']}")
+    return (f"{head} x={tuple(c['shape'])}{_layout_str(c['layout'])} alpha={c['alpha']} specials={c['specials']} "
+            f"grad={c['grad']}")
+
+
+# ---- inputs -----------------------------------------------------------------------------------------
+
+
+def random_tensor(gen: torch.Generator, shape, dtype: torch.dtype, fill: str = "randn", scale: float = 1.0):
+    """Normal (or uniform in [0, 4) for fill="rand") values, drawn in float32 (float64 for float64) and
+    rounded to dtype: the references read the rounded values."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    if fill == "randn":
+        return (torch.randn(shape, generator=gen, dtype=work) * scale).to(dtype)
+    return (torch.rand(shape, generator=gen, dtype=work) * 4.0).to(dtype)
+
+
+def make(gen: torch.Generator, shape, dtype: torch.dtype, lay, fill="randn", scale: float = 1.0):
+    """(base, view): a random base tensor and the view of `shape` that lay describes (the base itself
+    when lay is None). Gradients are taken with respect to the view."""
+    shape = list(shape)
+    nd = len(shape)
+    if lay is None:
+        base_sizes, perm = shape, list(range(nd))
+    else:
+        perm = lay["perm"]
+        logical = [1 if d in lay["expand"] else shape[d] * lay["step"][d] + lay["pad"][d] for d in range(nd)]
+        base_sizes = [logical[p] for p in perm]
+    base = random_tensor(gen, base_sizes, dtype, fill, scale)
+
+    def view(t):
+        if lay is None:
+            return t
+        t = t.permute([perm.index(d) for d in range(nd)])
+        index = tuple(slice(None) if d in lay["expand"]
+                      else slice(lay["pad"][d], lay["pad"][d] + shape[d] * lay["step"][d], lay["step"][d])
+                      for d in range(nd))
+        return t[index].expand(shape)
+
+    return base, view
+
+
+# ---- checks -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    name: str
+    got: torch.Tensor
+    want: torch.Tensor  # float64
+    bound: torch.Tensor  # float64, elementwise, broadcastable to want
+    dtype: torch.dtype
+
+
+def compare(ck: Check) -> tuple[str | None, float]:
+    """(failure message or None, worst error / bound)."""
+    got = ck.got.detach()
+    if tuple(got.shape) != tuple(ck.want.shape):
+        return f"{ck.name}: shape {tuple(got.shape)}, want {tuple(ck.want.shape)}", math.inf
+    if got.dtype != ck.dtype:
+        return f"{ck.name}: dtype {got.dtype}, want {ck.dtype}", math.inf
+    if got.numel() == 0:
+        return None, 0.0
+    g, w = got.double(), ck.want
+    bound = ck.bound.expand_as(w)
+    err = (g - w).abs()
+    ok = (err <= bound) | (g.isnan() & w.isnan()) | ((g == w) & w.isinf())
+    # beyond the type's range: infinity, or its largest finite value when the exact result is that close
+    over = w.to(ck.dtype).isinf() & w.isfinite()
+    if bool(over.any()):
+        big = torch.finfo(ck.dtype).max
+        ok |= over & ((g == math.inf * w.sign()) | ((g == big * w.sign()) & (w.abs() - big <= bound)))
+    ratio = torch.where(ok, (err / bound).nan_to_num(0.0, 0.0, 0.0), torch.full_like(err, math.inf))
+    worst = float(ratio.max())
+    if bool(ok.all()):
+        return None, worst
+    bad = (~ok).nonzero()
+    i = tuple(int(v) for v in torch.unravel_index(ratio.flatten().argmax(), ratio.shape))
+    span = " x ".join(f"{int(bad[:, d].min())}..{int(bad[:, d].max())}" for d in range(bad.shape[1]))
+    return (f"{ck.name}: {bad.shape[0]} of {w.numel()} elements beyond the bound (indices {span}); worst at "
+            f"{list(i)}: got {g[i].item()!r}, want {w[i].item()!r}, error {err[i].item():.4g}, bound "
+            f"{bound[i].item():.4g}"), worst
+
+
+def _out_tol(t: torch.Tensor, dt: str) -> torch.Tensor:
+    return U_OUT[dt] * t.abs() + ATOL[dt]
+
+
+# ---- the ops and their references ---------------------------------------------------------------------
+
+
+def _inputs(gen, specs):
+    """[(view, base)] for [(shape, dtype, layout, fill, scale)]."""
+    out = []
+    for shape, dtype, lay, fill, scale in specs:
+        base, view = make(gen, shape, dtype, lay, fill, scale)
+        out.append((base, view))
+    return out
+
+
+def check_matmul(c, gen, dtype, dt, call):
+    lead = [c["batch"]] if c["batch"] else []
+    (ab, av), (bb, bv) = _inputs(gen, [(lead + [c["m"], c["k"]], dtype, c["a_layout"], "randn", 1.0),
+                                       (lead + [c["k"], c["n"]], dtype, c["b_layout"], "randn", 1.0)])
+    a, b = av(ab), bv(bb)
+    out = call(lambda: opforge.matmul(a, b))
+    a64, b64 = a.double(), b.double()
+    want = a64 @ b64
+    bound = sum_err(U_ACC[dt], c["k"], a64.abs() @ b64.abs(), want) + _out_tol(want, dt)
+    return [Check("out", out, want, bound, dtype)]
+
+
+def _act_grad(act: str, pre: torch.Tensor) -> torch.Tensor:
+    p = pre.detach().clone().requires_grad_()
+    ACTS[act](p).backward(torch.ones_like(p))
+    return p.grad if p.grad is not None else torch.ones_like(p)
+
+
+def check_linear(c, gen, dtype, dt, call):
+    k, n, act = c["x_shape"][-1], c["n"], c["act"]
+    grads = c.get("grads", "")
+    specs = [(c["x_shape"], dtype, c["x_layout"], "randn", 1.0), ([n, k], dtype, c["w_layout"], "randn", c["w_scale"])]
+    if c["bias"]:
+        specs.append(([n], dtype, c["b_layout"], "randn", 1.0))
+    inputs = _inputs(gen, specs)
+    for (base, _), name in zip(inputs, "xwb"):
+        base.requires_grad_(name in grads)
+    x, w, b = [view(base) for base, view in inputs] + [None] * (3 - len(inputs))
+    out_shape = list(c["x_shape"][:-1]) + [n]
+    g = random_tensor(gen, out_shape, dtype)
+    u = U_ACC[dt]
+    uo = U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else 0.0  # a kept pre-activation's rounding
+
+    # references in float64 over the rows (M, K)
+    m = math.prod(c["x_shape"][:-1])
+    x64, w64 = x.detach().double().reshape(m, k), w.detach().double()
+    b64 = b.detach().double() if b is not None else torch.zeros(n, dtype=torch.float64)
+    pre = x64 @ w64.T + b64
+    pre_err = sum_err(u, k + 1, x64.abs() @ w64.abs().T + b64.abs(), pre)
+    out_want = ACTS[act](pre)
+    fn_err = 0.0 if act in ("none", "relu") else C_FN * u
+    out_bound = (ACT_L1 if act != "none" else 1.0) * pre_err + fn_err * pre.abs() + _out_tol(out_want, dt)
+    checks = []
+    shape_out = lambda t: t.reshape(out_shape)  # noqa: E731
+
+    if c["mode"] == "inference":
+        with torch.no_grad():
+            out = call(lambda: opforge.linear(x, w, b, act, recompute=c["recompute"]))
+        return [Check("out", out, shape_out(out_want), shape_out(out_bound), dtype)]
+    if c["mode"] == "raw":
+        code = opforge.functional.ACTIVATIONS[act]
+        save = c["recompute"]  # reused as save_preact
+        with torch.no_grad():
+            out, pre_got = call(lambda: torch.ops.opforge.linear(x, w, b, code, save))
+        checks.append(Check("out", out, shape_out(out_want), shape_out(out_bound), dtype))
+        if code and save:
+            checks.append(Check("preact", pre_got, shape_out(pre), shape_out(pre_err + _out_tol(pre, dt)), dtype))
+        elif pre_got.numel() != 0:
+            checks.append(Check("preact (empty)", pre_got, torch.zeros(0, dtype=torch.float64),
+                                torch.zeros(0, dtype=torch.float64), dtype))
+        return checks
+
+    views = [t for t, name in ((x, "x"), (w, "w"), (b, "b")) if t is not None and name in grads]
+    names = [name for t, name in ((x, "x"), (w, "w"), (b, "b")) if t is not None and name in grads]
+
+    def forward_backward():
+        y = opforge.linear(x, w, b, act, recompute=c["recompute"])
+        first = torch.autograd.grad(y, views, g, retain_graph=c["mode"] == "retain")
+        second = torch.autograd.grad(y, views, g) if c["mode"] == "retain" else None
+        return y, first, second
+
+    y, first, second = call(forward_backward)
+    checks.append(Check("out", y, shape_out(out_want), shape_out(out_bound), dtype))
+    # g' = g * act'(pre), from a pre-activation off by pre_err (and rounded to 16 bits where it is kept)
+    g64 = g.double().reshape(m, n)
+    d1 = _act_grad(act, pre)
+    gp = g64 * d1
+    pre_off = pre_err + uo * pre.abs()
+    if act == "none":
+        gp_err = torch.zeros_like(gp)
+    else:
+        gp_err = g64.abs() * (ACT_L2 * pre_off + C_FN * u) + max(uo, u) * gp.abs()
+        if act == "relu":  # act' jumps at 0: a pre-activation within its error of 0 may go either way
+            gp_err = torch.where(pre.abs() <= pre_off, g64.abs(), gp_err)
+    # errors carried from g' and made by the sums (over n for dx, over the m rows for dweight and dbias)
+    dx, dw, db = gp @ w64, gp.T @ x64, gp.sum(0)
+    want = {
+        "x": (dx, (gp_err + u * c_sum(n) * gp.abs()) @ w64.abs() + u * 0.5 * n * dx.abs()),
+        "w": (dw, (gp_err + u * c_sum(m) * gp.abs()).T @ x64.abs() + u * 0.5 * m * dw.abs()),
+        "b": (db, (gp_err + u * c_sum(m) * gp.abs()).sum(0) + u * 0.5 * m * db.abs()),
+    }
+    for name, got, view in zip(names, first, views):
+        ref, err = want[name]
+        ref, err = ref.reshape(view.shape), err.reshape(view.shape)
+        checks.append(Check(f"d{name}", got, ref, err + _out_tol(ref, dt), dtype))
+    # a retained graph's second backward (the first must leave the kept pre-activation as it was); not
+    # bit for bit the first: it may take the in-place path, whose 16-bit g' is rounded to 16 bits
+    for name, got, view in zip(names, second or (), views):
+        ref, err = want[name]
+        ref, err = ref.reshape(view.shape), err.reshape(view.shape)
+        checks.append(Check(f"d{name} (second backward)", got, ref, err + _out_tol(ref, dt), dtype))
+    return checks
+
+
+def _attention_reference(q, k, v, mask, causal, scale, g, dt):
+    """SDPA in float64 with error bounds: (out, out_bound, grads {q,k,v: (want, bound)} or None).
+
+    Scores s = q k^T scale + mask are off by es <= u c(D) |q||k|^T |scale| (+ a rounding of the masked
+    sum); softmax turns that into a relative error of each weight p_ij of es_ij + sum_j p_ij es_ij, plus
+    the exp and the row sum's roundings. The backward (dv = p^T g, dp = g v^T, ds = p (dp - rowsum(g o)),
+    dq = ds k scale, dk = ds^T q scale) carries those errors through each product."""
+    u = U_ACC[dt]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    n, s_len, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    qk = q @ k.transpose(-2, -1)
+    s = qk * scale
+    es = sum_err(u, d, q.abs() @ k.abs().transpose(-2, -1), qk) * abs(scale)
+    keep = torch.ones((), dtype=torch.bool)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            s = s + mask
+            es = es + u * s.abs().nan_to_num(0.0, 0.0, 0.0)
+    if causal:
+        keep = keep & torch.ones(n, s_len, dtype=torch.bool).tril()
+    s = s.masked_fill(~keep, -math.inf)
+    mx = s.amax(-1, keepdim=True) if s_len else torch.zeros(*s.shape[:-1], 1, dtype=s.dtype)
+    mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
+    e = (s - mx).exp()
+    total = e.sum(-1, keepdim=True)
+    p = e / torch.where(total == 0, torch.ones_like(total), total)
+    es = torch.where(p > 0, es, torch.zeros_like(es))
+    rel = es + (p * es).sum(-1, keepdim=True) + u * (C_FN + c_sum(s_len) + 0.5 * s_len)  # exp, the row sum
+    dp_abs = p * rel  # |error| of each weight
+    out = p @ v
+    out_bound = dp_abs @ v.abs() + sum_err(u, s_len, p @ v.abs(), out) + _out_tol(out, dt)
+    if g is None:
+        return out, out_bound, None
+    gv = g @ v.transpose(-2, -1)
+    egv = sum_err(u, dv, g.abs() @ v.abs().transpose(-2, -1), gv)
+    dd = (g * out).sum(-1, keepdim=True)
+    edd = (g.abs() * out_bound).sum(-1, keepdim=True) + sum_err(u, dv, (g.abs() * out.abs()).sum(-1, keepdim=True), dd)
+    ds = p * (gv - dd)
+    eds = dp_abs * (gv - dd).abs() + p * (egv + edd) + 4 * u * ds.abs()
+    a_scale = abs(scale)
+
+    def group(t):  # grouped-query heads: the gradient of a K/V head sums its query heads'
+        return t.reshape(t.shape[0], -1, rep, *t.shape[2:]).sum(2) if rep > 1 else t
+
+    dq = ds @ k
+    dq_b = (eds @ k.abs() + sum_err(u, s_len, ds.abs() @ k.abs(), dq)) * a_scale
+    dq = dq * scale
+    dk = ds.transpose(-2, -1) @ q
+    dk_b = group((eds.transpose(-2, -1) @ q.abs() + sum_err(u, n, ds.abs().transpose(-2, -1) @ q.abs(), dk)) * a_scale)
+    dk = group(dk * scale)
+    dvv = p.transpose(-2, -1) @ g
+    dv_b = group(dp_abs.transpose(-2, -1) @ g.abs() + sum_err(u, n, p.transpose(-2, -1) @ g.abs(), dvv))
+    dvv = group(dvv)
+    return out, out_bound, {"q": (dq, dq_b), "k": (dk, dk_b), "v": (dvv, dv_b)}
+
+
+def check_attention(c, gen, dtype, dt, call):
+    four = c["dims"] == 4
+    shapes = {"q": (c["h"], c["n"], c["d"]), "k": (c["hkv"], c["s"], c["d"]), "v": (c["hkv"], c["s"], c["dv"])}
+    inputs = {}
+    for name, (h, length, d) in shapes.items():
+        shape = [c["b"], h, length, d] if four else [c["b"], length, d]
+        base, view = make(gen, shape, dtype, c[name + "_layout"])
+        base.requires_grad_(c["grad"])
+        inputs[name] = view(base)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    mask = None
+    if c["mask"]:
+        mbase, mview = make(gen, c["mask_shape"], torch.float64, c["mask_layout"])
+        if c["mask"] == "bool":
+            mbase = torch.rand(mbase.shape, generator=gen, dtype=torch.float64) < c["mask_keep"]
+        elif c["mask"] == "float-inf":
+            drop = torch.rand(mbase.shape, generator=gen, dtype=torch.float64) >= c["mask_keep"]
+            mbase = mbase.masked_fill(drop, -math.inf)
+        mbase = mbase if mbase.dtype == torch.bool else mbase.to(dtype)
+        mask = mview(mbase)
+    out_shape = list(q.shape[:-1]) + [c["dv"]]
+    g = random_tensor(gen, out_shape, dtype)
+
+    def forward_backward():
+        out = opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=c["causal"],
+                                                   scale=c["scale"], enable_gqa=c["h"] != c["hkv"])
+        grads = torch.autograd.grad(out, (q, k, v), g) if c["grad"] else None
+        return out, grads
+
+    if c["grad"]:
+        out, grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            out, grads = call(forward_backward)
+
+    def four_d(t):
+        return t if four else t.unsqueeze(1)
+
+    # the op takes the scale as a float32 (its default 1 / sqrt(D) too)
+    scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["d"]) if c["d"] else 1.0
+    scale = float(torch.tensor(scale, dtype=torch.float32))
+    m64 = None
+    if mask is not None:  # a 3-d mask goes with 3-d inputs (B, N, S); fewer dims broadcast as they are
+        m64 = mask if mask.dtype == torch.bool else mask.double()
+        m64 = m64.unsqueeze(1) if not four and mask.dim() == 3 else m64
+    want, bound, gwant = _attention_reference(four_d(q.detach().double()), four_d(k.detach().double()),
+                                              four_d(v.detach().double()), m64, c["causal"], scale,
+                                              four_d(g.double()) if c["grad"] else None, dt)
+
+    def back(t):
+        return t if four else t.squeeze(1)
+
+    checks = [Check("out", out, back(want), back(bound), dtype)]
+    if c["grad"]:
+        for name, got in zip("qkv", grads):
+            ref, err = gwant[name]
+            checks.append(Check(f"d{name}", got, back(ref), back(err) + _out_tol(back(ref), dt), dtype))
+    return checks
+
+
+EDGE_VALUES = (0.0, -0.0, -1.0, math.inf, -math.inf, math.nan, 1e-40, 1e-6, 65000.0)
+
+
+def check_dispersion(c, gen, dtype, dt, call):
+    base, view = make(gen, c["shape"], dtype, c["layout"], fill="rand")
+    if c["specials"] and base.numel():
+        idx = torch.randint(0, base.numel(), (min(base.numel(), 32),), generator=gen)
+        pick = torch.randint(0, len(EDGE_VALUES), idx.shape, generator=gen)
+        base.view(-1)[idx] = torch.tensor(EDGE_VALUES, dtype=torch.float64)[pick].to(dtype)
+    base.requires_grad_(c["grad"])
+    x = view(base)
+    alpha = c["alpha"]
+    g = random_tensor(gen, c["shape"], dtype)
+
+    def forward_backward():
+        y = opforge.dispersion_correction(x, alpha)
+        return y, (torch.autograd.grad(y, x, g)[0] if c["grad"] else None)
+
+    if c["grad"]:
+        y, dx = call(forward_backward)
+    else:
+        with torch.no_grad():
+            y, dx = call(forward_backward)
+    # alpha is rounded to the compute type: float32 for all but float64
+    a = alpha if dtype == torch.float64 else float(torch.tensor(alpha, dtype=torch.float32))
+    u = U_ACC[dt]
+    x64 = x.detach().double()
+    root = x64.sqrt()
+    want = x64 * a + root
+    terms = (x64 * a).abs() + root.abs()
+    checks = [Check("out", y, want, 4 * u * terms.nan_to_num(0.0, 0.0, 0.0) + _out_tol(want, dt), dtype)]
+    if c["grad"]:
+        g64 = g.double()
+        gwant = g64 * a + g64 / (2 * root)
+        # 16-bit gradients round each step as autograd of the reference does: a few of their ulps
+        per_step = U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else u
+        gterms = (g64 * a).abs() + (g64 / (2 * root)).abs()
+        checks.append(Check("dx", dx, gwant, 4 * per_step * gterms.nan_to_num(0.0, 0.0, 0.0) + _out_tol(gwant, dt),
+                            dtype))
+    return checks
+
+
+CHECKERS = {"matmul": check_matmul, "linear": check_linear, "attention": check_attention,
+            "dispersion_correction": check_dispersion}
+
+
+class OpError(Exception):
+    """opforge raised on a valid call."""
+
+
+@dataclass
+class Outcome:
+    failures: list = field(default_factory=list)
+    worst: dict = field(default_factory=dict)  # check name -> error / bound
+    seconds: float = 0.0
+
+
+def run_case(c: dict) -> Outcome:
+    """Runs one case in this process: the op under the case's ISA and threads, the references after."""
+    dtype, dt = DTYPES[c["dtype"]], c["dtype"]
+    gen = torch.Generator().manual_seed(c["data_seed"])
+    res = Outcome()
+    threads = torch.get_num_threads()
+
+    def call(fn):
+        opforge.set_isa(c["isa"])
+        torch.set_num_threads(c["threads"])
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            raise OpError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        finally:
+            res.seconds = time.perf_counter() - t0
+            torch.set_num_threads(threads)
+            opforge.set_isa("auto")
+
+    try:
+        checks = CHECKERS[c["op"]](c, gen, dtype, dt, call)
+    except OpError as e:
+        res.failures.append(f"opforge raised {e}")
+        return res
+    except Exception as e:  # noqa: BLE001
+        res.failures.append(f"the fuzzer's reference raised {type(e).__name__}: {e}")
+        return res
+    for ck in checks:
+        msg, worst = compare(ck)
+        res.worst[ck.name] = worst
+        if msg:
+            res.failures.append(msg)
+    return res
+
+
+# ---- child processes ------------------------------------------------------------------------------------
+
+PROTO = "@@fuzz "
+
+
+def worker(seed: int, start: int, step: int, stop: int | None, deadline: float | None, ops) -> None:
+    """Runs cases start, start + step, ... until stop or deadline, one protocol line before and after each."""
+    isas = opforge.supported_isas()
+    torch.set_num_threads(2)
+    i = start
+    while (stop is None or i < stop) and (deadline is None or time.time() < deadline):
+        c = draw(seed, i, isas, ops)
+        print(PROTO + json.dumps({"begin": i, "op": c["op"]}), flush=True)
+        t0 = time.perf_counter()
+        res = run_case(c)
+        print(PROTO + json.dumps({"end": i, "op": c["op"], "failures": res.failures, "desc": describe(c),
+                                  "seconds": round(time.perf_counter() - t0, 3),
+                                  "worst": max(res.worst.values(), default=0.0)}), flush=True)
+        i += step
+
+
+def heap_check_env(env: dict) -> dict:
+    """env with glibc's heap checks on, where it has them and no sanitizer runtime is preloaded."""
+    preload = env.get("LD_PRELOAD", "")
+    lib = ctypes.util.find_library("c_malloc_debug")
+    if not lib or "asan" in preload or "MALLOC_CHECK_" in env:
+        return env
+    env = dict(env)
+    env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    env["MALLOC_CHECK_"] = "3"
+    env["MALLOC_PERTURB_"] = "165"
+    return env
+
+
+def _child_env(malloc_check: bool) -> dict:
+    env = dict(os.environ)
+    # the children import the opforge this process imported
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(opforge.__file__)))
+    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return heap_check_env(env) if malloc_check else env
+
+
+def _signal_name(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def _stderr_tail(path: str, lines: int = 12) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    keep = [ln for ln in text.splitlines() if ln.strip()]
+    # an ASan report: its headline and summary say what and where
+    asan = [ln for ln in keep if "ERROR: AddressSanitizer" in ln or "SUMMARY:" in ln or "runtime error:" in ln]
+    return "\n       ".join(asan[:4] if asan else keep[-lines:])
+
+
+@dataclass
+class Failure:
+    seed: int
+    cases: list  # the case numbers that reproduce it, run in this order in one process
+    desc: str
+    what: str
+    ops: list | None = None  # the subset of ops the cases were drawn from
+
+    def reproducer(self) -> str:
+        """The command that reruns the case, with the environment that picks the library (a sanitized
+        copy needs its runtimes preloaded)."""
+        env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("ASAN_OPTIONS", "LD_PRELOAD", "PYTHONPATH")
+               if os.environ.get(k) and (k == "PYTHONPATH" or "asan" in os.environ.get("LD_PRELOAD", ""))]
+        cmd = [f"python tests/python/fuzz.py --seed {self.seed}"] + [f"--case {i}" for i in self.cases]
+        return " ".join(env + cmd + ([f"--ops {','.join(self.ops)}"] if self.ops else []))
+
+
+@dataclass
+class Report:
+    seed: int
+    cases: int = 0
+    per_op: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)
+    seconds: float = 0.0
+    worst: float = 0.0  # largest error / bound of the passing cases
+
+    def summary(self) -> str:
+        ops = ", ".join(f"{op} {n}" for op, n in sorted(self.per_op.items()))
+        lines = [f"fuzz: seed {self.seed}: {self.cases} cases in {self.seconds:.0f} s ({ops}); "
+                 f"{len(self.failures)} failed; largest error/bound of a passing check {self.worst:.3g}"]
+        for f in self.failures:
+            lines.append(f"FAIL {f.desc}\n     {f.what}\n     reproduce: {f.reproducer()}")
+        return "\n".join(lines)
+
+
+class _Child:
+    def __init__(self, wid, seed, start, step, stop, deadline, ops, env):
+        self.wid, self.step, self.current, self.started, self.previous = wid, step, None, 0.0, None
+        self.errfile = tempfile.NamedTemporaryFile(prefix="opforge-fuzz-", suffix=".stderr", delete=False)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(seed), "--start", str(start),
+               "--step", str(step)]
+        cmd += ["--stop", str(stop)] if stop is not None else []
+        cmd += ["--deadline", str(deadline)] if deadline is not None else []
+        cmd += ["--ops", ",".join(ops)] if ops else []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.errfile, env=env, text=True, bufsize=1)
+
+    def pump(self, q):
+        for line in self.proc.stdout:
+            q.put((self.wid, line))
+        q.put((self.wid, None))
+
+    def close(self):
+        self.errfile.close()
+        os.unlink(self.errfile.name)
+
+
+def _run_alone(seed: int, cases: list, ops, env: dict, timeout: float) -> int:
+    """Runs cases in one fresh child, in this order: its return code."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--seed", str(seed), "--quiet"]
+    cmd += [a for i in cases for a in ("--case", str(i))] + (["--ops", ",".join(ops)] if ops else [])
+    try:
+        return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return -signal.SIGKILL
+
+
+def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs: int = 1, ops=None,
+        malloc_check: bool = True, case_timeout: float = 300.0, log=print, progress_every: float = 30.0) -> Report:
+    """Runs cases 0..cases-1 of seed (or as many as fit in `seconds`) in `jobs` child processes."""
+    assert cases is not None or seconds is not None
+    env = _child_env(malloc_check)
+    deadline = time.time() + seconds if seconds is not None else None
+    rep = Report(seed)
+    t0 = time.time()
+    q: queue.Queue = queue.Queue()
+    children: dict[int, _Child] = {}
+
+    def start(wid, first):
+        if (cases is not None and first >= cases) or (deadline is not None and time.time() >= deadline):
+            return
+        ch = _Child(wid, seed, first, jobs, cases, deadline, ops, env)
+        children[wid] = ch
+        threading.Thread(target=ch.pump, args=(q,), daemon=True).start()
+
+    for w in range(jobs):
+        start(w, w)
+    last_progress = time.time()
+    while children:
+        try:
+            wid, line = q.get(timeout=1.0)
+        except queue.Empty:
+            for ch in list(children.values()):
+                if ch.current is not None and time.time() - ch.started > case_timeout:
+                    ch.proc.kill()  # its reader sees EOF next
+            continue
+        ch = children[wid]
+        if line is not None:
+            if not line.startswith(PROTO):
+                continue
+            msg = json.loads(line[len(PROTO):])
+            if "begin" in msg:
+                ch.current, ch.started = msg["begin"], time.time()
+                continue
+            ch.previous, ch.current = msg["end"], None
+            rep.cases += 1
+            rep.per_op[msg["op"]] = rep.per_op.get(msg["op"], 0) + 1
+            if msg["failures"]:
+                f = Failure(seed, [msg["end"]], msg["desc"], "; ".join(msg["failures"]), ops)
+                rep.failures.append(f)
+                log(f"FAIL case {msg['end']}: {f.desc}\n     {f.what}\n     reproduce: {f.reproducer()}")
+            else:
+                rep.worst = max(rep.worst, msg["worst"])
+            if time.time() - last_progress > progress_every:
+                last_progress = time.time()
+                log(f"fuzz: {rep.cases} cases, {len(rep.failures)} failed, {time.time() - t0:.0f} s")
+            continue
+        # the child is gone
+        rc = ch.proc.wait()
+        del children[wid]
+        crashed, prev = ch.current, ch.previous
+        tail = _stderr_tail(ch.errfile.name)
+        ch.close()
+        if crashed is None:
+            if rc != 0:
+                raise RuntimeError(f"fuzz: a worker {_signal_name(rc)} outside any case:\n{tail}")
+            continue
+        rep.cases += 1
+        c = draw(seed, crashed, opforge.supported_isas(), ops)
+        rep.per_op[c["op"]] = rep.per_op.get(c["op"], 0) + 1
+        hung = time.time() - ch.started > case_timeout
+        what = f"hung (over {case_timeout:.0f} s)" if hung else f"crashed: the worker {_signal_name(rc)}"
+        what += f": {tail}" if tail and not hung else ""
+        # does it crash alone? else with the case run before it in the same process?
+        repro = [crashed]
+        if not hung:
+            rc1 = _run_alone(seed, [crashed], ops, env, case_timeout)
+            if rc1 == 0 and prev is not None:
+                rc2 = _run_alone(seed, [prev, crashed], ops, env, case_timeout)
+                repro = [prev, crashed] if rc2 != 0 else repro
+                if rc2 == 0:
+                    what += " (not reproduced by the case alone nor after the case before it)"
+            elif rc1 == 0:
+                what += " (not reproduced by the case alone)"
+        f = Failure(seed, repro, describe(c), what, ops)
+        rep.failures.append(f)
+        log(f"FAIL case {crashed}: {f.desc}\n     {f.what}\n     reproduce: {f.reproducer()}")
+        start(wid, crashed + jobs)
+    rep.seconds = time.time() - t0
+    return rep
+
+
+# ---- command line ------------------------------------------------------------------------------------------
+
+
+def _verbose_case(seed: int, index: int, ops, quiet: bool) -> bool:
+    c = draw(seed, index, opforge.supported_isas(), ops)
+    if not quiet:
+        print(f"case {index} of seed {seed}: {describe(c)}")
+        print(f"  spec {json.dumps(c)}")
+        print(f"  opforge {opforge.__file__}", flush=True)
+    t0 = time.perf_counter()
+    res = run_case(c)
+    if not quiet:
+        for name, worst in res.worst.items():
+            print(f"  {name}: largest error / bound {worst:.3g}")
+        print(f"  op {res.seconds:.3f} s, case {time.perf_counter() - t0:.3f} s (estimate {c['estimate_s']} s)")
+        for f in res.failures:
+            print(f"  FAIL {f}")
+        print("  ok" if not res.failures else f"  {len(res.failures)} failed")
+    return not res.failures
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="randomized differential test of opforge's ops against float64 PyTorch")
+    p.add_argument("--seed", type=int, help="the seed of the cases (default: a fresh one, printed)")
+    p.add_argument("--cases", type=int, help="run cases 0..N-1")
+    p.add_argument("--seconds", type=float, help="run cases until this much time has passed")
+    p.add_argument("--case", type=int, action="append", help="run this case in this process, in detail (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, help="child processes (default 1)")
+    p.add_argument("--ops", help="comma-separated subset of " + ",".join(OP_WEIGHTS))
+    p.add_argument("--no-malloc-check", action="store_true", help="children without glibc's heap checks")
+    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--step", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--stop", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    ops = a.ops.split(",") if a.ops else None
+    for op in ops or []:
+        if op not in OP_WEIGHTS:
+            p.error(f"unknown op {op!r}: one of {', '.join(OP_WEIGHTS)}")
+    if a.worker:
+        worker(a.seed, a.start, a.step, a.stop, a.deadline, ops)
+        return 0
+    if a.case:
+        if a.seed is None:
+            p.error("--case needs --seed")
+        return 0 if all([_verbose_case(a.seed, i, ops, a.quiet) for i in a.case]) else 1
+    if a.cases is None and a.seconds is None:
+        p.error("give --cases N, --seconds T or --case I")
+    seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print(f"fuzz: seed {seed}, {a.cases} cases" if a.cases is not None else f"fuzz: seed {seed}, {a.seconds:.0f} s",
+          f"on {a.jobs} job(s); ISAs {', '.join(opforge.supported_isas())}; opforge {opforge.__file__}", flush=True)
+    rep = run(seed, a.cases, a.seconds, a.jobs, ops, not a.no_malloc_check)
+    print(rep.summary(), flush=True)
+    return 1 if rep.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
