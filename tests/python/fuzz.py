@@ -641,9 +641,10 @@ def check_attention(c, gen, dtype, dt, call):
     def four_d(t):
         return t if four else t.unsqueeze(1)
 
-    # the op takes the scale as a float32 (its default 1 / sqrt(D) too)
+    # float64 keeps the scale in double; the float32 kernels round it once (its default 1 / sqrt(D) too)
     scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["d"]) if c["d"] else 1.0
-    scale = float(torch.tensor(scale, dtype=torch.float32))
+    if c["dtype"] != "float64":
+        scale = float(torch.tensor(scale, dtype=torch.float32))
     m64 = None
     if mask is not None:  # a 3-d mask goes with 3-d inputs (B, N, S); fewer dims broadcast as they are
         m64 = mask if mask.dtype == torch.bool else mask.double()
