@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+
 def _templates() -> str:
     spec = importlib.util.find_spec("opforge")
     return os.path.join(os.path.dirname(spec.origin), "templates")
