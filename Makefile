@@ -2,6 +2,7 @@
 #   make demo   the brief's example end to end + a short benchmark table
 #   make test   C tests, ABI drift check, Python tests (incl. the tutorial end to end)
 #   make bench  the full benchmarks (CSV, markdown, PNG under benchmarks/results/)
+#   make lint   clang-format (C) and ruff (Python) checks; make format applies them
 #   OPFORGE_NAMESPACE=acme_ops_1a2b make clean build
 #               the ops as torch.ops.acme_ops_1a2b (default: torch.ops.opforge)
 #   make test-other-torch TORCH_WHEEL=...  the Python tests of the library as built
@@ -15,7 +16,7 @@ LIB    := python/opforge/libopforge.so
 CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
 TORCH_INCLUDE = $(shell $(PY) -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 
-.PHONY: all setup build demo test ctest abi-check pytest test-other-torch bench bench-smoke fuzz sanitize clean
+.PHONY: all setup build demo test ctest abi-check pytest test-other-torch bench bench-smoke fuzz sanitize lint format clean
 
 all: build
 
@@ -119,6 +120,22 @@ bench: build
 
 bench-smoke: build
 	$(PY) benchmarks/bench_dispersion_correction.py --smoke
+
+# C: .clang-format (the scaffold templates are left out: their {name}
+# placeholders are not C until `opforge new` fills them in). Python: ruff's
+# lint rules and import order from pyproject.toml; no Python formatter.
+CLANG_FORMAT ?= clang-format
+RUFF         := $(VENV)/bin/ruff
+C_FORMATTED  := $(shell find csrc tests/c examples -name '*.c' -o -name '*.h' | sort)
+PY_LINTED    := python tests benchmarks examples
+
+lint: $(VENV)/.installed
+	$(CLANG_FORMAT) --dry-run --Werror $(C_FORMATTED)
+	$(RUFF) check $(PY_LINTED)
+
+format: $(VENV)/.installed
+	$(CLANG_FORMAT) -i $(C_FORMATTED)
+	$(RUFF) check --select I --fix $(PY_LINTED)
 
 clean:
 	rm -rf build $(LIB) python/*.egg-info

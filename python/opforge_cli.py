@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+
 def _templates() -> str:
     spec = importlib.util.find_spec("opforge")
     return os.path.join(os.path.dirname(spec.origin), "templates")
@@ -71,7 +72,7 @@ def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
     try:
         op = getattr(getattr(torch.ops, ns), name).default
     except (AttributeError, RuntimeError):
-        raise SystemExit(f"opforge: no op {ns}::{name} (load its C sources with --load)")
+        raise SystemExit(f"opforge: no op {ns}::{name} (load its C sources with --load)") from None
     if reference:
         ref = _load_function(reference, "--reference")
     elif ns == opforge.namespace and name in ot.REFERENCES:
@@ -113,7 +114,7 @@ def _shapes(op, specs: list[str] | None) -> dict[str, tuple[int, ...]]:
         try:
             shapes[name] = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
         except ValueError:
-            raise SystemExit(f"opforge: --shape must be NAME=D0,D1,... (e.g. x=64,512), got {spec!r}")
+            raise SystemExit(f"opforge: --shape must be NAME=D0,D1,... (e.g. x=64,512), got {spec!r}") from None
     return shapes
 
 
@@ -163,7 +164,7 @@ def check(args) -> int:
         report = ot.check(op, ref, inputs=(lambda dt: [given(dt)]) if given else None, dtypes=_dtypes(args.dtypes),
                           grad=not args.no_grad, atol=args.atol, rtol=args.rtol)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise _failed("check", e)
+        raise _failed("check", e) from None
     print(report)
     if not any(r.supported for r in report.results):
         print("\nno dtype ran: if the op wants other shapes, give them with --shape NAME=D0,D1 or --inputs FILE.py:FUNCTION")
@@ -186,7 +187,7 @@ def bench(args) -> int:
         rows = ob.bench(op, ref, sizes=sizes, dtype=dtype, make_inputs=make_inputs, backward=not args.no_backward,
                         atol=args.atol, rtol=args.rtol)
     except (RuntimeError, ValueError, TypeError, AssertionError) as e:
-        raise _failed("bench", e)
+        raise _failed("bench", e) from None
     table = ob.write_results(stem, rows, out_dir=args.out)
     ob.plot(stem, [r["size"] for r in rows],
             {k: [r[k] for r in rows] for k in rows[0] if k.endswith(("_vs_eager", "_vs_compile"))},

@@ -52,8 +52,7 @@ double act_f64(act_kind act, double x) {
 double act_grad_f64(act_kind act, double x) {
     switch (act) {
     case ACT_RELU: return x > 0.0 ? 1.0 : 0.0;
-    case ACT_GELU:
-        return 0.5 * (1.0 + erf(x * 0.70710678118654752)) + x * exp(-0.5 * x * x) * 0.3989422804014327;
+    case ACT_GELU: return 0.5 * (1.0 + erf(x * 0.70710678118654752)) + x * exp(-0.5 * x * x) * 0.3989422804014327;
     case ACT_GELU_TANH: {
         double k = 0.7978845608028654, t = tanh(k * (x + 0.044715 * x * x * x));
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x);
@@ -136,11 +135,21 @@ static void act_grad_cols_range(int64_t begin, int64_t end, void *ctx) {
     act_grad_block(job, 0, job->m, begin, end);
 }
 
-void act_grad_rows(const act_kernels *kern, const cvt_kernels *cvt, opf_dtype dt, void *out, int64_t rso,
-                   const void *g, int64_t rsg, const void *pre, int64_t rsp, int64_t m, int64_t n, act_kind act,
-                   float *db) {
-    rows_job job = {.kern = kern, .cvt = cvt, .dt = dt, .out = out, .g = g, .pre = pre, .rso = rso, .rsg = rsg,
-                    .rsp = rsp, .n = n, .act = act, .db = db, .m = m};
+void act_grad_rows(const act_kernels *kern, const cvt_kernels *cvt, opf_dtype dt, void *out, int64_t rso, const void *g,
+                   int64_t rsg, const void *pre, int64_t rsp, int64_t m, int64_t n, act_kind act, float *db) {
+    rows_job job = {.kern = kern,
+                    .cvt = cvt,
+                    .dt = dt,
+                    .out = out,
+                    .g = g,
+                    .pre = pre,
+                    .rso = rso,
+                    .rsg = rsg,
+                    .rsp = rsp,
+                    .n = n,
+                    .act = act,
+                    .db = db,
+                    .m = m};
     if (db && n >= 256 * opf_num_threads()) { /* threads split the columns: each sums its own */
         opf_parallel_for(0, n, 256, act_grad_cols_range, &job);
         return;
@@ -174,4 +183,3 @@ void colsum_f32(const cvt_kernels *cvt, float *db, const void *g, opf_dtype dt, 
     rows_job job = {.cvt = cvt, .dt = dt, .g = g, .rsg = rsg, .m = m, .n = n, .db = db, .beta = beta};
     opf_parallel_for(0, n, 256, colsum_range, &job);
 }
-

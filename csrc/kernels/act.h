@@ -17,14 +17,7 @@
 #include "opforge/half.h"
 #include "opforge/runtime.h"
 
-typedef enum act_kind {
-    ACT_NONE = 0,
-    ACT_RELU,
-    ACT_GELU,
-    ACT_GELU_TANH,
-    ACT_SILU,
-    ACT_COUNT
-} act_kind;
+typedef enum act_kind { ACT_NONE = 0, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_COUNT } act_kind;
 
 /* Scalar activation and its derivative (also the tail path of the ISA files). */
 float act_f32(act_kind act, float x);
@@ -52,9 +45,8 @@ const act_kernels *act_kernels_for(opf_isa isa);
  * rounded once) with row strides, threaded. out may be pre (in place). With
  * db (optional, n floats) also db[j] = sum_i g'[i, j] of g' as stored, in the
  * same pass: what colsum_f32 gives, without reading g' again. */
-void act_grad_rows(const act_kernels *kern, const cvt_kernels *cvt, opf_dtype dt, void *out, int64_t rso,
-                   const void *g, int64_t rsg, const void *pre, int64_t rsp, int64_t m, int64_t n, act_kind act,
-                   float *db);
+void act_grad_rows(const act_kernels *kern, const cvt_kernels *cvt, opf_dtype dt, void *out, int64_t rso, const void *g,
+                   int64_t rsg, const void *pre, int64_t rsp, int64_t m, int64_t n, act_kind act, float *db);
 /* db[j] = (beta ? db[j] : 0) + sum_i g[i, j] in float32 over g of type dt; threaded over columns. */
 void colsum_f32(const cvt_kernels *cvt, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
                 int beta);

@@ -52,12 +52,11 @@ static inline __m256 act8(act_kind act, __m256 v) {
                              _mm256_add_ps(one, erf8(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752f)))));
     case ACT_GELU_TANH: {
         __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
-        __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                                 _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), v3, v));
+        __m256 u =
+            _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), v3, v));
         return _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, tanh8(u)));
     }
-    case ACT_SILU:
-        return _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+    case ACT_SILU: return _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
     default: return v;
     }
 }
@@ -68,7 +67,8 @@ static inline __m256 act_grad8(act_kind act, __m256 x) {
     case ACT_RELU: return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ), one);
     case ACT_GELU: { /* Phi(x) + x phi(x); erf(x / sqrt 2) is made of exp(-x^2 / 2), phi's exponential */
         __m256 e;
-        __m256 cdf = _mm256_mul_ps(half, _mm256_add_ps(one, erf8e(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)), &e)));
+        __m256 cdf =
+            _mm256_mul_ps(half, _mm256_add_ps(one, erf8e(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)), &e)));
         return _mm256_fmadd_ps(x, _mm256_mul_ps(e, _mm256_set1_ps(0.3989422804014327f)), cdf);
     }
     case ACT_GELU_TANH: {

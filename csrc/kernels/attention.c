@@ -57,13 +57,18 @@ static void probs_ref(float *scores, int64_t ld, int64_t bq, int64_t bk, float s
             scores[i * ld + j] = lse[i] == -INFINITY || j > i + diag ? 0.0f : expf(scores[i * ld + j] * scale - lse[i]);
 }
 
-static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta, float scale) {
+static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta,
+                        float scale) {
     for (int64_t i = 0; i < bq; i++)
         for (int64_t j = 0; j < bk; j++) dp[i * ld + j] = p[i * ld + j] * (dp[i * ld + j] - delta[i]) * scale;
 }
 
-const attn_kernels attn_kernels_ref = {.name = "ref", .isa = OPF_ISA_REF, .cvt = &cvt_kernels_ref, .mm = mm_ref,
-                                       .softmax_cols = softmax_cols_ref, .probs = probs_ref,
+const attn_kernels attn_kernels_ref = {.name = "ref",
+                                       .isa = OPF_ISA_REF,
+                                       .cvt = &cvt_kernels_ref,
+                                       .mm = mm_ref,
+                                       .softmax_cols = softmax_cols_ref,
+                                       .probs = probs_ref,
                                        .dscores = dscores_ref};
 
 /* ---- element access ---------------------------------------------------------------------- */
@@ -159,9 +164,9 @@ static fwd_layout fwd_layout_for(const attn_problem *p) {
     lay.qt = carve(&at, d_qk * BQ);   /* Q^T of the block */
     lay.kbuf = carve(&at, BK * d_qk); /* K and V rows in float32, when not read in place */
     lay.vbuf = carve(&at, BK * d_v);
-    lay.st = carve(&at, BK * BQ);     /* S^T, then P^T */
-    lay.o = carve(&at, BQ * d_v);     /* O, unnormalised */
-    lay.m = carve(&at, BQ);           /* the online softmax's running max, sum and rescale */
+    lay.st = carve(&at, BK * BQ); /* S^T, then P^T */
+    lay.o = carve(&at, BQ * d_v); /* O, unnormalised */
+    lay.m = carve(&at, BQ);       /* the online softmax's running max, sum and rescale */
     lay.l = carve(&at, BQ);
     lay.alpha = carve(&at, BQ);
     lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
@@ -203,7 +208,8 @@ static void fwd_task(const attn_kernels *k, const attn_problem *p, int64_t qb, i
             ka = (const float *)p->k + off4(p->ks, b, kvh, j0, 0);
             rsk = p->ks[2], csk = p->ks[3];
         } else {
-            for (int64_t j = 0; j < bk; j++) load_row(k, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
+            for (int64_t j = 0; j < bk; j++)
+                load_row(k, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
         }
         k->mm(bk, bq, d_qk, ka, rsk, csk, qt, BQ, st, BQ, 0);
         float scale;
@@ -219,7 +225,8 @@ static void fwd_task(const attn_kernels *k, const attn_problem *p, int64_t qb, i
             vb = (const float *)p->v + off4(p->vs, b, kvh, j0, 0);
             ldv = p->vs[2];
         } else {
-            for (int64_t j = 0; j < bk; j++) load_row(k, vbuf + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
+            for (int64_t j = 0; j < bk; j++)
+                load_row(k, vbuf + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
         }
         k->mm(bq, d_v, bk, st, 1, BQ, vb, ldv, o, d_v, 1);
     }
@@ -248,7 +255,11 @@ static void fwd_worker(int64_t w0, int64_t w1, void *arg) {
 }
 
 void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
-    fwd_ctx c = {.k = k, .p = p, .ws = workspace, .per_worker = fwd_layout_for(p).floats, .tasks = fwd_tasks(p),
+    fwd_ctx c = {.k = k,
+                 .p = p,
+                 .ws = workspace,
+                 .per_worker = fwd_layout_for(p).floats,
+                 .tasks = fwd_tasks(p),
                  .nqb = cdiv(p->n, BQ)};
     atomic_init(&c.next, 0);
     if (c.tasks == 0) return;
@@ -405,7 +416,8 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot
                 q = (const float *)p->q + off4(p->qs, b, h, i0, 0);
                 ldq = p->qs[2];
             } else {
-                for (int64_t i = 0; i < bq; i++) load_row(k, qr + i * d_qk, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
+                for (int64_t i = 0; i < bq; i++)
+                    load_row(k, qr + i * d_qk, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
             }
             if (f32 && p->dos[3] == 1) {
                 dout = (const float *)p->dout + off4(p->dos, b, h, i0, 0);
@@ -417,12 +429,12 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot
             k->mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
             float scale;
             const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
-            k->probs(scores, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag);         /* P */
-            k->mm(bq, bk, d_v, dout, lddo, 1, vt, BK, dp, BK, 0);                   /* dP = dO V^T */
+            k->probs(scores, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag);             /* P */
+            k->mm(bq, bk, d_v, dout, lddo, 1, vt, BK, dp, BK, 0);                           /* dP = dO V^T */
             k->dscores(dp, scores, BK, bq, bk, c->delta + bh * p->n + i0, (float)p->scale); /* dS */
-            k->mm(bk, d_v, bq, scores, 1, BK, dout, lddo, dv, d_v, 1);                    /* dV += P^T dO */
-            k->mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                         /* dK += dS^T Q */
-            k->mm(bq, d_qk, bk, dp, BK, 1, kr, d_qk, dqh + i0 * lddq, lddq, !slot);      /* dQ += dS K */
+            k->mm(bk, d_v, bq, scores, 1, BK, dout, lddo, dv, d_v, 1);                      /* dV += P^T dO */
+            k->mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                            /* dK += dS^T Q */
+            k->mm(bq, d_qk, bk, dp, BK, 1, kr, d_qk, dqh + i0 * lddq, lddq, !slot);         /* dQ += dS K */
         }
     }
     for (int64_t j = 0; j < bk; j++) {
@@ -488,7 +500,8 @@ static void bwd_prologue(int64_t bh0, int64_t bh1, void *arg) {
             for (int64_t d = 0; d < p->d_qk; d++) dq[d * r->c->dq32s[3]] = 0.0f;
             double sum = 0.0;
             for (int64_t d = 0; d < p->d_v; d++)
-                sum += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) * opf_load_elem(p->out, off4(p->os, b, h, i, d), p->dt);
+                sum += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) *
+                       opf_load_elem(p->out, off4(p->os, b, h, i, d), p->dt);
             r->c->delta[bh * p->n + i] = (float)sum;
         }
     }
@@ -505,8 +518,13 @@ static void bwd_epilogue(int64_t bh0, int64_t bh1, void *arg) {
 
 void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
     const bwd_layout lay = bwd_layout_for(p);
-    bwd_ctx c = {.k = k, .p = p, .per_worker = lay.per_worker, .tasks = bwd_tasks(p), .nkb = cdiv(p->s, BK),
-                 .slots = lay.slots, .whole = whole_groups(p)};
+    bwd_ctx c = {.k = k,
+                 .p = p,
+                 .per_worker = lay.per_worker,
+                 .tasks = bwd_tasks(p),
+                 .nkb = cdiv(p->s, BK),
+                 .slots = lay.slots,
+                 .whole = whole_groups(p)};
     const int in_place = lay.dq32 < 0;
     c.delta = workspace + lay.delta;
     if (in_place) {
@@ -545,7 +563,8 @@ static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, 
             bias = opf_load_elem(p->mask, off4(p->ms, b, h, i, j), p->mask_dt); /* in double for float64 */
         double dot = 0.0;
         for (int64_t d = 0; d < p->d_qk; d++)
-            dot += opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt) * opf_load_elem(p->k, off4(p->ks, b, kvh, j, d), p->dt);
+            dot += opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt) *
+                   opf_load_elem(p->k, off4(p->ks, b, kvh, j, d), p->dt);
         w[j] = bias == -INFINITY ? -INFINITY : dot * p->scale + bias;
         if (w[j] > mx) mx = w[j];
         nan |= isnan(w[j]);
@@ -574,7 +593,8 @@ int attn_ref_fwd(const attn_problem *p) {
                 p->lse[(b * p->h + h) * p->n + i] = (float)ref_probs(p, b, h, i, w);
                 for (int64_t d = 0; d < p->d_v; d++) {
                     double acc = 0.0;
-                    for (int64_t j = 0; j < p->s; j++) acc += w[j] * opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
+                    for (int64_t j = 0; j < p->s; j++)
+                        acc += w[j] * opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
                     opf_store_elem(p->out, off4(p->os, b, h, i, d), p->dt, acc);
                 }
             }
@@ -586,7 +606,8 @@ int attn_ref_fwd(const attn_problem *p) {
 int attn_ref_bwd(const attn_problem *p) {
     const int64_t nk = p->b * p->hkv * p->s;
     double *w = malloc(sizeof(double) * (size_t)(2 * p->s + p->d_qk + 1));
-    double *dk = calloc((size_t)(nk * p->d_qk + 1), sizeof(double)), *dv = calloc((size_t)(nk * p->d_v + 1), sizeof(double));
+    double *dk = calloc((size_t)(nk * p->d_qk + 1), sizeof(double)),
+           *dv = calloc((size_t)(nk * p->d_v + 1), sizeof(double));
     if (!w || !dk || !dv) {
         free(w), free(dk), free(dv);
         return -1;
@@ -601,7 +622,8 @@ int attn_ref_bwd(const attn_problem *p) {
                 for (int64_t j = 0; j < p->s; j++) {
                     double dot = 0.0;
                     for (int64_t d = 0; d < p->d_v; d++)
-                        dot += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) * opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
+                        dot += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) *
+                               opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
                     dpr[j] = dot;
                     delta += w[j] * dot;
                 }
@@ -622,8 +644,10 @@ int attn_ref_bwd(const attn_problem *p) {
         for (int64_t kvh = 0; kvh < p->hkv; kvh++)
             for (int64_t j = 0; j < p->s; j++) {
                 const int64_t r = (b * p->hkv + kvh) * p->s + j;
-                for (int64_t d = 0; d < p->d_qk; d++) opf_store_elem(p->dk, off4(p->dks, b, kvh, j, d), p->dt, dk[r * p->d_qk + d]);
-                for (int64_t d = 0; d < p->d_v; d++) opf_store_elem(p->dv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->d_v + d]);
+                for (int64_t d = 0; d < p->d_qk; d++)
+                    opf_store_elem(p->dk, off4(p->dks, b, kvh, j, d), p->dt, dk[r * p->d_qk + d]);
+                for (int64_t d = 0; d < p->d_v; d++)
+                    opf_store_elem(p->dv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->d_v + d]);
             }
     free(w), free(dk), free(dv);
     return 0;

@@ -41,12 +41,12 @@ typedef enum attn_mask_kind { ATTN_MASK_NONE = 0, ATTN_MASK_BOOL, ATTN_MASK_ADD 
 
 typedef struct attn_problem {
     int64_t b, h, hkv, n, s, d_qk, d_v; /* batch, heads, key/value heads, query and key length, head dims */
-    opf_dtype dt;                   /* of q, k, v, out, dout, dq, dk, dv */
+    opf_dtype dt;                       /* of q, k, v, out, dout, dq, dk, dv */
     const void *q, *k, *v;
-    int64_t qs[4], ks[4], vs[4];    /* element strides (b, h, n|s, d) */
-    const void *mask;               /* NULL, or (b, h, n, s) via ms (0 where broadcast) */
+    int64_t qs[4], ks[4], vs[4]; /* element strides (b, h, n|s, d) */
+    const void *mask;            /* NULL, or (b, h, n, s) via ms (0 where broadcast) */
     attn_mask_kind mask_kind;
-    opf_dtype mask_dt;              /* ATTN_MASK_ADD: the mask's float type */
+    opf_dtype mask_dt; /* ATTN_MASK_ADD: the mask's float type */
     int64_t ms[4];
     int causal;
     double scale; /* exact for the float64 oracle; the float32 kernels round it once */
@@ -65,15 +65,15 @@ typedef struct attn_kernels {
     const cvt_kernels *cvt; /* 16-bit rows to and from float32 */
     /* C (m x n, row stride ldc) = (acc ? C : 0) + A B with A(i, p) = a[i*rsa + p*csa]
      * and B(p, j) = b[p*ldb + j] */
-    void (*mm)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
-               int64_t ldb, float *c, int64_t ldc, int acc);
+    void (*mm)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b, int64_t ldb,
+               float *c, int64_t ldc, int acc);
     /* online softmax down the columns of st (bk keys x bq queries, row stride ld):
      * x = scale * st; m' = max(m, max_j x); st = exp(x - m'); alpha = exp(m - m');
      * l = l * alpha + sum_j st; m = m'. A column with m' = -inf gets zeros.
      * Causal diagonal: key j is masked out (x = -inf) for query i when
      * j > i + diag; diag >= bk masks nothing. */
-    void (*softmax_cols)(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
-                         float *alpha, int64_t diag);
+    void (*softmax_cols)(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l, float *alpha,
+                         int64_t diag);
     /* scores (bq x bk, row stride ld) = exp(scale * scores - lse[i]), 0 for keys
      * j > i + diag; rows with lse = -inf get zeros */
     void (*probs)(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag);

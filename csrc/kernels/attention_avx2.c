@@ -18,9 +18,9 @@ static inline __m256i lanes_below(int64_t n) {
 /* C[0..mr) x [0..8*nv) (+)= A B; masked: lanes beyond the mask are neither
  * read from B or C nor written. mr, nv and masked are constants at each call. */
 static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int masked, int64_t k,
-                                                      const float *a, int64_t rsa, int64_t csa, const float *b,
-                                                      int64_t ldb, float *c, int64_t ldc, int acc, __m256i m0,
-                                                      __m256i m1) {
+                                                       const float *a, int64_t rsa, int64_t csa, const float *b,
+                                                       int64_t ldb, float *c, int64_t ldc, int acc, __m256i m0,
+                                                       __m256i m1) {
     __m256 c0[6], c1[6];
 #pragma GCC unroll 6
     for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm256_setzero_ps();
@@ -55,18 +55,18 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
     }
 }
 
-#define ROWS(NV, MASKED)                                                                           \
-    for (int64_t i = 0; i < m; i += 6) {                                                           \
-        const float *ai = a + i * rsa;                                                             \
-        float *ci = c + i * ldc + j;                                                               \
-        switch (m - i < 6 ? m - i : 6) {                                                           \
-        case 6: tile(6, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
-        case 5: tile(5, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
-        case 4: tile(4, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
-        case 3: tile(3, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
-        case 2: tile(2, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;        \
-        default: tile(1, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;       \
-        }                                                                                          \
+#define ROWS(NV, MASKED)                                                                     \
+    for (int64_t i = 0; i < m; i += 6) {                                                     \
+        const float *ai = a + i * rsa;                                                       \
+        float *ci = c + i * ldc + j;                                                         \
+        switch (m - i < 6 ? m - i : 6) {                                                     \
+        case 6: tile(6, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;  \
+        case 5: tile(5, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;  \
+        case 4: tile(4, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;  \
+        case 3: tile(3, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;  \
+        case 2: tile(2, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;  \
+        default: tile(1, NV, MASKED, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break; \
+        }                                                                                    \
     }
 
 static void mm_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
@@ -114,10 +114,12 @@ static void softmax_cols_avx2(float *st, int64_t ld, int64_t bk, int64_t bq, flo
         for (int64_t j = 0; j < bk; j++) {
             const float *row = st + j * ld + i0;
             if (j <= jfull) {
-                for (int g = 0; g < ng; g++) mx[g] = _mm256_max_ps(mx[g], _mm256_mul_ps(_mm256_loadu_ps(row + 8 * g), vs));
+                for (int g = 0; g < ng; g++)
+                    mx[g] = _mm256_max_ps(mx[g], _mm256_mul_ps(_mm256_loadu_ps(row + 8 * g), vs));
             } else {
                 for (int g = 0; g < ng; g++) {
-                    __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(row + 8 * g), vs), keep8(i0 + 8 * g, j, diag));
+                    __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(row + 8 * g), vs),
+                                                keep8(i0 + 8 * g, j, diag));
                     mx[g] = _mm256_max_ps(mx[g], x);
                 }
             }
@@ -157,12 +159,14 @@ static void probs_avx2(float *scores, int64_t ld, int64_t bq, int64_t bk, float 
         const int64_t keys = lse[i] == -INFINITY ? 0 : clamp64(i + diag + 1, 0, bk); /* the rest are 0 */
         const __m256 vl = _mm256_set1_ps(lse[i] * LOG2E);
         int64_t j = 0;
-        for (; j + 8 <= keys; j += 8) _mm256_storeu_ps(row + j, exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(row + j), vs2, vl)));
+        for (; j + 8 <= keys; j += 8)
+            _mm256_storeu_ps(row + j, exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(row + j), vs2, vl)));
         if (j < bk) attn_kernels_ref.probs(row + j, ld, 1, bk - j, scale, lse + i, i + diag - j);
     }
 }
 
-static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta, float scale) {
+static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta,
+                         float scale) {
     const __m256 vs = _mm256_set1_ps(scale);
     for (int64_t i = 0; i < bq; i++) {
         float *d = dp + i * ld;
@@ -177,6 +181,10 @@ static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int6
     }
 }
 
-const attn_kernels attn_kernels_avx2 = {.name = "avx2", .isa = OPF_ISA_AVX2, .cvt = &cvt_kernels_avx2, .mm = mm_avx2,
-                                        .softmax_cols = softmax_cols_avx2, .probs = probs_avx2,
+const attn_kernels attn_kernels_avx2 = {.name = "avx2",
+                                        .isa = OPF_ISA_AVX2,
+                                        .cvt = &cvt_kernels_avx2,
+                                        .mm = mm_avx2,
+                                        .softmax_cols = softmax_cols_avx2,
+                                        .probs = probs_avx2,
                                         .dscores = dscores_avx2};

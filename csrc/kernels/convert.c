@@ -9,8 +9,7 @@ static void from_f32_ref(uint16_t *dst, const float *src, opf_dtype dt, int64_t 
     for (int64_t i = 0; i < n; i++) dst[i] = dt == OPF_BF16 ? opf_f32_to_bf16(src[i]) : opf_f32_to_f16(src[i]);
 }
 
-const cvt_kernels cvt_kernels_ref = {.name = "ref", .isa = OPF_ISA_REF, .to_f32 = to_f32_ref,
-                                     .from_f32 = from_f32_ref};
+const cvt_kernels cvt_kernels_ref = {.name = "ref", .isa = OPF_ISA_REF, .to_f32 = to_f32_ref, .from_f32 = from_f32_ref};
 
 /* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
 extern const cvt_kernels cvt_kernels_avx2 __attribute__((weak));

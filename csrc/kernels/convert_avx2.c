@@ -22,5 +22,5 @@ static void from_f32_avx2(uint16_t *dst, const float *src, opf_dtype dt, int64_t
     cvt_kernels_ref.from_f32(dst + i, src + i, dt, n - i);
 }
 
-const cvt_kernels cvt_kernels_avx2 = {.name = "avx2", .isa = OPF_ISA_AVX2, .to_f32 = to_f32_avx2,
-                                      .from_f32 = from_f32_avx2};
+const cvt_kernels cvt_kernels_avx2 = {
+    .name = "avx2", .isa = OPF_ISA_AVX2, .to_f32 = to_f32_avx2, .from_f32 = from_f32_avx2};

@@ -8,8 +8,8 @@ static void to_f32_avx512(float *dst, const uint16_t *src, opf_dtype dt, int64_t
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
         __m256i h = _mm256_maskz_loadu_epi16(m, src + i);
-        __m512 v = dt == OPF_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                                  : _mm512_cvtph_ps(h);
+        __m512 v =
+            dt == OPF_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
         _mm512_mask_storeu_ps(dst + i, m, v);
     }
 }
@@ -21,5 +21,5 @@ static void from_f32_avx512(uint16_t *dst, const float *src, opf_dtype dt, int64
     }
 }
 
-const cvt_kernels cvt_kernels_avx512 = {.name = "avx512", .isa = OPF_ISA_AVX512, .to_f32 = to_f32_avx512,
-                                        .from_f32 = from_f32_avx512};
+const cvt_kernels cvt_kernels_avx512 = {
+    .name = "avx512", .isa = OPF_ISA_AVX512, .to_f32 = to_f32_avx512, .from_f32 = from_f32_avx512};

@@ -19,8 +19,8 @@
 #include "opforge/runtime.h"
 
 typedef void (*dc_fwd_fn)(void *y, const void *x, int64_t n, int64_t ys, int64_t xs, double alpha);
-typedef void (*dc_bwd_fn)(void *dx, const void *dy, const void *x, int64_t n, int64_t dxs,
-                          int64_t dys, int64_t xs, double alpha);
+typedef void (*dc_bwd_fn)(void *dx, const void *dy, const void *x, int64_t n, int64_t dxs, int64_t dys, int64_t xs,
+                          double alpha);
 
 typedef struct dc_kernels {
     OPF_VARIANT_HEAD;
@@ -42,9 +42,7 @@ const dc_kernels *dc_kernels_for(opf_isa isa);
 /* Whole tensors: y (or dx) and the inputs described by nd (operand 0 is the
  * output; forward: 1 = x; backward: 1 = dy, 2 = x). Splits nd over
  * opf_parallel_for. */
-void dc_fwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *y, const void *x,
-            double alpha);
-void dc_bwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx, const void *dy,
-            const void *x, double alpha);
+void dc_fwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *y, const void *x, double alpha);
+void dc_bwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx, const void *dy, const void *x, double alpha);
 
 #endif

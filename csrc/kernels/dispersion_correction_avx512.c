@@ -24,61 +24,54 @@ static inline void st_bf16(uint16_t *p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
-static inline __m512 ld_f16(const uint16_t *p, __mmask16 m) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-}
+static inline __m512 ld_f16(const uint16_t *p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 
 static inline void st_f16(uint16_t *p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
-static inline __m512 fwd16(__m512 x, __m512 a) {
-    return _mm512_add_ps(_mm512_mul_ps(x, a), _mm512_sqrt_ps(x));
-}
+static inline __m512 fwd16(__m512 x, __m512 a) { return _mm512_add_ps(_mm512_mul_ps(x, a), _mm512_sqrt_ps(x)); }
 
 static inline __m512 bwd16(__m512 g, __m512 x, __m512 a) {
     __m512 den = _mm512_mul_ps(_mm512_set1_ps(2.0f), _mm512_sqrt_ps(x));
     return _mm512_add_ps(_mm512_mul_ps(g, a), _mm512_div_ps(g, den));
 }
 
-static inline __mmask16 tail16(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
+static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 
-#define DC_AVX512(name, E, LD, ST)                                                                \
-    static void dc_fwd_##name(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs,        \
-                              double alpha) {                                                     \
-        E *y = y_;                                                                                \
-        const E *x = x_;                                                                          \
-        if (ys != 1 || xs != 1) {                                                                 \
-            dc_kernels_ref.fwd[OPF_##name](y, x, n, ys, xs, alpha);                               \
-            return;                                                                               \
-        }                                                                                         \
-        const __m512 a = _mm512_set1_ps((float)alpha);                                            \
-        int64_t i = 0;                                                                            \
-        for (; i + 32 <= n; i += 32) {                                                            \
-            __m512 v0 = LD(x + i, 0xffff), v1 = LD(x + i + 16, 0xffff);                           \
-            ST(y + i, fwd16(v0, a), 0xffff);                                                      \
-            ST(y + i + 16, fwd16(v1, a), 0xffff);                                                 \
-        }                                                                                         \
-        for (; i < n; i += 16) {                                                                  \
-            __mmask16 m = tail16(n - i);                                                          \
-            ST(y + i, fwd16(LD(x + i, m), a), m);                                                 \
-        }                                                                                         \
-    }                                                                                             \
-    static void dc_bwd_##name(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs,  \
-                              int64_t dys, int64_t xs, double alpha) {                            \
-        E *dx = dx_;                                                                              \
-        const E *dy = dy_, *x = x_;                                                               \
-        if (dxs != 1 || dys != 1 || xs != 1) {                                                    \
-            dc_kernels_ref.bwd[OPF_##name](dx, dy, x, n, dxs, dys, xs, alpha);                    \
-            return;                                                                               \
-        }                                                                                         \
-        const __m512 a = _mm512_set1_ps((float)alpha);                                            \
-        for (int64_t i = 0; i < n; i += 16) {                                                     \
-            __mmask16 m = tail16(n - i);                                                          \
-            ST(dx + i, bwd16(LD(dy + i, m), LD(x + i, m), a), m);                                 \
-        }                                                                                         \
+#define DC_AVX512(name, E, LD, ST)                                                                             \
+    static void dc_fwd_##name(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs, double alpha) {     \
+        E *y = y_;                                                                                             \
+        const E *x = x_;                                                                                       \
+        if (ys != 1 || xs != 1) {                                                                              \
+            dc_kernels_ref.fwd[OPF_##name](y, x, n, ys, xs, alpha);                                            \
+            return;                                                                                            \
+        }                                                                                                      \
+        const __m512 a = _mm512_set1_ps((float)alpha);                                                         \
+        int64_t i = 0;                                                                                         \
+        for (; i + 32 <= n; i += 32) {                                                                         \
+            __m512 v0 = LD(x + i, 0xffff), v1 = LD(x + i + 16, 0xffff);                                        \
+            ST(y + i, fwd16(v0, a), 0xffff);                                                                   \
+            ST(y + i + 16, fwd16(v1, a), 0xffff);                                                              \
+        }                                                                                                      \
+        for (; i < n; i += 16) {                                                                               \
+            __mmask16 m = tail16(n - i);                                                                       \
+            ST(y + i, fwd16(LD(x + i, m), a), m);                                                              \
+        }                                                                                                      \
+    }                                                                                                          \
+    static void dc_bwd_##name(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs, int64_t dys, \
+                              int64_t xs, double alpha) {                                                      \
+        E *dx = dx_;                                                                                           \
+        const E *dy = dy_, *x = x_;                                                                            \
+        if (dxs != 1 || dys != 1 || xs != 1) {                                                                 \
+            dc_kernels_ref.bwd[OPF_##name](dx, dy, x, n, dxs, dys, xs, alpha);                                 \
+            return;                                                                                            \
+        }                                                                                                      \
+        const __m512 a = _mm512_set1_ps((float)alpha);                                                         \
+        for (int64_t i = 0; i < n; i += 16) {                                                                  \
+            __mmask16 m = tail16(n - i);                                                                       \
+            ST(dx + i, bwd16(LD(dy + i, m), LD(x + i, m), a), m);                                              \
+        }                                                                                                      \
     }
 
 #define OPF_f32 OPF_F32
@@ -103,8 +96,8 @@ static void dc_fwd_f64(void *y_, const void *x_, int64_t n, int64_t ys, int64_t 
     }
 }
 
-static void dc_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs,
-                       int64_t dys, int64_t xs, double alpha) {
+static void dc_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs, int64_t dys, int64_t xs,
+                       double alpha) {
     double *dx = dx_;
     const double *dy = dy_, *x = x_;
     if (dxs != 1 || dys != 1 || xs != 1) {
@@ -123,8 +116,6 @@ static void dc_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, in
 const dc_kernels dc_kernels_avx512 = {
     .name = "avx512",
     .isa = OPF_ISA_AVX512,
-    .fwd = {[OPF_F32] = dc_fwd_f32, [OPF_F64] = dc_fwd_f64, [OPF_BF16] = dc_fwd_bf16,
-            [OPF_F16] = dc_fwd_f16},
-    .bwd = {[OPF_F32] = dc_bwd_f32, [OPF_F64] = dc_bwd_f64, [OPF_BF16] = dc_bwd_bf16,
-            [OPF_F16] = dc_bwd_f16},
+    .fwd = {[OPF_F32] = dc_fwd_f32, [OPF_F64] = dc_fwd_f64, [OPF_BF16] = dc_fwd_bf16, [OPF_F16] = dc_fwd_f16},
+    .bwd = {[OPF_F32] = dc_bwd_f32, [OPF_F64] = dc_bwd_f64, [OPF_BF16] = dc_bwd_bf16, [OPF_F16] = dc_bwd_f16},
 };

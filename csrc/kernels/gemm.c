@@ -104,8 +104,11 @@ static void compute_task(const gemm_job *job, int64_t task, float *own_a) {
             };
             const float *as = ap + ((i - i_lo) / kern->mr) * kern->mr * job->kp, *bs = job->bp + s * kern->nr * job->kp;
             float *cs = job->c ? job->c + i * job->rsc + col : NULL; /* NULL: one slice into out16 */
-            if (job->pairs) kern->ukernel_pairs(job->kp, (const uint32_t *)as, (const uint32_t *)bs, cs, job->rsc, m, (int)n, &tile);
-            else kern->ukernel(job->depth, as, bs, cs, job->rsc, m, (int)n, &tile);
+            if (job->pairs)
+                kern->ukernel_pairs(job->kp, (const uint32_t *)as, (const uint32_t *)bs, cs, job->rsc, m, (int)n,
+                                    &tile);
+            else
+                kern->ukernel(job->depth, as, bs, cs, job->rsc, m, (int)n, &tile);
         }
     }
 }
@@ -117,20 +120,21 @@ static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
     int64_t tasks = job->plan.mblocks * job->ntn, workers = job->plan.workers;
     for (int64_t w = w0; w < w1; w++) {
         float *own_a = job->plan.own_a ? job->ap + w * job->plan.mc * job->kp : NULL;
-        for (int64_t task = tasks * w / workers; task < tasks * (w + 1) / workers; task++) compute_task(job, task, own_a);
+        for (int64_t task = tasks * w / workers; task < tasks * (w + 1) / workers; task++)
+            compute_task(job, task, own_a);
     }
     if (job->kern->release) job->kern->release();
 }
 
-int gemm_f32(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
-             int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
-             const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
+int gemm_f32(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,
+             const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace,
+             int64_t ws_floats) {
     return gemm_f32x(kern, m, n, kdim, a, OPF_F32, rsa, csa, b, OPF_F32, rsb, csb, c, rsc, ep, workspace, ws_floats);
 }
 
-int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
-              int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
-              int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
+int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta, int64_t rsa,
+              int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c, int64_t rsc,
+              const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
     if (m <= 0 || n <= 0) return 0;
     if (kern->f32 && !use_pairs(kern, ta, tb)) kern = kern->f32;
     if (kdim <= 0) { /* empty sum: the epilogue alone */
@@ -146,9 +150,23 @@ int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, cons
         lay = layout_for(kern, &plan, m, n);
         if (lay.floats > ws_floats) return -1; /* a caller that sized for another product */
     }
-    gemm_job job = {.kern = kern, .ep = ep, .m = m, .kdim = kdim, .a = a, .b = b, .ta = ta, .tb = tb, .rsa = rsa, .csa = csa,
-                  .rsb = rsb, .csb = csb, .rsc = rsc, .c = c, .ap = workspace, .bp = workspace + lay.b_offset,
-                  .plan = plan};
+    gemm_job job = {.kern = kern,
+                    .ep = ep,
+                    .m = m,
+                    .kdim = kdim,
+                    .a = a,
+                    .b = b,
+                    .ta = ta,
+                    .tb = tb,
+                    .rsa = rsa,
+                    .csa = csa,
+                    .rsb = rsb,
+                    .csb = csb,
+                    .rsc = rsc,
+                    .c = c,
+                    .ap = workspace,
+                    .bp = workspace + lay.b_offset,
+                    .plan = plan};
     job.pairs = use_pairs(kern, ta, tb);
     const int64_t max_depth = gemm_slice_depth(kern, ta, tb);
     int64_t threads = plan.threads, mslivers = (m + kern->mr - 1) / kern->mr;

@@ -41,7 +41,7 @@ typedef struct gemm_epilogue {
     const float *bias;
     gemm_bias_kind bias_kind;
     act_kind act;
-    float *preact;  /* optional (M,N), row stride rsp: the value before the activation */
+    float *preact; /* optional (M,N), row stride rsp: the value before the activation */
     int64_t rsp;
     /* 16-bit results: with out16 set, the last K slice writes act(v) to out16
      * (row stride rsc) and v to pre16 (row stride rsp; optional), rounded to
@@ -70,20 +70,20 @@ typedef struct gemm_tile {
 } gemm_tile;
 
 /* acc = Ap (MR x depth, packed column by column) . Bp (depth x NR, packed row by row) */
-typedef void (*gemm_ukernel_fn)(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc,
-                                int m, int n, const gemm_tile *t);
+typedef void (*gemm_ukernel_fn)(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc, int m, int n,
+                                const gemm_tile *t);
 
 /* The bfloat16 pair micro-kernel: the same tile from kp K pairs. A pair is
  * one 32-bit word holding two bfloat16 values, k = 2p in the low half and
  * 2p + 1 in the high half: Ap[p*MR + r] pairs A(r, 2p), A(r, 2p+1) and
  * Bp[p*NR + j] pairs B(2p, j), B(2p+1, j). Products are exact in float32 and
  * summed in float32 (the AVX512-BF16 dot product; it flushes denormals). */
-typedef void (*gemm_ukernel_pairs_fn)(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc,
-                                      int m, int n, const gemm_tile *t);
+typedef void (*gemm_ukernel_pairs_fn)(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc, int m,
+                                      int n, const gemm_tile *t);
 
 typedef struct gemm_kernels {
-    OPF_VARIANT_HEAD; /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32", "amx_32x32" */
-    int mr, nr;       /* register block (of the pair kernel, where `f32` is set) */
+    OPF_VARIANT_HEAD;   /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32", "amx_32x32" */
+    int mr, nr;         /* register block (of the pair kernel, where `f32` is set) */
     int64_t mc, kc, nc; /* cache blocks: A block MC x KC in L2, B panel KC x NC in L3 */
     gemm_ukernel_fn ukernel;
     gemm_ukernel_pairs_fn ukernel_pairs; /* NULL: bfloat16 operands are converted to float32 */
@@ -107,8 +107,8 @@ typedef struct gemm_kernels {
 } gemm_kernels;
 
 extern const gemm_kernels gemm_kernels_ref;
-extern const gemm_kernels gemm_kernels_avx2;   /* gemm_avx2.c */
-extern const gemm_kernels gemm_kernels_avx512; /* gemm_avx512.c */
+extern const gemm_kernels gemm_kernels_avx2;        /* gemm_avx2.c */
+extern const gemm_kernels gemm_kernels_avx512;      /* gemm_avx512.c */
 extern const gemm_kernels gemm_kernels_avx512_bf16; /* gemm_avx512.c: the same plus the pair kernel */
 extern const gemm_kernels gemm_kernels_amx;         /* gemm_amx.c: AMX-BF16 tiles for pairs, else avx512 */
 extern const opf_variants gemm_variants;
@@ -128,9 +128,9 @@ int64_t gemm_workspace_floats(const gemm_kernels *kern, int64_t m, int64_t n, in
 
 /* Returns 0, or -1 without touching anything when ws_floats is smaller than
  * the plan it would run needs (a caller that sized for another product). */
-int gemm_f32(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa,
-             int64_t csa, const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
-             const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
+int gemm_f32(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,
+             const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace,
+             int64_t ws_floats);
 
 /* The same with bfloat16 / float16 (or float32) operands: C stays float32
  * and the product accumulates in float32. With a pair kernel (kern->ukernel_pairs)
@@ -138,21 +138,19 @@ int gemm_f32(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const
  * packed as bfloat16 pairs (a float32 partner rounded to nearest even, as
  * PyTorch rounds a bfloat16 op's intermediate results) and multiplied by the
  * pair kernel. Otherwise both are converted to float32 while packed. */
-int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta,
-              int64_t rsa, int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c,
-              int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
+int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta, int64_t rsa,
+              int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c, int64_t rsc,
+              const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
 
 /* Naive triple loop with the same epilogue, accumulating in double: the oracle. */
-void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,
-                  const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc,
-                  const gemm_epilogue *ep);
+void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa, const float *b,
+                  int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep);
 
 /* float64 oracle (and the float64 path of the ops, for gradcheck): the same
  * contract in double, activations from libm; the bias of any stride. */
-void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa,
-                  const double *b, int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta,
-                  const double *bias, int64_t bias_stride, gemm_bias_kind bias_kind, act_kind act, double *preact,
-                  int64_t rsp);
+void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa, const double *b,
+                  int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta, const double *bias,
+                  int64_t bias_stride, gemm_bias_kind bias_kind, act_kind act, double *preact, int64_t rsp);
 
 /* The scalar epilogue of one tile from a full MR x NR accumulator (row stride
  * nr): what micro-kernels use for partial tiles. */

@@ -96,15 +96,15 @@ static void tiles_release(void) {}
  * barrier first). */
 #define TILE_CONFIG() _tile_loadconfig(&config)
 #define TILE_ZERO(t) _tile_zero(t)
-#define TILE_LOAD(t, base, stride)                                                                 \
-    do {                                                                                           \
-        __asm__ volatile("" ::: "memory");                                                         \
-        _tile_loadd(t, base, stride);                                                              \
+#define TILE_LOAD(t, base, stride)         \
+    do {                                   \
+        __asm__ volatile("" ::: "memory"); \
+        _tile_loadd(t, base, stride);      \
     } while (0)
-#define TILE_STORE(t, base, stride)                                                                \
-    do {                                                                                           \
-        _tile_stored(t, base, stride);                                                             \
-        __asm__ volatile("" ::: "memory");                                                         \
+#define TILE_STORE(t, base, stride)        \
+    do {                                   \
+        _tile_stored(t, base, stride);     \
+        __asm__ volatile("" ::: "memory"); \
     } while (0)
 #define TILE_DP(d, a, b) _tile_dpbf16ps(d, a, b)
 /* back to the initial tile state: signal frames and context switches no
@@ -113,8 +113,8 @@ static void tiles_release(void) {}
 static void tiles_release(void) { _tile_release(); }
 #endif
 
-static void ukernel_amx_32x32(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc, int m,
-                              int n, const gemm_tile *t) {
+static void ukernel_amx_32x32(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc, int m, int n,
+                              const gemm_tile *t) {
     _Alignas(64) float acc[MR * NR];
     prefetch_tile(c, rsc, m, t);
     TILE_CONFIG();
@@ -147,7 +147,17 @@ static void ukernel_amx_32x32(int64_t kp, const uint32_t *ap, const uint32_t *bp
 
 /* MC 128 x KC 1024 pairs: an A block of 512 KiB, a B sliver of 128 KiB in a
  * 2 MiB L2; untuned (no AMX CPU was at hand when it was written). */
-const gemm_kernels gemm_kernels_amx = {.name = "amx_32x32", .isa = OPF_ISA_AMX, .mr = MR, .nr = NR, .mc = 128,
-                                       .kc = 1024, .nc = 1024, .ukernel = NULL, .ukernel_pairs = ukernel_amx_32x32,
-                                       .cvt = &cvt_kernels_avx512, .act = &act_kernels_avx2, .tile_pairs = TP,
-                                       .f32 = &gemm_kernels_avx512, .release = tiles_release};
+const gemm_kernels gemm_kernels_amx = {.name = "amx_32x32",
+                                       .isa = OPF_ISA_AMX,
+                                       .mr = MR,
+                                       .nr = NR,
+                                       .mc = 128,
+                                       .kc = 1024,
+                                       .nc = 1024,
+                                       .ukernel = NULL,
+                                       .ukernel_pairs = ukernel_amx_32x32,
+                                       .cvt = &cvt_kernels_avx512,
+                                       .act = &act_kernels_avx2,
+                                       .tile_pairs = TP,
+                                       .f32 = &gemm_kernels_avx512,
+                                       .release = tiles_release};

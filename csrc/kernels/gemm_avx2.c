@@ -14,8 +14,10 @@
 #include "act_avx2.h"
 
 static inline void st16(uint16_t *p, __m256 v, opf_dtype dt) {
-    if (dt == OPF_BF16) st_bf16(p, v);
-    else st_f16(p, v);
+    if (dt == OPF_BF16)
+        st_bf16(p, v);
+    else
+        st_f16(p, v);
 }
 
 /* 8 columns of one row: c / pre are float32 (NULL when unused), c16 / pre16 16-bit */
@@ -26,15 +28,17 @@ static inline void store8(float *c, float *pre, uint16_t *c16, uint16_t *pre16, 
     if (t->bias_m) v = _mm256_add_ps(v, _mm256_set1_ps(bias_m));
     if (pre) _mm256_storeu_ps(pre, v);
     if (pre16) st16(pre16, v, t->dt16);
-    if (c16) st16(c16, act8(t->act, v), t->dt16);
-    else _mm256_storeu_ps(c, act8(t->act, v));
+    if (c16)
+        st16(c16, act8(t->act, v), t->dt16);
+    else
+        _mm256_storeu_ps(c, act8(t->act, v));
 }
 
 #define MR 6
 #define NR 16
 
-static void ukernel_avx2_6x16(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc, int m,
-                              int n, const gemm_tile *t) {
+static void ukernel_avx2_6x16(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc, int m, int n,
+                              const gemm_tile *t) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int i = 0; i < m; i++) { /* the tile is read or written after the loop: start fetching it now */
@@ -45,12 +49,24 @@ static void ukernel_avx2_6x16(int64_t depth, const float *ap, const float *bp, f
     }
     for (int64_t p = 0; p < depth; p++, ap += MR, bp += NR) {
         __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), a;
-        a = _mm256_broadcast_ss(ap + 0); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-        a = _mm256_broadcast_ss(ap + 1); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-        a = _mm256_broadcast_ss(ap + 2); c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-        a = _mm256_broadcast_ss(ap + 3); c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-        a = _mm256_broadcast_ss(ap + 4); c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-        a = _mm256_broadcast_ss(ap + 5); c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+        a = _mm256_broadcast_ss(ap + 0);
+        c00 = _mm256_fmadd_ps(a, b0, c00);
+        c01 = _mm256_fmadd_ps(a, b1, c01);
+        a = _mm256_broadcast_ss(ap + 1);
+        c10 = _mm256_fmadd_ps(a, b0, c10);
+        c11 = _mm256_fmadd_ps(a, b1, c11);
+        a = _mm256_broadcast_ss(ap + 2);
+        c20 = _mm256_fmadd_ps(a, b0, c20);
+        c21 = _mm256_fmadd_ps(a, b1, c21);
+        a = _mm256_broadcast_ss(ap + 3);
+        c30 = _mm256_fmadd_ps(a, b0, c30);
+        c31 = _mm256_fmadd_ps(a, b1, c31);
+        a = _mm256_broadcast_ss(ap + 4);
+        c40 = _mm256_fmadd_ps(a, b0, c40);
+        c41 = _mm256_fmadd_ps(a, b1, c41);
+        a = _mm256_broadcast_ss(ap + 5);
+        c50 = _mm256_fmadd_ps(a, b0, c50);
+        c51 = _mm256_fmadd_ps(a, b1, c51);
     }
     __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     if (m == MR && n == NR) {
@@ -72,6 +88,13 @@ static void ukernel_avx2_6x16(int64_t depth, const float *ap, const float *bp, f
     gemm_tile_store(buf, NR, c, rsc, m, n, t);
 }
 
-const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16", .isa = OPF_ISA_AVX2, .mr = MR, .nr = NR, .mc = 120,
-                                        .kc = 384, .nc = 3072, .ukernel = ukernel_avx2_6x16, .cvt = &cvt_kernels_avx2,
+const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16",
+                                        .isa = OPF_ISA_AVX2,
+                                        .mr = MR,
+                                        .nr = NR,
+                                        .mc = 120,
+                                        .kc = 384,
+                                        .nc = 3072,
+                                        .ukernel = ukernel_avx2_6x16,
+                                        .cvt = &cvt_kernels_avx2,
                                         .act = &act_kernels_avx2};

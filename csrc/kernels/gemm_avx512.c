@@ -82,12 +82,25 @@ __attribute__((target("avx512bf16"))) static void ukernel_avx512bf16_12x32(int64
 }
 
 /* the activation gradient is the AVX2 one: the epilogue's activations are the AVX2 ones too */
-const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32", .isa = OPF_ISA_AVX512, .mr = MR, .nr = NR, .mc = 120,
-                                          .kc = 1024, .nc = 1024, .ukernel = ukernel_avx512_12x32,
-                                          .cvt = &cvt_kernels_avx512, .act = &act_kernels_avx2};
+const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32",
+                                          .isa = OPF_ISA_AVX512,
+                                          .mr = MR,
+                                          .nr = NR,
+                                          .mc = 120,
+                                          .kc = 1024,
+                                          .nc = 1024,
+                                          .ukernel = ukernel_avx512_12x32,
+                                          .cvt = &cvt_kernels_avx512,
+                                          .act = &act_kernels_avx2};
 
-const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32", .isa = OPF_ISA_AVX512_BF16, .mr = MR,
-                                               .nr = NR, .mc = 120, .kc = 1024, .nc = 1024,
+const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
+                                               .isa = OPF_ISA_AVX512_BF16,
+                                               .mr = MR,
+                                               .nr = NR,
+                                               .mc = 120,
+                                               .kc = 1024,
+                                               .nc = 1024,
                                                .ukernel = ukernel_avx512_12x32,
                                                .ukernel_pairs = ukernel_avx512bf16_12x32,
-                                               .cvt = &cvt_kernels_avx512, .act = &act_kernels_avx2};
+                                               .cvt = &cvt_kernels_avx512,
+                                               .act = &act_kernels_avx2};

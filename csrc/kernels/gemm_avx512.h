@@ -24,8 +24,10 @@ static inline void store16(float *c, float *pre, uint16_t *c16, uint16_t *pre16,
     if (t->act != ACT_NONE)
         v = _mm512_insertf32x8(_mm512_castps256_ps512(act8(t->act, _mm512_castps512_ps256(v))),
                                act8(t->act, _mm512_extractf32x8_ps(v, 1)), 1);
-    if (c16) _mm256_storeu_si256((__m256i *)c16, round16x16(v, t->dt16));
-    else _mm512_storeu_ps(c, v);
+    if (c16)
+        _mm256_storeu_si256((__m256i *)c16, round16x16(v, t->dt16));
+    else
+        _mm512_storeu_ps(c, v);
 }
 
 /* Row i of a full 32-column tile (lo: columns 0-15, hi: 16-31) through the epilogue */

@@ -109,7 +109,8 @@ static void pack_pairs(uint32_t *dst, const void *a, opf_dtype dt, int64_t rs, i
                     continue;
                 }
                 const uint16_t *row = (const uint16_t *)a + r * rs;
-                for (int64_t p = p0; p < fe; p++) dst[p * w + r] = (uint32_t)row[2 * p] | (uint32_t)row[2 * p + 1] << 16;
+                for (int64_t p = p0; p < fe; p++)
+                    dst[p * w + r] = (uint32_t)row[2 * p] | (uint32_t)row[2 * p + 1] << 16;
                 if (pe > full) dst[full * w + r] = row[depth - 1];
             }
         }
@@ -147,7 +148,8 @@ static void pack_lines_f32(float *dst, const float *src, int64_t cs, int64_t row
 
 /* Pairs [kp, kps) of each of `slivers` slivers (stride w * kps): zero */
 static void zero_pairs(uint32_t *dst, int64_t slivers, int w, int64_t kp, int64_t kps) {
-    for (int64_t s = 0; kp < kps && s < slivers; s++) memset(dst + s * w * kps + kp * w, 0, sizeof(uint32_t) * w * (kps - kp));
+    for (int64_t s = 0; kp < kps && s < slivers; s++)
+        memset(dst + s * w * kps + kp * w, 0, sizeof(uint32_t) * w * (kps - kp));
 }
 
 /* The same for bfloat16 pairs (pack_pairs' layout) from bfloat16 or float32
@@ -192,8 +194,10 @@ static void pack_lines_pairs(uint32_t *dst, const void *src, opf_dtype dt, int64
 static void pack_slivers(const gemm_job *job, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
                          int64_t rows, int w) {
     if (rs == 1 && cs != 1 && (job->pairs || dt == OPF_F32)) { /* pairs come from bfloat16 or float32 */
-        if (job->pairs) pack_lines_pairs((uint32_t *)dst, src, dt, cs, rows, job->depth, w, job->kp);
-        else pack_lines_f32(dst, src, cs, rows, job->depth, w);
+        if (job->pairs)
+            pack_lines_pairs((uint32_t *)dst, src, dt, cs, rows, job->depth, w, job->kp);
+        else
+            pack_lines_f32(dst, src, cs, rows, job->depth, w);
         return;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += w) {
@@ -226,16 +230,20 @@ static void pack_tile_rows(const gemm_job *job, float *dst, const void *src, opf
             int64_t k0 = 2 * p0, tile_depth = job->depth - k0 < 2 * tp ? job->depth - k0 : 2 * tp;
             if (dt == OPF_BF16 && cs == 1 && tile_depth == 2 * tp) { /* bfloat16 rows along K: a tile row is a copy */
                 for (int r = 0; r < w; r++) {
-                    if (r < n) memcpy(d + r * tp, (const uint16_t *)src + (r0 + r) * rs + k0, sizeof(uint32_t) * tp);
-                    else memset(d + r * tp, 0, sizeof(uint32_t) * tp);
+                    if (r < n)
+                        memcpy(d + r * tp, (const uint16_t *)src + (r0 + r) * rs + k0, sizeof(uint32_t) * tp);
+                    else
+                        memset(d + r * tp, 0, sizeof(uint32_t) * tp);
                 }
                 continue;
             }
             memset(blk, 0, sizeof(uint32_t) * w * tp);
             if (tile_depth > 0) {
                 const void *s0 = elem_ptr(src, r0 * rs + k0 * cs, dt);
-                if (rs == 1 && cs != 1) pack_lines_pairs(blk, s0, dt, cs, n, tile_depth, w, tp);
-                else pack_pairs(blk, s0, dt, rs, cs, n, tile_depth, w);
+                if (rs == 1 && cs != 1)
+                    pack_lines_pairs(blk, s0, dt, cs, n, tile_depth, w, tp);
+                else
+                    pack_pairs(blk, s0, dt, rs, cs, n, tile_depth, w);
             }
             for (int r = 0; r < w; r++)
                 for (int q = 0; q < tp; q++) d[r * tp + q] = blk[q * w + r];
@@ -247,8 +255,10 @@ void gemm_pack_a(const gemm_job *job, float *dst, int64_t base, int64_t begin, i
     const int mr = job->kern->mr;
     int64_t i0 = begin * mr, i1 = end * mr < job->m ? end * mr : job->m;
     const void *src = elem_ptr(job->a, i0 * job->rsa + job->pc * job->csa, job->ta);
-    if (job->pairs && job->kern->tile_pairs) pack_tile_rows(job, dst + (begin - base) * mr * job->kp, src, job->ta, job->rsa, job->csa, i1 - i0);
-    else pack_slivers(job, dst + (begin - base) * mr * job->kp, src, job->ta, job->rsa, job->csa, i1 - i0, mr);
+    if (job->pairs && job->kern->tile_pairs)
+        pack_tile_rows(job, dst + (begin - base) * mr * job->kp, src, job->ta, job->rsa, job->csa, i1 - i0);
+    else
+        pack_slivers(job, dst + (begin - base) * mr * job->kp, src, job->ta, job->rsa, job->csa, i1 - i0, mr);
 }
 
 void gemm_pack_a_range(int64_t begin, int64_t end, void *ctx) {
@@ -261,7 +271,7 @@ void gemm_pack_b_range(int64_t begin, int64_t end, void *ctx) {
     const gemm_job *job = ctx;
     const int nr = job->kern->nr;
     int64_t j0 = begin * nr, j1 = end * nr < job->nc ? end * nr : job->nc;
-    pack_slivers(job, job->bp + begin * nr * job->kp, elem_ptr(job->b, job->pc * job->rsb + (job->jc + j0) * job->csb, job->tb), job->tb,
-                 job->csb, job->rsb, j1 - j0, nr);
+    pack_slivers(job, job->bp + begin * nr * job->kp,
+                 elem_ptr(job->b, job->pc * job->rsb + (job->jc + j0) * job->csb, job->tb), job->tb, job->csb, job->rsb,
+                 j1 - j0, nr);
 }
-

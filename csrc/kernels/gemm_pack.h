@@ -19,9 +19,9 @@ static inline const void *elem_ptr(const void *p, int64_t i, opf_dtype dt) {
  * stays in that core's L2, and the workspace holds one block per worker) or
  * A is packed whole and shared by column tasks (few, short blocks). */
 typedef struct gemm_plan {
-    int64_t threads;           /* the thread count the plan is for */
-    int64_t mc;                /* rows of the largest block */
-    int64_t slivers, mblocks;  /* block b: MR-row slivers [slivers * b / mblocks, slivers * (b + 1) / mblocks) */
+    int64_t threads;          /* the thread count the plan is for */
+    int64_t mc;               /* rows of the largest block */
+    int64_t slivers, mblocks; /* block b: MR-row slivers [slivers * b / mblocks, slivers * (b + 1) / mblocks) */
     int64_t workers, kc_max;
     int own_a;
 } gemm_plan;

@@ -7,9 +7,9 @@
 static void *at(const void *p, int64_t i, opf_dtype dt) { return (char *)p + i * (int64_t)opf_dtype_size(dt); }
 
 /* a GEMM that refuses its workspace ends the kernel with the error */
-#define TRY(call)                                                                                      \
-    do {                                                                                               \
-        if ((call) != 0) return LINEAR_ERR_WORKSPACE;                                                  \
+#define TRY(call)                                     \
+    do {                                              \
+        if ((call) != 0) return LINEAR_ERR_WORKSPACE; \
     } while (0)
 
 /* ---- row views ---------------------------------------------------------------------------------- */
@@ -84,13 +84,13 @@ linear_gemm_plan linear_gemm_plan_for(const gemm_kernels *gemm, opf_dtype dt, in
 }
 
 int linear_gemm(const gemm_kernels *gemm, const linear_gemm_plan *plan, int64_t m, int64_t n, int64_t kdim,
-                const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb, void *out,
-                void *pre, opf_dtype dt, const float *bias, int act, float *ws) {
+                const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb, void *out, void *pre,
+                opf_dtype dt, const float *bias, int act, float *ws) {
     float *cbuf = plan->c_scratch ? ws + plan->gemm_floats : NULL;
     for (int64_t r0 = 0; r0 < m; r0 += plan->chunk) {
         int64_t rows = m - r0 < plan->chunk ? m - r0 : plan->chunk;
-        gemm_epilogue ep = {.bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, .act = act, .rsp = n,
-                            .out_dt = dt};
+        gemm_epilogue ep = {
+            .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, .act = act, .rsp = n, .out_dt = dt};
         float *c = cbuf;
         if (dt == OPF_F32) {
             c = (float *)out + r0 * n;
@@ -262,8 +262,9 @@ static void gather_grad_f64(const linear_problem *p, const rows_view *gv, const 
     for (int64_t r = 0; r < rows; r++) {
         const double *gr = (const double *)p->grad.data + row_offset(&p->grad, gv, row0 + r);
         double *dst = gp + r * n;
-        const double *pr =
-            recompute ? dst : p->act ? (const double *)p->saved_preact.data + row_offset(&p->saved_preact, pv, row0 + r) : NULL;
+        const double *pr = recompute ? dst
+                           : p->act  ? (const double *)p->saved_preact.data + row_offset(&p->saved_preact, pv, row0 + r)
+                                     : NULL;
         for (int64_t j = 0; j < n; j++)
             dst[j] = p->act ? gr[j * gv->cs] * act_grad_f64(p->act, pr[recompute ? j : j * pv->cs]) : gr[j * gv->cs];
     }
@@ -293,7 +294,8 @@ static void gather_grad_f32(const gemm_kernels *gemm, const linear_problem *p, c
             cvt_load_f32(gemm->cvt, prow, at(p->saved_preact.data, po, p->dt), p->dt, n, pv->cs);
             pr = prow;
         }
-        if (act) gemm->act->grad(dst, gr, pr, n, act);
+        if (act)
+            gemm->act->grad(dst, gr, pr, n, act);
         else if (gr != dst)
             for (int64_t j = 0; j < n; j++) dst[j] = gr[j];
     }
@@ -314,16 +316,17 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
     float *db32 = half ? ws + l.dbias : p->dbias;
     if (recompute && p->bias && !f64) cvt_load_f32(gemm->cvt, bias32, p->bias, dt, n, p->bias_stride);
     int first = 1;
-    for (int64_t i = 0; i < xv.count; i++) {              /* x's matrices */
+    for (int64_t i = 0; i < xv.count; i++) {                /* x's matrices */
         for (int64_t r0 = 0; r0 < xv.rows; r0 += l.chunk) { /* row chunks of one matrix */
             int64_t rows = xv.rows - r0 < l.chunk ? xv.rows - r0 : l.chunk, row0 = i * xv.rows + r0;
             int64_t xo = matrix_offset(&p->x, &xv, i) + r0 * xv.rs;
             if (recompute && f64) /* preact rows (rows, n) = x rows . weight^T + bias, into the g' scratch */
                 gemm_ref_f64(rows, n, kdim, (const double *)p->x.data + xo, xv.rs, xv.cs, p->weight,
-                             p->weight_strides[1], p->weight_strides[0], gp, n, 0.0, p->bias, p->bias ? p->bias_stride : 0,
-                             p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
+                             p->weight_strides[1], p->weight_strides[0], gp, n, 0.0, p->bias,
+                             p->bias ? p->bias_stride : 0, p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
             else if (recompute) {
-                gemm_epilogue ep = {.bias = p->bias ? bias32 : NULL, .bias_kind = p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
+                gemm_epilogue ep = {.bias = p->bias ? bias32 : NULL,
+                                    .bias_kind = p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
                 TRY(gemm_f32x(gemm, rows, n, kdim, at(p->x.data, xo, dt), dt, xv.rs, xv.cs, p->weight, dt,
                               p->weight_strides[1], p->weight_strides[0], gp, n, &ep, gemm_ws, l.gemm_floats));
             }
@@ -356,12 +359,16 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
     }
     if (first) { /* no rows at all: zero gradients of weight and bias */
         for (int64_t e = 0; e < n * kdim; e++) {
-            if (f64) ((double *)p->dweight)[e] = 0.0;
-            else dw32[e] = 0.0f;
+            if (f64)
+                ((double *)p->dweight)[e] = 0.0;
+            else
+                dw32[e] = 0.0f;
         }
         for (int64_t j = 0; p->bias && j < n; j++) {
-            if (f64) ((double *)p->dbias)[j] = 0.0;
-            else db32[j] = 0.0f;
+            if (f64)
+                ((double *)p->dbias)[j] = 0.0;
+            else
+                db32[j] = 0.0f;
         }
     }
     if (half) {

@@ -51,10 +51,10 @@ typedef struct linear_view {
 
 typedef struct linear_problem {
     int64_t m, in_features, out_features; /* M rows (x's leading dims), K, N */
-    opf_dtype dt;                          /* of every tensor below */
-    int act;                               /* act_kind */
-    linear_view x;                         /* (..., K) */
-    const void *weight;                    /* (N, K): weight[o * weight_strides[0] + i * weight_strides[1]] */
+    opf_dtype dt;                         /* of every tensor below */
+    int act;                              /* act_kind */
+    linear_view x;                        /* (..., K) */
+    const void *weight;                   /* (N, K): weight[o * weight_strides[0] + i * weight_strides[1]] */
     int64_t weight_strides[2];
     const void *bias; /* (N) via bias_stride, or NULL */
     int64_t bias_stride;
@@ -104,7 +104,7 @@ linear_gemm_plan linear_gemm_plan_for(const gemm_kernels *gemm, opf_dtype dt, in
  * pre-activation to pre when not NULL, both of type dt (A and B of the same
  * type; float32 bias or NULL). ws: plan->ws_floats floats. */
 int linear_gemm(const gemm_kernels *gemm, const linear_gemm_plan *plan, int64_t m, int64_t n, int64_t kdim,
-                const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb, void *out,
-                void *pre, opf_dtype dt, const float *bias, int act, float *ws);
+                const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb, void *out, void *pre,
+                opf_dtype dt, const float *bias, int act, float *ws);
 
 #endif

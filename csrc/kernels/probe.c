@@ -9,8 +9,8 @@ const probe_kernels probe_kernels_ref = {.name = "ref", .isa = OPF_ISA_REF, .fma
 extern const probe_kernels probe_kernels_avx2 __attribute__((weak));
 extern const probe_kernels probe_kernels_avx512 __attribute__((weak));
 
-const opf_variants probe_variants = OPF_VARIANTS("probe", &probe_kernels_ref, &probe_kernels_avx2,
-                                                 &probe_kernels_avx512);
+const opf_variants probe_variants =
+    OPF_VARIANTS("probe", &probe_kernels_ref, &probe_kernels_avx2, &probe_kernels_avx512);
 
 const probe_kernels *probe_kernels_for(opf_isa isa) { return opf_variant_pick(&probe_variants, isa); }
 

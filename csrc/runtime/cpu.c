@@ -28,9 +28,9 @@ static void detect(opf_cpu_features *f) {
     f->f16c = (c >> 29) & 1;
     if (osxsave) {
         uint64_t xcr0 = xgetbv0();
-        f->os_avx = (xcr0 & 0x6) == 0x6;            /* XMM and YMM state */
-        f->os_avx512 = (xcr0 & 0xe6) == 0xe6;       /* + opmask, ZMM_Hi256, Hi16_ZMM */
-        f->os_amx = (xcr0 & 0x60000) == 0x60000;    /* XTILECFG, XTILEDATA */
+        f->os_avx = (xcr0 & 0x6) == 0x6;         /* XMM and YMM state */
+        f->os_avx512 = (xcr0 & 0xe6) == 0xe6;    /* + opmask, ZMM_Hi256, Hi16_ZMM */
+        f->os_amx = (xcr0 & 0x60000) == 0x60000; /* XTILECFG, XTILEDATA */
     }
     if (__get_cpuid_max(0, NULL) >= 7) {
         __cpuid_count(7, 0, a, b, c, d);
@@ -47,8 +47,7 @@ static void detect(opf_cpu_features *f) {
     if (__get_cpuid_max(0x80000000, NULL) >= 0x80000004) {
         unsigned *m = (unsigned *)f->model;
         for (unsigned leaf = 0; leaf < 3; leaf++)
-            __get_cpuid(0x80000002 + leaf, &m[4 * leaf], &m[4 * leaf + 1], &m[4 * leaf + 2],
-                        &m[4 * leaf + 3]);
+            __get_cpuid(0x80000002 + leaf, &m[4 * leaf], &m[4 * leaf + 1], &m[4 * leaf + 2], &m[4 * leaf + 3]);
         f->model[48] = '\0';
     }
 }
@@ -84,8 +83,7 @@ const opf_cpu_features *opf_cpu(void) {
         char *s = features.model;
         while (*s == ' ') s++;
         memmove(features.model, s, strlen(s) + 1);
-        for (size_t n = strlen(features.model); n && features.model[n - 1] == ' '; n--)
-            features.model[n - 1] = '\0';
+        for (size_t n = strlen(features.model); n && features.model[n - 1] == ' '; n--) features.model[n - 1] = '\0';
         features_ready = 1;
     }
     return &features;
@@ -93,9 +91,7 @@ const opf_cpu_features *opf_cpu(void) {
 
 static const char *const isa_names[OPF_ISA_COUNT] = {"ref", "avx2", "avx512", "avx512_bf16", "amx"};
 
-const char *opf_isa_name(opf_isa isa) {
-    return (unsigned)isa < OPF_ISA_COUNT ? isa_names[isa] : "unknown";
-}
+const char *opf_isa_name(opf_isa isa) { return (unsigned)isa < OPF_ISA_COUNT ? isa_names[isa] : "unknown"; }
 
 static int isa_supported(opf_isa isa) {
     const opf_cpu_features *f = opf_cpu();
@@ -103,8 +99,7 @@ static int isa_supported(opf_isa isa) {
     case OPF_ISA_REF: return 1;
     case OPF_ISA_AVX2: return f->os_avx && f->avx2 && f->fma && f->f16c;
     case OPF_ISA_AVX512:
-        return isa_supported(OPF_ISA_AVX2) && f->os_avx512 && f->avx512f && f->avx512bw &&
-               f->avx512vl && f->avx512dq;
+        return isa_supported(OPF_ISA_AVX2) && f->os_avx512 && f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq;
     case OPF_ISA_AVX512_BF16: return isa_supported(OPF_ISA_AVX512) && f->avx512bf16;
     case OPF_ISA_AMX:
         return isa_supported(OPF_ISA_AVX512_BF16) && f->amx_tile && f->amx_bf16 && f->os_amx && amx_permitted();
@@ -132,10 +127,8 @@ int opf_isa_set(const char *name, char *err, size_t errlen) {
     for (int i = 0; i < OPF_ISA_COUNT; i++) {
         if (strcmp(name, isa_names[i]) != 0) continue;
         if (!isa_supported((opf_isa)i)) {
-            snprintf(err, errlen,
-                     "OPFORGE_ISA=%s is not supported by this CPU (%s); it supports up to '%s'",
-                     name, opf_cpu()->model[0] ? opf_cpu()->model : "unknown model",
-                     isa_names[opf_isa_best()]);
+            snprintf(err, errlen, "OPFORGE_ISA=%s is not supported by this CPU (%s); it supports up to '%s'", name,
+                     opf_cpu()->model[0] ? opf_cpu()->model : "unknown model", isa_names[opf_isa_best()]);
             return -1;
         }
         current_isa = (opf_isa)i;

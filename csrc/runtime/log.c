@@ -37,8 +37,7 @@ int opf_log_set_level(const char *name, char *err, size_t errlen) {
             return 0;
         }
     }
-    snprintf(err, errlen,
-             "OPFORGE_LOG_LEVEL=%s is not a known level; expected one of error, warning, info, debug",
+    snprintf(err, errlen, "OPFORGE_LOG_LEVEL=%s is not a known level; expected one of error, warning, info, debug",
              name);
     return -1;
 }

@@ -4,8 +4,7 @@
 
 #include "opforge/runtime.h"
 
-void opf_nd_init(opf_nd *nd, int ndim, const int64_t *sizes, int nops,
-                 const int64_t *const *strides) {
+void opf_nd_init(opf_nd *nd, int ndim, const int64_t *sizes, int nops, const int64_t *const *strides) {
     int perm[OPF_MAX_DIMS], n = 0;
     nd->nops = nops;
     nd->numel = 1;
@@ -28,8 +27,7 @@ void opf_nd_init(opf_nd *nd, int ndim, const int64_t *sizes, int nops,
     for (int i = 0; i < n; i++) {
         int d = perm[i];
         int merge = m > 0;
-        for (int k = 0; k < nops && merge; k++)
-            merge = nd->stride[k][m - 1] == strides[k][d] * sizes[d];
+        for (int k = 0; k < nops && merge; k++) merge = nd->stride[k][m - 1] == strides[k][d] * sizes[d];
         if (merge) {
             nd->size[m - 1] *= sizes[d];
             for (int k = 0; k < nops; k++) nd->stride[k][m - 1] = strides[k][d];
@@ -69,8 +67,7 @@ void opf_nd_segments(const opf_nd *nd, int64_t begin, int64_t end, opf_segment_f
         idx[in] += n;
         for (int k = 0; k < nd->nops; k++) off[k] += n * step[k];
         for (int d = in; d > 0 && idx[d] == nd->size[d]; d--) {
-            for (int k = 0; k < nd->nops; k++)
-                off[k] += nd->stride[k][d - 1] - nd->size[d] * nd->stride[k][d];
+            for (int k = 0; k < nd->nops; k++) off[k] += nd->stride[k][d - 1] - nd->size[d] * nd->stride[k][d];
             idx[d] = 0;
             idx[d - 1]++;
         }
@@ -104,9 +101,10 @@ void opf_nd_log(const char *op, const opf_nd *nd, int64_t grain) {
                               (long long)nd->stride[k][nd->ndim - 1]);
     int64_t chunks = (nd->numel + grain - 1) / (grain > 0 ? grain : 1);
     int threads = opf_num_threads();
-    opf_log(OPF_LOG_DEBUG, "%s layout: %d dim(s) %s after merging, inner strides (out,in...) %s, %s path, "
-            "grain %lld -> %lld chunk(s) on %d thread(s)", op, nd->ndim, dims, strides,
-            nd->ndim == 1 && nd->stride[0][0] == 1 ? "flat" : "strided", (long long)grain,
+    opf_log(OPF_LOG_DEBUG,
+            "%s layout: %d dim(s) %s after merging, inner strides (out,in...) %s, %s path, "
+            "grain %lld -> %lld chunk(s) on %d thread(s)",
+            op, nd->ndim, dims, strides, nd->ndim == 1 && nd->stride[0][0] == 1 ? "flat" : "strided", (long long)grain,
             (long long)(chunks < threads ? chunks : threads), threads);
 }
 
@@ -132,8 +130,7 @@ int opf_is_dense(int ndim, const int64_t *sizes, const int64_t *strides) {
     return 1;
 }
 
-void opf_output_strides(int ndim, const int64_t *sizes, const int64_t *like_strides,
-                        int64_t *out_strides) {
+void opf_output_strides(int ndim, const int64_t *sizes, const int64_t *like_strides, int64_t *out_strides) {
     if (like_strides && opf_is_dense(ndim, sizes, like_strides)) {
         memcpy(out_strides, like_strides, sizeof(int64_t) * (size_t)ndim);
         return;

@@ -31,8 +31,7 @@ static int pthread_num_threads(void) {
     return (int)n;
 }
 
-static void pthread_parallel_for(int64_t begin, int64_t end, int64_t grain, opf_range_fn fn,
-                                 void *ctx) {
+static void pthread_parallel_for(int64_t begin, int64_t end, int64_t grain, opf_range_fn fn, void *ctx) {
     int64_t range = end - begin;
     if (range <= 0) return;
     if (grain < 1) grain = 1;
@@ -51,8 +50,7 @@ static void pthread_parallel_for(int64_t begin, int64_t end, int64_t grain, opf_
         int64_t b = begin + i * step, e = b + step < end ? b + step : end;
         chunks[i] = (chunk){b, e, fn, ctx};
     }
-    for (int64_t i = 1; i < nchunks; i++)
-        started[i] = pthread_create(&tids[i], NULL, run_chunk, &chunks[i]) == 0;
+    for (int64_t i = 1; i < nchunks; i++) started[i] = pthread_create(&tids[i], NULL, run_chunk, &chunks[i]) == 0;
     run_chunk(&chunks[0]);
     for (int64_t i = 1; i < nchunks; i++) {
         if (started[i])

@@ -45,11 +45,14 @@ static void check_mask(const char *op, attn_args *a) {
         a->p.mask_kind = ATTN_MASK_ADD;
         a->p.mask_dt = a->p.dt;
     } else {
-        opf_fail(op, "argument 'attn_mask' must be bool (true = attend) or %s (the dtype of 'q', added to the scores), got %s",
-                 opf_dtype_name(a->q.dtype), opf_dtype_name(m->dtype));
+        opf_fail(
+            op,
+            "argument 'attn_mask' must be bool (true = attend) or %s (the dtype of 'q', added to the scores), got %s",
+            opf_dtype_name(a->q.dtype), opf_dtype_name(m->dtype));
     }
     const int64_t full[4] = {a->p.b, a->p.h, a->p.n, a->p.s};
-    if (m->ndim > 4) opf_fail(op, "argument 'attn_mask' must have at most 4 dims (B, H, N, S), got %lld-d", (long long)m->ndim);
+    if (m->ndim > 4)
+        opf_fail(op, "argument 'attn_mask' must have at most 4 dims (B, H, N, S), got %lld-d", (long long)m->ndim);
     for (int d = 0; d < 4; d++) {
         int64_t md = d - (4 - m->ndim);
         if (md < 0) {
@@ -70,26 +73,39 @@ static void check_mask(const char *op, attn_args *a) {
 /* scale: has_scale ? the given scale : None */
 static attn_args check_attention(const char *op, AtenTensorHandle q_h, AtenTensorHandle k_h, AtenTensorHandle v_h,
                                  AtenTensorHandle mask_h, int causal, int has_scale, double scale) {
-    attn_args a = {.q = opf_tensor_info(op, "q", q_h), .k = opf_tensor_info(op, "k", k_h), .v = opf_tensor_info(op, "v", v_h)};
+    attn_args a = {
+        .q = opf_tensor_info(op, "q", q_h), .k = opf_tensor_info(op, "k", k_h), .v = opf_tensor_info(op, "v", v_h)};
     check_qkv(op, "q", &a.q, &a.q);
     check_qkv(op, "k", &a.k, &a.q);
     check_qkv(op, "v", &a.v, &a.q);
     const int64_t *qs = a.q.sizes, *ks = a.k.sizes, *vs = a.v.sizes;
     if (ks[0] != qs[0] || vs[0] != qs[0])
-        opf_fail(op, "arguments 'k' and 'v' must have the batch size of 'q' (%lld), got %lld and %lld", (long long)qs[0],
-                 (long long)ks[0], (long long)vs[0]);
+        opf_fail(op, "arguments 'k' and 'v' must have the batch size of 'q' (%lld), got %lld and %lld",
+                 (long long)qs[0], (long long)ks[0], (long long)vs[0]);
     if (vs[1] != ks[1])
         opf_fail(op, "argument 'v' must have the heads of 'k' (%lld), got %lld", (long long)ks[1], (long long)vs[1]);
     /* no query head (H = 0) needs no key/value head: an empty result, as torch's */
     if (ks[1] < 1 ? qs[1] != 0 : qs[1] % ks[1] != 0)
-        opf_fail(op, "argument 'k' must have a number of heads dividing the %lld heads of 'q' (grouped-query attention), got %lld",
+        opf_fail(op,
+                 "argument 'k' must have a number of heads dividing the %lld heads of 'q' (grouped-query attention), "
+                 "got %lld",
                  (long long)qs[1], (long long)ks[1]);
     if (ks[3] != qs[3])
         opf_fail(op, "argument 'k' must have the head_dim of 'q' (%lld), got %lld", (long long)qs[3], (long long)ks[3]);
     if (vs[2] != ks[2])
-        opf_fail(op, "argument 'v' must have the key length of 'k' (%lld), got %lld", (long long)ks[2], (long long)vs[2]);
-    a.p = (attn_problem){.b = qs[0], .h = qs[1], .hkv = ks[1], .n = qs[2], .s = ks[2], .d_qk = qs[3], .d_v = vs[3],
-                         .dt = opf_check_float(op, "q", &a.q), .q = a.q.data, .k = a.k.data, .v = a.v.data,
+        opf_fail(op, "argument 'v' must have the key length of 'k' (%lld), got %lld", (long long)ks[2],
+                 (long long)vs[2]);
+    a.p = (attn_problem){.b = qs[0],
+                         .h = qs[1],
+                         .hkv = ks[1],
+                         .n = qs[2],
+                         .s = ks[2],
+                         .d_qk = qs[3],
+                         .d_v = vs[3],
+                         .dt = opf_check_float(op, "q", &a.q),
+                         .q = a.q.data,
+                         .k = a.k.data,
+                         .v = a.v.data,
                          .causal = causal};
     for (int d = 0; d < 4; d++) a.p.qs[d] = a.q.strides[d], a.p.ks[d] = a.k.strides[d], a.p.vs[d] = a.v.strides[d];
     const int f64 = a.p.dt == OPF_F64;

@@ -33,9 +33,9 @@ void opf_fail(const char *op, const char *fmt, ...) {
     __builtin_unreachable();
 }
 
-#define OPF_TRY(op, call)                                                                          \
-    do {                                                                                           \
-        if ((call) != OPF_AOTI_SUCCESS) opf_fail(op, "internal error: %s failed", #call);           \
+#define OPF_TRY(op, call)                                                                 \
+    do {                                                                                  \
+        if ((call) != OPF_AOTI_SUCCESS) opf_fail(op, "internal error: %s failed", #call); \
     } while (0)
 
 void opf_tensor_release(AtenTensorHandle *h) {
@@ -152,16 +152,15 @@ opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h) 
     t.sizes = sizes;
     t.strides = strides;
     if (t.ndim > OPF_MAX_DIMS)
-        opf_fail(op, "argument '%s' must have at most %d dims, got %lld", arg, OPF_MAX_DIMS,
-                 (long long)t.ndim);
+        opf_fail(op, "argument '%s' must have at most %d dims, got %lld", arg, OPF_MAX_DIMS, (long long)t.ndim);
     return t;
 }
 
 opf_dtype opf_check_float(const char *op, const char *arg, const opf_tensor *t) {
     for (int i = 0; i < OPF_DTYPE_COUNT; i++) /* dtypes[] starts in opf_dtype order */
         if (dtypes[i].code == t->dtype) return (opf_dtype)i;
-    opf_fail(op, "argument '%s' must be a floating-point tensor (float32, float64, bfloat16 or float16), got %s",
-             arg, opf_dtype_name(t->dtype));
+    opf_fail(op, "argument '%s' must be a floating-point tensor (float32, float64, bfloat16 or float16), got %s", arg,
+             opf_dtype_name(t->dtype));
 }
 
 static const char *device_name(int32_t type) {
@@ -173,11 +172,12 @@ static const char *device_name(int32_t type) {
 
 void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t) {
     if (t->device_type != aoti_torch_device_type_cpu())
-        opf_fail(op, "argument '%s' must be on the cpu device (this kernel is the CPU one), got %s",
-                 arg, device_name(t->device_type));
+        opf_fail(op, "argument '%s' must be on the cpu device (this kernel is the CPU one), got %s", arg,
+                 device_name(t->device_type));
 }
 
-void opf_check_device(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg, const opf_tensor *ref) {
+void opf_check_device(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
+                      const opf_tensor *ref) {
     const int32_t cpu = aoti_torch_device_type_cpu(), meta = aoti_torch_device_type_meta();
     if (t->device_type != cpu && t->device_type != meta)
         opf_fail(op, "argument '%s' must be on the cpu device (this kernel is the CPU one), got %s", arg,
@@ -211,8 +211,8 @@ void opf_check_same_shape(const char *op, const char *arg, const opf_tensor *t, 
 void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
                           const opf_tensor *ref) {
     if (t->dtype != ref->dtype)
-        opf_fail(op, "argument '%s' must have the dtype of '%s' (%s), got %s", arg, ref_arg,
-                 opf_dtype_name(ref->dtype), opf_dtype_name(t->dtype));
+        opf_fail(op, "argument '%s' must have the dtype of '%s' (%s), got %s", arg, ref_arg, opf_dtype_name(ref->dtype),
+                 opf_dtype_name(t->dtype));
 }
 
 AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *sizes, const int64_t *strides,
@@ -222,8 +222,7 @@ AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *
     int64_t numel = 1;
     for (int64_t d = 0; d < ndim; d++) numel *= sizes[d];
     OPF_TRY(op, aoti_torch_get_device_index(like->h, &index));
-    if (aoti_torch_empty_strided(ndim, sizes, strides, dtype, like->device_type, index, &out) !=
-        OPF_AOTI_SUCCESS) {
+    if (aoti_torch_empty_strided(ndim, sizes, strides, dtype, like->device_type, index, &out) != OPF_AOTI_SUCCESS) {
         opf_tensor t = {.ndim = ndim, .sizes = sizes};
         char shape[256];
         opf_shape_str(shape, sizeof shape, &t);
@@ -241,8 +240,7 @@ AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like) {
     return opf_empty_strided(op, like->ndim, like->sizes, strides, like->dtype, like);
 }
 
-AtenTensorHandle opf_empty(const char *op, int64_t ndim, const int64_t *sizes, int32_t dtype,
-                           const opf_tensor *like) {
+AtenTensorHandle opf_empty(const char *op, int64_t ndim, const int64_t *sizes, int32_t dtype, const opf_tensor *like) {
     int64_t strides[OPF_MAX_DIMS];
     opf_output_strides((int)ndim, sizes, NULL, strides);
     return opf_empty_strided(op, ndim, sizes, strides, dtype, like);
@@ -265,17 +263,16 @@ void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors
     for (int i = 0; i < n && len < sizeof args; i++) {
         char shape[256];
         opf_shape_str(shape, sizeof shape, &tensors[i]);
-        len += (size_t)snprintf(args + len, sizeof args - len, "%s%s%s", i ? " " : "",
-                                opf_dtype_name(tensors[i].dtype), shape);
+        len += (size_t)snprintf(args + len, sizeof args - len, "%s%s%s", i ? " " : "", opf_dtype_name(tensors[i].dtype),
+                                shape);
     }
-    opf_log(OPF_LOG_INFO, "%s %s isa=%s threads=%d %.1fus", op, args,
-            opf_isa_name(opf_isa_current()), opf_num_threads(), us);
+    opf_log(OPF_LOG_INFO, "%s %s isa=%s threads=%d %.1fus", op, args, opf_isa_name(opf_isa_current()),
+            opf_num_threads(), us);
 }
 
 /* ---- parallel backend over torch's pool ------------------------------------- */
 
-static void torch_backend_for(int64_t begin, int64_t end, int64_t grain, opf_range_fn fn,
-                              void *ctx) {
+static void torch_backend_for(int64_t begin, int64_t end, int64_t grain, opf_range_fn fn, void *ctx) {
     if (torch_parallel_for(begin, end, grain, fn, ctx) != OPF_AOTI_SUCCESS)
         fn(begin, end, ctx); /* the pool refused (shutting down?): do it here */
 }
@@ -395,17 +392,17 @@ OPF_EXPORT int opforge_register(const char *ns, const opf_op_desc *ops, char *er
 /* Where opforge's own ops register: a build parameter, read by the Python layer at load. */
 OPF_EXPORT const char *opforge_namespace(void) { return OPF_NAMESPACE; }
 
-OPF_EXPORT int opforge_set_isa(const char *name, char *err, size_t errlen) {
-    return opf_isa_set(name, err, errlen);
-}
+OPF_EXPORT int opforge_set_isa(const char *name, char *err, size_t errlen) { return opf_isa_set(name, err, errlen); }
 
 OPF_EXPORT const char *opforge_isa(void) { return opf_isa_name(opf_isa_current()); }
 OPF_EXPORT const char *opforge_isa_best(void) { return opf_isa_name(opf_isa_best()); }
 /* The ISA names in order (a later one implies the earlier), NULL past the last. */
-OPF_EXPORT const char *opforge_isa_name_at(int i) { return i >= 0 && i < OPF_ISA_COUNT ? opf_isa_name((opf_isa)i) : NULL; }
+OPF_EXPORT const char *opforge_isa_name_at(int i) {
+    return i >= 0 && i < OPF_ISA_COUNT ? opf_isa_name((opf_isa)i) : NULL;
+}
 
-static const opf_variants *const kernel_families[] = {&dc_variants, &gemm_variants, &attn_variants, &act_variants,
-                                                      &cvt_variants, &probe_variants};
+static const opf_variants *const kernel_families[] = {&dc_variants,  &gemm_variants, &attn_variants,
+                                                      &act_variants, &cvt_variants,  &probe_variants};
 
 /* Variant i of kernel family f, read from the tables the kernels are chosen
  * from: the family's name, the variant's (NULL where this build lacks it),

@@ -107,14 +107,16 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
     OPF_ARG_TENSOR(a, stack, 1);
     OPF_ARG_TENSOR(b, stack, 2);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor g = opf_tensor_info(MMB, "grad", g_h), a = opf_tensor_info(MMB, "a", a_h), b = opf_tensor_info(MMB, "b", b_h);
+    opf_tensor g = opf_tensor_info(MMB, "grad", g_h), a = opf_tensor_info(MMB, "a", a_h),
+               b = opf_tensor_info(MMB, "b", b_h);
     opf_dtype dt = check_operand(MMB, "a", &a, "a", &a);
     check_operand(MMB, "b", &b, "a", &a);
     check_operand(MMB, "grad", &g, "a", &a);
     opf_check_same_dtype(MMB, "b", &b, "a", &a);
     opf_check_same_dtype(MMB, "grad", &g, "a", &a);
     if ((a.ndim != 2 && a.ndim != 3) || a.ndim != b.ndim)
-        opf_fail(MMB, "arguments 'a' and 'b' must both be 2-d (M,K),(K,N) or 3-d (B,M,K),(B,K,N), got %lld-d and %lld-d",
+        opf_fail(MMB,
+                 "arguments 'a' and 'b' must both be 2-d (M,K),(K,N) or 3-d (B,M,K),(B,K,N), got %lld-d and %lld-d",
                  (long long)a.ndim, (long long)b.ndim);
     int nd = (int)a.ndim;
     int64_t batch = nd == 3 ? a.sizes[0] : 1, m = a.sizes[nd - 2], kd = a.sizes[nd - 1], n = b.sizes[nd - 1];
@@ -181,7 +183,8 @@ static linear_view view_of(const opf_tensor *t) {
 
 static linear_args check_linear(const char *op, AtenTensorHandle x_h, AtenTensorHandle w_h, AtenTensorHandle b_h,
                                 int64_t act) {
-    linear_args l = {.x = opf_tensor_info(op, "x", x_h), .w = opf_tensor_info(op, "weight", w_h), .has_bias = b_h != NULL};
+    linear_args l = {
+        .x = opf_tensor_info(op, "x", x_h), .w = opf_tensor_info(op, "weight", w_h), .has_bias = b_h != NULL};
     l.dt = check_operand(op, "x", &l.x, "x", &l.x);
     check_operand(op, "weight", &l.w, "x", &l.x);
     opf_check_same_dtype(op, "weight", &l.w, "x", &l.x);
@@ -202,9 +205,16 @@ static linear_args check_linear(const char *op, AtenTensorHandle x_h, AtenTensor
     }
     int64_t m = 1; /* rows: the product of x's leading dims */
     for (int64_t d = 0; d < l.x.ndim - 1; d++) m *= l.x.sizes[d];
-    l.p = (linear_problem){.m = m, .in_features = l.k, .out_features = l.n, .dt = l.dt, .act = (int)act,
-                           .x = view_of(&l.x), .weight = l.w.data, .weight_strides = {l.w.strides[0], l.w.strides[1]},
-                           .bias = l.has_bias ? l.bias.data : NULL, .bias_stride = l.has_bias ? l.bias.strides[0] : 0};
+    l.p = (linear_problem){.m = m,
+                           .in_features = l.k,
+                           .out_features = l.n,
+                           .dt = l.dt,
+                           .act = (int)act,
+                           .x = view_of(&l.x),
+                           .weight = l.w.data,
+                           .weight_strides = {l.w.strides[0], l.w.strides[1]},
+                           .bias = l.has_bias ? l.bias.data : NULL,
+                           .bias_stride = l.has_bias ? l.bias.strides[0] : 0};
     return l;
 }
 

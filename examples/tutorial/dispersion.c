@@ -19,16 +19,14 @@ static void fwd_f64(double *y, const double *x, int64_t n, int64_t ys, int64_t x
     for (int64_t i = 0; i < n; i++) y[i * ys] = x[i * xs] * alpha + sqrt(x[i * xs]);
 }
 
-static void bwd_f32(float *dx, const float *dy, const float *x, int64_t n, const int64_t *st,
-                    float alpha) {
+static void bwd_f32(float *dx, const float *dy, const float *x, int64_t n, const int64_t *st, float alpha) {
     for (int64_t i = 0; i < n; i++) {
         float g = dy[i * st[1]];
         dx[i * st[0]] = g * alpha + g / (2.0f * sqrtf(x[i * st[2]]));
     }
 }
 
-static void bwd_f64(double *dx, const double *dy, const double *x, int64_t n, const int64_t *st,
-                    double alpha) {
+static void bwd_f64(double *dx, const double *dy, const double *x, int64_t n, const int64_t *st, double alpha) {
     for (int64_t i = 0; i < n; i++) {
         double g = dy[i * st[1]];
         dx[i * st[0]] = g * alpha + g / (2.0 * sqrt(x[i * st[2]]));
@@ -55,11 +53,11 @@ static void fwd_run(void *ctx, const int64_t *off, const int64_t *st, int64_t n)
 static void bwd_run(void *ctx, const int64_t *off, const int64_t *st, int64_t n) {
     const job *j = ctx;
     if (j->dt == OPF_F32)
-        bwd_f32((float *)j->out + off[0], (const float *)j->a + off[1], (const float *)j->b + off[2],
-                n, st, (float)j->alpha);
+        bwd_f32((float *)j->out + off[0], (const float *)j->a + off[1], (const float *)j->b + off[2], n, st,
+                (float)j->alpha);
     else
-        bwd_f64((double *)j->out + off[0], (const double *)j->a + off[1],
-                (const double *)j->b + off[2], n, st, j->alpha);
+        bwd_f64((double *)j->out + off[0], (const double *)j->a + off[1], (const double *)j->b + off[2], n, st,
+                j->alpha);
 }
 
 static opf_dtype check_x(const char *op, const opf_tensor *x) {
@@ -110,15 +108,14 @@ static void dispersion_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t 
 
 /* ---- descriptors: what the Python layer wires (fake, autograd, autocast) ---------- */
 
-OPF_OP_TABLE(
-    {.schema = "dispersion(Tensor x, float alpha) -> Tensor",
-     .cpu = dispersion_cpu,
-     .shape = "like:x",
-     .backward = "dispersion_backward",
-     .backward_args = "grad0,x,alpha",
-     .backward_grads = "x",
-     .autocast = OPF_AUTOCAST_FP32,
-     .flops = "3*numel(x)"},
-    {.schema = "dispersion_backward(Tensor grad, Tensor x, float alpha) -> Tensor",
-     .cpu = dispersion_backward_cpu,
-     .shape = "like:x"})
+OPF_OP_TABLE({.schema = "dispersion(Tensor x, float alpha) -> Tensor",
+              .cpu = dispersion_cpu,
+              .shape = "like:x",
+              .backward = "dispersion_backward",
+              .backward_args = "grad0,x,alpha",
+              .backward_grads = "x",
+              .autocast = OPF_AUTOCAST_FP32,
+              .flops = "3*numel(x)"},
+             {.schema = "dispersion_backward(Tensor grad, Tensor x, float alpha) -> Tensor",
+              .cpu = dispersion_backward_cpu,
+              .shape = "like:x"})

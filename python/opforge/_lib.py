@@ -18,7 +18,6 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from . import _torch_private as _private
-
 from ._shape import ShapeRule, compile_rules, output_strides  # noqa: F401  (output_strides: the public twin)
 
 MIN_TORCH = (2, 10)

@@ -16,7 +16,6 @@ import sys
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-
 # torch as opforge reads it: the tests hide names here to take the fallbacks,
 # leaving torch's own uses of them intact
 _torch, _C, _forward_ad = torch, torch._C, _forward_ad

@@ -9,16 +9,16 @@
 
 static int check_failures, check_count;
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        check_count++;                                                                             \
-        if (!(cond)) {                                                                             \
-            if (check_failures++ < 20) {                                                           \
-                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                               \
-                fprintf(stderr, __VA_ARGS__);                                                      \
-                fputc('\n', stderr);                                                               \
-            }                                                                                      \
-        }                                                                                          \
+#define CHECK(cond, ...)                                             \
+    do {                                                             \
+        check_count++;                                               \
+        if (!(cond)) {                                               \
+            if (check_failures++ < 20) {                             \
+                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+                fprintf(stderr, __VA_ARGS__);                        \
+                fputc('\n', stderr);                                 \
+            }                                                        \
+        }                                                            \
     } while (0)
 
 static inline int check_report(const char *name) {
@@ -60,8 +60,9 @@ static inline void check_ws_free(float *ws, const char *what) {
         before += w[i] != CHECK_GUARD_WORD(i);
         after += w[CHECK_GUARD + n + i] != CHECK_GUARD_WORD(i);
     }
-    CHECK(before == 0 && after == 0, "%s: workspace of %lld floats written outside: %lld guard words before it, %lld after",
-          what, (long long)n, (long long)before, (long long)after);
+    CHECK(before == 0 && after == 0,
+          "%s: workspace of %lld floats written outside: %lld guard words before it, %lld after", what, (long long)n,
+          (long long)before, (long long)after);
     free(head);
 }
 
@@ -76,21 +77,21 @@ static inline int check_use_isa(int isa) {
 /* The variant loop of a kernel test: TEST(k) for each ISA this CPU runs, k =
  * KERNELS_FOR(isa) (a table with a `name`). An ISA without a variant of its
  * own gets an earlier ISA's table: that is reported, not tested again. */
-#define CHECK_EACH_VARIANT(KERNELS_FOR, TEST)                                                      \
-    do {                                                                                           \
-        int tested_ = 0;                                                                           \
-        for (int isa_ = 0; isa_ < OPF_ISA_COUNT; isa_++) {                                         \
-            if (!check_use_isa(isa_)) continue;                                                    \
-            if (isa_ > 0 && KERNELS_FOR((opf_isa)isa_) == KERNELS_FOR((opf_isa)(isa_ - 1))) {      \
-                printf("%s: no variant of its own, uses %s\n", opf_isa_name((opf_isa)isa_),        \
-                       KERNELS_FOR((opf_isa)isa_)->name);                                          \
-                continue;                                                                          \
-            }                                                                                      \
-            TEST(KERNELS_FOR((opf_isa)isa_));                                                      \
-            printf("tested %s\n", KERNELS_FOR((opf_isa)isa_)->name);                               \
-            tested_++;                                                                             \
-        }                                                                                          \
-        CHECK(tested_ >= 1, "no variant tested");                                                  \
+#define CHECK_EACH_VARIANT(KERNELS_FOR, TEST)                                                 \
+    do {                                                                                      \
+        int tested_ = 0;                                                                      \
+        for (int isa_ = 0; isa_ < OPF_ISA_COUNT; isa_++) {                                    \
+            if (!check_use_isa(isa_)) continue;                                               \
+            if (isa_ > 0 && KERNELS_FOR((opf_isa)isa_) == KERNELS_FOR((opf_isa)(isa_ - 1))) { \
+                printf("%s: no variant of its own, uses %s\n", opf_isa_name((opf_isa)isa_),   \
+                       KERNELS_FOR((opf_isa)isa_)->name);                                     \
+                continue;                                                                     \
+            }                                                                                 \
+            TEST(KERNELS_FOR((opf_isa)isa_));                                                 \
+            printf("tested %s\n", KERNELS_FOR((opf_isa)isa_)->name);                          \
+            tested_++;                                                                        \
+        }                                                                                     \
+        CHECK(tested_ >= 1, "no variant tested");                                             \
     } while (0)
 
 #endif

@@ -47,8 +47,8 @@ static void *rand_tensor(int64_t count, opf_dtype dt, unsigned long long seed, d
 }
 
 /* max |got - want| over the (b, h, n, d) elements, relative to max |want| */
-static double rel_err(const void *got, const void *want, const int64_t *st, int64_t b, int64_t h, int64_t n,
-                      int64_t d, opf_dtype dt) {
+static double rel_err(const void *got, const void *want, const int64_t *st, int64_t b, int64_t h, int64_t n, int64_t d,
+                      opf_dtype dt) {
     double err = 0.0, mag = 0.1; /* errors of values below 0.1 count as absolute */
     for (int64_t ib = 0; ib < b; ib++)
         for (int64_t ih = 0; ih < h; ih++)
@@ -98,9 +98,11 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
         memset(gq, 0x7f, nq), memset(gk, 0x7f, nk), memset(gv, 0x7f, nv);
         attn_bwd(k, &p, ws);
         free(ws);
-        CHECK(same_bits(gq, dq, p.dqs, p.b, p.h, p.n, p.d_qk, p.dt) && same_bits(gk, dk, p.dks, p.b, p.hkv, p.s, p.d_qk, p.dt) &&
+        CHECK(same_bits(gq, dq, p.dqs, p.b, p.h, p.n, p.d_qk, p.dt) &&
+                  same_bits(gk, dk, p.dks, p.b, p.hkv, p.s, p.d_qk, p.dt) &&
                   same_bits(gv, dv, p.dvs, p.b, p.hkv, p.s, p.d_v, p.dt),
-              "%s b=%lld h=%lld hkv=%lld n=%lld s=%lld causal=%d: backward on %d threads (check %d) differs from the first run",
+              "%s b=%lld h=%lld hkv=%lld n=%lld s=%lld causal=%d: backward on %d threads (check %d) differs from the "
+              "first run",
               k->name, (long long)p.b, (long long)p.h, (long long)p.hkv, (long long)p.n, (long long)p.s, p.causal,
               runs[r], r + 1);
     }
@@ -112,8 +114,16 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
 }
 
 static void run(const attn_kernels *k, cfg c) {
-    attn_problem p = {.b = c.b, .h = c.h, .hkv = c.hkv, .n = c.n, .s = c.s, .d_qk = c.d, .d_v = c.dv, .dt = c.dt,
-                      .causal = c.causal, .scale = 1.0 / sqrt((double)c.d)};
+    attn_problem p = {.b = c.b,
+                      .h = c.h,
+                      .hkv = c.hkv,
+                      .n = c.n,
+                      .s = c.s,
+                      .d_qk = c.d,
+                      .d_v = c.dv,
+                      .dt = c.dt,
+                      .causal = c.causal,
+                      .scale = 1.0 / sqrt((double)c.d)};
     int64_t nq = layout(c.layout, c.b, c.h, c.n, c.d, p.qs), nk = layout(c.layout, c.b, c.hkv, c.s, c.d, p.ks);
     int64_t nv = layout(c.layout, c.b, c.hkv, c.s, c.dv, p.vs), no = layout(c.layout, c.b, c.h, c.n, c.dv, p.os);
     memcpy(p.dos, p.os, sizeof p.os), memcpy(p.dqs, p.qs, sizeof p.qs);
@@ -139,9 +149,12 @@ static void run(const attn_kernels *k, cfg c) {
     p.mask = mask;
     attn_problem want = p;
     void *out = calloc((size_t)no + 1, esize(c.dt)), *wout = calloc((size_t)no + 1, esize(c.dt));
-    float *lse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float)), *wlse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float));
-    void *dq = calloc((size_t)nq + 1, esize(c.dt)), *dk = calloc((size_t)nk + 1, esize(c.dt)), *dv = calloc((size_t)nv + 1, esize(c.dt));
-    void *wdq = calloc((size_t)nq + 1, esize(c.dt)), *wdk = calloc((size_t)nk + 1, esize(c.dt)), *wdv = calloc((size_t)nv + 1, esize(c.dt));
+    float *lse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float)),
+          *wlse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float));
+    void *dq = calloc((size_t)nq + 1, esize(c.dt)), *dk = calloc((size_t)nk + 1, esize(c.dt)),
+         *dv = calloc((size_t)nv + 1, esize(c.dt));
+    void *wdq = calloc((size_t)nq + 1, esize(c.dt)), *wdk = calloc((size_t)nk + 1, esize(c.dt)),
+         *wdv = calloc((size_t)nv + 1, esize(c.dt));
     p.out = out, p.lse = lse, p.dq = dq, p.dk = dk, p.dv = dv;
     want.out = wout, want.lse = wlse, want.dq = wdq, want.dk = wdk, want.dv = wdv;
 
@@ -184,7 +197,8 @@ static void test_mm(const attn_kernels *k) {
         for (int trans = 0; trans < 2; trans++)
             for (int acc = 0; acc < 2; acc++) {
                 float *a = rand_tensor(m * kd, OPF_F32, 1, 1.0), *b = rand_tensor(kd * (n + 3), OPF_F32, 2, 1.0);
-                float *cc = rand_tensor(m * (n + 1), OPF_F32, 3, 1.0), *want = malloc(sizeof(float) * (size_t)(m * (n + 1)));
+                float *cc = rand_tensor(m * (n + 1), OPF_F32, 3, 1.0),
+                      *want = malloc(sizeof(float) * (size_t)(m * (n + 1)));
                 memcpy(want, cc, sizeof(float) * (size_t)(m * (n + 1)));
                 int64_t rsa = trans ? 1 : kd, csa = trans ? m : 1;
                 k->mm(m, n, kd, a, rsa, csa, b, n + 3, cc, n + 1, acc);
@@ -192,7 +206,8 @@ static void test_mm(const attn_kernels *k) {
                 for (int64_t i = 0; i < m; i++)
                     for (int64_t j = 0; j < n + 1; j++) {
                         double s = j < n && acc ? want[i * (n + 1) + j] : 0.0;
-                        for (int64_t p = 0; p < kd && j < n; p++) s += (double)a[i * rsa + p * csa] * b[p * (n + 3) + j];
+                        for (int64_t p = 0; p < kd && j < n; p++)
+                            s += (double)a[i * rsa + p * csa] * b[p * (n + 3) + j];
                         if (j == n) s = want[i * (n + 1) + j]; /* the padding column is never written */
                         err = fmax(err, fabs(cc[i * (n + 1) + j] - s));
                     }
@@ -214,15 +229,15 @@ static void test_variant(const attn_kernels *k) {
     for (size_t d = 0; d < sizeof dims / sizeof dims[0]; d++)
         for (int causal = 0; causal < 2; causal++)
             run(k, (cfg){2, 2, 2, 77, 91, dims[d], dims[d], causal, 0, (int)d % 3, OPF_F32});
-    run(k, (cfg){1, 1, 1, 1000, 1000, 64, 64, 1, 0, 1, OPF_F32});   /* long, causal, one head */
-    run(k, (cfg){1, 3, 1, 1000, 200, 32, 48, 0, 0, 0, OPF_F32});    /* long, MQA, dv != d */
-    run(k, (cfg){2, 6, 2, 130, 70, 40, 40, 1, 0, 1, OPF_F32});      /* GQA, transposed, causal */
-    run(k, (cfg){2, 4, 2, 65, 129, 64, 64, 0, 1, 0, OPF_F32});      /* bool mask */
-    run(k, (cfg){2, 4, 4, 65, 129, 64, 64, 1, 2, 2, OPF_F32});      /* additive mask + causal, strided */
-    run(k, (cfg){1, 2, 2, 50, 33, 16, 16, 0, 3, 0, OPF_F32});       /* fully masked rows */
-    run(k, (cfg){2, 4, 2, 129, 100, 64, 64, 1, 0, 1, OPF_BF16});    /* bfloat16 */
-    run(k, (cfg){1, 2, 1, 70, 70, 80, 80, 0, 2, 2, OPF_BF16});      /* bfloat16, mask, strided */
-    run(k, (cfg){3, 4, 1, 200, 300, 32, 32, 1, 0, 0, OPF_F32});     /* 3 groups: whole on 1 thread, key blocks on 2 */
+    run(k, (cfg){1, 1, 1, 1000, 1000, 64, 64, 1, 0, 1, OPF_F32}); /* long, causal, one head */
+    run(k, (cfg){1, 3, 1, 1000, 200, 32, 48, 0, 0, 0, OPF_F32});  /* long, MQA, dv != d */
+    run(k, (cfg){2, 6, 2, 130, 70, 40, 40, 1, 0, 1, OPF_F32});    /* GQA, transposed, causal */
+    run(k, (cfg){2, 4, 2, 65, 129, 64, 64, 0, 1, 0, OPF_F32});    /* bool mask */
+    run(k, (cfg){2, 4, 4, 65, 129, 64, 64, 1, 2, 2, OPF_F32});    /* additive mask + causal, strided */
+    run(k, (cfg){1, 2, 2, 50, 33, 16, 16, 0, 3, 0, OPF_F32});     /* fully masked rows */
+    run(k, (cfg){2, 4, 2, 129, 100, 64, 64, 1, 0, 1, OPF_BF16});  /* bfloat16 */
+    run(k, (cfg){1, 2, 1, 70, 70, 80, 80, 0, 2, 2, OPF_BF16});    /* bfloat16, mask, strided */
+    run(k, (cfg){3, 4, 1, 200, 300, 32, 32, 1, 0, 0, OPF_F32});   /* 3 groups: whole on 1 thread, key blocks on 2 */
     /* empty: no query, no key (zeros, lse -inf), no batch, no head */
     run(k, (cfg){2, 2, 1, 0, 7, 16, 16, 0, 0, 0, OPF_F32});
     run(k, (cfg){2, 2, 1, 9, 0, 16, 16, 1, 0, 0, OPF_F32});
@@ -240,9 +255,24 @@ static void test_oracle_scale(void) {
     for (int t = 0; t < 2; t++) {
         double out = 0.0, dq[3] = {0};
         float lse;
-        attn_problem p = {.b = 1, .h = 1, .hkv = 1, .n = 1, .s = 2, .d_qk = 3, .d_v = 1, .dt = OPF_F64, .scale = scales[t],
-                          .q = q, .k = k, .v = v, .qs = {3, 3, 3, 1}, .ks = {6, 6, 3, 1}, .vs = {2, 2, 1, 1},
-                          .out = &out, .os = {1, 1, 1, 1}, .lse = &lse};
+        attn_problem p = {.b = 1,
+                          .h = 1,
+                          .hkv = 1,
+                          .n = 1,
+                          .s = 2,
+                          .d_qk = 3,
+                          .d_v = 1,
+                          .dt = OPF_F64,
+                          .scale = scales[t],
+                          .q = q,
+                          .k = k,
+                          .v = v,
+                          .qs = {3, 3, 3, 1},
+                          .ks = {6, 6, 3, 1},
+                          .vs = {2, 2, 1, 1},
+                          .out = &out,
+                          .os = {1, 1, 1, 1},
+                          .lse = &lse};
         CHECK(attn_ref_fwd(&p) == 0, "oracle out of memory");
         double x[2], w[2], dw = 0.0;
         for (int j = 0; j < 2; j++) x[j] = scales[t] * (q[0] * k[j][0] + q[1] * k[j][1] + q[2] * k[j][2]);
@@ -260,8 +290,8 @@ static void test_oracle_scale(void) {
             for (int j = 0; j < 2; j++) g += w[j] * (v[j] - want) * scales[t] * k[j][d];
             dw = fmax(dw, fabs(dq[d] - g));
         }
-        CHECK(fabs(out - want) < 1e-15 && dw < 1e-15, "float64 oracle at scale %.17g: out %.17g want %.17g, dq error %g",
-              scales[t], out, want, dw);
+        CHECK(fabs(out - want) < 1e-15 && dw < 1e-15,
+              "float64 oracle at scale %.17g: out %.17g want %.17g, dq error %g", scales[t], out, want, dw);
     }
 }
 

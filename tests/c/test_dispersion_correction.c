@@ -12,8 +12,8 @@
 #include "check.h"
 
 static const int64_t SIZES[] = {0, 1, 7, 15, 16, 17, 31, 33, 123, 4097};
-static const double SPECIAL[] = {0.0,  -0.0,   1.0,      4.0,  -1.0,  INFINITY, -INFINITY,
-                                 NAN,  1e-40,  6e-8,     1e-300, 65504.0, 3e38, 2.5};
+static const double SPECIAL[] = {0.0, -0.0,  1.0,  4.0,    -1.0,    INFINITY, -INFINITY,
+                                 NAN, 1e-40, 6e-8, 1e-300, 65504.0, 3e38,     2.5};
 static const char *const DT_NAME[] = {"float32", "float64", "bfloat16", "float16"};
 static const size_t DT_SIZE[] = {4, 8, 2, 2};
 static const double ALPHA = 0.8;
@@ -51,8 +51,8 @@ static void fill(opf_dtype dt, void *p, int64_t n, unsigned long long seed) {
 }
 
 /* out[i * os] vs ref for n elements; reports the first mismatch and max error */
-static void compare(const char *what, const char *isa, opf_dtype dt, const void *got,
-                    const void *want, int64_t n, int64_t stride) {
+static void compare(const char *what, const char *isa, opf_dtype dt, const void *got, const void *want, int64_t n,
+                    int64_t stride) {
     int64_t bad = -1, nbad = 0;
     double maxerr = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -62,10 +62,9 @@ static void compare(const char *what, const char *isa, opf_dtype dt, const void 
         double e = fabs(load(dt, got, i * stride) - load(dt, want, i * stride));
         if (e > maxerr) maxerr = e;
     }
-    CHECK(nbad == 0, "%s %s %s n=%lld: %lld mismatches, first at %lld: got %.9g want %.9g, max err %g",
-          what, isa, DT_NAME[dt], (long long)n, (long long)nbad, (long long)bad,
-          bad >= 0 ? load(dt, got, bad * stride) : 0.0, bad >= 0 ? load(dt, want, bad * stride) : 0.0,
-          maxerr);
+    CHECK(nbad == 0, "%s %s %s n=%lld: %lld mismatches, first at %lld: got %.9g want %.9g, max err %g", what, isa,
+          DT_NAME[dt], (long long)n, (long long)nbad, (long long)bad, bad >= 0 ? load(dt, got, bad * stride) : 0.0,
+          bad >= 0 ? load(dt, want, bad * stride) : 0.0, maxerr);
 }
 
 static void test_variant(opf_isa isa, const dc_kernels *k) {
@@ -114,8 +113,8 @@ static void test_long_runs(opf_isa isa, const dc_kernels *k) {
 }
 
 /* The whole-tensor driver on a view, against the reference element by element. */
-static void test_driver_view(opf_isa isa, opf_dtype dt, int ndim, const int64_t *sizes,
-                             const int64_t *x_strides, const int64_t *dy_strides) {
+static void test_driver_view(opf_isa isa, opf_dtype dt, int ndim, const int64_t *sizes, const int64_t *x_strides,
+                             const int64_t *dy_strides) {
     const dc_kernels *k = dc_kernels_for(isa);
     int64_t y_strides[OPF_MAX_DIMS], numel = 1, span = 1;
     for (int d = 0; d < ndim; d++) {
@@ -147,15 +146,14 @@ static void test_driver_view(opf_isa isa, opf_dtype dt, int ndim, const int64_t 
         }
         dc_kernels_ref.fwd[dt](want, x + xo * DT_SIZE[dt], 1, 1, 1, ALPHA);
         if (!same(dt, y + yo * DT_SIZE[dt], want, 0) && bad++ == 0)
-            CHECK(0, "driver fwd %s %s: element %lld got %g want %g", opf_isa_name(isa), DT_NAME[dt],
-                  (long long)flat, load(dt, y, yo), load(dt, want, 0));
+            CHECK(0, "driver fwd %s %s: element %lld got %g want %g", opf_isa_name(isa), DT_NAME[dt], (long long)flat,
+                  load(dt, y, yo), load(dt, want, 0));
         dc_kernels_ref.bwd[dt](want, dy + go * DT_SIZE[dt], x + xo * DT_SIZE[dt], 1, 1, 1, 1, ALPHA);
         if (!same(dt, dx + yo * DT_SIZE[dt], want, 0) && bad++ == 0)
-            CHECK(0, "driver bwd %s %s: element %lld got %g want %g", opf_isa_name(isa), DT_NAME[dt],
-                  (long long)flat, load(dt, dx, yo), load(dt, want, 0));
+            CHECK(0, "driver bwd %s %s: element %lld got %g want %g", opf_isa_name(isa), DT_NAME[dt], (long long)flat,
+                  load(dt, dx, yo), load(dt, want, 0));
     }
-    CHECK(bad == 0, "driver %s %s ndim=%d: %lld bad elements", opf_isa_name(isa), DT_NAME[dt], ndim,
-          (long long)bad);
+    CHECK(bad == 0, "driver %s %s ndim=%d: %lld bad elements", opf_isa_name(isa), DT_NAME[dt], ndim, (long long)bad);
     free(x), free(dy), free(y), free(dx);
 }
 
@@ -168,8 +166,7 @@ static void test_driver(opf_isa isa) {
         /* transposed: the output copies the dense layout */
         test_driver_view(isa, dt, 2, (int64_t[]){13, 7}, (int64_t[]){1, 13}, (int64_t[]){7, 1});
         /* broadcast input and gradient (stride 0), 3-d with a size-1 dim */
-        test_driver_view(isa, dt, 3, (int64_t[]){5, 1, 123}, (int64_t[]){0, 7, 1},
-                         (int64_t[]){123, 1, 0});
+        test_driver_view(isa, dt, 3, (int64_t[]){5, 1, 123}, (int64_t[]){0, 7, 1}, (int64_t[]){123, 1, 0});
         /* every other column, strided by 2, large enough to split */
         test_driver_view(isa, dt, 2, (int64_t[]){300, 257}, (int64_t[]){600, 2}, (int64_t[]){257, 1});
         /* 0-dim and empty */

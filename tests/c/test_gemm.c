@@ -25,19 +25,19 @@ static float *rand_buf(int64_t n, unsigned long long seed) {
 
 /* one product: A stored (m,k) or transposed (k,m); B (k,n) or (n,k); A's rows
  * spaced by an extra pad to make it strided */
-static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, int bias_kind, int act,
-                int preact) {
+static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, int bias_kind, int act, int preact) {
     const int64_t pad = 3;
     int64_t lda = (ta ? s.m : s.k) + pad;
     float *a = rand_buf((ta ? s.k : s.m) * lda, 1 + (unsigned long long)s.m);
     float *b = rand_buf(s.k * s.n, 2 + (unsigned long long)s.n);
     float *bias = rand_buf(s.m > s.n ? s.m : s.n, 3);
     float *c = rand_buf(s.m * s.n, 4), *want = malloc((size_t)(s.m * s.n + 1) * sizeof(float));
-    float *pre = calloc((size_t)(s.m * s.n + 1), sizeof(float)), *pre_want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
+    float *pre = calloc((size_t)(s.m * s.n + 1), sizeof(float)),
+          *pre_want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
     memcpy(want, c, (size_t)(s.m * s.n) * sizeof(float));
     int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
-    gemm_epilogue ep = {.beta = beta, .bias = bias, .bias_kind = bias_kind, .act = act, .preact = preact ? pre : NULL,
-                        .rsp = s.n};
+    gemm_epilogue ep = {
+        .beta = beta, .bias = bias, .bias_kind = bias_kind, .act = act, .preact = preact ? pre : NULL, .rsp = s.n};
     gemm_epilogue ep_ref = ep;
     ep_ref.preact = preact ? pre_want : NULL;
     gemm_ref_f32(s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, want, s.n, &ep_ref);
@@ -106,23 +106,27 @@ static void test_act_grad_rows(const act_kernels *k) {
                 for (int64_t e = 0; e < m * rsp; e++) opf_store_elem(pre, e, dt, check_uniform(&seed) * 8 - 4);
                 for (int64_t i = 0; i < m; i++)
                     for (int64_t c = 0; c < n; c++)
-                        want[i * n + c] = opf_load_elem(g, i * rsg + c, dt) *
-                                          act_grad_f64(act, opf_load_elem(pre, i * rsp + c, dt));
+                        want[i * n + c] =
+                            opf_load_elem(g, i * rsg + c, dt) * act_grad_f64(act, opf_load_elem(pre, i * rsp + c, dt));
                 char *out = in_place ? pre : sep;
                 act_grad_rows(k, cvt, dt, out, rsp, g, rsg, pre, rsp, m, n, act, sums ? db : NULL);
                 const double tol = dt == OPF_F32 ? 4e-6 : dt == OPF_BF16 ? 8e-3 : 1e-3;
                 int64_t bad = 0, bad_sums = 0;
                 for (int64_t i = 0; i < m; i++)
                     for (int64_t c = 0; c < n; c++)
-                        bad += fabs(opf_load_elem(out, i * rsp + c, dt) - want[i * n + c]) > tol * (1 + fabs(want[i * n + c]));
+                        bad += fabs(opf_load_elem(out, i * rsp + c, dt) - want[i * n + c]) >
+                               tol * (1 + fabs(want[i * n + c]));
                 for (int64_t c = 0; sums && c < n; c++) { /* the sums of g' as stored */
                     double sum = 0;
                     for (int64_t i = 0; i < m; i++) sum += opf_load_elem(out, i * rsp + c, dt);
                     bad_sums += fabs(db[c] - sum) > 1e-6 * m * (1 + fabs(sum));
                 }
-                CHECK(bad == 0 && bad_sums == 0, "%s act_grad_rows %s m=%lld n=%lld in_place=%d sums=%d: %lld bad, %lld bad sums",
-                      k->name, dt == OPF_F32 ? "f32" : dt == OPF_BF16 ? "bf16" : "f16", (long long)m, (long long)n,
-                      in_place, sums, (long long)bad, (long long)bad_sums);
+                CHECK(bad == 0 && bad_sums == 0,
+                      "%s act_grad_rows %s m=%lld n=%lld in_place=%d sums=%d: %lld bad, %lld bad sums", k->name,
+                      dt == OPF_F32    ? "f32"
+                      : dt == OPF_BF16 ? "bf16"
+                                       : "f16",
+                      (long long)m, (long long)n, in_place, sums, (long long)bad, (long long)bad_sums);
                 free(g), free(pre), free(sep), free(db), free(want);
             }
 }
@@ -211,7 +215,12 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
 }
 
 static void test_pair_operands(const gemm_kernels *k) {
-    const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 2}, {13, 33, 257}, {123, 77, 301}, {300, 70, 100},
+    const shape shapes[] = {{1, 1, 1},
+                            {7, 13, 5},
+                            {6, 16, 2},
+                            {13, 33, 257},
+                            {123, 77, 301},
+                            {300, 70, 100},
                             {37, 45, 2 * k->kc + 37}}; /* 300 rows: blocks of A per worker */
     const opf_dtype types[3][2] = {{OPF_BF16, OPF_BF16}, {OPF_F32, OPF_BF16}, {OPF_BF16, OPF_F32}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
@@ -229,7 +238,8 @@ static void test_out16(const gemm_kernels *k) {
         shape s = shapes[si];
         for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
             float *a = rand_buf(s.m * s.k, 31), *b = rand_buf(s.k * s.n, 32), *bias = rand_buf(s.n, 33);
-            float *want = malloc(sizeof(float) * (size_t)(s.m * s.n)), *pre_want = malloc(sizeof(float) * (size_t)(s.m * s.n));
+            float *want = malloc(sizeof(float) * (size_t)(s.m * s.n)),
+                  *pre_want = malloc(sizeof(float) * (size_t)(s.m * s.n));
             uint16_t *out = malloc(2 * (size_t)(s.m * s.n)), *pre = malloc(2 * (size_t)(s.m * s.n));
             const int act = ACT_GELU, one = s.k <= gemm_slice_depth(k, OPF_F32, OPF_F32);
             float *c = one ? NULL : malloc(sizeof(float) * (size_t)(s.m * s.n));
@@ -237,8 +247,13 @@ static void test_out16(const gemm_kernels *k) {
             float *ws = check_ws_alloc(wsn);
             gemm_epilogue ref = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .preact = pre_want, .rsp = s.n};
             gemm_ref_f32(s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, want, s.n, &ref);
-            gemm_epilogue ep = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .rsp = s.n, .out16 = out,
-                                .pre16 = pre, .out_dt = dt};
+            gemm_epilogue ep = {.bias = bias,
+                                .bias_kind = GEMM_BIAS_ROW,
+                                .act = act,
+                                .rsp = s.n,
+                                .out16 = out,
+                                .pre16 = pre,
+                                .out_dt = dt};
             CHECK(gemm_f32(k, s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, c, s.n, &ep, ws, wsn) == 0, "workspace refused");
             check_ws_free(ws, k->name);
             const double rel = dt == OPF_BF16 ? 1.0 / 128 : 1.0 / 1024, atol = 4e-7 * (double)s.k + 1e-5;
@@ -266,7 +281,8 @@ static void ukernel_pairs_4x4(int64_t kp, const uint32_t *ap, const uint32_t *bp
     float acc[16] = {0};
     for (int64_t p = 0; p < kp; p++, ap += 4, bp += 4)
         for (int i = 0; i < 4; i++)
-            for (int j = 0; j < 4; j++) acc[i * 4 + j] += bf16_lo(ap[i]) * bf16_lo(bp[j]) + bf16_hi(ap[i]) * bf16_hi(bp[j]);
+            for (int j = 0; j < 4; j++)
+                acc[i * 4 + j] += bf16_lo(ap[i]) * bf16_lo(bp[j]) + bf16_hi(ap[i]) * bf16_hi(bp[j]);
     gemm_tile_store(acc, 4, c, rsc, m, n, t);
 }
 
@@ -333,18 +349,21 @@ static void test_workspace_plans(const gemm_kernels *k) {
                 refused += gemm_f32x(k, m, n, kd, ap, dt, kd, 1, bp, dt, n, 1, got, n, &ep, ws, wsn) != 0;
                 check_ws_free(ws, k->name);
                 if (m == mmax || m % 37 == 0) { /* values too, now and then */
-                    float *ar = malloc(sizeof(float) * (size_t)(m * kd)), *br = malloc(sizeof(float) * (size_t)(kd * n));
+                    float *ar = malloc(sizeof(float) * (size_t)(m * kd)),
+                          *br = malloc(sizeof(float) * (size_t)(kd * n));
                     cvt_load_f32(k->cvt, ar, ap, dt, m * kd, 1);
                     cvt_load_f32(k->cvt, br, bp, dt, kd * n, 1);
                     gemm_ref_f32(m, n, kd, ar, kd, 1, br, n, 1, want, n, &ep);
                     for (int64_t i = 0; i < m * n; i++)
-                        if (!(fabs((double)got[i] - want[i]) <= 1e-2 + 1e-2 * fabs(want[i])) && first_bad < 0) first_bad = m;
+                        if (!(fabs((double)got[i] - want[i]) <= 1e-2 + 1e-2 * fabs(want[i])) && first_bad < 0)
+                            first_bad = m;
                     bad += first_bad >= 0;
                     free(ar), free(br);
                 }
             }
-            CHECK(refused == 0 && bad == 0, "%s workspace sweep dt=%d threads=%d: %lld refused, wrong values from m=%lld",
-                  k->name, (int)dt, threads, (long long)refused, (long long)first_bad);
+            CHECK(refused == 0 && bad == 0,
+                  "%s workspace sweep dt=%d threads=%d: %lld refused, wrong values from m=%lld", k->name, (int)dt,
+                  threads, (long long)refused, (long long)first_bad);
         }
     }
     /* sized at one thread count, run at another: fits through the one-worker plan, or is refused */
@@ -365,8 +384,10 @@ static void test_workspace_plans(const gemm_kernels *k) {
         (void)gemm_f32(k, m, n, kd, a, kd, 1, b, n, 1, got, n, &ep, ws, wsn / 2);
         check_ws_free(ws, "half the workspace");
     }
-    if (saved) setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
-    else unsetenv("OPFORGE_NUM_THREADS");
+    if (saved)
+        setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
+    else
+        unsetenv("OPFORGE_NUM_THREADS");
     free(a), free(b), free(want), free(got), free(ah), free(bh);
 }
 
@@ -375,8 +396,8 @@ static void test_variant(const gemm_kernels *k) {
     test_half_operands(k);
     test_out16(k);
     if (k->ukernel_pairs) test_pair_operands(k);
-    const shape shapes[] = {{1, 1, 1}, {7, 13, 5}, {6, 16, 1}, {13, 33, 257}, {123, 77, 301},
-                            {1, 4096, 4096}, {4096, 1, 4096}, {130, 3100, 20}, {0, 5, 3}, {5, 4, 0}};
+    const shape shapes[] = {{1, 1, 1},       {7, 13, 5},      {6, 16, 1},      {13, 33, 257}, {123, 77, 301},
+                            {1, 4096, 4096}, {4096, 1, 4096}, {130, 3100, 20}, {0, 5, 3},     {5, 4, 0}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         for (int ta = 0; ta < 2; ta++)
             for (int tb = 0; tb < 2; tb++) run(k, shapes[i], ta, tb, 0.0f, GEMM_BIAS_NONE, ACT_NONE, 0);

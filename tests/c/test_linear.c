@@ -91,9 +91,7 @@ static int64_t layout_of(int layout, int64_t rows, int64_t cols, int64_t *ndim, 
         *ndim = 3, sizes[0] = 3, sizes[1] = rows, sizes[2] = cols;
         strides[0] = rows * cols, strides[1] = cols, strides[2] = 1;
         return 3 * rows * cols;
-    default:
-        *ndim = 2, sizes[0] = rows, sizes[1] = cols, strides[0] = cols, strides[1] = 1;
-        return rows * cols;
+    default: *ndim = 2, sizes[0] = rows, sizes[1] = cols, strides[0] = cols, strides[1] = 1; return rows * cols;
     }
 }
 
@@ -103,18 +101,30 @@ static void run(const gemm_kernels *gemm, cfg c) {
     int64_t xsizes[3], xstrides[3], gsizes[3], gstrides[3], xdim, gdim;
     int64_t xcount = layout_of(c.layout, c.rows, kdim, &xdim, xsizes, xstrides);
     /* grad: transposed with a transposed x, else contiguous */
-    int64_t gcount = layout_of(c.layout == X_TRANSPOSED ? X_TRANSPOSED : c.layout == X_CONTIGUOUS ? X_CONTIGUOUS : X_MERGING,
+    int64_t gcount = layout_of(c.layout == X_TRANSPOSED   ? X_TRANSPOSED
+                               : c.layout == X_CONTIGUOUS ? X_CONTIGUOUS
+                                                          : X_MERGING,
                                c.rows, n, &gdim, gsizes, gstrides);
     const int64_t bias_stride = c.layout == X_MATRICES ? 3 : 1;
     arr x = arr_rand(xcount, c.dt, 1 + (unsigned long long)(m * 31 + kdim), 1.0);
     arr w = arr_rand(n * kdim, c.dt, 2 + (unsigned long long)n, 1.0 / sqrt((double)(kdim > 0 ? kdim : 1)));
     arr b = arr_rand(n * bias_stride, c.dt, 3, 0.5), grad = arr_rand(gcount, c.dt, 4, 1.0);
     arr out = arr_empty(m * n, c.dt), pre = arr_empty(m * n, c.dt);
-    linear_problem p = {.m = m, .in_features = kdim, .out_features = n, .dt = c.dt, .act = c.act,
-                        .x = {x.lo, xdim, xsizes, xstrides}, .weight = w.lo, .bias = c.bias ? b.lo : NULL,
-                        .bias_stride = bias_stride, .out = out.lo, .preact = c.act && c.save ? pre.lo : NULL};
-    if (c.layout == X_TRANSPOSED) p.weight_strides[0] = 1, p.weight_strides[1] = n;
-    else p.weight_strides[0] = kdim, p.weight_strides[1] = 1;
+    linear_problem p = {.m = m,
+                        .in_features = kdim,
+                        .out_features = n,
+                        .dt = c.dt,
+                        .act = c.act,
+                        .x = {x.lo, xdim, xsizes, xstrides},
+                        .weight = w.lo,
+                        .bias = c.bias ? b.lo : NULL,
+                        .bias_stride = bias_stride,
+                        .out = out.lo,
+                        .preact = c.act && c.save ? pre.lo : NULL};
+    if (c.layout == X_TRANSPOSED)
+        p.weight_strides[0] = 1, p.weight_strides[1] = n;
+    else
+        p.weight_strides[0] = kdim, p.weight_strides[1] = 1;
     /* the reference: the same views over the float64 copies, preact always stored */
     linear_problem r = p;
     r.dt = OPF_F64, r.x.data = x.hi, r.weight = w.hi, r.bias = c.bias ? b.hi : NULL, r.out = out.hi, r.preact = pre.hi;
@@ -204,7 +214,8 @@ static void test_variant(const gemm_kernels *gemm) {
                 for (int act = 0; act < ACT_COUNT; act++)
                     for (int bias = 0; bias < 2; bias++)
                         for (int save = 0; save < 2; save++)
-                            run(gemm, (cfg){shapes[s][0], shapes[s][1], shapes[s][2], layout, bias, act, dtypes[d], save});
+                            run(gemm,
+                                (cfg){shapes[s][0], shapes[s][1], shapes[s][2], layout, bias, act, dtypes[d], save});
     for (size_t d = 0; d < 3; d++)
         for (int layout = 0; layout < X_LAYOUTS; layout++) {
             run(gemm, (cfg){123, 77, 301, layout, 1, ACT_GELU, dtypes[d], 1});
@@ -225,8 +236,8 @@ static void test_variant(const gemm_kernels *gemm) {
         /* each dtype, with preact stored and recomputed, meets each row count over the thread counts */
         for (size_t i = 0; i < 4; i++) {
             int turn = (int)i + threads;
-            run(gemm, (cfg){rows[i], 7, wide, X_CONTIGUOUS, 1, turn % 2 ? ACT_GELU : ACT_GELU_TANH,
-                            dtypes[turn % 3], turn % 2});
+            run(gemm, (cfg){rows[i], 7, wide, X_CONTIGUOUS, 1, turn % 2 ? ACT_GELU : ACT_GELU_TANH, dtypes[turn % 3],
+                            turn % 2});
         }
         if (threads == 2) {
             run(gemm, (cfg){rows[1], 5, wide, X_MATRICES, 0, ACT_RELU, OPF_F32, 1});
@@ -239,8 +250,10 @@ static void test_variant(const gemm_kernels *gemm) {
         const int64_t n = ((int64_t)2 << 20) / 64, kdim = gemm_slice_depth(gemm, dtypes[d], dtypes[d]) + 3;
         run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, kdim, n, X_CONTIGUOUS, 1, ACT_SILU, dtypes[d], 1, 1});
     }
-    if (saved) setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
-    else unsetenv("OPFORGE_NUM_THREADS");
+    if (saved)
+        setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
+    else
+        unsetenv("OPFORGE_NUM_THREADS");
     CHECK(in_place_runs > 0, "%s: no problem ran the backward in place", gemm->name);
     in_place_runs = 0;
 }

@@ -12,11 +12,10 @@ static void test_isa(void) {
     CHECK(opf_isa_set("bogus", err, sizeof err) == -1, "unknown ISA accepted");
     CHECK(strstr(err, "auto, ref, avx2, avx512, avx512_bf16, amx") != NULL, "message lacks the valid names: %s", err);
     CHECK(opf_isa_set("ref", err, sizeof err) == 0 && opf_isa_current() == OPF_ISA_REF, "ref refused");
-    CHECK(opf_isa_set("auto", err, sizeof err) == 0 && opf_isa_current() == opf_isa_best(),
-          "auto is not the best ISA");
+    CHECK(opf_isa_set("auto", err, sizeof err) == 0 && opf_isa_current() == opf_isa_best(), "auto is not the best ISA");
     for (int i = opf_isa_best() + 1; i < OPF_ISA_COUNT; i++) {
-        CHECK(opf_isa_set(opf_isa_name((opf_isa)i), err, sizeof err) == -1,
-              "%s accepted on a CPU without it", opf_isa_name((opf_isa)i));
+        CHECK(opf_isa_set(opf_isa_name((opf_isa)i), err, sizeof err) == -1, "%s accepted on a CPU without it",
+              opf_isa_name((opf_isa)i));
         CHECK(strstr(err, "not supported by this CPU") != NULL, "unclear message: %s", err);
     }
     char level_err[256] = "";
@@ -46,8 +45,7 @@ static void test_nd(void) {
     int64_t s3[] = {2, 3, 4}, c3[] = {12, 4, 1};
     const int64_t *st[] = {c3, c3};
     opf_nd_init(&nd, 3, s3, 2, st);
-    CHECK(nd.ndim == 1 && nd.size[0] == 24 && nd.stride[1][0] == 1, "contiguous not merged: ndim %d",
-          nd.ndim);
+    CHECK(nd.ndim == 1 && nd.size[0] == 24 && nd.stride[1][0] == 1, "contiguous not merged: ndim %d", nd.ndim);
     /* transposed output and input with the same strides: also one dim */
     int64_t s2[] = {3, 4}, t2[] = {1, 3};
     const int64_t *tt[] = {t2, t2};
@@ -58,8 +56,7 @@ static void test_nd(void) {
     int64_t sb[] = {3, big}, ob[] = {big, 1}, ib[] = {1, 3};
     const int64_t *bs[] = {ob, ib};
     opf_nd_init(&nd, 2, sb, 2, bs);
-    CHECK(nd.ndim == 2 && nd.numel == 3 * big, "big shape: ndim %d numel %lld", nd.ndim,
-          (long long)nd.numel);
+    CHECK(nd.ndim == 2 && nd.numel == 3 * big, "big shape: ndim %d numel %lld", nd.ndim, (long long)nd.numel);
     seg_log log = {0};
     opf_nd_segments(&nd, big - 2, big + 5, record, &log);
     CHECK(log.n == 2, "expected 2 segments, got %d", log.n);
@@ -75,8 +72,7 @@ static void test_nd(void) {
     int64_t sl[] = {20, 1};
     CHECK(!opf_is_dense(2, (int64_t[]){7, 13}, sl), "a row slice is not dense");
     opf_output_strides(2, (int64_t[]){7, 13}, sl, out);
-    CHECK(out[0] == 13 && out[1] == 1, "slice output strides %lld %lld", (long long)out[0],
-          (long long)out[1]);
+    CHECK(out[0] == 13 && out[1] == 1, "slice output strides %lld %lld", (long long)out[0], (long long)out[1]);
     CHECK(!opf_is_dense(2, (int64_t[]){5, 4}, (int64_t[]){0, 1}), "broadcast is not dense");
     CHECK(!opf_is_dense(2, (int64_t[]){0, 4}, (int64_t[]){4, 1}), "empty uses contiguous strides");
     opf_output_strides(3, (int64_t[]){2, 1, 3}, (int64_t[]){1, 99, 2}, out);

@@ -198,7 +198,10 @@ def test_gradients(case, dtype):
 def test_gradcheck_float64(case):
     q, k, v = qkv(b=1, h=2, hkv=1 if case == "causal-gqa" else 2, n=5, s=7, d=4, dtype=torch.float64, grad=True)
     mask = torch.randn(5, 7, dtype=torch.float64) if case == "mask" else None
-    fn = lambda q, k, v: opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.startswith("causal"))
+
+    def fn(q, k, v):
+        return opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.startswith("causal"))
+
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 

@@ -246,7 +246,7 @@ def test_log_line_at_info():
     assert quiet.returncode == 0 and "opforge" not in quiet.stderr
     r = _run_python(code, OPFORGE_LOG_LEVEL="info")
     assert r.returncode == 0, r.stderr
-    lines = [l for l in r.stderr.splitlines() if "opforge::dispersion_correction" in l]
+    lines = [line for line in r.stderr.splitlines() if "opforge::dispersion_correction" in line]
     assert len(lines) == 1, r.stderr
     line = lines[0]
     for part in ("float32[32, 512] float32[32, 512]", f"isa={opforge.isa_best()}", "threads=", "us"):

@@ -201,5 +201,5 @@ def test_info_reports_amx(monkeypatch, capsys, os_amx, granted, expect):
     monkeypatch.setattr(opforge, "cpu_features", lambda: dict(feats))
     monkeypatch.setattr(opforge, "supported_isas", lambda: isas)
     opforge_cli.info(None)
-    amx = [l for l in capsys.readouterr().out.splitlines() if l.startswith("amx ")]
+    amx = [line for line in capsys.readouterr().out.splitlines() if line.startswith("amx ")]
     assert len(amx) == 1 and expect in amx[0], amx

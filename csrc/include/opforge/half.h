@@ -10,13 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef enum opf_dtype {
-    OPF_F32 = 0,
-    OPF_F64,
-    OPF_BF16,
-    OPF_F16,
-    OPF_DTYPE_COUNT
-} opf_dtype;
+typedef enum opf_dtype { OPF_F32 = 0, OPF_F64, OPF_BF16, OPF_F16, OPF_DTYPE_COUNT } opf_dtype;
 
 /* Bytes per element of each opf_dtype. */
 static inline size_t opf_dtype_size(opf_dtype dt) { return dt == OPF_F64 ? 8 : dt == OPF_F32 ? 4 : 2; }
@@ -57,9 +51,9 @@ static inline uint16_t opf_f32_to_f16(float f) {
     uint32_t u = opf_f32_to_bits(f);
     uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
     uint32_t a = u & 0x7fffffff;
-    if (a > 0x7f800000) return (uint16_t)(sign | 0x7e00);     /* nan */
-    if (a >= 0x477ff000) return (uint16_t)(sign | 0x7c00);    /* rounds to inf */
-    if (a < 0x38800000) {                                     /* subnormal or zero */
+    if (a > 0x7f800000) return (uint16_t)(sign | 0x7e00);  /* nan */
+    if (a >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* rounds to inf */
+    if (a < 0x38800000) {                                  /* subnormal or zero */
         /* adding 0.5 (2^-1) aligns the 2^-24 quantum to the low mantissa bits and
          * lets the FPU round to nearest even */
         float v = opf_bits_to_f32(a) + 0.5f;

@@ -92,7 +92,8 @@ typedef struct opf_op_desc {
 } opf_op_desc;
 
 /* The entry that ends every op table: the tables state no counts. */
-#define OPF_OP_END {.schema = NULL}
+#define OPF_OP_END \
+    { .schema = NULL }
 
 /* Every op library exports its table as opforge_op_table(err, errlen): the
  * descriptors up to OPF_OP_END, or NULL with a message in err. OPF_OP_TABLE
@@ -100,11 +101,11 @@ typedef struct opf_op_desc {
  *     OPF_OP_TABLE({.schema = "myop(Tensor x) -> Tensor", ...},
  *                  {.schema = "myop_backward(Tensor grad, Tensor x) -> Tensor", ...})
  */
-#define OPF_OP_TABLE(...)                                                                          \
-    OPF_EXPORT const opf_op_desc *opforge_op_table(char *err, size_t errlen) {                     \
-        static const opf_op_desc ops[] = {__VA_ARGS__, OPF_OP_END};                                \
-        (void)err, (void)errlen;                                                                   \
-        return ops;                                                                                \
+#define OPF_OP_TABLE(...)                                                      \
+    OPF_EXPORT const opf_op_desc *opforge_op_table(char *err, size_t errlen) { \
+        static const opf_op_desc ops[] = {__VA_ARGS__, OPF_OP_END};            \
+        (void)err, (void)errlen;                                               \
+        return ops;                                                            \
     }
 
 /* ---- glue helpers (csrc/torch/glue.c) ---------------------------------------- */
@@ -125,10 +126,10 @@ void opf_tensor_release(AtenTensorHandle *h);
 #define OPF_ARG_TENSOR(var, stack, i) OPF_OWNED AtenTensorHandle var##_h = (AtenTensorHandle)(stack)[i]
 
 /* Hands an output tensor to the caller: stack[i] owns it from here on. */
-#define OPF_RETURN(stack, i, handle)                                                               \
-    do {                                                                                           \
-        (stack)[i] = (StableIValue)(handle);                                                       \
-        (handle) = NULL;                                                                           \
+#define OPF_RETURN(stack, i, handle)         \
+    do {                                     \
+        (stack)[i] = (StableIValue)(handle); \
+        (handle) = NULL;                     \
     } while (0)
 
 /* A `Tensor?` argument: the owned handle, or NULL for None (frees torch's box). */
@@ -163,8 +164,7 @@ void opf_shape_str(char *buf, size_t len, const opf_tensor *t);
 /* New tensor with like's sizes and dtype, strides by opf_output_strides. */
 AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like);
 /* New contiguous tensor of sizes and dtype on like's device. */
-AtenTensorHandle opf_empty(const char *op, int64_t ndim, const int64_t *sizes, int32_t dtype,
-                           const opf_tensor *like);
+AtenTensorHandle opf_empty(const char *op, int64_t ndim, const int64_t *sizes, int32_t dtype, const opf_tensor *like);
 
 /* New tensor with explicit strides, on like's device. */
 AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *sizes, const int64_t *strides,

@@ -29,11 +29,11 @@ typedef enum opf_isa {
 } opf_isa;
 
 typedef struct opf_cpu_features {
-    int avx2, fma, f16c;                                 /* AVX2 path needs all three */
+    int avx2, fma, f16c;                                   /* AVX2 path needs all three */
     int avx512f, avx512bw, avx512vl, avx512dq, avx512bf16; /* AVX-512 path: f, bw, vl, dq */
     int amx_tile, amx_bf16;
-    int os_avx, os_avx512;                               /* XCR0 lets us use the registers */
-    int os_amx;                                          /* XCR0 has the tile state (XTILECFG, XTILEDATA) */
+    int os_avx, os_avx512; /* XCR0 lets us use the registers */
+    int os_amx;            /* XCR0 has the tile state (XTILECFG, XTILEDATA) */
     char model[64];
 } opf_cpu_features;
 
@@ -54,8 +54,8 @@ int opf_runtime_init(char *err, size_t errlen);
 /* Every variant table of a kernel family (gemm_kernels, attn_kernels, ...)
  * begins with these two members, so that one function chooses among any
  * family's tables and one listing names them all. */
-#define OPF_VARIANT_HEAD                                                                           \
-    const char *name; /* "avx2_6x16": the ISA, then what sets it apart */                         \
+#define OPF_VARIANT_HEAD                                                  \
+    const char *name; /* "avx2_6x16": the ISA, then what sets it apart */ \
     opf_isa isa       /* the ISA its code needs */
 
 typedef struct opf_variant {
@@ -71,10 +71,13 @@ typedef struct opf_variants {
     const void *const *tables; /* each begins with OPF_VARIANT_HEAD */
 } opf_variants;
 
-#define OPF_VARIANTS(FAMILY, ...)                                                                  \
-    {.family = FAMILY,                                                                             \
-     .count = (int)(sizeof((const void *const[]){__VA_ARGS__}) / sizeof(const void *)),            \
-     .tables = (const void *const[]){__VA_ARGS__}}
+#define OPF_VARIANTS(FAMILY, ...)                                                                            \
+    {                                                                                                        \
+        .family = FAMILY, .count = (int)(sizeof((const void *const[]){__VA_ARGS__}) / sizeof(const void *)), \
+        .tables = (const void *const[]) {                                                                    \
+            __VA_ARGS__                                                                                      \
+        }                                                                                                    \
+    }
 
 /* The table of vs for isa: of those present whose ISA isa includes, the one
  * needing the latest ISA (the later entry on a tie). The reference needs
@@ -98,12 +101,7 @@ int opf_num_threads(void);
 
 /* ---- logging ----------------------------------------------------------------- */
 
-typedef enum opf_log_level {
-    OPF_LOG_ERROR = 0,
-    OPF_LOG_WARNING,
-    OPF_LOG_INFO,
-    OPF_LOG_DEBUG
-} opf_log_level;
+typedef enum opf_log_level { OPF_LOG_ERROR = 0, OPF_LOG_WARNING, OPF_LOG_INFO, OPF_LOG_DEBUG } opf_log_level;
 
 extern int opf_log_level_value; /* read on every call: keep it a plain load */
 static inline int opf_log_enabled(opf_log_level level) { return (int)level <= opf_log_level_value; }
@@ -132,12 +130,11 @@ void opf_hint_fresh_output(void *data, size_t bytes);
 typedef struct opf_nd {
     int ndim, nops;
     int64_t numel;
-    int64_t size[OPF_MAX_DIMS];                       /* innermost last */
-    int64_t stride[OPF_MAX_OPERANDS][OPF_MAX_DIMS];   /* in elements */
+    int64_t size[OPF_MAX_DIMS];                     /* innermost last */
+    int64_t stride[OPF_MAX_OPERANDS][OPF_MAX_DIMS]; /* in elements */
 } opf_nd;
 
-void opf_nd_init(opf_nd *nd, int ndim, const int64_t *sizes, int nops,
-                 const int64_t *const *strides);
+void opf_nd_init(opf_nd *nd, int ndim, const int64_t *sizes, int nops, const int64_t *const *strides);
 
 /* One run along the innermost dim: n elements, operand k starts at element
  * offset off[k] and steps by stride[k]. */
@@ -159,8 +156,7 @@ void opf_nd_log(const char *op, const opf_nd *nd, int64_t grain);
 int opf_is_dense(int ndim, const int64_t *sizes, const int64_t *strides);
 /* Strides of a new output with `sizes`, copying `like_strides` when that layout
  * is dense, row-major contiguous otherwise. */
-void opf_output_strides(int ndim, const int64_t *sizes, const int64_t *like_strides,
-                        int64_t *out_strides);
+void opf_output_strides(int ndim, const int64_t *sizes, const int64_t *like_strides, int64_t *out_strides);
 
 #ifdef __cplusplus
 }
