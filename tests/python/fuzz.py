@@ -589,7 +589,7 @@ def _attention_reference(q, k, v, mask, causal, scale, g, dt):
     a_scale = abs(scale)
 
     def group(t):  # grouped-query heads: the gradient of a K/V head sums its query heads'
-        return t.reshape(t.shape[0], -1, rep, *t.shape[2:]).sum(2) if rep > 1 else t
+        return t.reshape(t.shape[0], t.shape[1] // rep, rep, *t.shape[2:]).sum(2) if rep > 1 else t
 
     dq = ds @ k
     dq_b = (eds @ k.abs() + sum_err(u, s_len, ds.abs() @ k.abs(), dq)) * a_scale
