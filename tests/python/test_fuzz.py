@@ -1,6 +1,6 @@
 """The randomized differential test (fuzz.py), bounded for CI: fixed seeds, a
 fixed number of cases each, in two child processes (a crash fails the case
-that ran, not the session). `make fuzz` runs it on fresh seeds for as long as
+that ran, not the whole pytest run). `make fuzz` runs it on fresh seeds for as long as
 asked."""
 
 import pytest
