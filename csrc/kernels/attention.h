@@ -31,6 +31,7 @@
 #ifndef OPFORGE_KERNELS_ATTENTION_H
 #define OPFORGE_KERNELS_ATTENTION_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "convert.h"
@@ -86,6 +87,22 @@ extern const attn_kernels attn_kernels_avx2; /* attention_avx2.c */
 extern const opf_variants attn_variants;
 
 const attn_kernels *attn_kernels_for(opf_isa isa);
+
+/* ---- element access, shared by the driver and the oracle ---- */
+
+/* element (b, h, i, d) of a 4-d array of strides st */
+static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, int64_t d) {
+    return b * st[0] + h * st[1] + i * st[2] + d * st[3];
+}
+
+/* The mask's verdict on query i, key j: -inf (masked out), or what to add. */
+static inline float mask_bias(const attn_problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
+    if (p->causal && j > i) return -INFINITY;
+    if (p->mask_kind == ATTN_MASK_NONE) return 0.0f;
+    int64_t o = off4(p->ms, b, h, i, j);
+    if (p->mask_kind == ATTN_MASK_BOOL) return ((const uint8_t *)p->mask)[o] ? 0.0f : -INFINITY;
+    return (float)opf_load_elem(p->mask, o, p->mask_dt);
+}
 
 /* Floats of workspace for attn_fwd / attn_bwd (float32, bfloat16, float16). */
 int64_t attn_fwd_workspace(const attn_problem *p);

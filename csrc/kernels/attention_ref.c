@@ -1,0 +1,111 @@
+/*
+ * The attention oracle: row by row in double, any dtype (float64 included:
+ * the op's float64 path, for gradcheck). Contract in attention.h.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "attention.h"
+
+/* ---- oracle: row by row in double ---------------------------------------------------------- */
+
+/* scores of query i of (b, h) against every key, softmax in place; returns lse */
+static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, double *w) {
+    const int64_t kvh = h / (p->h / p->hkv);
+    double mx = -INFINITY;
+    int nan = 0;
+    for (int64_t j = 0; j < p->s; j++) {
+        double bias = mask_bias(p, b, h, i, j);
+        if (p->mask_kind == ATTN_MASK_ADD && !(p->causal && j > i))
+            bias = opf_load_elem(p->mask, off4(p->ms, b, h, i, j), p->mask_dt); /* in double for float64 */
+        double dot = 0.0;
+        for (int64_t d = 0; d < p->d_qk; d++)
+            dot += opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt) *
+                   opf_load_elem(p->k, off4(p->ks, b, kvh, j, d), p->dt);
+        w[j] = bias == -INFINITY ? -INFINITY : dot * p->scale + bias;
+        if (w[j] > mx) mx = w[j];
+        nan |= isnan(w[j]);
+    }
+    if (nan) { /* a NaN score makes the whole row NaN, as softmax does */
+        for (int64_t j = 0; j < p->s; j++) w[j] = NAN;
+        return NAN;
+    }
+    if (mx == -INFINITY) { /* no key left: zeros */
+        for (int64_t j = 0; j < p->s; j++) w[j] = 0.0;
+        return -INFINITY;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < p->s; j++) sum += (w[j] = exp(w[j] - mx));
+    for (int64_t j = 0; j < p->s; j++) w[j] /= sum;
+    return mx + log(sum);
+}
+
+int attn_ref_fwd(const attn_problem *p) {
+    double *w = malloc(sizeof(double) * (size_t)(p->s + 1));
+    if (!w) return -1;
+    for (int64_t b = 0; b < p->b; b++)
+        for (int64_t h = 0; h < p->h; h++) {
+            const int64_t kvh = h / (p->h / p->hkv);
+            for (int64_t i = 0; i < p->n; i++) {
+                p->lse[(b * p->h + h) * p->n + i] = (float)ref_probs(p, b, h, i, w);
+                for (int64_t d = 0; d < p->d_v; d++) {
+                    double acc = 0.0;
+                    for (int64_t j = 0; j < p->s; j++)
+                        acc += w[j] * opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
+                    opf_store_elem(p->out, off4(p->os, b, h, i, d), p->dt, acc);
+                }
+            }
+        }
+    free(w);
+    return 0;
+}
+
+int attn_ref_bwd(const attn_problem *p) {
+    const int64_t nk = p->b * p->hkv * p->s;
+    double *w = malloc(sizeof(double) * (size_t)(2 * p->s + p->d_qk + 1));
+    double *dk = calloc((size_t)(nk * p->d_qk + 1), sizeof(double)),
+           *dv = calloc((size_t)(nk * p->d_v + 1), sizeof(double));
+    if (!w || !dk || !dv) {
+        free(w), free(dk), free(dv);
+        return -1;
+    }
+    double *dpr = w + p->s, *dqr = dpr + p->s;
+    for (int64_t b = 0; b < p->b; b++)
+        for (int64_t h = 0; h < p->h; h++) {
+            const int64_t kvh = h / (p->h / p->hkv), kbase = (b * p->hkv + kvh) * p->s;
+            for (int64_t i = 0; i < p->n; i++) {
+                ref_probs(p, b, h, i, w);
+                double delta = 0.0;
+                for (int64_t j = 0; j < p->s; j++) {
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < p->d_v; d++)
+                        dot += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) *
+                               opf_load_elem(p->v, off4(p->vs, b, kvh, j, d), p->dt);
+                    dpr[j] = dot;
+                    delta += w[j] * dot;
+                }
+                for (int64_t d = 0; d < p->d_qk; d++) dqr[d] = 0.0;
+                for (int64_t j = 0; j < p->s; j++) {
+                    const double ds = w[j] * (dpr[j] - delta) * p->scale;
+                    for (int64_t d = 0; d < p->d_v; d++)
+                        dv[(kbase + j) * p->d_v + d] += w[j] * opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt);
+                    for (int64_t d = 0; d < p->d_qk; d++) {
+                        dk[(kbase + j) * p->d_qk + d] += ds * opf_load_elem(p->q, off4(p->qs, b, h, i, d), p->dt);
+                        dqr[d] += ds * opf_load_elem(p->k, off4(p->ks, b, kvh, j, d), p->dt);
+                    }
+                }
+                for (int64_t d = 0; d < p->d_qk; d++) opf_store_elem(p->dq, off4(p->dqs, b, h, i, d), p->dt, dqr[d]);
+            }
+        }
+    for (int64_t b = 0; b < p->b; b++)
+        for (int64_t kvh = 0; kvh < p->hkv; kvh++)
+            for (int64_t j = 0; j < p->s; j++) {
+                const int64_t r = (b * p->hkv + kvh) * p->s + j;
+                for (int64_t d = 0; d < p->d_qk; d++)
+                    opf_store_elem(p->dk, off4(p->dks, b, kvh, j, d), p->dt, dk[r * p->d_qk + d]);
+                for (int64_t d = 0; d < p->d_v; d++)
+                    opf_store_elem(p->dv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->d_v + d]);
+            }
+    free(w), free(dk), free(dv);
+    return 0;
+}
