@@ -51,27 +51,47 @@ static void check_ran(const char *op, int rc) {
                      "shapes)");
 }
 
+/* The operands of matmul and its backward: a (M,K) and b (K,N), or batched (B,M,K) and (B,K,N), of one
+ * float type on one device */
+typedef struct matmul_args {
+    opf_tensor a, b;
+    opf_dtype dt;
+    int nd;
+    int64_t batch, m, kd, n;
+} matmul_args;
+
+static matmul_args check_matmul(const char *op, AtenTensorHandle a_h, AtenTensorHandle b_h) {
+    matmul_args mm = {.a = opf_tensor_info(op, "a", a_h), .b = opf_tensor_info(op, "b", b_h)};
+    const opf_tensor *a = &mm.a, *b = &mm.b;
+    mm.dt = check_operand(op, "a", a, "a", a);
+    check_operand(op, "b", b, "a", a);
+    opf_check_same_dtype(op, "b", b, "a", a);
+    if ((a->ndim != 2 && a->ndim != 3) || a->ndim != b->ndim)
+        opf_fail(op, "arguments 'a' and 'b' must both be 2-d (M,K),(K,N) or 3-d (B,M,K),(B,K,N), got %lld-d and %lld-d",
+                 (long long)a->ndim, (long long)b->ndim);
+    mm.nd = (int)a->ndim;
+    mm.batch = mm.nd == 3 ? a->sizes[0] : 1;
+    mm.m = a->sizes[mm.nd - 2], mm.kd = a->sizes[mm.nd - 1], mm.n = b->sizes[mm.nd - 1];
+    if (b->sizes[mm.nd - 2] != mm.kd)
+        opf_fail(op, "argument 'b' must have %lld rows (the columns of 'a'), got %lld", (long long)mm.kd,
+                 (long long)b->sizes[mm.nd - 2]);
+    if (mm.nd == 3 && b->sizes[0] != mm.batch)
+        opf_fail(op, "argument 'b' must have batch size %lld (that of 'a'), got %lld", (long long)mm.batch,
+                 (long long)b->sizes[0]);
+    return mm;
+}
+
 /* ---- matmul ------------------------------------------------------------------------------ */
 
 static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(a, stack, 0);
     OPF_ARG_TENSOR(b, stack, 1);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor a = opf_tensor_info(MM, "a", a_h), b = opf_tensor_info(MM, "b", b_h);
-    opf_dtype dt = check_operand(MM, "a", &a, "a", &a);
-    check_operand(MM, "b", &b, "a", &a);
-    opf_check_same_dtype(MM, "b", &b, "a", &a);
-    if ((a.ndim != 2 && a.ndim != 3) || a.ndim != b.ndim)
-        opf_fail(MM, "arguments 'a' and 'b' must both be 2-d (M,K),(K,N) or 3-d (B,M,K),(B,K,N), got %lld-d and %lld-d",
-                 (long long)a.ndim, (long long)b.ndim);
-    int nd = (int)a.ndim;
-    int64_t batch = nd == 3 ? a.sizes[0] : 1, m = a.sizes[nd - 2], kd = a.sizes[nd - 1], n = b.sizes[nd - 1];
-    if (b.sizes[nd - 2] != kd)
-        opf_fail(MM, "argument 'b' must have %lld rows (the columns of 'a'), got %lld", (long long)kd,
-                 (long long)b.sizes[nd - 2]);
-    if (nd == 3 && b.sizes[0] != batch)
-        opf_fail(MM, "argument 'b' must have batch size %lld (that of 'a'), got %lld", (long long)batch,
-                 (long long)b.sizes[0]);
+    matmul_args mm = check_matmul(MM, a_h, b_h);
+    opf_tensor a = mm.a, b = mm.b;
+    const opf_dtype dt = mm.dt;
+    const int nd = mm.nd;
+    const int64_t batch = mm.batch, m = mm.m, kd = mm.kd, n = mm.n;
     int64_t sizes[3] = {batch, m, n};
     OPF_OWNED AtenTensorHandle c_h = opf_empty(MM, nd, sizes + (3 - nd), a.dtype, &a);
     opf_tensor c = opf_tensor_info(MM, "out", c_h);
@@ -107,22 +127,13 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
     OPF_ARG_TENSOR(a, stack, 1);
     OPF_ARG_TENSOR(b, stack, 2);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor g = opf_tensor_info(MMB, "grad", g_h), a = opf_tensor_info(MMB, "a", a_h),
-               b = opf_tensor_info(MMB, "b", b_h);
-    opf_dtype dt = check_operand(MMB, "a", &a, "a", &a);
-    check_operand(MMB, "b", &b, "a", &a);
+    matmul_args mm = check_matmul(MMB, a_h, b_h);
+    opf_tensor a = mm.a, b = mm.b, g = opf_tensor_info(MMB, "grad", g_h);
+    const opf_dtype dt = mm.dt;
+    const int nd = mm.nd;
+    const int64_t batch = mm.batch, m = mm.m, kd = mm.kd, n = mm.n;
     check_operand(MMB, "grad", &g, "a", &a);
-    opf_check_same_dtype(MMB, "b", &b, "a", &a);
     opf_check_same_dtype(MMB, "grad", &g, "a", &a);
-    if ((a.ndim != 2 && a.ndim != 3) || a.ndim != b.ndim)
-        opf_fail(MMB,
-                 "arguments 'a' and 'b' must both be 2-d (M,K),(K,N) or 3-d (B,M,K),(B,K,N), got %lld-d and %lld-d",
-                 (long long)a.ndim, (long long)b.ndim);
-    int nd = (int)a.ndim;
-    int64_t batch = nd == 3 ? a.sizes[0] : 1, m = a.sizes[nd - 2], kd = a.sizes[nd - 1], n = b.sizes[nd - 1];
-    if (b.sizes[nd - 2] != kd || (nd == 3 && b.sizes[0] != batch))
-        opf_fail(MMB, "argument 'b' must be (..., %lld, N) with the batch of 'a', got %lld rows", (long long)kd,
-                 (long long)b.sizes[nd - 2]);
     int64_t want_sizes[3] = {batch, m, n};
     opf_tensor want = {.ndim = nd, .sizes = want_sizes + (3 - nd)};
     opf_check_same_shape(MMB, "grad", &g, "the output", &want);
