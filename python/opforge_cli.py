@@ -3,7 +3,9 @@ so that `opforge info` can still diagnose a setting that makes `import opforge`
 fail, such as an unsupported OPFORGE_ISA).
 
     opforge info                       environment, ABI, CPU, ISA per op, diagnosis
-    opforge new NAME [--dir DIR]       scaffold a working C op project
+    opforge new NAME [--inputs a,b] [--scalars alpha:float] [--reduce last] [--dir DIR]
+                                       scaffold a working C op project of that signature
+    opforge info --load FILE.c ...     a user op library: ops, schemas, shape rules, variants, autocast
     opforge check OP [...]             precision against a PyTorch reference (msProbe-style)
     opforge bench OP [...]             speed and peak memory against eager and torch.compile
 """
@@ -20,38 +22,16 @@ import subprocess
 import sys
 
 
-def _templates() -> str:
-    spec = importlib.util.find_spec("opforge")
-    return os.path.join(os.path.dirname(spec.origin), "templates")
-
-
-# template file -> file name in the new project (kernel.*: not op.h, the name of opforge's public header)
-SCAFFOLD = {
-    "kernel.c": "{name}.c",
-    "kernel_avx2.c": "{name}_avx2.c",
-    "kernel.h": "{name}.h",
-    "ops.py": "ops.py",
-    "reference.py": "reference.py",
-    "test_op.py": "test_{name}.py",
-    "bench_op.py": "bench_{name}.py",
-    "README.md": "README.md",
-}
-
-
-def new(name: str, directory: str | None = None) -> str:
+def new(name: str, directory: str | None = None, inputs: str | None = None, scalars: str | None = None,
+        reduce: str | None = None) -> str:
     """Writes a working op project NAME into DIR/NAME; returns its path."""
-    if not name.isidentifier() or name.startswith("_"):
-        raise SystemExit(f"opforge new: NAME must be a C and Python identifier, got {name!r}")
-    dest = os.path.join(directory or os.getcwd(), name)
-    if os.path.exists(dest) and os.listdir(dest):
-        raise SystemExit(f"opforge new: {dest} exists and is not empty")
-    os.makedirs(dest, exist_ok=True)
-    for template, target in SCAFFOLD.items():
-        with open(os.path.join(_templates(), template)) as f:
-            text = f.read().replace("{name}", name).replace("{NAME}", name.upper())
-        with open(os.path.join(dest, target.replace("{name}", name)), "w") as f:
-            f.write(text)
-    print(f"created {dest}: cd {dest} && pytest")
+    from opforge import scaffold
+
+    sig = scaffold.Signature.parse(name, inputs, scalars, reduce)
+    dest = scaffold.new(sig, directory)
+    print(f"created {dest}: {name}({sig.schema_args()}) -> Tensor"
+          f"{' (last dim reduced, shape rule [' + sig.inputs[0] + '[:-1]])' if sig.reduce else ''}\n"
+          f"  cd {dest} && pytest")
     return dest
 
 
@@ -200,7 +180,73 @@ def bench(args) -> int:
 # ---- info ---------------------------------------------------------------------------------
 
 
+AUTOCAST_NAMES = {0: "none (runs in its inputs' dtype)", 1: "lower (runs in the autocast dtype)",
+                  2: "fp32 (inputs cast to float32)"}
+
+
+def _library_info(paths: list[str], ns: str | None) -> int:
+    """`opforge info --load`: a user library's ops, schemas, shape rules, autograd, autocast policy
+    and kernel variants (those it exports with OPF_KERNEL_FAMILIES)."""
+    import opforge
+
+    stem = os.path.splitext(os.path.basename(paths[0]))[0]
+    ns = ns or (stem[3:] if stem.startswith("lib") and paths[0].endswith(".so") else stem)
+    try:
+        if len(paths) == 1 and paths[0].endswith(".so"):
+            lib = opforge.load_library(paths[0], ns)
+        else:
+            lib = opforge.load(ns, paths)
+    except (opforge.BuildError, ImportError, OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"opforge info --load: {e}") from None
+    lines = [f"library     {lib.path}", f"namespace   {ns} (torch.ops.{ns}.*)", "ops"]
+    for d in lib.ops:
+        lines.append(f"  {d.schema}")
+        lines.append(f"      shape {'; '.join(str(r) for r in d.shape)}" + (f"   flops {d.flops}" if d.flops else "")
+                     + ("   meta kernel" if d.meta else ""))
+        if d.backward:
+            lines.append(f"      autograd: {d.backward}({', '.join(d.backward_args)}) -> grads of "
+                         f"{', '.join(d.backward_grads)}")
+        lines.append(f"      autocast {AUTOCAST_NAMES.get(d.autocast, d.autocast)}")
+    lines.append(f"kernels     variants (needed ISA); * runs at isa {opforge.get_isa()}")
+    families = _variant_families(lib.dll)
+    if families is None:
+        lines.append("  (the library lists none: OPF_KERNEL_FAMILIES(&variants) in its C exports them)")
+    for family, variants in families or []:
+        lines.append(f"  {family:<22} " + ", ".join(f"{'*' if cur else ''}{name} ({isa})" for name, isa, cur in variants))
+    print("\n".join(lines))
+    return 0
+
+
+def _variant_families(dll):
+    """[(family, [(variant, isa, current)])] from a library's opforge_kernel_families, None without it."""
+    import opforge
+
+    fn = getattr(dll, "opforge_kernel_families", None)
+    if fn is None:
+        return None
+
+    class Variants(ctypes.Structure):  # opf_variants (runtime.h)
+        _fields_ = [("family", ctypes.c_char_p), ("count", ctypes.c_int), ("tables", ctypes.c_void_p)]
+
+    fn.restype = ctypes.POINTER(ctypes.POINTER(Variants))
+    count = ctypes.c_int()
+    arr = fn(ctypes.byref(count))
+    at = opforge.library.dll.opforge_variant_at
+    out = []
+    name, isa, cur = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int()
+    for f in range(count.value):
+        vs, variants, i = arr[f], [], 0
+        while at(vs, i, ctypes.byref(name), ctypes.byref(isa), ctypes.byref(cur)) == 1:
+            if name.value is not None:
+                variants.append((name.value.decode(), isa.value.decode(), bool(cur.value)))
+            i += 1
+        out.append((vs.contents.family.decode(), variants))
+    return out
+
+
 def info(args) -> int:
+    if args is not None and getattr(args, "load", None):
+        return _library_info(args.load, args.ns)
     problems = []
     lines = [f"python      {platform.python_version()} ({sys.executable})"]
     try:
@@ -269,9 +315,14 @@ def info(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="opforge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="environment, ABI, CPU and ISA, diagnosis")
+    i = sub.add_parser("info", help="environment, ABI, CPU and ISA, diagnosis; --load: a user op library")
+    i.add_argument("--load", nargs="+", metavar="FILE", help="C sources (or a built lib<ns>.so) of a user op library")
+    i.add_argument("--ns", help="its namespace (default: the first file's name, without lib and the suffix)")
     n = sub.add_parser("new", help="scaffold a working op project")
     n.add_argument("name")
+    n.add_argument("--inputs", metavar="A,B", help="its tensor arguments (default: x)")
+    n.add_argument("--scalars", metavar="NAME:TYPE,...", help="scalar arguments; TYPE float (default), int or bool")
+    n.add_argument("--reduce", choices=["last"], help="the output drops the inputs' last dim (a row-wise reduction)")
     n.add_argument("--dir", default=None, help="parent folder (default: here)")
     for cmd in ("check", "bench"):
         c = sub.add_parser(cmd, help=f"{cmd} an op against a PyTorch reference")
@@ -281,8 +332,8 @@ def main(argv=None) -> int:
         c.add_argument("--shape", action="append", metavar="NAME=D0,D1",
                        help="shape of Tensor argument NAME (repeat per argument; default: 1-d)")
         c.add_argument("--inputs", metavar="FILE.py:FUNCTION", help="a function returning the argument tuple")
-        c.add_argument("--atol", type=float, help="absolute tolerance (default: per dtype)")
-        c.add_argument("--rtol", type=float, help="relative tolerance (default: per dtype)")
+        c.add_argument("--atol", type=float, help="a looser absolute tolerance (default: per dtype; never tightens one)")
+        c.add_argument("--rtol", type=float, help="a looser relative tolerance (e.g. 1e-5 for a float32 reduction)")
         if cmd == "check":
             c.add_argument("--dtypes", nargs="+", default=["float64", "float32", "bfloat16", "float16"])
             c.add_argument("--no-grad", action="store_true", help="skip the gradient comparison")
@@ -294,7 +345,7 @@ def main(argv=None) -> int:
             c.add_argument("--out", default=os.path.join(os.getcwd(), "results"))
     a = p.parse_args(argv)
     if a.cmd == "new":
-        new(a.name, a.dir)
+        new(a.name, a.dir, a.inputs, a.scalars, a.reduce)
         return 0
     return {"info": info, "check": check, "bench": bench}[a.cmd](a)
 

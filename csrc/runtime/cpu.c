@@ -152,11 +152,17 @@ int opf_runtime_init(char *err, size_t errlen) {
     return 0;
 }
 
-const void *opf_variant_pick(const opf_variants *vs, opf_isa isa) {
+const void *opf_variant_best(const opf_variants *vs, opf_isa isa) {
     const opf_variant *best = NULL;
     for (int i = 0; i < vs->count; i++) {
         const opf_variant *v = vs->tables[i];
         if (v && v->isa <= isa && (!best || v->isa >= best->isa)) best = v;
     }
+    return best;
+}
+
+const void *opf_variant_pick(const opf_variants *vs, opf_isa isa) {
+    const opf_variant *best = opf_variant_best(vs, isa);
+    if (best && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick(vs->family, best->name, best->isa);
     return best;
 }

@@ -82,3 +82,43 @@ double opf_now_us(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
 }
+
+/* The picks of this thread's current call: a few per call (linear: GEMM and
+ * activation), so a small ring; older entries are overwritten. */
+#define OPF_MAX_PICKS 8
+static _Thread_local struct {
+    const char *family, *variant;
+    opf_isa isa;
+    double t_us;
+} picks[OPF_MAX_PICKS];
+static _Thread_local int npicks;
+
+void opf_log_note_pick(const char *family, const char *variant, opf_isa isa) {
+    double now = opf_now_us();
+    for (int i = 0; i < npicks && i < OPF_MAX_PICKS; i++) /* the same table again (every row block): once */
+        if (picks[i].family == family && picks[i].variant == variant) {
+            picks[i].t_us = now;
+            return;
+        }
+    int slot = npicks++ % OPF_MAX_PICKS;
+    picks[slot].family = family;
+    picks[slot].variant = variant;
+    picks[slot].isa = isa;
+    picks[slot].t_us = now;
+}
+
+int opf_log_take_picks(double t0_us, char *buf, size_t len) {
+    int best = -1;
+    size_t used = 0;
+    if (len) buf[0] = '\0';
+    for (int i = 0; i < npicks && i < OPF_MAX_PICKS; i++) {
+        if (picks[i].t_us < t0_us) continue; /* an earlier call's, or one that logged nothing */
+        if (used < len)
+            used +=
+                (size_t)snprintf(buf + used, len - used, "%s%s:%s", used ? "," : "",
+                                 picks[i].family ? picks[i].family : "?", picks[i].variant ? picks[i].variant : "?");
+        if ((int)picks[i].isa > best) best = (int)picks[i].isa;
+    }
+    npicks = 0;
+    return best;
+}

@@ -163,6 +163,25 @@ opf_dtype opf_check_float(const char *op, const char *arg, const opf_tensor *t) 
              opf_dtype_name(t->dtype));
 }
 
+opf_dtype opf_check_dtype(const char *op, const char *arg, const opf_tensor *t, unsigned accepted) {
+    accepted &= OPF_DTYPES_FLOAT;
+    for (int i = 0; i < OPF_DTYPE_COUNT; i++)
+        if ((accepted & OPF_DTYPE_BIT(i)) && dtypes[i].code == t->dtype) return (opf_dtype)i;
+    if (accepted == OPF_DTYPES_FLOAT) opf_check_float(op, arg, t); /* its message, word for word */
+    /* "float32", "float32 or float16", "float32, bfloat16 or float16": the set, in opf_dtype order */
+    char names[96] = "";
+    int count = 0, total = __builtin_popcount(accepted);
+    for (int i = 0; i < OPF_DTYPE_COUNT; i++) {
+        if (!(accepted & OPF_DTYPE_BIT(i))) continue;
+        size_t used = strlen(names);
+        const char *sep = count == 0 ? "" : count == total - 1 ? " or " : ", ";
+        snprintf(names + used, sizeof names - used, "%s%s", sep, opf_dtype_name(dtypes[i].code));
+        count++;
+    }
+    opf_fail(op, "argument '%s' must be %s, got %s", arg, count ? names : "(no dtype: the accepted set is empty)",
+             opf_dtype_name(t->dtype));
+}
+
 static const char *device_name(int32_t type) {
     if (type == aoti_torch_device_type_cpu()) return "cpu";
     if (type == aoti_torch_device_type_cuda()) return "cuda";
@@ -266,8 +285,16 @@ void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors
         len += (size_t)snprintf(args + len, sizeof args - len, "%s%s%s", i ? " " : "", opf_dtype_name(tensors[i].dtype),
                                 shape);
     }
-    opf_log(OPF_LOG_INFO, "%s %s isa=%s threads=%d %.1fus", op, args, opf_isa_name(opf_isa_current()),
-            opf_num_threads(), us);
+    /* the variants this call picked (opf_variant_pick), not the machine's best ISA: a library
+     * with an AVX2 variant only runs AVX2 on an AVX-512 CPU */
+    char kernels[256];
+    int isa = opf_log_take_picks(t0_us, kernels, sizeof kernels);
+    if (isa >= 0)
+        opf_log(OPF_LOG_INFO, "%s %s isa=%s kernels=%s threads=%d %.1fus", op, args, opf_isa_name((opf_isa)isa),
+                kernels, opf_num_threads(), us);
+    else /* the op chose its kernels without a variant table: only the ISA it was allowed is known */
+        opf_log(OPF_LOG_INFO, "%s %s isa<=%s (no variant table) threads=%d %.1fus", op, args,
+                opf_isa_name(opf_isa_current()), opf_num_threads(), us);
 }
 
 /* ---- parallel backend over torch's pool ------------------------------------- */
@@ -404,21 +431,28 @@ OPF_EXPORT const char *opforge_isa_name_at(int i) {
 static const opf_variants *const kernel_families[] = {&dc_variants,  &gemm_variants, &attn_variants,
                                                       &act_variants, &cvt_variants,  &probe_variants};
 
-/* Variant i of kernel family f, read from the tables the kernels are chosen
- * from: the family's name, the variant's (NULL where this build lacks it),
- * the ISA it needs, and whether the current ISA runs it. Returns 1, 0 past
- * the family's last variant, -1 past the last family. */
+/* Variant i of the family vs: its name (NULL where this build lacks it), the
+ * ISA it needs, and whether the current ISA runs it. Returns 1, or 0 past the
+ * family's last variant. Also reads a user library's families
+ * (OPF_KERNEL_FAMILIES). */
+OPF_EXPORT int opforge_variant_at(const opf_variants *vs, int i, const char **name, const char **isa, int *current) {
+    if (i < 0 || i >= vs->count) return 0;
+    const opf_variant *v = vs->tables[i];
+    *name = v ? v->name : NULL;
+    *isa = v ? opf_isa_name(v->isa) : NULL;
+    const opf_variant *best = opf_variant_best(vs, opf_isa_current()); /* listing: not logged as a pick */
+    *current = v && best == v;
+    return 1;
+}
+
+/* Variant i of kernel family f of opforge's own library, read from the tables
+ * the kernels are chosen from: the family's name, then as opforge_variant_at.
+ * Returns 1, 0 past the family's last variant, -1 past the last family. */
 OPF_EXPORT int opforge_kernel_variant(int f, int i, const char **family, const char **name, const char **isa,
                                       int *current) {
     if (f < 0 || f >= (int)(sizeof kernel_families / sizeof *kernel_families)) return -1;
-    const opf_variants *vs = kernel_families[f];
-    if (i < 0 || i >= vs->count) return 0;
-    const opf_variant *v = vs->tables[i];
-    *family = vs->family;
-    *name = v ? v->name : NULL;
-    *isa = v ? opf_isa_name(v->isa) : NULL;
-    *current = v && opf_variant_pick(vs, opf_isa_current()) == v;
-    return 1;
+    *family = kernel_families[f]->family;
+    return opforge_variant_at(kernel_families[f], i, name, isa, current);
 }
 
 OPF_EXPORT int opforge_set_log_level(const char *name, char *err, size_t errlen) {

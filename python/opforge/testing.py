@@ -35,9 +35,10 @@ GRAD_TOLERANCE_FACTOR = 4.0
 
 
 def tolerance(dtype: torch.dtype, atol: float | None = None, rtol: float | None = None) -> dict:
-    """TOLERANCES[dtype], with atol and/or rtol overridden where given."""
+    """TOLERANCES[dtype], loosened to atol and/or rtol where given and looser: a bound
+    a float32 reduction needs (rtol 1e-5) leaves bfloat16's own (4e-3) as it is."""
     tol = dict(TOLERANCES[dtype])
-    tol.update({k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None})
+    tol.update({k: max(v, tol[k]) for k, v in (("atol", atol), ("rtol", rtol)) if v is not None})
     return tol
 
 
@@ -196,6 +197,8 @@ def _ulps(got64: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype) -> torc
 def _compare(got: torch.Tensor, want64: torch.Tensor, dtype, acc: dict, tol: dict) -> None:
     got64 = got.detach().double().flatten()
     want = want64.detach().flatten()
+    # a value beyond the dtype's range is inf in it: 65000 ** 2 in float16
+    want = torch.where(want.isfinite() & want.to(dtype).isinf(), want.to(dtype).double(), want)
     special = want.isnan() | want.isinf() | got64.isnan() | got64.isinf()
     same_special = (want.isnan() & got64.isnan()) | ((got64 == want) & want.isinf())
     acc["special"] += int((special & ~same_special).sum())
@@ -246,7 +249,7 @@ def check(
     op's schema (sample_inputs). Gradients are compared on inputs without edge
     values (a finite, positive range), and not for a Reference without grad.
     A reference returning fewer outputs than the op is compared on those.
-    atol/rtol override TOLERANCES (every dtype) where given."""
+    atol/rtol loosen TOLERANCES (every dtype, where looser than its own) where given."""
     op = _as_overload(op)
     if isinstance(reference, Reference):
         inputs = reference.inputs if inputs is None else inputs

@@ -249,7 +249,10 @@ def test_log_line_at_info():
     lines = [line for line in r.stderr.splitlines() if "opforge::dispersion_correction" in line]
     assert len(lines) == 1, r.stderr
     line = lines[0]
-    for part in ("float32[32, 512] float32[32, 512]", f"isa={opforge.isa_best()}", "threads=", "us"):
+    # the variant that ran (on an AVX512-BF16 CPU: the avx512 one, not the machine's best ISA)
+    name, isa = next((n, i) for n, i, cur in opforge.kernel_variants()["dispersion_correction"] if cur)
+    for part in ("float32[32, 512] float32[32, 512]", f"isa={isa} kernels=dispersion_correction:{name}", "threads=",
+                 "us"):
         assert part in line, line
 
 

@@ -108,6 +108,16 @@ typedef struct opf_op_desc {
         return ops;                                                            \
     }
 
+/* A library's kernel families (variant tables, runtime.h), listed by
+ * `opforge info --load`: OPF_KERNEL_FAMILIES(&myop_variants, ...) exports them
+ * as opforge_kernel_families(&count). Optional. */
+#define OPF_KERNEL_FAMILIES(...)                                                \
+    OPF_EXPORT const opf_variants *const *opforge_kernel_families(int *count) { \
+        static const opf_variants *const families[] = {__VA_ARGS__};            \
+        *count = (int)(sizeof families / sizeof families[0]);                   \
+        return families;                                                        \
+    }
+
 /* ---- glue helpers (csrc/torch/glue.c) ---------------------------------------- */
 
 typedef struct opf_tensor {
@@ -147,6 +157,14 @@ opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h);
 /* The opf_dtype of a float32/float64/bfloat16/float16 tensor, or fails naming
  * op, argument, the accepted dtypes and the dtype given. */
 opf_dtype opf_check_float(const char *op, const char *arg, const opf_tensor *t);
+/* A set of accepted dtypes: OPF_DTYPE_BIT(OPF_F32) | OPF_DTYPE_BIT(OPF_BF16) | ... */
+#define OPF_DTYPE_BIT(dt) (1u << (dt))
+#define OPF_DTYPES_FLOAT \
+    (OPF_DTYPE_BIT(OPF_F32) | OPF_DTYPE_BIT(OPF_F64) | OPF_DTYPE_BIT(OPF_BF16) | OPF_DTYPE_BIT(OPF_F16))
+/* The opf_dtype of t when `accepted` holds it, or fails naming op, argument,
+ * exactly the accepted dtypes and the dtype given:
+ * "[ns::op] argument 'x' must be float32, bfloat16 or float16, got float64". */
+opf_dtype opf_check_dtype(const char *op, const char *arg, const opf_tensor *t, unsigned accepted);
 void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t);
 /* For kernels of ops whose descriptor sets .meta: t on the cpu device or meta, and on ref's device (ref
  * may be t itself). A kernel given meta tensors checks and allocates as usual and computes nothing
@@ -174,7 +192,9 @@ AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *
 AtenTensorHandle opf_workspace(const char *op, int64_t floats, const opf_tensor *like, float **data);
 
 /* At OPFORGE_LOG_LEVEL=info: one line with the op, the tensors' shapes and
- * dtypes, the ISA, the thread count and the microseconds since t0_us. */
+ * dtypes, the kernel variants the call picked through opf_variant_pick since
+ * t0_us (family:variant, and the highest ISA among them), the thread count and
+ * the microseconds since t0_us. Take t0_us before picking the kernels. */
 void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors);
 
 #ifdef __cplusplus

@@ -81,8 +81,12 @@ typedef struct opf_variants {
 
 /* The table of vs for isa: of those present whose ISA isa includes, the one
  * needing the latest ISA (the later entry on a tie). The reference needs
- * OPF_ISA_REF, so there is always one. */
+ * OPF_ISA_REF, so there is always one. At OPFORGE_LOG_LEVEL=info the pick is
+ * noted (opf_log_note_pick), so that the op's log line names the variant that
+ * ran, not merely the best ISA of the machine. */
 const void *opf_variant_pick(const opf_variants *vs, opf_isa isa);
+/* The same choice, not noted: for listings (opforge info), which run nothing. */
+const void *opf_variant_best(const opf_variants *vs, opf_isa isa);
 
 /* ---- parallel_for ------------------------------------------------------------ */
 
@@ -112,6 +116,14 @@ int opf_log_set_file(const char *path, const char *source, char *err, size_t err
 void opf_log(opf_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 double opf_now_us(void);
 
+/* Kernel variants picked by this thread, for the call's log line: opf_variant_pick
+ * notes each pick (at info level, with the time); opf_log_take_picks writes
+ * those noted since t0_us as "family:variant,..." into buf, forgets every
+ * noted pick, and returns the highest ISA among them, or -1 where the call
+ * picked none (an op that chooses its kernels without a variant table). */
+void opf_log_note_pick(const char *family, const char *variant, opf_isa isa);
+int opf_log_take_picks(double t0_us, char *buf, size_t len);
+
 /* ---- memory ------------------------------------------------------------------- */
 
 /* Asks the kernel to back a fresh output with transparent huge pages before
@@ -122,7 +134,7 @@ void opf_hint_fresh_output(void *data, size_t bytes);
 /* ---- strided n-d iteration for elementwise kernels -------------------------- */
 
 #define OPF_MAX_DIMS 64
-#define OPF_MAX_OPERANDS 4
+#define OPF_MAX_OPERANDS 8 /* an elementwise backward of three inputs: 3 gradients, dy, 3 inputs */
 
 /* Operand 0 is the output. Dims of size 1 are dropped, dims are ordered so the
  * output's smallest stride is innermost, and neighbours that are contiguous in

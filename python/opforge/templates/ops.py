@@ -5,7 +5,8 @@ import os
 import opforge
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-library = opforge.load("{name}", [os.path.join(HERE, "{name}.c"), os.path.join(HERE, "{name}_avx2.c")])
+SOURCES = [os.path.join(HERE, "{name}.c"), os.path.join(HERE, "{name}_avx2.c")]
+library = opforge.load("{name}", SOURCES)
 
 # Python functions calling the ops (torch.ops.{name}.* are the same ops; these
 # skip the autograd kernel's Python round trip when no input requires grad)
