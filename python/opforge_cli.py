@@ -162,10 +162,13 @@ def bench(args) -> int:
         sizes, make_inputs = [sum(a.numel() for a in given(dtype) if ot._is_float_tensor(a))], lambda n, dt: given(dt)
     else:
         sizes, make_inputs = [int(s) for s in args.sizes.split(",")], None
+        if args.smoke:
+            sizes = sizes[:1]
     stem = f"bench_{args.op.replace('::', '_')}_{args.dtype}"
+    timing = dict(reps=2, target_s=0.002) if args.smoke else {}
     try:
         rows = ob.bench(op, ref, sizes=sizes, dtype=dtype, make_inputs=make_inputs, backward=not args.no_backward,
-                        atol=args.atol, rtol=args.rtol)
+                        atol=args.atol, rtol=args.rtol, **timing)
     except (RuntimeError, ValueError, TypeError, AssertionError) as e:
         raise _failed("bench", e) from None
     table = ob.write_results(stem, rows, out_dir=args.out)
@@ -342,6 +345,8 @@ def main(argv=None) -> int:
             c.add_argument("--sizes", default=f"{1 << 12},{1 << 16},{1 << 20},{1 << 22}",
                            help="elements of the default 1-d inputs (not with --shape or --inputs)")
             c.add_argument("--no-backward", action="store_true")
+            c.add_argument("--smoke", action="store_true",
+                           help="the first size only, a few short samples: checks that it runs (timings not to quote)")
             c.add_argument("--out", default=os.path.join(os.getcwd(), "results"))
     a = p.parse_args(argv)
     if a.cmd == "new":

@@ -1,5 +1,26 @@
 """The first op, tried as a new user would: what broke on the way from
-`opforge new` to `opforge bench`, each pinned by a test."""
+`opforge new` to `opforge bench`, each pinned by a test. The observations, and
+the tests that would have caught them:
+
+(1) torch.compile failing when lib.<op> is first used inside the compiled
+    function: test_op_function_first_used_inside_compile (and the walk-through)
+(2) the scaffold's bench script failing as generated: test_scaffold_bench_script_runs
+(3) no way to declare a non-elementwise output shape: test_walkthrough_covers_what_a_first_op_needs,
+    test_reduce_scaffold_declares_its_shape_rule, test_a_shape_rule_naming_no_argument_fails_at_load
+(4) typos in called C functions building: test_misspelled_c_function_fails_the_build_with_file_and_line,
+    test_declared_but_undefined_function_fails_the_link, test_compiler_warnings_are_shown
+(5) `opforge check` FAIL without a reason; a dtype message naming dtypes the op refuses:
+    test_check_report_says_why_a_row_fails, test_check_report_shows_the_whole_refusal,
+    test_dtype_message_names_exactly_the_accepted_dtypes
+(6) bench tolerance and shapes: test_tolerance_is_overridable, test_tolerance_options_only_loosen,
+    test_check_and_bench_take_shapes_and_inputs
+(7) the scaffold's fixed alpha, silent backward, wrong ISA in the log, no layout lines, no `info`
+    for a user library, float32-only autocast: test_scaffold_has_exactly_the_signature_asked_for,
+    test_log_names_the_variant_that_ran_not_the_best_isa, test_info_load_lists_a_user_library,
+    test_scaffold_runs_bfloat16_and_autocast (and each project's own generated tests)
+(8) README venv step, bench noise, RUNPATH: test_readme_says_to_activate_the_venv_first,
+    test_noisy_timings_are_flagged, test_runtime_library_carries_no_build_path
+"""
 
 import os
 import subprocess
@@ -10,7 +31,8 @@ import torch
 
 import opforge
 import opforge.testing as ot
-from test_toolkit import TUTORIAL_OP, _cli, cache  # noqa: F401  (cache: a fixture)
+from opforge import scaffold
+from test_toolkit import ROOT, TUTORIAL_OP, _cli, cache  # noqa: F401  (cache: a fixture)
 
 
 def _tutorial(tmp_path, namespace: str, edit=lambda text: text) -> str:
@@ -150,3 +172,145 @@ def test_check_and_bench_take_shapes_and_inputs(tmp_path):
 def test_readme_says_to_activate_the_venv_first():
     head = "\n".join(open(os.path.join(os.path.dirname(TUTORIAL_OP), "..", "..", "README.md")).read().splitlines()[:30])
     assert "source .venv/bin/activate" in head
+
+
+# ---- (3), (5), (6), (7): the scaffold's signature, shapes, dtypes, log and info ----------------------------
+
+
+def _project(tmp_path, name, inputs=None, scalars=None, reduce=None, edit=None):
+    """A scaffolded project (as `opforge new` writes it), NAME.c optionally edited; its sources."""
+    project = scaffold.new(scaffold.Signature.parse(name, inputs, scalars, reduce), str(tmp_path))
+    src = os.path.join(project, f"{name}.c")
+    if edit:
+        with open(src) as f:
+            text = f.read()
+        with open(src, "w") as f:
+            f.write(edit(text))
+    return [src, os.path.join(project, f"{name}_avx2.c")]
+
+
+def test_scaffold_has_exactly_the_signature_asked_for():
+    def c_file(*args):
+        sig = scaffold.Signature.parse(*args)
+        return scaffold.files(sig)[f"{sig.name}.c"], sig
+
+    text, _ = c_file("plain", None, None, None)
+    assert '"plain(Tensor x) -> Tensor"' in text and "alpha" not in text  # no scalar unless asked for
+    text, _ = c_file("two", "a,b", "alpha:float,reps:int,flag:bool", None)
+    assert '"two(Tensor a, Tensor b, float alpha, int reps, bool flag) -> Tensor"' in text
+    assert '"two_backward(Tensor grad, Tensor a, Tensor b, float alpha, int reps, bool flag) -> (Tensor, Tensor)"' in text
+    assert '.backward_args = "grad0,a,b,alpha,reps,flag"' in text and '.backward_grads = "a,b"' in text
+    text, _ = c_file("rowsum", "a,b", None, "last")
+    assert '.shape = "[a[:-1]]"' in text and "float (*fwd)" in scaffold.files(
+        scaffold.Signature.parse("rowsum", "a,b", None, "last"))["rowsum.h"]
+    for args, message in [
+        (("bad", "a,a", None, None), "argument names must differ"),
+        (("bad", "a,b,c,e", None, None), "at most 3 tensors"),
+        (("bad", "y", None, None), "'y' cannot name an argument"),
+        (("bad", "a,da", None, None), "clashes with the names the generated C derives"),
+        (("bad", "x", "alpha:double", None), "type must be one of float, int, bool"),
+        (("bad", "x", None, "first"), "--reduce takes 'last'"),
+        (("not-a-name", None, None, None), "NAME must be a C and Python identifier"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            scaffold.Signature.parse(*args)
+
+
+def test_reduce_scaffold_declares_its_shape_rule(tmp_path, cache):
+    lib = opforge.load("rowsum_fu", _project(tmp_path, "rowsum_fu", "a,b", None, "last"))
+    assert str(lib.ops[0].shape[0]) == "[a[:-1]]"
+    a, b = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
+    y = lib.rowsum_fu(a, b)
+    assert y.shape == (2, 3)
+    torch.testing.assert_close(y, (a * a + b * b).sum(-1))
+    f = torch.compile(lambda a, b: lib.rowsum_fu(a, b) + 1, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(f(a[:1], b[:1]), (a[:1] * a[:1] + b[:1] * b[:1]).sum(-1) + 1)
+
+
+def test_a_shape_rule_naming_no_argument_fails_at_load(tmp_path, cache):
+    sources = _project(tmp_path, "badshape", "a,b", None, "last", edit=lambda t: t.replace('"[a[:-1]]"', '"[c[:-1]]"'))
+    with pytest.raises(RuntimeError, match=r"badshape::badshape.*no argument 'c' in the schema \(it has a, b\)"):
+        opforge.load("badshape", sources)
+
+
+def test_walkthrough_covers_what_a_first_op_needs():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    start = text.index("## Your first op")
+    section = text[start:text.index("\n## ", start + 1)]
+    for part in ("--inputs a,b --reduce last", "[a[:-1]]", "like:x", "csrc/include/opforge/op.h", "bfloat16",
+                 "--shape a=64,512", "--rtol 1e-5", "torch.compile", "fullgraph=True", "torch.autocast",
+                 "OPFORGE_LOG_LEVEL=info", "opforge info --load", "--smoke", "bwd"):
+        assert part in section, part
+
+
+def test_dtype_message_names_exactly_the_accepted_dtypes(tmp_path, cache):
+    lib = opforge.load("dtypes_fu", _project(tmp_path, "dtypes_fu"))
+    with pytest.raises(RuntimeError, match=r"\[dtypes_fu::dtypes_fu\] argument 'x' must be float32, bfloat16 or "
+                                           r"float16, got float64$"):
+        lib.dtypes_fu(torch.ones(3, dtype=torch.float64))
+    # a float32-only op (the set narrowed where the scaffold states it) says float32 and nothing else
+    only = _project(tmp_path, "f32_fu", edit=lambda t: t.replace(
+        "#define ACCEPTED (OPF_DTYPE_BIT(OPF_F32) | OPF_DTYPE_BIT(OPF_BF16) | OPF_DTYPE_BIT(OPF_F16))",
+        "#define ACCEPTED OPF_DTYPE_BIT(OPF_F32)"))
+    lib = opforge.load("f32_fu", only)
+    for dtype in (torch.bfloat16, torch.float64, torch.int32):
+        with pytest.raises(RuntimeError, match=rf"argument 'x' must be float32, got {str(dtype)[6:]}$"):
+            lib.f32_fu(torch.ones(3, dtype=dtype))
+    assert torch.equal(lib.f32_fu(torch.full((3,), 3.0)), torch.full((3,), 9.0))
+
+
+def test_tolerance_options_only_loosen():
+    assert ot.tolerance(torch.float32, rtol=1e-5) == dict(atol=1e-6, rtol=1e-5)
+    assert ot.tolerance(torch.bfloat16, atol=1e-4, rtol=1e-5) == ot.TOLERANCES[torch.bfloat16]  # not tightened
+
+
+def _logged(tmp_path, sources, code, **env):
+    script = ("import torch, opforge\n"
+              f"lib = opforge.load('logged', {sources!r})\n" + code)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OPFORGE_CACHE_DIR=str(tmp_path / "cache"), **env))
+
+
+def test_log_names_the_variant_that_ran_not_the_best_isa(tmp_path):
+    sources = _project(tmp_path, "logged")
+    call = "x = torch.rand(4, 8, requires_grad=True)\nlib.logged(x).sum().backward()\n"
+    # a library with the reference only: the machine's best ISA is not what ran
+    r = _logged(tmp_path, sources[:1], call, OPFORGE_LOG_LEVEL="debug")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    for op in ("logged::logged ", "logged::logged_backward "):  # the backward logs too
+        line = [s for s in lines if op in s and "[opforge info]" in s]
+        assert len(line) == 1 and "isa=ref kernels=logged:ref threads=" in line[0], r.stderr
+        assert any(op.strip() + " layout:" in s for s in lines), r.stderr  # debug: the user op's layout
+    if "avx2" in opforge.supported_isas():
+        r = _logged(tmp_path, sources, call, OPFORGE_LOG_LEVEL="info")
+        assert "isa=avx2 kernels=logged:avx2 threads=" in r.stderr, r.stderr
+        r = _logged(tmp_path, sources, call, OPFORGE_LOG_LEVEL="info", OPFORGE_ISA="ref")
+        assert "isa=ref kernels=logged:ref threads=" in r.stderr and "avx2" not in r.stderr, r.stderr
+
+
+def test_info_load_lists_a_user_library(tmp_path):
+    sources = _project(tmp_path, "listed", "a,b", "alpha:float", "last")
+    r = _cli("info", "--load", *sources, OPFORGE_CACHE_DIR=str(tmp_path / "cache"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    best = "avx2" if "avx2" in opforge.supported_isas() else "ref"
+    for part in ("namespace   listed", "listed(Tensor a, Tensor b, float alpha) -> Tensor", "shape [a[:-1]]",
+                 "autograd: listed_backward(grad0, a, b, alpha) -> grads of a, b",
+                 "autocast lower (runs in the autocast dtype)",
+                 "listed_backward(Tensor grad, Tensor a, Tensor b, float alpha) -> (Tensor, Tensor)",
+                 f"*{best} ({best})", "ref (ref)"):
+        assert part in r.stdout, r.stdout
+    bad = _cli("info", "--load", str(tmp_path / "missing.c"))
+    assert bad.returncode != 0 and "does not exist" in bad.stderr
+
+
+def test_scaffold_runs_bfloat16_and_autocast(tmp_path, cache):
+    lib = opforge.load("halves_fu", _project(tmp_path, "halves_fu", "a,b", "alpha:float", None))
+    a, b = torch.randn(5, 7), torch.randn(5, 7)
+    for dtype in (torch.bfloat16, torch.float16):
+        y = lib.halves_fu(a.to(dtype), b.to(dtype), 0.5)
+        want = 0.5 * (a.to(dtype).double() ** 2 + b.to(dtype).double() ** 2)
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lib.halves_fu(a, b, 0.5).dtype == torch.bfloat16  # lower policy: runs in the autocast dtype
