@@ -91,16 +91,18 @@ static _Thread_local struct {
     opf_isa isa;
     double t_us;
 } picks[OPF_MAX_PICKS];
-static _Thread_local int npicks;
+static _Thread_local int npicks, next_pick; /* entries in use (at most OPF_MAX_PICKS); the slot to write */
 
 void opf_log_note_pick(const char *family, const char *variant, opf_isa isa) {
     double now = opf_now_us();
-    for (int i = 0; i < npicks && i < OPF_MAX_PICKS; i++) /* the same table again (every row block): once */
+    for (int i = 0; i < npicks; i++) /* the same table again (every row block): once */
         if (picks[i].family == family && picks[i].variant == variant) {
             picks[i].t_us = now;
             return;
         }
-    int slot = npicks++ % OPF_MAX_PICKS;
+    int slot = next_pick;
+    next_pick = (next_pick + 1) % OPF_MAX_PICKS;
+    if (npicks < OPF_MAX_PICKS) npicks++;
     picks[slot].family = family;
     picks[slot].variant = variant;
     picks[slot].isa = isa;
@@ -111,7 +113,7 @@ int opf_log_take_picks(double t0_us, char *buf, size_t len) {
     int best = -1;
     size_t used = 0;
     if (len) buf[0] = '\0';
-    for (int i = 0; i < npicks && i < OPF_MAX_PICKS; i++) {
+    for (int i = 0; i < npicks; i++) {
         if (picks[i].t_us < t0_us) continue; /* an earlier call's, or one that logged nothing */
         if (used < len)
             used +=
@@ -119,6 +121,6 @@ int opf_log_take_picks(double t0_us, char *buf, size_t len) {
                                  picks[i].family ? picks[i].family : "?", picks[i].variant ? picks[i].variant : "?");
         if ((int)picks[i].isa > best) best = (int)picks[i].isa;
     }
-    npicks = 0;
+    npicks = next_pick = 0;
     return best;
 }

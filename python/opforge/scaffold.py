@@ -303,10 +303,11 @@ def _glue(sig: Signature) -> str:
     opf_nd_log(OP, &nd, GRAIN);
     opf_nd_parallel(&nd, GRAIN, bwd_run, &(job){{kernels(), {{{job_out_bwd}}}, {{g32.data, {job_in}}}{scalar_init}}});
 """
-        fwd_call = (f"    j->k->fwd(j->out[0] + off[0], {', '.join(f'j->in[{k}] + off[{k + 1}]' for k in range(N))}, n, "
-                    f"{', '.join(f'st[{k}]' for k in range(N + 1))}{sa_job});\n")
-        bwd_call = (f"    j->k->bwd({', '.join(f'j->out[{k}] + off[{k}]' for k in range(N))}, j->in[0] + off[{N}], "
-                    f"{', '.join(f'j->in[{k + 1}] + off[{N + 1 + k}]' for k in range(N))}, n, "
+        pad = ",\n" + " " * 14
+        fwd_call = (f"    j->k->fwd(j->out[0] + off[0], {', '.join(f'j->in[{k}] + off[{k + 1}]' for k in range(N))}, n"
+                    f"{pad}{', '.join(f'st[{k}]' for k in range(N + 1))}{sa_job});\n")
+        bwd_call = (f"    j->k->bwd({', '.join(f'j->out[{k}] + off[{k}]' for k in range(N))}, j->in[0] + off[{N}]{pad}"
+                    f"{', '.join(f'j->in[{k + 1}] + off[{N + 1 + k}]' for k in range(N))}, n{pad}"
                     f"{', '.join(f'st[{k}]' for k in range(2 * N + 1))}{sa_job});\n")
         runs = f"""/* The runtime walks the tensors in runs of n elements along one dim (opf_nd): operand k
  * starts at element off[k] and steps by st[k]; operand 0 is the output. */
@@ -353,12 +354,13 @@ static void bwd_run(void *ctx, const int64_t *off, const int64_t *st, int64_t n)
                     &(job){{kernels(), {{{job_out_bwd}}}, {{g32.data, {job_in}}},
                            {{{', '.join(f'col_stride(&d{x}32)' for x in ins)}, 0, {', '.join(f'col_stride(&{x}32)' for x in ins)}}}, cols{scalar_init}}});
 """
-        fwd_call = (f"        j->out[0][off[0] + r * st[0]] = j->k->fwd("
-                    f"{', '.join(f'j->in[{k}] + off[{k + 1}] + r * st[{k + 1}]' for k in range(N))}, j->cols, "
+        pad = ",\n" + " " * 18
+        fwd_call = (f"        j->out[0][off[0] + r * st[0]] =\n            j->k->fwd("
+                    f"{', '.join(f'j->in[{k}] + off[{k + 1}] + r * st[{k + 1}]' for k in range(N))}{pad}j->cols, "
                     f"{', '.join(f'j->cs[{k + 1}]' for k in range(N))}{sa_job});\n")
-        bwd_call = (f"        j->k->bwd({', '.join(f'j->out[{k}] + off[{k}] + r * st[{k}]' for k in range(N))}, "
-                    f"j->in[0][off[{N}] + r * st[{N}]], "
-                    f"{', '.join(f'j->in[{k + 1}] + off[{N + 1 + k}] + r * st[{N + 1 + k}]' for k in range(N))}, "
+        bwd_call = (f"        j->k->bwd({', '.join(f'j->out[{k}] + off[{k}] + r * st[{k}]' for k in range(N))}{pad}"
+                    f"j->in[0][off[{N}] + r * st[{N}]]{pad}"
+                    f"{', '.join(f'j->in[{k + 1}] + off[{N + 1 + k}] + r * st[{N + 1 + k}]' for k in range(N))}{pad}"
                     f"j->cols, {', '.join(f'j->cs[{k}]' for k in range(N))}, "
                     f"{', '.join(f'j->cs[{N + 1 + k}]' for k in range(N))}{sa_job});\n")
         runs = f"""/* The runtime walks the leading dims in runs of rows (opf_nd): operand k's row r starts at

@@ -113,8 +113,41 @@ static void test_parallel(void) {
     CHECK(opf_num_threads() >= 1, "thread count");
 }
 
+/* The log line names the variant a call picked, not the CPU's best ISA: picks are noted at info
+ * level only, and taken (and forgotten) by the call's log line. */
+typedef struct fam_table {
+    OPF_VARIANT_HEAD;
+} fam_table;
+static const fam_table fam_ref = {"ref", OPF_ISA_REF}, fam_avx2 = {"avx2", OPF_ISA_AVX2};
+
+static void test_variant_picks_for_the_log(void) {
+    const opf_variants only_ref = OPF_VARIANTS("fam", &fam_ref, NULL), both = OPF_VARIANTS("fam", &fam_ref, &fam_avx2);
+    char buf[128], err[128];
+    opf_log_set_level("warning", err, sizeof err);
+    double t0 = opf_now_us();
+    opf_variant_pick(&both, opf_isa_best());
+    CHECK(opf_log_take_picks(t0, buf, sizeof buf) == -1 && buf[0] == 0, "a pick noted below info level: %s", buf);
+    opf_log_set_level("info", err, sizeof err);
+    t0 = opf_now_us();
+    CHECK(opf_variant_pick(&only_ref, opf_isa_best()) == &fam_ref, "a NULL entry was picked");
+    opf_variant_pick(&only_ref, opf_isa_best()); /* the same table twice: named once */
+    CHECK(opf_log_take_picks(t0, buf, sizeof buf) == OPF_ISA_REF && strcmp(buf, "fam:ref") == 0,
+          "a library with the reference only ran it, whatever the CPU's best: got '%s'", buf);
+    CHECK(opf_log_take_picks(t0, buf, sizeof buf) == -1, "picks are forgotten once taken");
+    t0 = opf_now_us();
+    opf_variant_pick(&both, OPF_ISA_REF);
+    if (opf_isa_best() >= OPF_ISA_AVX2) opf_variant_pick(&both, OPF_ISA_AVX2);
+    int isa = opf_log_take_picks(t0, buf, sizeof buf);
+    CHECK(isa == (opf_isa_best() >= OPF_ISA_AVX2 ? OPF_ISA_AVX2 : OPF_ISA_REF), "highest ISA picked: %d (%s)", isa,
+          buf);
+    CHECK(opf_variant_best(&both, OPF_ISA_REF) == &fam_ref && opf_log_take_picks(0, buf, sizeof buf) == -1,
+          "opf_variant_best chooses without noting");
+    opf_log_set_level("warning", err, sizeof err);
+}
+
 int main(void) {
     test_isa();
+    test_variant_picks_for_the_log();
     test_nd();
     test_half();
     test_parallel();
