@@ -9,100 +9,100 @@
 
 /* One set of row kernels per dtype: E the element, T the compute type, LD / ST
  * convert, RECOMPUTE (float64) recomputes rstd / mean from x in the backward. */
-#define NORM_REF(name, E, T, LD, ST, SQRT, RECOMPUTE)                                                                \
-    static void rms_fwd_##name(void *y_, void *s_, float *rstd, const void *x_, int64_t xcs, const void *r_,        \
-                               int64_t rcs, const void *w_, int64_t wcs, int64_t n, double eps, int offset) {       \
-        E *y = y_, *s = s_;                                                                                          \
-        const E *x = x_, *r = r_, *w = w_;                                                                           \
-        T ss = 0;                                                                                                    \
-        for (int64_t i = 0; i < n; i++) {                                                                            \
-            T v = LD(x[i * xcs]);                                                                                    \
-            if (r) {                                                                                                 \
-                s[i] = ST(v + LD(r[i * rcs]));                                                                       \
-                v = LD(s[i]);                                                                                        \
-            }                                                                                                        \
-            ss += v * v;                                                                                             \
-        }                                                                                                            \
-        const T rs = (T)1 / SQRT(ss / (T)n + (T)eps);                                                                \
-        *rstd = (float)rs;                                                                                           \
-        for (int64_t i = 0; i < n; i++) {                                                                            \
-            T o = (r ? LD(s[i]) : LD(x[i * xcs])) * rs;                                                              \
-            if (w) o *= offset ? (T)1 + LD(w[i * wcs]) : LD(w[i * wcs]);                                             \
-            y[i] = ST(o);                                                                                            \
-        }                                                                                                            \
-    }                                                                                                                \
-    static void rms_bwd_##name(void *dx_, void *dr_, void *dw_, const void *g_, int64_t gcs, const void *gs_,       \
-                               int64_t gscs, const void *x_, int64_t xcs, float rstd, const void *w_, int64_t wcs,   \
-                               int64_t n, double eps, int offset) {                                                  \
-        E *dx = dx_, *dr = dr_;                                                                                      \
-        T *dw = dw_;                                                                                                 \
-        const E *g = g_, *gs = gs_, *x = x_, *w = w_;                                                                \
-        T rs = (T)rstd;                                                                                              \
-        if (RECOMPUTE) {                                                                                             \
-            T ss = 0;                                                                                                \
-            for (int64_t i = 0; i < n; i++) ss += LD(x[i * xcs]) * LD(x[i * xcs]);                                   \
-            rs = (T)1 / SQRT(ss / (T)n + (T)eps);                                                                    \
-        }                                                                                                            \
-        T dot = 0;                                                                                                   \
-        for (int64_t i = 0; i < n; i++) {                                                                            \
-            T we = w ? (offset ? (T)1 + LD(w[i * wcs]) : LD(w[i * wcs])) : (T)1;                                     \
-            dot += LD(g[i * gcs]) * we * (LD(x[i * xcs]) * rs);                                                      \
-        }                                                                                                            \
-        const T c = dot / (T)n;                                                                                      \
-        for (int64_t i = 0; i < n; i++) {                                                                            \
-            T we = w ? (offset ? (T)1 + LD(w[i * wcs]) : LD(w[i * wcs])) : (T)1;                                     \
-            T gi = LD(g[i * gcs]), xh = LD(x[i * xcs]) * rs;                                                         \
-            T d = rs * (gi * we - xh * c);                                                                           \
-            if (gs) d += LD(gs[i * gscs]);                                                                           \
-            dx[i] = ST(d);                                                                                           \
-            if (dr) dr[i] = ST(d);                                                                                   \
-            if (dw) dw[i] += gi * xh;                                                                                \
-        }                                                                                                            \
-    }                                                                                                                \
-    static void ln_fwd_##name(void *y_, float *mean, float *rstd, const void *x_, int64_t xcs, const void *w_,       \
-                              int64_t wcs, const void *b_, int64_t bcs, int64_t n, double eps) {                     \
-        E *y = y_;                                                                                                   \
-        const E *x = x_, *w = w_, *b = b_;                                                                           \
-        T sum = 0, var = 0;                                                                                          \
-        for (int64_t i = 0; i < n; i++) sum += LD(x[i * xcs]);                                                       \
-        const T mu = sum / (T)n;                                                                                     \
-        for (int64_t i = 0; i < n; i++) var += (LD(x[i * xcs]) - mu) * (LD(x[i * xcs]) - mu);                        \
-        const T rs = (T)1 / SQRT(var / (T)n + (T)eps);                                                               \
-        *mean = (float)mu, *rstd = (float)rs;                                                                        \
-        for (int64_t i = 0; i < n; i++) {                                                                            \
-            T o = (LD(x[i * xcs]) - mu) * rs;                                                                        \
-            if (w) o *= LD(w[i * wcs]);                                                                              \
-            if (b) o += LD(b[i * bcs]);                                                                              \
-            y[i] = ST(o);                                                                                            \
-        }                                                                                                            \
-    }                                                                                                                \
-    static void ln_bwd_##name(void *dx_, void *dw_, void *db_, const void *g_, int64_t gcs, const void *x_,          \
-                              int64_t xcs, float mean, float rstd, const void *w_, int64_t wcs, int64_t n,           \
-                              double eps) {                                                                          \
-        E *dx = dx_;                                                                                                 \
-        T *dw = dw_, *db = db_;                                                                                      \
-        const E *g = g_, *x = x_, *w = w_;                                                                           \
-        T mu = (T)mean, rs = (T)rstd;                                                                                \
-        if (RECOMPUTE) {                                                                                             \
-            T sum = 0, var = 0;                                                                                      \
-            for (int64_t i = 0; i < n; i++) sum += LD(x[i * xcs]);                                                   \
-            mu = sum / (T)n;                                                                                         \
-            for (int64_t i = 0; i < n; i++) var += (LD(x[i * xcs]) - mu) * (LD(x[i * xcs]) - mu);                    \
-            rs = (T)1 / SQRT(var / (T)n + (T)eps);                                                                   \
-        }                                                                                                            \
-        T sg = 0, sgx = 0;                                                                                           \
-        for (int64_t i = 0; i < n; i++) {                                                                            \
-            T gw = LD(g[i * gcs]) * (w ? LD(w[i * wcs]) : (T)1);                                                     \
-            sg += gw;                                                                                                \
-            sgx += gw * ((LD(x[i * xcs]) - mu) * rs);                                                                \
-        }                                                                                                            \
-        const T a = sg / (T)n, c = sgx / (T)n;                                                                       \
-        for (int64_t i = 0; i < n; i++) {                                                                            \
-            T gi = LD(g[i * gcs]), xh = (LD(x[i * xcs]) - mu) * rs;                                                  \
-            dx[i] = ST(rs * (gi * (w ? LD(w[i * wcs]) : (T)1) - a - xh * c));                                        \
-            if (dw) dw[i] += gi * xh;                                                                                \
-            if (db) db[i] += gi;                                                                                     \
-        }                                                                                                            \
+#define NORM_REF(name, E, T, LD, ST, SQRT, RECOMPUTE)                                                              \
+    static void rms_fwd_##name(void *y_, void *s_, float *rstd, const void *x_, int64_t xcs, const void *r_,       \
+                               int64_t rcs, const void *w_, int64_t wcs, int64_t n, double eps, int offset) {      \
+        E *y = y_, *s = s_;                                                                                        \
+        const E *x = x_, *r = r_, *w = w_;                                                                         \
+        T ss = 0;                                                                                                  \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            T v = LD(x[i * xcs]);                                                                                  \
+            if (r) {                                                                                               \
+                s[i] = ST(v + LD(r[i * rcs]));                                                                     \
+                v = LD(s[i]);                                                                                      \
+            }                                                                                                      \
+            ss += v * v;                                                                                           \
+        }                                                                                                          \
+        const T rs = (T)1 / SQRT(ss / (T)n + (T)eps);                                                              \
+        *rstd = (float)rs;                                                                                         \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            T o = (r ? LD(s[i]) : LD(x[i * xcs])) * rs;                                                            \
+            if (w) o *= offset ? (T)1 + LD(w[i * wcs]) : LD(w[i * wcs]);                                           \
+            y[i] = ST(o);                                                                                          \
+        }                                                                                                          \
+    }                                                                                                              \
+    static void rms_bwd_##name(void *dx_, void *dr_, void *dw_, const void *g_, int64_t gcs, const void *gs_,      \
+                               int64_t gscs, const void *x_, int64_t xcs, float rstd, const void *w_, int64_t wcs, \
+                               int64_t n, double eps, int offset) {                                                \
+        E *dx = dx_, *dr = dr_;                                                                                    \
+        T *dw = dw_;                                                                                               \
+        const E *g = g_, *gs = gs_, *x = x_, *w = w_;                                                              \
+        T rs = (T)rstd;                                                                                            \
+        if (RECOMPUTE) {                                                                                           \
+            T ss = 0;                                                                                              \
+            for (int64_t i = 0; i < n; i++) ss += LD(x[i * xcs]) * LD(x[i * xcs]);                                 \
+            rs = (T)1 / SQRT(ss / (T)n + (T)eps);                                                                  \
+        }                                                                                                          \
+        T dot = 0;                                                                                                 \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            T we = w ? (offset ? (T)1 + LD(w[i * wcs]) : LD(w[i * wcs])) : (T)1;                                   \
+            dot += LD(g[i * gcs]) * we * (LD(x[i * xcs]) * rs);                                                    \
+        }                                                                                                          \
+        const T c = dot / (T)n;                                                                                    \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            T we = w ? (offset ? (T)1 + LD(w[i * wcs]) : LD(w[i * wcs])) : (T)1;                                   \
+            T gi = LD(g[i * gcs]), xh = LD(x[i * xcs]) * rs;                                                       \
+            T d = rs * (gi * we - xh * c);                                                                         \
+            if (gs) d += LD(gs[i * gscs]);                                                                         \
+            dx[i] = ST(d);                                                                                         \
+            if (dr) dr[i] = ST(d);                                                                                 \
+            if (dw) dw[i] += gi * xh;                                                                              \
+        }                                                                                                          \
+    }                                                                                                              \
+    static void ln_fwd_##name(void *y_, float *mean, float *rstd, const void *x_, int64_t xcs, const void *w_,     \
+                              int64_t wcs, const void *b_, int64_t bcs, int64_t n, double eps) {                   \
+        E *y = y_;                                                                                                 \
+        const E *x = x_, *w = w_, *b = b_;                                                                         \
+        T sum = 0, var = 0;                                                                                        \
+        for (int64_t i = 0; i < n; i++) sum += LD(x[i * xcs]);                                                     \
+        const T mu = sum / (T)n;                                                                                   \
+        for (int64_t i = 0; i < n; i++) var += (LD(x[i * xcs]) - mu) * (LD(x[i * xcs]) - mu);                      \
+        const T rs = (T)1 / SQRT(var / (T)n + (T)eps);                                                             \
+        *mean = (float)mu, *rstd = (float)rs;                                                                      \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            T o = (LD(x[i * xcs]) - mu) * rs;                                                                      \
+            if (w) o *= LD(w[i * wcs]);                                                                            \
+            if (b) o += LD(b[i * bcs]);                                                                            \
+            y[i] = ST(o);                                                                                          \
+        }                                                                                                          \
+    }                                                                                                              \
+    static void ln_bwd_##name(void *dx_, void *dw_, void *db_, const void *g_, int64_t gcs, const void *x_,        \
+                              int64_t xcs, float mean, float rstd, const void *w_, int64_t wcs, int64_t n,         \
+                              double eps) {                                                                        \
+        E *dx = dx_;                                                                                               \
+        T *dw = dw_, *db = db_;                                                                                    \
+        const E *g = g_, *x = x_, *w = w_;                                                                         \
+        T mu = (T)mean, rs = (T)rstd;                                                                              \
+        if (RECOMPUTE) {                                                                                           \
+            T sum = 0, var = 0;                                                                                    \
+            for (int64_t i = 0; i < n; i++) sum += LD(x[i * xcs]);                                                 \
+            mu = sum / (T)n;                                                                                       \
+            for (int64_t i = 0; i < n; i++) var += (LD(x[i * xcs]) - mu) * (LD(x[i * xcs]) - mu);                  \
+            rs = (T)1 / SQRT(var / (T)n + (T)eps);                                                                 \
+        }                                                                                                          \
+        T sg = 0, sgx = 0;                                                                                         \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            T gw = LD(g[i * gcs]) * (w ? LD(w[i * wcs]) : (T)1);                                                   \
+            sg += gw;                                                                                              \
+            sgx += gw * ((LD(x[i * xcs]) - mu) * rs);                                                              \
+        }                                                                                                          \
+        const T a = sg / (T)n, c = sgx / (T)n;                                                                     \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            T gi = LD(g[i * gcs]), xh = (LD(x[i * xcs]) - mu) * rs;                                                \
+            dx[i] = ST(rs * (gi * (w ? LD(w[i * wcs]) : (T)1) - a - xh * c));                                      \
+            if (dw) dw[i] += gi * xh;                                                                              \
+            if (db) db[i] += gi;                                                                                   \
+        }                                                                                                          \
     }
 
 #define NORM_ID(v) (v)
@@ -111,7 +111,8 @@ NORM_REF(f64, double, double, NORM_ID, NORM_ID, sqrt, 1)
 NORM_REF(bf16, uint16_t, float, opf_bf16_to_f32, opf_f32_to_bf16, sqrtf, 0)
 NORM_REF(f16, uint16_t, float, opf_f16_to_f32, opf_f32_to_f16, sqrtf, 0)
 
-#define NORM_TABLE(fn) {[OPF_F32] = fn##_f32, [OPF_F64] = fn##_f64, [OPF_BF16] = fn##_bf16, [OPF_F16] = fn##_f16}
+#define NORM_TABLE(fn) \
+    { [OPF_F32] = fn##_f32, [OPF_F64] = fn##_f64, [OPF_BF16] = fn##_bf16, [OPF_F16] = fn##_f16 }
 
 const norm_kernels norm_kernels_ref = {
     .name = "ref",
@@ -161,8 +162,8 @@ typedef struct norm_job {
     float *mean, *rstd;
     const float *cmean, *crstd;
     const norm_mat *x, *res, *g, *gs, *w, *b;
-    int layer;          /* layer_norm's backward, else RMS */
-    char *ws;           /* block slots: [block][H] for dw, then [block][H] for db */
+    int layer; /* layer_norm's backward, else RMS */
+    char *ws;  /* block slots: [block][H] for dw, then [block][H] for db */
     int64_t block, nblocks;
 } norm_job;
 
@@ -182,8 +183,8 @@ static void ln_fwd_range(int64_t begin, int64_t end, void *ctx) {
     const int64_t h = sh->hidden, es = (int64_t)j->es;
     norm_ln_fwd_fn fn = j->k->ln_fwd[sh->dt] ? j->k->ln_fwd[sh->dt] : norm_kernels_ref.ln_fwd[sh->dt];
     for (int64_t r = begin; r < end; r++)
-        fn(j->y + r * h * es, j->mean + r, j->rstd + r, row_ptr(sh, j->x, r, j->es), j->x->cs, vec(j->w),
-           cs_of(j->w), vec(j->b), cs_of(j->b), h, sh->eps);
+        fn(j->y + r * h * es, j->mean + r, j->rstd + r, row_ptr(sh, j->x, r, j->es), j->x->cs, vec(j->w), cs_of(j->w),
+           vec(j->b), cs_of(j->b), h, sh->eps);
 }
 
 static int64_t fwd_grain(const norm_shape *sh) {
@@ -192,8 +193,8 @@ static int64_t fwd_grain(const norm_shape *sh) {
 
 void norm_rms_fwd(const norm_kernels *k, const norm_shape *sh, void *y, void *s, float *rstd, const norm_mat *x,
                   const norm_mat *res, const norm_mat *w) {
-    norm_job j = {.k = k, .sh = sh, .es = opf_dtype_size(sh->dt), .y = y, .s = s, .rstd = rstd, .x = x, .res = res,
-                  .w = w};
+    norm_job j = {
+        .k = k, .sh = sh, .es = opf_dtype_size(sh->dt), .y = y, .s = s, .rstd = rstd, .x = x, .res = res, .w = w};
     opf_parallel_for(0, sh->rows, fwd_grain(sh), rms_fwd_range, &j);
 }
 
@@ -240,12 +241,11 @@ static void bwd_blocks(int64_t begin, int64_t end, void *ctx) {
         for (int64_t r = r0; r < r1; r++) {
             const void *g = row_ptr(sh, j->g, r, j->es), *x = row_ptr(sh, j->x, r, j->es);
             if (j->layer)
-                ln(j->y + r * h * es, dw, db, g, j->g->cs, x, j->x->cs, j->cmean[r], j->crstd[r],
-                                     vec(j->w), cs_of(j->w), h, sh->eps);
+                ln(j->y + r * h * es, dw, db, g, j->g->cs, x, j->x->cs, j->cmean[r], j->crstd[r], vec(j->w),
+                   cs_of(j->w), h, sh->eps);
             else
-                rms(j->y + r * h * es, j->s ? j->s + r * h * es : NULL, dw, g, j->g->cs,
-                                      row_ptr(sh, j->gs, r, j->es), cs_of(j->gs), x, j->x->cs, j->crstd[r], vec(j->w),
-                                      cs_of(j->w), h, sh->eps, sh->offset);
+                rms(j->y + r * h * es, j->s ? j->s + r * h * es : NULL, dw, g, j->g->cs, row_ptr(sh, j->gs, r, j->es),
+                    cs_of(j->gs), x, j->x->cs, j->crstd[r], vec(j->w), cs_of(j->w), h, sh->eps, sh->offset);
         }
     }
 }
@@ -289,14 +289,33 @@ static void run_bwd(norm_job *j) {
 
 void norm_rms_bwd(const norm_kernels *k, const norm_shape *sh, void *dx, void *dres, void *dw, const norm_mat *g,
                   const norm_mat *gs, const norm_mat *x, const float *rstd, const norm_mat *w, float *ws) {
-    norm_job j = {.k = k, .sh = sh, .y = dx, .s = dres, .dw = dw, .crstd = rstd, .x = x, .g = g, .gs = gs, .w = w,
+    norm_job j = {.k = k,
+                  .sh = sh,
+                  .y = dx,
+                  .s = dres,
+                  .dw = dw,
+                  .crstd = rstd,
+                  .x = x,
+                  .g = g,
+                  .gs = gs,
+                  .w = w,
                   .ws = (char *)ws};
     run_bwd(&j);
 }
 
 void norm_ln_bwd(const norm_kernels *k, const norm_shape *sh, void *dx, void *dw, void *db, const norm_mat *g,
                  const norm_mat *x, const float *mean, const float *rstd, const norm_mat *w, float *ws) {
-    norm_job j = {.k = k, .sh = sh, .y = dx, .dw = dw, .db = db, .cmean = mean, .crstd = rstd, .x = x, .g = g,
-                  .w = w, .layer = 1, .ws = (char *)ws};
+    norm_job j = {.k = k,
+                  .sh = sh,
+                  .y = dx,
+                  .dw = dw,
+                  .db = db,
+                  .cmean = mean,
+                  .crstd = rstd,
+                  .x = x,
+                  .g = g,
+                  .w = w,
+                  .layer = 1,
+                  .ws = (char *)ws};
     run_bwd(&j);
 }

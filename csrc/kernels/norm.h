@@ -39,8 +39,8 @@
 
 /* y (n), s (n, NULL without a residual), *rstd; x, residual (NULL: rms_norm), w (NULL: none) with their
  * hidden strides. offset: w' = 1 + w. */
-typedef void (*norm_rms_fwd_fn)(void *y, void *s, float *rstd, const void *x, int64_t xcs, const void *res,
-                                int64_t rcs, const void *w, int64_t wcs, int64_t n, double eps, int offset);
+typedef void (*norm_rms_fwd_fn)(void *y, void *s, float *rstd, const void *x, int64_t xcs, const void *res, int64_t rcs,
+                                const void *w, int64_t wcs, int64_t n, double eps, int offset);
 /* dx (n), dres (n, NULL: none), dw += g * xh (n accumulators of the compute type, NULL: none); g, gs (the
  * gradient of s, NULL: none), x (or s), rstd saved by the forward (recomputed for float64), w. */
 typedef void (*norm_rms_bwd_fn)(void *dx, void *dres, void *dw, const void *g, int64_t gcs, const void *gs,

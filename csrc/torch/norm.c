@@ -23,10 +23,8 @@ static const char LN_BWD[] = OPF_QUALNAME("layer_norm_backward");
 static norm_shape check_x(const char *op, const char *arg, const opf_tensor *x, double eps, int offset) {
     opf_check_device(op, arg, x, arg, x);
     norm_shape sh = {.dt = opf_check_float(op, arg, x), .eps = eps, .offset = offset};
-    if (x->ndim < 1)
-        opf_fail(op, "argument '%s' must have at least 1 dim (..., hidden), got a 0-dim tensor", arg);
-    if (!(eps > 0.0) || !isfinite(eps))
-        opf_fail(op, "argument 'eps' must be a finite number > 0, got %g", eps);
+    if (x->ndim < 1) opf_fail(op, "argument '%s' must have at least 1 dim (..., hidden), got a 0-dim tensor", arg);
+    if (!(eps > 0.0) || !isfinite(eps)) opf_fail(op, "argument 'eps' must be a finite number > 0, got %g", eps);
     sh.nlead = (int)x->ndim - 1;
     sh.hidden = x->sizes[x->ndim - 1];
     sh.rows = 1;
@@ -159,15 +157,16 @@ static void rms_backward(const char *op, StableIValue *stack, int first, AtenTen
     OPF_OWNED AtenTensorHandle dx_h = opf_empty(op, x.ndim, x.sizes, x.dtype, &x);
     OPF_OWNED AtenTensorHandle dr_h = add ? opf_empty(op, x.ndim, x.sizes, x.dtype, &x) : NULL;
     const int64_t zero = 0;
-    OPF_OWNED AtenTensorHandle dw_h = w_h ? opf_empty(op, 1, w.sizes, x.dtype, &x) : opf_empty(op, 1, &zero, x.dtype, &x);
+    OPF_OWNED AtenTensorHandle dw_h =
+        w_h ? opf_empty(op, 1, w.sizes, x.dtype, &x) : opf_empty(op, 1, &zero, x.dtype, &x);
     opf_tensor dx = opf_tensor_info(op, "dx", dx_h), dw = opf_tensor_info(op, "dweight", dw_h), dr = {0};
     if (add) dr = opf_tensor_info(op, "dresidual", dr_h);
     if (!opf_is_meta(&x)) {
         float *ws = NULL;
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(op, norm_bwd_workspace(&sh, w_h != NULL, 0), &x, &ws);
         norm_mat gm = mat(&g), gsm = mat(gs_h ? &gs : NULL), xm = mat(&x), wm = mat(w_h ? &w : NULL);
-        norm_rms_bwd(norm_kernels_for(opf_isa_current()), &sh, dx.data, add ? dr.data : NULL, w_h ? dw.data : NULL,
-                     &gm, &gsm, &xm, rstd.data, &wm, ws);
+        norm_rms_bwd(norm_kernels_for(opf_isa_current()), &sh, dx.data, add ? dr.data : NULL, w_h ? dw.data : NULL, &gm,
+                     &gsm, &xm, rstd.data, &wm, ws);
     }
     opf_log_call(op, t0, 3, (opf_tensor[]){g, x, dx});
     int i = 0;
