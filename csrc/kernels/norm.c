@@ -283,8 +283,10 @@ static void run_bwd(norm_job *j) {
         j->block = fwd_grain(sh);
         j->nblocks = (sh->rows + j->block - 1) / j->block;
     }
-    opf_parallel_for(0, j->nblocks, 1, bwd_blocks, j);
-    if (j->dw || j->db) opf_parallel_for(0, sh->hidden, 1024, reduce_cols, j);
+    /* blocks per task: as many as make NORM_GRAIN elements (a small tensor runs on the calling thread) */
+    int64_t per_block = j->block * (sh->hidden > 0 ? sh->hidden : 1);
+    opf_parallel_for(0, j->nblocks, per_block < NORM_GRAIN ? NORM_GRAIN / per_block : 1, bwd_blocks, j);
+    if (j->dw || j->db) opf_parallel_for(0, sh->hidden, 4096, reduce_cols, j);
 }
 
 void norm_rms_bwd(const norm_kernels *k, const norm_shape *sh, void *dx, void *dres, void *dw, const norm_mat *g,
