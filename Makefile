@@ -119,9 +119,11 @@ bench: build
 	$(PY) benchmarks/bench_linear.py
 	$(PY) benchmarks/bench_attention.py
 	$(PY) benchmarks/bench_build.py
+	$(PY) benchmarks/bench_norm.py
 
 bench-smoke: build
 	$(PY) benchmarks/bench_dispersion_correction.py --smoke
+	$(PY) benchmarks/bench_norm.py --smoke --out build/bench-smoke
 
 # C: .clang-format (the scaffold templates are left out: their {name}
 # placeholders are not C until `opforge new` fills them in). Python: ruff's
