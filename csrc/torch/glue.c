@@ -14,6 +14,7 @@
 #include "../kernels/convert.h"
 #include "../kernels/dispersion_correction.h"
 #include "../kernels/gemm.h"
+#include "../kernels/norm.h"
 #include "../kernels/probe.h"
 #include "namespace.h"
 #include "opforge/op.h"
@@ -402,7 +403,8 @@ OPF_EXPORT const char *opforge_isa_name_at(int i) {
 }
 
 static const opf_variants *const kernel_families[] = {&dc_variants,  &gemm_variants, &attn_variants,
-                                                      &act_variants, &cvt_variants,  &probe_variants};
+                                                      &act_variants, &cvt_variants,  &probe_variants,
+                                                      &norm_variants};
 
 /* Variant i of kernel family f, read from the tables the kernels are chosen
  * from: the family's name, the variant's (NULL where this build lacks it),
