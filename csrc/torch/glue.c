@@ -402,9 +402,8 @@ OPF_EXPORT const char *opforge_isa_name_at(int i) {
     return i >= 0 && i < OPF_ISA_COUNT ? opf_isa_name((opf_isa)i) : NULL;
 }
 
-static const opf_variants *const kernel_families[] = {&dc_variants,  &gemm_variants, &attn_variants,
-                                                      &act_variants, &cvt_variants,  &probe_variants,
-                                                      &norm_variants};
+static const opf_variants *const kernel_families[] = {&dc_variants,  &gemm_variants,  &attn_variants, &act_variants,
+                                                      &cvt_variants, &probe_variants, &norm_variants};
 
 /* Variant i of kernel family f, read from the tables the kernels are chosen
  * from: the family's name, the variant's (NULL where this build lacks it),
