@@ -35,3 +35,7 @@ __all__ = [
     "set_log_level",
     "supported_isas",
 ]
+
+from .functional import add_rms_norm, layer_norm, rms_norm  # noqa: E402
+
+__all__ += ["add_rms_norm", "layer_norm", "rms_norm"]

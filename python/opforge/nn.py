@@ -125,3 +125,64 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         out = F._attention(q, k, v, mask, bool(is_causal), None)[0]
         out = F.linear(out.transpose(1, 2).reshape(b, n, e), self.out_proj.weight, self.out_proj.bias)
         return (out.squeeze(0) if unbatched else out), None
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm over the last dimension with a weight of shape (hidden_size,).
+
+    Loads the state_dict of ``torch.nn.RMSNorm`` and of Hugging Face's
+    ``LlamaRMSNorm`` (both keep one key, ``weight``). ``eps`` (also readable
+    and settable as ``variance_epsilon``, the Hugging Face name) may be None,
+    as in torch's module: ``torch.finfo(x.dtype).eps`` then. ``offset=True``
+    scales by ``1 + weight`` (Gemma) and initialises the weight to zeros.
+    ``hidden_size`` may be given as torch's ``normalized_shape`` (an int or a
+    1-tuple).
+    """
+
+    def __init__(self, hidden_size, eps: float | None = 1e-6, elementwise_affine: bool = True, offset: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        shape = (hidden_size,) if isinstance(hidden_size, int) else tuple(hidden_size)
+        if len(shape) != 1:
+            raise RuntimeError(f"[opforge.nn.RMSNorm] argument 'hidden_size' must be an int or a 1-tuple (the last "
+                               f"dim is normalised), got {hidden_size!r}")
+        self.normalized_shape = shape
+        self.eps = eps
+        self.offset = offset
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            init = torch.zeros if offset else torch.ones
+            self.weight = torch.nn.Parameter(init(shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    @property
+    def variance_epsilon(self):
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value):
+        self.eps = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return F.rms_norm(x, self.weight, eps, self.offset)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}" + (
+            ", offset=True" if self.offset else "")
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` on opforge's kernel: same parameters,
+    initialisation and state_dict keys. A normalized_shape of several dims is
+    normalised as one flattened last dim (``x.flatten(-k)``, a view when those
+    dims are contiguous, else a copy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = len(self.normalized_shape)
+        if k == 1:
+            return F.layer_norm(x, self.weight, self.bias, self.eps)
+        w = None if self.weight is None else self.weight.flatten()
+        b = None if self.bias is None else self.bias.flatten()
+        return F.layer_norm(x.flatten(-k), w, b, self.eps).view(x.shape)

@@ -2,6 +2,7 @@
 """Randomized differential test: opforge's ops against float64 PyTorch.
 
 Each case is drawn from (seed, index) alone: an op (dispersion_correction;
+rms_norm, add_rms_norm or layer_norm with or without weight, bias, offset and a gradient;
 matmul, 2-d or batched 3-d; linear with each activation, bias or not,
 recompute or not, inference, the raw op with its pre-activation, a backward
 with or without a retained graph; scaled_dot_product_attention with causal,
@@ -324,6 +325,8 @@ def draw(seed: int, index: int, isas, ops=None) -> dict:
 
 def describe(c: dict) -> str:
     head = f"{c['op']} {c['dtype']} isa={c['isa']} threads={c['threads']}"
+    if c["op"] == "norm":
+        return _describe_norm(head, c)
     if c["op"] == "matmul":
         lead = f"{c['batch']}," if c["batch"] else ""
         return (f"{head} a=({lead}{c['m']},{c['k']}){_layout_str(c['a_layout'])} "
@@ -755,6 +758,132 @@ def run_case(c: dict) -> Outcome:
         if msg:
             res.failures.append(msg)
     return res
+
+
+# ---- normalisation: rms_norm, add_rms_norm, layer_norm ------------------------------------------------
+
+# hidden sizes around the 8-lane vectors and their 32-wide unrolled loops; rows around the backward's row
+# blocks (32 rows, up to 256 blocks) and the forward's grain (16384 / H rows a task)
+NORM_HIDDEN = (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 123, 128, 1000, 4096, 4097)
+NORM_ROWS = (1, 3, 31, 32, 33, 37, 64, 257, 8193)
+
+
+def _draw_norm(rng, c):
+    c["kind"] = rng.choice(("rms", "rms", "add", "add", "layer"))
+    h = rng.choice(NORM_HIDDEN) if rng.random() < 0.6 else _dim(rng, 4200, NORM_HIDDEN, zero=0.01)
+    rows = _near(rng, rng.choice(NORM_ROWS)) if rng.random() < 0.5 else _dim(rng, 2000, NORM_ROWS, zero=0.02)
+    rows = max(rows, 0)
+    while rows * h > 600_000:
+        rows //= 2
+    nlead = rng.choices((0, 1, 2), (0.1, 0.6, 0.3))[0]
+    if nlead == 0:
+        rows = 1
+    lead = [rows] if nlead == 1 else [rng.choice((1, 2, 3)), rows] if nlead == 2 else []
+    c["shape"] = lead + [h]
+    c["x_layout"] = _layout(rng, c["shape"])
+    c["r_layout"] = _layout(rng, c["shape"]) if c["kind"] == "add" else None
+    c["weight"] = rng.random() < 0.75
+    c["bias"] = c["kind"] == "layer" and rng.random() < 0.6
+    c["offset"] = c["kind"] != "layer" and c["weight"] and rng.random() < 0.3
+    c["eps"] = rng.choice((1e-6, 1e-5, 0.1))
+    c["shift"] = rng.choice((0.0, 0.0, 3.0))  # a mean far from 0 (layer_norm's variance of x - mean)
+    c["grad"] = rng.random() < 0.6
+    return _seconds(c, 0, 0, math.prod(c["shape"]) * (60 if c["grad"] else 20))
+
+
+def _describe_norm(head, c):
+    extra = (f" residual{_layout_str(c['r_layout'])}" if c["kind"] == "add" else "") + (
+        " weight" if c["weight"] else "") + (" bias" if c["bias"] else "") + (" offset" if c["offset"] else "")
+    return (f"{head} {c['kind']} x={tuple(c['shape'])}{_layout_str(c['x_layout'])}{extra} eps={c['eps']} "
+            f"shift={c['shift']} grad={c['grad']}")
+
+
+def check_norm(c, gen, dtype, dt, call):
+    """Bounds: a row's sums (of squares, of x, of g w xh) carry u (c(H) + H / 2) relative errors into rstd, mean and the
+    backward's mean(g w xh); each output is a few products of those (u each) and one rounding to its type;
+    the weight and bias gradients add a sum over the rows (u c(R))."""
+    shape, h = c["shape"], c["shape"][-1]
+    specs = [(shape, dtype, c["x_layout"], "randn", 1.0)]
+    if c["kind"] == "add":
+        specs.append((shape, dtype, c["r_layout"], "randn", 1.0))
+    ins = _inputs(gen, specs)
+    if c["shift"]:
+        ins[0] = (ins[0][0].add_(c["shift"]), ins[0][1])
+    xb = ins[0][0].requires_grad_(c["grad"])
+    x = ins[0][1](xb)
+    r = ins[1][1](ins[1][0].requires_grad_(c["grad"])) if c["kind"] == "add" else None
+    w = (random_tensor(gen, [h], dtype, scale=0.5) + (0 if c["offset"] else 1)).requires_grad_(c["grad"]) \
+        if c["weight"] else None
+    b = random_tensor(gen, [h], dtype).requires_grad_(c["grad"]) if c["bias"] else None
+    g, gs = random_tensor(gen, shape, dtype), random_tensor(gen, shape, dtype)
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    names = [n for n, t in zip(("dx", "dresidual", "dweight", "dbias"), (x, r, w, b)) if t is not None]
+
+    def forward_backward():
+        if c["kind"] == "rms":
+            outs = (opforge.rms_norm(x, w, c["eps"], c["offset"]),)
+        elif c["kind"] == "add":
+            outs = opforge.add_rms_norm(x, r, w, c["eps"], c["offset"])
+        else:
+            outs = (opforge.layer_norm(x, w, b, c["eps"]),)
+        grads = torch.autograd.grad(outs, leaves, (g, gs)[:len(outs)]) if c["grad"] else None
+        return outs, grads
+
+    if c["grad"]:
+        outs, grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            outs, grads = call(forward_backward)
+
+    u, n = U_ACC[dt], max(h, 1)
+    cu = u * (c_sum(n) + 0.5 * n + 16)  # sums of one sign (squares; x broadcast along a row) drift like n / 2
+    src = (x.detach().double() + r.detach().double()).to(dtype) if c["kind"] == "add" else x.detach()
+    s64 = src.double()
+    w64 = w.detach().double() if w is not None else torch.ones(h, dtype=torch.float64)
+    we = 1 + w64 if c["offset"] else w64
+    eps = c["eps"] if dtype == torch.float64 else float(torch.tensor(c["eps"], dtype=torch.float32))
+    mu = s64.mean(-1, keepdim=True) if c["kind"] == "layer" else torch.zeros_like(s64[..., :1])
+    d = s64 - mu
+    rstd = ((d * d).mean(-1, keepdim=True) + eps).rsqrt()
+    xh = d * rstd
+    # |error of xh|: rstd's relative error, and the mean's absolute one times rstd; the mean's error also
+    # enters the variance (a row of equal values: x - mean is all rounding, eps alone bounds rstd)
+    mean_err = cu * s64.abs().mean(-1, keepdim=True) * (c["kind"] == "layer")
+    rstd_rel = cu + (mean_err * rstd) ** 2
+    xh_err = rstd_rel * xh.abs() + rstd * mean_err
+    y = xh * we + (b.detach().double() if b is not None else 0)
+    checks = [Check("out", outs[0], y, xh_err * we.abs() + cu * y.abs() + _out_tol(y, dt), dtype)]
+    if c["kind"] == "add":
+        checks.append(Check("sum", outs[1], s64, torch.zeros_like(s64), dtype))
+    if not c["grad"]:
+        return checks
+    g64, gs64 = g.double(), gs.double()
+    gw = g64 * we
+    rows_dims = tuple(range(len(shape) - 1))
+    m_gwx = (gw * xh).mean(-1, keepdim=True)
+    m_gw = gw.mean(-1, keepdim=True) if c["kind"] == "layer" else torch.zeros_like(m_gwx)
+    dx = rstd * (gw - m_gw - xh * m_gwx)
+    scale = rstd * (gw.abs() + gw.abs().mean(-1, keepdim=True) + (xh.abs() + xh_err) * (gw * xh).abs().mean(-1, keepdim=True))
+    dx_b = (cu + rstd_rel) * scale + rstd * xh_err * m_gwx.abs() + rstd * (gw.abs() * xh_err).mean(-1, keepdim=True) * xh.abs()
+    want = {"dx": (dx + (gs64 if c["kind"] == "add" else 0), dx_b)}
+    if c["kind"] == "add":
+        want["dresidual"] = want["dx"]
+    rows = max(math.prod(shape[:-1]), 1)
+    gxh = (g64 * xh).sum(rows_dims) if rows_dims else g64 * xh
+    gxh_abs = (g64.abs() * (xh.abs() + xh_err)).sum(rows_dims) if rows_dims else g64.abs() * (xh.abs() + xh_err)
+    want["dweight"] = (gxh, u * c_sum(rows) * gxh_abs + (g64.abs() * xh_err).sum(rows_dims) if rows_dims
+                       else (g64.abs() * xh_err) + u * gxh_abs)
+    gsum = g64.sum(rows_dims) if rows_dims else g64
+    want["dbias"] = (gsum, u * c_sum(rows) * (g64.abs().sum(rows_dims) if rows_dims else g64.abs()))
+    for name, got in zip(names, grads):
+        ref, err = want[name]
+        checks.append(Check(name, got, ref, err + _out_tol(ref, dt), dtype))
+    return checks
+
+
+DRAW["norm"] = _draw_norm
+OP_WEIGHTS["norm"] = 0.1
+CHECKERS["norm"] = check_norm
 
 
 # ---- child processes ------------------------------------------------------------------------------------

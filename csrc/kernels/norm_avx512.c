@@ -1,0 +1,192 @@
+/*
+ * Normalisation row kernels, AVX-512 (F, BW, VL, DQ). The AVX2 file's
+ * structure with 16 lanes; the last partial vector of a row is a masked load
+ * (zeros in the other lanes, so the sums see zeros) and a masked store. Rows
+ * with a hidden stride other than 1, and float64, go to the reference.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "half_avx512.h"
+#include "norm.h"
+
+static inline __m512 ld_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void st_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline __m512 rt_f32(__m512 v) { return v; }
+
+static inline __m512 bf16_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 ld_bf16(const uint16_t *p, __mmask16 m) { return bf16_widen(_mm256_maskz_loadu_epi16(m, p)); }
+static inline void st_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, round16x16(v, OPF_BF16));
+}
+static inline __m512 rt_bf16(__m512 v) { return bf16_widen(round16x16(v, OPF_BF16)); }
+
+static inline __m512 ld_f16(const uint16_t *p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+static inline void st_f16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, round16x16(v, OPF_F16));
+}
+static inline __m512 rt_f16(__m512 v) { return _mm512_cvtph_ps(round16x16(v, OPF_F16)); }
+
+static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+
+/* dw[0..16) += v in the lanes of m */
+static inline void acc_add(float *dw, __m512 v, __mmask16 m) {
+    _mm512_mask_storeu_ps(dw, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, dw), v));
+}
+
+#define NORM_AVX512(name, E, LD, ST, RT)                                                                               \
+    static inline __m512 wn_##name(const E *w, __mmask16 m, int offset) {                                              \
+        return offset ? _mm512_add_ps(_mm512_set1_ps(1.0f), LD(w, m)) : LD(w, m);                                      \
+    }                                                                                                                  \
+    static void rms_fwd_##name(void *y_, void *s_, float *rstd, const void *x_, int64_t xcs, const void *r_,           \
+                               int64_t rcs, const void *w_, int64_t wcs, int64_t n, double eps, int offset) {          \
+        if (xcs != 1 || (r_ && rcs != 1) || (w_ && wcs != 1)) {                                                        \
+            norm_kernels_ref.rms_fwd[OPF_##name](y_, s_, rstd, x_, xcs, r_, rcs, w_, wcs, n, eps, offset);             \
+            return;                                                                                                    \
+        }                                                                                                              \
+        E *y = y_, *s = s_;                                                                                            \
+        const E *x = x_, *r = r_, *w = w_;                                                                             \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                                      \
+        int64_t i = 0;                                                                                                 \
+        if (r) {                                                                                                       \
+            for (; i < n; i += 16) {                                                                                   \
+                __mmask16 m = tail16(n - i);                                                                           \
+                __m512 v = RT(_mm512_add_ps(LD(x + i, m), LD(r + i, m)));                                              \
+                ST(s + i, v, m);                                                                                       \
+                a0 = _mm512_fmadd_ps(v, v, a0);                                                                        \
+            }                                                                                                          \
+        } else {                                                                                                       \
+            for (; i + 32 <= n; i += 32) {                                                                             \
+                __m512 v0 = LD(x + i, 0xffff), v1 = LD(x + i + 16, 0xffff);                                            \
+                a0 = _mm512_fmadd_ps(v0, v0, a0);                                                                      \
+                a1 = _mm512_fmadd_ps(v1, v1, a1);                                                                      \
+            }                                                                                                          \
+            for (; i < n; i += 16) {                                                                                   \
+                __m512 v = LD(x + i, tail16(n - i));                                                                   \
+                a0 = _mm512_fmadd_ps(v, v, a0);                                                                        \
+            }                                                                                                          \
+        }                                                                                                              \
+        const float rs = 1.0f / sqrtf(_mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) / (float)n + (float)eps);            \
+        *rstd = rs;                                                                                                    \
+        const E *src = r ? s : x;                                                                                      \
+        const __m512 vr = _mm512_set1_ps(rs);                                                                          \
+        for (i = 0; i < n; i += 16) {                                                                                  \
+            __mmask16 m = tail16(n - i);                                                                               \
+            __m512 o = _mm512_mul_ps(LD(src + i, m), vr);                                                              \
+            if (w) o = _mm512_mul_ps(o, wn_##name(w + i, m, offset));                                                  \
+            ST(y + i, o, m);                                                                                           \
+        }                                                                                                              \
+    }                                                                                                                  \
+    static void rms_bwd_##name(void *dx_, void *dr_, void *dw_, const void *g_, int64_t gcs, const void *gs_,          \
+                               int64_t gscs, const void *x_, int64_t xcs, float rstd, const void *w_, int64_t wcs,     \
+                               int64_t n, double eps, int offset) {                                                    \
+        if (gcs != 1 || (gs_ && gscs != 1) || xcs != 1 || (w_ && wcs != 1)) {                                          \
+            norm_kernels_ref.rms_bwd[OPF_##name](dx_, dr_, dw_, g_, gcs, gs_, gscs, x_, xcs, rstd, w_, wcs, n, eps,    \
+                                                 offset);                                                              \
+            return;                                                                                                    \
+        }                                                                                                              \
+        E *dx = dx_, *dr = dr_;                                                                                        \
+        float *dw = dw_;                                                                                               \
+        const E *g = g_, *gs = gs_, *x = x_, *w = w_;                                                                  \
+        const __m512 vr = _mm512_set1_ps(rstd), one = _mm512_set1_ps(1.0f);                                            \
+        __m512 acc = _mm512_setzero_ps();                                                                              \
+        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+            __mmask16 m = tail16(n - i);                                                                               \
+            __m512 we = w ? wn_##name(w + i, m, offset) : one;                                                         \
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(LD(g + i, m), we), _mm512_mul_ps(LD(x + i, m), vr))); \
+        }                                                                                                              \
+        const __m512 vc = _mm512_set1_ps(_mm512_reduce_add_ps(acc) / (float)n);                                        \
+        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+            __mmask16 m = tail16(n - i);                                                                               \
+            __m512 we = w ? wn_##name(w + i, m, offset) : one;                                                         \
+            __m512 gi = LD(g + i, m), xh = _mm512_mul_ps(LD(x + i, m), vr);                                            \
+            __m512 d = _mm512_mul_ps(vr, _mm512_sub_ps(_mm512_mul_ps(gi, we), _mm512_mul_ps(xh, vc)));                 \
+            if (gs) d = _mm512_add_ps(d, LD(gs + i, m));                                                               \
+            ST(dx + i, d, m);                                                                                          \
+            if (dr) ST(dr + i, d, m);                                                                                  \
+            if (dw) acc_add(dw + i, _mm512_mul_ps(gi, xh), m);                                                         \
+        }                                                                                                              \
+        (void)eps;                                                                                                     \
+    }                                                                                                                  \
+    static void ln_fwd_##name(void *y_, float *mean, float *rstd, const void *x_, int64_t xcs, const void *w_,         \
+                              int64_t wcs, const void *b_, int64_t bcs, int64_t n, double eps) {                       \
+        if (xcs != 1 || (w_ && wcs != 1) || (b_ && bcs != 1)) {                                                        \
+            norm_kernels_ref.ln_fwd[OPF_##name](y_, mean, rstd, x_, xcs, w_, wcs, b_, bcs, n, eps);                    \
+            return;                                                                                                    \
+        }                                                                                                              \
+        E *y = y_;                                                                                                     \
+        const E *x = x_, *w = w_, *b = b_;                                                                             \
+        __m512 a0 = _mm512_setzero_ps();                                                                               \
+        for (int64_t i = 0; i < n; i += 16) a0 = _mm512_add_ps(a0, LD(x + i, tail16(n - i)));                          \
+        const float mu = _mm512_reduce_add_ps(a0) / (float)n;                                                          \
+        const __m512 vm = _mm512_set1_ps(mu);                                                                          \
+        a0 = _mm512_setzero_ps();                                                                                      \
+        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+            __mmask16 m = tail16(n - i);                                                                               \
+            __m512 d = _mm512_maskz_sub_ps(m, LD(x + i, m), vm);                                                       \
+            a0 = _mm512_fmadd_ps(d, d, a0);                                                                            \
+        }                                                                                                              \
+        const float rs = 1.0f / sqrtf(_mm512_reduce_add_ps(a0) / (float)n + (float)eps);                               \
+        *mean = mu, *rstd = rs;                                                                                        \
+        const __m512 vr = _mm512_set1_ps(rs);                                                                          \
+        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+            __mmask16 m = tail16(n - i);                                                                               \
+            __m512 o = _mm512_mul_ps(_mm512_sub_ps(LD(x + i, m), vm), vr);                                             \
+            if (w) o = _mm512_mul_ps(o, LD(w + i, m));                                                                 \
+            if (b) o = _mm512_add_ps(o, LD(b + i, m));                                                                 \
+            ST(y + i, o, m);                                                                                           \
+        }                                                                                                              \
+    }                                                                                                                  \
+    static void ln_bwd_##name(void *dx_, void *dw_, void *db_, const void *g_, int64_t gcs, const void *x_,            \
+                              int64_t xcs, float mean, float rstd, const void *w_, int64_t wcs, int64_t n,             \
+                              double eps) {                                                                            \
+        if (gcs != 1 || xcs != 1 || (w_ && wcs != 1)) {                                                                \
+            norm_kernels_ref.ln_bwd[OPF_##name](dx_, dw_, db_, g_, gcs, x_, xcs, mean, rstd, w_, wcs, n, eps);         \
+            return;                                                                                                    \
+        }                                                                                                              \
+        E *dx = dx_;                                                                                                   \
+        float *dw = dw_, *db = db_;                                                                                    \
+        const E *g = g_, *x = x_, *w = w_;                                                                             \
+        const __m512 vm = _mm512_set1_ps(mean), vr = _mm512_set1_ps(rstd), one = _mm512_set1_ps(1.0f);                 \
+        __m512 sg = _mm512_setzero_ps(), sgx = sg;                                                                     \
+        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+            __mmask16 m = tail16(n - i);                                                                               \
+            __m512 gw = _mm512_mul_ps(LD(g + i, m), w ? LD(w + i, m) : one);                                           \
+            __m512 xh = _mm512_mul_ps(_mm512_sub_ps(LD(x + i, m), vm), vr);                                            \
+            sg = _mm512_add_ps(sg, gw);                                                                                \
+            sgx = _mm512_add_ps(sgx, _mm512_mul_ps(gw, xh));                                                           \
+        }                                                                                                              \
+        const __m512 va = _mm512_set1_ps(_mm512_reduce_add_ps(sg) / (float)n);                                         \
+        const __m512 vc = _mm512_set1_ps(_mm512_reduce_add_ps(sgx) / (float)n);                                        \
+        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+            __mmask16 m = tail16(n - i);                                                                               \
+            __m512 gi = LD(g + i, m), xh = _mm512_mul_ps(_mm512_sub_ps(LD(x + i, m), vm), vr);                         \
+            __m512 gw = _mm512_mul_ps(gi, w ? LD(w + i, m) : one);                                                     \
+            ST(dx + i, _mm512_mul_ps(vr, _mm512_sub_ps(_mm512_sub_ps(gw, va), _mm512_mul_ps(xh, vc))), m);             \
+            if (dw) acc_add(dw + i, _mm512_mul_ps(gi, xh), m);                                                         \
+            if (db) acc_add(db + i, gi, m);                                                                            \
+        }                                                                                                              \
+        (void)eps;                                                                                                     \
+    }
+
+#define OPF_f32 OPF_F32
+#define OPF_bf16 OPF_BF16
+#define OPF_f16 OPF_F16
+NORM_AVX512(f32, float, ld_f32, st_f32, rt_f32)
+NORM_AVX512(bf16, uint16_t, ld_bf16, st_bf16, rt_bf16)
+NORM_AVX512(f16, uint16_t, ld_f16, st_f16, rt_f16)
+
+#define NORM_TABLE(fn) \
+    { [OPF_F32] = fn##_f32, [OPF_BF16] = fn##_bf16, [OPF_F16] = fn##_f16 }
+
+/* float64 (gradcheck's dtype) is left NULL: the drivers run the reference's */
+const norm_kernels norm_kernels_avx512 = {
+    .name = "avx512",
+    .isa = OPF_ISA_AVX512,
+    .rms_fwd = NORM_TABLE(rms_fwd),
+    .rms_bwd = NORM_TABLE(rms_bwd),
+    .ln_fwd = NORM_TABLE(ln_fwd),
+    .ln_bwd = NORM_TABLE(ln_bwd),
+};
