@@ -223,7 +223,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         :func:`rms_norm` of the eager ``x + residual`` would be. Gradients flow
         from both outputs: ``dx = dresidual = d rms_norm(s) + grad_s``, computed
         in float32 and rounded once.
+
+    Under autocast, where a 16-bit branch output meets a float32 residual
+    stream, x and residual of different dtypes are both cast to the wider one
+    (a copy of the narrower), as eager ``x + residual`` promotes; outside
+    autocast they must have one dtype.
     """
+    if x.dtype != residual.dtype and torch.is_autocast_enabled(x.device.type):
+        # autocast adds a 16-bit branch output to a float32 stream: x + residual is then float32, as in eager
+        wide = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(wide), residual.to(wide)
     (weight,) = _autocast_params(x, weight)
     y, s, _ = _add_rms_norm(x, residual, weight, eps, offset)
     return y, s

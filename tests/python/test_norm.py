@@ -405,3 +405,17 @@ def test_meta_and_fake_calls_check_what_the_kernel_checks():
         OPS.rms_norm(torch.empty(2, 8), torch.empty(7), 1e-6, False)
     with pytest.raises(RuntimeError, match=r"argument 'eps' must be a finite number > 0"):
         torch.compile(lambda t: opforge.layer_norm(t, eps=0.0), fullgraph=True)(torch.randn(3, 4))
+
+
+def test_add_rms_norm_autocast_promotes_mixed_dtypes_as_eager():
+    torch.manual_seed(0)
+    x = torch.randn(5, 33, dtype=torch.bfloat16)
+    res = torch.randn(5, 33)
+    w = torch.randn(33)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, s = opforge.add_rms_norm(x, res, w, 1e-6)
+        s_ref = x + res
+        y_ref = torch.nn.functional.rms_norm(s_ref, (33,), w, 1e-6)
+    assert s.dtype == y.dtype == torch.float32 == y_ref.dtype
+    torch.testing.assert_close(s, s_ref)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
