@@ -8,22 +8,22 @@
 
 /* One scalar loop per dtype; LD/ST convert to and from the compute type T,
  * ACT/GRAD are act.h's scalar activation and derivative in T. */
-#define GLU_REF(name, E, T, LD, ST, ACT, GRAD)                                                                   \
+#define GLU_REF(name, E, T, LD, ST, ACT, GRAD)                                                                    \
     static void glu_fwd_##name(void *out_, const void *gate_, const void *up_, int64_t n, int64_t os, int64_t gs, \
-                               int64_t us, act_kind act) {                                                       \
-        E *out = out_;                                                                                           \
-        const E *gate = gate_, *up = up_;                                                                        \
-        for (int64_t i = 0; i < n; i++) out[i * os] = ST(ACT(act, LD(gate[i * gs])) * LD(up[i * us]));          \
-    }                                                                                                            \
-    static void glu_bwd_##name(void *dgate_, void *dup_, const void *grad_, const void *gate_, const void *up_,  \
-                               int64_t n, int64_t ds, int64_t rs, int64_t gs, int64_t us, act_kind act) {        \
-        E *dgate = dgate_, *dup = dup_;                                                                          \
-        const E *grad = grad_, *gate = gate_, *up = up_;                                                         \
-        for (int64_t i = 0; i < n; i++) {                                                                        \
-            T g = LD(grad[i * rs]), x = LD(gate[i * gs]);                                                        \
-            dgate[i * ds] = ST(g * LD(up[i * us]) * GRAD(act, x));                                               \
-            dup[i * ds] = ST(g * ACT(act, x));                                                                   \
-        }                                                                                                        \
+                               int64_t us, act_kind act) {                                                        \
+        E *out = out_;                                                                                            \
+        const E *gate = gate_, *up = up_;                                                                         \
+        for (int64_t i = 0; i < n; i++) out[i * os] = ST(ACT(act, LD(gate[i * gs])) * LD(up[i * us]));            \
+    }                                                                                                             \
+    static void glu_bwd_##name(void *dgate_, void *dup_, const void *grad_, const void *gate_, const void *up_,   \
+                               int64_t n, int64_t ds, int64_t rs, int64_t gs, int64_t us, act_kind act) {         \
+        E *dgate = dgate_, *dup = dup_;                                                                           \
+        const E *grad = grad_, *gate = gate_, *up = up_;                                                          \
+        for (int64_t i = 0; i < n; i++) {                                                                         \
+            T g = LD(grad[i * rs]), x = LD(gate[i * gs]);                                                         \
+            dgate[i * ds] = ST(g * LD(up[i * us]) * GRAD(act, x));                                                \
+            dup[i * ds] = ST(g * ACT(act, x));                                                                    \
+        }                                                                                                         \
     }
 
 #define GLU_ID(v) (v)

@@ -27,8 +27,8 @@
 #include "opforge/runtime.h"
 
 /* out[i*os] = act(gate[i*gs]) * up[i*us] */
-typedef void (*glu_fwd_fn)(void *out, const void *gate, const void *up, int64_t n, int64_t os, int64_t gs,
-                           int64_t us, act_kind act);
+typedef void (*glu_fwd_fn)(void *out, const void *gate, const void *up, int64_t n, int64_t os, int64_t gs, int64_t us,
+                           act_kind act);
 /* dgate[i*ds], dup[i*ds] from grad[i*rs], gate[i*gs], up[i*us] */
 typedef void (*glu_bwd_fn)(void *dgate, void *dup, const void *grad, const void *gate, const void *up, int64_t n,
                            int64_t ds, int64_t rs, int64_t gs, int64_t us, act_kind act);

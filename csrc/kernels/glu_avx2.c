@@ -47,50 +47,50 @@ static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 
 /* LDn / STn: m <= 8 elements at stride s, through a zero-padded block unless
  * the 8 lie side by side. */
-#define GLU_BLOCK_IO(name, E, LD, ST)                                                      \
-    static inline __m256 ldn_##name(const E *p, int64_t s, int64_t m) {                    \
-        if (m == 8 && s == 1) return LD(p);                                                \
-        E b[8] = {0};                                                                      \
-        for (int64_t e = 0; e < m; e++) b[e] = p[e * s];                                   \
-        return LD(b);                                                                      \
-    }                                                                                      \
-    static inline void stn_##name(E *p, int64_t s, int64_t m, __m256 v) {                  \
-        if (m == 8 && s == 1) {                                                            \
-            ST(p, v);                                                                      \
-            return;                                                                        \
-        }                                                                                  \
-        E b[8];                                                                            \
-        ST(b, v);                                                                          \
-        for (int64_t e = 0; e < m; e++) p[e * s] = b[e];                                   \
+#define GLU_BLOCK_IO(name, E, LD, ST)                                     \
+    static inline __m256 ldn_##name(const E *p, int64_t s, int64_t m) {   \
+        if (m == 8 && s == 1) return LD(p);                               \
+        E b[8] = {0};                                                     \
+        for (int64_t e = 0; e < m; e++) b[e] = p[e * s];                  \
+        return LD(b);                                                     \
+    }                                                                     \
+    static inline void stn_##name(E *p, int64_t s, int64_t m, __m256 v) { \
+        if (m == 8 && s == 1) {                                           \
+            ST(p, v);                                                     \
+            return;                                                       \
+        }                                                                 \
+        E b[8];                                                           \
+        ST(b, v);                                                         \
+        for (int64_t e = 0; e < m; e++) p[e * s] = b[e];                  \
     }
 
 GLU_BLOCK_IO(f32, float, ld_f32, st_f32)
 GLU_BLOCK_IO(bf16, uint16_t, ld_bf16, st_bf16)
 GLU_BLOCK_IO(f16, uint16_t, ld_f16, st_f16)
 
-#define GLU_AVX2(name, E)                                                                                        \
+#define GLU_AVX2(name, E)                                                                                         \
     static void glu_fwd_##name(void *out_, const void *gate_, const void *up_, int64_t n, int64_t os, int64_t gs, \
-                               int64_t us, act_kind act) {                                                       \
-        E *out = out_;                                                                                           \
-        const E *gate = gate_, *up = up_;                                                                        \
-        for (int64_t i = 0; i < n; i += 8) {                                                                     \
-            int64_t m = n - i < 8 ? n - i : 8;                                                                   \
-            __m256 a = act8(act, ldn_##name(gate + i * gs, gs, m));                                              \
-            stn_##name(out + i * os, os, m, _mm256_mul_ps(a, ldn_##name(up + i * us, us, m)));                   \
-        }                                                                                                        \
-    }                                                                                                            \
-    static void glu_bwd_##name(void *dgate_, void *dup_, const void *grad_, const void *gate_, const void *up_,  \
-                               int64_t n, int64_t ds, int64_t rs, int64_t gs, int64_t us, act_kind act) {        \
-        E *dgate = dgate_, *dup = dup_;                                                                          \
-        const E *grad = grad_, *gate = gate_, *up = up_;                                                         \
-        for (int64_t i = 0; i < n; i += 8) {                                                                     \
-            int64_t m = n - i < 8 ? n - i : 8;                                                                   \
-            __m256 g = ldn_##name(grad + i * rs, rs, m), da;                                                     \
-            __m256 a = act_pair8(act, ldn_##name(gate + i * gs, gs, m), &da);                                    \
-            __m256 u = ldn_##name(up + i * us, us, m);                                                           \
-            stn_##name(dgate + i * ds, ds, m, _mm256_mul_ps(_mm256_mul_ps(g, u), da));                           \
-            stn_##name(dup + i * ds, ds, m, _mm256_mul_ps(g, a));                                                \
-        }                                                                                                        \
+                               int64_t us, act_kind act) {                                                        \
+        E *out = out_;                                                                                            \
+        const E *gate = gate_, *up = up_;                                                                         \
+        for (int64_t i = 0; i < n; i += 8) {                                                                      \
+            int64_t m = n - i < 8 ? n - i : 8;                                                                    \
+            __m256 a = act8(act, ldn_##name(gate + i * gs, gs, m));                                               \
+            stn_##name(out + i * os, os, m, _mm256_mul_ps(a, ldn_##name(up + i * us, us, m)));                    \
+        }                                                                                                         \
+    }                                                                                                             \
+    static void glu_bwd_##name(void *dgate_, void *dup_, const void *grad_, const void *gate_, const void *up_,   \
+                               int64_t n, int64_t ds, int64_t rs, int64_t gs, int64_t us, act_kind act) {         \
+        E *dgate = dgate_, *dup = dup_;                                                                           \
+        const E *grad = grad_, *gate = gate_, *up = up_;                                                          \
+        for (int64_t i = 0; i < n; i += 8) {                                                                      \
+            int64_t m = n - i < 8 ? n - i : 8;                                                                    \
+            __m256 g = ldn_##name(grad + i * rs, rs, m), da;                                                      \
+            __m256 a = act_pair8(act, ldn_##name(gate + i * gs, gs, m), &da);                                     \
+            __m256 u = ldn_##name(up + i * us, us, m);                                                            \
+            stn_##name(dgate + i * ds, ds, m, _mm256_mul_ps(_mm256_mul_ps(g, u), da));                            \
+            stn_##name(dup + i * ds, ds, m, _mm256_mul_ps(g, a));                                                 \
+        }                                                                                                         \
     }
 
 GLU_AVX2(f32, float)

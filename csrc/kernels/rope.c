@@ -23,19 +23,18 @@ static inline int rope_sign(int64_t j, int64_t r, int interleaved, int inverse) 
 }
 
 /* forward: out[j] = x[j] c[j] + sign x[p] s[j]; inverse: out[j] = x[j] c[j] + sign x[p] s[p] */
-#define ROPE_REF(name, E, T, LD, ST)                                                                          \
-    static void rope_row_##name(void *out_, const void *x_, const void *cos_, const void *sin_, int64_t d,    \
-                                int64_t r, int64_t os, int64_t xs, int64_t cs, int64_t ss, int interleaved,   \
-                                int inverse) {                                                                \
-        E *out = out_;                                                                                        \
-        const E *x = x_, *c = cos_, *s = sin_;                                                                \
-        for (int64_t j = 0; j < r; j++) {                                                                     \
-            int64_t p = rope_partner(j, r, interleaved);                                                      \
-            T sv = LD(s[(inverse ? p : j) * ss]);                                                             \
-            T rx = (T)rope_sign(j, r, interleaved, inverse) * LD(x[p * xs]);                                  \
-            out[j * os] = ST(LD(x[j * xs]) * LD(c[j * cs]) + rx * sv);                                        \
-        }                                                                                                     \
-        for (int64_t j = r; j < d; j++) out[j * os] = x[j * xs];                                              \
+#define ROPE_REF(name, E, T, LD, ST)                                                                                  \
+    static void rope_row_##name(void *out_, const void *x_, const void *cos_, const void *sin_, int64_t d, int64_t r, \
+                                int64_t os, int64_t xs, int64_t cs, int64_t ss, int interleaved, int inverse) {       \
+        E *out = out_;                                                                                                \
+        const E *x = x_, *c = cos_, *s = sin_;                                                                        \
+        for (int64_t j = 0; j < r; j++) {                                                                             \
+            int64_t p = rope_partner(j, r, interleaved);                                                              \
+            T sv = LD(s[(inverse ? p : j) * ss]);                                                                     \
+            T rx = (T)rope_sign(j, r, interleaved, inverse) * LD(x[p * xs]);                                          \
+            out[j * os] = ST(LD(x[j * xs]) * LD(c[j * cs]) + rx * sv);                                                \
+        }                                                                                                             \
+        for (int64_t j = r; j < d; j++) out[j * os] = x[j * xs];                                                      \
     }
 
 #define ROPE_ID(v) (v)
@@ -55,8 +54,7 @@ const rope_kernels rope_kernels_ref = {
 extern const rope_kernels rope_kernels_avx2 __attribute__((weak));
 extern const rope_kernels rope_kernels_avx512 __attribute__((weak));
 
-const opf_variants rope_variants =
-    OPF_VARIANTS("rope", &rope_kernels_ref, &rope_kernels_avx2, &rope_kernels_avx512);
+const opf_variants rope_variants = OPF_VARIANTS("rope", &rope_kernels_ref, &rope_kernels_avx2, &rope_kernels_avx512);
 
 const rope_kernels *rope_kernels_for(opf_isa isa) { return opf_variant_pick(&rope_variants, isa); }
 

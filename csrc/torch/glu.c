@@ -18,8 +18,8 @@ static const char BWD[] = OPF_QUALNAME("glu_backward");
 
 static act_kind check_act(const char *op, int64_t act) {
     if (act != ACT_SILU && act != ACT_GELU && act != ACT_GELU_TANH)
-        opf_fail(op, "argument 'act' must be %d (gelu), %d (gelu_tanh) or %d (silu), got %lld", ACT_GELU,
-                 ACT_GELU_TANH, ACT_SILU, (long long)act);
+        opf_fail(op, "argument 'act' must be %d (gelu), %d (gelu_tanh) or %d (silu), got %lld", ACT_GELU, ACT_GELU_TANH,
+                 ACT_SILU, (long long)act);
     return (act_kind)act;
 }
 

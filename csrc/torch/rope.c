@@ -93,7 +93,8 @@ static rope_args check_rope(const char *op, const char *qname, const char *kname
     check_table(&a, "sin", &a.sin, sst);
     opf_check_same_shape(op, "sin", &a.sin, "cos", &a.cos);
     if (r > qs[3])
-        opf_fail(op, "argument 'cos' must have a rotary dim (last size) of at most the head_dim of '%s' (%lld), got %lld",
+        opf_fail(op,
+                 "argument 'cos' must have a rotary dim (last size) of at most the head_dim of '%s' (%lld), got %lld",
                  qname, (long long)qs[3], (long long)r);
     if (r % 2 != 0) opf_fail(op, "argument 'cos' must have an even rotary dim (last size), got %lld", (long long)r);
     a.p = (rope_problem){.dt = opf_check_float(op, qname, &a.q),
@@ -129,9 +130,9 @@ static rope_args check_rope(const char *op, const char *qname, const char *kname
         a.p.pos = a.pos.data;
         a.p.pb = a.pos.sizes[0] == 1 ? 0 : a.pos.strides[0];
         a.p.pn = a.pos.strides[1];
-        int64_t bad = 0, at = opf_is_meta(&a.pos) ? -1
-                                                  : rope_check_positions(a.p.pos, a.p.b, a.p.n, a.p.pb, a.p.pn,
-                                                                         a.cos.sizes[0], &bad);
+        int64_t bad = 0, at = opf_is_meta(&a.pos)
+                                  ? -1
+                                  : rope_check_positions(a.p.pos, a.p.b, a.p.n, a.p.pb, a.p.pn, a.cos.sizes[0], &bad);
         if (at >= 0)
             opf_fail(op, "argument 'position_ids' must lie in [0, %lld) (the rows of 'cos'), got %lld at [%lld, %lld]",
                      (long long)a.cos.sizes[0], (long long)bad, (long long)(at / qs[2]), (long long)(at % qs[2]));
