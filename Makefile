@@ -119,9 +119,13 @@ bench: build
 	$(PY) benchmarks/bench_linear.py
 	$(PY) benchmarks/bench_attention.py
 	$(PY) benchmarks/bench_build.py
+	$(PY) benchmarks/bench_swiglu.py
+	$(PY) benchmarks/bench_rope.py
 
 bench-smoke: build
 	$(PY) benchmarks/bench_dispersion_correction.py --smoke
+	$(PY) benchmarks/bench_swiglu.py --smoke
+	$(PY) benchmarks/bench_rope.py --smoke
 
 # C: .clang-format (the scaffold templates are left out: their {name}
 # placeholders are not C until `opforge new` fills them in). Python: ruff's
