@@ -15,6 +15,7 @@
  * strided run is gathered 8 or 16 at a time) and finish a run with the same
  * vector code on a padded block, so an element's value never depends on where
  * a thread's range begins or ends: results are the same at any thread count.
+ * Unit-stride runs writing more than 8 MiB store past the caches (non-temporal).
  * Pure functions: no allocation, no threads; the caller splits the range.
  */
 #ifndef OPFORGE_KERNELS_GLU_H

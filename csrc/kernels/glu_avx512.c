@@ -132,29 +132,74 @@ GLU_BLOCK_IO(f32, float, ld_f32, st_f32)
 GLU_BLOCK_IO(bf16, uint16_t, ld_bf16, st_bf16)
 GLU_BLOCK_IO(f16, uint16_t, ld_f16, st_f16)
 
-#define GLU_AVX512(name, E)                                                                                       \
-    static void glu_fwd_##name(void *out_, const void *gate_, const void *up_, int64_t n, int64_t os, int64_t gs, \
-                               int64_t us, act_kind act) {                                                        \
-        E *out = out_;                                                                                            \
-        const E *gate = gate_, *up = up_;                                                                         \
-        for (int64_t i = 0; i < n; i += 16) {                                                                     \
-            int64_t m = n - i < 16 ? n - i : 16;                                                                  \
-            __m512 a = act16(act, ldn_##name(gate + i * gs, gs, m), NULL);                                        \
-            stn_##name(out + i * os, os, m, _mm512_mul_ps(a, ldn_##name(up + i * us, us, m)));                    \
-        }                                                                                                         \
-    }                                                                                                             \
-    static void glu_bwd_##name(void *dgate_, void *dup_, const void *grad_, const void *gate_, const void *up_,   \
-                               int64_t n, int64_t ds, int64_t rs, int64_t gs, int64_t us, act_kind act) {         \
-        E *dgate = dgate_, *dup = dup_;                                                                           \
-        const E *grad = grad_, *gate = gate_, *up = up_;                                                          \
-        for (int64_t i = 0; i < n; i += 16) {                                                                     \
-            int64_t m = n - i < 16 ? n - i : 16;                                                                  \
-            __m512 g = ldn_##name(grad + i * rs, rs, m), da;                                                      \
-            __m512 a = act16(act, ldn_##name(gate + i * gs, gs, m), &da);                                         \
-            __m512 u = ldn_##name(up + i * us, us, m);                                                            \
-            stn_##name(dgate + i * ds, ds, m, _mm512_mul_ps(_mm512_mul_ps(g, u), da));                            \
-            stn_##name(dup + i * ds, ds, m, _mm512_mul_ps(g, a));                                                 \
-        }                                                                                                         \
+/* Non-temporal stores of a whole aligned block (64 bytes for float32, 32 for the 16-bit types). */
+static inline void nt_f32(float *p, __m512 v) { _mm512_stream_ps(p, v); }
+static inline void nt_bf16(uint16_t *p, __m512 v) { _mm256_stream_si256((__m256i *)p, round16x16(v, OPF_BF16)); }
+static inline void nt_f16(uint16_t *p, __m512 v) { _mm256_stream_si256((__m256i *)p, round16x16(v, OPF_F16)); }
+
+/* Unit-stride runs that write more than this stream their output past the caches (see glu_avx2.c). */
+#define GLU_STREAM_MIN_BYTES ((int64_t)8 << 20)
+
+/* elements before the first 16-element block of p aligned for a non-temporal store */
+static inline int64_t glu_head(const void *p, size_t es) {
+    const uintptr_t align = 16 * es;
+    return (int64_t)((align - (uintptr_t)p % align) % align / es);
+}
+
+#define GLU_AVX512(name, E)                                                                                          \
+    static void glu_fwd_##name(void *out_, const void *gate_, const void *up_, int64_t n, int64_t os, int64_t gs,    \
+                               int64_t us, act_kind act) {                                                           \
+        E *out = out_;                                                                                               \
+        const E *gate = gate_, *up = up_;                                                                            \
+        int64_t i = 0;                                                                                               \
+        if (os == 1 && gs == 1 && us == 1 && n * (int64_t)sizeof(E) >= GLU_STREAM_MIN_BYTES) {                       \
+            const int64_t head = glu_head(out, sizeof(E));                                                           \
+            if (head > 0)                                                                                            \
+                stn_##name(out, 1, head,                                                                             \
+                           _mm512_mul_ps(act16(act, ldn_##name(gate, 1, head), NULL), ldn_##name(up, 1, head)));     \
+            for (i = head; i + 16 <= n; i += 16)                                                                     \
+                nt_##name(out + i,                                                                                   \
+                          _mm512_mul_ps(act16(act, ldn_##name(gate + i, 1, 16), NULL), ldn_##name(up + i, 1, 16)));  \
+            _mm_sfence();                                                                                            \
+        }                                                                                                            \
+        for (; i < n; i += 16) {                                                                                     \
+            int64_t m = n - i < 16 ? n - i : 16;                                                                     \
+            __m512 a = act16(act, ldn_##name(gate + i * gs, gs, m), NULL);                                           \
+            stn_##name(out + i * os, os, m, _mm512_mul_ps(a, ldn_##name(up + i * us, us, m)));                       \
+        }                                                                                                            \
+    }                                                                                                                \
+    static inline void glu_bwd16_##name(E *dgate, E *dup, const E *grad, const E *gate, const E *up, int64_t m,      \
+                                        int64_t ds, int64_t rs, int64_t gs, int64_t us, act_kind act, int nt) {      \
+        __m512 g = ldn_##name(grad, rs, m), da;                                                                      \
+        __m512 a = act16(act, ldn_##name(gate, gs, m), &da);                                                         \
+        __m512 u = ldn_##name(up, us, m);                                                                            \
+        __m512 dg = _mm512_mul_ps(_mm512_mul_ps(g, u), da), du = _mm512_mul_ps(g, a);                                \
+        if (nt) {                                                                                                    \
+            nt_##name(dgate, dg);                                                                                    \
+            nt_##name(dup, du);                                                                                      \
+        } else {                                                                                                     \
+            stn_##name(dgate, ds, m, dg);                                                                            \
+            stn_##name(dup, ds, m, du);                                                                              \
+        }                                                                                                            \
+    }                                                                                                                \
+    static void glu_bwd_##name(void *dgate_, void *dup_, const void *grad_, const void *gate_, const void *up_,      \
+                               int64_t n, int64_t ds, int64_t rs, int64_t gs, int64_t us, act_kind act) {            \
+        E *dgate = dgate_, *dup = dup_;                                                                              \
+        const E *grad = grad_, *gate = gate_, *up = up_;                                                             \
+        int64_t i = 0;                                                                                               \
+        if (ds == 1 && rs == 1 && gs == 1 && us == 1 && 2 * n * (int64_t)sizeof(E) >= GLU_STREAM_MIN_BYTES &&        \
+            glu_head(dgate, sizeof(E)) == glu_head(dup, sizeof(E))) {                                                \
+            const int64_t head = glu_head(dgate, sizeof(E));                                                         \
+            if (head > 0) glu_bwd16_##name(dgate, dup, grad, gate, up, head, 1, 1, 1, 1, act, 0);                    \
+            for (i = head; i + 16 <= n; i += 16)                                                                     \
+                glu_bwd16_##name(dgate + i, dup + i, grad + i, gate + i, up + i, 16, 1, 1, 1, 1, act, 1);            \
+            _mm_sfence();                                                                                            \
+        }                                                                                                            \
+        for (; i < n; i += 16) {                                                                                     \
+            int64_t m = n - i < 16 ? n - i : 16;                                                                     \
+            glu_bwd16_##name(dgate + i * ds, dup + i * ds, grad + i * rs, gate + i * gs, up + i * us, m, ds, rs, gs, \
+                             us, act, 0);                                                                            \
+        }                                                                                                            \
     }
 
 GLU_AVX512(f32, float)
