@@ -257,3 +257,98 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
     """
     weight, bias = _autocast_params(x, weight, bias)
     return _layer_norm(x, weight, bias, eps)[0]
+# ---- gated linear units -----------------------------------------------------------------
+
+GLU_ACTIVATIONS = {"silu": 4, "gelu": 2, "gelu_tanh": 3}  # act_kind codes of csrc/kernels/act.h
+GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+@op_function(ops.glu.default)
+def _glu(gate, up, act):
+    """act(gate) * up, act an int code of GLU_ACTIVATIONS: see swiglu and geglu."""
+
+
+def _glu_halves(name: str, gate: torch.Tensor, up: torch.Tensor | None):
+    """(gate, up), splitting a packed (..., 2F) gate as x.chunk(2, -1) does: two views, no copy."""
+    if up is not None:
+        return gate, up
+    if gate.dim() == 0 or gate.shape[-1] % 2 != 0:
+        got = "a 0-d tensor" if gate.dim() == 0 else f"last size {gate.shape[-1]}"
+        raise RuntimeError(f"[opforge.{name}] argument 'gate' given alone must be packed (..., 2F) (gate then up), "
+                           f"with an even last size, got {got}")
+    return gate.chunk(2, -1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` (Llama's MLP activation) in one pass.
+
+    Args:
+        gate, up: (..., F) tensors of one shape, dtype (float32, float64,
+            bfloat16, float16) and device; any strides, read in place.
+            ``up=None``: ``gate`` is the packed (..., 2F) tensor of a fused
+            gate-up projection, split as ``gate.chunk(2, -1)`` (gate first)
+            into two views, read in place.
+
+    Returns a new (..., F) tensor, with gate's strides when gate is dense
+    (contiguous otherwise). bfloat16 / float16 compute in float32 and round
+    once. The backward recomputes silu from gate (nothing else is saved) and
+    gives gradients of gate and up (of the packed tensor through autograd's
+    chunk, which assembles the two halves in one copy). Under autocast the op
+    runs in the autocast dtype.
+    """
+    gate, up = _glu_halves("swiglu", gate, up)
+    return _glu(gate, up, GLU_ACTIVATIONS["silu"])
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
+    """``gelu(gate, approximate) * up`` (GeGLU) in one pass; ``approximate`` is
+    "none" (exact, erf) or "tanh", as ``torch.nn.functional.gelu`` takes it.
+    Everything else as :func:`swiglu` (packed form with ``up=None``)."""
+    act = GELU_APPROXIMATE.get(approximate)
+    if act is None:
+        raise RuntimeError(f"[opforge.geglu] argument 'approximate' must be 'none' or 'tanh', got {approximate!r}")
+    gate, up = _glu_halves("geglu", gate, up)
+    return _glu(gate, up, GLU_ACTIVATIONS[act])
+
+
+# ---- rotary position embedding ---------------------------------------------------------------
+
+
+@op_function(ops.rope.default)
+def _rope(q, k, cos, sin, position_ids, interleaved):
+    """(q_out, k_out): see rope."""
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         position_ids: torch.Tensor | None = None, interleaved: bool = False):
+    """Rotary position embedding of queries and keys, ``(q_out, k_out)``: what
+    Hugging Face computes as ``q * cos + rotate_half(q) * sin`` (and the same
+    for k) in one pass over q and k.
+
+    Args:
+        q: (B, Hq, N, D); k: (B, Hk, N, D), any head counts (grouped-query
+            attention). Any strides: the usual ``x.view(B, N, H, D).transpose(1, 2)``
+            is read in place, and the outputs keep a dense input's layout.
+        cos, sin: the dtype of q; (N, R), (B or 1, N, R) or (B or 1, 1, N, R)
+            as ``LlamaRotaryEmbedding`` returns them (its ``unsqueeze(1)`` is
+            optional), or with ``position_ids`` a (P, R) table whose rows the
+            positions pick. R is the rotary dim: even, at most D; dims R..D
+            pass through unchanged (partial rotary).
+        position_ids: None, or int64 (B or 1, N) rows of the table, each
+            checked to lie in [0, P) before anything is computed.
+        interleaved: False for the half-split convention (Llama, NeoX:
+            ``rotate_half`` pairs dims j and j + R/2); True for GPT-J's
+            pairs (2i, 2i + 1) (``rotate_every_two``, with cos / sin given
+            per element, each frequency repeated twice).
+
+    float32, float64, bfloat16, float16 (computed in float32, rounded once).
+    Gradients flow to q and k (the backward is the transposed rotation: the
+    rotation by -theta for Hugging Face's cos / sin); cos and sin are
+    constants: if either requires grad while grad mode is on, this raises
+    (pass ``cos.detach()``). Under autocast the op runs in the autocast dtype
+    (cos / sin cast with q and k).
+    """
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise RuntimeError("[opforge.rope] arguments 'cos' and 'sin' must not require grad: opforge computes no "
+                           "gradient for them (pass cos.detach() and sin.detach())")
+    return _rope(q, k, cos, sin, position_ids, bool(interleaved))

@@ -186,3 +186,70 @@ class LayerNorm(torch.nn.LayerNorm):
         w = None if self.weight is None else self.weight.flatten()
         b = None if self.bias is None else self.bias.flatten()
         return F.layer_norm(x.flatten(-k), w, b, self.eps).view(x.shape)
+class SwiGLU(torch.nn.Module):
+    """Llama's MLP: ``down_proj(swiglu(gate_proj(x), up_proj(x)))``.
+
+    The three projections are :class:`Linear` layers without bias named as in
+    Hugging Face's ``LlamaMLP`` (``gate_proj``, ``up_proj``: hidden ->
+    intermediate; ``down_proj``: intermediate -> hidden), so a ``LlamaMLP``
+    state_dict loads as is.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """(cos, sin) of rotary position embedding as Hugging Face's
+    ``LlamaRotaryEmbedding`` (default rope type) makes them.
+
+    ``inv_freq = 1 / base ** (arange(0, dim, 2) / dim)`` is a non-persistent
+    buffer (not in the state_dict, as in Hugging Face). ``forward(x,
+    position_ids)`` returns cos and sin of shape (B, N, dim) in x's dtype,
+    computed in float32 (``emb = cat(freqs, freqs)``, the half-split layout);
+    :meth:`apply` rotates q and k with them (:func:`opforge.functional.rope`).
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, dim: int, max_position_embeddings: int = 2048, base: float = 10000.0, device=None):
+        super().__init__()
+        self.dim, self.max_position_embeddings, self.base = dim, max_position_embeddings, base
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = 1.0
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
+        pos = position_ids[:, None, :].float()
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            freqs = (inv.float() @ pos.float()).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q_out, k_out) for q (B, Hq, N, D), k (B, Hk, N, D) and this module's (cos, sin)."""
+        return F.rope(q, k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, max_position_embeddings={self.max_position_embeddings}, base={self.base}"
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """Hugging Face's ``apply_rotary_pos_emb`` (Llama) on :func:`opforge.functional.rope`:
+    q (B, Hq, N, D), k (B, Hk, N, D), cos / sin (B, N, R). ``position_ids`` is
+    ignored, as in Hugging Face; ``unsqueeze_dim`` must be 1 (the head axis)."""
+    if unsqueeze_dim != 1:
+        raise RuntimeError(f"[opforge.nn.apply_rotary_pos_emb] argument 'unsqueeze_dim' must be 1 (q and k are "
+                           f"(B, H, N, D)), got {unsqueeze_dim}")
+    return F.rope(q, k, cos, sin)

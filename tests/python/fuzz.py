@@ -295,10 +295,45 @@ def _draw_dispersion(rng, c):
     return _seconds(c, 0, 0, math.prod(shape) * 30)
 
 
+GLU_MARKS = (1, 7, 8, 15, 16, 17, 33, 123, 1408, 4097, 5632)  # vector widths, Llama MLP sizes
+
+
+def _draw_glu(rng, c):
+    c["act"] = rng.choice(("silu", "gelu", "gelu_tanh"))
+    c["packed"] = rng.random() < 0.3  # one (..., 2F) tensor split by chunk: two strided views
+    nd = rng.choices((1, 2, 3), (0.2, 0.5, 0.3))[0]
+    shape = [_dim(rng, 64 if nd == 3 else 2048, DC_MARKS, zero=0.03) for _ in range(nd - 1)]
+    shape.append(_dim(rng, 6000, GLU_MARKS, zero=0.03))
+    while math.prod(shape) > 2_000_000:
+        shape[shape.index(max(shape))] //= 2
+    c["shape"] = shape
+    full = shape[:-1] + [2 * shape[-1]]
+    c["gate_layout"] = _layout(rng, full if c["packed"] else shape)
+    c["up_layout"] = None if c["packed"] else _layout(rng, shape)
+    c["grad"] = rng.random() < 0.5
+    return _seconds(c, 0, 0, math.prod(shape) * 60)
+
+
+def _draw_rope(rng, c):
+    c["b"] = rng.choice((1, 1, 2, 3))
+    c["hq"] = rng.choice((1, 2, 4, 5, 8))
+    c["hk"] = rng.choice((1, c["hq"], max(1, c["hq"] // 2)))
+    c["n"] = _dim(rng, 1024, ATTN_MARKS, zero=0.02)
+    c["d"] = rng.choice(HEAD_DIMS) if rng.random() < 0.7 else rng.randint(1, 160)
+    c["r"] = c["d"] - c["d"] % 2 if rng.random() < 0.6 else 2 * rng.randint(0, c["d"] // 2)
+    c["interleaved"] = rng.random() < 0.3
+    c["cos"] = rng.choice(("2d", "3d", "3d-batch", "4d", "table"))
+    c["q_layout"] = _layout(rng, [c["b"], c["hq"], c["n"], c["d"]])
+    c["k_layout"] = _layout(rng, [c["b"], c["hk"], c["n"], c["d"]])
+    c["grad"] = rng.random() < 0.5
+    return _seconds(c, 0, 0, c["b"] * (c["hq"] + c["hk"]) * c["n"] * c["d"] * 40)
+
+
 DRAW = {"matmul": _draw_matmul, "linear": _draw_linear, "attention": _draw_attention,
-        "dispersion_correction": _draw_dispersion}
+        "dispersion_correction": _draw_dispersion, "glu": _draw_glu, "rope": _draw_rope}
 # the GEMM ops have the most plans (blocks, threads, slices, chunks, paths of the backward)
-OP_WEIGHTS = {"matmul": 0.25, "linear": 0.45, "attention": 0.2, "dispersion_correction": 0.1}
+OP_WEIGHTS = {"matmul": 0.25, "linear": 0.45, "attention": 0.2, "dispersion_correction": 0.1, "glu": 0.06,
+              "rope": 0.06}
 # estimated seconds a case may take: most cases are small; a fifth may be big, since a 16-bit GEMM over
 # row chunks needs M * N >= 2**21 and K over a slice (>= 8e8 multiply-adds)
 CASE_SECONDS, BIG_CASE_SECONDS, BIG_SHARE = 0.8, 2.5, 0.2
@@ -344,6 +379,14 @@ def describe(c: dict) -> str:
         lay = "".join(f" {t}{_layout_str(c[t + '_layout'])}" for t in "qkv" if c[t + "_layout"])
         return (f"{head} {c['dims']}-d B={c['b']} H={c['h']} Hkv={c['hkv']} N={c['n']} S={c['s']} D={c['d']} "
                 f"Dv={c['dv']} causal={c['causal']} scale={c['scale']}{mask}{lay} grad={c['grad']}")
+    if c["op"] == "glu":
+        up = "packed" if c["packed"] else f"up{_layout_str(c['up_layout'])}"
+        return (f"{head} act={c['act']} shape={tuple(c['shape'])} gate{_layout_str(c['gate_layout'])} {up} "
+                f"grad={c['grad']}")
+    if c["op"] == "rope":
+        return (f"{head} B={c['b']} Hq={c['hq']} Hk={c['hk']} N={c['n']} D={c['d']} R={c['r']} "
+                f"interleaved={c['interleaved']} cos={c['cos']} q{_layout_str(c['q_layout'])} "
+                f"k{_layout_str(c['k_layout'])} grad={c['grad']}")
     return (f"{head} x={tuple(c['shape'])}{_layout_str(c['layout'])} alpha={c['alpha']} specials={c['specials']} "
             f"grad={c['grad']}")
 
@@ -709,8 +752,115 @@ def check_dispersion(c, gen, dtype, dt, call):
     return checks
 
 
+def check_glu(c, gen, dtype, dt, call):
+    shape = c["shape"]
+    if c["packed"]:
+        base, view = make(gen, shape[:-1] + [2 * shape[-1]], dtype, c["gate_layout"], scale=3.0)
+        base.requires_grad_(c["grad"])
+        x = view(base)
+        gate, up = x.chunk(2, -1)
+        args, wrt = (x,), (x,)
+    else:
+        gbase, gview = make(gen, shape, dtype, c["gate_layout"], scale=3.0)
+        ubase, uview = make(gen, shape, dtype, c["up_layout"])
+        gbase.requires_grad_(c["grad"])
+        ubase.requires_grad_(c["grad"])
+        gate, up = gview(gbase), uview(ubase)
+        args, wrt = (gate, up), (gate, up)
+    g = random_tensor(gen, shape, dtype)
+    fn = {"silu": opforge.functional.swiglu, "gelu": opforge.functional.geglu,
+          "gelu_tanh": lambda *a: opforge.functional.geglu(*a, approximate="tanh")}[c["act"]]
+
+    def forward_backward():
+        out = fn(*args)
+        return out, (torch.autograd.grad(out, wrt, g) if c["grad"] else None)
+
+    if c["grad"]:
+        out, grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            out, grads = call(forward_backward)
+    x64, u64, g64 = gate.detach().double(), up.detach().double(), g.double()
+    with torch.enable_grad():
+        xr = x64.clone().requires_grad_()
+        a = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+             "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[c["act"]](xr)
+        (da,) = torch.autograd.grad(a, xr, torch.ones_like(a))
+    a = a.detach()
+    u = U_ACC[dt]
+    # the vector exp / erf / tanh: a few float32 ulps of |act| + |x| (erf's error is absolute); the
+    # derivative of gelu_tanh is a difference of O(1 + |x|) terms
+    want = a * u64
+    checks = [Check("out", out, want, 16 * u * (a.abs() + x64.abs()) * u64.abs() + _out_tol(want, dt), dtype)]
+    if c["grad"]:
+        dgate, dup = g64 * u64 * da, g64 * a
+        bound_g = 64 * u * (g64 * u64).abs() * (1 + x64.abs()) + _out_tol(dgate, dt)
+        bound_u = 16 * u * g64.abs() * (a.abs() + x64.abs()) + _out_tol(dup, dt)
+        if c["packed"]:
+            checks.append(Check("dx", grads[0], torch.cat((dgate, dup), -1), torch.cat((bound_g, bound_u), -1), dtype))
+        else:
+            checks += [Check("dgate", grads[0], dgate, bound_g, dtype), Check("dup", grads[1], dup, bound_u, dtype)]
+    return checks
+
+
+def check_rope(c, gen, dtype, dt, call):
+    from opforge.references import rope as rope_reference
+
+    b, n, d, r = c["b"], c["n"], c["d"], c["r"]
+    qbase, qview = make(gen, [b, c["hq"], n, d], dtype, c["q_layout"])
+    kbase, kview = make(gen, [b, c["hk"], n, d], dtype, c["k_layout"])
+    for t in (qbase, kbase):
+        t.requires_grad_(c["grad"])
+    q, k = qview(qbase), kview(kbase)
+    rows = n + 5 if c["cos"] == "table" else n
+    theta = torch.rand(b if c["cos"] == "3d-batch" else 1, rows, r, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = theta.cos().to(dtype), theta.sin().to(dtype)
+    pos = None
+    if c["cos"] == "table":
+        cos, sin = cos[0], sin[0]
+        pos = torch.randint(0, rows, (rng_batch(gen, b), n), generator=gen)
+    elif c["cos"] == "2d":
+        cos, sin = cos[0], sin[0]
+    elif c["cos"] == "4d":
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    gq, gk = random_tensor(gen, q.shape, dtype), random_tensor(gen, k.shape, dtype)
+
+    def forward_backward():
+        oq, ok = opforge.functional.rope(q, k, cos, sin, pos, c["interleaved"])
+        return (oq, ok), (torch.autograd.grad((oq, ok), (q, k), (gq, gk)) if c["grad"] else None)
+
+    if c["grad"]:
+        (oq, ok), grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            (oq, ok), grads = call(forward_backward)
+    c64, s64 = cos.double(), sin.double()
+    q64, k64 = q.detach().double(), k.detach().double()
+    u = U_ACC[dt]
+    # two products and a sum in the compute precision: within 2u of |x cos| + |rot(x) sin| <= 2 max|x|
+    # (|cos|, |sin| <= 1 here)
+    wq, wk = rope_reference(q64, k64, c64, s64, pos, c["interleaved"])
+    scale_q = q64.abs().amax(-1, keepdim=True) * 2
+    scale_k = k64.abs().amax(-1, keepdim=True) * 2
+    checks = [Check("q_out", oq, wq, 2 * u * scale_q + _out_tol(wq, dt), dtype),
+              Check("k_out", ok, wk, 2 * u * scale_k + _out_tol(wk, dt), dtype)]
+    if c["grad"]:
+        from opforge.references import rope_backward as rope_backward_reference
+
+        dq, dk = rope_backward_reference(gq.double(), gk.double(), c64, s64, pos, c["interleaved"])
+        sq, sk = gq.double().abs().amax(-1, keepdim=True) * 2, gk.double().abs().amax(-1, keepdim=True) * 2
+        checks += [Check("dq", grads[0], dq, 2 * u * sq + _out_tol(dq, dt), dtype),
+                   Check("dk", grads[1], dk, 2 * u * sk + _out_tol(dk, dt), dtype)]
+    return checks
+
+
+def rng_batch(gen: torch.Generator, b: int) -> int:
+    """Position ids of one row (broadcast over the batch) or of every sequence."""
+    return 1 if int(torch.randint(0, 2, (1,), generator=gen)) else b
+
+
 CHECKERS = {"matmul": check_matmul, "linear": check_linear, "attention": check_attention,
-            "dispersion_correction": check_dispersion}
+            "dispersion_correction": check_dispersion, "glu": check_glu, "rope": check_rope}
 
 
 class OpError(Exception):

@@ -1,0 +1,274 @@
+"""swiglu / geglu (the glu op) against float64 PyTorch: values per dtype, the
+packed (..., 2F) form, strides, gradients, gradcheck, opcheck, torch.compile,
+autocast, threads, ISAs, errors, and nn.SwiGLU against Hugging Face's LlamaMLP.
+
+Tolerances (against the float64 formula on the rounded inputs): float32
+atol = rtol = 1e-5 (the vector exp / erf / tanh are within a few ulp, and
+gelu_tanh's derivative is a difference of O(1) terms); bfloat16 / float16
+those of opforge.testing (one rounding of a float32 result), the gradients
+GRAD_TOLERANCE_FACTOR times looser."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as TF
+from torch.library import opcheck
+
+import opforge
+from opforge import functional as F
+from opforge.references import glu as reference
+from opforge.testing import DTYPES, GRAD_TOLERANCE_FACTOR, assert_close, tolerance
+
+OP = torch.ops.opforge.glu.default
+BWD = torch.ops.opforge.glu_backward.default
+ACTS = {"swiglu": (lambda g, u: F.swiglu(g, u), 4), "geglu": (lambda g, u: F.geglu(g, u), 2),
+        "geglu_tanh": (lambda g, u: F.geglu(g, u, approximate="tanh"), 3)}
+SHAPES = [(1,), (7,), (123,), (4097,), (3, 123), (2, 3, 17), (0, 5), (5, 0)]
+
+
+def tol(dtype, grad=False):
+    t = tolerance(dtype, *((1e-5, 1e-5) if dtype == torch.float32 else (None, None)))
+    return {k: v * GRAD_TOLERANCE_FACTOR for k, v in t.items()} if grad else t
+
+
+def inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+    up = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return gate, up
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(ACTS))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_values(dtype, name, shape):
+    fn, act = ACTS[name]
+    gate, up = inputs(shape, dtype)
+    out = fn(gate, up)
+    assert out.shape == gate.shape and out.dtype == dtype
+    assert_close(out, reference(gate.double(), up.double(), act), dtype, f"{name} {shape}", **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_packed_form_is_chunk(dtype, name):
+    x = (torch.randn(3, 5, 2 * 123, dtype=torch.float64) * 2).to(dtype)
+    gate, up = x.chunk(2, -1)
+    packed = getattr(F, name)(x)
+    assert packed.shape == (3, 5, 123)
+    torch.testing.assert_close(packed, getattr(F, name)(gate, up), rtol=0, atol=0)
+    act = 4 if name == "swiglu" else 2
+    assert_close(packed, reference(gate.double(), up.double(), act), dtype, name, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_round_once(dtype):
+    gate, up = inputs((4096,), dtype)
+    exact = reference(gate.double(), up.double(), 4)
+    ours = (F.swiglu(gate, up).double() - exact).abs().max()
+    eager = (reference(gate, up, 4).double() - exact).abs().max()  # rounds after silu and after the product
+    assert ours <= eager
+
+
+def _views(dtype):
+    base = (torch.randn(20, 60, dtype=torch.float64) * 2).to(dtype)
+    return {
+        "transposed": (base[:, :30].t(), base[:, 30:].t()),
+        "row-slice": (base[2:9, 3:16], base[5:12, 40:53]),
+        "step-2": (base[:, ::2], base[:, 1::2]),
+        "broadcast-up": (base[:6, :30], base[:1, 30:].expand(6, 30)),
+        "permuted-3d": (base.reshape(4, 5, 60).permute(2, 0, 1), base.reshape(4, 5, 60).permute(2, 0, 1) * 0.5),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(_views(torch.float32)))
+def test_strided_inputs_read_in_place(name, dtype):
+    gate, up = _views(dtype)[name]
+    out = F.swiglu(gate, up)
+    assert_close(out, reference(gate.double(), up.double(), 4), dtype, name, **tol(dtype))
+    dense = torch.empty_like(gate).stride() == gate.stride()
+    assert out.stride() == (gate.stride() if dense else torch.empty(gate.shape).stride())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(ACTS))
+def test_gradients_match_autograd_of_the_formula(dtype, name):
+    fn, act = ACTS[name]
+    gate, up = (t.requires_grad_() for t in inputs((7, 123), dtype, seed=1))
+    grad = torch.randn(7, 123, dtype=dtype)
+    fn(gate, up).backward(grad)
+    g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    reference(g64, u64, act).backward(grad.double())
+    assert gate.grad.dtype == dtype and up.grad.dtype == dtype
+    assert_close(gate.grad, g64.grad, dtype, "dgate", **tol(dtype, grad=True))
+    assert_close(up.grad, u64.grad, dtype, "dup", **tol(dtype, grad=True))
+
+
+def test_packed_gradient():
+    x = torch.randn(4, 2 * 33, dtype=torch.float64, requires_grad=True)
+    F.swiglu(x).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    gate, up = x2.chunk(2, -1)
+    (TF.silu(gate) * up).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+@pytest.mark.parametrize("name", list(ACTS))
+def test_gradcheck_float64(name):
+    fn, _ = ACTS[name]
+    gate, up = (t.requires_grad_() for t in inputs((5, 13), torch.float64, seed=2))
+    assert torch.autograd.gradcheck(fn, (gate, up))
+    assert torch.autograd.gradcheck(fn, (gate.detach().t().requires_grad_(), up.detach().t().requires_grad_()))
+    x = torch.randn(3, 14, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: F.swiglu(t), (x,))
+
+
+@pytest.mark.parametrize(
+    "gate, up",
+    [inputs((7, 13), torch.float32), (torch.rand(5, 6).t(), torch.rand(6, 5)), torch.rand(3, 10).chunk(2, -1),
+     (torch.rand(0, 3), torch.rand(0, 3))],
+    ids=["contiguous", "transposed", "packed-views", "empty"],
+)
+@pytest.mark.parametrize("act", [2, 3, 4])
+def test_opcheck(gate, up, act):
+    opcheck(OP, (gate, up, act))
+    opcheck(OP, (gate.clone().requires_grad_(), up.clone().requires_grad_(), act))
+    opcheck(BWD, (torch.rand_like(gate), gate, up, act))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph(dynamic):
+    def f(gate, up, x):
+        return F.swiglu(gate, up).sin() + F.geglu(x, approximate="tanh").cos()
+
+    def eager(gate, up, x):
+        a, b = x.chunk(2, -1)
+        return (TF.silu(gate) * up).sin() + (TF.gelu(a, approximate="tanh") * b).cos()
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for n in (16, 33):
+        args = [torch.randn(n, 8).requires_grad_(), torch.randn(n, 8).requires_grad_(),
+                torch.randn(n, 16).requires_grad_()]
+        ref_args = [a.detach().clone().requires_grad_() for a in args]
+        y = compiled(*args)
+        y.sum().backward()
+        eager(*ref_args).sum().backward()
+        torch.testing.assert_close(y, eager(*ref_args), atol=1e-5, rtol=1e-5)
+        for a, r in zip(args, ref_args):
+            torch.testing.assert_close(a.grad, r.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_runs_in_the_autocast_dtype(dtype):
+    gate, up = (t.requires_grad_() for t in inputs((32, 64), torch.float32))
+    with torch.autocast("cpu", dtype=dtype):
+        y = F.swiglu(gate, up)
+        z = torch.compile(lambda a, b: F.swiglu(a, b), fullgraph=True)(gate, up)
+    assert y.dtype == dtype and z.dtype == dtype
+    assert_close(y, reference(gate.detach().to(dtype).double(), up.detach().to(dtype).double(), 4), dtype, "autocast")
+    torch.testing.assert_close(y, z)
+    y.float().sum().backward()
+    assert gate.grad.dtype == torch.float32 and up.grad.dtype == torch.float32
+
+
+def test_same_bits_on_one_and_two_threads():
+    code = (
+        "import torch, opforge; from opforge import functional as F\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(77, 2 * 4097, generator=g, requires_grad=True)\n"
+        "y = F.geglu(x); y.backward(torch.randn(y.shape, generator=g))\n"
+        "torch.save((y.detach(), x.grad), '{path}')\n"
+    )
+    outs = []
+    for n in (1, 2):
+        path = f"/tmp/opforge_glu_threads_{n}.pt"
+        r = subprocess.run([sys.executable, "-c", f"import torch; torch.set_num_threads({n})\n" + code.format(path=path)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs.append(torch.load(path))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_isa_matches_the_reference(dtype):
+    gate, up = inputs((3, 4099), dtype)
+    grad = torch.randn(3, 4099, dtype=dtype)
+    results = {}
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            results[isa] = (OP(gate, up, 3), *BWD(grad, gate, up, 4), OP(gate.t(), up.t(), 2))
+    finally:
+        opforge.set_isa("auto")
+    for isa, outs in results.items():
+        for got, want in zip(outs, results["ref"]):
+            torch.testing.assert_close(got, want, msg=f"{isa} vs ref", **tol(dtype, grad=True))
+
+
+# ---- nn.SwiGLU -----------------------------------------------------------------------------------------
+
+
+def test_swiglu_module_loads_llama_mlp():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=136, hidden_act="silu", mlp_bias=False,
+                                      num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    hf = LlamaMLP(config).double()
+    ours = opforge.nn.SwiGLU(48, 136, dtype=torch.float64)
+    ours.load_state_dict(hf.state_dict())
+    assert set(ours.state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    x = torch.randn(2, 9, 48, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = ours(x), hf(x2)
+    torch.testing.assert_close(y, y2)
+    y.sum().backward()
+    y2.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(ours.gate_proj.weight.grad, hf.gate_proj.weight.grad)
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_rejects_non_float_dtypes(dtype):
+    with pytest.raises(RuntimeError, match=r"\[opforge::glu\] argument 'gate' must be a floating-point tensor .*got "
+                       + str(dtype).split(".")[1]):
+        F.swiglu(torch.ones(4, dtype=dtype), torch.ones(4, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda: F.swiglu(torch.rand(3, 4), torch.rand(3, 5)),
+         r"\[opforge::glu\] argument 'up' must have the shape of 'gate' \[3, 4\], got \[3, 5\]"),
+        (lambda: F.swiglu(torch.rand(3), torch.rand(3, dtype=torch.float64)),
+         r"\[opforge::glu\] argument 'up' must have the dtype of 'gate' \(float32\), got float64"),
+        (lambda: OP(torch.rand(3), torch.rand(3), 1),
+         r"\[opforge::glu\] argument 'act' must be 2 \(gelu\), 3 \(gelu_tanh\) or 4 \(silu\), got 1"),
+        (lambda: F.swiglu(torch.rand(3, 7)),
+         r"\[opforge.swiglu\] argument 'gate' given alone must be packed \(..., 2F\) .*got last size 7"),
+        (lambda: F.geglu(torch.rand(3, 8), approximate="fast"),
+         r"\[opforge.geglu\] argument 'approximate' must be 'none' or 'tanh', got 'fast'"),
+        (lambda: BWD(torch.rand(3, 4), torch.rand(3, 4), torch.rand(3, 4).double(), 4),
+         r"\[opforge::glu_backward\] argument 'up' must have the dtype of 'gate' \(float32\), got float64"),
+        (lambda: BWD(torch.rand(4), torch.rand(3), torch.rand(3), 4),
+         r"\[opforge::glu_backward\] argument 'grad' must have the shape of 'gate' \[3\], got \[4\]"),
+        (lambda: F.swiglu(torch.rand(3), torch.empty(3, device="meta")),
+         r"\[opforge::glu\] argument 'up' must be on the device of 'gate' \(cpu\), got meta"),
+    ],
+)
+def test_errors_name_op_argument_expected_and_got(call, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        call()
+
+
+def test_compile_refuses_what_eager_refuses():
+    with pytest.raises(Exception, match=r"argument 'up' must have the shape of 'gate'"):
+        torch.compile(lambda a, b: F.swiglu(a, b), fullgraph=True)(torch.rand(3, 4), torch.rand(3, 5))
