@@ -125,3 +125,23 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         out = F._attention(q, k, v, mask, bool(is_causal), None)[0]
         out = F.linear(out.transpose(1, 2).reshape(b, n, e), self.out_proj.weight, self.out_proj.bias)
         return (out.squeeze(0) if unbatched else out), None
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` on opforge's fused cross-entropy
+    (:func:`opforge.functional.cross_entropy`): the same constructor
+    arguments (weight kept as the same buffer) plus ``softcap``.
+
+    Class-index targets only; the class dim is the LAST dim of the input
+    ((N, C) and (C,) as torch's; torch's (N, C, d1, ...) is ours
+    (N, d1, ..., C)).
+    """
+
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+                 label_smoothing=0.0, softcap=None):
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.softcap = softcap
+
+    def forward(self, input, target):
+        return F.cross_entropy(input, target, self.weight, self.ignore_index, self.label_smoothing, self.reduction,
+                               self.softcap)
