@@ -43,13 +43,15 @@ build/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge/_bui
 build/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_AMX_EMULATE
 
-ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction build/ctest/test_gemm build/ctest/test_gemm_amx_emulated build/ctest/test_attention build/ctest/test_linear
+ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction build/ctest/test_gemm build/ctest/test_gemm_amx_emulated build/ctest/test_attention build/ctest/test_linear build/ctest/test_softmax build/ctest/test_cross_entropy
 	./build/ctest/test_runtime
 	./build/ctest/test_dispersion_correction
 	./build/ctest/test_gemm
 	./build/ctest/test_gemm_amx_emulated
 	./build/ctest/test_attention
 	./build/ctest/test_linear
+	./build/ctest/test_softmax
+	./build/ctest/test_cross_entropy
 
 # torch's C++ headers and ours in one C++ file: a drifted signature fails here.
 abi-check: $(VENV)/.installed
@@ -116,10 +118,14 @@ bench: build
 	$(PY) benchmarks/bench_gemm.py
 	$(PY) benchmarks/bench_linear.py
 	$(PY) benchmarks/bench_attention.py
+	$(PY) benchmarks/bench_softmax.py
+	$(PY) benchmarks/bench_cross_entropy.py
 	$(PY) benchmarks/bench_build.py
 
 bench-smoke: build
 	$(PY) benchmarks/bench_dispersion_correction.py --smoke
+	$(PY) benchmarks/bench_softmax.py --smoke
+	$(PY) benchmarks/bench_cross_entropy.py --smoke
 
 # C: .clang-format (the scaffold templates are left out: their {name}
 # placeholders are not C until `opforge new` fills them in). Python: ruff's

@@ -4,8 +4,7 @@
  * reference. Forward: max of the raw logits (the capped max is tanh of it:
  * tanh is increasing), then one pass summing exp(z - max) (and w_j z_j when
  * label smoothing needs it); lse = max + log(sum) in double. Backward: one
- * pass, dx = (a exp(z - lse) - b w) (1 - (z/c)^2), then the target's element
- * recomputed by the reference with its -ct term (one rounding). exp is
+ * pass, dx = (a exp(z - lse) - b w - ct [j == t]) (1 - (z/c)^2). exp is
  * exp8z of rows_avx2.h (exact 0 at -inf, NaN kept); tanh is act_avx2.h's.
  * Non-unit strides go through the reference.
  */
@@ -18,6 +17,12 @@
 
 static inline __m256 cap8(__m256 x, float cap, float inv) {
     return _mm256_mul_ps(_mm256_set1_ps(cap), tanh8(_mm256_mul_ps(x, _mm256_set1_ps(inv))));
+}
+
+/* lane l set */
+static inline __m256 lane_is(int64_t l) {
+    return _mm256_castsi256_ps(
+        _mm256_cmpeq_epi32(_mm256_set1_epi32((int)l), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
 /* lanes [0, r) set */
@@ -45,7 +50,7 @@ static inline __m256 first_lanes(int64_t r) {
         for (; i + 8 <= C; i += 8) m0 = _mm256_max_ps(m0, LD(x + i));                                                 \
         if (i < C) m1 = _mm256_max_ps(m1, ldn_##name(x + i, C - i, -INFINITY));                                       \
         float m = hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));                                 \
-        if (cap > 0) m = cap * tanhf(m * inv);                                                                        \
+        if (cap > 0) m = _mm256_cvtss_f32(cap8(_mm256_set1_ps(m), cap, inv)); /* as each z is capped */               \
         const __m256 mv = _mm256_set1_ps(m);                                                                          \
         __m256 s0 = _mm256_setzero_ps(), s1 = s0, t0 = s0, t1 = s0;                                                   \
         for (i = 0; i + 16 <= C; i += 16) {                                                                           \
@@ -87,6 +92,8 @@ static inline __m256 first_lanes(int64_t r) {
                 if (cap > 0) z = cap8(x8, cap, inv);                                                                  \
                 __m256 bw = w ? _mm256_mul_ps(b, r >= 8 ? LD(w + i) : ldn_##name(w + i, r, 0)) : b;                   \
                 g = _mm256_fmsub_ps(a, exp8z(_mm256_sub_ps(z, lse)), bw);                                             \
+                if (t >= i && t < i + 8) /* the target's lane */                                                      \
+                    g = _mm256_sub_ps(g, _mm256_and_ps(lane_is(t - i), _mm256_set1_ps((float)ct)));                   \
                 if (cap > 0) {                                                                                        \
                     __m256 zc = _mm256_mul_ps(z, iv);                                                                 \
                     g = _mm256_mul_ps(g, _mm256_fnmadd_ps(zc, zc, one));                                              \
@@ -97,8 +104,6 @@ static inline __m256 first_lanes(int64_t r) {
             else                                                                                                      \
                 stn_##name(dx + i, r, g);                                                                             \
         }                                                                                                             \
-        if (t >= 0 && t < C && !zero)                                                                                 \
-            ce_kernels_ref.bwd[DT](dx + t, x + t, 1, 1, 1, w ? w + t : NULL, 1, cap_, lse_, a_, b_, 0, ct);           \
     }
 
 CE_AVX2(f32, float, ld_f32, st_f32, OPF_F32)
