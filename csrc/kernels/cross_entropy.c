@@ -177,7 +177,8 @@ static void ce_bwd_rows(int64_t i0, int64_t i1, void *ctx) {
         } else {
             t = -1;
         }
-        j->k->bwd[p->dt](dx, row_ptr(p, i), C, 1, cs, p->weight, p->weight_stride, p->softcap, p->lse[i], a, b, t, ct);
+        j->k->bwd[p->dt](dx, row_ptr(p, i), C, 1, cs, p->weight, p->weight_stride, p->softcap,
+                         opf_load_elem(p->lse_saved, i, p->lse_dt), a, b, t, ct);
     }
 }
 

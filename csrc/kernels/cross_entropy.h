@@ -76,7 +76,10 @@ typedef struct ce_problem {
     /* forward outputs: losses (rows,) contiguous of dt; loss 0-d of dt (mean or sum; sum for none); lse (rows,) */
     void *losses, *loss;
     double *lse;
-    /* backward: grad_losses (lead...) of dt with its strides, grad_loss 0-d of dt, dlogits (rows, C) contiguous */
+    /* backward: the saved lse (rows,) contiguous, float64 as the forward makes it (or float32); grad_losses
+     * (lead...) of dt with its strides, grad_loss 0-d of dt, dlogits (rows, C) contiguous */
+    const void *lse_saved;
+    opf_dtype lse_dt;
     const void *grad_losses;
     const int64_t *grad_losses_strides;
     const void *grad_loss;

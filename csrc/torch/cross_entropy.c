@@ -4,7 +4,8 @@
  *                 reduction, softcap?) -> (losses (...), loss (), lse (...) float64)
  *     losses: the per-row losses (0 on ignored rows); loss: their mean (reduction 1, over the
  *     target weights) or sum (2, and 0 "none"); lse: the per-row logsumexp, saved for the backward
- *   cross_entropy_backward(grad_losses, grad_loss, logits, target, weight?, lse, ...) -> dlogits
+ *   cross_entropy_backward(grad_losses, grad_loss, logits, target, weight?, lse (float64 or float32), ...)
+ *     -> dlogits
  *     contiguous (..., C), from the logits and lse alone
  * Check, allocate, call; the arithmetic is csrc/kernels/cross_entropy.c. The
  * targets are checked (in range or ignore_index) before anything is computed.
@@ -127,8 +128,9 @@ static void cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64
     opf_tensor scalar = {.ndim = 0};
     opf_check_same_shape(CEB, "grad_loss", &gs, "a 0-d loss", &scalar);
     opf_check_same_shape(CEB, "lse", &lse, "target", &a.target);
-    if (lse.dtype != aoti_torch_dtype_float64())
-        opf_fail(CEB, "argument 'lse' must be float64 (as the forward makes it), got %s", opf_dtype_name(lse.dtype));
+    if (lse.dtype != aoti_torch_dtype_float64() && lse.dtype != aoti_torch_dtype_float32())
+        opf_fail(CEB, "argument 'lse' must be float64 (as the forward makes it) or float32, got %s",
+                 opf_dtype_name(lse.dtype));
     for (int64_t d = lse.ndim - 1, step = 1; d >= 0; step *= lse.sizes[d], d--)
         if (lse.sizes[d] > 1 && lse.strides[d] != step)
             opf_fail(CEB, "argument 'lse' must be contiguous (the tensor the forward made)");
@@ -136,7 +138,8 @@ static void cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64
     if (!opf_is_meta(x)) {
         opf_tensor dx = opf_tensor_info(CEB, "dlogits", dx_h);
         a.p.grad_losses = gls.data, a.p.grad_losses_strides = gls.strides, a.p.grad_loss = gs.data;
-        a.p.lse = lse.data, a.p.dlogits = dx.data;
+        a.p.lse_saved = lse.data, a.p.dlogits = dx.data;
+        a.p.lse_dt = lse.dtype == aoti_torch_dtype_float32() ? OPF_F32 : OPF_F64;
         ce_bwd(ce_kernels_for(opf_isa_current()), &a.p);
         opf_log_call(CEB, t0, 3, (opf_tensor[]){*x, a.target, dx});
     }

@@ -85,11 +85,11 @@ static void run_case(const ce_kernels *k, ce_case c) {
     float *ws = check_ws_alloc(ce_fwd_workspace(&p));
     p.losses = losses_r, p.loss = loss_r, p.lse = lse_r;
     ce_fwd(&ce_kernels_ref, &p, ws);
-    p.dlogits = dx_r;
+    p.dlogits = dx_r, p.lse_saved = lse_r, p.lse_dt = OPF_F64;
     ce_bwd(&ce_kernels_ref, &p);
     p.losses = losses, p.loss = loss, p.lse = lse;
     ce_fwd(k, &p, ws);
-    p.dlogits = dx;
+    p.dlogits = dx, p.lse_saved = lse;
     ce_bwd(k, &p);
     check_ws_free(ws, "ce_fwd");
 
