@@ -13,7 +13,6 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-import opforge
 from opforge import functional as OF
 from opforge.benchmark import RESULTS, compare, environment, peak_memory, plot, write_results
 
