@@ -860,7 +860,6 @@ def check_cross_entropy(c, gen, dtype, dt, call):
         lb = lb + _out_tol(want.detach(), dt)
     checks = [Check("loss", loss, want.detach(), lb, dtype)]
     if c["grad"]:
-        gw = gwant.reshape(-1, classes)
         scale = g.double().abs().reshape(-1) if red == "none" else torch.full((tf.numel(),), abs(float(g)))
         if red == "mean":
             total_w = float((wt * keep).sum())
