@@ -11,8 +11,9 @@
  *
  * Rows (w == 1, unit strides), float32: max; e = exp(x - max) stored in y
  * while summed; y *= 1/sum (one exp per element, y re-read from cache).
- * Halves cannot hold e unrounded in y: max; sum of exp; y = exp * (1/sum),
- * exp computed twice. log_softmax: max; sum of exp; y = (x - max) - log(sum).
+ * Halves cannot hold e unrounded in y: rows of up to SOFTMAX_STACK_FLOATS
+ * keep e in a float32 buffer on the stack, longer ones compute exp twice
+ * (max; sum of exp; y = exp * (1/sum)). log_softmax: max; sum of exp; y = (x - max) - log(sum).
  * Strided axis (w > 1): the same per 8 unit-stride lanes, the reduction
  * walking down the axis. Tails of fewer than 8 go through an 8-float buffer
  * (loads padded with -inf / 0), lanes left over (< 8) through the reference.
@@ -22,6 +23,9 @@
 
 #include "rows_avx2.h"
 #include "softmax.h"
+
+/* The stack buffer of the 16-bit rows: 64 KiB, well inside any thread's stack. */
+#define SOFTMAX_STACK_FLOATS 16384
 
 /* ---- rows ------------------------------------------------------------------- */
 
@@ -40,8 +44,8 @@
         if (i < n) m1 = _mm256_max_ps(m1, ldn_##name(x + i, n - i, -INFINITY));                                      \
         return hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));                                   \
     }                                                                                                                \
-    /* sum of exp(x - m); with y, e is also stored there (float32 only) */                                           \
-    static float row_sumexp_##name(E *y, const E *x, int64_t n, float m) {                                           \
+    /* sum of exp(x - m); with e, the exps are also stored there (float32) */                                        \
+    static float row_sumexp_##name(float *e, const E *x, int64_t n, float m) {                                       \
         const __m256 mv = _mm256_set1_ps(m);                                                                         \
         __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;                                                  \
         int64_t i = 0;                                                                                               \
@@ -50,17 +54,17 @@
             __m256 e2 = exp8z(_mm256_sub_ps(LD(x + i + 16), mv)), e3 = exp8z(_mm256_sub_ps(LD(x + i + 24), mv));     \
             s0 = _mm256_add_ps(s0, e0), s1 = _mm256_add_ps(s1, e1);                                                  \
             s2 = _mm256_add_ps(s2, e2), s3 = _mm256_add_ps(s3, e3);                                                  \
-            if (y) ST(y + i, e0), ST(y + i + 8, e1), ST(y + i + 16, e2), ST(y + i + 24, e3);                         \
+            if (e) st_f32(e + i, e0), st_f32(e + i + 8, e1), st_f32(e + i + 16, e2), st_f32(e + i + 24, e3);         \
         }                                                                                                            \
         for (; i + 8 <= n; i += 8) {                                                                                 \
-            __m256 e = exp8z(_mm256_sub_ps(LD(x + i), mv));                                                          \
-            s0 = _mm256_add_ps(s0, e);                                                                               \
-            if (y) ST(y + i, e);                                                                                     \
+            __m256 ev = exp8z(_mm256_sub_ps(LD(x + i), mv));                                                         \
+            s0 = _mm256_add_ps(s0, ev);                                                                              \
+            if (e) st_f32(e + i, ev);                                                                                \
         }                                                                                                            \
         if (i < n) {                                                                                                 \
-            __m256 e = exp8z(_mm256_sub_ps(ldn_##name(x + i, n - i, -INFINITY), mv));                                \
-            s1 = _mm256_add_ps(s1, e);                                                                               \
-            if (y) stn_##name(y + i, n - i, e);                                                                      \
+            __m256 ev = exp8z(_mm256_sub_ps(ldn_##name(x + i, n - i, -INFINITY), mv));                               \
+            s1 = _mm256_add_ps(s1, ev);                                                                              \
+            if (e) stn_f32(e + i, n - i, ev);                                                                        \
         }                                                                                                            \
         return hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));                                   \
     }                                                                                                                \
@@ -72,10 +76,11 @@
             const __m256 ls = _mm256_set1_ps(logf(row_sumexp_##name(NULL, x, n, m)));                                \
             for (; i + 8 <= n; i += 8) ST(y + i, _mm256_sub_ps(_mm256_sub_ps(LD(x + i), mv), ls));                   \
             if (i < n) stn_##name(y + i, n - i, _mm256_sub_ps(_mm256_sub_ps(ldn_##name(x + i, n - i, 0), mv), ls));  \
-        } else if (E_IN_Y) {                                                                                         \
-            const __m256 r = _mm256_set1_ps(1.0f / row_sumexp_##name(y, x, n, m));                                   \
-            for (; i + 8 <= n; i += 8) ST(y + i, _mm256_mul_ps(LD(y + i), r));                                       \
-            if (i < n) stn_##name(y + i, n - i, _mm256_mul_ps(ldn_##name(y + i, n - i, 0), r));                      \
+        } else if (E_IN_Y || n <= SOFTMAX_STACK_FLOATS) {                                                            \
+            float stack[E_IN_Y ? 1 : SOFTMAX_STACK_FLOATS], *e = E_IN_Y ? (float *)(void *)y : stack;                \
+            const __m256 r = _mm256_set1_ps(1.0f / row_sumexp_##name(e, x, n, m));                                   \
+            for (; i + 8 <= n; i += 8) ST(y + i, _mm256_mul_ps(ld_f32(e + i), r));                                   \
+            if (i < n) stn_##name(y + i, n - i, _mm256_mul_ps(ldn_f32(e + i, n - i, 0), r));                         \
         } else {                                                                                                     \
             const __m256 r = _mm256_set1_ps(1.0f / row_sumexp_##name(NULL, x, n, m));                                \
             for (; i + 8 <= n; i += 8) ST(y + i, _mm256_mul_ps(exp8z(_mm256_sub_ps(LD(x + i), mv)), r));             \
