@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from opforge import functional as OF
-from opforge.benchmark import RESULTS, compare, environment, peak_memory, write_results
+from opforge.benchmark import RESULTS, compare, environment, peak_memory, plot, write_results
 
 
 def eager(x, t):
@@ -86,6 +86,11 @@ def main(argv=None):
         "forward+backward (torch profiler memory events), logits and target excluded, the same way for every "
         "variant",
     ], a.out)
+    fp32 = sorted((r for r in rows if r["dtype"] == "float32"), key=lambda r: r["tokens"] * r["vocab"])
+    if fp32 and not a.smoke:
+        plot("cross_entropy", [r["tokens"] * r["vocab"] for r in fp32],
+             {k: [r[k] for r in fp32] for k in ("fwdbwd_vs_eager", "fwdbwd_vs_compile", "mem_vs_eager")},
+             "tokens x vocab (float32)", "ratio", a.out)
     print(table)
 
 
