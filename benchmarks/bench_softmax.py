@@ -3,7 +3,7 @@ forward+backward time ratios and the peak memory of a forward+backward, over
 rows 512..8192 x C 512..32000, float32 and bfloat16 (the last dim, the common
 case: attention scores, vocab logits).
 
-    python benchmarks/bench_softmax.py [--smoke] [--max-elems N] [--threads T] [--out DIR]
+    python benchmarks/bench_softmax.py [--smoke] [--max-elems N] [--threads T] [--dtypes D,...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,16 +31,18 @@ def main(argv=None):
     p.add_argument("--max-elems", type=int, default=1 << 25,
                    help="skip shapes with more elements (default 2**25: 128 MiB of float32 per tensor)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads for every variant (0: torch's default)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     compiled = torch.compile(eager, dynamic=False)
+    dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
     if a.smoke:
         shapes = [(64, 512, torch.float32), (64, 512, torch.bfloat16)]
     else:
-        shapes = [(r, c, dt) for dt in (torch.float32, torch.bfloat16) for r in (512, 2048, 8192)
+        shapes = [(r, c, dt) for dt in dtypes for r in (512, 2048, 8192)
                   for c in (512, 4096, 32000) if r * c <= a.max_elems]
     variants = {"opforge": ours, "eager": eager, "compile": compiled}
     rows = []
@@ -73,7 +75,8 @@ def main(argv=None):
         print(f"{row['dtype']} {n}x{c}: fwd {row['fwd_vs_eager']:.2f}x F.softmax {row['fwd_vs_compile']:.2f}x compile; "
               f"fwd+bwd {row['fwdbwd_vs_eager']:.2f}x F.softmax {row['fwdbwd_vs_compile']:.2f}x compile; peak memory "
               f"{row['mem_vs_eager']:.2f}x eager's", flush=True)
-    table = write_results("softmax" + ("_smoke" if a.smoke else ""), rows, [
+    stem = "softmax" + ("_smoke" if a.smoke else "") + ("" if a.dtypes == "float32,bfloat16" else "_" + a.dtypes.replace(",", "_"))
+    table = write_results(stem, rows, [
         environment(),
         "ratios = baseline time / opforge time (>1: opforge faster); mem_*: opforge's peak / the baseline's "
         "(<1: opforge uses less)",
@@ -82,7 +85,7 @@ def main(argv=None):
     ], a.out)
     fp32 = sorted((r for r in rows if r["dtype"] == "float32"), key=lambda r: r["rows"] * r["C"])
     if fp32 and not a.smoke:
-        plot("softmax", [r["rows"] * r["C"] for r in fp32],
+        plot(stem, [r["rows"] * r["C"] for r in fp32],
              {k: [r[k] for r in fp32] for k in ("fwd_vs_eager", "fwd_vs_compile", "fwdbwd_vs_eager")},
              "rows x C (float32)", "speed-up (x)", a.out)
     print(table)
