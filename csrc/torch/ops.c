@@ -10,9 +10,17 @@ extern const opf_op_desc opf_attention_ops[];
 extern const opf_op_desc opf_norm_ops[];
 extern const opf_op_desc opf_glu_ops[];
 extern const opf_op_desc opf_rope_ops[];
+extern const opf_op_desc opf_softmax_ops[];
+extern const opf_op_desc opf_cross_entropy_ops[];
 
-static const opf_op_desc *const groups[] = {
-    opf_dispersion_correction_ops, opf_linear_ops, opf_attention_ops, opf_norm_ops, opf_glu_ops, opf_rope_ops};
+static const opf_op_desc *const groups[] = {opf_dispersion_correction_ops,
+                                            opf_linear_ops,
+                                            opf_attention_ops,
+                                            opf_norm_ops,
+                                            opf_glu_ops,
+                                            opf_rope_ops,
+                                            opf_softmax_ops,
+                                            opf_cross_entropy_ops};
 
 #define OPF_MAX_OPS 64
 static opf_op_desc table[OPF_MAX_OPS + 1]; /* and its end */

@@ -352,3 +352,91 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise RuntimeError("[opforge.rope] arguments 'cos' and 'sin' must not require grad: opforge computes no "
                            "gradient for them (pass cos.detach() and sin.detach())")
     return _rope(q, k, cos, sin, position_ids, bool(interleaved))
+@op_function(ops.softmax.default)
+def _softmax(x, dim):
+    """See softmax."""
+
+
+@op_function(ops.log_softmax.default)
+def _log_softmax(x, dim):
+    """See log_softmax."""
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.nn.functional.softmax(x, dim)``: ``exp(x - max) / sum(exp(x - max))`` along ``dim``.
+
+    Any dim and any strides, read in place (never copied): when ``dim`` has
+    stride 1 the rows run vectorised along it; otherwise, when another dim has
+    stride 1, the reduction walks down the strided ``dim`` with that dim's
+    lines vectorised; otherwise each line is a strided scalar loop. The output
+    takes x's strides when x is dense, else it is contiguous. float32,
+    bfloat16 and float16 compute in float32 (halves round once), float64 in
+    double. Entries of -inf give exactly 0 (and a finite gradient); a row of
+    -inf only, or one holding +inf or NaN, is NaN, as torch's. The backward
+    uses the saved output alone: ``dx = y * (dy - sum(dy * y))``. Under
+    ``torch.autocast`` the op runs in the dtype it is given, as F.softmax does
+    on the CPU (torch's CPU autocast lists neither softmax nor log_softmax).
+    """
+    return _softmax(x, dim)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.nn.functional.log_softmax(x, dim)``: ``x - max - log(sum(exp(x - max)))`` along ``dim``.
+
+    Layouts, dtypes and autocast as :func:`softmax`. Entries of -inf give
+    exactly -inf (and a finite gradient); a row of -inf only, or one holding
+    +inf or NaN, is NaN, as torch's. The backward uses the saved output alone:
+    ``dx = dy - exp(y) * sum(dy)``.
+    """
+    return _log_softmax(x, dim)
+
+
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+@op_function(ops.cross_entropy.default)
+def _cross_entropy(logits, target, weight, ignore_index, label_smoothing, reduction, softcap):
+    """(losses, loss, lse): see cross_entropy."""
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                  ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
+                  softcap: float | None = None) -> torch.Tensor:
+    """``torch.nn.functional.cross_entropy`` with class-index targets, fused
+    with its backward: no (rows, C) tensor is kept between forward and
+    backward, only a float64 logsumexp per row; the backward recomputes the
+    softmax from the logits.
+
+    Args:
+        logits: (N, C) as F.cross_entropy takes it, (C,) for one sample, or
+            (..., C) with the class dim LAST (F.cross_entropy puts the class
+            dim at 1 for inputs of more than 2 dims: pass
+            ``logits.movedim(1, -1)``, read in place). Any strides.
+        target: int64 class indices of logits' shape without its last dim;
+            each in [0, C) or ``ignore_index`` (checked before computing).
+            Class probabilities are not supported.
+        weight: (C,) class weights of logits' dtype, or None. No gradient
+            flows to it.
+        ignore_index: rows with this target get loss 0 and gradient 0 and do
+            not count in the mean.
+        label_smoothing: in [0, 1], as torch defines it (also with weight).
+        reduction: "mean" (over the summed target weights, as torch: NaN
+            when every row is ignored), "sum" or "none" (per row).
+        softcap: None, or c > 0: logits become ``c * tanh(logits / c)``
+            before the softmax (Gemma-2 soft-capping), with its derivative in
+            the backward.
+
+    float32, bfloat16, float16 (computed in float32) and float64 (double).
+    The mean and the sum add fixed blocks of rows in a fixed order: the same
+    bits on any thread count. Under ``torch.autocast`` the op runs in float32,
+    as torch's CPU autocast runs F.cross_entropy.
+    """
+    code = REDUCTIONS.get(reduction)
+    if code is None:
+        raise RuntimeError(
+            f"[opforge.cross_entropy] argument 'reduction' must be one of {', '.join(map(repr, REDUCTIONS))}, "
+            f"got {reduction!r}"
+        )
+    losses, loss, _ = _cross_entropy(logits, target, weight, int(ignore_index), float(label_smoothing), code,
+                                     None if softcap is None else float(softcap))
+    return losses if code == 0 else loss

@@ -253,3 +253,21 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
         raise RuntimeError(f"[opforge.nn.apply_rotary_pos_emb] argument 'unsqueeze_dim' must be 1 (q and k are "
                            f"(B, H, N, D)), got {unsqueeze_dim}")
     return F.rope(q, k, cos, sin)
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` on opforge's fused cross-entropy
+    (:func:`opforge.functional.cross_entropy`): the same constructor
+    arguments (weight kept as the same buffer) plus ``softcap``.
+
+    Class-index targets only; the class dim is the LAST dim of the input
+    ((N, C) and (C,) as torch's; torch's (N, C, d1, ...) is ours
+    (N, d1, ..., C)).
+    """
+
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+                 label_smoothing=0.0, softcap=None):
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.softcap = softcap
+
+    def forward(self, input, target):
+        return F.cross_entropy(input, target, self.weight, self.ignore_index, self.label_smoothing, self.reduction,
+                               self.softcap)

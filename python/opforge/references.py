@@ -267,6 +267,77 @@ def _layer_norm_inputs(dtype):
 def _layer_norm_backward_inputs(dtype):
     return [(_grid(*x.shape, seed=5), x, w, b, *_saved_stats(x, eps, True), eps) for x, w, b, eps in
             _layer_norm_inputs(dtype)]
+# ---- softmax, log_softmax, cross_entropy ---------------------------------------------------
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return F.softmax(x, dim)
+
+
+def log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return F.log_softmax(x, dim)
+
+
+def softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    return y * (grad - (grad * y).sum(dim, keepdim=True))
+
+
+def log_softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    return grad - y.exp() * grad.sum(dim, keepdim=True)
+
+
+def _softmax_inputs(dtype):
+    return [(_randn(5, 13, seed=1) * 3, -1), (_randn(13, 5, seed=2).t(), 0), (_randn(2, 3, 7, seed=3), 1)]
+
+
+def _softmax_backward_inputs(log: bool):
+    def inputs(dtype):
+        out = []
+        for x, dim in _softmax_inputs(dtype):
+            y = (F.log_softmax if log else F.softmax)(x, dim)
+            out.append((_randn(*x.shape, seed=4), y, dim))
+        return out
+
+    return inputs
+
+
+def cross_entropy(logits, target, weight, ignore_index: int, label_smoothing: float, reduction: int,
+                  softcap: float | None):
+    """(losses, loss) of opforge's cross_entropy (class dim last); its third output, the saved lse, is
+    not compared. No gradient flows to weight (as torch's)."""
+    weight = None if weight is None else weight.detach()
+    z = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    flat, t = z.reshape(-1, z.shape[-1]), target.reshape(-1)
+    args = dict(weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    losses = F.cross_entropy(flat, t, reduction="none", **args).reshape(target.shape)
+    loss = F.cross_entropy(flat, t, reduction="mean" if reduction == 1 else "sum", **args)
+    return losses, loss
+
+
+def cross_entropy_backward(grad_losses, grad_loss, logits, target, weight, lse, ignore_index: int,
+                           label_smoothing: float, reduction: int, softcap: float | None):
+    x = logits.detach().requires_grad_()
+    with torch.enable_grad():
+        outs = cross_entropy(x, target, weight, ignore_index, label_smoothing, reduction, softcap)
+        return torch.autograd.grad(outs, x, (grad_losses, grad_loss))[0]
+
+
+def _cross_entropy_inputs(dtype):
+    x, t = _randn(6, 11, seed=1) * 2, torch.tensor([0, 3, -100, 10, 5, 3])
+    w = _randn(11, seed=2).abs() + 0.5
+    return [(x, t, None, -100, 0.0, 1, None), (x, t, w, -100, 0.1, 2, None), (x, t, w, -100, 0.2, 0, 4.0),
+            (_randn(2, 3, 11, seed=3), torch.tensor([[0, 3, 3], [10, 5, 1]]), None, 3, 0.0, 1, 2.0)]
+
+
+def _cross_entropy_backward_inputs(dtype):
+    out = []
+    for x, t, w, ignore, eps, red, cap in _cross_entropy_inputs(dtype):
+        z = x if cap is None else cap * torch.tanh(x / cap)
+        lse = torch.logsumexp(z.to(dtype).double(), -1).masked_fill(t == ignore, 0)
+        # the saved lse: float64 as the forward makes it; float32 (which the op also takes) where the
+        # check would cast a float64 one to the op's dtype
+        out.append((_randn(*t.shape, seed=5), _randn(seed=6), x, t, w, lse if dtype == torch.float64 else lse.float(),
+                    ignore, eps, red, cap))
+    return out
 
 
 REFERENCES: dict[str, Reference] = {
@@ -284,6 +355,12 @@ REFERENCES: dict[str, Reference] = {
     "add_rms_norm_backward": Reference(add_rms_norm_backward, _add_rms_norm_backward_inputs, grad=False),
     "layer_norm": Reference(layer_norm, _layer_norm_inputs),
     "layer_norm_backward": Reference(layer_norm_backward, _layer_norm_backward_inputs, grad=False),
+    "softmax": Reference(softmax, _softmax_inputs),
+    "log_softmax": Reference(log_softmax, _softmax_inputs),
+    "softmax_backward": Reference(softmax_backward, _softmax_backward_inputs(False), grad=False),
+    "log_softmax_backward": Reference(log_softmax_backward, _softmax_backward_inputs(True), grad=False),
+    "cross_entropy": Reference(cross_entropy, _cross_entropy_inputs),
+    "cross_entropy_backward": Reference(cross_entropy_backward, _cross_entropy_backward_inputs, grad=False),
 }
 
 

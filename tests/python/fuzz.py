@@ -329,11 +329,55 @@ def _draw_rope(rng, c):
     return _seconds(c, 0, 0, c["b"] * (c["hq"] + c["hk"]) * c["n"] * c["d"] * 40)
 
 
+
+
+SM_MARKS = (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 123, 4097, 32000)  # vectors, lane chunks, vocab
+
+
+def _draw_softmax(rng, c):
+    nd = rng.choices((1, 2, 3), (0.2, 0.55, 0.25))[0]
+    c["dim"] = rng.randrange(-nd, nd)
+    shape = [_dim(rng, 96 if nd == 3 else 300, SM_MARKS, zero=0.02) for _ in range(nd)]
+    shape[c["dim"]] = _dim(rng, 32000, SM_MARKS, zero=0.02)
+    while math.prod(shape) > 2_000_000:
+        others = [d for d in range(nd) if d != c["dim"] % nd and shape[d] > 1]
+        d = max(others, key=lambda d: shape[d]) if others else c["dim"]
+        shape[d] //= 2
+    c["shape"] = shape
+    c["layout"] = _layout(rng, shape)
+    c["log"] = rng.random() < 0.5
+    c["specials"] = rng.random() < 0.3  # -inf entries, and now and then a line of -inf only
+    c["grad"] = rng.random() < 0.6
+    return _seconds(c, 0, 0, math.prod(shape) * 40)
+
+
+def _draw_cross_entropy(rng, c):
+    nlead = rng.choices((0, 1, 2), (0.1, 0.7, 0.2))[0]
+    lead = [_dim(rng, 64 if nlead == 2 else 300, SM_MARKS[:13], zero=0.02) for _ in range(nlead)]
+    classes = max(1, _dim(rng, 32000, SM_MARKS, zero=0.0))
+    while math.prod(lead) * classes > 1_500_000:
+        lead[lead.index(max(lead))] //= 2
+    c["shape"] = lead + [classes]
+    c["layout"] = _layout(rng, c["shape"], expand=False)
+    c["weight"] = rng.random() < 0.4
+    c["smoothing"] = rng.choice((0.0, 0.0, 0.1, 1.0, round(rng.uniform(0, 1), 3)))
+    c["softcap"] = rng.choice((None, None, 30.0, 1.5))
+    c["reduction"] = rng.choice(("mean", "sum", "none"))
+    c["ignore"] = rng.choice((0.0, 0.0, 0.3, 1.0))  # share of rows whose target is ignore_index
+    c["specials"] = rng.random() < 0.2
+    c["grad"] = rng.random() < 0.7
+    return _seconds(c, 0, 0, math.prod(c["shape"]) * 60)
+
+
 DRAW = {"matmul": _draw_matmul, "linear": _draw_linear, "attention": _draw_attention,
-        "dispersion_correction": _draw_dispersion, "glu": _draw_glu, "rope": _draw_rope}
+        "dispersion_correction": _draw_dispersion, "glu": _draw_glu, "rope": _draw_rope, "softmax": _draw_softmax,
+        "cross_entropy": _draw_cross_entropy}
 # the GEMM ops have the most plans (blocks, threads, slices, chunks, paths of the backward)
-OP_WEIGHTS = {"matmul": 0.25, "linear": 0.45, "attention": 0.2, "dispersion_correction": 0.1, "glu": 0.06,
-              "rope": 0.06}
+OP_WEIGHTS = {"matmul": 0.25, "linear": 0.45, "attention": 0.2, "dispersion_correction": 0.1, "glu": 0.15,
+              "rope": 0.15, "softmax": 0.15, "cross_entropy": 0.15}
+# ops added after test_fuzz.py's seeds were chosen take LATER_SHARE of the cases from a stream of their
+# own (weights among themselves), so every other case of a seed stays the case it was
+LATER_OPS, LATER_SHARE = ("glu", "rope", "norm", "softmax", "cross_entropy"), 0.3
 # estimated seconds a case may take: most cases are small; a fifth may be big, since a 16-bit GEMM over
 # row chunks needs M * N >= 2**21 and K over a slice (>= 8e8 multiply-adds)
 CASE_SECONDS, BIG_CASE_SECONDS, BIG_SHARE = 0.8, 2.5, 0.2
@@ -343,8 +387,12 @@ def draw(seed: int, index: int, isas, ops=None) -> dict:
     """Case `index` of `seed`: a dict of plain values (JSON), the same on every run on a CPU with these
     ISAs. Draws again (from the same stream) while its estimated time is over its budget."""
     rng = random.Random(f"opforge-fuzz:{seed}:{index}")
-    names = [op for op in OP_WEIGHTS if ops is None or op in ops]
-    op = rng.choices(names, [OP_WEIGHTS[o] for o in names])[0]
+    first = [op for op in OP_WEIGHTS if op not in LATER_OPS and (ops is None or op in ops)]
+    later = [op for op in LATER_OPS if ops is None or op in ops]
+    op = rng.choices(first, [OP_WEIGHTS[o] for o in first])[0] if first else None
+    side = random.Random(f"opforge-fuzz-later:{seed}:{index}")
+    if later and (op is None or side.random() < LATER_SHARE):
+        op = side.choices(later, [OP_WEIGHTS[o] for o in later])[0]
     budget = BIG_CASE_SECONDS if rng.random() < BIG_SHARE else CASE_SECONDS
     for _ in range(500):
         c = {"seed": seed, "index": index, "op": op,
@@ -387,6 +435,13 @@ def describe(c: dict) -> str:
         return (f"{head} B={c['b']} Hq={c['hq']} Hk={c['hk']} N={c['n']} D={c['d']} R={c['r']} "
                 f"interleaved={c['interleaved']} cos={c['cos']} q{_layout_str(c['q_layout'])} "
                 f"k{_layout_str(c['k_layout'])} grad={c['grad']}")
+    if c["op"] == "softmax":
+        return (f"{head} {'log_softmax' if c['log'] else 'softmax'} x={tuple(c['shape'])}{_layout_str(c['layout'])} "
+                f"dim={c['dim']} specials={c['specials']} grad={c['grad']}")
+    if c["op"] == "cross_entropy":
+        return (f"{head} logits={tuple(c['shape'])}{_layout_str(c['layout'])} weight={c['weight']} "
+                f"smoothing={c['smoothing']} softcap={c['softcap']} reduction={c['reduction']} ignore={c['ignore']} "
+                f"specials={c['specials']} grad={c['grad']}")
     return (f"{head} x={tuple(c['shape'])}{_layout_str(c['layout'])} alpha={c['alpha']} specials={c['specials']} "
             f"grad={c['grad']}")
 
@@ -859,8 +914,132 @@ def rng_batch(gen: torch.Generator, b: int) -> int:
     return 1 if int(torch.randint(0, 2, (1,), generator=gen)) else b
 
 
+
+
+def check_softmax(c, gen, dtype, dt, call):
+    base, view = make(gen, c["shape"], dtype, c["layout"], scale=3.0)
+    dim = c["dim"]
+    if c["specials"] and base.numel():
+        idx = torch.randint(0, base.numel(), (min(base.numel(), 64),), generator=gen)
+        base.view(-1)[idx] = -math.inf
+        lay = c["layout"]
+        if base.dim() and (lay is None or not lay["expand"]) and torch.rand((), generator=gen) < 0.3:
+            line = tuple(slice(None) if d == dim % base.dim() else 0 for d in range(base.dim()))
+            view(base)[line] = -math.inf  # a line of -inf only: NaN, as torch
+    base.requires_grad_(c["grad"])
+    x = view(base)
+    fn = opforge.functional.log_softmax if c["log"] else opforge.functional.softmax
+    g = random_tensor(gen, c["shape"], dtype)
+
+    def forward_backward():
+        y = fn(x, dim)
+        return y, (torch.autograd.grad(y, x, g)[0] if c["grad"] else None)
+
+    if c["grad"]:
+        y, dx = call(forward_backward)
+    else:
+        with torch.no_grad():
+            y, dx = call(forward_backward)
+    x64 = x.detach().double()
+    n = x64.shape[dim] if x64.dim() else 1
+    u, half = U_ACC[dt], (4 * U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else 0.0)
+    sm = F.softmax(x64, dim)
+    mx = x64.amax(dim, keepdim=True) if x64.numel() else x64
+    d = (x64 - mx).abs().nan_to_num(0.0, 0.0, 0.0)  # the exp's argument: its rounding is relative to it
+    if c["log"]:
+        want = F.log_softmax(x64, dim)
+        bound = C_FN * u * (d + mx.abs().nan_to_num(0.0, 0.0, 0.0) + 1.0) + c_sum(n) * u + _out_tol(want, dt)
+    else:
+        want = sm
+        bound = (C_FN * u * (1.0 + d) + c_sum(n) * u) * sm + _out_tol(want, dt)
+    checks = [Check("out", y, want, bound.nan_to_num(0.0, 0.0, 0.0), dtype)]
+    if c["grad"]:
+        g64 = g.double()
+        x64r = x64.clone().requires_grad_()
+        with torch.enable_grad():
+            (gwant,) = torch.autograd.grad((F.log_softmax if c["log"] else F.softmax)(x64r, dim), x64r, g64)
+        ga = g64.abs()
+        if c["log"]:
+            gsum = ga.sum(dim, keepdim=True)
+            err_y = C_FN * u * (d + mx.abs().nan_to_num(0.0, 0.0, 0.0) + 1.0) + half * (want.abs() + 1.0)
+            gb = sm * gsum * (err_y + c_sum(n) * u) + C_FN * u * ga
+        else:
+            yd = sm * (C_FN * u * (1.0 + d) + half)
+            gb = yd * (ga + (ga * sm).sum(dim, keepdim=True)) + sm * (ga * yd).sum(dim, keepdim=True) \
+                + c_sum(n) * u * sm * (ga * sm).sum(dim, keepdim=True)
+        checks.append(Check("dx", dx, gwant, 4 * gb.nan_to_num(0.0, 0.0, 0.0) + _out_tol(gwant, dt), dtype))
+    return checks
+
+
+def check_cross_entropy(c, gen, dtype, dt, call):
+    base, view = make(gen, c["shape"], dtype, c["layout"], scale=3.0)
+    classes = c["shape"][-1]
+    if c["specials"] and base.numel():
+        idx = torch.randint(0, base.numel(), (min(base.numel(), 32),), generator=gen)
+        base.view(-1)[idx] = -math.inf
+    base.requires_grad_(c["grad"])
+    x = view(base)
+    lead = c["shape"][:-1]
+    t = torch.randint(0, classes, lead, generator=gen)
+    t[torch.rand(lead, generator=gen) < c["ignore"]] = -100
+    w = (torch.rand(classes, generator=gen, dtype=torch.float64) + 0.25).to(dtype) if c["weight"] else None
+    cap, eps, red = c["softcap"], c["smoothing"], c["reduction"]
+    loss_shape = lead if red == "none" else []
+    g = random_tensor(gen, loss_shape, dtype)
+
+    def forward_backward():
+        loss = opforge.functional.cross_entropy(x, t, w, label_smoothing=eps, reduction=red, softcap=cap)
+        return loss, (torch.autograd.grad(loss, x, g)[0] if c["grad"] else None)
+
+    if c["grad"]:
+        loss, dx = call(forward_backward)
+    else:
+        with torch.no_grad():
+            loss, dx = call(forward_backward)
+    x64 = x.detach().double().requires_grad_()
+    w64 = None if w is None else w.double()
+    with torch.enable_grad():
+        z = x64 if cap is None else cap * torch.tanh(x64 / cap)
+        flat, tf = z.reshape(-1, classes), t.reshape(-1)
+        want = F.cross_entropy(flat, tf, w64, label_smoothing=eps, reduction=red)
+        want = want.reshape(lead) if red == "none" else want
+        gwant = torch.autograd.grad(want, x64, g.double())[0] if c["grad"] else None
+    u = U_ACC[dt]
+    zd = z.detach().reshape(-1, classes)
+    keep = tf != -100
+    wt = torch.ones_like(tf, dtype=torch.float64) if w64 is None else w64[tf.clamp_min(0)]
+    wc = float(classes) if w64 is None else float(w64.sum())
+    lse = torch.logsumexp(zd, -1)
+    # a row's terms: w_t (|lse| + |z_t|) and the smoothing sum's (eps/C) sum_j w_j (|lse| + |z_j|)
+    zt = zd.gather(1, tf.clamp_min(0)[:, None])[:, 0]
+    wj = torch.ones(classes, dtype=torch.float64) if w64 is None else w64
+    smooth = (wj * zd.abs().nan_to_num(0.0, 0.0, 0.0)).sum(-1) + wc * lse.abs()
+    terms = (wt * (lse.abs() + zt.abs()) + eps / classes * smooth).nan_to_num(0.0, 0.0, 0.0) * keep
+    row_b = (C_FN * u * (1 + (0 if cap is None else cap)) + c_sum(classes) * u) * terms
+    if red == "none":
+        lb = row_b.reshape(lead) + _out_tol(want.detach(), dt)
+    else:
+        total_w = float((wt * keep).sum())
+        lb = (row_b.sum() + c_sum(max(1, tf.numel())) * u * terms.sum()) / (total_w if red == "mean" and total_w else 1.0)
+        lb = lb + _out_tol(want.detach(), dt)
+    checks = [Check("loss", loss, want.detach(), lb, dtype)]
+    if c["grad"]:
+        scale = g.double().abs().reshape(-1) if red == "none" else torch.full((tf.numel(),), abs(float(g)))
+        if red == "mean":
+            total_w = float((wt * keep).sum())
+            scale = scale / (total_w if total_w else 1.0)
+        p = torch.softmax(zd, -1).nan_to_num(0.0, 0.0, 0.0)
+        a = (scale * ((1 - eps) * wt + eps / classes * wc))[:, None]
+        err_p = C_FN * u * (1 + zd.abs().nan_to_num(0.0, 0.0, 0.0) + lse.abs().nan_to_num(0.0, 0.0, 0.0)[:, None])
+        half = 4 * U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else 0.0
+        gb = a * p * err_p + (scale * (1 + wt))[:, None] * (C_FN * u + half) * (eps / classes + (1 - eps))
+        checks.append(Check("dlogits", dx, gwant, (4 * gb).reshape(gwant.shape) + _out_tol(gwant, dt), dtype))
+    return checks
+
+
 CHECKERS = {"matmul": check_matmul, "linear": check_linear, "attention": check_attention,
-            "dispersion_correction": check_dispersion, "glu": check_glu, "rope": check_rope}
+            "dispersion_correction": check_dispersion, "glu": check_glu, "rope": check_rope,
+            "softmax": check_softmax, "cross_entropy": check_cross_entropy}
 
 
 class OpError(Exception):
@@ -1032,7 +1211,7 @@ def check_norm(c, gen, dtype, dt, call):
 
 
 DRAW["norm"] = _draw_norm
-OP_WEIGHTS["norm"] = 0.1
+OP_WEIGHTS["norm"] = 0.2
 CHECKERS["norm"] = check_norm
 
 

@@ -1,0 +1,142 @@
+/*
+ * softmax / log_softmax, AVX-512 (F, BW, VL, DQ): the AVX2 file's passes on
+ * 16 lanes, tails masked. float32 stores exp(x - max) in y while summing and
+ * scales it in a third pass; halves compute exp twice; float64 runs the
+ * reference. The strided-axis path takes 16 unit-stride lanes per pass, the
+ * lanes left over masked.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "rows_avx512.h"
+#include "softmax.h"
+
+#define SM_ROWS(name, E, LD, ST, E_IN_Y)                                                                               \
+    static void row_fwd_##name(E *y, const E *x, int64_t n, int is_log) {                                              \
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);                                                                 \
+        __m512 m0 = ninf, m1 = ninf;                                                                                   \
+        int64_t i = 0;                                                                                                 \
+        for (; i + 32 <= n; i += 32) {                                                                                 \
+            m0 = _mm512_max_ps(m0, LD(x + i, 0xffff));                                                                 \
+            m1 = _mm512_max_ps(m1, LD(x + i + 16, 0xffff));                                                            \
+        }                                                                                                              \
+        for (; i < n; i += 16) {                                                                                       \
+            __mmask16 k = tail16(n - i);                                                                               \
+            m0 = _mm512_mask_max_ps(m0, k, m0, LD(x + i, k));                                                          \
+        }                                                                                                              \
+        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)));                                 \
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0;                                                                      \
+        for (i = 0; i + 32 <= n; i += 32) {                                                                            \
+            __m512 e0 = exp16z(_mm512_sub_ps(LD(x + i, 0xffff), mv));                                                  \
+            __m512 e1 = exp16z(_mm512_sub_ps(LD(x + i + 16, 0xffff), mv));                                             \
+            s0 = _mm512_add_ps(s0, e0), s1 = _mm512_add_ps(s1, e1);                                                    \
+            if (E_IN_Y && !is_log) ST(y + i, e0, 0xffff), ST(y + i + 16, e1, 0xffff);                                  \
+        }                                                                                                              \
+        for (; i < n; i += 16) {                                                                                       \
+            __mmask16 k = tail16(n - i);                                                                               \
+            __m512 e = _mm512_maskz_mov_ps(k, exp16z(_mm512_sub_ps(LD(x + i, k), mv)));                                \
+            s0 = _mm512_add_ps(s0, e);                                                                                 \
+            if (E_IN_Y && !is_log) ST(y + i, e, k);                                                                    \
+        }                                                                                                              \
+        const float s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));                                                   \
+        if (is_log) {                                                                                                  \
+            const __m512 ls = _mm512_set1_ps(logf(s));                                                                 \
+            for (i = 0; i < n; i += 16) {                                                                              \
+                __mmask16 k = tail16(n - i);                                                                           \
+                ST(y + i, _mm512_sub_ps(_mm512_sub_ps(LD(x + i, k), mv), ls), k);                                      \
+            }                                                                                                          \
+        } else {                                                                                                       \
+            const __m512 r = _mm512_set1_ps(1.0f / s);                                                                 \
+            for (i = 0; i < n; i += 16) {                                                                              \
+                __mmask16 k = tail16(n - i);                                                                           \
+                __m512 e = E_IN_Y ? LD(y + i, k) : exp16z(_mm512_sub_ps(LD(x + i, k), mv));                            \
+                ST(y + i, _mm512_mul_ps(e, r), k);                                                                     \
+            }                                                                                                          \
+        }                                                                                                              \
+    }                                                                                                                  \
+    static void row_bwd_##name(E *dx, const E *dy, const E *y, int64_t n, int is_log) {                                \
+        __m512 s0 = _mm512_setzero_ps();                                                                               \
+        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+            __mmask16 k = tail16(n - i);                                                                               \
+            s0 = is_log ? _mm512_add_ps(s0, LD(dy + i, k)) : _mm512_fmadd_ps(LD(dy + i, k), LD(y + i, k), s0);         \
+        }                                                                                                              \
+        const __m512 s = _mm512_set1_ps(_mm512_reduce_add_ps(s0));                                                     \
+        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+            __mmask16 k = tail16(n - i);                                                                               \
+            __m512 g = LD(dy + i, k), yv = LD(y + i, k);                                                               \
+            ST(dx + i, is_log ? _mm512_fnmadd_ps(exp16z(yv), s, g) : _mm512_mul_ps(yv, _mm512_sub_ps(g, s)), k);       \
+        }                                                                                                              \
+    }                                                                                                                  \
+    /* up to 16 unit-stride lanes (mask k) down a strided axis */                                                      \
+    static void lanes_fwd_##name(E *y, const E *x, int64_t n, int64_t ys, int64_t xs, int is_log, __mmask16 k) {       \
+        __m512 m = _mm512_set1_ps(-INFINITY), s = _mm512_setzero_ps();                                                 \
+        for (int64_t j = 0; j < n; j++) m = _mm512_max_ps(m, LD(x + j * xs, k));                                       \
+        for (int64_t j = 0; j < n; j++) s = _mm512_add_ps(s, exp16z(_mm512_sub_ps(LD(x + j * xs, k), m)));             \
+        if (is_log) {                                                                                                  \
+            float b[16];                                                                                               \
+            _mm512_storeu_ps(b, s);                                                                                    \
+            for (int i = 0; i < 16; i++) b[i] = logf(b[i]);                                                            \
+            const __m512 ls = _mm512_loadu_ps(b);                                                                      \
+            for (int64_t j = 0; j < n; j++) ST(y + j * ys, _mm512_sub_ps(_mm512_sub_ps(LD(x + j * xs, k), m), ls), k); \
+        } else {                                                                                                       \
+            const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), s);                                                   \
+            for (int64_t j = 0; j < n; j++)                                                                            \
+                ST(y + j * ys, _mm512_mul_ps(exp16z(_mm512_sub_ps(LD(x + j * xs, k), m)), r), k);                      \
+        }                                                                                                              \
+    }                                                                                                                  \
+    static void lanes_bwd_##name(E *dx, const E *dy, const E *y, int64_t n, int64_t dxs, int64_t dys, int64_t ys,      \
+                                 int is_log, __mmask16 k) {                                                            \
+        __m512 s = _mm512_setzero_ps();                                                                                \
+        for (int64_t j = 0; j < n; j++)                                                                                \
+            s = is_log ? _mm512_add_ps(s, LD(dy + j * dys, k))                                                         \
+                       : _mm512_fmadd_ps(LD(dy + j * dys, k), LD(y + j * ys, k), s);                                   \
+        for (int64_t j = 0; j < n; j++) {                                                                              \
+            __m512 g = LD(dy + j * dys, k), yv = LD(y + j * ys, k);                                                    \
+            ST(dx + j * dxs, is_log ? _mm512_fnmadd_ps(exp16z(yv), s, g) : _mm512_mul_ps(yv, _mm512_sub_ps(g, s)), k); \
+        }                                                                                                              \
+    }
+
+#define SM_AVX512(name, E, LD, ST, E_IN_Y, DT)                                                                      \
+    SM_ROWS(name, E, LD, ST, E_IN_Y)                                                                                \
+    static void sm_fwd_##name(void *y_, const void *x_, int64_t n, int64_t w, int64_t ys, int64_t xs, int is_log) { \
+        E *y = y_;                                                                                                  \
+        const E *x = x_;                                                                                            \
+        if (w == 1 && ys == 1 && xs == 1)                                                                           \
+            row_fwd_##name(y, x, n, is_log);                                                                        \
+        else if (w == 1)                                                                                            \
+            softmax_kernels_ref.fwd[DT](y, x, n, 1, ys, xs, is_log);                                                \
+        else                                                                                                        \
+            for (int64_t l = 0; l < w; l += 16) lanes_fwd_##name(y + l, x + l, n, ys, xs, is_log, tail16(w - l));   \
+    }                                                                                                               \
+    static void sm_bwd_##name(void *dx_, const void *dy_, const void *y_, int64_t n, int64_t w, int64_t dxs,        \
+                              int64_t dys, int64_t ys, int is_log) {                                                \
+        E *dx = dx_;                                                                                                \
+        const E *dy = dy_, *y = y_;                                                                                 \
+        if (w == 1 && dxs == 1 && dys == 1 && ys == 1)                                                              \
+            row_bwd_##name(dx, dy, y, n, is_log);                                                                   \
+        else if (w == 1)                                                                                            \
+            softmax_kernels_ref.bwd[DT](dx, dy, y, n, 1, dxs, dys, ys, is_log);                                     \
+        else                                                                                                        \
+            for (int64_t l = 0; l < w; l += 16)                                                                     \
+                lanes_bwd_##name(dx + l, dy + l, y + l, n, dxs, dys, ys, is_log, tail16(w - l));                    \
+    }
+
+SM_AVX512(f32, float, ld16_f32, st16_f32, 1, OPF_F32)
+SM_AVX512(bf16, uint16_t, ld16_bf16, st16_bf16, 0, OPF_BF16)
+SM_AVX512(f16, uint16_t, ld16_f16, st16_f16, 0, OPF_F16)
+
+static void sm_fwd_f64(void *y, const void *x, int64_t n, int64_t w, int64_t ys, int64_t xs, int is_log) {
+    softmax_kernels_ref.fwd[OPF_F64](y, x, n, w, ys, xs, is_log);
+}
+
+static void sm_bwd_f64(void *dx, const void *dy, const void *y, int64_t n, int64_t w, int64_t dxs, int64_t dys,
+                       int64_t ys, int is_log) {
+    softmax_kernels_ref.bwd[OPF_F64](dx, dy, y, n, w, dxs, dys, ys, is_log);
+}
+
+const softmax_kernels softmax_kernels_avx512 = {
+    .name = "avx512",
+    .isa = OPF_ISA_AVX512,
+    .fwd = {[OPF_F32] = sm_fwd_f32, [OPF_F64] = sm_fwd_f64, [OPF_BF16] = sm_fwd_bf16, [OPF_F16] = sm_fwd_f16},
+    .bwd = {[OPF_F32] = sm_bwd_f32, [OPF_F64] = sm_bwd_f64, [OPF_BF16] = sm_bwd_bf16, [OPF_F16] = sm_bwd_f16},
+};

@@ -1,0 +1,175 @@
+/*
+ * torch glue of the fused cross-entropy (class dim last):
+ *   cross_entropy(logits (..., C), target (...) int64, weight (C)?, ignore_index, label_smoothing,
+ *                 reduction, softcap?) -> (losses (...), loss (), lse (...) float64)
+ *     losses: the per-row losses (0 on ignored rows); loss: their mean (reduction 1, over the
+ *     target weights) or sum (2, and 0 "none"); lse: the per-row logsumexp, saved for the backward
+ *   cross_entropy_backward(grad_losses, grad_loss, logits, target, weight?, lse (float64 or float32), ...)
+ *     -> dlogits
+ *     contiguous (..., C), from the logits and lse alone
+ * Check, allocate, call; the arithmetic is csrc/kernels/cross_entropy.c. The
+ * targets are checked (in range or ignore_index) before anything is computed.
+ * Operands of any strides are read in place.
+ */
+#include "../kernels/cross_entropy.h"
+#include "namespace.h"
+#include "opforge/op.h"
+
+static const char CE[] = OPF_QUALNAME("cross_entropy");
+static const char CEB[] = OPF_QUALNAME("cross_entropy_backward");
+
+typedef struct ce_args {
+    opf_tensor logits, target, weight;
+    ce_problem p;
+} ce_args;
+
+static ce_args check_ce(const char *op, AtenTensorHandle x_h, AtenTensorHandle t_h, AtenTensorHandle w_h,
+                        StableIValue *opts) {
+    ce_args a = {.logits = opf_tensor_info(op, "logits", x_h), .target = opf_tensor_info(op, "target", t_h)};
+    const opf_tensor *x = &a.logits, *t = &a.target;
+    opf_check_device(op, "logits", x, "logits", x);
+    opf_dtype dt = opf_check_float(op, "logits", x);
+    opf_check_device(op, "target", t, "logits", x);
+    if (t->dtype != aoti_torch_dtype_int64())
+        opf_fail(op, "argument 'target' must be int64 class indices, got %s", opf_dtype_name(t->dtype));
+    if (x->ndim < 1) opf_fail(op, "argument 'logits' must have at least 1 dim (..., C), got a 0-d tensor");
+    opf_tensor lead = {.ndim = x->ndim - 1, .sizes = x->sizes};
+    opf_check_same_shape(op, "target", t, "logits without its last (class) dim", &lead);
+    const int64_t C = x->sizes[x->ndim - 1];
+    if (w_h) {
+        a.weight = opf_tensor_info(op, "weight", w_h);
+        opf_check_device(op, "weight", &a.weight, "logits", x);
+        opf_check_same_dtype(op, "weight", &a.weight, "logits", x);
+        opf_tensor want = {.ndim = 1, .sizes = &C};
+        opf_check_same_shape(op, "weight", &a.weight, "(C,), C the last dim of logits", &want);
+    }
+    int64_t ignore = opf_arg_int(opts[0]);
+    double eps = opf_arg_double(opts[1]);
+    int64_t reduction = opf_arg_int(opts[2]);
+    double cap = 0;
+    int has_cap = opf_arg_optional_double(opts[3], &cap);
+    if (!(eps >= 0 && eps <= 1)) opf_fail(op, "argument 'label_smoothing' must be in [0, 1], got %g", eps);
+    if (reduction < CE_REDUCTION_NONE || reduction > CE_REDUCTION_SUM)
+        opf_fail(op, "argument 'reduction' must be 0 (none), 1 (mean) or 2 (sum), got %lld", (long long)reduction);
+    if (has_cap && !(cap > 0)) opf_fail(op, "argument 'softcap' must be > 0 or None, got %g", cap);
+    int64_t rows = 1;
+    for (int64_t d = 0; d < x->ndim - 1; d++) rows *= x->sizes[d];
+    a.p = (ce_problem){.dt = dt,
+                       .rows = rows,
+                       .classes = C,
+                       .lead_ndim = (int)(x->ndim - 1),
+                       .lead_sizes = x->sizes,
+                       .logits = x->data,
+                       .logits_strides = x->strides,
+                       .target = t->data,
+                       .target_strides = t->strides,
+                       .weight = w_h ? a.weight.data : NULL,
+                       .weight_stride = w_h ? a.weight.strides[0] : 0,
+                       .ignore_index = ignore,
+                       .label_smoothing = eps,
+                       .softcap = has_cap ? cap : 0,
+                       .reduction = (int)reduction};
+    if (!opf_is_meta(x)) {
+        int64_t value = 0, row = ce_check_target(&a.p, &value);
+        if (row >= 0)
+            opf_fail(
+                op,
+                "argument 'target' must hold class indices in [0, %lld) or ignore_index (%lld), got %lld at row %lld",
+                (long long)C, (long long)ignore, (long long)value, (long long)row);
+    }
+    return a;
+}
+
+static void cross_entropy_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    (void)nin, (void)nout;
+    OPF_ARG_TENSOR(x, stack, 0);
+    OPF_ARG_TENSOR(t, stack, 1);
+    OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[2]);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    ce_args a = check_ce(CE, x_h, t_h, w_h, stack + 3);
+    const opf_tensor *x = &a.logits;
+    OPF_OWNED AtenTensorHandle losses_h = opf_empty(CE, x->ndim - 1, x->sizes, x->dtype, x);
+    OPF_OWNED AtenTensorHandle loss_h = opf_empty(CE, 0, NULL, x->dtype, x);
+    OPF_OWNED AtenTensorHandle lse_h = opf_empty(CE, x->ndim - 1, x->sizes, aoti_torch_dtype_float64(), x);
+    if (!opf_is_meta(x)) {
+        opf_tensor losses = opf_tensor_info(CE, "losses", losses_h), loss = opf_tensor_info(CE, "loss", loss_h);
+        opf_tensor lse = opf_tensor_info(CE, "lse", lse_h);
+        a.p.losses = losses.data, a.p.loss = loss.data, a.p.lse = lse.data;
+        const ce_kernels *k = ce_kernels_for(opf_isa_current());
+        float *ws = NULL;
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(CE, ce_fwd_workspace(&a.p), x, &ws);
+        ce_fwd(k, &a.p, ws);
+        opf_log_call(CE, t0, 2, (opf_tensor[]){*x, a.target});
+    }
+    OPF_RETURN(stack, 0, losses_h);
+    OPF_RETURN(stack, 1, loss_h);
+    OPF_RETURN(stack, 2, lse_h);
+}
+
+static void cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    (void)nin, (void)nout;
+    OPF_ARG_TENSOR(gl, stack, 0);
+    OPF_ARG_TENSOR(g, stack, 1);
+    OPF_ARG_TENSOR(x, stack, 2);
+    OPF_ARG_TENSOR(t, stack, 3);
+    OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[4]);
+    OPF_ARG_TENSOR(lse, stack, 5);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    ce_args a = check_ce(CEB, x_h, t_h, w_h, stack + 6);
+    const opf_tensor *x = &a.logits;
+    opf_tensor gls = opf_tensor_info(CEB, "grad_losses", gl_h), gs = opf_tensor_info(CEB, "grad_loss", g_h);
+    opf_tensor lse = opf_tensor_info(CEB, "lse", lse_h);
+    opf_check_device(CEB, "grad_losses", &gls, "logits", x);
+    opf_check_device(CEB, "grad_loss", &gs, "logits", x);
+    opf_check_device(CEB, "lse", &lse, "logits", x);
+    opf_check_same_dtype(CEB, "grad_losses", &gls, "logits", x);
+    opf_check_same_dtype(CEB, "grad_loss", &gs, "logits", x);
+    opf_check_same_shape(CEB, "grad_losses", &gls, "target", &a.target);
+    opf_tensor scalar = {.ndim = 0};
+    opf_check_same_shape(CEB, "grad_loss", &gs, "a 0-d loss", &scalar);
+    opf_check_same_shape(CEB, "lse", &lse, "target", &a.target);
+    if (lse.dtype != aoti_torch_dtype_float64() && lse.dtype != aoti_torch_dtype_float32())
+        opf_fail(CEB, "argument 'lse' must be float64 (as the forward makes it) or float32, got %s",
+                 opf_dtype_name(lse.dtype));
+    for (int64_t d = lse.ndim - 1, step = 1; d >= 0; step *= lse.sizes[d], d--)
+        if (lse.sizes[d] > 1 && lse.strides[d] != step)
+            opf_fail(CEB, "argument 'lse' must be contiguous (the tensor the forward made)");
+    OPF_OWNED AtenTensorHandle dx_h = opf_empty(CEB, x->ndim, x->sizes, x->dtype, x);
+    if (!opf_is_meta(x)) {
+        opf_tensor dx = opf_tensor_info(CEB, "dlogits", dx_h);
+        a.p.grad_losses = gls.data, a.p.grad_losses_strides = gls.strides, a.p.grad_loss = gs.data;
+        a.p.lse_saved = lse.data, a.p.dlogits = dx.data;
+        a.p.lse_dt = lse.dtype == aoti_torch_dtype_float32() ? OPF_F32 : OPF_F64;
+        ce_bwd(ce_kernels_for(opf_isa_current()), &a.p);
+        opf_log_call(CEB, t0, 3, (opf_tensor[]){*x, a.target, dx});
+    }
+    OPF_RETURN(stack, 0, dx_h);
+}
+
+/* torch's CPU autocast runs cross_entropy in float32 (F.cross_entropy of bfloat16 logits under autocast
+ * returns float32): the same policy */
+const opf_op_desc opf_cross_entropy_ops[] = {
+    {
+        .schema = "cross_entropy(Tensor logits, Tensor target, Tensor? weight, int ignore_index, "
+                  "float label_smoothing, int reduction, float? softcap) -> (Tensor, Tensor, Tensor)",
+        .cpu = cross_entropy_cpu,
+        .shape = "[target[:]] dtype=logits; [] dtype=logits; [target[:]] dtype=float64",
+        .backward = "cross_entropy_backward",
+        .backward_args = "grad0,grad1,logits,target,weight,out2,ignore_index,label_smoothing,reduction,softcap",
+        .backward_grads = "logits",
+        .autocast = OPF_AUTOCAST_FP32,
+        .flops = "4*numel(logits)",
+        .meta = 1,
+    },
+    {
+        .schema = "cross_entropy_backward(Tensor grad_losses, Tensor grad_loss, Tensor logits, Tensor target, "
+                  "Tensor? weight, Tensor lse, int ignore_index, float label_smoothing, int reduction, "
+                  "float? softcap) -> Tensor",
+        .cpu = cross_entropy_backward_cpu,
+        .shape = "[logits[:]]",
+        .autocast = OPF_AUTOCAST_NONE,
+        .flops = "5*numel(logits)",
+        .meta = 1,
+    },
+    OPF_OP_END,
+};
