@@ -7,8 +7,10 @@
 extern const opf_op_desc opf_dispersion_correction_ops[];
 extern const opf_op_desc opf_linear_ops[];
 extern const opf_op_desc opf_attention_ops[];
+extern const opf_op_desc opf_linear_cross_entropy_ops[];
 
-static const opf_op_desc *const groups[] = {opf_dispersion_correction_ops, opf_linear_ops, opf_attention_ops};
+static const opf_op_desc *const groups[] = {opf_dispersion_correction_ops, opf_linear_ops, opf_attention_ops,
+                                            opf_linear_cross_entropy_ops};
 
 #define OPF_MAX_OPS 64
 static opf_op_desc table[OPF_MAX_OPS + 1]; /* and its end */
