@@ -43,13 +43,14 @@ build/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge/_bui
 build/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_AMX_EMULATE
 
-ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction build/ctest/test_gemm build/ctest/test_gemm_amx_emulated build/ctest/test_attention build/ctest/test_linear
+ctest: build/ctest/test_runtime build/ctest/test_dispersion_correction build/ctest/test_gemm build/ctest/test_gemm_amx_emulated build/ctest/test_attention build/ctest/test_linear build/ctest/test_linear_cross_entropy
 	./build/ctest/test_runtime
 	./build/ctest/test_dispersion_correction
 	./build/ctest/test_gemm
 	./build/ctest/test_gemm_amx_emulated
 	./build/ctest/test_attention
 	./build/ctest/test_linear
+	./build/ctest/test_linear_cross_entropy
 
 # torch's C++ headers and ours in one C++ file: a drifted signature fails here.
 abi-check: $(VENV)/.installed
