@@ -122,6 +122,7 @@ static void run(const char *op, const lce_args *a) {
 /* contiguous (1-d or 2-d; strides of size-1 dims do not matter) */
 static int row_major(const opf_tensor *t) {
     int64_t expect = 1;
+    if (t->numel == 0) return 1;
     for (int64_t d = t->ndim - 1; d >= 0; d--) {
         if (t->sizes[d] > 1 && t->strides[d] != expect) return 0;
         expect *= t->sizes[d];

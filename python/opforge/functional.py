@@ -207,7 +207,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             f"[opforge.linear_cross_entropy] argument 'target' must have the leading dims of 'hidden' "
             f"{list(lead)}, got {list(target.shape)}"
         )
-    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    h2, t1 = hidden.reshape(target.numel(), hidden.shape[-1]), target.reshape(-1)
     if code == 0:
         return _linear_cross_entropy_none(h2, weight, t1, bias, ignore_index, float(label_smoothing), softcap)[0].view(
             lead)
