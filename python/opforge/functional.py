@@ -149,6 +149,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+# the floats of linear_cross_entropy's logits block (LCE_BLOCK_FLOATS in csrc/kernels/linear_cross_entropy.h):
+# a problem of at most this many logits is one block, which the forward reuses for the gradients
+LCE_BLOCK_FLOATS = 4 << 20
 
 
 @op_function(ops.linear_cross_entropy.default)
@@ -182,11 +185,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         softcap: Gemma-2's logit soft-capping, ``softcap * tanh(logits / softcap)`` before the softmax;
             None for none.
 
-    With reduction "mean" or "sum" and a gradient needed (grad mode on and an input requiring grad), the
-    call also makes the gradients of hidden, weight and bias (a second sweep over the blocks once each
-    token's log-sum-exp is known), and the backward only scales them by the incoming gradient. With
-    "none" the per-token gradients are known only in the backward, which recomputes the blocks from the
-    saved log-sum-exp. float32; bfloat16 and float16 (the GEMM's 16-bit paths, float32 accumulation,
+    With reduction "mean" or "sum", a gradient needed (grad mode on and an input requiring grad) and
+    tokens x vocab <= LCE_BLOCK_FLOATS (the logits are one block), the call also makes the gradients of
+    hidden, weight and bias from that block, and the backward only scales them by the incoming gradient.
+    Larger problems keep only each token's log-sum-exp (T floats) for the backward, which recomputes the
+    blocks: the gradients' second sweep must recompute every block wherever it runs, so running it in the
+    forward would save no work, and would hold dweight and dhidden from forward to backward and copy them
+    there (twice their size at the peak). With "none" the per-token gradients are known only in the
+    backward, which recomputes the blocks from the saved log-sum-exp. float32; bfloat16 and float16 (the GEMM's 16-bit paths, float32 accumulation,
     gradients accumulated in float32 and rounded once; the loss is computed in float32 and returned in the
     input dtype); float64 a reference loop (for gradcheck). Deterministic: the same bits on any thread
     count. Under ``torch.autocast`` the op runs in the autocast dtype (the GEMMs in bfloat16, the
@@ -212,5 +218,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         return _linear_cross_entropy_none(h2, weight, t1, bias, ignore_index, float(label_smoothing), softcap)[0].view(
             lead)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    one_block = h2.shape[0] * weight.shape[0] <= LCE_BLOCK_FLOATS
     return _linear_cross_entropy(h2, weight, t1, bias, ignore_index, float(label_smoothing), code, softcap,
-                                 needs_grad)[0]
+                                 needs_grad and one_block)[0]

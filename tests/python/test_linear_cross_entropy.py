@@ -88,6 +88,20 @@ def test_blocks_cross_token_and_vocab_boundaries(reduction):
     check_against_reference(torch.float32, 2100, 16, 2500, reduction, True, 0.1, True, 5.0)
 
 
+def test_gradients_made_in_the_forward_over_several_blocks():
+    # the raw op with compute_grad: sweep 2 in the forward over 2 x 2 blocks, then the scaling backward
+    hid, w, b, y = inputs(2100, 16, 2500, torch.float32)
+    leaves = [x.requires_grad_() for x in (hid, w, b)]
+    loss, lse, dh, dw, db = LCE(*leaves[:2], y, leaves[2], -100, 0.1, 1, 5.0, True)
+    assert dh.shape == hid.shape and dw.shape == w.shape and db.shape == b.shape
+    loss.backward(torch.tensor(0.5))
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    (0.5 * reference(refs[0], refs[1], y, refs[2], label_smoothing=0.1, softcap=5.0)).backward()
+    for a, r in zip(leaves, refs):
+        torch.testing.assert_close(a.grad.double(), r.grad, **GRAD_TOL[torch.float32])
+    torch.testing.assert_close(dw.double() * 0.5, refs[1].grad, **GRAD_TOL[torch.float32])
+
+
 @pytest.mark.parametrize("t, h, v", [(1, 1, 1), (7, 7, 7), (1, 123, 4097), (0, 5, 9), (4, 0, 6)], ids=str)
 def test_odd_and_empty_sizes(t, h, v):
     for reduction in ("mean", "sum", "none"):
