@@ -117,6 +117,7 @@ bench: build
 	$(PY) benchmarks/bench_gemm.py
 	$(PY) benchmarks/bench_linear.py
 	$(PY) benchmarks/bench_attention.py
+	$(PY) benchmarks/bench_linear_cross_entropy.py
 	$(PY) benchmarks/bench_build.py
 
 bench-smoke: build
