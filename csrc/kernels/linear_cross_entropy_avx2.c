@@ -48,7 +48,8 @@ static void lse_update_avx2(const float *u, int64_t n, float capf, float *max, f
         zs += z;
     }
     *zsum += zs;
-    if (m == -INFINITY) return;
+    if (isnan(*zsum)) *sum = NAN; /* a NaN logit, which max and exp8's clamp would drop: NaN, as expf gives */
+    if (m == -INFINITY || isnan(*zsum)) return;
     __m256 vs = _mm256_setzero_ps(), mm = _mm256_set1_ps(m);
     for (j = 0; j + 8 <= n; j += 8)
         vs = _mm256_add_ps(vs, exp8(_mm256_sub_ps(capped8(_mm256_loadu_ps(u + j), cap, rcap, has_cap), mm)));
