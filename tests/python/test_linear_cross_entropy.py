@@ -324,3 +324,30 @@ def test_errors_come_before_any_work_under_fake_tensors():
 
     with FakeTensorMode(), pytest.raises(RuntimeError, match=r"argument 'weight' must have 5 columns"):
         LCE(torch.empty(3, 5), torch.empty(4, 6), torch.zeros(3, dtype=torch.int64), None, -100, 0.0, 1, None, True)
+
+
+def test_nan_logits_give_nan_as_torch_on_every_isa():
+    hid, w, _, y = inputs(6, 5, 40, torch.float32, ignore=False)
+    hid[2, 1] = float("nan")
+    want = reference(hid.double(), w.double(), y, reduction="none")
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            got = linear_cross_entropy(hid, w, y, reduction="none")
+            assert torch.equal(got.isnan(), want.isnan()), isa
+            torch.testing.assert_close(got.double(), want, **TOL[torch.float32], equal_nan=True)
+    finally:
+        opforge.set_isa("auto")
+
+
+def test_an_ignore_index_inside_the_vocab():
+    # ignore_index is any int: a class index ignored is left out of the loss, the mean's count and the grads
+    check_against_reference(torch.float32, 20, 8, 9, "mean", False, 0.1, True, None)
+    hid, w, b, y = inputs(20, 8, 9, torch.float64, ignore=False)
+    w.requires_grad_()
+    got = linear_cross_entropy(hid, w, y, b, ignore_index=3, label_smoothing=0.1)
+    wr = w.detach().clone().requires_grad_()
+    want = reference(hid, wr, y, b, ignore_index=3, label_smoothing=0.1)
+    torch.testing.assert_close(got, want, **TOL[torch.float64])
+    got.backward(), want.backward()
+    torch.testing.assert_close(w.grad, wr.grad, **GRAD_TOL[torch.float64])
