@@ -74,10 +74,10 @@ def child(variant, dtype, tokens, hidden, vocab):
     def step():
         fn(h, w, y).backward()
 
-    # a first call on a few tokens: what the first call of a process loads (libraries, the profiler's
-    # state, thread pools) is not the variant's memory
+    # a first call on a few tokens, under the profiler: what the first call of a process loads (libraries,
+    # the profiler's own state, thread pools) is not the variant's memory
     hs, ys = h.detach()[:8].clone().requires_grad_(), y[:8]
-    fn(hs, w, ys).backward()
+    peak_memory(lambda: fn(hs, w, ys).backward())
     w.grad = None
     with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident set
         f.write("5")
@@ -119,6 +119,7 @@ def main(argv=None):
     p.add_argument("--bf16-mem-tokens", type=int, default=256,
                    help="tokens of the bfloat16 memory runs (eager bfloat16 GEMMs are slow without AVX512-BF16)")
     p.add_argument("--vocabs", default="32000,128256")
+    p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -133,8 +134,21 @@ def main(argv=None):
     compiled = torch.compile(eager, dynamic=False)
     variants = {"opforge": fused, "eager": eager, "compile": compiled}
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        dname = str(dtype).split(".")[1]
+    notes = [
+        f"ISA {opforge.get_isa()}; hidden {hidden}; fwdbwd_vs_*: baseline time / opforge time of one "
+        "forward+backward (>1: opforge faster), medians of interleaved samples at time_tokens tokens",
+        "peak_MiB_*: torch allocator high-water mark during one forward+backward above what it held before, "
+        "in a fresh process per variant, at mem_tokens tokens; inputs and parameters excluded, the gradients "
+        "made (hidden.grad + weight.grad = grads_MiB) included; *_no_grads: the same less the gradients (the "
+        "temporaries alone); rss_MiB_*: the resident-set high-water mark above the resident set before the call",
+        "opforge: opforge.functional.linear_cross_entropy (lse kept, gradients recomputed in the backward above "
+        "one 4M-logit block); opforge_fwd_grads: the raw op with compute_grad=True (gradients made in the "
+        "forward, held, and scaled into new tensors by the backward)",
+        "compile: torch.compile of the eager code (the memory child compiles with dynamic=True, warmed on 64 "
+        "tokens)",
+    ]
+    for dname in a.dtypes.split(","):
+        dtype = getattr(torch, dname)
         for vocab in vocabs:
             check(dtype, hidden, vocab)
             tokens = a.time_tokens if dtype == torch.float32 else max(a.time_tokens // 4, 8)
@@ -148,6 +162,7 @@ def main(argv=None):
             reps = 2 if a.smoke else 3
             both = compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=0.01)
             mem_tokens = a.mem_tokens if dtype == torch.float32 else a.bf16_mem_tokens
+            print(f"{dname} vocab {vocab}: timed; peak memory at {mem_tokens} tokens ...", flush=True)
             mem = {k: measure_memory(k, dtype, mem_tokens, hidden, vocab)
                    for k in ("opforge", "opforge_fwd_grads", "eager", "compile")}
             mib = 2.0**20
@@ -172,20 +187,9 @@ def main(argv=None):
                   f"({row['mem_x_less_vs_eager']:.1f}x less), compile {row['peak_MiB_compile']:.0f} "
                   f"({row['mem_x_less_vs_compile']:.1f}x less); gradients in the forward: "
                   f"{row['peak_MiB_opforge_fwd_grads']:.0f} MiB", flush=True)
-    table = write_results("linear_cross_entropy", rows, [
-        f"ISA {opforge.get_isa()}; hidden {hidden}; fwdbwd_vs_*: baseline time / opforge time of one "
-        "forward+backward (>1: opforge faster), medians of interleaved samples at time_tokens tokens",
-        "peak_MiB_*: torch allocator high-water mark during one forward+backward above what it held before, "
-        "in a fresh process per variant, at mem_tokens tokens; inputs and parameters excluded, the gradients "
-        "made (hidden.grad + weight.grad = grads_MiB) included; *_no_grads: the same less the gradients (the "
-        "temporaries alone); rss_MiB_*: the resident-set high-water mark above the resident set before the call",
-        "opforge: opforge.functional.linear_cross_entropy (lse kept, gradients recomputed in the backward above "
-        "one 4M-logit block); opforge_fwd_grads: the raw op with compute_grad=True (gradients made in the "
-        "forward, held, and scaled into new tensors by the backward)",
-        "compile: torch.compile of the eager code (the memory child compiles with dynamic=True, warmed on 64 "
-        "tokens)",
-    ], a.out)
-    fp32 = [r for r in rows if r["dtype"] == "float32"]
+            write_results("linear_cross_entropy", rows, notes, a.out)  # what is measured so far
+    table = write_results("linear_cross_entropy", rows, notes, a.out)
+    fp32 = [r for r in rows if r["dtype"] == "float32"] or rows
     plot("linear_cross_entropy", [r["vocab"] for r in fp32],
          {k: [r[k] for r in fp32] for k in ("mem_x_less_vs_eager", "mem_x_less_vs_compile", "fwdbwd_vs_eager")},
          "vocab (float32)", "x (memory less / speed-up)", a.out)
