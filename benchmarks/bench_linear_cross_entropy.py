@@ -110,6 +110,18 @@ def check(dtype, hidden, vocab):
         torch.testing.assert_close(a.grad.double(), r.grad, rtol=tol, atol=tol * float(r.grad.abs().max()))
 
 
+def time_step(variants, tokens, hidden, vocab, dtype, reps):
+    """Median seconds of one forward+backward of each variant, interleaved."""
+    h, w, y = inputs(tokens, hidden, vocab, dtype)
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def step(f):
+        f(hg, wg, y).backward()
+        hg.grad = wg.grad = None
+
+    return compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=0.01)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
@@ -120,6 +132,9 @@ def main(argv=None):
                    help="tokens of the bfloat16 memory runs (eager bfloat16 GEMMs are slow without AVX512-BF16)")
     p.add_argument("--vocabs", default="32000,128256")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--skip-time", action="store_true")
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--stem", default="linear_cross_entropy", help="results file names")
     p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -152,18 +167,14 @@ def main(argv=None):
         for vocab in vocabs:
             check(dtype, hidden, vocab)
             tokens = a.time_tokens if dtype == torch.float32 else max(a.time_tokens // 4, 8)
-            h, w, y = inputs(tokens, hidden, vocab, dtype)
-            hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-
-            def step(f):
-                f(hg, wg, y).backward()
-                hg.grad = wg.grad = None
-
-            reps = 2 if a.smoke else 3
-            both = compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=0.01)
+            both = dict.fromkeys(variants, float("nan"))
+            if not a.skip_time:
+                both = time_step(variants, tokens, hidden, vocab, dtype, 2 if a.smoke else 3)
             mem_tokens = a.mem_tokens if dtype == torch.float32 else a.bf16_mem_tokens
             print(f"{dname} vocab {vocab}: timed; peak memory at {mem_tokens} tokens ...", flush=True)
-            mem = {k: measure_memory(k, dtype, mem_tokens, hidden, vocab)
+            nan = float("nan")
+            none = {"alloc_peak": nan, "rss_peak": nan, "grads": nan}
+            mem = {k: none if a.skip_memory else measure_memory(k, dtype, mem_tokens, hidden, vocab)
                    for k in ("opforge", "opforge_fwd_grads", "eager", "compile")}
             mib = 2.0**20
             row = {"dtype": dname, "hidden": hidden, "vocab": vocab, "time_tokens": tokens,
@@ -178,8 +189,8 @@ def main(argv=None):
             for base in ("eager", "compile"):
                 row[f"mem_x_less_vs_{base}"] = mem[base]["alloc_peak"] / mem["opforge"]["alloc_peak"]
                 row[f"mem_x_less_vs_{base}_no_grads"] = ((mem[base]["alloc_peak"] - mem[base]["grads"])
-                                                         / max(1, mem["opforge"]["alloc_peak"] - mem["opforge"]["grads"]))
-                row[f"rss_x_less_vs_{base}"] = mem[base]["rss_peak"] / max(1, mem["opforge"]["rss_peak"])
+                                                         / (mem["opforge"]["alloc_peak"] - mem["opforge"]["grads"]))
+                row[f"rss_x_less_vs_{base}"] = mem[base]["rss_peak"] / mem["opforge"]["rss_peak"]
             rows.append(row)
             print(f"{dname} vocab {vocab}: fwd+bwd ({tokens} tokens) {row['fwdbwd_vs_eager']:.2f}x eager, "
                   f"{row['fwdbwd_vs_compile']:.2f}x compile; peak memory ({mem_tokens} tokens) "
@@ -187,10 +198,10 @@ def main(argv=None):
                   f"({row['mem_x_less_vs_eager']:.1f}x less), compile {row['peak_MiB_compile']:.0f} "
                   f"({row['mem_x_less_vs_compile']:.1f}x less); gradients in the forward: "
                   f"{row['peak_MiB_opforge_fwd_grads']:.0f} MiB", flush=True)
-            write_results("linear_cross_entropy", rows, notes, a.out)  # what is measured so far
-    table = write_results("linear_cross_entropy", rows, notes, a.out)
+            write_results(a.stem, rows, notes, a.out)  # what is measured so far
+    table = write_results(a.stem, rows, notes, a.out)
     fp32 = [r for r in rows if r["dtype"] == "float32"] or rows
-    plot("linear_cross_entropy", [r["vocab"] for r in fp32],
+    plot(a.stem, [r["vocab"] for r in fp32],
          {k: [r[k] for r in fp32] for k in ("mem_x_less_vs_eager", "mem_x_less_vs_compile", "fwdbwd_vs_eager")},
          "vocab (float32)", "x (memory less / speed-up)", a.out)
     print(table)
