@@ -15,6 +15,7 @@
 #include "../kernels/cross_entropy.h"
 #include "../kernels/dispersion_correction.h"
 #include "../kernels/gemm.h"
+#include "../kernels/linear_cross_entropy.h"
 #include "../kernels/glu.h"
 #include "../kernels/norm.h"
 #include "../kernels/probe.h"
@@ -435,7 +436,7 @@ OPF_EXPORT const char *opforge_isa_name_at(int i) {
 
 static const opf_variants *const kernel_families[] = {&dc_variants,   &gemm_variants,    &attn_variants, &act_variants,
                                                       &cvt_variants,  &probe_variants,   &norm_variants, &glu_variants,
-                                                      &rope_variants, &softmax_variants, &ce_variants};
+                                                      &rope_variants, &softmax_variants, &ce_variants,   &lce_variants};
 
 /* Variant i of the family vs: its name (NULL where this build lacks it), the
  * ISA it needs, and whether the current ISA runs it. Returns 1, or 0 past the

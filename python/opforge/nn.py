@@ -271,3 +271,31 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     def forward(self, input, target):
         return F.cross_entropy(input, target, self.weight, self.ignore_index, self.label_smoothing, self.reduction,
                                self.softcap)
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The loss of an LM head, ``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)``, without
+    the (tokens, vocab) logits (see :func:`opforge.functional.linear_cross_entropy`).
+
+    It holds no parameter: the head's weight stays where the model keeps it (an ``nn.Linear``, or an
+    embedding tied to it), and is passed in: ``loss_fn(hidden, lm_head.weight, target, lm_head.bias)``.
+    A module that owned a copy would break weight tying and checkpoints.
+    """
+
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
+                 softcap: float | None = None):
+        super().__init__()
+        if reduction not in F.REDUCTIONS:
+            raise RuntimeError(f"[opforge.nn.LinearCrossEntropyLoss] argument 'reduction' must be one of "
+                               f"{', '.join(map(repr, F.REDUCTIONS))}, got {reduction!r}")
+        self.ignore_index, self.label_smoothing, self.reduction, self.softcap = (ignore_index, label_smoothing,
+                                                                                  reduction, softcap)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear_cross_entropy(hidden, weight, target, bias, self.ignore_index, self.label_smoothing,
+                                      self.reduction, self.softcap)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"reduction={self.reduction!r}, softcap={self.softcap}")

@@ -79,6 +79,7 @@ CHUNK_FLOATS = 1 << 21
 K_SLICES = (256, 384, 1024, 2048)
 ATTN_MARKS = (1, 8, 16, 32, 63, 64, 65, 128, 192, 256, 512, 1024)  # 64-row query and key blocks
 HEAD_DIMS = (1, 7, 8, 16, 31, 32, 33, 40, 64, 80, 96, 128, 129, 256)
+LCE_MARKS = (1, 7, 16, 64, 2047, 2048, 2049, 4097)  # linear_cross_entropy: 2048 x 2048 logits blocks
 DC_MARKS = (7, 8, 15, 16, 17, 31, 32, 33, 64, 4097, 32767, 32768, 32769, 65536, 100000)  # vectors, the 32768 grain
 
 ACTS = {
@@ -369,15 +370,33 @@ def _draw_cross_entropy(rng, c):
     return _seconds(c, 0, 0, math.prod(c["shape"]) * 60)
 
 
+def _draw_lce(rng, c):
+    c["t"] = _dim(rng, 4200, LCE_MARKS, zero=0.03)
+    c["h"] = rng.choice((1, 7, 16, 64, rng.randint(1, 300)))
+    c["v"] = _dim(rng, 4200, LCE_MARKS, zero=0.0)
+    c["reduction"] = rng.choice(("mean", "sum", "none"))
+    c["bias"] = rng.random() < 0.5
+    c["ignore"] = rng.choice((0.0, 0.0, 0.3, 1.0))  # share of ignored targets
+    c["label_smoothing"] = rng.choice((0.0, 0.0, 0.1, 1.0))
+    c["softcap"] = rng.choice((None, None, 30.0, 2.0))
+    c["grad"] = rng.random() < 0.7
+    c["h_layout"] = _layout(rng, [c["t"], c["h"]], expand=False)
+    c["w_layout"] = _layout(rng, [c["v"], c["h"]], expand=False)
+    flops = 2.0 * c["t"] * c["h"] * c["v"]
+    return _seconds(c, flops * (4 if c["grad"] else 1), flops * (3 if c["grad"] else 1), 30 * c["t"] * c["v"])
+
+
 DRAW = {"matmul": _draw_matmul, "linear": _draw_linear, "attention": _draw_attention,
         "dispersion_correction": _draw_dispersion, "glu": _draw_glu, "rope": _draw_rope, "softmax": _draw_softmax,
-        "cross_entropy": _draw_cross_entropy}
+        "cross_entropy": _draw_cross_entropy, "linear_cross_entropy": _draw_lce}
 # the GEMM ops have the most plans (blocks, threads, slices, chunks, paths of the backward)
 OP_WEIGHTS = {"matmul": 0.25, "linear": 0.45, "attention": 0.2, "dispersion_correction": 0.1, "glu": 0.15,
-              "rope": 0.15, "softmax": 0.15, "cross_entropy": 0.15}
+              "rope": 0.15, "softmax": 0.15, "cross_entropy": 0.15,
+              "linear_cross_entropy": 0.1}  # norm's weight is set with its generator
 # ops added after test_fuzz.py's seeds were chosen take LATER_SHARE of the cases from a stream of their
 # own (weights among themselves), so every other case of a seed stays the case it was
-LATER_OPS, LATER_SHARE = ("glu", "rope", "norm", "softmax", "cross_entropy"), 0.3
+LATER_OPS = ("glu", "rope", "norm", "softmax", "cross_entropy", "linear_cross_entropy")
+LATER_SHARE = 0.3
 # estimated seconds a case may take: most cases are small; a fifth may be big, since a 16-bit GEMM over
 # row chunks needs M * N >= 2**21 and K over a slice (>= 8e8 multiply-adds)
 CASE_SECONDS, BIG_CASE_SECONDS, BIG_SHARE = 0.8, 2.5, 0.2
@@ -442,6 +461,10 @@ def describe(c: dict) -> str:
         return (f"{head} logits={tuple(c['shape'])}{_layout_str(c['layout'])} weight={c['weight']} "
                 f"smoothing={c['smoothing']} softcap={c['softcap']} reduction={c['reduction']} ignore={c['ignore']} "
                 f"specials={c['specials']} grad={c['grad']}")
+    if c["op"] == "linear_cross_entropy":
+        return (f"{head} T={c['t']} H={c['h']} V={c['v']} hidden{_layout_str(c['h_layout'])} "
+                f"weight{_layout_str(c['w_layout'])} reduction={c['reduction']} bias={c['bias']} "
+                f"ignore={c['ignore']} label_smoothing={c['label_smoothing']} softcap={c['softcap']} grad={c['grad']}")
     return (f"{head} x={tuple(c['shape'])}{_layout_str(c['layout'])} alpha={c['alpha']} specials={c['specials']} "
             f"grad={c['grad']}")
 
@@ -1034,12 +1057,56 @@ def check_cross_entropy(c, gen, dtype, dt, call):
         half = 4 * U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else 0.0
         gb = a * p * err_p + (scale * (1 + wt))[:, None] * (C_FN * u + half) * (eps / classes + (1 - eps))
         checks.append(Check("dlogits", dx, gwant, (4 * gb).reshape(gwant.shape) + _out_tol(gwant, dt), dtype))
+# linear_cross_entropy: normwise bounds, relative to the largest element of each result: sums of H products
+# and of V exponentials in float32 (float64 for float64), 16-bit operands, results rounded once
+LCE_REL = {"float64": 1e-10, "float32": 2e-4, "bfloat16": 4e-2, "float16": 1e-2}
+
+
+def check_lce(c, gen, dtype, dt, call):
+    t, h, v = c["t"], c["h"], c["v"]
+    specs = [([t, h], dtype, c["h_layout"], "randn", 1.0), ([v, h], dtype, c["w_layout"], "randn", 2 / max(h, 1) ** 0.5)]
+    if c["bias"]:
+        specs.append(([v], dtype, None, "randn", 1.0))
+    inputs = _inputs(gen, specs)
+    for base, _ in inputs:
+        base.requires_grad_(c["grad"])
+    hid, w, b = [view(base) for base, view in inputs] + [None] * (3 - len(inputs))
+    y = torch.randint(0, max(v, 1), (t,), generator=gen)
+    y[torch.rand(t, generator=gen) < c["ignore"]] = -100
+    kw = dict(ignore_index=-100, label_smoothing=c["label_smoothing"], reduction=c["reduction"], softcap=c["softcap"])
+    g = random_tensor(gen, [t] if c["reduction"] == "none" else [], dtype)
+    leaves = [x for x in (hid, w, b) if x is not None]
+
+    def forward_backward():
+        loss = opforge.functional.linear_cross_entropy(hid, w, y, b, **kw)
+        return loss, (torch.autograd.grad(loss, leaves, g) if c["grad"] else ())
+
+    if c["grad"]:
+        loss, grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            loss, grads = call(forward_backward)
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    z = F.linear(refs[0], refs[1], refs[2] if b is not None else None)
+    if c["softcap"] is not None:
+        z = c["softcap"] * torch.tanh(z / c["softcap"])
+    want = F.cross_entropy(z, y, **{k: kw[k] for k in ("ignore_index", "label_smoothing", "reduction")})
+    rel = LCE_REL[dt]
+
+    def bound(ref):
+        return torch.full_like(ref, rel * float(ref.abs().nan_to_num(0.0).max()) if ref.numel() else 0.0)
+
+    checks = [Check("loss", loss, want.detach(), bound(want.detach()), dtype)]
+    if c["grad"]:
+        gwant = torch.autograd.grad(want, refs, g.double())
+        for name, got, ref in zip(("dhidden", "dweight", "dbias"), grads, gwant):
+            checks.append(Check(name, got, ref, bound(ref), dtype))
     return checks
 
 
 CHECKERS = {"matmul": check_matmul, "linear": check_linear, "attention": check_attention,
             "dispersion_correction": check_dispersion, "glu": check_glu, "rope": check_rope,
-            "softmax": check_softmax, "cross_entropy": check_cross_entropy}
+            "softmax": check_softmax, "cross_entropy": check_cross_entropy, "linear_cross_entropy": check_lce}
 
 
 class OpError(Exception):

@@ -177,6 +177,7 @@ def test_info_command():
         ("bench_dispersion_correction.py", ["dispersion_correction_float32.md", "dispersion_correction_overhead.csv"]),
         ("bench_gemm.py", ["gemm.md", "gemm.csv"]),
         ("bench_linear.py", ["linear_gelu.md", "linear_gelu.csv"]),
+        ("bench_linear_cross_entropy.py", ["linear_cross_entropy.md", "linear_cross_entropy.csv"]),
     ],
 )
 def test_benchmark_scripts_smoke(tmp_path, script, outputs):

@@ -1,0 +1,407 @@
+/*
+ * Fused LM head + cross-entropy: the block plan, the workspace layout, both
+ * sweeps, the scalar row code and the float64 reference. See
+ * linear_cross_entropy.h.
+ */
+#include "linear_cross_entropy.h"
+
+#include <math.h>
+#include <string.h>
+
+/* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
+extern const lce_kernels lce_kernels_avx2 __attribute__((weak));
+extern const lce_kernels lce_kernels_avx512 __attribute__((weak));
+
+const opf_variants lce_variants =
+    OPF_VARIANTS("linear_cross_entropy", &lce_kernels_ref, &lce_kernels_avx2, &lce_kernels_avx512);
+
+const lce_kernels *lce_kernels_for(opf_isa isa) { return opf_variant_pick(&lce_variants, isa); }
+
+static const void *at(const void *p, int64_t i, opf_dtype dt) {
+    return (const char *)p + i * (int64_t)opf_dtype_size(dt);
+}
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* ---- scalar row code ---------------------------------------------------------------------------- */
+
+static inline float capped(float u, float cap) { return cap > 0.0f ? cap * tanhf(u / cap) : u; }
+
+/* Online log-sum-exp: the block's own max m and sum of exp(z - m), then merged
+ * into the running pair so that neither sum ever sees a positive exponent. */
+static void lse_update_ref(const float *u, int64_t n, float cap, float *max, float *sum, float *zsum) {
+    float m = -INFINITY, zs = 0.0f, s = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        float z = capped(u[j], cap);
+        m = fmaxf(m, z);
+        zs += z;
+    }
+    *zsum += zs;
+    if (m == -INFINITY) return; /* no finite logit: nothing to add */
+    for (int64_t j = 0; j < n; j++) s += expf(capped(u[j], cap) - m);
+    if (m > *max) {
+        *sum = *sum * expf(*max - m) + s;
+        *max = m;
+    } else {
+        *sum += s * expf(m - *max);
+    }
+}
+
+static void grad_ref(float *u, int64_t n, float cap, float lse, float scale, float eps_v) {
+    for (int64_t j = 0; j < n; j++) {
+        float z = capped(u[j], cap), g = scale * (expf(z - lse) - eps_v);
+        u[j] = cap > 0.0f ? g * (1.0f - (z / cap) * (z / cap)) : g;
+    }
+}
+
+const lce_kernels lce_kernels_ref = {.name = "ref", .isa = OPF_ISA_REF, .lse_update = lse_update_ref, .grad = grad_ref};
+
+/* ---- plan and workspace --------------------------------------------------------------------------- */
+
+int64_t lce_bad_target(const lce_problem *p) {
+    for (int64_t t = 0; t < p->t; t++) {
+        int64_t y = p->target[t * p->target_stride];
+        if (y != p->ignore_index && (y < 0 || y >= p->v)) return t;
+    }
+    return -1;
+}
+
+static int wants_grad(const lce_problem *p) { return p->dhidden || p->dweight || p->dbias; }
+
+/* Blocks of tc tokens x vb vocab rows; after them in the workspace: the GEMM's
+ * packing, the logits block, the per-token running max, sum and sum of z and
+ * the target's z (sweep 1), a float32 bias, and for 16-bit types the float32
+ * gradients (dhidden (T,H), dweight of one vocab block, dbias (V)). */
+typedef struct lce_layout {
+    int64_t tc, vb, gemm_floats;
+    int64_t block, max, sum, zsum, zy, bias, dh, dw, db, floats;
+} lce_layout;
+
+static lce_layout layout_for(const gemm_kernels *gemm, const lce_problem *p) {
+    const int64_t budget = p->block_floats > 0 ? p->block_floats : LCE_BLOCK_FLOATS;
+    const int half = p->dt == OPF_BF16 || p->dt == OPF_F16, grads = wants_grad(p);
+    lce_layout l = {0};
+    l.vb = min64(max64(p->v, 1), max64(16, budget / max64(1, min64(p->t, 2048))));
+    l.tc = min64(max64(p->t, 1), max64(1, budget / l.vb));
+    /* the GEMMs of the full and the last block each way: logits (tc, vb, H), dhidden (tc, H, vb), dweight (vb,
+     * H, tc); gemm_workspace_floats is not monotonic in the rows */
+    for (int lt = 0; lt < 2; lt++) {
+        int64_t rows = lt ? p->t % l.tc : l.tc;
+        if (rows == 0 || rows > p->t) continue;
+        for (int lv = 0; lv < 2; lv++) {
+            int64_t cols = lv ? p->v % l.vb : l.vb;
+            if (cols == 0 || cols > p->v) continue;
+            int64_t need[3] = {gemm_workspace_floats(gemm, rows, cols, p->h),
+                               grads ? gemm_workspace_floats(gemm, rows, p->h, cols) : 0,
+                               grads ? gemm_workspace_floats(gemm, cols, p->h, rows) : 0};
+            for (int g = 0; g < 3; g++) l.gemm_floats = max64(l.gemm_floats, need[g]);
+        }
+    }
+    l.block = l.gemm_floats;
+    l.max = l.block + l.tc * l.vb;
+    l.sum = l.max + p->t;
+    l.zsum = l.sum + p->t;
+    l.zy = l.zsum + p->t;
+    l.bias = l.zy + p->t;
+    l.dh = l.bias + (p->bias ? p->v : 0);
+    l.dw = l.dh + (half && p->dhidden ? p->t * p->h : 0);
+    l.db = l.dw + (half && p->dweight ? l.vb * p->h : 0);
+    l.floats = l.db + (half && p->dbias ? p->v : 0);
+    return l;
+}
+
+int64_t lce_workspace(const gemm_kernels *gemm, const lce_problem *p) {
+    if (p->dt == OPF_F64) return 2 * max64(p->v, 1);
+    return layout_for(gemm, p).floats;
+}
+
+/* ---- the sweeps --------------------------------------------------------------------------------- */
+
+typedef struct lce_job {
+    const lce_kernels *kern;
+    const lce_problem *p;
+    const lce_layout *l;
+    float *ws, *block;
+    int64_t t0, v0, rows, cols; /* the block: tokens [t0, t0 + rows), vocab [v0, v0 + cols) */
+    double base;                /* the gradient of each token's loss before grad: 1/N (mean) or 1 */
+    float cap, eps_v, one_eps;
+} lce_job;
+
+static int ignored(const lce_problem *p, int64_t t) { return p->target[t * p->target_stride] == p->ignore_index; }
+
+/* sweep 1, rows [r0, r1) of the block */
+static void lse_rows(int64_t r0, int64_t r1, void *ctx) {
+    const lce_job *job = ctx;
+    const lce_problem *p = job->p;
+    float *mx = job->ws + job->l->max, *sm = job->ws + job->l->sum, *zs = job->ws + job->l->zsum;
+    float *zy = job->ws + job->l->zy;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t t = job->t0 + r;
+        const float *u = job->block + r * job->cols;
+        job->kern->lse_update(u, job->cols, job->cap, mx + t, sm + t, zs + t);
+        int64_t y = p->target[t * p->target_stride] - job->v0;
+        if (!ignored(p, t) && y >= 0 && y < job->cols) zy[t] = capped(u[y], job->cap);
+    }
+}
+
+/* the gradient of token t's loss */
+static double token_scale(const lce_job *job, int64_t t) {
+    const lce_problem *p = job->p;
+    if (ignored(p, t)) return 0.0;
+    if (!p->grad) return job->base;
+    return job->base * opf_load_elem(p->grad, p->reduction == LCE_NONE ? t * p->grad_stride : 0, p->dt);
+}
+
+/* sweep 2, rows [r0, r1) of the block: logits -> du in place */
+static void grad_rows(int64_t r0, int64_t r1, void *ctx) {
+    const lce_job *job = ctx;
+    const lce_problem *p = job->p;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t t = job->t0 + r;
+        float *u = job->block + r * job->cols;
+        const float scale = (float)token_scale(job, t);
+        if (scale == 0.0f) { /* ignored (or a zero gradient): no contribution, whatever the logits */
+            memset(u, 0, (size_t)job->cols * sizeof(float));
+            continue;
+        }
+        int64_t y = p->target[t * p->target_stride] - job->v0;
+        float dy = 0.0f; /* the target's -(1 - eps) term, times the cap's derivative at its logit */
+        if (y >= 0 && y < job->cols) {
+            float z = capped(u[y], job->cap);
+            dy = scale * job->one_eps * (job->cap > 0.0f ? 1.0f - (z / job->cap) * (z / job->cap) : 1.0f);
+        }
+        job->kern->grad(u, job->cols, job->cap, p->lse[t], scale, job->eps_v);
+        if (y >= 0 && y < job->cols) u[y] -= dy;
+    }
+}
+
+/* rows per parallel task: a few thousand logits each */
+static int64_t row_grain(int64_t cols) { return max64(1, 4096 / max64(cols, 1)); }
+
+/* the logits block (rows, cols) = hidden[t0..] . weight[v0..]^T + bias, into job->block */
+static int logits_block(const gemm_kernels *gemm, const lce_job *job, float *ws) {
+    const lce_problem *p = job->p;
+    const opf_dtype dt = p->dt;
+    gemm_epilogue ep = {.bias = p->bias ? ws + job->l->bias + job->v0 : NULL,
+                        .bias_kind = p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
+    return gemm_f32x(gemm, job->rows, job->cols, p->h, at(p->hidden, job->t0 * p->hidden_strides[0], dt), dt,
+                     p->hidden_strides[0], p->hidden_strides[1], at(p->weight, job->v0 * p->weight_strides[0], dt), dt,
+                     p->weight_strides[1], p->weight_strides[0], job->block, job->cols, &ep, ws, job->l->gemm_floats);
+}
+
+#define TRY(call)                                  \
+    do {                                           \
+        if ((call) != 0) return LCE_ERR_WORKSPACE; \
+    } while (0)
+
+static void store_loss(const lce_problem *p, const lce_job *job) {
+    const float *mx = job->ws + job->l->max, *sm = job->ws + job->l->sum, *zs = job->ws + job->l->zsum;
+    const float *zy = job->ws + job->l->zy;
+    const double eps = p->label_smoothing;
+    double total = 0.0; /* in token order: the same sum at any thread count */
+    int64_t count = 0;
+    for (int64_t t = 0; t < p->t; t++) {
+        double lse = (double)mx[t] + log((double)sm[t]);
+        p->lse[t] = (float)lse;
+        double loss = 0.0;
+        if (!ignored(p, t)) {
+            loss = lse - (1.0 - eps) * zy[t] - (p->v > 0 ? eps * zs[t] / (double)p->v : 0.0);
+            count++;
+        }
+        if (p->reduction == LCE_NONE)
+            opf_store_elem(p->loss, t, p->dt, loss);
+        else
+            total += loss;
+    }
+    if (p->reduction == LCE_SUM) opf_store_elem(p->loss, 0, p->dt, total);
+    if (p->reduction == LCE_MEAN) opf_store_elem(p->loss, 0, p->dt, total / (double)count); /* 0/0: NaN, as torch */
+}
+
+static int64_t valid_tokens(const lce_problem *p) {
+    int64_t count = 0;
+    for (int64_t t = 0; t < p->t; t++) count += !ignored(p, t);
+    return count;
+}
+
+static int run_f32(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, float *ws,
+                   int64_t ws_floats) {
+    const lce_layout l = layout_for(gemm, p);
+    if (ws_floats < l.floats) return LCE_ERR_WORKSPACE;
+    const opf_dtype dt = p->dt;
+    const int half = dt != OPF_F32;
+    lce_job job = {.kern = kern,
+                   .p = p,
+                   .l = &l,
+                   .ws = ws,
+                   .block = ws + l.block,
+                   .cap = (float)p->softcap,
+                   .eps_v = p->v > 0 ? (float)(p->label_smoothing / (double)p->v) : 0.0f,
+                   .one_eps = (float)(1.0 - p->label_smoothing)};
+    if (p->bias) cvt_load_f32(gemm->cvt, ws + l.bias, p->bias, dt, p->v, p->bias_stride);
+    const int64_t ntc = (p->t + l.tc - 1) / l.tc, nvb = (p->v + l.vb - 1) / l.vb;
+    if (!p->lse_given) { /* sweep 1: lse and the loss */
+        for (int64_t t = 0; t < p->t; t++) ws[l.max + t] = -INFINITY, ws[l.sum + t] = 0.0f;
+        memset(ws + l.zsum, 0, (size_t)(2 * p->t) * sizeof(float));
+        for (int64_t b = 0; b < ntc * nvb; b++) {
+            job.t0 = b / nvb * l.tc, job.v0 = b % nvb * l.vb;
+            job.rows = min64(l.tc, p->t - job.t0), job.cols = min64(l.vb, p->v - job.v0);
+            TRY(logits_block(gemm, &job, ws));
+            opf_parallel_for(0, job.rows, row_grain(job.cols), lse_rows, &job);
+        }
+        store_loss(p, &job);
+    }
+    if (!wants_grad(p)) return 0;
+    /* sweep 2: the gradients, vocab blocks outer, token chunks inner */
+    job.base = p->reduction == LCE_MEAN ? 1.0 / (double)valid_tokens(p) : 1.0;
+    float *dh32 = !p->dhidden ? NULL : half ? ws + l.dh : p->dhidden;
+    float *dw32 = !p->dweight ? NULL : half ? ws + l.dw : NULL, *db32 = !p->dbias ? NULL : half ? ws + l.db : p->dbias;
+    const int kept = ntc == 1 && nvb == 1 && !p->lse_given; /* the one block is still in the scratch */
+    for (int64_t vbi = 0; vbi < nvb; vbi++) {
+        job.v0 = vbi * l.vb, job.cols = min64(l.vb, p->v - job.v0);
+        float *dwb = !p->dweight ? NULL : half ? dw32 : (float *)p->dweight + job.v0 * p->h;
+        for (int64_t tci = 0; tci < ntc; tci++) {
+            job.t0 = tci * l.tc, job.rows = min64(l.tc, p->t - job.t0);
+            if (!kept) TRY(logits_block(gemm, &job, ws));
+            opf_parallel_for(0, job.rows, row_grain(job.cols), grad_rows, &job);
+            if (dh32) { /* dhidden rows (rows, H) (+)= du (rows, cols) . weight rows (cols, H) */
+                gemm_epilogue ep = {.beta = vbi ? 1.0f : 0.0f};
+                TRY(gemm_f32x(gemm, job.rows, p->h, job.cols, job.block, OPF_F32, job.cols, 1,
+                              at(p->weight, job.v0 * p->weight_strides[0], dt), dt, p->weight_strides[0],
+                              p->weight_strides[1], dh32 + job.t0 * p->h, p->h, &ep, ws, l.gemm_floats));
+            }
+            if (dwb) { /* dweight rows (cols, H) (+)= du^T (cols, rows) . hidden rows (rows, H) */
+                gemm_epilogue ep = {.beta = tci ? 1.0f : 0.0f};
+                TRY(gemm_f32x(gemm, job.cols, p->h, job.rows, job.block, OPF_F32, 1, job.cols,
+                              at(p->hidden, job.t0 * p->hidden_strides[0], dt), dt, p->hidden_strides[0],
+                              p->hidden_strides[1], dwb, p->h, &ep, ws, l.gemm_floats));
+            }
+            if (db32) colsum_f32(gemm->cvt, db32 + job.v0, job.block, OPF_F32, job.cols, job.rows, job.cols, tci > 0);
+        }
+        if (ntc == 0) { /* no tokens: zero gradients of weight and bias */
+            for (int64_t e = 0; dwb && e < job.cols * p->h; e++) dwb[e] = 0.0f;
+            for (int64_t e = 0; db32 && e < job.cols; e++) db32[job.v0 + e] = 0.0f;
+        }
+        if (dwb && half) cvt_store_f32(gemm->cvt, (char *)p->dweight + job.v0 * p->h * 2, dt, dwb, job.cols * p->h);
+    }
+    if (nvb == 0 && dh32) memset(dh32, 0, (size_t)(p->t * p->h) * sizeof(float)); /* no vocab: zero dhidden */
+    if (half && dh32) cvt_store_f32(gemm->cvt, p->dhidden, dt, dh32, p->t * p->h);
+    if (half && db32) cvt_store_f32(gemm->cvt, p->dbias, dt, db32, p->v);
+    return 0;
+}
+
+int lce_run(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, float *ws, int64_t ws_floats) {
+    if (p->dt == OPF_F64) {
+        if (ws_floats < lce_workspace(gemm, p)) return LCE_ERR_WORKSPACE;
+        lce_ref_f64(p, (double *)ws);
+        return 0;
+    }
+    return run_f32(kern, gemm, p, ws, ws_floats);
+}
+
+/* ---- the backward of mean / sum over precomputed gradients --------------------------------------- */
+
+typedef struct scale_job {
+    const cvt_kernels *cvt;
+    opf_dtype dt;
+    void *dst;
+    const void *src;
+    double g;
+} scale_job;
+
+enum { SCALE_RUN = 1024 };
+
+static void scale_range(int64_t begin, int64_t end, void *ctx) {
+    const scale_job *job = ctx;
+    if (job->dt == OPF_F64) {
+        for (int64_t i = begin; i < end; i++) ((double *)job->dst)[i] = ((const double *)job->src)[i] * job->g;
+        return;
+    }
+    const float g = (float)job->g;
+    if (job->dt == OPF_F32) {
+        for (int64_t i = begin; i < end; i++) ((float *)job->dst)[i] = ((const float *)job->src)[i] * g;
+        return;
+    }
+    float buf[SCALE_RUN];
+    for (int64_t i = begin; i < end; i += SCALE_RUN) {
+        int64_t n = min64(SCALE_RUN, end - i);
+        job->cvt->to_f32(buf, (const uint16_t *)job->src + i, job->dt, n);
+        for (int64_t e = 0; e < n; e++) buf[e] *= g;
+        job->cvt->from_f32((uint16_t *)job->dst + i, buf, job->dt, n);
+    }
+}
+
+void lce_scale(const cvt_kernels *cvt, opf_dtype dt, void *dst, const void *src, int64_t n, const void *grad) {
+    scale_job job = {.cvt = cvt, .dt = dt, .dst = dst, .src = src, .g = opf_load_elem(grad, 0, dt)};
+    opf_parallel_for(0, n, 65536, scale_range, &job);
+}
+
+/* ---- float64 reference ---------------------------------------------------------------------------- */
+
+static double ld(const void *p, int64_t i) { return ((const double *)p)[i]; }
+
+/* one row of capped logits of token t, in double */
+static void ref_row(const lce_problem *p, int64_t t, double *z) {
+    for (int64_t v = 0; v < p->v; v++) {
+        double u = p->bias ? ld(p->bias, v * p->bias_stride) : 0.0;
+        for (int64_t k = 0; k < p->h; k++)
+            u += ld(p->hidden, t * p->hidden_strides[0] + k * p->hidden_strides[1]) *
+                 ld(p->weight, v * p->weight_strides[0] + k * p->weight_strides[1]);
+        z[v] = p->softcap > 0.0 ? p->softcap * tanh(u / p->softcap) : u;
+    }
+}
+
+static double ref_lse(const double *z, int64_t n) {
+    double m = -INFINITY, s = 0.0;
+    for (int64_t v = 0; v < n; v++) m = fmax(m, z[v]);
+    if (m == -INFINITY) return m;
+    for (int64_t v = 0; v < n; v++) s += exp(z[v] - m);
+    return m + log(s);
+}
+
+void lce_ref_f64(const lce_problem *p, double *z) {
+    const double eps = p->label_smoothing;
+    double total = 0.0;
+    int64_t count = 0;
+    for (int64_t t = 0; t < p->t; t++) {
+        ref_row(p, t, z);
+        double lse = p->lse_given ? (double)p->lse[t] : ref_lse(z, p->v), loss = 0.0, zsum = 0.0;
+        if (!p->lse_given) p->lse[t] = (float)lse;
+        int64_t y = p->target[t * p->target_stride];
+        if (y != p->ignore_index) {
+            for (int64_t v = 0; v < p->v; v++) zsum += z[v];
+            loss = lse - (1.0 - eps) * z[y] - eps * zsum / (double)p->v;
+            count++;
+        }
+        if (p->lse_given) continue;
+        if (p->reduction == LCE_NONE)
+            ((double *)p->loss)[t] = loss;
+        else
+            total += loss;
+    }
+    if (!p->lse_given && p->reduction != LCE_NONE)
+        ((double *)p->loss)[0] = p->reduction == LCE_SUM ? total : total / count;
+    if (!wants_grad(p)) return;
+    double *dh = p->dhidden, *dw = p->dweight, *db = p->dbias;
+    if (dh) memset(dh, 0, (size_t)(p->t * p->h) * sizeof(double));
+    if (dw) memset(dw, 0, (size_t)(p->v * p->h) * sizeof(double));
+    if (db) memset(db, 0, (size_t)p->v * sizeof(double));
+    const double base = p->reduction == LCE_MEAN ? 1.0 / (double)count : 1.0;
+    for (int64_t t = 0; t < p->t; t++) {
+        int64_t y = p->target[t * p->target_stride];
+        if (y == p->ignore_index) continue;
+        double scale = base * (p->grad ? ld(p->grad, p->reduction == LCE_NONE ? t * p->grad_stride : 0) : 1.0);
+        ref_row(p, t, z);
+        double lse = ref_lse(z, p->v); /* in double, not the float32 lse a backward is given: gradcheck's */
+        for (int64_t v = 0; v < p->v; v++) {
+            double g = scale * (exp(z[v] - lse) - (v == y ? 1.0 - eps : 0.0) - eps / (double)p->v);
+            if (p->softcap > 0.0) g *= 1.0 - (z[v] / p->softcap) * (z[v] / p->softcap);
+            for (int64_t k = 0; k < p->h; k++) {
+                double hk = ld(p->hidden, t * p->hidden_strides[0] + k * p->hidden_strides[1]);
+                if (dh) dh[t * p->h + k] += g * ld(p->weight, v * p->weight_strides[0] + k * p->weight_strides[1]);
+                if (dw) dw[v * p->h + k] += g * hk;
+            }
+            if (db) db[v] += g;
+        }
+    }
+}

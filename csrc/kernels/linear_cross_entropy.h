@@ -1,0 +1,118 @@
+/*
+ * Fused LM head + cross-entropy, forward and backward, without the (T, V)
+ * logits:
+ *     u = hidden (T,H) . weight (V,H)^T + bias (V)          logits, per block
+ *     z = c tanh(u / c)   (softcap c > 0; z = u without)    Gemma-2 soft-capping
+ *     lse_t = log sum_v exp z_tv
+ *     loss_t = lse_t - (1 - eps) z_{t,y_t} - (eps / V) sum_v z_tv   (label smoothing eps)
+ *            = 0 where y_t == ignore_index
+ *     reduction: none (loss_t), sum, mean (sum / the count of tokens not ignored)
+ *     dz_tv = s_t (exp(z_tv - lse_t) - (1 - eps) [v == y_t] - eps / V),  du = dz (1 - (z/c)^2)
+ *     dhidden = du . weight     dweight = du^T . hidden     dbias = sum_t du
+ * with s_t the gradient of loss_t: 1/N or 1 times the scalar gradient of the
+ * reduced loss, or the per-token gradient for reduction none; 0 when ignored.
+ *
+ * Block plan: the logits exist a (tc tokens x vb vocab) block at a time, in a
+ * float32 scratch of about LCE_BLOCK_FLOATS. Sweep 1 runs every block through
+ * the GEMM and folds it into an online (max, sum exp) per token: lse. Sweep 2
+ * (when gradients are asked for) runs the vocab blocks in order, and within
+ * each the token chunks in order: recompute the block (skipped when the whole
+ * problem is one block: it is still in the scratch), turn it into du row by
+ * row, then dhidden[chunk] += du . weight[block] and dweight[block] += du^T .
+ * hidden[chunk] on the GEMM, dbias[block] += column sums. Every sum over
+ * blocks runs in this fixed order and the GEMM splits no sum across threads:
+ * the same bits at any thread count.
+ *
+ * float32 accumulates dhidden, dweight and dbias in the outputs; bfloat16 and
+ * float16 operands go through the GEMM's 16-bit paths (float32 accumulation)
+ * and the gradients accumulate in float32 scratch (dhidden (T,H), one vocab
+ * block of dweight, dbias) and are rounded once. float64 runs the reference
+ * (lce_ref_f64): the C tests' oracle and the op's path for gradcheck.
+ *
+ * Kernels never allocate: the workspace comes in, sized by lce_workspace.
+ * Entry points return 0, or LCE_ERR_WORKSPACE for a workspace smaller than the
+ * plan (a caller that sized for another problem).
+ */
+#ifndef OPFORGE_KERNELS_LINEAR_CROSS_ENTROPY_H
+#define OPFORGE_KERNELS_LINEAR_CROSS_ENTROPY_H
+
+#include <stdint.h>
+
+#include "gemm.h"
+#include "opforge/half.h"
+#include "opforge/runtime.h"
+
+enum { LCE_ERR_WORKSPACE = -1 };
+typedef enum lce_reduction { LCE_NONE = 0, LCE_MEAN = 1, LCE_SUM = 2 } lce_reduction;
+
+/* Floats of the logits block scratch by default: 16 MiB, e.g. 2048 tokens x
+ * 2048 vocab rows, large enough that every GEMM of sweep 2 has K >= 2048. */
+#define LCE_BLOCK_FLOATS ((int64_t)4 << 20)
+
+typedef struct lce_problem {
+    int64_t t, h, v;    /* tokens, hidden size, vocab size */
+    opf_dtype dt;       /* of hidden, weight, bias, loss, grad and the gradients */
+    const void *hidden; /* (T,H): hidden[t * hidden_strides[0] + k * hidden_strides[1]] */
+    int64_t hidden_strides[2];
+    const void *weight; /* (V,H) likewise */
+    int64_t weight_strides[2];
+    const int64_t *target; /* (T) via target_stride */
+    int64_t target_stride;
+    const void *bias; /* (V) via bias_stride, or NULL */
+    int64_t bias_stride;
+    int64_t ignore_index;
+    double label_smoothing; /* in [0, 1] */
+    double softcap;         /* > 0, or 0: none */
+    int reduction;          /* lce_reduction */
+    int64_t block_floats;   /* the logits block's floats; 0: LCE_BLOCK_FLOATS */
+    /* forward: loss (T) for reduction none, else one element; lse (T) float32.
+     * lse_given: the backward's lse from the forward (sweep 1 is skipped). */
+    void *loss;
+    float *lse;
+    int lse_given;
+    /* gradients, contiguous; NULL: not wanted (dbias also NULL without bias) */
+    void *dhidden, *dweight, *dbias;
+    /* gradient of the loss: NULL is 1; reduction none: (T) via grad_stride, else one element */
+    const void *grad;
+    int64_t grad_stride;
+} lce_problem;
+
+/* Row code of the two sweeps on one row of a float32 logits block (n raw
+ * logits u; cap = c, or 0 without softcap):
+ *   lse_update: folds the row into the running (*max, *sum of exp(z - *max))
+ *     and adds sum z to *zsum
+ *   grad: u[j] <- scale (exp(z_j - lse) - eps_v) (1 - (z_j / c)^2), in place
+ * (the target's -(1 - eps) term is the caller's, one element). */
+typedef struct lce_kernels {
+    OPF_VARIANT_HEAD;
+    void (*lse_update)(const float *u, int64_t n, float cap, float *max, float *sum, float *zsum);
+    void (*grad)(float *u, int64_t n, float cap, float lse, float scale, float eps_v);
+} lce_kernels;
+
+extern const lce_kernels lce_kernels_ref;
+extern const lce_kernels lce_kernels_avx2;   /* linear_cross_entropy_avx2.c */
+extern const lce_kernels lce_kernels_avx512; /* linear_cross_entropy_avx512.c */
+extern const opf_variants lce_variants;
+
+const lce_kernels *lce_kernels_for(opf_isa isa);
+
+/* The first t with a target outside [0, V) other than ignore_index, or -1. */
+int64_t lce_bad_target(const lce_problem *p);
+
+/* Floats of workspace lce_fwd / lce_bwd need (float64: one row of doubles). */
+int64_t lce_workspace(const gemm_kernels *gemm, const lce_problem *p);
+/* Sweep 1 (loss, lse) unless lse_given, then sweep 2 when a gradient pointer
+ * is set. The backward of reduction none (and of a forward that made no
+ * gradients) is this with lse_given and grad. */
+int lce_run(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, float *ws, int64_t ws_floats);
+
+/* dst[i] = src[i] * g for n elements of dt (float32, float64, bfloat16,
+ * float16; g the one element of grad of type dt): the backward of mean / sum
+ * when the forward made the gradients. Threaded. */
+void lce_scale(const cvt_kernels *cvt, opf_dtype dt, void *dst, const void *src, int64_t n, const void *grad);
+
+/* float64 reference of lce_run (double inputs and outputs, lse float32);
+ * ws: lce_workspace's floats (one row of V doubles). */
+void lce_ref_f64(const lce_problem *p, double *row);
+
+#endif

@@ -1,0 +1,320 @@
+/*
+ * torch glue of the fused LM head + cross-entropy (csrc/kernels/linear_cross_entropy.h):
+ *   linear_cross_entropy(hidden (T,H), weight (V,H), target (T) int64, bias (V)?, ignore_index,
+ *                        label_smoothing, reduction (1 mean, 2 sum), softcap?, compute_grad)
+ *       -> (loss [], lse (T) float32, dhidden (T,H), dweight (V,H), dbias (V))
+ *       compute_grad: the gradients of the loss (for a gradient of 1) are made in the same call,
+ *       else the last three are empty; the backward scales them by the scalar gradient.
+ *   linear_cross_entropy_backward(grad [], hidden, weight, target, bias?, lse, dhidden, dweight, dbias, ...)
+ *       -> (dhidden, dweight, dbias): grad * the forward's gradients, or (a forward that made none)
+ *       recomputed from lse.
+ *   linear_cross_entropy_none(hidden, weight, target, bias?, ignore_index, label_smoothing, softcap?)
+ *       -> (loss (T), lse (T) float32)
+ *   linear_cross_entropy_none_backward(grad (T), hidden, weight, target, bias?, lse, ...)
+ *       -> (dhidden, dweight, dbias): recomputed from lse with each token's gradient (the per-token
+ *       gradients are unknown in the forward, so nothing there can be precomputed).
+ * Checks, allocation and the calls. hidden, weight, bias and target are read in place through their
+ * strides; the outputs are contiguous.
+ */
+#include <math.h>
+
+#include "../kernels/linear_cross_entropy.h"
+#include "namespace.h"
+#include "opforge/op.h"
+
+static const char LCE[] = OPF_QUALNAME("linear_cross_entropy");
+static const char LCEB[] = OPF_QUALNAME("linear_cross_entropy_backward");
+static const char LCEN[] = OPF_QUALNAME("linear_cross_entropy_none");
+static const char LCENB[] = OPF_QUALNAME("linear_cross_entropy_none_backward");
+
+typedef struct lce_args {
+    opf_tensor hidden, weight, target, bias;
+    int has_bias;
+    lce_problem p;
+} lce_args;
+
+static void check_ran(const char *op, int rc) {
+    if (rc != 0)
+        opf_fail(op, "internal error: the workspace is smaller than the plan needs (please report it with the "
+                     "shapes)");
+}
+
+/* every argument of the forward, checked before anything is computed */
+static lce_args check_lce(const char *op, AtenTensorHandle h_h, AtenTensorHandle w_h, AtenTensorHandle t_h,
+                          AtenTensorHandle b_h, int64_t ignore_index, double label_smoothing, int64_t reduction,
+                          int has_softcap, double softcap) {
+    lce_args a = {.hidden = opf_tensor_info(op, "hidden", h_h),
+                  .weight = opf_tensor_info(op, "weight", w_h),
+                  .target = opf_tensor_info(op, "target", t_h),
+                  .has_bias = b_h != NULL};
+    opf_check_device(op, "hidden", &a.hidden, "hidden", &a.hidden);
+    opf_dtype dt = opf_check_float(op, "hidden", &a.hidden);
+    opf_check_device(op, "weight", &a.weight, "hidden", &a.hidden);
+    opf_check_float(op, "weight", &a.weight);
+    opf_check_same_dtype(op, "weight", &a.weight, "hidden", &a.hidden);
+    opf_check_device(op, "target", &a.target, "hidden", &a.hidden);
+    if (a.hidden.ndim != 2)
+        opf_fail(op, "argument 'hidden' must be 2-d (tokens, hidden), got %lld-d", (long long)a.hidden.ndim);
+    if (a.weight.ndim != 2)
+        opf_fail(op, "argument 'weight' must be 2-d (vocab, hidden), got %lld-d", (long long)a.weight.ndim);
+    const int64_t t = a.hidden.sizes[0], h = a.hidden.sizes[1], v = a.weight.sizes[0];
+    if (a.weight.sizes[1] != h)
+        opf_fail(op, "argument 'weight' must have %lld columns (the hidden size, the last dim of 'hidden'), got %lld",
+                 (long long)h, (long long)a.weight.sizes[1]);
+    if (a.target.dtype != aoti_torch_dtype_int64())
+        opf_fail(op, "argument 'target' must be int64 (class indices), got %s", opf_dtype_name(a.target.dtype));
+    if (a.target.ndim != 1 || a.target.sizes[0] != t)
+        opf_fail(op, "argument 'target' must be 1-d with %lld elements (the tokens of 'hidden'), got %lld-d with %lld",
+                 (long long)t, (long long)a.target.ndim, (long long)a.target.numel);
+    if (a.has_bias) {
+        a.bias = opf_tensor_info(op, "bias", b_h);
+        opf_check_device(op, "bias", &a.bias, "hidden", &a.hidden);
+        opf_check_float(op, "bias", &a.bias);
+        opf_check_same_dtype(op, "bias", &a.bias, "hidden", &a.hidden);
+        if (a.bias.ndim != 1 || a.bias.sizes[0] != v)
+            opf_fail(op,
+                     "argument 'bias' must be 1-d with %lld elements (the vocab, the rows of 'weight'), got %lld-d "
+                     "with %lld",
+                     (long long)v, (long long)a.bias.ndim, (long long)a.bias.numel);
+    }
+    if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
+        opf_fail(op, "argument 'label_smoothing' must be in [0, 1], got %g", label_smoothing);
+    if (has_softcap && !(softcap > 0.0 && isfinite(softcap)))
+        opf_fail(op, "argument 'softcap' must be a finite number > 0 (or None), got %g", softcap);
+    if (reduction < LCE_NONE || reduction > LCE_SUM)
+        opf_fail(op, "argument 'reduction' must be 0 (none), 1 (mean) or 2 (sum), got %lld", (long long)reduction);
+    a.p = (lce_problem){.t = t,
+                        .h = h,
+                        .v = v,
+                        .dt = dt,
+                        .hidden = a.hidden.data,
+                        .hidden_strides = {a.hidden.strides[0], a.hidden.strides[1]},
+                        .weight = a.weight.data,
+                        .weight_strides = {a.weight.strides[0], a.weight.strides[1]},
+                        .target = a.target.data,
+                        .target_stride = a.target.strides[0],
+                        .bias = a.has_bias ? a.bias.data : NULL,
+                        .bias_stride = a.has_bias ? a.bias.strides[0] : 0,
+                        .ignore_index = ignore_index,
+                        .label_smoothing = label_smoothing,
+                        .softcap = has_softcap ? softcap : 0.0,
+                        .reduction = (int)reduction};
+    if (!opf_is_meta(&a.hidden)) { /* the values: a meta tensor has none to read */
+        int64_t bad = lce_bad_target(&a.p);
+        if (bad >= 0)
+            opf_fail(op,
+                     "argument 'target' must hold class indices in [0, %lld) or ignore_index (%lld), got %lld at "
+                     "position %lld",
+                     (long long)v, (long long)ignore_index, (long long)a.p.target[bad * a.p.target_stride],
+                     (long long)bad);
+    }
+    return a;
+}
+
+static void run(const char *op, const lce_args *a) {
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    int64_t floats = lce_workspace(gemm, &a->p);
+    float *ws = NULL;
+    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(op, floats, &a->hidden, &ws);
+    check_ran(op, lce_run(lce_kernels_for(opf_isa_current()), gemm, &a->p, ws, floats));
+}
+
+/* contiguous (1-d or 2-d; strides of size-1 dims do not matter) */
+static int row_major(const opf_tensor *t) {
+    int64_t expect = 1;
+    if (t->numel == 0) return 1;
+    for (int64_t d = t->ndim - 1; d >= 0; d--) {
+        if (t->sizes[d] > 1 && t->strides[d] != expect) return 0;
+        expect *= t->sizes[d];
+    }
+    return 1;
+}
+
+/* the gradients' tensors: (T,H), (V,H), (V), or empty where not made */
+typedef struct grads {
+    AtenTensorHandle dh, dw, db;
+} grads;
+
+static void alloc_grads(const char *op, lce_args *a, int make, grads *g) {
+    int64_t empty = 0;
+    const int32_t dt = a->hidden.dtype;
+    g->dh = make ? opf_empty(op, 2, a->hidden.sizes, dt, &a->hidden) : opf_empty(op, 1, &empty, dt, &a->hidden);
+    g->dw = make ? opf_empty(op, 2, a->weight.sizes, dt, &a->hidden) : opf_empty(op, 1, &empty, dt, &a->hidden);
+    g->db = make && a->has_bias ? opf_empty(op, 1, &a->p.v, dt, &a->hidden) : opf_empty(op, 1, &empty, dt, &a->hidden);
+    if (!make) return;
+    a->p.dhidden = opf_tensor_info(op, "dhidden", g->dh).data;
+    a->p.dweight = opf_tensor_info(op, "dweight", g->dw).data;
+    a->p.dbias = a->has_bias ? opf_tensor_info(op, "dbias", g->db).data : NULL;
+}
+
+/* ---- forward ----------------------------------------------------------------------------------- */
+
+static void forward_impl(StableIValue *stack, int per_token) {
+    const char *op = per_token ? LCEN : LCE;
+    OPF_ARG_TENSOR(hidden, stack, 0);
+    OPF_ARG_TENSOR(weight, stack, 1);
+    OPF_ARG_TENSOR(target, stack, 2);
+    OPF_OWNED AtenTensorHandle bias_h = opf_arg_optional_tensor(stack[3]);
+    double softcap = 0.0;
+    const int has_softcap = opf_arg_optional_double(stack[per_token ? 6 : 7], &softcap);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    const int64_t ignore_index = opf_arg_int(stack[4]);
+    const double label_smoothing = opf_arg_double(stack[5]);
+    const int64_t reduction = per_token ? LCE_NONE : opf_arg_int(stack[6]);
+    const int compute_grad = per_token ? 0 : opf_arg_bool(stack[8]);
+    if (!per_token && reduction != LCE_MEAN && reduction != LCE_SUM)
+        opf_fail(op, "argument 'reduction' must be 1 (mean) or 2 (sum) (reduction none is %s), got %lld", LCEN,
+                 (long long)reduction);
+    lce_args a = check_lce(op, hidden_h, weight_h, target_h, bias_h, ignore_index, label_smoothing, reduction,
+                           has_softcap, softcap);
+    OPF_OWNED AtenTensorHandle loss_h = opf_empty(op, per_token ? 1 : 0, &a.p.t, a.hidden.dtype, &a.hidden);
+    OPF_OWNED AtenTensorHandle lse_h = opf_empty(op, 1, &a.p.t, aoti_torch_dtype_float32(), &a.hidden);
+    grads g = {0};
+    if (!per_token) alloc_grads(op, &a, compute_grad, &g);
+    OPF_OWNED AtenTensorHandle dh_h = g.dh, dw_h = g.dw, db_h = g.db;
+    a.p.loss = opf_tensor_info(op, "loss", loss_h).data;
+    a.p.lse = opf_tensor_info(op, "lse", lse_h).data;
+    if (!opf_is_meta(&a.hidden)) run(op, &a);
+    opf_log_call(op, t0, 3, (opf_tensor[]){a.hidden, a.weight, a.target});
+    OPF_RETURN(stack, 0, loss_h);
+    OPF_RETURN(stack, 1, lse_h);
+    if (per_token) return;
+    OPF_RETURN(stack, 2, dh_h);
+    OPF_RETURN(stack, 3, dw_h);
+    OPF_RETURN(stack, 4, db_h);
+}
+
+static void lce_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { forward_impl(stack, 0); }
+static void lce_none_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { forward_impl(stack, 1); }
+
+/* ---- backward ---------------------------------------------------------------------------------- */
+
+/* grad, hidden, weight, target, bias?, lse, [dhidden, dweight, dbias,] ignore_index, label_smoothing,
+ * [reduction,] softcap? */
+static void backward_impl(StableIValue *stack, int per_token) {
+    const char *op = per_token ? LCENB : LCEB;
+    const int k = per_token ? 6 : 9; /* the first non-tensor argument */
+    OPF_ARG_TENSOR(grad, stack, 0);
+    OPF_ARG_TENSOR(hidden, stack, 1);
+    OPF_ARG_TENSOR(weight, stack, 2);
+    OPF_ARG_TENSOR(target, stack, 3);
+    OPF_OWNED AtenTensorHandle bias_h = opf_arg_optional_tensor(stack[4]);
+    OPF_ARG_TENSOR(lse, stack, 5);
+    OPF_OWNED AtenTensorHandle sdh_h = per_token ? NULL : (AtenTensorHandle)stack[6];
+    OPF_OWNED AtenTensorHandle sdw_h = per_token ? NULL : (AtenTensorHandle)stack[7];
+    OPF_OWNED AtenTensorHandle sdb_h = per_token ? NULL : (AtenTensorHandle)stack[8];
+    double softcap = 0.0;
+    const int has_softcap = opf_arg_optional_double(stack[per_token ? k + 2 : k + 3], &softcap);
+    double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
+    const int64_t ignore_index = opf_arg_int(stack[k]);
+    const double label_smoothing = opf_arg_double(stack[k + 1]);
+    const int64_t reduction = per_token ? LCE_NONE : opf_arg_int(stack[k + 2]);
+    if (!per_token && reduction != LCE_MEAN && reduction != LCE_SUM)
+        opf_fail(op, "argument 'reduction' must be 1 (mean) or 2 (sum), got %lld", (long long)reduction);
+    lce_args a = check_lce(op, hidden_h, weight_h, target_h, bias_h, ignore_index, label_smoothing, reduction,
+                           has_softcap, softcap);
+    opf_tensor g = opf_tensor_info(op, "grad", grad_h), l = opf_tensor_info(op, "lse", lse_h);
+    opf_check_device(op, "grad", &g, "hidden", &a.hidden);
+    opf_check_same_dtype(op, "grad", &g, "hidden", &a.hidden);
+    opf_tensor want_g = {.ndim = per_token ? 1 : 0, .sizes = &a.p.t}, want_lse = {.ndim = 1, .sizes = &a.p.t};
+    opf_check_same_shape(op, "grad", &g, "the loss", &want_g);
+    opf_check_device(op, "lse", &l, "hidden", &a.hidden);
+    opf_check_same_shape(op, "lse", &l, "(tokens)", &want_lse);
+    if (l.dtype != aoti_torch_dtype_float32() || (a.p.t > 1 && l.strides[0] != 1))
+        opf_fail(op, "argument 'lse' must be the contiguous float32 log-sum-exp returned by the forward, got %s",
+                 opf_dtype_name(l.dtype));
+    /* the forward's gradients (mean / sum): all three made, or none (empty) */
+    opf_tensor sdh = {0}, sdw = {0}, sdb = {0};
+    int saved = 0; /* made: 2-d like hidden; not made: the empty 1-d tensors */
+    if (!per_token) {
+        sdh = opf_tensor_info(op, "dhidden", sdh_h), sdw = opf_tensor_info(op, "dweight", sdw_h);
+        sdb = opf_tensor_info(op, "dbias", sdb_h);
+        saved = sdh.ndim == 2 || sdw.ndim == 2;
+        if (saved) {
+            opf_check_same_shape(op, "dhidden", &sdh, "hidden", &a.hidden);
+            opf_check_same_shape(op, "dweight", &sdw, "weight", &a.weight);
+            opf_check_same_dtype(op, "dhidden", &sdh, "hidden", &a.hidden);
+            opf_check_same_dtype(op, "dweight", &sdw, "hidden", &a.hidden);
+            if (a.has_bias) {
+                opf_check_same_shape(op, "dbias", &sdb, "bias", &a.bias);
+                opf_check_same_dtype(op, "dbias", &sdb, "hidden", &a.hidden);
+            }
+            if (!row_major(&sdh) || !row_major(&sdw) || (a.has_bias && !row_major(&sdb)))
+                opf_fail(op, "arguments 'dhidden', 'dweight' and 'dbias' must be the contiguous gradients returned by "
+                             "the forward");
+        }
+    }
+    grads out = {0};
+    alloc_grads(op, &a, 1, &out);
+    OPF_OWNED AtenTensorHandle dh_h = out.dh, dw_h = out.dw, db_h = out.db;
+    if (!opf_is_meta(&a.hidden)) {
+        if (saved) {
+            const cvt_kernels *cvt = cvt_kernels_for(opf_isa_current());
+            lce_scale(cvt, a.p.dt, a.p.dhidden, sdh.data, sdh.numel, g.data);
+            lce_scale(cvt, a.p.dt, a.p.dweight, sdw.data, sdw.numel, g.data);
+            if (a.has_bias) lce_scale(cvt, a.p.dt, a.p.dbias, sdb.data, sdb.numel, g.data);
+        } else {
+            a.p.lse = l.data;
+            a.p.lse_given = 1;
+            a.p.grad = g.data;
+            a.p.grad_stride = per_token && a.p.t > 0 ? g.strides[0] : 0;
+            run(op, &a);
+        }
+    }
+    opf_log_call(op, t0, 3, (opf_tensor[]){g, a.hidden, a.weight});
+    OPF_RETURN(stack, 0, dh_h);
+    OPF_RETURN(stack, 1, dw_h);
+    OPF_RETURN(stack, 2, db_h);
+}
+
+static void lce_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { backward_impl(stack, 0); }
+static void lce_none_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { backward_impl(stack, 1); }
+
+const opf_op_desc opf_linear_cross_entropy_ops[] = {
+    {
+        .schema = "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
+                  "float label_smoothing, int reduction, float? softcap, bool compute_grad) "
+                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        .cpu = lce_cpu,
+        .shape = "[] dtype=hidden; [target[0]] dtype=float32; [hidden[:]] if compute_grad; "
+                 "[weight[:]] dtype=hidden if compute_grad; [bias[:]] dtype=hidden if compute_grad and bias",
+        .backward = "linear_cross_entropy_backward",
+        .backward_args = "grad0,hidden,weight,target,bias,out1,out2,out3,out4,ignore_index,label_smoothing,"
+                         "reduction,softcap",
+        .backward_grads = "hidden,weight,bias",
+        .autocast = OPF_AUTOCAST_LOWER,
+        .flops = "2*numel(hidden)*size(weight,0)",
+        .meta = 1,
+    },
+    {
+        .schema = "linear_cross_entropy_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
+                  "Tensor? bias, Tensor lse, Tensor dhidden, Tensor dweight, Tensor dbias, int ignore_index, "
+                  "float label_smoothing, int reduction, float? softcap) -> (Tensor, Tensor, Tensor)",
+        .cpu = lce_backward_cpu,
+        .shape = "[hidden[:]]; [weight[:]] dtype=hidden; [bias[:]] dtype=hidden if bias",
+        .flops = "4*numel(hidden)*size(weight,0)",
+        .meta = 1,
+    },
+    {
+        .schema = "linear_cross_entropy_none(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
+                  "int ignore_index, float label_smoothing, float? softcap) -> (Tensor, Tensor)",
+        .cpu = lce_none_cpu,
+        .shape = "[target[0]] dtype=hidden; [target[0]] dtype=float32",
+        .backward = "linear_cross_entropy_none_backward",
+        .backward_args = "grad0,hidden,weight,target,bias,out1,ignore_index,label_smoothing,softcap",
+        .backward_grads = "hidden,weight,bias",
+        .autocast = OPF_AUTOCAST_LOWER,
+        .flops = "2*numel(hidden)*size(weight,0)",
+        .meta = 1,
+    },
+    {
+        .schema = "linear_cross_entropy_none_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
+                  "Tensor? bias, Tensor lse, int ignore_index, float label_smoothing, float? softcap) "
+                  "-> (Tensor, Tensor, Tensor)",
+        .cpu = lce_none_backward_cpu,
+        .shape = "[hidden[:]]; [weight[:]] dtype=hidden; [bias[:]] dtype=hidden if bias",
+        .flops = "4*numel(hidden)*size(weight,0)",
+        .meta = 1,
+    },
+    OPF_OP_END,
+};

@@ -1,0 +1,262 @@
+/*
+ * The fused linear + cross-entropy of every compiled row-code variant (with
+ * the GEMM of the same ISA) against the float64 reference: loss and lse, the
+ * gradients made in the forward (mean, sum), the backward that recomputes
+ * them from lse with a scalar gradient (mean, sum) and with a non-uniform
+ * per-token gradient (none), and the scaling backward; float32, bfloat16,
+ * float16; odd sizes T 1, 7, 37, H 1, 7, 123, V 1, 7, 123, 4097; ignored
+ * rows, bias, label smoothing, softcap; the default block plan and one of
+ * 16-row blocks, so that both sweeps cross token and vocab block boundaries;
+ * strided hidden and weight; the same bits at 1 and 2 threads. Every
+ * workspace sits between guard words, sized exactly as lce_workspace says.
+ */
+#define _POSIX_C_SOURCE 200809L /* setenv: the thread count per test */
+#include <math.h>
+#include <string.h>
+
+#include "../../csrc/kernels/linear_cross_entropy.h"
+#include "check.h"
+
+typedef struct cfg {
+    int64_t t, h, v;
+    opf_dtype dt;
+    int reduction, bias, extras; /* extras: label smoothing 0.1, softcap 2.5, ignored rows, strided operands */
+    int64_t block_floats;
+} cfg;
+
+/* count elements of dt and their exact float64 copy */
+typedef struct arr {
+    void *lo;
+    double *hi;
+    int64_t count;
+} arr;
+
+static arr arr_rand(int64_t count, opf_dtype dt, unsigned long long seed, double amp) {
+    size_t c = (size_t)(count > 0 ? count : 1);
+    arr a = {malloc(c * opf_dtype_size(dt)), malloc(c * sizeof(double)), count};
+    seed = seed * 2654435761ull + 1;
+    for (int64_t i = 0; i < count; i++) {
+        opf_store_elem(a.lo, i, dt, (check_uniform(&seed) * 2.0 - 1.0) * amp);
+        a.hi[i] = opf_load_elem(a.lo, i, dt);
+    }
+    return a;
+}
+
+/* NaN-filled: an element a kernel leaves unwritten shows */
+static arr arr_empty(int64_t count, opf_dtype dt) {
+    size_t c = (size_t)(count > 0 ? count : 1);
+    arr a = {malloc(c * opf_dtype_size(dt)), malloc(c * sizeof(double)), count};
+    memset(a.lo, 0xff, c * opf_dtype_size(dt));
+    for (int64_t i = 0; i < count; i++) a.hi[i] = NAN;
+    return a;
+}
+
+static void arr_free(arr *a) { free(a->lo), free(a->hi); }
+
+static double tol_of(opf_dtype dt) { return dt == OPF_F32 ? 2e-4 : dt == OPF_F16 ? 1e-2 : 4e-2; }
+
+/* max |got - want| relative to max(|want|, 1e-3 of the array's scale) */
+static void compare(const char *what, const cfg *c, const char *variant, const void *got, opf_dtype gdt,
+                    const double *want, int64_t count) {
+    double err = 0.0, mag = 1e-6;
+    int64_t worst = -1;
+    for (int64_t i = 0; i < count; i++) mag = fmax(mag, fabs(want[i]));
+    for (int64_t i = 0; i < count; i++) {
+        double g = opf_load_elem(got, i, gdt), e = fabs(g - want[i]);
+        if (isnan(want[i]) && isnan(g)) continue;
+        if (!(e <= err)) err = e, worst = i; /* a NaN is the worst */
+    }
+    CHECK(worst < 0 || err / mag <= tol_of(c->dt),
+          "%s %s: T=%lld H=%lld V=%lld dt=%d reduction=%d bias=%d extras=%d block=%lld: index %lld got %g want %g, "
+          "max error %g of %g",
+          variant, what, (long long)c->t, (long long)c->h, (long long)c->v, (int)c->dt, c->reduction, c->bias,
+          c->extras, (long long)c->block_floats, (long long)worst, worst < 0 ? 0.0 : opf_load_elem(got, worst, gdt),
+          worst < 0 ? 0.0 : want[worst], err, mag);
+}
+
+static void set_threads(int threads) {
+    char env[16];
+    snprintf(env, sizeof env, "%d", threads);
+    setenv("OPFORGE_NUM_THREADS", env, 1);
+}
+
+/* runs lce_run with a guarded workspace of exactly lce_workspace floats */
+static int run(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, const char *what) {
+    int64_t floats = lce_workspace(gemm, p);
+    float *ws = check_ws_alloc(floats);
+    int rc = lce_run(kern, gemm, p, ws, floats);
+    check_ws_free(ws, what);
+    CHECK(rc == 0, "%s: lce_run returned %d", what, rc);
+    return rc;
+}
+
+static void test_case(const lce_kernels *kern, const cfg *c) {
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    const int64_t t = c->t, h = c->h, v = c->v, hs = c->extras ? 2 : 1; /* strided: every other column */
+    const opf_dtype dt = c->dt;
+    arr hid = arr_rand(t * h * hs, dt, (unsigned long long)(t * 31 + h), 1.0);
+    arr w = arr_rand(v * h, dt, (unsigned long long)(v * 7 + h), 1.5 / sqrt((double)h));
+    arr b = arr_rand(v, dt, 99, 0.5);
+    arr gtok = arr_rand(t, dt, 5, 1.0); /* a non-uniform per-token gradient (none) */
+    int64_t *target = malloc((size_t)(t > 0 ? t : 1) * sizeof(int64_t));
+    unsigned long long s = 12345 + (unsigned long long)v;
+    for (int64_t i = 0; i < t; i++) {
+        target[i] = (int64_t)(check_uniform(&s) * (double)v);
+        if (c->extras && i % 3 == 1) target[i] = -100;
+    }
+    const double gscalar = 1.75;
+    void *gsc = malloc(8);
+    opf_store_elem(gsc, 0, dt, gscalar);
+    double gsc_hi = opf_load_elem(gsc, 0, dt);
+    lce_problem p = {.t = t,
+                     .h = h,
+                     .v = v,
+                     .dt = dt,
+                     .hidden = hid.lo,
+                     .hidden_strides = {h * hs, hs},
+                     /* weight read transposed when extras: (V,H) at element v + k V of an (H,V) array */
+                     .weight = w.lo,
+                     .weight_strides = {c->extras ? 1 : h, c->extras ? v : 1},
+                     .target = target,
+                     .target_stride = 1,
+                     .bias = c->bias ? b.lo : NULL,
+                     .bias_stride = 1,
+                     .ignore_index = -100,
+                     .label_smoothing = c->extras ? 0.1 : 0.0,
+                     .softcap = c->extras ? 2.5 : 0.0,
+                     .reduction = c->reduction,
+                     .block_floats = c->block_floats};
+    lce_problem ref = p;
+    ref.dt = OPF_F64, ref.hidden = hid.hi, ref.weight = w.hi, ref.bias = c->bias ? b.hi : NULL;
+    const int64_t nloss = c->reduction == LCE_NONE ? t : 1;
+    arr loss = arr_empty(nloss, dt), lref = arr_empty(nloss, OPF_F64);
+    float *lse = malloc((size_t)(t + 1) * sizeof(float)), *lse_ref = malloc((size_t)(t + 1) * sizeof(float));
+    arr dh = arr_empty(t * h, dt), dw = arr_empty(v * h, dt), db = arr_empty(v, dt);
+    arr rdh = arr_empty(t * h, OPF_F64), rdw = arr_empty(v * h, OPF_F64), rdb = arr_empty(v, OPF_F64);
+    double *lse_hi = malloc((size_t)(t + 1) * sizeof(double));
+    const char *name = kern->name;
+
+    /* forward: loss and lse; mean / sum with the gradients of the same call */
+    const int fused = c->reduction != LCE_NONE;
+    p.loss = loss.lo, p.lse = lse, ref.loss = lref.hi, ref.lse = lse_ref;
+    if (fused) {
+        p.dhidden = dh.lo, p.dweight = dw.lo, p.dbias = c->bias ? db.lo : NULL;
+        ref.dhidden = rdh.hi, ref.dweight = rdw.hi, ref.dbias = c->bias ? rdb.hi : NULL;
+    }
+    double *row = malloc((size_t)(v + 1) * sizeof(double));
+    lce_ref_f64(&ref, row);
+    if (run(kern, gemm, &p, "forward") == 0) {
+        compare("loss", c, name, loss.lo, dt, lref.hi, nloss);
+        for (int64_t i = 0; i < t; i++) lse_hi[i] = lse_ref[i];
+        compare("lse", c, name, lse, OPF_F32, lse_hi, t);
+        if (fused) {
+            compare("dhidden (forward)", c, name, dh.lo, dt, rdh.hi, t * h);
+            compare("dweight (forward)", c, name, dw.lo, dt, rdw.hi, v * h);
+            if (c->bias) compare("dbias (forward)", c, name, db.lo, dt, rdb.hi, v);
+            /* the scaling backward: grad * the forward's gradients */
+            arr sdh = arr_empty(t * h, dt);
+            lce_scale(gemm->cvt, dt, sdh.lo, dh.lo, t * h, gsc);
+            for (int64_t i = 0; i < t * h; i++) sdh.hi[i] = rdh.hi[i] * gsc_hi;
+            compare("dhidden (scaled)", c, name, sdh.lo, dt, sdh.hi, t * h);
+            arr_free(&sdh);
+        }
+    }
+
+    /* backward from lse: a scalar gradient (mean, sum) or the per-token one (none) */
+    lce_problem bp = p, br = ref;
+    bp.lse_given = br.lse_given = 1;
+    bp.lse = lse, br.lse = lse_ref;
+    bp.grad = c->reduction == LCE_NONE ? gtok.lo : gsc, bp.grad_stride = 1;
+    br.grad = c->reduction == LCE_NONE ? (const void *)gtok.hi : (const void *)&gsc_hi, br.grad_stride = 1;
+    bp.dhidden = dh.lo, bp.dweight = dw.lo, bp.dbias = c->bias ? db.lo : NULL;
+    br.dhidden = rdh.hi, br.dweight = rdw.hi, br.dbias = c->bias ? rdb.hi : NULL;
+    memset(dh.lo, 0xff, (size_t)(t * h > 0 ? t * h : 1) * opf_dtype_size(dt)); /* NaN: all must be rewritten */
+    memset(dw.lo, 0xff, (size_t)(v * h > 0 ? v * h : 1) * opf_dtype_size(dt));
+    lce_ref_f64(&br, row);
+    free(row);
+    if (run(kern, gemm, &bp, "backward") == 0) {
+        compare("dhidden", c, name, dh.lo, dt, rdh.hi, t * h);
+        compare("dweight", c, name, dw.lo, dt, rdw.hi, v * h);
+        if (c->bias) compare("dbias", c, name, db.lo, dt, rdb.hi, v);
+    }
+
+    /* the same bits at 1 and 2 threads: the backward again at the other count */
+    if (t * h > 0 && v * h > 0) {
+        size_t es = opf_dtype_size(dt);
+        void *dh1 = malloc((size_t)(t * h) * es), *dw1 = malloc((size_t)(v * h) * es);
+        memcpy(dh1, dh.lo, (size_t)(t * h) * es), memcpy(dw1, dw.lo, (size_t)(v * h) * es);
+        set_threads(1);
+        run(kern, gemm_kernels_for(opf_isa_current()), &bp, "backward, 1 thread");
+        set_threads(2);
+        CHECK(memcmp(dh1, dh.lo, (size_t)(t * h) * es) == 0 && memcmp(dw1, dw.lo, (size_t)(v * h) * es) == 0,
+              "%s: T=%lld H=%lld V=%lld dt=%d: gradients differ between 1 and 2 threads", name, (long long)t,
+              (long long)h, (long long)v, (int)dt);
+        free(dh1), free(dw1);
+    }
+
+    arr_free(&hid), arr_free(&w), arr_free(&b), arr_free(&gtok), arr_free(&loss), arr_free(&lref);
+    arr_free(&dh), arr_free(&dw), arr_free(&db), arr_free(&rdh), arr_free(&rdw), arr_free(&rdb);
+    free(target), free(gsc), free(lse), free(lse_ref), free(lse_hi);
+}
+
+static void test_variant(const lce_kernels *kern) {
+    static const int64_t ts[] = {1, 7, 37}, hs[] = {1, 7, 123}, vs[] = {1, 7, 123, 4097};
+    static const opf_dtype dts[] = {OPF_F32, OPF_BF16, OPF_F16};
+    for (int ti = 0; ti < 3; ti++)
+        for (int hi = 0; hi < 3; hi++)
+            for (int vi = 0; vi < 4; vi++)
+                for (int di = 0; di < 3; di++)
+                    for (int red = 0; red < 3; red++)
+                        for (int extras = 0; extras < 2; extras++) {
+                            /* the large vocab with every combination only at the largest T and H */
+                            if (vs[vi] == 4097 && (ts[ti] != 37 || hs[hi] != 123) && extras) continue;
+                            cfg c = {.t = ts[ti],
+                                     .h = hs[hi],
+                                     .v = vs[vi],
+                                     .dt = dts[di],
+                                     .reduction = red,
+                                     .bias = extras || (ti + vi) % 2,
+                                     .extras = extras,
+                                     .block_floats = (ti + hi + red) % 2 ? 256 : 0};
+                            test_case(kern, &c);
+                        }
+}
+
+/* the plan's errors: a workspace one float short is refused, not overrun */
+static void test_short_workspace(void) {
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    arr hid = arr_rand(7 * 5, OPF_F32, 1, 1.0), w = arr_rand(9 * 5, OPF_F32, 2, 1.0);
+    int64_t target[7] = {0, 1, 2, 3, 4, 5, 8};
+    float loss, lse[7];
+    lce_problem p = {.t = 7,
+                     .h = 5,
+                     .v = 9,
+                     .dt = OPF_F32,
+                     .hidden = hid.lo,
+                     .hidden_strides = {5, 1},
+                     .weight = w.lo,
+                     .weight_strides = {5, 1},
+                     .target = target,
+                     .target_stride = 1,
+                     .ignore_index = -100,
+                     .reduction = LCE_MEAN,
+                     .loss = &loss,
+                     .lse = lse};
+    int64_t floats = lce_workspace(gemm, &p);
+    float *ws = check_ws_alloc(floats - 1);
+    CHECK(lce_run(lce_kernels_for(opf_isa_current()), gemm, &p, ws, floats - 1) == LCE_ERR_WORKSPACE,
+          "a short workspace must be refused");
+    check_ws_free(ws, "short workspace");
+    target[3] = 9;
+    CHECK(lce_bad_target(&p) == 3, "target 9 of 9 classes at 3 must be found, got %lld", (long long)lce_bad_target(&p));
+    target[3] = -100;
+    CHECK(lce_bad_target(&p) == -1, "ignore_index is a valid target");
+    arr_free(&hid), arr_free(&w);
+}
+
+int main(void) {
+    set_threads(2);
+    CHECK_EACH_VARIANT(lce_kernels_for, test_variant);
+    test_short_workspace();
+    return check_report("test_linear_cross_entropy");
+}

@@ -1,0 +1,353 @@
+"""linear_cross_entropy (fused LM head + cross-entropy) against float64 PyTorch: the loss and every
+gradient over reduction x ignore_index x label_smoothing x bias x softcap per dtype, block boundaries,
+gradcheck, opcheck, torch.compile, autocast, thread-count determinism, all-ignored batches, the nn
+module and each error message."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import opforge
+from opforge.functional import linear_cross_entropy
+
+LCE = torch.ops.opforge.linear_cross_entropy.default
+LCE_NONE = torch.ops.opforge.linear_cross_entropy_none.default
+
+# The loss is a sum over V exp terms and H-deep dot products computed in float32 (float32, and 16-bit
+# inputs too: only the operands are rounded, so the error is the operands' rounding through the logits).
+# 16-bit loss outputs are rounded once to the dtype; their gradients accumulate in float32 and round once.
+TOL = {
+    torch.float64: dict(rtol=1e-10, atol=1e-10),
+    torch.float32: dict(rtol=1e-4, atol=1e-5),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    torch.float16: dict(rtol=5e-3, atol=5e-3),
+}
+GRAD_TOL = {
+    torch.float64: dict(rtol=1e-9, atol=1e-10),
+    torch.float32: dict(rtol=1e-4, atol=2e-5),
+    torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+    torch.float16: dict(rtol=5e-3, atol=5e-3),
+}
+
+
+def reference(h, w, y, b=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", softcap=None):
+    z = F.linear(h, w, b)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=ignore_index,
+                           label_smoothing=label_smoothing, reduction=reduction).reshape(
+        y.shape if reduction == "none" else ())
+
+
+def inputs(t, h, v, dtype, ignore=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hid = torch.randn(t, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) / h ** 0.5 * 2
+    b = torch.randn(v, generator=g, dtype=torch.float64)
+    y = torch.randint(0, v, (t,), generator=g)
+    if ignore:
+        y[1::3] = -100
+    return hid.to(dtype), w.to(dtype), b.to(dtype), y
+
+
+def check_against_reference(dtype, t, h, v, reduction, ignore, label_smoothing, bias, softcap, seed=0):
+    hid, w, b, y = inputs(t, h, v, dtype, ignore, seed)
+    b = b if bias else None
+    leaves = [x.detach().clone().requires_grad_() for x in (hid, w) + ((b,) if bias else ())]
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    kw = dict(ignore_index=-100, label_smoothing=label_smoothing, reduction=reduction, softcap=softcap)
+    got = linear_cross_entropy(leaves[0], leaves[1], y, leaves[2] if bias else None, **kw)
+    want = reference(refs[0], refs[1], y, refs[2] if bias else None, **kw)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want.detach(), **TOL[dtype], equal_nan=True)  # mean of none: NaN
+    # a non-uniform gradient for none: the per-token grads must weight each token's own gradient
+    g = (torch.rand(t, dtype=torch.float64) + 0.5) if reduction == "none" else torch.tensor(1.75, dtype=torch.float64)
+    got.backward(g.to(dtype))
+    want.backward(g)
+    for name, leaf, ref in zip(("hidden", "weight", "bias"), leaves, refs):
+        assert leaf.grad.dtype == dtype
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, **GRAD_TOL[dtype], equal_nan=True,
+                                   msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore", [False, True], ids=["all-valid", "ignored"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no-cap", "cap"])
+def test_values_and_gradients(dtype, reduction, ignore, label_smoothing, bias, softcap):
+    check_against_reference(dtype, 37, 48, 123, reduction, ignore, label_smoothing, bias, softcap)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_blocks_cross_token_and_vocab_boundaries(reduction):
+    # more than 2048 tokens and vocab rows: two token chunks and two vocab blocks, so sweep 2 recomputes
+    # the logits and accumulates dhidden over vocab blocks and dweight over token chunks
+    check_against_reference(torch.float32, 2100, 16, 2500, reduction, True, 0.1, True, 5.0)
+
+
+def test_gradients_made_in_the_forward_over_several_blocks():
+    # the raw op with compute_grad: sweep 2 in the forward over 2 x 2 blocks, then the scaling backward
+    hid, w, b, y = inputs(2100, 16, 2500, torch.float32)
+    leaves = [x.requires_grad_() for x in (hid, w, b)]
+    loss, lse, dh, dw, db = LCE(*leaves[:2], y, leaves[2], -100, 0.1, 1, 5.0, True)
+    assert dh.shape == hid.shape and dw.shape == w.shape and db.shape == b.shape
+    loss.backward(torch.tensor(0.5))
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    (0.5 * reference(refs[0], refs[1], y, refs[2], label_smoothing=0.1, softcap=5.0)).backward()
+    for a, r in zip(leaves, refs):
+        torch.testing.assert_close(a.grad.double(), r.grad, **GRAD_TOL[torch.float32])
+    torch.testing.assert_close(dw.double() * 0.5, refs[1].grad, **GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("t, h, v", [(1, 1, 1), (7, 7, 7), (1, 123, 4097), (0, 5, 9), (4, 0, 6)], ids=str)
+def test_odd_and_empty_sizes(t, h, v):
+    for reduction in ("mean", "sum", "none"):
+        check_against_reference(torch.float32, t, h, v, reduction, False, 0.0, True, None)
+
+
+def test_leading_dims_and_strided_operands():
+    hid = torch.randn(3, 5, 40)[:, :, ::2]  # (3, 5, 20), column stride 2: read in place after the reshape
+    w = torch.randn(20, 30).t()  # (30, 20) transposed
+    b = torch.randn(60)[::2]
+    y = torch.randint(0, 30, (3, 5))
+    for reduction in ("mean", "none"):
+        got = linear_cross_entropy(hid, w, y, b, reduction=reduction)
+        want = reference(hid.double(), w.double(), y, b.double(), reduction=reduction)
+        torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradcheck_float64(reduction):
+    hid, w, b, y = inputs(6, 5, 7, torch.float64)
+    args = [x.requires_grad_() for x in (hid, w, b)]
+    assert torch.autograd.gradcheck(
+        lambda h_, w_, b_: linear_cross_entropy(h_, w_, y, b_, label_smoothing=0.2, reduction=reduction, softcap=2.0),
+        args)
+
+
+def test_reduction_none_backward_is_not_a_scaled_uniform_gradient():
+    # the bug to avoid: a dweight precomputed for a uniform gradient and scaled afterwards. With one token
+    # given gradient 1 and the others 0, the gradients are that token's alone.
+    hid, w, _, y = inputs(9, 6, 11, torch.float64, ignore=False)
+    w.requires_grad_()
+    g = torch.zeros(9, dtype=torch.float64)
+    g[4] = 1.0
+    linear_cross_entropy(hid, w, y, reduction="none").backward(g)
+    wr = w.detach().clone().requires_grad_()
+    reference(hid[4:5], wr, y[4:5], reduction="sum").backward()
+    torch.testing.assert_close(w.grad, wr.grad, **GRAD_TOL[torch.float64])
+
+
+def test_no_gradient_means_no_gradient_work():
+    hid, w, b, y = inputs(8, 6, 10, torch.float32)
+    loss, lse, dh, dw, db = LCE(hid, w, y, b, -100, 0.0, 1, None, False)
+    assert dh.numel() == dw.numel() == db.numel() == 0
+    torch.testing.assert_close(lse.double(), torch.logsumexp(F.linear(hid, w, b).double(), -1), **TOL[torch.float32])
+    with torch.no_grad():  # the functional asks for no gradients when none can flow
+        torch.testing.assert_close(linear_cross_entropy(hid.requires_grad_(), w, y, b).double(),
+                                   reference(hid.double(), w.double(), y, b.double()), **TOL[torch.float32])
+    # a forward that made no gradients still has a backward: it recomputes them from lse
+    hg, wg = hid.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = LCE(hg, wg, y, None, -100, 0.0, 2, None, False)[0]
+    out.backward()
+    hr, wr = hid.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    reference(hr, wr, y, reduction="sum").backward()
+    torch.testing.assert_close(hg.grad.double(), hr.grad, **GRAD_TOL[torch.float32])
+    torch.testing.assert_close(wg.grad.double(), wr.grad, **GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_batch_matches_torch(reduction):
+    hid, w, b, y = inputs(5, 4, 6, torch.float32)
+    y[:] = -100
+    hl, wl, bl = (x.detach().clone().requires_grad_() for x in (hid, w, b))
+    hr, wr, br = (x.detach().double().requires_grad_() for x in (hid, w, b))
+    got = linear_cross_entropy(hl, wl, y, bl, reduction=reduction)
+    want = reference(hr, wr, y, br, reduction=reduction)
+    torch.testing.assert_close(got.double(), want.detach(), equal_nan=True)  # mean: 0 / 0 = NaN, as torch's
+    got.sum().backward()
+    want.sum().backward()
+    for a, r in ((hl, hr), (wl, wr), (bl, br)):
+        torch.testing.assert_close(a.grad.double(), r.grad, equal_nan=True)
+
+
+def test_opcheck():
+    hid, w, b, y = inputs(6, 5, 7, torch.float32)
+    hid.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    for reduction in (1, 2):
+        for compute_grad in (False, True):
+            opcheck(LCE, (hid, w, y, b, -100, 0.1, reduction, 2.0, compute_grad))
+    opcheck(LCE, (hid, w, y, None, -100, 0.0, 1, None, True))
+    opcheck(LCE_NONE, (hid, w, y, b, -100, 0.1, 2.0))
+    opcheck(LCE_NONE, (hid, w, y, None, -100, 0.0, None))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compile_fullgraph(dynamic, reduction):
+    torch._dynamo.reset()
+
+    def step(hid, w, y, b):
+        return linear_cross_entropy(hid, w, y, b, label_smoothing=0.1, reduction=reduction, softcap=4.0).sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    for t in (9, 13):
+        hid, w, b, y = inputs(t, 8, 11, torch.float32, seed=t)
+        leaves = [x.requires_grad_() for x in (hid, w, b)]
+        compiled(leaves[0], leaves[1], y, leaves[2]).backward()
+        refs = [x.detach().double().requires_grad_() for x in leaves]
+        want = reference(refs[0], refs[1], y, refs[2], label_smoothing=0.1, reduction=reduction, softcap=4.0).sum()
+        want.backward()
+        for a, r in zip(leaves, refs):
+            torch.testing.assert_close(a.grad.double(), r.grad, **GRAD_TOL[torch.float32])
+
+
+def test_autocast_bfloat16():
+    # policy: the op runs in the autocast dtype (hidden, weight, bias cast to bfloat16, as F.linear under
+    # autocast), computes the log-sum-exp and the loss in float32 and returns them rounded to bfloat16;
+    # torch's autocast runs F.cross_entropy in float32 on bfloat16 logits. The cast is in the graph, so
+    # float32 master weights get float32 gradients.
+    hid, w, b, y = inputs(16, 12, 20, torch.float32)
+    w.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(hid, w, y, b)
+        want = F.cross_entropy(F.linear(hid, w, b), y)
+    assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
+    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+    got.float().backward()
+    assert w.grad.dtype == torch.float32
+    wr = w.detach().clone().requires_grad_()
+    reference(hid.bfloat16().double(), wr.bfloat16().double(), y, b.bfloat16().double()).backward()
+    torch.testing.assert_close(w.grad.double(), wr.grad.double(), **GRAD_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_same_bits_at_1_and_2_threads(dtype, reduction):
+    hid, w, b, y = inputs(2100, 16, 2500, dtype)  # several blocks each way
+    g = torch.rand(2100).to(dtype) if reduction == "none" else torch.tensor(1.0, dtype=dtype)
+    saved, runs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            leaves = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
+            loss = linear_cross_entropy(leaves[0], leaves[1], y, leaves[2], reduction=reduction)
+            loss.backward(g)
+            runs.append([loss.detach()] + [x.grad for x in leaves])
+    finally:
+        torch.set_num_threads(saved)
+    for a, b_ in zip(*runs):
+        assert torch.equal(a, b_)
+
+
+def test_every_isa_agrees():
+    hid, w, b, y = inputs(37, 30, 123, torch.float32)
+    outs = {}
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            outs[isa] = LCE(hid, w, y, b, -100, 0.1, 1, 3.0, True)
+    finally:
+        opforge.set_isa("auto")
+    for isa, res in outs.items():
+        for got, want in zip(res, outs["ref"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{isa} vs ref")
+
+
+def test_nn_module_holds_no_weight():
+    head = torch.nn.Linear(12, 30)
+    loss_fn = opforge.nn.LinearCrossEntropyLoss(label_smoothing=0.1, softcap=5.0)
+    assert list(loss_fn.parameters()) == []
+    hid, y = torch.randn(2, 7, 12), torch.randint(0, 30, (2, 7))
+    got = loss_fn(hid, head.weight, y, head.bias)
+    want = reference(hid.double(), head.weight.double(), y, head.bias.double(), label_smoothing=0.1, softcap=5.0)
+    torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+    got.backward()
+    assert head.weight.grad is not None and head.bias.grad is not None
+    assert "softcap=5.0" in repr(loss_fn)
+
+
+F32 = dict(dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.tensor([0, 4, 1])),
+         r"\[opforge::linear_cross_entropy\] argument 'target' must hold class indices in \[0, 4\) or ignore_index "
+         r"\(-100\), got 4 at position 1"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.tensor([0, -1, 1]),
+                                      reduction="none"),
+         r"\[opforge::linear_cross_entropy_none\] argument 'target' .* got -1 at position 1"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 6), torch.zeros(3, dtype=torch.int64)),
+         r"argument 'weight' must have 5 columns .* got 6"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64),
+                                      torch.randn(3)),
+         r"argument 'bias' must be 1-d with 4 elements .* got 1-d with 3"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3)),
+         r"argument 'target' must be int64 \(class indices\), got float32"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5, dtype=torch.float64),
+                                      torch.zeros(3, dtype=torch.int64)),
+         r"argument 'weight' must have the dtype of 'hidden' \(float32\), got float64"),
+        (lambda: linear_cross_entropy(torch.ones(3, 5, dtype=torch.int64), torch.ones(4, 5, dtype=torch.int64),
+                                      torch.zeros(3, dtype=torch.int64)),
+         r"argument 'hidden' must be a floating-point tensor"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64),
+                                      label_smoothing=1.5),
+         r"argument 'label_smoothing' must be in \[0, 1\], got 1.5"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64),
+                                      softcap=0.0),
+         r"argument 'softcap' must be a finite number > 0 \(or None\), got 0"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64),
+                                      reduction="avg"),
+         r"argument 'reduction' must be one of 'none', 'mean', 'sum', got 'avg'"),
+        (lambda: LCE(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64), None, -100, 0.0, 0,
+                     None, False),
+         r"argument 'reduction' must be 1 \(mean\) or 2 \(sum\)"),
+        (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(4, dtype=torch.int64)),
+         r"argument 'target' must have the leading dims of 'hidden' \[3\], got \[4\]"),
+        (lambda: LCE(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(2, dtype=torch.int64), None, -100, 0.0, 1,
+                     None, False),
+         r"argument 'target' must be 1-d with 3 elements"),
+    ],
+)
+def test_bad_input(call, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        call()
+
+
+def test_errors_come_before_any_work_under_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(RuntimeError, match=r"argument 'weight' must have 5 columns"):
+        LCE(torch.empty(3, 5), torch.empty(4, 6), torch.zeros(3, dtype=torch.int64), None, -100, 0.0, 1, None, True)
+
+
+def test_nan_logits_give_nan_as_torch_on_every_isa():
+    hid, w, _, y = inputs(6, 5, 40, torch.float32, ignore=False)
+    hid[2, 1] = float("nan")
+    want = reference(hid.double(), w.double(), y, reduction="none")
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            got = linear_cross_entropy(hid, w, y, reduction="none")
+            assert torch.equal(got.isnan(), want.isnan()), isa
+            torch.testing.assert_close(got.double(), want, **TOL[torch.float32], equal_nan=True)
+    finally:
+        opforge.set_isa("auto")
+
+
+def test_an_ignore_index_inside_the_vocab():
+    # ignore_index is any int: a class index ignored is left out of the loss, the mean's count and the grads
+    check_against_reference(torch.float32, 20, 8, 9, "mean", False, 0.1, True, None)
+    hid, w, b, y = inputs(20, 8, 9, torch.float64, ignore=False)
+    w.requires_grad_()
+    got = linear_cross_entropy(hid, w, y, b, ignore_index=3, label_smoothing=0.1)
+    wr = w.detach().clone().requires_grad_()
+    want = reference(hid, wr, y, b, ignore_index=3, label_smoothing=0.1)
+    torch.testing.assert_close(got, want, **TOL[torch.float64])
+    got.backward(), want.backward()
+    torch.testing.assert_close(w.grad, wr.grad, **GRAD_TOL[torch.float64])
