@@ -148,3 +148,16 @@ def test_patch_swaps_in_place_and_matches():
 def test_patch_refuses_a_bare_leaf():
     with pytest.raises(TypeError, match="patch the module that holds it"):
         opforge.patch(torch.nn.LayerNorm(8))
+
+
+def test_train_gpt_example_runs(tmp_path):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(["--steps", "4", "--batch", "2", "--seq", "32", "--png", str(tmp_path / "loss.png")])
+    assert len(losses) == 4 and all(0 < v < 10 for v in losses)
+    assert (tmp_path / "loss.png").exists()
