@@ -142,3 +142,18 @@ def test_without_transformers_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match="opforge.patch_hf needs Hugging Face transformers"):
         opforge.patch_hf(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
+def test_patched_model_runs_opforge_ops(kind):
+    _, patched, _ = _pair(kind)
+    assert patched.config._attn_implementation == "opforge"
+    ids = _batch(5)
+    with torch.profiler.profile() as prof:
+        patched(ids, labels=ids).loss.backward()
+    names = {e.name for e in prof.events()}
+    ns = opforge.namespace
+    want = {"attention", "linear_cross_entropy"} | ({"layer_norm", "linear"} if kind == "gpt2" else
+                                                     {"rms_norm", "rope", "glu"})
+    missing = {op for op in want if f"{ns}::{op}" not in names}
+    assert not missing, f"opforge ops not run: {missing}"
