@@ -10,6 +10,8 @@ from ._runtime import (cpu_features, get_isa, isa_best, kernel_variants, library
 from . import functional, nn
 from .build import BuildError, load, load_library
 from .functional import dispersion_correction, linear, matmul, scaled_dot_product_attention
+from .hf import patch_hf
+from .patch import PatchReport, patch
 
 __version__ = "0.1.0"
 
@@ -29,6 +31,9 @@ __all__ = [
     "namespace",
     "nn",
     "ops",
+    "patch",
+    "patch_hf",
+    "PatchReport",
     "scaled_dot_product_attention",
     "set_isa",
     "set_log_file",

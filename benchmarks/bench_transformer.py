@@ -1,0 +1,163 @@
+"""The brief's Transformer table: time per training step and peak memory of
+the attention layer alone, the MLP block alone and the whole model
+(opforge.models.GPT), native eager vs native torch.compile vs opforge, in
+float32 and under bfloat16 autocast.
+
+A step is forward, backward and an AdamW update. Each component is checked
+against eager before it is timed; variants are timed interleaved in one
+process (medians) and their peak memory is read the same way for each (the
+allocator's high-water mark during one step, above what was held before).
+
+    python benchmarks/bench_transformer.py            # default shape: minutes
+    python benchmarks/bench_transformer.py --full     # the brief's batch 32 x sequence 512 (long)
+    python benchmarks/bench_transformer.py --smoke    # tiny, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from opforge.benchmark import RESULTS, Progress, compare, peak_memory, write_results  # noqa: E402
+from opforge.models import GPT, GPTConfig  # noqa: E402
+from opforge.models.gpt import MLP, Attention  # noqa: E402
+
+SHAPES = {  # (batch, sequence, config)
+    "smoke": (2, 32, GPTConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)),
+    "default": (8, 256, GPTConfig(vocab_size=8192, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, max_seq_len=256)),
+    "full": (32, 512, GPTConfig(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, max_seq_len=512)),
+}
+
+
+class _Rope(torch.nn.Module):
+    """A component with its rotary tables, called as the model calls it."""
+
+    def __init__(self, inner: torch.nn.Module, cos, sin):
+        super().__init__()
+        self.inner, self.cos, self.sin = inner, cos, sin
+
+    def forward(self, x):
+        return self.inner(x, self.cos, self.sin)
+
+
+def components(batch: int, seq: int, c: GPTConfig, seed: int = 0):
+    """name -> (plain module, inputs, loss of the output): the plain module's copy is the fused one."""
+    torch.manual_seed(seed)
+    model = GPT(c)
+    x = torch.randn(batch, seq, c.dim) * 0.5
+    idx = torch.randint(0, c.vocab_size, (batch, seq + 1))
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    return {
+        "attention layer": (_Rope(Attention(c), cos, sin), (x,), lambda out, *_: out.float().square().mean()),
+        "MLP block": (MLP(c), (x,), lambda out, *_: out.float().square().mean()),
+        "whole model": (model, (idx[:, :-1], idx[:, 1:]), lambda out, *_: out[1]),
+    }
+
+
+def _set_fused(m: torch.nn.Module, fused: bool):
+    for sub in m.modules():
+        if hasattr(sub, "fused"):
+            sub.fused = fused
+    return m
+
+
+def variants(plain: torch.nn.Module):
+    fused = _set_fused(copy.deepcopy(plain), True)
+    return {"eager": plain, "compile": torch.compile(copy.deepcopy(plain)), "opforge": fused}
+
+
+def step_fn(module, inputs, loss_of, dtype):
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    amp = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+
+    def step():
+        with amp:
+            loss = loss_of(module(*inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--full", action="store_true", help="the brief's shape: batch 32 x sequence 512")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--out", default=RESULTS)
+    a = p.parse_args(argv)
+    shape = "smoke" if a.smoke else "full" if a.full else "default"
+    batch, seq, config = SHAPES[shape]
+    dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
+    reps, target = (3, 0.01) if a.smoke else (5, 0.5)
+    comps = components(batch, seq, config)
+    progress = Progress(len(dtypes) * len(comps), "bench_transformer")
+    rows = []
+    for dtype in dtypes:
+        for name, (plain, inputs, loss_of) in comps.items():
+            progress.step(f"{name} {str(dtype)[6:]}")
+            mods = variants(plain)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):  # check before timing
+                want = loss_of(mods["eager"](*inputs)).float()
+                got = loss_of(mods["opforge"](*inputs)).float()
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            steps = {v: step_fn(m, inputs, loss_of, dtype) for v, m in mods.items()}
+            t = compare(steps, reps=reps, target_s=target)
+            mem = {v: peak_memory(s) for v, s in steps.items()}
+            rows.append({
+                "component": name, "dtype": str(dtype)[6:],
+                "eager_ms": 1e3 * t["eager"], "compile_ms": 1e3 * t["compile"], "opforge_ms": 1e3 * t["opforge"],
+                "speedup_vs_eager": t["eager"] / t["opforge"], "speedup_vs_compile": t["compile"] / t["opforge"],
+                "mem_saved_vs_eager_pct": 100 * (1 - mem["opforge"] / mem["eager"]) if mem["eager"] else 0.0,
+                "mem_saved_vs_compile_pct": 100 * (1 - mem["opforge"] / mem["compile"]) if mem["compile"] else 0.0,
+                "peak_MiB_eager": mem["eager"] / 2**20, "peak_MiB_opforge": mem["opforge"] / 2**20,
+            })
+    c = config
+    table = write_results(f"transformer_{shape}", rows, [
+        f"shape: batch {batch} x sequence {seq}; GPT dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads "
+        f"({c.n_kv_heads} key/value heads), MLP {c.hidden_dim}, vocab {c.vocab_size}",
+        "a step = forward + backward + AdamW; bfloat16 = torch.autocast('cpu', bfloat16) over float32 weights",
+        "eager = the same modules on torch's ops; compile = torch.compile of them; opforge = the same parameters on "
+        "opforge's ops (rms_norm/add_rms_norm, rope, attention, swiglu, linear_cross_entropy)",
+        "peak memory: allocator high-water mark during one step above what was held before it, the same way for "
+        "every variant",
+    ], a.out)
+    _plot(rows, shape, a.out)
+    print(table)
+
+
+def _plot(rows, shape, out_dir):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['component']}\n{r['dtype']}" for r in rows]
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["speedup_vs_eager"] for r in rows], 0.4, label="vs eager")
+    ax.bar([x + 0.2 for x in xs], [r["speedup_vs_compile"] for r in rows], 0.4, label="vs torch.compile")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("training-step speed-up (x)")
+    ax.set_title(f"opforge Transformer components ({shape} shape)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"transformer_{shape}.png"), dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
