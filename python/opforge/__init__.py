@@ -9,24 +9,32 @@ from ._runtime import (cpu_features, get_isa, isa_best, kernel_variants, library
                        set_log_level, supported_isas)
 from . import functional, nn
 from .build import BuildError, load, load_library
-from .functional import dispersion_correction, linear, matmul, scaled_dot_product_attention
+from .functional import (add_rms_norm, cross_entropy, dispersion_correction, geglu, layer_norm, linear,
+                         linear_cross_entropy, log_softmax, matmul, rms_norm, rope, scaled_dot_product_attention,
+                         softmax, swiglu)
 from .hf import patch_hf
 from .patch import PatchReport, patch
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "add_rms_norm",
     "BuildError",
     "cpu_features",
+    "cross_entropy",
     "dispersion_correction",
     "functional",
+    "geglu",
     "get_isa",
     "isa_best",
     "kernel_variants",
+    "layer_norm",
     "library",
     "linear",
+    "linear_cross_entropy",
     "load",
     "load_library",
+    "log_softmax",
     "matmul",
     "namespace",
     "nn",
@@ -34,13 +42,13 @@ __all__ = [
     "patch",
     "patch_hf",
     "PatchReport",
+    "rms_norm",
+    "rope",
     "scaled_dot_product_attention",
     "set_isa",
     "set_log_file",
     "set_log_level",
+    "softmax",
     "supported_isas",
+    "swiglu",
 ]
-
-from .functional import add_rms_norm, layer_norm, rms_norm  # noqa: E402
-
-__all__ += ["add_rms_norm", "layer_norm", "rms_norm"]
