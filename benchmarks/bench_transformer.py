@@ -1,7 +1,8 @@
 """The brief's Transformer table: time per training step and peak memory of
 the attention layer alone, the MLP block alone and the whole model
-(opforge.models.GPT), native eager vs native torch.compile vs opforge, in
-float32 and under bfloat16 autocast.
+(opforge.models.GPT), and a Hugging Face Llama of the same size unpatched vs
+opforge.patch_hf, native eager vs native torch.compile vs opforge, in float32
+and under bfloat16 autocast.
 
 A step is forward, backward and an AdamW update. Each component is checked
 against eager before it is timed; variants are timed interleaved in one
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
+import opforge  # noqa: E402
 from opforge.benchmark import RESULTS, Progress, compare, peak_memory, write_results  # noqa: E402
 from opforge.models import GPT, GPTConfig  # noqa: E402
 from opforge.models.gpt import MLP, Attention  # noqa: E402
@@ -61,6 +63,32 @@ def components(batch: int, seq: int, c: GPTConfig, seed: int = 0):
     }
 
 
+def hf_llama(batch: int, seq: int, c: GPTConfig, seed: int = 0):
+    """A Hugging Face Llama of the GPT's size (random weights), or None without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.hidden_dim,
+                                      num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+                                      num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
+                                      tie_word_embeddings=True, rms_norm_eps=c.norm_eps)
+    model = transformers.LlamaForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, c.vocab_size, (batch, seq))
+    return model, (ids,), lambda out, *_: out.loss
+
+
+class _WithLabels(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids, labels=ids)
+
+
 def _set_fused(m: torch.nn.Module, fused: bool):
     for sub in m.modules():
         if hasattr(sub, "fused"):
@@ -69,7 +97,11 @@ def _set_fused(m: torch.nn.Module, fused: bool):
 
 
 def variants(plain: torch.nn.Module):
-    fused = _set_fused(copy.deepcopy(plain), True)
+    if isinstance(plain, _WithLabels):  # a transformers model: opforge = the same model patched
+        fused = copy.deepcopy(plain)
+        opforge.patch_hf(fused.model)
+    else:
+        fused = _set_fused(copy.deepcopy(plain), True)
     return {"eager": plain, "compile": torch.compile(copy.deepcopy(plain)), "opforge": fused}
 
 
@@ -100,6 +132,9 @@ def main(argv=None):
     dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
     reps, target = (3, 0.01) if a.smoke else (5, 0.5)
     comps = components(batch, seq, config)
+    llama = hf_llama(batch, seq, config)
+    if llama is not None:
+        comps["HF Llama (patch_hf)"] = (_WithLabels(llama[0]), llama[1], llama[2])
     progress = Progress(len(dtypes) * len(comps), "bench_transformer")
     rows = []
     for dtype in dtypes:
@@ -128,7 +163,8 @@ def main(argv=None):
         f"({c.n_kv_heads} key/value heads), MLP {c.hidden_dim}, vocab {c.vocab_size}",
         "a step = forward + backward + AdamW; bfloat16 = torch.autocast('cpu', bfloat16) over float32 weights",
         "eager = the same modules on torch's ops; compile = torch.compile of them; opforge = the same parameters on "
-        "opforge's ops (rms_norm/add_rms_norm, rope, attention, swiglu, linear_cross_entropy)",
+        "opforge's ops (rms_norm/add_rms_norm, rope, attention, swiglu, linear_cross_entropy); HF Llama: a "
+        "transformers LlamaForCausalLM of the same size, eager = unpatched (sdpa), opforge = opforge.patch_hf",
         "peak memory: allocator high-water mark during one step above what was held before it, the same way for "
         "every variant",
     ], a.out)
