@@ -51,7 +51,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     losses, tokens, t0 = [], 0, time.perf_counter()
     bar = Progress(a.steps, "train_gpt")
-    for step in range(a.steps):
+    for _ in range(a.steps):
         starts = torch.randint(0, len(data) - a.seq - 1, (a.batch,), generator=g)
         batch = torch.stack([data[s : s + a.seq + 1] for s in starts])
         with amp:
