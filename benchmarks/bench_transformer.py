@@ -157,6 +157,9 @@ def main(argv=None):
                 "mem_saved_vs_compile_pct": 100 * (1 - mem["opforge"] / mem["compile"]) if mem["compile"] else 0.0,
                 "peak_MiB_eager": mem["eager"] / 2**20, "peak_MiB_opforge": mem["opforge"] / 2**20,
             })
+            r = rows[-1]
+            print(f"\n{name} {r['dtype']}: {r['speedup_vs_eager']:.2f}x eager, {r['speedup_vs_compile']:.2f}x compile, "
+                  f"{r['mem_saved_vs_eager_pct']:.0f}% less peak memory than eager", file=sys.stderr, flush=True)
     c = config
     table = write_results(f"transformer_{shape}", rows, [
         f"shape: batch {batch} x sequence {seq}; GPT dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads "
