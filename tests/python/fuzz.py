@@ -1057,6 +1057,9 @@ def check_cross_entropy(c, gen, dtype, dt, call):
         half = 4 * U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else 0.0
         gb = a * p * err_p + (scale * (1 + wt))[:, None] * (C_FN * u + half) * (eps / classes + (1 - eps))
         checks.append(Check("dlogits", dx, gwant, (4 * gb).reshape(gwant.shape) + _out_tol(gwant, dt), dtype))
+    return checks
+
+
 # linear_cross_entropy: normwise bounds, relative to the largest element of each result: sums of H products
 # and of V exponentials in float32 (float64 for float64), 16-bit operands, results rounded once
 LCE_REL = {"float64": 1e-10, "float32": 2e-4, "bfloat16": 4e-2, "float16": 1e-2}
