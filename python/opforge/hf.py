@@ -31,7 +31,7 @@ import torch
 
 from . import functional as OF
 from . import nn as onn
-from .patch import PatchReport
+from .patch import PatchReport, _layer_norm
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 _GLU = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu:none", "gelu_pytorch_tanh": "geglu:tanh",
@@ -192,9 +192,10 @@ def patch_hf(model: torch.nn.Module) -> PatchReport:
             new.weight = module.weight
             _replace(parent, name, new, report, full, module)
         elif type(module) is torch.nn.LayerNorm:
-            new = onn.LayerNorm(module.normalized_shape, eps=module.eps, elementwise_affine=module.elementwise_affine,
-                                bias=module.bias is not None, device="meta")
-            new.weight, new.bias = module.weight, module.bias
+            new = _layer_norm(module)  # the swap opforge.patch makes, with its refusal of multi-dim norms
+            if isinstance(new, str):
+                report.left.append((full, cname, new))
+                continue
             _replace(parent, name, new, report, full, module)
         elif cname.endswith("MLP") and hasattr(module, "gate_proj"):
             act = getattr(getattr(module, "config", config), "hidden_act", None)
