@@ -125,12 +125,14 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--full", action="store_true", help="the brief's shape: batch 32 x sequence 512")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds per variant (default 5; 3 with --smoke)")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     shape = "smoke" if a.smoke else "full" if a.full else "default"
     batch, seq, config = SHAPES[shape]
     dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
     reps, target = (3, 0.01) if a.smoke else (5, 0.5)
+    reps = a.reps or reps
     comps = components(batch, seq, config)
     llama = hf_llama(batch, seq, config)
     if llama is not None:
@@ -161,7 +163,8 @@ def main(argv=None):
             print(f"\n{name} {r['dtype']}: {r['speedup_vs_eager']:.2f}x eager, {r['speedup_vs_compile']:.2f}x compile, "
                   f"{r['mem_saved_vs_eager_pct']:.0f}% less peak memory than eager", file=sys.stderr, flush=True)
     c = config
-    table = write_results(f"transformer_{shape}", rows, [
+    stem = f"transformer_{shape}" if len(dtypes) == 2 else f"transformer_{shape}_{a.dtypes}"  # one dtype: its own file
+    table = write_results(stem, rows, [
         f"shape: batch {batch} x sequence {seq}; GPT dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads "
         f"({c.n_kv_heads} key/value heads), MLP {c.hidden_dim}, vocab {c.vocab_size}",
         "a step = forward + backward + AdamW; bfloat16 = torch.autocast('cpu', bfloat16) over float32 weights",
@@ -171,11 +174,11 @@ def main(argv=None):
         "peak memory: allocator high-water mark during one step above what was held before it, the same way for "
         "every variant",
     ], a.out)
-    _plot(rows, shape, a.out)
+    _plot(rows, stem, a.out)
     print(table)
 
 
-def _plot(rows, shape, out_dir):
+def _plot(rows, stem, out_dir):
     try:
         import matplotlib
 
@@ -191,10 +194,10 @@ def _plot(rows, shape, out_dir):
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel("training-step speed-up (x)")
-    ax.set_title(f"opforge Transformer components ({shape} shape)")
+    ax.set_title(f"opforge Transformer components ({stem})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, f"transformer_{shape}.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, f"{stem}.png"), dpi=110)
     plt.close(fig)
 
 
