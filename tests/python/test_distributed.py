@@ -1,0 +1,322 @@
+"""DDP and FSDP2 (``fully_shard``) training of a model built on opforge's ops:
+two processes over gloo on 127.0.0.1, each taking half of every batch,
+compared with the same training in one process on the whole batch.
+
+The model is opforge's GPT (rms_norm / add_rms_norm, rope, attention, swiglu,
+linear_cross_entropy) with every projection an ``opforge.nn.Linear``, plus a
+small MLP of ``opforge.nn.Linear`` with a bias and a fused activation around
+an ``opforge.nn.LayerNorm`` (odd widths, so FSDP pads its shards). A small
+net through ``dispersion_correction`` also trains under DDP with and without
+bfloat16 autocast (gradients all-reduced through a custom op's autograd
+formula, in autocast's dtype). One spawned run trains every configuration (starting a rank and importing torch
+costs seconds), writing each rank's final full parameters, its losses and
+opforge's log of one step; the tests below compare them.
+
+Tolerances (float32, AdamW at lr 1e-2, 3 steps): the ranks average two
+half-batch gradients where one process takes the whole batch, so results
+differ by float32 rounding, which Adam's normalisation amplifies for small
+gradients: parameters within atol 5e-5, rtol 1e-4 of the single process
+(measured max |diff| 1.0e-5), mean losses within rtol 1e-5. Under
+MixedPrecisionPolicy(bfloat16 parameters, float32 reduction) the reference
+is the same policy in one process (float32 master weights; a bfloat16 copy
+for forward and backward on each rank's half batch; the two gradients
+upcast and averaged in float32; the step on float32), within the same bounds
+(measured: bitwise equal). Against plain float32 training, the bfloat16 run's
+mean losses stay within 5e-2 (bfloat16's spacing at 6.5 is 0.03) and each
+parameter's update (final - initial) points the same way as float32's
+(cosine >= 0.98; measured >= 0.99); elementwise, Adam moves a parameter by
+about lr whatever the size of its gradient, so a rounding-sized gradient
+can move it by lr the other way.
+"""
+
+import copy
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import opforge
+import opforge.nn as onn
+from dist_helpers import spawn
+from opforge.models import GPT, GPTConfig
+
+CONFIG = GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+BATCH, SEQ, FEATURES, HIDDEN, OUT = 4, 32, 16, 45, 7
+STEPS = 3
+FSDP_RUNS = {  # name: fully_shard options
+    "fsdp": dict(reshard_after_forward=True),
+    "fsdp_keep": dict(reshard_after_forward=False),
+    "fsdp_bf16": dict(reshard_after_forward=True, mp=(torch.bfloat16, torch.float32)),
+}
+RUNS = ("ddp", *FSDP_RUNS)
+LOGGED = "fsdp"  # the run whose first step is recorded in opforge's log, per rank
+
+
+class Model(torch.nn.Module):
+    """GPT's next-token loss plus an MLP's mean squared error."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = GPT(CONFIG, fused=True)
+        for block in self.gpt.layers:
+            for parent in (block.self_attn, block.mlp):
+                for name, m in list(parent.named_children()):
+                    if type(m) is torch.nn.Linear:  # the same parameters, through opforge's linear
+                        new = onn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+                        new.weight, new.bias = m.weight, m.bias
+                        setattr(parent, name, new)
+        self.mlp = torch.nn.Sequential(onn.Linear(FEATURES, HIDDEN, activation="gelu"), onn.LayerNorm(HIDDEN),
+                                       onn.Linear(HIDDEN, OUT, activation="silu"))
+
+    def forward(self, idx, targets, x, y):
+        _, lm_loss = self.gpt(idx, targets)
+        return lm_loss + torch.nn.functional.mse_loss(self.mlp(x), y)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.fc1(x).abs() + 0.1  # the op's domain is x >= 0
+        return self.fc2(opforge.dispersion_correction(h, 0.8))
+
+
+def _net_train(model, batches, amp):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+    return model
+
+
+def _net_data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+
+
+def _net_single(amp):
+    torch.manual_seed(0)
+    return _net_train(Net(), _net_data(), amp).state_dict()  # the full batches in one process
+
+
+def _model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=g), torch.randn(BATCH, FEATURES, generator=g),
+             torch.randn(BATCH, OUT, generator=g)) for _ in range(STEPS)]
+
+
+def _inputs(batch, rank=None, world=2):
+    tokens, x, y = batch
+    if rank is not None:  # this rank's half of the batch
+        tokens, x, y = tokens[rank::world], x[rank::world], y[rank::world]
+    return tokens[:, :-1], tokens[:, 1:], x, y
+
+
+def _train(model, batches, rank=None, log=None):
+    """STEPS optimizer steps; the losses. log: opforge's log of the first step goes there."""
+    opt, losses = _optimizer(model.parameters()), []
+    for step, batch in enumerate(batches):
+        if log and step == 0:
+            opforge.set_log_level("info")
+            opforge.set_log_file(log)
+        opt.zero_grad()
+        loss = model(*_inputs(batch, rank))
+        loss.backward()
+        opt.step()
+        if log and step == 0:
+            opforge.set_log_file(None)
+            opforge.set_log_level("warning")
+        losses.append(loss.item())
+    return losses
+
+
+# ---- the ranks -------------------------------------------------------------------------------------------------------
+
+
+def _fsdp(name):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    opts = dict(FSDP_RUNS[name])
+    mp = opts.pop("mp", None)
+    if mp:
+        opts["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model()
+    for block in model.gpt.layers:
+        fully_shard(block, mesh=mesh, **opts)
+    fully_shard(model.mlp, mesh=mesh, **opts)
+    fully_shard(model, mesh=mesh, **opts)  # the root: embedding (tied to the head) and the final norm
+    for pname, p in model.named_parameters():  # really sharded: each rank holds half of dim 0 (rounded up)
+        assert isinstance(p, DTensor), pname
+        assert p.to_local().shape[0] <= (p.shape[0] + 1) // 2, (pname, p.to_local().shape, p.shape)
+    return model
+
+
+def _full_state(model):
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank, world, out_dir):
+    for amp in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.parallel.DistributedDataParallel(Net())
+        _net_train(net, [(x[rank::world], y[rank::world]) for x, y in _net_data()], amp)
+        torch.save(net.module.state_dict(), os.path.join(out_dir, f"net_amp{int(amp)}.rank{rank}.pt"))
+    batches = _batches()
+    for name in RUNS:
+        model = torch.nn.parallel.DistributedDataParallel(_model()) if name == "ddp" else _fsdp(name)
+        log = os.path.join(out_dir, f"{name}.rank{rank}.log") if name == LOGGED else None
+        losses = _train(model, batches, rank, log)
+        state = _full_state(model.module if name == "ddp" else model)
+        torch.save({"losses": losses, "state": state}, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """{run: [rank 0's result, rank 1's]}, each {"losses", "state", "log" (LOGGED only)}; and
+    {("net", amp): [rank 0's state_dict, rank 1's]}."""
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_worker, out, timeout=120)
+        results = {}
+        for name in RUNS:
+            results[name] = []
+            for r in range(2):
+                res = torch.load(os.path.join(out, f"{name}.rank{r}.pt"))
+                log = os.path.join(out, f"{name}.rank{r}.log")
+                if os.path.exists(log):
+                    with open(log) as f:
+                        res["log"] = f.read()
+                results[name].append(res)
+        for amp in (False, True):
+            results["net", amp] = [torch.load(os.path.join(out, f"net_amp{int(amp)}.rank{r}.pt")) for r in range(2)]
+    return results
+
+
+# ---- the single-process references -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single():
+    """Plain float32 training on the whole batch in one process."""
+    model = _model()
+    losses = _train(model, _batches())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def single_bf16():
+    """FSDP's mixed precision in one process: float32 master weights; per step, for each rank's half of the
+    batch, forward and backward on a bfloat16 copy of the parameters (inputs cast as FSDP casts them,
+    buffers left in float32); the two gradients upcast to float32 and averaged; the step on float32."""
+    master = _model()
+    opt, losses = _optimizer(master.parameters()), []
+    for batch in _batches():
+        grads, loss_sum = [torch.zeros_like(p) for p in master.parameters()], 0.0
+        for rank in range(2):
+            work = copy.deepcopy(master)
+            for p in work.parameters():
+                p.data = p.data.to(torch.bfloat16)
+            idx, targets, x, y = _inputs(batch, rank)
+            loss = work(idx, targets, x.bfloat16(), y.bfloat16())
+            loss.backward()
+            for g, p in zip(grads, work.parameters()):
+                g += p.grad.float()
+            loss_sum += loss.item()
+        for g, p in zip(grads, master.parameters()):
+            p.grad = g / 2
+        opt.step()
+        losses.append(loss_sum / 2)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in master.state_dict().items()}}
+
+
+def _close(got, want, rtol, atol, what):
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{what}, {k}: {m}")
+
+
+# ---- the tests -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_ddp_custom_op_net(ranks, amp):
+    (r0, r1), single = ranks["net", amp], _net_single(amp)
+    _close(r0, r1, 0, 0, "rank 0 vs rank 1")  # replicas stay identical
+    rtol, atol = (2e-2, 2e-2) if amp else (1e-5, 1e-6)
+    _close(r0, single, rtol, atol, f"amp={amp}: DDP vs one process")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_ranks_agree_exactly(ranks, name):
+    r0, r1 = ranks[name]
+    _close(r0["state"], r1["state"], 0, 0, f"{name}: rank 0 vs rank 1")
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_keep"])
+def test_matches_single_process(ranks, single, name):
+    r0, r1 = ranks[name]
+    _close(r0["state"], single["state"], 1e-4, 5e-5, f"{name} vs one process")
+    mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]  # each rank's loss is over its half
+    torch.testing.assert_close(mean, single["losses"], rtol=1e-5, atol=1e-6)
+    assert single["losses"][-1] < single["losses"][0]  # it trains
+
+
+def test_fsdp_bf16_matches_the_same_policy_in_one_process(ranks, single_bf16):
+    r0, r1 = ranks["fsdp_bf16"]
+    _close(r0["state"], single_bf16["state"], 1e-4, 5e-5, "fsdp_bf16 vs one process")
+    mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
+    torch.testing.assert_close(mean, single_bf16["losses"], rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp_bf16_stays_close_to_float32(ranks, single):
+    r0, r1 = ranks["fsdp_bf16"]
+    init = _model().state_dict()
+    for k, want in single["state"].items():
+        got = r0["state"][k]
+        assert got.dtype == torch.float32, k  # the master weights stay float32
+        cos = torch.nn.functional.cosine_similarity((got - init[k]).flatten(), (want - init[k]).flatten(), dim=0)
+        assert cos >= 0.98, f"{k}: the bfloat16 run's update and float32's have cosine {cos:.4f}"
+    mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
+    torch.testing.assert_close(mean, single["losses"], rtol=0, atol=5e-2)
+
+
+_LOG_LINE = re.compile(r"\[opforge info\] (opforge::\w+) (.*?) isa=")
+_TENSOR = re.compile(r"\w+\[[^\]]*\]")
+
+
+def test_fsdp_sharded_weights_reach_opforge_ops(ranks):
+    """Each rank's log of its first step under fully_shard: every fused op ran, forward and backward, on
+    the all-gathered (full-size) weights, not on a rank's shard."""
+    for rank, res in enumerate(ranks[LOGGED]):
+        calls = [(m.group(1), _TENSOR.findall(m.group(2))) for m in map(_LOG_LINE.match, res["log"].splitlines()) if m]
+        ops = {op for op, _ in calls}
+        want = {f"opforge::{op}{suffix}" for op in ("linear", "rms_norm", "add_rms_norm", "layer_norm", "rope",
+                                                    "attention", "glu", "linear_cross_entropy")
+                for suffix in ("", "_backward")}
+        assert want <= ops, f"rank {rank}: missing {sorted(want - ops)}"
+        lce = [args for op, args in calls if op == "opforge::linear_cross_entropy"]
+        # hidden (tokens of this rank's half batch, dim), the tied head (vocab, dim) in full
+        assert lce == [[f"float32[{BATCH // 2 * SEQ}, {CONFIG.dim}]", f"float32[{CONFIG.vocab_size}, {CONFIG.dim}]",
+                        f"int64[{BATCH // 2 * SEQ}]"]], lce
