@@ -40,13 +40,11 @@ def _entry(rank, world, port, out_dir, fn, args):
         # both ranks done before either tears gloo down: a rank that destroys the group (rank 0 also hosts the
         # store) while its peer is still talking to it has died with std::terminate on a loaded machine
         dist.barrier()
-    except BaseException:
+        dist.destroy_process_group()
+    except BaseException:  # no teardown: the peer may be blocked in a collective; exiting closes the sockets
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _stop(processes):

@@ -30,9 +30,11 @@ can move it by lr the other way.
 """
 
 import copy
+import multiprocessing
 import os
 import re
 import tempfile
+import time
 
 import pytest
 import torch
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 import opforge
 import opforge.nn as onn
-from dist_helpers import spawn
+from dist_helpers import COLLECTIVE_TIMEOUT_S, spawn
 from opforge.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -320,3 +322,58 @@ def test_fsdp_sharded_weights_reach_opforge_ops(ranks):
         # hidden (tokens of this rank's half batch, dim), the tied head (vocab, dim) in full
         assert lce == [[f"float32[{BATCH // 2 * SEQ}, {CONFIG.dim}]", f"float32[{CONFIG.vocab_size}, {CONFIG.dim}]",
                         f"int64[{BATCH // 2 * SEQ}]"]], lce
+
+
+# ---- compiled DDP (opt-in: ~100 s on a loaded 2-core machine, mostly inductor compiling on each rank) ------------
+
+
+def _compiled_ddp_worker(rank, world, out_dir):
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model, fullgraph=True))
+    losses = _train(ddp, _batches(), rank)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save({"losses": losses, "state": state}, os.path.join(out_dir, f"compiled.rank{rank}.pt"))
+
+
+@pytest.mark.skipif(not os.environ.get("OPFORGE_SLOW_TESTS"), reason="slow (~100 s): set OPFORGE_SLOW_TESTS=1")
+def test_ddp_of_the_compiled_model(single):
+    """DDP around torch.compile(fullgraph=True) of the model: no graph break in the opforge ops, gradients
+    all-reduced by DDP's hooks on the compiled backward. (Compiling the DDP wrapper itself with
+    fullgraph=True breaks in DDP's own Python, not in opforge.)"""
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_compiled_ddp_worker, out, timeout=400)
+        r0, r1 = (torch.load(os.path.join(out, f"compiled.rank{r}.pt")) for r in range(2))
+    _close(r0["state"], r1["state"], 0, 0, "compiled DDP: rank 0 vs rank 1")
+    _close(r0["state"], single["state"], 1e-4, 5e-5, "compiled DDP vs one process")
+    mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
+    torch.testing.assert_close(mean, single["losses"], rtol=1e-5, atol=1e-6)
+
+
+# ---- the harness: a failing or hanging rank fails the test in bounded time and leaves no process behind ----------
+
+
+def _one_rank_fails(rank, world, out_dir):
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+
+
+def _one_rank_hangs(rank, world, out_dir):
+    if rank == 0:
+        time.sleep(600)
+
+
+def test_spawn_reports_a_failing_rank_and_stops_its_peer():
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as out, pytest.raises(Exception, match="rank 1 fails on purpose"):
+        spawn(_one_rank_fails, out, timeout=120)
+    assert time.monotonic() - start < COLLECTIVE_TIMEOUT_S  # stopped, not timed out in the barrier
+    assert multiprocessing.active_children() == []
+
+
+def test_spawn_stops_hanging_ranks_at_the_timeout():
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as out, pytest.raises(TimeoutError, match="still running after 10s"):
+        spawn(_one_rank_hangs, out, timeout=10)
+    assert time.monotonic() - start < 30
+    assert multiprocessing.active_children() == []
