@@ -54,7 +54,7 @@ FSDP_RUNS = {  # name: fully_shard options
     "fsdp_bf16": dict(reshard_after_forward=True, mp=(torch.bfloat16, torch.float32)),
 }
 RUNS = ("ddp", *FSDP_RUNS)
-LOGGED = "fsdp"  # the run whose first step is recorded in opforge's log, per rank
+LOGGED = {"fsdp": "float32", "fsdp_bf16": "bfloat16"}  # runs whose first step opforge logs, per rank: dtype
 
 
 class Model(torch.nn.Module):
@@ -189,7 +189,7 @@ def _worker(rank, world, out_dir):
     batches = _batches()
     for name in RUNS:
         model = torch.nn.parallel.DistributedDataParallel(_model()) if name == "ddp" else _fsdp(name)
-        log = os.path.join(out_dir, f"{name}.rank{rank}.log") if name == LOGGED else None
+        log = os.path.join(out_dir, f"{name}.rank{rank}.log") if name in LOGGED else None
         losses = _train(model, batches, rank, log)
         state = _full_state(model.module if name == "ddp" else model)
         torch.save({"losses": losses, "state": state}, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
@@ -197,7 +197,7 @@ def _worker(rank, world, out_dir):
 
 @pytest.fixture(scope="module")
 def ranks():
-    """{run: [rank 0's result, rank 1's]}, each {"losses", "state", "log" (LOGGED only)}; and
+    """{run: [rank 0's result, rank 1's]}, each {"losses", "state", "log" (LOGGED runs only)}; and
     {("net", amp): [rank 0's state_dict, rank 1's]}."""
     with tempfile.TemporaryDirectory() as out:
         spawn(_worker, out, timeout=120)
@@ -279,6 +279,7 @@ def test_ranks_agree_exactly(ranks, name):
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_keep"])
 def test_matches_single_process(ranks, single, name):
     r0, r1 = ranks[name]
+    assert r0["losses"][0] != r1["losses"][0]  # each rank trained on its own half
     _close(r0["state"], single["state"], 1e-4, 5e-5, f"{name} vs one process")
     mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]  # each rank's loss is over its half
     torch.testing.assert_close(mean, single["losses"], rtol=1e-5, atol=1e-6)
@@ -308,19 +309,28 @@ _LOG_LINE = re.compile(r"\[opforge info\] (opforge::\w+) (.*?) isa=")
 _TENSOR = re.compile(r"\w+\[[^\]]*\]")
 
 
-def test_fsdp_sharded_weights_reach_opforge_ops(ranks):
-    """Each rank's log of its first step under fully_shard: every fused op ran, forward and backward, on
-    the all-gathered (full-size) weights, not on a rank's shard."""
-    for rank, res in enumerate(ranks[LOGGED]):
+@pytest.mark.parametrize("name", LOGGED)
+def test_fsdp_sharded_weights_reach_opforge_ops(ranks, name):
+    """Each rank's log of its first step under fully_shard: every fused op ran, forward and backward, in
+    the compute dtype, on the all-gathered (full-size) weights, not on a rank's shard."""
+    dt = LOGGED[name]
+    linears = sorted(f"{dt}[{o}, {i}]" for o, i in (m.weight.shape for m in _model().modules()
+                                                      if isinstance(m, onn.Linear)))
+    for rank, res in enumerate(ranks[name]):
         calls = [(m.group(1), _TENSOR.findall(m.group(2))) for m in map(_LOG_LINE.match, res["log"].splitlines()) if m]
         ops = {op for op, _ in calls}
         want = {f"opforge::{op}{suffix}" for op in ("linear", "rms_norm", "add_rms_norm", "layer_norm", "rope",
                                                     "attention", "glu", "linear_cross_entropy")
                 for suffix in ("", "_backward")}
         assert want <= ops, f"rank {rank}: missing {sorted(want - ops)}"
+        for op, args in calls:  # in the compute dtype throughout (but int64 targets)
+            assert all(a.startswith((f"{dt}[", "int64[")) for a in args), (rank, op, args)
+        # every linear's weight, forward (x, weight, out) and backward (g, x, weight), as the model holds it
+        assert sorted(args[1] for op, args in calls if op == "opforge::linear") == linears, rank
+        assert sorted(args[2] for op, args in calls if op == "opforge::linear_backward") == linears, rank
         lce = [args for op, args in calls if op == "opforge::linear_cross_entropy"]
         # hidden (tokens of this rank's half batch, dim), the tied head (vocab, dim) in full
-        assert lce == [[f"float32[{BATCH // 2 * SEQ}, {CONFIG.dim}]", f"float32[{CONFIG.vocab_size}, {CONFIG.dim}]",
+        assert lce == [[f"{dt}[{BATCH // 2 * SEQ}, {CONFIG.dim}]", f"{dt}[{CONFIG.vocab_size}, {CONFIG.dim}]",
                         f"int64[{BATCH // 2 * SEQ}]"]], lce
 
 
