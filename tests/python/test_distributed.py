@@ -50,13 +50,19 @@ from opforge.models import GPT, GPTConfig
 CONFIG = GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 BATCH, SEQ, FEATURES, HIDDEN, OUT = 4, 32, 16, 45, 7
 STEPS = 3
+DDP_RUNS = {  # name: DistributedDataParallel options
+    "ddp": {},
+    # from step 2 (DDP rebuilds its buckets after step 1), 11 small buckets all-reduced while the backward is
+    # still running opforge's kernels; .grad views of them
+    "ddp_buckets": dict(bucket_cap_mb=0.02, gradient_as_bucket_view=True),
+}
 FSDP_RUNS = {  # name: fully_shard options
     "fsdp": dict(reshard_after_forward=True),
     "fsdp_keep": dict(reshard_after_forward=False),
     "fsdp_bf16": dict(reshard_after_forward=True, mp=(torch.bfloat16, torch.float32)),
     "fsdp_dim1": dict(reshard_after_forward=True, dim1=True),  # matrices sharded on dim 1 (where it divides)
 }
-RUNS = ("ddp", *FSDP_RUNS)
+RUNS = (*DDP_RUNS, *FSDP_RUNS)
 LOGGED = {"fsdp": "float32", "fsdp_bf16": "bfloat16"}  # runs whose first step opforge logs, per rank: dtype
 
 
@@ -193,10 +199,11 @@ def _worker(rank, world, out_dir):
         torch.save(net.module.state_dict(), os.path.join(out_dir, f"net_amp{int(amp)}.rank{rank}.pt"))
     batches = _batches()
     for name in RUNS:
-        model = torch.nn.parallel.DistributedDataParallel(_model()) if name == "ddp" else _fsdp(name)
+        ddp = name in DDP_RUNS
+        model = torch.nn.parallel.DistributedDataParallel(_model(), **DDP_RUNS[name]) if ddp else _fsdp(name)
         log = os.path.join(out_dir, f"{name}.rank{rank}.log") if name in LOGGED else None
         losses = _train(model, batches, rank, log)
-        state = _full_state(model.module if name == "ddp" else model)
+        state = _full_state(model.module if ddp else model)
         torch.save({"losses": losses, "state": state}, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
 
 
@@ -281,7 +288,7 @@ def test_ranks_agree_exactly(ranks, name):
     _close(r0["state"], r1["state"], 0, 0, f"{name}: rank 0 vs rank 1")
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_keep", "fsdp_dim1"])
+@pytest.mark.parametrize("name", [*DDP_RUNS, "fsdp", "fsdp_keep", "fsdp_dim1"])
 def test_matches_single_process(ranks, single, name):
     r0, r1 = ranks[name]
     assert r0["losses"][0] != r1["losses"][0]  # each rank trained on its own half
