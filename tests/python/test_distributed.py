@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import opforge
 import opforge.nn as onn
-from dist_helpers import COLLECTIVE_TIMEOUT_S, spawn
+from dist_helpers import COLLECTIVE_TIMEOUT_S, free_port, spawn
 from opforge.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -344,6 +344,23 @@ def test_fsdp_sharded_weights_reach_opforge_ops(ranks, name):
         # hidden (tokens of this rank's half batch, dim), the tied head (vocab, dim) in full
         assert lce == [[f"{dt}[{BATCH // 2 * SEQ}, {CONFIG.dim}]", f"{dt}[{CONFIG.vocab_size}, {CONFIG.dim}]",
                         f"int64[{BATCH // 2 * SEQ}]"]], lce
+
+
+def test_dtensor_inputs_are_refused_clearly():
+    """Tensor parallelism is not supported: the ops have no DTensor sharding rules (FSDP2 is unaffected: it
+    hands each module all-gathered plain tensors). A DTensor reaching an op fails naming the op."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        x = distribute_tensor(torch.randn(4, 16), mesh, [Replicate()])
+        w = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
+        with pytest.raises(NotImplementedError, match="opforge.linear.default does not have a sharding strategy"):
+            opforge.functional.linear(x, w)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- compiled DDP (opt-in: ~100 s on a loaded 2-core machine, mostly inductor compiling on each rank) ------------
