@@ -5,14 +5,14 @@ compared with the same training in one process on the whole batch.
 The model is opforge's GPT (rms_norm / add_rms_norm, rope, attention, swiglu,
 linear_cross_entropy) with every projection an ``opforge.nn.Linear``, plus a
 small MLP of ``opforge.nn.Linear`` with a bias and a fused activation around
-an ``opforge.nn.LayerNorm`` (odd widths, so FSDP pads its shards). FSDP runs
-with reshard_after_forward on and off, with matrices sharded on dim 1, and
-under MixedPrecisionPolicy(bfloat16 parameters). A small
-net through ``dispersion_correction`` also trains under DDP with and without
-bfloat16 autocast (gradients all-reduced through a custom op's autograd
-formula, in autocast's dtype). One spawned run trains every configuration (starting a rank and importing torch
-costs seconds), writing each rank's final full parameters, its losses and
-opforge's log of one step; the tests below compare them.
+an ``opforge.nn.LayerNorm`` (odd widths, so FSDP pads its shards). DDP runs
+with default and with small buckets; FSDP with reshard_after_forward on and
+off, with matrices sharded on dim 1, and under MixedPrecisionPolicy(bfloat16
+parameters). A small net through ``dispersion_correction`` also trains under
+DDP with and without bfloat16 autocast. One spawned run trains every
+configuration (starting a rank and importing torch costs seconds), writing
+each rank's final full parameters, its losses and opforge's log of one step;
+the tests below compare them. Each rank runs one torch thread.
 
 Tolerances (float32, AdamW at lr 1e-2, 3 steps): the ranks average two
 half-batch gradients where one process takes the whole batch, so results
