@@ -7,8 +7,8 @@ linear_cross_entropy) with every projection an ``opforge.nn.Linear``, plus a
 small MLP of ``opforge.nn.Linear`` with a bias and a fused activation around
 an ``opforge.nn.LayerNorm`` (odd widths, so FSDP pads its shards). DDP runs
 with default and with small buckets; FSDP with reshard_after_forward on and
-off, with matrices sharded on dim 1, and under MixedPrecisionPolicy(bfloat16
-parameters). A small net through ``dispersion_correction`` also trains under
+off, with matrices sharded on dim 1, accumulating two micro-batches, and
+under MixedPrecisionPolicy(bfloat16 parameters). A small net through ``dispersion_correction`` also trains under
 DDP with and without bfloat16 autocast. One spawned run trains every
 configuration (starting a rank and importing torch costs seconds), writing
 each rank's final full parameters, its losses and opforge's log of one step;
@@ -61,6 +61,7 @@ FSDP_RUNS = {  # name: fully_shard options
     "fsdp_keep": dict(reshard_after_forward=False),
     "fsdp_bf16": dict(reshard_after_forward=True, mp=(torch.bfloat16, torch.float32)),
     "fsdp_dim1": dict(reshard_after_forward=True, dim1=True),  # matrices sharded on dim 1 (where it divides)
+    "fsdp_accum": dict(reshard_after_forward=True, accumulate=True),  # two micro-batches per step
 }
 RUNS = (*DDP_RUNS, *FSDP_RUNS)
 LOGGED = {"fsdp": "float32", "fsdp_bf16": "bfloat16"}  # runs whose first step opforge logs, per rank: dtype
@@ -141,21 +142,31 @@ def _inputs(batch, rank=None, world=2):
     return tokens[:, :-1], tokens[:, 1:], x, y
 
 
-def _train(model, batches, rank=None, log=None):
-    """STEPS optimizer steps; the losses. log: opforge's log of the first step goes there."""
+def _train(model, batches, rank=None, log=None, accumulate=False):
+    """STEPS optimizer steps; the losses. log: opforge's log of the first step goes there. accumulate: each
+    rank's half in two micro-batches of one sequence, gradients synchronised after the second only."""
     opt, losses = _optimizer(model.parameters()), []
     for step, batch in enumerate(batches):
         if log and step == 0:
             opforge.set_log_level("info")
             opforge.set_log_file(log)
         opt.zero_grad()
-        loss = model(*_inputs(batch, rank))
-        loss.backward()
+        if accumulate:
+            inputs, loss = _inputs(batch, rank), 0.0
+            for i in range(2):
+                model.set_requires_gradient_sync(i == 1)
+                micro = model(*(t[i : i + 1] for t in inputs)) / 2
+                micro.backward()
+                loss += micro.item()
+        else:
+            loss = model(*_inputs(batch, rank))
+            loss.backward()
+            loss = loss.item()
         opt.step()
         if log and step == 0:
             opforge.set_log_file(None)
             opforge.set_log_level("warning")
-        losses.append(loss.item())
+        losses.append(loss)
     return losses
 
 
@@ -168,6 +179,7 @@ def _fsdp(name):
     from torch.distributed.tensor import DTensor, Shard
 
     opts = dict(FSDP_RUNS[name])
+    opts.pop("accumulate", None)
     mp = opts.pop("mp", None)
     if mp:
         opts["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
@@ -202,7 +214,7 @@ def _worker(rank, world, out_dir):
         ddp = name in DDP_RUNS
         model = torch.nn.parallel.DistributedDataParallel(_model(), **DDP_RUNS[name]) if ddp else _fsdp(name)
         log = os.path.join(out_dir, f"{name}.rank{rank}.log") if name in LOGGED else None
-        losses = _train(model, batches, rank, log)
+        losses = _train(model, batches, rank, log, FSDP_RUNS.get(name, {}).get("accumulate", False))
         state = _full_state(model.module if ddp else model)
         torch.save({"losses": losses, "state": state}, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
 
@@ -288,7 +300,7 @@ def test_ranks_agree_exactly(ranks, name):
     _close(r0["state"], r1["state"], 0, 0, f"{name}: rank 0 vs rank 1")
 
 
-@pytest.mark.parametrize("name", [*DDP_RUNS, "fsdp", "fsdp_keep", "fsdp_dim1"])
+@pytest.mark.parametrize("name", [*DDP_RUNS, "fsdp", "fsdp_keep", "fsdp_dim1", "fsdp_accum"])
 def test_matches_single_process(ranks, single, name):
     r0, r1 = ranks[name]
     assert r0["losses"][0] != r1["losses"][0]  # each rank trained on its own half
