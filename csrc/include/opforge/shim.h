@@ -66,6 +66,7 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(size_t, aoti_torch_dtype_element_size, (int32_t dtype))                                                  \
     X(uint64_t, aoti_torch_abi_version, (void))                                                                \
     X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))                              \
+    X(AOTITorchError, aoti_torch_new_tensor_handle, (AtenTensorHandle orig_handle, AtenTensorHandle * new_handle)) \
     X(AOTITorchError, aoti_torch_get_data_ptr, (AtenTensorHandle tensor, void **ret_data_ptr))                 \
     X(AOTITorchError, aoti_torch_get_dim, (AtenTensorHandle tensor, int64_t * ret_dim))                        \
     X(AOTITorchError, aoti_torch_get_numel, (AtenTensorHandle tensor, int64_t * ret_numel))                    \
@@ -94,7 +95,10 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(int32_t, aoti_torch_dtype_float8_e8m0fnu, (void))                   \
     X(int32_t, aoti_torch_dtype_float4_e2m1fn_x2, (void))                 \
     X(int32_t, torch_tag_pt2_compliant_tag, (void))                       \
+    X(AOTITorchError, torch_new_stable_ivalue, (StableIValue * *ret_value)) \
     X(AOTITorchError, torch_delete_stable_ivalue, (StableIValue * value)) \
+    X(AOTITorchError, torch_library_set_python_module,                    \
+      (TorchLibraryHandle self, const char *pymodule, const char *context)) \
     X(AOTITorchError, torch_library_def_with_tags,                        \
       (TorchLibraryHandle self, const char *schema, const int32_t *tags, int32_t num_tags))
 
