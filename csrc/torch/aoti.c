@@ -44,7 +44,7 @@
 #define OPF_AOTI_FAILURE 1
 #define OPF_AOTI_MAX_ARGS 16
 
-int opf_init_once(char *err, size_t errlen);                      /* glue.c */
+int opf_init_once(char *err, size_t errlen);                   /* glue.c */
 const opf_op_desc *opforge_op_table(char *err, size_t errlen); /* ops.c */
 
 /* ---- arguments: the shim's C values as a boxed stack ------------------------- */
@@ -152,7 +152,7 @@ static void arg_optional_bool(shim_args *a, int32_t *v) {
 }
 
 /* The C type of a parameter picks how it is boxed: the parameter list is the only per-op fact. */
-#define OPF_AOTI_ARG(a, v)                                     \
+#define OPF_AOTI_ARG(a, v) \
     _Generic((v),                                              \
         AtenTensorHandle: arg_tensor,                          \
         AtenTensorHandle *: arg_optional_tensor,               \
@@ -222,21 +222,51 @@ static AOTITorchError shim_run(shim_site *site, shim_args *a, AtenTensorHandle *
 #define OPF_COUNT_(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, n, ...) n
 #define OPF_EACH(m, a, ...) OPF_CAT(OPF_EACH_, OPF_COUNT(__VA_ARGS__))(m, a, __VA_ARGS__)
 #define OPF_EACH_1(m, a, x) m(a, x);
-#define OPF_EACH_2(m, a, x, ...) m(a, x); OPF_EACH_1(m, a, __VA_ARGS__)
-#define OPF_EACH_3(m, a, x, ...) m(a, x); OPF_EACH_2(m, a, __VA_ARGS__)
-#define OPF_EACH_4(m, a, x, ...) m(a, x); OPF_EACH_3(m, a, __VA_ARGS__)
-#define OPF_EACH_5(m, a, x, ...) m(a, x); OPF_EACH_4(m, a, __VA_ARGS__)
-#define OPF_EACH_6(m, a, x, ...) m(a, x); OPF_EACH_5(m, a, __VA_ARGS__)
-#define OPF_EACH_7(m, a, x, ...) m(a, x); OPF_EACH_6(m, a, __VA_ARGS__)
-#define OPF_EACH_8(m, a, x, ...) m(a, x); OPF_EACH_7(m, a, __VA_ARGS__)
-#define OPF_EACH_9(m, a, x, ...) m(a, x); OPF_EACH_8(m, a, __VA_ARGS__)
-#define OPF_EACH_10(m, a, x, ...) m(a, x); OPF_EACH_9(m, a, __VA_ARGS__)
-#define OPF_EACH_11(m, a, x, ...) m(a, x); OPF_EACH_10(m, a, __VA_ARGS__)
-#define OPF_EACH_12(m, a, x, ...) m(a, x); OPF_EACH_11(m, a, __VA_ARGS__)
-#define OPF_EACH_13(m, a, x, ...) m(a, x); OPF_EACH_12(m, a, __VA_ARGS__)
-#define OPF_EACH_14(m, a, x, ...) m(a, x); OPF_EACH_13(m, a, __VA_ARGS__)
-#define OPF_EACH_15(m, a, x, ...) m(a, x); OPF_EACH_14(m, a, __VA_ARGS__)
-#define OPF_EACH_16(m, a, x, ...) m(a, x); OPF_EACH_15(m, a, __VA_ARGS__)
+#define OPF_EACH_2(m, a, x, ...) \
+    m(a, x);                     \
+    OPF_EACH_1(m, a, __VA_ARGS__)
+#define OPF_EACH_3(m, a, x, ...) \
+    m(a, x);                     \
+    OPF_EACH_2(m, a, __VA_ARGS__)
+#define OPF_EACH_4(m, a, x, ...) \
+    m(a, x);                     \
+    OPF_EACH_3(m, a, __VA_ARGS__)
+#define OPF_EACH_5(m, a, x, ...) \
+    m(a, x);                     \
+    OPF_EACH_4(m, a, __VA_ARGS__)
+#define OPF_EACH_6(m, a, x, ...) \
+    m(a, x);                     \
+    OPF_EACH_5(m, a, __VA_ARGS__)
+#define OPF_EACH_7(m, a, x, ...) \
+    m(a, x);                     \
+    OPF_EACH_6(m, a, __VA_ARGS__)
+#define OPF_EACH_8(m, a, x, ...) \
+    m(a, x);                     \
+    OPF_EACH_7(m, a, __VA_ARGS__)
+#define OPF_EACH_9(m, a, x, ...) \
+    m(a, x);                     \
+    OPF_EACH_8(m, a, __VA_ARGS__)
+#define OPF_EACH_10(m, a, x, ...) \
+    m(a, x);                      \
+    OPF_EACH_9(m, a, __VA_ARGS__)
+#define OPF_EACH_11(m, a, x, ...) \
+    m(a, x);                      \
+    OPF_EACH_10(m, a, __VA_ARGS__)
+#define OPF_EACH_12(m, a, x, ...) \
+    m(a, x);                      \
+    OPF_EACH_11(m, a, __VA_ARGS__)
+#define OPF_EACH_13(m, a, x, ...) \
+    m(a, x);                      \
+    OPF_EACH_12(m, a, __VA_ARGS__)
+#define OPF_EACH_14(m, a, x, ...) \
+    m(a, x);                      \
+    OPF_EACH_13(m, a, __VA_ARGS__)
+#define OPF_EACH_15(m, a, x, ...) \
+    m(a, x);                      \
+    OPF_EACH_14(m, a, __VA_ARGS__)
+#define OPF_EACH_16(m, a, x, ...) \
+    m(a, x);                      \
+    OPF_EACH_15(m, a, __VA_ARGS__)
 
 #define OPF_RETS_1 AtenTensorHandle *ret0
 #define OPF_RETS_2 OPF_RETS_1, AtenTensorHandle *ret1
@@ -252,102 +282,102 @@ static AOTITorchError shim_run(shim_site *site, shim_args *a, AtenTensorHandle *
 /* X(op, number of outputs, (C parameters as the schema's arguments map to them), parameter names...).
  * The parameters are written as aoti.py derives them from the schema; opforge_aoti_shim_at hands this
  * text to it, and it refuses an op whose text differs from what it derives (a test checks every op). */
-#define OPF_AOTI_OPS(X)                                                                                              \
-    X(dispersion_correction, 1, (AtenTensorHandle x, double alpha), x, alpha)                                        \
-    X(dispersion_correction_backward, 1, (AtenTensorHandle grad, AtenTensorHandle x, double alpha), grad, x, alpha)   \
-    X(matmul, 1, (AtenTensorHandle a, AtenTensorHandle b), a, b)                                                     \
-    X(matmul_backward, 2, (AtenTensorHandle grad, AtenTensorHandle a, AtenTensorHandle b), grad, a, b)               \
-    X(linear, 2,                                                                                                     \
+#define OPF_AOTI_OPS(X)                                                                                                \
+    X(dispersion_correction, 1, (AtenTensorHandle x, double alpha), x, alpha)                                          \
+    X(dispersion_correction_backward, 1, (AtenTensorHandle grad, AtenTensorHandle x, double alpha), grad, x, alpha)    \
+    X(matmul, 1, (AtenTensorHandle a, AtenTensorHandle b), a, b)                                                       \
+    X(matmul_backward, 2, (AtenTensorHandle grad, AtenTensorHandle a, AtenTensorHandle b), grad, a, b)                 \
+    X(linear, 2,                                                                                                       \
       (AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle * bias, int64_t activation, int32_t save_preact), \
-      x, weight, bias, activation, save_preact)                                                                      \
-    X(linear_backward, 3,                                                                                            \
-      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle * bias,                  \
-       AtenTensorHandle preact, int64_t activation),                                                                 \
-      grad, x, weight, bias, preact, activation)                                                                     \
-    X(linear_backward_, 3,                                                                                           \
-      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle * bias,                  \
-       AtenTensorHandle preact, int64_t activation),                                                                 \
-      grad, x, weight, bias, preact, activation)                                                                     \
-    X(attention, 2,                                                                                                  \
-      (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle * attn_mask, int32_t causal,     \
-       double *scale),                                                                                               \
-      q, k, v, attn_mask, causal, scale)                                                                             \
-    X(attention_backward, 3,                                                                                         \
-      (AtenTensorHandle grad, AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,                            \
-       AtenTensorHandle * attn_mask, AtenTensorHandle out, AtenTensorHandle lse, int32_t causal, double *scale),      \
-      grad, q, k, v, attn_mask, out, lse, causal, scale)                                                             \
-    X(rms_norm, 2, (AtenTensorHandle x, AtenTensorHandle * weight, double eps, int32_t offset), x, weight, eps,       \
-      offset)                                                                                                        \
-    X(rms_norm_backward, 2,                                                                                          \
-      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle rstd, double eps,      \
-       int32_t offset),                                                                                              \
-      grad, x, weight, rstd, eps, offset)                                                                            \
-    X(add_rms_norm, 3,                                                                                               \
-      (AtenTensorHandle x, AtenTensorHandle residual, AtenTensorHandle * weight, double eps, int32_t offset), x,     \
-      residual, weight, eps, offset)                                                                                 \
-    X(add_rms_norm_backward, 3,                                                                                      \
-      (AtenTensorHandle grad, AtenTensorHandle grad_sum, AtenTensorHandle sum, AtenTensorHandle * weight,            \
-       AtenTensorHandle rstd, double eps, int32_t offset),                                                           \
-      grad, grad_sum, sum, weight, rstd, eps, offset)                                                                \
-    X(layer_norm, 3, (AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle * bias, double eps), x,        \
-      weight, bias, eps)                                                                                             \
-    X(layer_norm_backward, 3,                                                                                        \
-      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle * bias,                \
-       AtenTensorHandle mean, AtenTensorHandle rstd, double eps),                                                    \
-      grad, x, weight, bias, mean, rstd, eps)                                                                        \
-    X(glu, 1, (AtenTensorHandle gate, AtenTensorHandle up, int64_t act), gate, up, act)                              \
-    X(glu_backward, 2, (AtenTensorHandle grad, AtenTensorHandle gate, AtenTensorHandle up, int64_t act), grad,       \
-      gate, up, act)                                                                                                 \
-    X(rope, 2,                                                                                                       \
-      (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle cos, AtenTensorHandle sin,                           \
-       AtenTensorHandle * position_ids, int32_t interleaved),                                                        \
-      q, k, cos, sin, position_ids, interleaved)                                                                     \
-    X(rope_backward, 2,                                                                                              \
-      (AtenTensorHandle grad_q, AtenTensorHandle grad_k, AtenTensorHandle cos, AtenTensorHandle sin,                 \
-       AtenTensorHandle * position_ids, int32_t interleaved),                                                        \
-      grad_q, grad_k, cos, sin, position_ids, interleaved)                                                           \
-    X(softmax, 1, (AtenTensorHandle x, int64_t dim), x, dim)                                                         \
-    X(log_softmax, 1, (AtenTensorHandle x, int64_t dim), x, dim)                                                     \
-    X(softmax_backward, 1, (AtenTensorHandle grad, AtenTensorHandle y, int64_t dim), grad, y, dim)                   \
-    X(log_softmax_backward, 1, (AtenTensorHandle grad, AtenTensorHandle y, int64_t dim), grad, y, dim)               \
-    X(cross_entropy, 3,                                                                                              \
-      (AtenTensorHandle logits, AtenTensorHandle target, AtenTensorHandle * weight, int64_t ignore_index,            \
-       double label_smoothing, int64_t reduction, double *softcap),                                                  \
-      logits, target, weight, ignore_index, label_smoothing, reduction, softcap)                                     \
-    X(cross_entropy_backward, 1,                                                                                     \
-      (AtenTensorHandle grad_losses, AtenTensorHandle grad_loss, AtenTensorHandle logits, AtenTensorHandle target,   \
-       AtenTensorHandle * weight, AtenTensorHandle lse, int64_t ignore_index, double label_smoothing,                \
-       int64_t reduction, double *softcap),                                                                          \
-      grad_losses, grad_loss, logits, target, weight, lse, ignore_index, label_smoothing, reduction, softcap)        \
-    X(linear_cross_entropy, 5,                                                                                       \
-      (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle * bias,           \
-       int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap, int32_t compute_grad),      \
-      hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, compute_grad)                 \
-    X(linear_cross_entropy_backward, 3,                                                                              \
-      (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,             \
-       AtenTensorHandle * bias, AtenTensorHandle lse, AtenTensorHandle dhidden, AtenTensorHandle dweight,            \
-       AtenTensorHandle dbias, int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap),    \
-      grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias, ignore_index, label_smoothing, reduction,    \
-      softcap)                                                                                                       \
-    X(linear_cross_entropy_none, 2,                                                                                  \
-      (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle * bias,           \
-       int64_t ignore_index, double label_smoothing, double *softcap),                                               \
-      hidden, weight, target, bias, ignore_index, label_smoothing, softcap)                                          \
-    X(linear_cross_entropy_none_backward, 3,                                                                         \
-      (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,             \
-       AtenTensorHandle * bias, AtenTensorHandle lse, int64_t ignore_index, double label_smoothing, double *softcap), \
+      x, weight, bias, activation, save_preact)                                                                        \
+    X(linear_backward, 3,                                                                                              \
+      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle * bias,                    \
+       AtenTensorHandle preact, int64_t activation),                                                                   \
+      grad, x, weight, bias, preact, activation)                                                                       \
+    X(linear_backward_, 3,                                                                                             \
+      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle * bias,                    \
+       AtenTensorHandle preact, int64_t activation),                                                                   \
+      grad, x, weight, bias, preact, activation)                                                                       \
+    X(attention, 2,                                                                                                    \
+      (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle * attn_mask, int32_t causal,       \
+       double *scale),                                                                                                 \
+      q, k, v, attn_mask, causal, scale)                                                                               \
+    X(attention_backward, 3,                                                                                           \
+      (AtenTensorHandle grad, AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,                              \
+       AtenTensorHandle * attn_mask, AtenTensorHandle out, AtenTensorHandle lse, int32_t causal, double *scale),       \
+      grad, q, k, v, attn_mask, out, lse, causal, scale)                                                               \
+    X(rms_norm, 2, (AtenTensorHandle x, AtenTensorHandle * weight, double eps, int32_t offset), x, weight, eps,        \
+      offset)                                                                                                          \
+    X(rms_norm_backward, 2,                                                                                            \
+      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle rstd, double eps,        \
+       int32_t offset),                                                                                                \
+      grad, x, weight, rstd, eps, offset)                                                                              \
+    X(add_rms_norm, 3,                                                                                                 \
+      (AtenTensorHandle x, AtenTensorHandle residual, AtenTensorHandle * weight, double eps, int32_t offset), x,       \
+      residual, weight, eps, offset)                                                                                   \
+    X(add_rms_norm_backward, 3,                                                                                        \
+      (AtenTensorHandle grad, AtenTensorHandle grad_sum, AtenTensorHandle sum, AtenTensorHandle * weight,              \
+       AtenTensorHandle rstd, double eps, int32_t offset),                                                             \
+      grad, grad_sum, sum, weight, rstd, eps, offset)                                                                  \
+    X(layer_norm, 3, (AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle * bias, double eps), x, weight,  \
+      bias, eps)                                                                                                       \
+    X(layer_norm_backward, 3,                                                                                          \
+      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle * bias,                  \
+       AtenTensorHandle mean, AtenTensorHandle rstd, double eps),                                                      \
+      grad, x, weight, bias, mean, rstd, eps)                                                                          \
+    X(glu, 1, (AtenTensorHandle gate, AtenTensorHandle up, int64_t act), gate, up, act)                                \
+    X(glu_backward, 2, (AtenTensorHandle grad, AtenTensorHandle gate, AtenTensorHandle up, int64_t act), grad, gate,   \
+      up, act)                                                                                                         \
+    X(rope, 2,                                                                                                         \
+      (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle cos, AtenTensorHandle sin,                             \
+       AtenTensorHandle * position_ids, int32_t interleaved),                                                          \
+      q, k, cos, sin, position_ids, interleaved)                                                                       \
+    X(rope_backward, 2,                                                                                                \
+      (AtenTensorHandle grad_q, AtenTensorHandle grad_k, AtenTensorHandle cos, AtenTensorHandle sin,                   \
+       AtenTensorHandle * position_ids, int32_t interleaved),                                                          \
+      grad_q, grad_k, cos, sin, position_ids, interleaved)                                                             \
+    X(softmax, 1, (AtenTensorHandle x, int64_t dim), x, dim)                                                           \
+    X(log_softmax, 1, (AtenTensorHandle x, int64_t dim), x, dim)                                                       \
+    X(softmax_backward, 1, (AtenTensorHandle grad, AtenTensorHandle y, int64_t dim), grad, y, dim)                     \
+    X(log_softmax_backward, 1, (AtenTensorHandle grad, AtenTensorHandle y, int64_t dim), grad, y, dim)                 \
+    X(cross_entropy, 3,                                                                                                \
+      (AtenTensorHandle logits, AtenTensorHandle target, AtenTensorHandle * weight, int64_t ignore_index,              \
+       double label_smoothing, int64_t reduction, double *softcap),                                                    \
+      logits, target, weight, ignore_index, label_smoothing, reduction, softcap)                                       \
+    X(cross_entropy_backward, 1,                                                                                       \
+      (AtenTensorHandle grad_losses, AtenTensorHandle grad_loss, AtenTensorHandle logits, AtenTensorHandle target,     \
+       AtenTensorHandle * weight, AtenTensorHandle lse, int64_t ignore_index, double label_smoothing,                  \
+       int64_t reduction, double *softcap),                                                                            \
+      grad_losses, grad_loss, logits, target, weight, lse, ignore_index, label_smoothing, reduction, softcap)          \
+    X(linear_cross_entropy, 5,                                                                                         \
+      (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle * bias,             \
+       int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap, int32_t compute_grad),        \
+      hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, compute_grad)                   \
+    X(linear_cross_entropy_backward, 3,                                                                                \
+      (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,               \
+       AtenTensorHandle * bias, AtenTensorHandle lse, AtenTensorHandle dhidden, AtenTensorHandle dweight,              \
+       AtenTensorHandle dbias, int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap),      \
+      grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias, ignore_index, label_smoothing, reduction,      \
+      softcap)                                                                                                         \
+    X(linear_cross_entropy_none, 2,                                                                                    \
+      (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle * bias,             \
+       int64_t ignore_index, double label_smoothing, double *softcap),                                                 \
+      hidden, weight, target, bias, ignore_index, label_smoothing, softcap)                                            \
+    X(linear_cross_entropy_none_backward, 3,                                                                           \
+      (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,               \
+       AtenTensorHandle * bias, AtenTensorHandle lse, int64_t ignore_index, double label_smoothing, double *softcap),  \
       grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, softcap)
 
 /* The locals end in '_' so that no schema argument name (a, grad, ...) shadows them. */
-#define OPF_AOTI_DEFINE(op, nout, params, ...)                                                                   \
-    OPF_EXPORT AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params, OPF_RETS_##nout)                             \
-        __asm__(OPF_NAMESPACE "_aoti_cpu_" #op);                                                                 \
-    AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params, OPF_RETS_##nout) {                                      \
-        static shim_site site_ = {#op, NULL};                                                                    \
-        shim_args args_ = {.n = 0};                                                                              \
-        AtenTensorHandle *rets_[] = {OPF_RET_PTRS_##nout};                                                       \
-        OPF_EACH(OPF_AOTI_ARG, &args_, __VA_ARGS__)                                                              \
-        return shim_run(&site_, &args_, rets_, nout);                                                            \
+#define OPF_AOTI_DEFINE(op, nout, params, ...)                                                            \
+    OPF_EXPORT AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params,                                       \
+                                                OPF_RETS_##nout) __asm__(OPF_NAMESPACE "_aoti_cpu_" #op); \
+    AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params, OPF_RETS_##nout) {                               \
+        static shim_site site_ = {#op, NULL};                                                             \
+        shim_args args_ = {.n = 0};                                                                       \
+        AtenTensorHandle *rets_[] = {OPF_RET_PTRS_##nout};                                                \
+        OPF_EACH(OPF_AOTI_ARG, &args_, __VA_ARGS__)                                                       \
+        return shim_run(&site_, &args_, rets_, nout);                                                     \
     }
 OPF_AOTI_OPS(OPF_AOTI_DEFINE)
 

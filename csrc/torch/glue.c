@@ -355,9 +355,7 @@ static int nlibs;
 
 /* The Python module that registers the fake and autograd kernels of a
  * namespace, set by opforge_set_python_module before opforge_register. */
-static struct {
-    char ns[128], module[128], context[512];
-} pymodule;
+static struct { char ns[128], module[128], context[512]; } pymodule;
 
 static int keep_lib(TorchLibraryHandle h, char *err, size_t errlen) {
     if (nlibs == OPF_MAX_LIBS) {
