@@ -9,7 +9,7 @@ once with a dynamic row count and compiled twice (one compile per variant,
 about a minute each on a 2-core machine), so every row size runs the same two
 packages. Per-call time = model time / CHAIN.
 
-    python benchmarks/bench_aoti.py [--smoke] [--out DIR]
+    python benchmarks/bench_aoti.py [--smoke] [--threads N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (on a loaded machine, 1 keeps the large rows out of thread stalls)")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     hidden, rows_list = (64, [1, 8]) if a.smoke else (1024, [1, 16, 256, 4096])
     reps, target = (3, 0.01) if a.smoke else (9, 0.2)
     torch.manual_seed(0)
