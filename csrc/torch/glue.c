@@ -3,6 +3,7 @@
  * errors, output allocation, per-call logging, op registration on torch's
  * stable C ABI, and the parallel backend over torch's intra-op pool.
  */
+#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -320,6 +321,8 @@ static const opf_parallel_backend torch_backend = {torch_backend_for, torch_back
 
 /* ---- exported to the Python layer (ctypes) ----------------------------------- */
 
+static int initialized; /* opforge_init succeeded (atomic access) */
+
 OPF_EXPORT int opforge_init(char *err, size_t errlen) {
     uint64_t v = aoti_torch_abi_version();
     if (v < OPF_TORCH_MIN_VERSION) {
@@ -329,12 +332,30 @@ OPF_EXPORT int opforge_init(char *err, size_t errlen) {
     }
     if (ndtypes == 0) dtypes_init();
     opf_parallel_set_backend(&torch_backend);
-    return opf_runtime_init(err, errlen);
+    int rc = opf_runtime_init(err, errlen);
+    if (rc == 0) __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
+    return rc;
+}
+
+/* opforge_init for entry points reached without the Python layer, which
+ * calls it at import (the AOTInductor shims, csrc/torch/aoti.c): once per
+ * process, so that an ISA chosen with opforge.set_isa() stays chosen. */
+int opf_init_once(char *err, size_t errlen) {
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    if (__atomic_load_n(&initialized, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&lock);
+    int rc = __atomic_load_n(&initialized, __ATOMIC_ACQUIRE) ? 0 : opforge_init(err, errlen);
+    pthread_mutex_unlock(&lock);
+    return rc;
 }
 
 #define OPF_MAX_LIBS 64
 static TorchLibraryHandle libs[OPF_MAX_LIBS]; /* kept for the process: deleting undoes registrations */
 static int nlibs;
+
+/* The Python module that registers the fake and autograd kernels of a
+ * namespace, set by opforge_set_python_module before opforge_register. */
+static struct { char ns[128], module[128], context[512]; } pymodule;
 
 static int keep_lib(TorchLibraryHandle h, char *err, size_t errlen) {
     if (nlibs == OPF_MAX_LIBS) {
@@ -405,6 +426,12 @@ OPF_EXPORT int opforge_register(const char *ns, const opf_op_desc *ops, char *er
         return -1;
     }
     if (keep_lib(def, err, errlen)) return -1;
+    /* before the defs: torch attaches the module to each op as it is defined */
+    if (torch_library_set_python_module && pymodule.module[0] && strcmp(pymodule.ns, ns) == 0 &&
+        torch_library_set_python_module(def, pymodule.module, pymodule.context) != OPF_AOTI_SUCCESS) {
+        snprintf(err, errlen, "could not point namespace '%s' at the Python module '%s'", ns, pymodule.module);
+        return -1;
+    }
     for (const opf_op_desc *op = ops; op->schema; op++) {
         AOTITorchError rc;
         if (torch_library_def_with_tags && torch_tag_pt2_compliant_tag) {
@@ -420,6 +447,26 @@ OPF_EXPORT int opforge_register(const char *ns, const opf_op_desc *ops, char *er
     }
     if (register_impls(ns, "CPU", ops, offsetof(opf_op_desc, cpu), err, errlen)) return -1;
     return register_impls(ns, "CUDA", ops, offsetof(opf_op_desc, cuda), err, errlen);
+}
+
+/* Names the Python module that registers the fake and autograd kernels of
+ * namespace ns, for the next opforge_register of ns (torch's
+ * m.set_python_module, which applies to the ops defined after it): torch then
+ * checks that the fake kernels come from there, and a message about a missing
+ * fake kernel names the module to import. torch >= 2.13; returns 1 where this
+ * torch lacks it (nothing to do), 0 when noted, -1 with a message in err. */
+OPF_EXPORT int opforge_set_python_module(const char *ns, const char *module, const char *context, char *err,
+                                         size_t errlen) {
+    if (!torch_library_set_python_module) return 1;
+    if (strlen(ns) >= sizeof pymodule.ns || strlen(module) >= sizeof pymodule.module) {
+        snprintf(err, errlen, "namespace '%s' or module '%s' is too long (max %zu characters)", ns, module,
+                 sizeof pymodule.ns - 1);
+        return -1;
+    }
+    snprintf(pymodule.ns, sizeof pymodule.ns, "%s", ns);
+    snprintf(pymodule.module, sizeof pymodule.module, "%s", module);
+    snprintf(pymodule.context, sizeof pymodule.context, "%s", context);
+    return 0;
 }
 
 /* Where opforge's own ops register: a build parameter, read by the Python layer at load. */

@@ -8,6 +8,7 @@
 from ._runtime import (cpu_features, get_isa, isa_best, kernel_variants, library, namespace, ops, set_isa, set_log_file,
                        set_log_level, supported_isas)
 from . import functional, nn
+from .aoti import aoti_config
 from .build import BuildError, load, load_library
 from .functional import (add_rms_norm, cross_entropy, dispersion_correction, geglu, layer_norm, linear,
                          linear_cross_entropy, log_softmax, matmul, rms_norm, rope, scaled_dot_product_attention,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "add_rms_norm",
+    "aoti_config",
     "BuildError",
     "cpu_features",
     "cross_entropy",

@@ -124,6 +124,8 @@ class OpLibrary:
         registrar = runtime or self
         if runtime is None:
             self._call("opforge_init")
+        if runtime is None:
+            self._point_torch_here()
         registrar._call("opforge_register", namespace.encode(), table)
         backward_ops = {name for d in self.ops if d.backward for name in (d.backward, d.backward + "_")}
         for desc in self.ops:
@@ -138,6 +140,18 @@ class OpLibrary:
     def __getattr__(self, name: str):
         """Only reached for names that are not ops (every op is an attribute, set at load)."""
         raise AttributeError(f"op library '{self.__dict__.get('namespace')}' has no op '{name}'")
+
+    def _point_torch_here(self) -> None:
+        """Names this module to torch as the one that registers the fake and autograd kernels of the
+        ops about to be registered (torch_library_set_python_module, torch >= 2.13): torch checks
+        that they come from here, and its message about a missing fake kernel says what to import.
+        A no-op on older torch."""
+        err = ctypes.create_string_buffer(_ERRLEN)
+        context = f"opforge's op library {self.path}".encode()
+        rc = self.dll.opforge_set_python_module(self.namespace.encode(), __name__.encode(), context, err,
+                                                ctypes.c_size_t(_ERRLEN))
+        if rc < 0:
+            raise RuntimeError(f"opforge: {err.value.decode()}")
 
     def _call(self, fn: str, *args) -> None:
         err = ctypes.create_string_buffer(_ERRLEN)

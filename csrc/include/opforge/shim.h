@@ -39,63 +39,67 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
 #define OPF_TORCH_BUILD_VERSION OPF_TORCH_VERSION(2, 13)
 
 /* X(return type, name, parameter list) */
-#define OPF_SHIM_FUNCTIONS(X)                                                                                  \
-    X(int32_t, aoti_torch_device_type_cpu, (void))                                                             \
-    X(int32_t, aoti_torch_device_type_cuda, (void))                                                            \
-    X(int32_t, aoti_torch_device_type_meta, (void))                                                            \
-    X(int32_t, aoti_torch_dtype_bfloat16, (void))                                                              \
-    X(int32_t, aoti_torch_dtype_float16, (void))                                                               \
-    X(int32_t, aoti_torch_dtype_float32, (void))                                                               \
-    X(int32_t, aoti_torch_dtype_float64, (void))                                                               \
-    X(int32_t, aoti_torch_dtype_uint8, (void))                                                                 \
-    X(int32_t, aoti_torch_dtype_int8, (void))                                                                  \
-    X(int32_t, aoti_torch_dtype_int16, (void))                                                                 \
-    X(int32_t, aoti_torch_dtype_int32, (void))                                                                 \
-    X(int32_t, aoti_torch_dtype_int64, (void))                                                                 \
-    X(int32_t, aoti_torch_dtype_bool, (void))                                                                  \
-    X(int32_t, aoti_torch_dtype_complex64, (void))                                                             \
-    X(int32_t, aoti_torch_dtype_complex128, (void))                                                            \
-    X(int32_t, aoti_torch_dtype_complex32, (void))                                                             \
-    X(int32_t, aoti_torch_dtype_uint16, (void))                                                                \
-    X(int32_t, aoti_torch_dtype_uint32, (void))                                                                \
-    X(int32_t, aoti_torch_dtype_uint64, (void))                                                                \
-    X(int32_t, aoti_torch_dtype_float8_e5m2, (void))                                                           \
-    X(int32_t, aoti_torch_dtype_float8_e4m3fn, (void))                                                         \
-    X(int32_t, aoti_torch_dtype_float8_e5m2fnuz, (void))                                                       \
-    X(int32_t, aoti_torch_dtype_float8_e4m3fnuz, (void))                                                       \
-    X(size_t, aoti_torch_dtype_element_size, (int32_t dtype))                                                  \
-    X(uint64_t, aoti_torch_abi_version, (void))                                                                \
-    X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))                              \
-    X(AOTITorchError, aoti_torch_get_data_ptr, (AtenTensorHandle tensor, void **ret_data_ptr))                 \
-    X(AOTITorchError, aoti_torch_get_dim, (AtenTensorHandle tensor, int64_t * ret_dim))                        \
-    X(AOTITorchError, aoti_torch_get_numel, (AtenTensorHandle tensor, int64_t * ret_numel))                    \
-    X(AOTITorchError, aoti_torch_get_sizes, (AtenTensorHandle tensor, int64_t * *ret_sizes))                   \
-    X(AOTITorchError, aoti_torch_get_strides, (AtenTensorHandle tensor, int64_t * *ret_strides))               \
-    X(AOTITorchError, aoti_torch_get_dtype, (AtenTensorHandle tensor, int32_t * ret_dtype))                    \
-    X(AOTITorchError, aoti_torch_get_device_type, (AtenTensorHandle tensor, int32_t * ret_device_type))        \
-    X(AOTITorchError, aoti_torch_get_device_index, (AtenTensorHandle tensor, int32_t * ret_device_index))      \
-    X(AOTITorchError, aoti_torch_empty_strided,                                                                \
-      (int64_t ndim, const int64_t *sizes_ptr, const int64_t *strides_ptr, int32_t dtype, int32_t device_type, \
-       int32_t device_index, AtenTensorHandle *ret_new_tensor))                                                \
-    X(AOTITorchError, aoti_torch_library_init_def,                                                             \
-      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret_new_torch_lib))                \
-    X(AOTITorchError, aoti_torch_library_init_impl,                                                            \
-      (const char *ns, const char *k, const char *file, uint32_t line, TorchLibraryHandle *ret_new_torch_lib)) \
-    X(AOTITorchError, aoti_torch_library_def, (TorchLibraryHandle self, const char *schema))                   \
-    X(AOTITorchError, torch_library_impl,                                                                      \
-      (TorchLibraryHandle self, const char *name, OpfBoxedKernel fn, uint64_t extension_build_version))        \
-    X(AOTITorchError, torch_parallel_for,                                                                      \
-      (int64_t begin, int64_t end, int64_t grain_size, ParallelFunc func, void *ctx))                          \
-    X(AOTITorchError, torch_get_num_threads, (uint32_t * out_num_threads))                                     \
+#define OPF_SHIM_FUNCTIONS(X)                                                                                      \
+    X(int32_t, aoti_torch_device_type_cpu, (void))                                                                 \
+    X(int32_t, aoti_torch_device_type_cuda, (void))                                                                \
+    X(int32_t, aoti_torch_device_type_meta, (void))                                                                \
+    X(int32_t, aoti_torch_dtype_bfloat16, (void))                                                                  \
+    X(int32_t, aoti_torch_dtype_float16, (void))                                                                   \
+    X(int32_t, aoti_torch_dtype_float32, (void))                                                                   \
+    X(int32_t, aoti_torch_dtype_float64, (void))                                                                   \
+    X(int32_t, aoti_torch_dtype_uint8, (void))                                                                     \
+    X(int32_t, aoti_torch_dtype_int8, (void))                                                                      \
+    X(int32_t, aoti_torch_dtype_int16, (void))                                                                     \
+    X(int32_t, aoti_torch_dtype_int32, (void))                                                                     \
+    X(int32_t, aoti_torch_dtype_int64, (void))                                                                     \
+    X(int32_t, aoti_torch_dtype_bool, (void))                                                                      \
+    X(int32_t, aoti_torch_dtype_complex64, (void))                                                                 \
+    X(int32_t, aoti_torch_dtype_complex128, (void))                                                                \
+    X(int32_t, aoti_torch_dtype_complex32, (void))                                                                 \
+    X(int32_t, aoti_torch_dtype_uint16, (void))                                                                    \
+    X(int32_t, aoti_torch_dtype_uint32, (void))                                                                    \
+    X(int32_t, aoti_torch_dtype_uint64, (void))                                                                    \
+    X(int32_t, aoti_torch_dtype_float8_e5m2, (void))                                                               \
+    X(int32_t, aoti_torch_dtype_float8_e4m3fn, (void))                                                             \
+    X(int32_t, aoti_torch_dtype_float8_e5m2fnuz, (void))                                                           \
+    X(int32_t, aoti_torch_dtype_float8_e4m3fnuz, (void))                                                           \
+    X(size_t, aoti_torch_dtype_element_size, (int32_t dtype))                                                      \
+    X(uint64_t, aoti_torch_abi_version, (void))                                                                    \
+    X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))                                  \
+    X(AOTITorchError, aoti_torch_new_tensor_handle, (AtenTensorHandle orig_handle, AtenTensorHandle * new_handle)) \
+    X(AOTITorchError, aoti_torch_get_data_ptr, (AtenTensorHandle tensor, void **ret_data_ptr))                     \
+    X(AOTITorchError, aoti_torch_get_dim, (AtenTensorHandle tensor, int64_t * ret_dim))                            \
+    X(AOTITorchError, aoti_torch_get_numel, (AtenTensorHandle tensor, int64_t * ret_numel))                        \
+    X(AOTITorchError, aoti_torch_get_sizes, (AtenTensorHandle tensor, int64_t * *ret_sizes))                       \
+    X(AOTITorchError, aoti_torch_get_strides, (AtenTensorHandle tensor, int64_t * *ret_strides))                   \
+    X(AOTITorchError, aoti_torch_get_dtype, (AtenTensorHandle tensor, int32_t * ret_dtype))                        \
+    X(AOTITorchError, aoti_torch_get_device_type, (AtenTensorHandle tensor, int32_t * ret_device_type))            \
+    X(AOTITorchError, aoti_torch_get_device_index, (AtenTensorHandle tensor, int32_t * ret_device_index))          \
+    X(AOTITorchError, aoti_torch_empty_strided,                                                                    \
+      (int64_t ndim, const int64_t *sizes_ptr, const int64_t *strides_ptr, int32_t dtype, int32_t device_type,     \
+       int32_t device_index, AtenTensorHandle *ret_new_tensor))                                                    \
+    X(AOTITorchError, aoti_torch_library_init_def,                                                                 \
+      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret_new_torch_lib))                    \
+    X(AOTITorchError, aoti_torch_library_init_impl,                                                                \
+      (const char *ns, const char *k, const char *file, uint32_t line, TorchLibraryHandle *ret_new_torch_lib))     \
+    X(AOTITorchError, aoti_torch_library_def, (TorchLibraryHandle self, const char *schema))                       \
+    X(AOTITorchError, torch_library_impl,                                                                          \
+      (TorchLibraryHandle self, const char *name, OpfBoxedKernel fn, uint64_t extension_build_version))            \
+    X(AOTITorchError, torch_parallel_for,                                                                          \
+      (int64_t begin, int64_t end, int64_t grain_size, ParallelFunc func, void *ctx))                              \
+    X(AOTITorchError, torch_get_num_threads, (uint32_t * out_num_threads))                                         \
     X(void, aoti_torch_check, (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
 /* Present from torch 2.12 / 2.13 only: declared weak so that older releases still load. */
-#define OPF_SHIM_WEAK_FUNCTIONS(X)                                        \
-    X(int32_t, aoti_torch_dtype_float8_e8m0fnu, (void))                   \
-    X(int32_t, aoti_torch_dtype_float4_e2m1fn_x2, (void))                 \
-    X(int32_t, torch_tag_pt2_compliant_tag, (void))                       \
-    X(AOTITorchError, torch_delete_stable_ivalue, (StableIValue * value)) \
-    X(AOTITorchError, torch_library_def_with_tags,                        \
+#define OPF_SHIM_WEAK_FUNCTIONS(X)                                          \
+    X(int32_t, aoti_torch_dtype_float8_e8m0fnu, (void))                     \
+    X(int32_t, aoti_torch_dtype_float4_e2m1fn_x2, (void))                   \
+    X(int32_t, torch_tag_pt2_compliant_tag, (void))                         \
+    X(AOTITorchError, torch_new_stable_ivalue, (StableIValue * *ret_value)) \
+    X(AOTITorchError, torch_delete_stable_ivalue, (StableIValue * value))   \
+    X(AOTITorchError, torch_library_set_python_module,                      \
+      (TorchLibraryHandle self, const char *pymodule, const char *context)) \
+    X(AOTITorchError, torch_library_def_with_tags,                          \
       (TorchLibraryHandle self, const char *schema, const int32_t *tags, int32_t num_tags))
 
 #define OPF_SHIM_DECLARE(ret, name, params) ret name params;
