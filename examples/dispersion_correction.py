@@ -37,9 +37,10 @@ def main():
     print("2. backward")
     print(f"   max |dx - autograd dx| / max |dx|: {((x.grad - xr.grad).abs().max() / xr.grad.abs().max()).item():.3e}")
 
-    # 3. mixed precision: under autocast the op runs in bfloat16 (fp32 math inside)
+    # 3. mixed precision: under autocast the op follows its input, as eager x * alpha + sqrt(x) does: a
+    #    bfloat16 tensor (a lowered matmul's output) runs in bfloat16 (fp32 math inside)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y16 = opforge.dispersion_correction(input_tensor, alpha)
+        y16 = opforge.dispersion_correction(input_tensor.bfloat16(), alpha)
     err16 = (y16.double() - pytorch_reference(input_tensor.double(), alpha)).abs().max().item()
     print("3. torch.autocast('cpu', dtype=torch.bfloat16)")
     print(f"   output dtype {y16.dtype}, max error against float64: {err16:.3e} (input and output rounded to bfloat16)")

@@ -184,7 +184,7 @@ def bench(args) -> int:
 
 
 AUTOCAST_NAMES = {0: "none (runs in its inputs' dtype)", 1: "lower (runs in the autocast dtype)",
-                  2: "fp32 (inputs cast to float32)"}
+                  2: "fp32 (inputs cast to float32)", 3: "promote (inputs cast to the widest of their dtypes)"}
 
 
 def _library_info(paths: list[str], ns: str | None) -> int:

@@ -76,7 +76,7 @@ const opf_op_desc opf_dispersion_correction_ops[] = {
         .backward = "dispersion_correction_backward",
         .backward_args = "grad0,x,alpha",
         .backward_grads = "x",
-        .autocast = OPF_AUTOCAST_LOWER,
+        .autocast = OPF_AUTOCAST_PROMOTE, /* as eager x * alpha + sqrt(x) under autocast: the widest input */
         .flops = "3*numel(x)",
         .meta = 1,
     },

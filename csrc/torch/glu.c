@@ -98,7 +98,7 @@ const opf_op_desc opf_glu_ops[] = {
         .backward = "glu_backward",
         .backward_args = "grad0,gate,up,act",
         .backward_grads = "gate,up",
-        .autocast = OPF_AUTOCAST_LOWER,
+        .autocast = OPF_AUTOCAST_PROMOTE, /* as eager silu(gate) * up under autocast */
         .flops = "6*numel(gate)",
         .meta = 1,
     },

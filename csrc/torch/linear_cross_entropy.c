@@ -270,6 +270,10 @@ static void backward_impl(StableIValue *stack, int per_token) {
 static void lce_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { backward_impl(stack, 0); }
 static void lce_none_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { backward_impl(stack, 1); }
 
+/* Autocast runs the op in float32: torch's autocast returns F.cross_entropy(F.linear(h, w), t) as a float32
+ * loss, and a float16 loss would overflow GradScaler's scaled gradient (65536 is past float16's range), so a
+ * float16 step would be skipped where torch's is not. float32 hidden and weights (a float32 residual stream,
+ * master weights) are not copied at all, and the logits are float32, more precise than torch's 16-bit ones. */
 const opf_op_desc opf_linear_cross_entropy_ops[] = {
     {
         .schema = "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
@@ -282,7 +286,7 @@ const opf_op_desc opf_linear_cross_entropy_ops[] = {
         .backward_args = "grad0,hidden,weight,target,bias,out1,out2,out3,out4,ignore_index,label_smoothing,"
                          "reduction,softcap",
         .backward_grads = "hidden,weight,bias",
-        .autocast = OPF_AUTOCAST_LOWER,
+        .autocast = OPF_AUTOCAST_FP32, /* see the note above the table */
         .flops = "2*numel(hidden)*size(weight,0)",
         .meta = 1,
     },
@@ -303,7 +307,7 @@ const opf_op_desc opf_linear_cross_entropy_ops[] = {
         .backward = "linear_cross_entropy_none_backward",
         .backward_args = "grad0,hidden,weight,target,bias,out1,ignore_index,label_smoothing,softcap",
         .backward_grads = "hidden,weight,bias",
-        .autocast = OPF_AUTOCAST_LOWER,
+        .autocast = OPF_AUTOCAST_FP32, /* see the note above the table */
         .flops = "2*numel(hidden)*size(weight,0)",
         .meta = 1,
     },

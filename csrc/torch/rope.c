@@ -186,7 +186,7 @@ const opf_op_desc opf_rope_ops[] = {
         .backward = "rope_backward",
         .backward_args = "grad0,grad1,cos,sin,position_ids,interleaved",
         .backward_grads = "q,k",
-        .autocast = OPF_AUTOCAST_LOWER,
+        .autocast = OPF_AUTOCAST_PROMOTE, /* as eager q * cos + rotate_half(q) * sin under autocast */
         .meta = 1,
     },
     {

@@ -23,7 +23,7 @@ from ._shape import ShapeRule, compile_rules, output_strides  # noqa: F401  (out
 MIN_TORCH = (2, 10)
 _ERRLEN = 2048
 
-AUTOCAST_NONE, AUTOCAST_LOWER, AUTOCAST_FP32 = 0, 1, 2
+AUTOCAST_NONE, AUTOCAST_LOWER, AUTOCAST_FP32, AUTOCAST_PROMOTE = 0, 1, 2, 3
 
 
 class _Desc(ctypes.Structure):
@@ -414,15 +414,25 @@ def _cast(value, device_type: str, dtype: torch.dtype):
     return value
 
 
+def _widest(args, device_type: str) -> torch.dtype | None:
+    """The promoted dtype of the floating tensors _cast would cast (None: there are none)."""
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()
+              and a.device.type == device_type and a.dtype != torch.float64]
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else None
+
+
 def _wire_autocast(desc: OpDescriptor) -> None:
     op = op_overload(desc)
     for device in ("cpu", "cuda"):
         key_name = _private.autocast_key_name(device)
 
         def run(*args, device=device, key_name=key_name):
-            dtype = torch.get_autocast_dtype(device) if desc.autocast == AUTOCAST_LOWER else torch.float32
+            if desc.autocast == AUTOCAST_PROMOTE:
+                dtype = _widest(args, device)
+            else:
+                dtype = torch.get_autocast_dtype(device) if desc.autocast == AUTOCAST_LOWER else torch.float32
             with _private.autocast_excluded(device, key_name):
-                return op(*_cast(args, device, dtype))
+                return op(*_cast(args, device, dtype)) if dtype is not None else op(*args)
 
         _private.set_python_dispatcher_kernel(op, key_name, run)
         _fragment(desc.namespace).impl(desc.name, lambda _ks, *args, run=run: run(*args), key_name, with_keyset=True)

@@ -3,6 +3,31 @@
 Each function is the registered ``torch.ops.opforge.<op>`` (``opforge.ops``,
 the namespace being a build parameter): autograd,
 ``torch.compile(fullgraph=True)``, autocast and the profiler work on it.
+
+Autocast: each op's policy is its descriptor's ``.autocast`` (registered for
+AutocastCPU and AutocastCUDA alike), and under ``torch.autocast("cpu",
+dtype=torch.bfloat16 / torch.float16)`` each returns the dtype its torch twin
+returns (tests/python/test_training.py checks every op):
+
+=============================  ========  ==================================================
+op                             policy    returns the dtype of
+=============================  ========  ==================================================
+linear, matmul,                lower     F.linear, torch.matmul,
+scaled_dot_product_attention             F.scaled_dot_product_attention (autocast dtype)
+cross_entropy,                 fp32      F.cross_entropy (float32; linear_cross_entropy:
+linear_cross_entropy                     F.cross_entropy(F.linear(...)), float32)
+dispersion_correction,         promote   eager elementwise ops: the widest floating input
+swiglu, geglu, rope                      (16-bit stays 16-bit, with a float32 one: float32)
+softmax, log_softmax,          none      F.softmax, F.log_softmax, F.rms_norm, F.layer_norm:
+rms_norm, add_rms_norm,                  x's dtype (the norms cast float32 parameters to a
+layer_norm                               16-bit x's dtype; add_rms_norm promotes x, residual)
+=============================  ========  ==================================================
+
+float64 tensors are never cast, as torch's autocast leaves them. Gradients
+come back in each input's own dtype (the casts are in the graph). The table is
+torch's CPU autocast; its CUDA autocast runs softmax, log_softmax and
+layer_norm in float32, which opforge's one policy per op does not (no op has a
+CUDA kernel yet).
 """
 
 from __future__ import annotations
@@ -30,8 +55,9 @@ def dispersion_correction(x: torch.Tensor, alpha: float) -> torch.Tensor:
 
     Negative inputs give NaN, as ``torch.sqrt`` does. The gradient is
     ``grad * alpha + grad / (2 * sqrt(x))``, evaluated as autograd evaluates
-    the reference (so x = 0 gives inf). Under ``torch.autocast`` the op runs in
-    the autocast dtype.
+    the reference (so x = 0 gives inf). Under ``torch.autocast`` the op follows
+    its input (policy promote), as eager ``x * alpha + torch.sqrt(x)`` does: a
+    float32 x gives float32, a 16-bit x its own dtype.
     """
 
 
@@ -78,7 +104,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     input requires grad) and recompute is off: inference writes the output
     alone. The backward reuses the kept pre-activation as its scratch when
     the graph is not retained. Under autocast the op runs in the autocast
-    dtype, as F.linear does.
+    dtype (policy lower), as F.linear does.
     """
     code = _activation_code(activation)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
@@ -89,7 +115,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for 2-d (M,K)·(K,N) or batched 3-d (B,M,K)·(B,K,N) tensors of
     any strides (transposed operands are read in place); float32, bfloat16 and
-    float16 accumulate in float32, float64 runs a reference loop."""
+    float16 accumulate in float32, float64 runs a reference loop. Under autocast
+    it runs in the autocast dtype (policy lower), as torch.matmul does."""
 
 
 @op_function(ops.attention.default)
@@ -127,7 +154,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     so ``out.transpose(1, 2).reshape(B, N, H * Dv)`` is a view. Gradients
     flow to query, key and value (not to a float attn_mask), bitwise the same
     run to run and on any thread count. Empty shapes (B, H, N or S = 0)
-    behave as torch's: S = 0 gives zeros.
+    behave as torch's: S = 0 gives zeros. Under autocast it runs in the
+    autocast dtype (policy lower), as F.scaled_dot_product_attention does.
     """
     if dropout_p != 0.0:
         raise _sdpa_error(f"argument 'dropout_p' must be 0.0 (dropout is not supported), got {dropout_p}")
@@ -199,8 +227,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     computes in double. The output is contiguous. The backward saves the
     per-row rstd (float32, R floats) and x, never x-hat; the weight gradient is
     summed over fixed blocks of rows in a fixed order, so it has the same bits
-    on any thread count. Under CPU autocast the op runs in x's dtype, as
-    torch's does (float32 parameters are cast to a 16-bit x's dtype).
+    on any thread count. Under autocast the op runs in x's dtype (policy
+    none), as torch's does (float32 parameters are cast to a 16-bit x's dtype,
+    their gradients come back in float32).
     """
     (weight,) = _autocast_params(x, weight)
     return _rms_norm(x, weight, eps, offset)[0]
@@ -253,7 +282,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
     cache), ``y = ((x - mean) * rstd) * weight + bias`` rounded once. float64
     computes in double. The backward saves mean and rstd per row (float32),
     never x-hat; weight and bias gradients are deterministic across thread
-    counts. Under CPU autocast the op runs in x's dtype, as torch's does.
+    counts. Under autocast the op runs in x's dtype (policy none), as torch's
+    does (float32 parameters cast as :func:`rms_norm` casts them).
     """
     weight, bias = _autocast_params(x, weight, bias)
     return _layer_norm(x, weight, bias, eps)[0]
@@ -294,7 +324,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     once. The backward recomputes silu from gate (nothing else is saved) and
     gives gradients of gate and up (of the packed tensor through autograd's
     chunk, which assembles the two halves in one copy). Under autocast the op
-    runs in the autocast dtype.
+    follows the widest of gate and up (policy promote), as eager
+    ``silu(gate) * up`` does: 16-bit with 16-bit stays 16-bit, a float32 one
+    makes it float32.
     """
     gate, up = _glu_halves("swiglu", gate, up)
     return _glu(gate, up, GLU_ACTIVATIONS["silu"])
@@ -345,8 +377,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     Gradients flow to q and k (the backward is the transposed rotation: the
     rotation by -theta for Hugging Face's cos / sin); cos and sin are
     constants: if either requires grad while grad mode is on, this raises
-    (pass ``cos.detach()``). Under autocast the op runs in the autocast dtype
-    (cos / sin cast with q and k).
+    (pass ``cos.detach()``). Under autocast the op follows the widest of q, k,
+    cos and sin (policy promote), as eager ``q * cos + rotate_half(q) * sin``
+    does: 16-bit q and k with float32 cos / sin (Hugging Face's Llama under
+    autocast) give float32, all 16-bit gives 16-bit.
     """
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise RuntimeError("[opforge.rope] arguments 'cos' and 'sin' must not require grad: opforge computes no "
@@ -374,8 +408,9 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     double. Entries of -inf give exactly 0 (and a finite gradient); a row of
     -inf only, or one holding +inf or NaN, is NaN, as torch's. The backward
     uses the saved output alone: ``dx = y * (dy - sum(dy * y))``. Under
-    ``torch.autocast`` the op runs in the dtype it is given, as F.softmax does
-    on the CPU (torch's CPU autocast lists neither softmax nor log_softmax).
+    ``torch.autocast`` the op runs in the dtype it is given (policy none), as
+    F.softmax does on the CPU (torch's CPU autocast lists neither softmax nor
+    log_softmax; its CUDA autocast runs them in float32, opforge's does not).
     """
     return _softmax(x, dim)
 
@@ -428,8 +463,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
 
     float32, bfloat16, float16 (computed in float32) and float64 (double).
     The mean and the sum add fixed blocks of rows in a fixed order: the same
-    bits on any thread count. Under ``torch.autocast`` the op runs in float32,
-    as torch's CPU autocast runs F.cross_entropy.
+    bits on any thread count. Under ``torch.autocast`` the op runs in float32
+    (policy fp32), as torch's autocast runs F.cross_entropy.
     """
     code = REDUCTIONS.get(reduction)
     if code is None:
@@ -489,8 +524,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     backward, which recomputes the blocks from the saved log-sum-exp. float32; bfloat16 and float16 (the GEMM's 16-bit paths, float32 accumulation,
     gradients accumulated in float32 and rounded once; the loss is computed in float32 and returned in the
     input dtype); float64 a reference loop (for gradcheck). Deterministic: the same bits on any thread
-    count. Under ``torch.autocast`` the op runs in the autocast dtype (the GEMMs in bfloat16, the
-    log-sum-exp and the loss in float32, returned rounded to bfloat16).
+    count. Under ``torch.autocast`` the op runs in float32 (policy fp32) and returns a float32 loss, the
+    dtype of torch's ``F.cross_entropy(F.linear(...))`` under autocast (torch rounds its logits to the
+    autocast dtype, opforge keeps them float32). A 16-bit loss would overflow GradScaler's scaled float16
+    gradient (65536 is past float16's range) and skip the step.
     """
     code = REDUCTIONS.get(reduction)
     if code is None:

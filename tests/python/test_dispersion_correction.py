@@ -144,16 +144,21 @@ def test_compile_fullgraph(dynamic):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast_runs_in_the_autocast_dtype(dtype):
+def test_autocast_follows_the_input_as_eager(dtype):
+    # policy promote: the dtype eager x * alpha + sqrt(x) has under autocast (the input's; the widest of several)
     x = positive((32, 512), lo=0.1).requires_grad_()
+    x16 = x.detach().to(dtype).requires_grad_()
     with torch.autocast("cpu", dtype=dtype):
-        y = opforge.dispersion_correction(x, ALPHA)
-        z = torch.compile(lambda t: opforge.dispersion_correction(t, ALPHA), fullgraph=True)(x)
-    assert y.dtype == dtype and z.dtype == dtype
-    assert_close(y, ref64(x.detach().to(dtype)), dtype, "autocast")
+        y = opforge.dispersion_correction(x16, ALPHA)
+        z = torch.compile(lambda t: opforge.dispersion_correction(t, ALPHA), fullgraph=True)(x16)
+        w = opforge.dispersion_correction(x, ALPHA)
+    assert y.dtype == dtype and z.dtype == dtype and w.dtype == torch.float32
+    assert_close(y, ref64(x16.detach()), dtype, "autocast")
+    assert_close(w, ref64(x.detach()), torch.float32, "autocast float32")
     torch.testing.assert_close(y, z)
-    y.float().sum().backward()  # the cast is part of the graph: the gradient is float32
-    assert x.grad.dtype == torch.float32
+    y.float().sum().backward()
+    w.sum().backward()
+    assert x16.grad.dtype == dtype and x.grad.dtype == torch.float32
     # float64 is left alone, as torch's autocast does
     with torch.autocast("cpu", dtype=dtype):
         assert opforge.dispersion_correction(x.detach().double(), ALPHA).dtype == torch.float64

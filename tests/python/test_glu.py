@@ -162,16 +162,20 @@ def test_compile_fullgraph(dynamic):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast_runs_in_the_autocast_dtype(dtype):
-    gate, up = (t.requires_grad_() for t in inputs((32, 64), torch.float32))
+def test_autocast_follows_the_widest_input_as_eager(dtype):
+    # policy promote: eager silu(gate) * up of a 16-bit gate and a float32 up is float32 under autocast
+    gate, up = inputs((32, 64), torch.float32)
+    gate = gate.to(dtype).requires_grad_()
+    up.requires_grad_()
     with torch.autocast("cpu", dtype=dtype):
         y = F.swiglu(gate, up)
         z = torch.compile(lambda a, b: F.swiglu(a, b), fullgraph=True)(gate, up)
-    assert y.dtype == dtype and z.dtype == dtype
-    assert_close(y, reference(gate.detach().to(dtype).double(), up.detach().to(dtype).double(), 4), dtype, "autocast")
+        lo = F.swiglu(gate, up.to(dtype))
+    assert y.dtype == z.dtype == (TF.silu(gate) * up).dtype == torch.float32 and lo.dtype == dtype
+    assert_close(y, reference(gate.detach().double(), up.detach().double(), 4), torch.float32, "autocast")
     torch.testing.assert_close(y, z)
-    y.float().sum().backward()
-    assert gate.grad.dtype == torch.float32 and up.grad.dtype == torch.float32
+    y.sum().backward()
+    assert gate.grad.dtype == dtype and up.grad.dtype == torch.float32
 
 
 def test_same_bits_on_one_and_two_threads():

@@ -44,7 +44,7 @@ def test_descriptors_are_read_from_c():
     assert fwd.devices == ("cpu",)
     assert fwd.backward == "dispersion_correction_backward"
     assert fwd.backward_args == ("grad0", "x", "alpha") and fwd.backward_grads == ("x",)
-    assert fwd.autocast == _lib.AUTOCAST_LOWER
+    assert fwd.autocast == _lib.AUTOCAST_PROMOTE
     assert ops["dispersion_correction_backward"].backward is None
 
 

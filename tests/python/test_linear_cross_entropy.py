@@ -206,22 +206,22 @@ def test_compile_fullgraph(dynamic, reduction):
 
 
 def test_autocast_bfloat16():
-    # policy: the op runs in the autocast dtype (hidden, weight, bias cast to bfloat16, as F.linear under
-    # autocast), computes the log-sum-exp and the loss in float32 and returns them rounded to bfloat16;
-    # torch's autocast runs F.cross_entropy in float32 on bfloat16 logits. The cast is in the graph, so
-    # float32 master weights get float32 gradients.
+    # policy fp32: the op runs in float32 and returns a float32 loss, the dtype torch's autocast gives
+    # F.cross_entropy(F.linear(...)) (its logits in bfloat16, the loss in float32); a 16-bit loss would
+    # overflow GradScaler's scaled float16 gradient. float32 inputs are not cast at all.
     hid, w, b, y = inputs(16, 12, 20, torch.float32)
     w.requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = linear_cross_entropy(hid, w, y, b)
         want = F.cross_entropy(F.linear(hid, w, b), y)
-    assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
-    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
-    got.float().backward()
+        none = linear_cross_entropy(hid.bfloat16(), w, y, b, reduction="none")
+    assert got.dtype == want.dtype == none.dtype == torch.float32
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    got.backward()
     assert w.grad.dtype == torch.float32
     wr = w.detach().clone().requires_grad_()
-    reference(hid.bfloat16().double(), wr.bfloat16().double(), y, b.bfloat16().double()).backward()
-    torch.testing.assert_close(w.grad.double(), wr.grad.double(), **GRAD_TOL[torch.bfloat16])
+    reference(hid.double(), wr.double(), y, b.double()).backward()
+    torch.testing.assert_close(w.grad.double(), wr.grad.double(), **GRAD_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

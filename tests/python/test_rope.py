@@ -237,18 +237,22 @@ def test_compile_with_position_ids_dynamic():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast_runs_in_the_autocast_dtype(dtype):
-    q, k = (t.requires_grad_() for t in qk(2, 4, 2, 7, 32, torch.float32))
+def test_autocast_follows_the_widest_input_as_eager(dtype):
+    # policy promote: 16-bit q, k (projection outputs under autocast) with float32 cos / sin, as Hugging Face's
+    # Llama makes them under autocast, give float32, as eager q * cos + rotate_half(q) * sin does
+    q, k = (t.to(dtype).requires_grad_() for t in qk(2, 4, 2, 7, 32, torch.float32))
     cos, sin = cos_sin(7, 32, torch.float32)
     with torch.autocast("cpu", dtype=dtype):
         oq, ok = F.rope(q, k, cos, sin)
         cq, ck = torch.compile(lambda *a: F.rope(*a), fullgraph=True)(q, k, cos, sin)
-    assert oq.dtype == dtype and ok.dtype == dtype and cq.dtype == dtype
-    lo = [t.detach().to(dtype).double() for t in (q, k, cos, sin)]
-    check(oq, hf_rope(*lo)[0], dtype, "autocast q")
+        lq, _ = F.rope(q, k, cos.to(dtype), sin.to(dtype))
+    assert oq.dtype == ok.dtype == cq.dtype == hf_rope(q, k, cos, sin)[0].dtype == torch.float32
+    assert lq.dtype == dtype
+    ref = [t.detach().double() for t in (q, k, cos, sin)]
+    check(oq, hf_rope(*ref)[0], torch.float32, "autocast q")
     torch.testing.assert_close(oq, cq)
-    (oq.float().sum() + ok.float().sum()).backward()
-    assert q.grad.dtype == torch.float32 and k.grad.dtype == torch.float32
+    (oq.sum() + ok.sum()).backward()
+    assert q.grad.dtype == dtype and k.grad.dtype == dtype
 
 
 def test_same_bits_on_one_and_two_threads():

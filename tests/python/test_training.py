@@ -1,0 +1,476 @@
+"""Training with opforge's ops: autocast (bfloat16 and float16, GradScaler), activation checkpointing,
+whole-model torch.compile, and determinism.
+
+One table, CASES, holds every op as a user calls it -- an input builder and the torch function it stands
+for -- and each section runs it: the autocast tests compare the dtypes (and values) of every op with its
+torch twin's under torch.autocast, the checkpoint tests recompute every op, the determinism tests run
+every op's forward and backward at 1 and 2 threads. test_every_op_has_a_case fails when an op lands
+without a row here.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as TF
+from torch.utils.checkpoint import checkpoint
+
+import opforge
+from opforge import _lib
+from opforge import functional as OF
+from opforge.models import GPT, GPTConfig
+from opforge.models.gpt import Block, rotate_half
+
+LOWER, FP32, PROMOTE, NONE = _lib.AUTOCAST_LOWER, _lib.AUTOCAST_FP32, _lib.AUTOCAST_PROMOTE, _lib.AUTOCAST_NONE
+
+
+# ---- the table --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    ops: tuple[str, ...]  # the registered forward ops the call runs
+    make: Callable  # (dtype, big) -> argument list; big: sizes that span several row blocks and threads
+    grads: tuple[int, ...]  # the arguments that get gradients
+    opforge: Callable
+    torch: Callable
+
+
+def _randn(*shape, dtype, lo=None):
+    t = torch.randn(shape, dtype=torch.float32)
+    if lo is not None:
+        t = t.abs() + lo
+    return t.to(dtype)
+
+
+def _target(n, classes, ignored=3):
+    t = torch.randint(0, classes, (n,))
+    t[:ignored] = -100
+    return t
+
+
+def _hf_rope(q, k, cos, sin):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+CASES = {
+    "dispersion_correction": Case(
+        ("dispersion_correction",),
+        lambda dt, big: [_randn(*((600, 257) if big else (9, 37)), dtype=dt, lo=0.1)],
+        (0,),
+        lambda x: OF.dispersion_correction(x, 0.7),
+        lambda x: x * 0.7 + torch.sqrt(x)),
+    "matmul": Case(
+        ("matmul",),
+        lambda dt, big: [_randn(3, 300 if big else 17, 64, dtype=dt), _randn(3, 64, 200 if big else 11, dtype=dt)],
+        (0, 1),
+        OF.matmul,
+        torch.matmul),
+    "linear": Case(
+        ("linear",),
+        lambda dt, big: [_randn(1200 if big else 4, 9, 24, dtype=dt), _randn(96 if big else 40, 24, dtype=dt)],
+        (0, 1),
+        OF.linear,
+        TF.linear),
+    "linear_bias_gelu": Case(
+        ("linear",),
+        lambda dt, big: [_randn(1200 if big else 4, 9, 24, dtype=dt), _randn(96 if big else 40, 24, dtype=dt),
+                         _randn(96 if big else 40, dtype=dt)],
+        (0, 1, 2),
+        lambda x, w, b: OF.linear(x, w, b, "gelu"),
+        lambda x, w, b: TF.gelu(TF.linear(x, w, b))),
+    "scaled_dot_product_attention": Case(
+        ("attention",),
+        lambda dt, big: [_randn(2, 4, 300 if big else 13, 32, dtype=dt) for _ in range(1)]
+        + [_randn(2, 2, 300 if big else 13, 32, dtype=dt) for _ in range(2)],
+        (0, 1, 2),
+        lambda q, k, v: OF.scaled_dot_product_attention(q, k, v, is_causal=True),
+        lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
+    "rms_norm": Case(
+        ("rms_norm",),
+        lambda dt, big: [_randn(2000 if big else 5, 7, 48, dtype=dt), 1 + 0.1 * _randn(48, dtype=dt)],
+        (0, 1),
+        lambda x, w: OF.rms_norm(x, w, 1e-6),
+        lambda x, w: TF.rms_norm(x, (x.shape[-1],), w, 1e-6)),
+    "add_rms_norm": Case(
+        ("add_rms_norm",),
+        lambda dt, big: [_randn(2000 if big else 5, 7, 48, dtype=dt), _randn(2000 if big else 5, 7, 48, dtype=dt),
+                         1 + 0.1 * _randn(48, dtype=dt)],
+        (0, 1, 2),
+        lambda x, r, w: OF.add_rms_norm(x, r, w, 1e-6),
+        lambda x, r, w: (TF.rms_norm(x + r, (x.shape[-1],), w, 1e-6), x + r)),
+    "layer_norm": Case(
+        ("layer_norm",),
+        lambda dt, big: [_randn(2000 if big else 5, 7, 48, dtype=dt), 1 + 0.1 * _randn(48, dtype=dt),
+                         0.1 * _randn(48, dtype=dt)],
+        (0, 1, 2),
+        lambda x, w, b: OF.layer_norm(x, w, b, 1e-5),
+        lambda x, w, b: TF.layer_norm(x, (x.shape[-1],), w, b, 1e-5)),
+    "swiglu": Case(
+        ("glu",),
+        lambda dt, big: [_randn(600 if big else 6, 9, 40, dtype=dt), _randn(600 if big else 6, 9, 40, dtype=dt)],
+        (0, 1),
+        OF.swiglu,
+        lambda g, u: TF.silu(g) * u),
+    "geglu": Case(
+        ("glu",),
+        lambda dt, big: [_randn(600 if big else 6, 9, 40, dtype=dt), _randn(600 if big else 6, 9, 40, dtype=dt)],
+        (0, 1),
+        OF.geglu,
+        lambda g, u: TF.gelu(g) * u),
+    "rope": Case(
+        ("rope",),
+        lambda dt, big: [_randn(4 if big else 2, 4, 300 if big else 11, 16, dtype=dt),
+                         _randn(4 if big else 2, 2, 300 if big else 11, 16, dtype=dt),
+                         *(f(torch.randn(300 if big else 11, 8).repeat(1, 2)).to(dt) for f in (torch.cos, torch.sin))],
+        (0, 1),
+        OF.rope,
+        _hf_rope),
+    "softmax": Case(
+        ("softmax",),
+        lambda dt, big: [_randn(700 if big else 6, 9, 33, dtype=dt)],
+        (0,),
+        OF.softmax,
+        lambda x: TF.softmax(x, -1)),
+    "log_softmax": Case(
+        ("log_softmax",),
+        lambda dt, big: [_randn(700 if big else 6, 9, 33, dtype=dt)],
+        (0,),
+        OF.log_softmax,
+        lambda x: TF.log_softmax(x, -1)),
+    "cross_entropy": Case(
+        ("cross_entropy",),
+        lambda dt, big: [_randn(3000 if big else 37, 50, dtype=dt), _target(3000 if big else 37, 50)],
+        (0,),
+        OF.cross_entropy,
+        TF.cross_entropy),
+    "linear_cross_entropy": Case(
+        ("linear_cross_entropy",),
+        # big: 2100 x 2100 logits, more than one block (LCE_BLOCK_FLOATS): the backward recomputes them
+        lambda dt, big: [_randn(2100 if big else 37, 16, dtype=dt), 0.3 * _randn(2100 if big else 50, 16, dtype=dt),
+                         _target(2100 if big else 37, 2100 if big else 50), 0.1 * _randn(2100 if big else 50, dtype=dt)],
+        (0, 1, 3),
+        OF.linear_cross_entropy,
+        lambda h, w, t, b: TF.cross_entropy(TF.linear(h, w, b), t)),
+    "linear_cross_entropy_one_block": Case(
+        ("linear_cross_entropy",),
+        # one block of logits: the forward makes the gradients, the backward scales them
+        lambda dt, big: [_randn(700 if big else 37, 24, dtype=dt), 0.3 * _randn(1100 if big else 50, 24, dtype=dt),
+                         _target(700 if big else 37, 1100 if big else 50)],
+        (0, 1),
+        OF.linear_cross_entropy,
+        lambda h, w, t: TF.cross_entropy(TF.linear(h, w), t)),
+    "linear_cross_entropy_none": Case(
+        ("linear_cross_entropy_none",),
+        lambda dt, big: [_randn(700 if big else 37, 24, dtype=dt), 0.3 * _randn(1100 if big else 50, 24, dtype=dt),
+                         _target(700 if big else 37, 1100 if big else 50)],
+        (0, 1),
+        lambda h, w, t: OF.linear_cross_entropy(h, w, t, reduction="none"),
+        lambda h, w, t: TF.cross_entropy(TF.linear(h, w), t, reduction="none")),
+}
+
+# Each forward op's autocast policy (its descriptor's .autocast, plus what its Python wrapper adapts) and
+# the torch function whose dtype it returns under torch.autocast("cpu", bfloat16 / float16):
+#   lower    floating inputs cast to the autocast dtype   F.linear, torch.matmul, F.scaled_dot_product_attention
+#   fp32     floating inputs cast to float32               F.cross_entropy (torch's CPU fp32 list)
+#   promote  cast to the widest floating input             eager elementwise ops (x * a + sqrt(x), silu(g) * u,
+#                                                          q * cos + rotate_half(q) * sin): on no autocast list
+#   none     the dtype given (the norms' wrappers cast     F.softmax, F.log_softmax, F.rms_norm, F.layer_norm:
+#            float32 parameters to a 16-bit x's dtype)     on no CPU autocast list
+POLICY = {
+    "dispersion_correction": PROMOTE,
+    "matmul": LOWER,
+    "linear": LOWER,
+    "attention": LOWER,
+    "rms_norm": NONE,
+    "add_rms_norm": NONE,
+    "layer_norm": NONE,
+    "glu": PROMOTE,
+    "rope": PROMOTE,
+    "softmax": NONE,
+    "log_softmax": NONE,
+    "cross_entropy": FP32,
+    "linear_cross_entropy": FP32,
+    "linear_cross_entropy_none": FP32,
+}
+
+
+def _forward_ops():
+    backward = {n for d in opforge.library.ops if d.backward for n in (d.backward, d.backward + "_")}
+    return {d.name: d for d in opforge.library.ops if d.name not in backward}
+
+
+def test_every_op_has_a_case_and_a_policy():
+    ops = _forward_ops()
+    covered = {name for case in CASES.values() for name in case.ops}
+    assert covered == set(ops), f"ops without a case in CASES: {sorted(set(ops) - covered)}"
+    assert {name: d.autocast for name, d in ops.items()} == POLICY
+
+
+def _outs(y):
+    return tuple(y) if isinstance(y, (tuple, list)) else (y,)
+
+
+def _leaves(args, grads, requires_grad=True):
+    return [a.detach().clone().requires_grad_(requires_grad and i in grads) if isinstance(a, torch.Tensor) else a
+            for i, a in enumerate(args)]
+
+
+def _upstream(outs, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+
+
+# ---- 1. autocast -----------------------------------------------------------------------------------
+
+# values under autocast, opforge vs torch's twin under the same autocast: max |a - b| <= TOL * (max |b| + 1)
+AUTOCAST_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def _assert_near(got, want, tol, what):
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    bound = tol * (want.double().abs().max().item() + 1 if want.numel() else 1)
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("given", ["float32", "amp"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_autocast_dtype_and_gradients_as_torch(name, given, amp):
+    """Every op under torch.autocast("cpu") returns the dtype its torch twin returns, with values close to
+    the twin's, and the gradients of its inputs come back in their own dtype."""
+    case = CASES[name]
+    args = case.make(torch.float32 if given == "float32" else amp, False)
+    mine, theirs = _leaves(args, case.grads), _leaves(args, case.grads)
+    with torch.autocast("cpu", dtype=amp):
+        got, want = _outs(case.opforge(*mine)), _outs(case.torch(*theirs))
+    assert [o.dtype for o in got] == [o.dtype for o in want], f"{name}: dtypes differ from torch's under autocast"
+    tol = AUTOCAST_TOL[amp]
+    for i, (a, b) in enumerate(zip(got, want)):
+        _assert_near(a, b, tol, f"{name} output {i}")
+    ups = _upstream(got)
+    torch.autograd.backward(got, ups)
+    torch.autograd.backward(want, ups)
+    for i in case.grads:
+        assert mine[i].grad.dtype == mine[i].dtype, f"{name}: gradient of argument {i} in {mine[i].grad.dtype}"
+        _assert_near(mine[i].grad, theirs[i].grad, 2 * tol, f"{name} gradient of argument {i}")
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_promote_follows_the_widest_input_as_eager(amp):
+    # a 16-bit projection output beside float32 tables: eager's elementwise ops promote to float32
+    q, k = _randn(2, 4, 11, 16, dtype=amp), _randn(2, 2, 11, 16, dtype=amp)
+    cos, sin = (f(torch.randn(11, 8)).repeat(1, 2) for f in (torch.cos, torch.sin))
+    gate, up = _randn(5, 24, dtype=amp), torch.randn(5, 24)
+    x = _randn(5, 24, dtype=amp, lo=0.1)
+    with torch.autocast("cpu", dtype=amp):
+        oq, ok = OF.rope(q, k, cos, sin)
+        y = OF.swiglu(gate, up)
+        z = OF.dispersion_correction(x, 0.5)
+    assert oq.dtype == ok.dtype == _hf_rope(q, k, cos, sin)[0].dtype == torch.float32
+    torch.testing.assert_close(oq, _hf_rope(q.float(), k.float(), cos, sin)[0], atol=1e-5, rtol=1e-5)
+    assert y.dtype == (TF.silu(gate) * up).dtype == torch.float32
+    torch.testing.assert_close(y, TF.silu(gate.float()) * up, atol=1e-5, rtol=1e-5)
+    assert z.dtype == amp  # a 16-bit input alone stays 16-bit
+    # float64 is left alone, as torch's autocast leaves it
+    with torch.autocast("cpu", dtype=amp):
+        assert OF.swiglu(gate.double(), up.double()).dtype == torch.float64
+
+
+def test_autocast_kernels_registered_for_cpu_and_cuda():
+    # the policy is registered for both device types (nothing CUDA runs here: only the registration is checked)
+    for name, d in _forward_ops().items():
+        for key in ("AutocastCPU", "AutocastCUDA"):
+            has = torch._C._dispatch_has_kernel_for_dispatch_key(f"{opforge.namespace}::{name}", key)
+            assert has == (d.autocast != NONE), f"{name}: {key} kernel {'missing' if not has else 'unexpected'}"
+
+
+SMALL = GPTConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+def _batch(seed, b=2, n=32, vocab=SMALL.vocab_size):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (b, n + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:].contiguous()
+
+
+def _pair(seed):
+    torch.manual_seed(seed)
+    plain = GPT(SMALL)
+    fused = GPT(SMALL, fused=True)
+    fused.load_state_dict(plain.state_dict())
+    return plain, fused
+
+
+def test_grad_scaler_float16_trains_as_torch():
+    """A fused GPT (opforge's norms, rope, attention, swiglu, linear cross-entropy) trained under float16
+    autocast with GradScaler beside the same model on torch's ops: the same scale (no step skipped on
+    either side), finite float32 losses, parameters moved and close to the twin's."""
+    plain, fused = _pair(seed=11)
+    start = copy.deepcopy(fused.state_dict())
+    runs = {}
+    for label, model in (("torch", plain), ("opforge", fused)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        losses, scales = [], []
+        for step in range(4):
+            idx, tgt = _batch(50 + step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                _, loss = model(idx, tgt)
+            assert loss.dtype == torch.float32, f"{label}: loss in {loss.dtype} under float16 autocast"
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+        runs[label] = losses, scales
+    (lt, st), (lo, so) = runs["torch"], runs["opforge"]
+    assert all(torch.isfinite(torch.tensor(lo)))
+    assert so == st == [65536.0] * 4, (so, st)  # no overflow, so no skipped step and no back-off, on both
+    torch.testing.assert_close(torch.tensor(lo), torch.tensor(lt), atol=2e-3, rtol=1e-3)
+    theirs = dict(plain.named_parameters())
+    for name, p in fused.named_parameters():
+        assert not torch.equal(p, start[name]), f"{name} was not updated"
+        torch.testing.assert_close(p, theirs[name], atol=5e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_grad_scaler_skips_an_overflowing_step():
+    """An inf in float16 gradients (a scale too large for float16) is found by the scaler: the step is
+    skipped, the parameters are left as they were and the scale backs off."""
+    _, fused = _pair(seed=12)
+    before = copy.deepcopy(fused.state_dict())
+    opt = torch.optim.SGD(fused.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    idx, tgt = _batch(3)
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, loss = fused(idx, tgt)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**39
+    for name, p in fused.named_parameters():
+        assert torch.equal(p, before[name]), f"{name} changed in a skipped step"
+
+
+# ---- 4. checkpointing and compile -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checkpoint_gives_the_same_gradients(name):
+    """torch.utils.checkpoint (non-reentrant) around each op: the recomputed forward is the same C on the
+    same inputs, so outputs and gradients are bitwise the ones without checkpointing."""
+    case = CASES[name]
+    args = case.make(torch.float32, False)
+    plain, ckpt = _leaves(args, case.grads), _leaves(args, case.grads)
+    want = _outs(case.opforge(*plain))
+    got = _outs(checkpoint(case.opforge, *ckpt, use_reentrant=False))
+    ups = _upstream(want)
+    torch.autograd.backward(want, ups)
+    torch.autograd.backward(got, ups)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for i in case.grads:
+        assert torch.equal(ckpt[i].grad, plain[i].grad), f"{name}: gradient of argument {i} differs"
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block: Block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16_autocast"])
+def test_checkpointed_blocks_give_bitwise_the_same_gradients(amp):
+    """Every Block of a fused GPT (add_rms_norm, rope, attention, swiglu) wrapped in checkpoint: the loss
+    (linear_cross_entropy) and every parameter's gradient are bitwise those of the model without it."""
+    _, model = _pair(seed=13)
+    ckpt = copy.deepcopy(model)
+    for i, block in enumerate(ckpt.layers):
+        ckpt.layers[i] = _Checkpointed(block)
+    idx, tgt = _batch(4)
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        loss = model(idx, tgt)[1]
+        loss_ckpt = ckpt(idx, tgt)[1]
+    loss.backward()
+    loss_ckpt.backward()
+    assert torch.equal(loss, loss_ckpt)
+    grads = {n.replace(".block.", "."): p.grad for n, p in ckpt.named_parameters()}
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name]), f"{name}: gradient differs under checkpointing"
+
+
+def test_compile_whole_model_dynamic_two_lengths_no_recompile():
+    """torch.compile(fused GPT, fullgraph=True, dynamic=True): one graph (fullgraph raises on a break), a
+    second sequence length runs the same compiled code (set_stance('fail_on_recompile') raises otherwise),
+    and the loss and every gradient match eager at both lengths. The static compile of the forward is
+    test_models.py's."""
+    _, eager = _pair(seed=14)
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for n, seed, stance in ((24, 5, "default"), (37, 6, "fail_on_recompile")):
+        idx, tgt = _batch(seed, n=n)
+        want = eager(idx, tgt)[1]
+        eager.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        with torch.compiler.set_stance(stance):
+            got = compiled(idx, tgt)[1]
+            got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        theirs = dict(eager.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, theirs[name].grad, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, k=name, n=n: f"length {n}, {k}: {m}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch._dynamo.reset()
+
+
+# ---- 6. determinism --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for the test; the flag and the thread count restored after."""
+    flag, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(flag, warn_only=warn_only)
+        torch.set_num_threads(threads)
+
+
+def _run(case, args):
+    leaves = _leaves(args, case.grads)
+    outs = _outs(case.opforge(*leaves))
+    torch.autograd.backward(outs, _upstream(outs))
+    return [o.detach() for o in outs] + [leaves[i].grad for i in case.grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_deterministic_across_runs_and_thread_counts(name, dtype, deterministic):
+    """Under torch.use_deterministic_algorithms(True) every op's outputs and gradients are bitwise the same
+    on two runs and at 1 and 2 threads (sizes spanning several row blocks: the weight gradients' sums over
+    rows, attention's key/value gradients, the losses' reductions)."""
+    case = CASES[name]
+    args = case.make(dtype, True)
+    torch.set_num_threads(2)
+    first = _run(case, args)
+    again = _run(case, args)
+    torch.set_num_threads(1)
+    single = _run(case, args)
+    for i, (a, b, c) in enumerate(zip(first, again, single)):
+        assert torch.equal(a, b), f"{name}: result {i} differs between two runs at 2 threads"
+        assert torch.equal(a, c), f"{name}: result {i} differs between 1 and 2 threads"
