@@ -126,6 +126,9 @@ def main(argv=None):
     p.add_argument("--full", action="store_true", help="the brief's shape: batch 32 x sequence 512")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--reps", type=int, default=None, help="timed rounds per variant (default 5; 3 with --smoke)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing: torch.profiler tables by op of two steps of each component, eager and "
+                        "opforge, in <out>/transformer_<shape>_profile.txt (where the time goes)")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     shape = "smoke" if a.smoke else "full" if a.full else "default"
@@ -137,6 +140,8 @@ def main(argv=None):
     llama = hf_llama(batch, seq, config)
     if llama is not None:
         comps["HF Llama (patch_hf)"] = (_WithLabels(llama[0]), llama[1], llama[2])
+    if a.profile:
+        return _profile(comps, dtypes, f"transformer_{shape}_profile.txt", a.out)
     progress = Progress(len(dtypes) * len(comps), "bench_transformer")
     rows = []
     for dtype in dtypes:
@@ -176,6 +181,28 @@ def main(argv=None):
     ], a.out)
     _plot(rows, stem, a.out)
     print(table)
+
+
+def _profile(comps, dtypes, name, out_dir):
+    """Two steps of each component (after two warm-up steps), eager then opforge, as torch.profiler tables
+    sorted by self CPU time."""
+    parts = [f"# torch.profiler, two training steps (forward, backward, AdamW) per component and variant, "
+             f"sorted by self CPU time; torch {torch.__version__}, ISA {opforge.get_isa()}, "
+             f"{torch.get_num_threads()} threads"]
+    for dtype in dtypes:
+        for cname, (plain, inputs, loss_of) in comps.items():
+            mods = variants(plain)
+            for v in ("eager", "opforge"):
+                step = step_fn(mods[v], inputs, loss_of, dtype)
+                step(), step()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    step(), step()
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48)
+                parts.append(f"\n## {cname}, {str(dtype)[6:]}, {v}\n{table}")
+                print(parts[-1], flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        f.write("\n".join(parts) + "\n")
 
 
 def _plot(rows, stem, out_dir):
