@@ -104,9 +104,10 @@ static int64_t group_rows(const decode_problem *p) { return p->hkv ? p->h / p->h
 /* The workspace, as offsets: the partial (m, l, acc) of every task's rows, then one slice per worker.
  * The one statement of it: decode_workspace sizes with it, decode_fwd carves with it. */
 typedef struct decode_layout {
-    int64_t chunks, tasks, workers, part_floats; /* part_floats: one task's rows, rows x (2 + dv), padded */
-    int64_t parts, per_worker, slices, floats;   /* offsets of the partials and the slices; total floats */
-    int64_t q32, kbuf, vbuf, s, o, m, l, alpha;  /* offsets within a slice */
+    int64_t chunks, tasks, workers, part_floats;     /* part_floats: one task's rows, rows x (2 + dv), padded */
+    int64_t parts, done, per_worker, slices, floats; /* offsets of the partials, the groups' counters and
+                                                      * the slices; total floats */
+    int64_t q32, kbuf, vbuf, s, o, m, l, alpha;      /* offsets within a slice */
 } decode_layout;
 
 static decode_layout layout_for(const decode_problem *p) {
@@ -130,6 +131,7 @@ static decode_layout layout_for(const decode_problem *p) {
     lay.per_worker = round16(at);
     at = 0;
     lay.parts = carve(&at, lay.tasks * lay.part_floats);
+    lay.done = carve(&at, round16(2 * (lay.tasks ? p->b * p->hkv : 0))); /* an atomic_llong per group */
     lay.slices = carve(&at, lay.workers * lay.per_worker);
     lay.floats = at;
     return lay;
@@ -234,57 +236,62 @@ static void decode_task(const decode_ctx *c, int64_t t, float *slice) {
     }
 }
 
+/* The group's g x N output rows: each row's chunks combined in chunk order, into the acc of chunk 0 (the
+ * row owns that slot), then normalised and stored. */
+static void decode_combine(const decode_ctx *c, int64_t grp) {
+    const decode_problem *p = c->p;
+    const decode_layout *lay = &c->lay;
+    const int64_t d_v = p->d_v, g = p->h / p->hkv, stride = 2 + d_v, b = grp / p->hkv, kvh = grp % p->hkv;
+    for (int64_t ri = 0; ri < g * p->n; ri++) {
+        const int64_t h = kvh * g + ri / p->n, i = ri % p->n;
+        float *acc = c->ws + lay->parts + grp * lay->chunks * lay->part_floats + ri * stride;
+        float mx = -INFINITY;
+        for (int64_t ch = 0; ch < lay->chunks; ch++) {
+            const float *pc = acc + ch * lay->part_floats;
+            if (pc[1] > 0.0f || isnan(pc[1])) mx = fmaxf(mx, pc[0]);
+        }
+        if (mx == -INFINITY) { /* no key: zeros */
+            for (int64_t e = 0; e < d_v; e++) opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, 0.0);
+            continue;
+        }
+        float total = 0.0f;
+        for (int64_t ch = 0; ch < lay->chunks; ch++) {
+            const float *pc = acc + ch * lay->part_floats;
+            if (!(pc[1] > 0.0f || isnan(pc[1]))) { /* no key of this row in the chunk: its acc is unset */
+                if (ch == 0) memset(acc + 2, 0, sizeof(float) * (size_t)d_v);
+                continue;
+            }
+            const float w = exp2f(pc[0] - mx);
+            total += pc[1] * w;
+            float *restrict dst = acc + 2;
+            const float *restrict src = pc + 2;
+            if (ch == 0) {
+                for (int64_t e = 0; e < d_v; e++) dst[e] = src[e] * w;
+            } else {
+                for (int64_t e = 0; e < d_v; e++) dst[e] += src[e] * w;
+            }
+        }
+        const float inv = 1.0f / total;
+        for (int64_t e = 0; e < d_v; e++) acc[2 + e] *= inv;
+        store_row(c->k, p->out, off4(p->os, b, h, i, 0), p->os[3], acc + 2, d_v, p->dt);
+    }
+}
+
+/* Tasks are taken in order; whoever completes a group's last chunk combines the group: one parallel
+ * region per call, not a second one for the combine (each region waits for every thread, which on a
+ * busy machine means waiting for the OS to schedule them). The counter's read-modify-write orders the
+ * other tasks' partials before the combine reads them. */
 static void decode_worker(int64_t w0, int64_t w1, void *arg) {
     decode_ctx *c = arg;
+    atomic_llong *done = (atomic_llong *)(void *)(c->ws + c->lay.done);
     for (int64_t w = w0; w < w1; w++) {
         float *slice = c->ws + c->lay.slices + w * c->lay.per_worker;
         for (;;) {
             const int64_t t = atomic_fetch_add(&c->next, 1);
             if (t >= c->lay.tasks) break;
             decode_task(c, t, slice);
-        }
-    }
-}
-
-/* Output rows (b, h, i) over [r0, r1): the chunks of the row combined in chunk order, into the acc of
- * chunk 0 (each output row owns that slot), then normalised and stored. */
-static void decode_combine(int64_t r0, int64_t r1, void *arg) {
-    const decode_ctx *c = arg;
-    const decode_problem *p = c->p;
-    const decode_layout *lay = &c->lay;
-    const int64_t d_v = p->d_v, g = p->hkv ? p->h / p->hkv : 1, stride = 2 + d_v;
-    for (int64_t row = r0; row < r1; row++) {
-        const int64_t b = row / (p->h * p->n), h = row / p->n % p->h, i = row % p->n;
-        const int64_t grp = b * p->hkv + h / g, ri = (h % g) * p->n + i; /* its row within the group's tasks */
-        float *acc = lay->tasks ? c->ws + lay->parts + grp * lay->chunks * lay->part_floats + ri * stride : NULL;
-        float mx = -INFINITY;
-        for (int64_t ch = 0; ch < (acc ? lay->chunks : 0); ch++) {
-            const float *pc = acc + ch * lay->part_floats;
-            if (pc[1] > 0.0f || isnan(pc[1])) mx = fmaxf(mx, pc[0]);
-        }
-        float total = 0.0f;
-        if (mx != -INFINITY) {
-            for (int64_t ch = 0; ch < lay->chunks; ch++) {
-                const float *pc = acc + ch * lay->part_floats;
-                if (!(pc[1] > 0.0f || isnan(pc[1]))) { /* no key of this row in the chunk: its acc is unset */
-                    if (ch == 0) memset(acc + 2, 0, sizeof(float) * (size_t)d_v);
-                    continue;
-                }
-                const float w = exp2f(pc[0] - mx);
-                total += pc[1] * w;
-                float *restrict dst = acc + 2;
-                const float *restrict src = pc + 2;
-                if (ch == 0) {
-                    for (int64_t e = 0; e < d_v; e++) dst[e] = src[e] * w;
-                } else {
-                    for (int64_t e = 0; e < d_v; e++) dst[e] += src[e] * w;
-                }
-            }
-            const float inv = 1.0f / total;
-            for (int64_t e = 0; e < d_v; e++) acc[2 + e] *= inv;
-            store_row(c->k, p->out, off4(p->os, b, h, i, 0), p->os[3], acc + 2, d_v, p->dt);
-        } else { /* no key: zeros */
-            for (int64_t e = 0; e < d_v; e++) opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, 0.0);
+            const int64_t grp = t / c->lay.chunks;
+            if (atomic_fetch_add(&done[grp], 1) == c->lay.chunks - 1) decode_combine(c, grp);
         }
     }
 }
@@ -292,12 +299,16 @@ static void decode_combine(int64_t r0, int64_t r1, void *arg) {
 void decode_fwd(const decode_kernels *k, const decode_problem *p, float *workspace) {
     decode_ctx c = {.k = k, .p = p, .lay = layout_for(p), .chunk = decode_chunk(p), .ws = workspace};
     atomic_init(&c.next, 0);
-    if (c.lay.tasks > 0) opf_parallel_for(0, c.lay.workers, 1, decode_worker, &c);
-    const int64_t rows = p->b * p->h * p->n;
-    /* a grain of rows worth ~64 KiB of partials: the hand-off is paid once per slice */
-    const int64_t per_row = (c.lay.chunks > 0 ? c.lay.chunks : 1) * (p->d_v + 2);
-    const int64_t grain = per_row > 16384 ? 1 : 16384 / per_row;
-    if (rows > 0) opf_parallel_for(0, rows, grain, decode_combine, &c);
+    if (c.lay.tasks == 0) { /* no key anywhere (or no row): zeros */
+        for (int64_t b = 0; b < p->b; b++)
+            for (int64_t h = 0; h < p->h; h++)
+                for (int64_t i = 0; i < p->n; i++)
+                    for (int64_t e = 0; e < p->d_v; e++) opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, 0.0);
+        return;
+    }
+    atomic_llong *done = (atomic_llong *)(void *)(workspace + c.lay.done);
+    for (int64_t grp = 0; grp < p->b * p->hkv; grp++) atomic_init(&done[grp], 0);
+    opf_parallel_for(0, c.lay.workers, 1, decode_worker, &c);
 }
 
 /* ---- the oracle ---------------------------------------------------------------------------------- */

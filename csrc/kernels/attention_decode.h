@@ -17,8 +17,8 @@
  * (b, kv head, chunk): it reads the chunk's K and V once (16-bit types converted to float32 a block
  * of DECODE_BK keys at a time) for all g x N query rows of the group -- the cache is where the bytes
  * are -- and leaves each row's partial softmax state (max m, sum l, unnormalised acc, base 2) in the
- * workspace. Tasks are pulled from an atomic counter. A second pass combines each query row's chunks in
- * chunk order, in float32:
+ * workspace. Tasks are pulled from an atomic counter; the worker that completes a group's last chunk
+ * combines each of the group's query rows over its chunks, in chunk order, in float32:
  *     M = max_c m_c,  L = sum_c l_c 2^(m_c - M),  out = sum_c acc_c 2^(m_c - M) / L
  * so the result is bitwise the same on any thread count.
  */
