@@ -394,7 +394,7 @@ def _draw_attention_decode(rng, c):
     c["n"] = rng.choice((1, 1, 1, 2, 4, 16, rng.randint(1, 16)))
     c["s"] = _dim(rng, 8192, DECODE_MARKS, zero=0.02)
     # each row's length: 0, full, or anywhere (near a chunk or block edge now and then)
-    c["lens"] = [rng.choice((0, c["s"], rng.randint(0, c["s"]), min(c["s"], _near(rng, rng.choice(DECODE_MARKS)))))
+    c["lens"] = [rng.choice((0, c["s"], rng.randint(0, c["s"]), min(c["s"], max(0, _near(rng, rng.choice(DECODE_MARKS))))))
                  for _ in range(c["b"])]
     c["lens_dtype"] = rng.choice(("int32", "int64"))
     c["d"] = rng.choice(HEAD_DIMS) if rng.random() < 0.7 else rng.randint(1, 160)
