@@ -3,8 +3,12 @@ fused CPU kernel (F.scaled_dot_product_attention) and eager math attention
 (softmax(q k^T * scale + mask) v, as written by hand): forward and
 forward+backward time ratios, forward as % of the FMA peak measured in this
 process (unmasked FLOPs only), and the peak memory of a forward+backward.
+Then KV-cache decoding (opforge.attention_decode: N new tokens against S cached keys, grouped-query
+heads, the cache a view of a preallocated (B, Hkv, S_max, D) buffer) against F.scaled_dot_product_attention
+on the sliced cache (enable_gqa=True) and torch.compile of it, with the bandwidth the decode reaches
+(bytes of K and V read / time) as a % of a plain copy of the same K and V measured in the same rounds.
 
-    python benchmarks/bench_attention.py [--smoke] [--out DIR]
+    python benchmarks/bench_attention.py [--smoke] [--only train|decode] [--out DIR]
 """
 
 from __future__ import annotations
@@ -65,11 +69,77 @@ def bar_plot(rows, out_dir):
     plt.close(fig)
 
 
+def sdpa_decode(q, k, v, mask):
+    """What a user writes without opforge: SDPA on the used part of the cache."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def bench_decode(smoke: bool, out_dir: str) -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    # (B, H, Hkv, D, N new tokens, S cached keys, dtype): Llama-3-8B-like heads
+    if smoke:
+        grid = [(1, 4, 2, 64, 1, 300, f32), (1, 4, 2, 64, 3, 300, bf16)]
+    else:
+        grid = [(1, 32, 8, 128, 1, 4096, f32), (1, 32, 8, 128, 1, 32768, f32), (1, 32, 8, 128, 4, 4096, f32),
+                (1, 32, 8, 128, 4, 32768, f32), (1, 32, 8, 128, 1, 4096, bf16), (1, 32, 8, 128, 1, 32768, bf16)]
+    compiled = torch.compile(sdpa_decode, fullgraph=True)
+    rows = []
+    for b, h, hkv, d, n, s, dtype in grid:
+        s_max = s + 256  # a preallocated cache with room left
+        g = torch.Generator().manual_seed(0)
+        kbuf, vbuf = (torch.randn(b, hkv, s_max, d, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(b, h, n, d, generator=g).to(dtype)
+        lens = torch.full((b,), s, dtype=torch.int32)
+        k, v = kbuf[:, :, :s], vbuf[:, :, :s]
+        # N > 1: the new tokens are the last N of the cache (bottom-right causal), an explicit mask for SDPA
+        mask = None if n == 1 else torch.arange(s).view(1, -1) <= (s - n + torch.arange(n)).view(-1, 1)
+        kcopy, vcopy = torch.empty_like(k), torch.empty_like(v)
+
+        def copy():
+            kcopy.copy_(k)
+            vcopy.copy_(v)
+
+        with torch.no_grad():
+            got = opforge.attention_decode(q, kbuf, vbuf, lens, causal=n > 1)
+            want = sdpa_decode(q.double(), k.double(), v.double(), mask)
+            tol = 2e-5 if dtype == f32 else 2e-2
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+            reps, target = (3, 0.01) if smoke else (7, 0.2)
+            t = compare({"opforge": lambda: opforge.attention_decode(q, kbuf, vbuf, lens, causal=n > 1),
+                         "sdpa": lambda: sdpa_decode(q, k, v, mask), "compiled": lambda: compiled(q, k, v, mask),
+                         "copy": copy}, reps=reps, target_s=target)
+        kv_bytes = (k.numel() + v.numel()) * k.element_size()
+        bw = kv_bytes / t["opforge"] / 1e9
+        copy_bw = 2 * kv_bytes / t["copy"] / 1e9  # a copy reads and writes every byte
+        row = {"dtype": str(dtype).split(".")[1], "B": b, "H": h, "Hkv": hkv, "D": d, "N": n, "S": s,
+               "us_opforge": t["opforge"] * 1e6, "vs_sdpa": t["sdpa"] / t["opforge"],
+               "vs_compile": t["compiled"] / t["opforge"], "GBs": bw, "copy_GBs": copy_bw,
+               "pct_copy_bw": 100 * bw / copy_bw}
+        rows.append(row)
+        print(f"decode {row['dtype']} B={b} H={h} Hkv={hkv} D={d} N={n} S={s}: {row['us_opforge']:.0f} us, "
+              f"{row['vs_sdpa']:.2f}x sdpa, {row['vs_compile']:.2f}x compiled sdpa; {bw:.1f} GB/s of K/V read, "
+              f"{row['pct_copy_bw']:.0f}% of a copy's {copy_bw:.1f} GB/s", flush=True)
+    table = write_results("attention_decode", rows, [
+        f"ISA {opforge.get_isa()}, {torch.get_num_threads()} threads; ratios = baseline time / opforge time "
+        "(>1: opforge faster); sdpa = F.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], "
+        "enable_gqa=True) (N > 1: with a bottom-right causal bool mask), compile = torch.compile of it",
+        "GBs: bytes of the K and V rows read / opforge's median time; copy_GBs: (bytes read + bytes written) / "
+        "time of copy_ of the same K and V into preallocated tensors, timed in the same rounds; pct_copy_bw = "
+        "GBs / copy_GBs",
+    ], out_dir)
+    print(table)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--only", choices=("train", "decode"), help="run one of the two parts")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
+    if a.only != "train":
+        bench_decode(a.smoke, a.out)
+    if a.only == "decode":
+        return
     f32, bf16 = torch.float32, torch.bfloat16
     # (batch, heads, N, D, dtype): B x H in {1, 8, 32}; each with and without a causal mask
     if a.smoke:

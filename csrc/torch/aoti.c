@@ -306,6 +306,10 @@ static AOTITorchError shim_run(shim_site *site, shim_args *a, AtenTensorHandle *
       (AtenTensorHandle grad, AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,                              \
        AtenTensorHandle * attn_mask, AtenTensorHandle out, AtenTensorHandle lse, int32_t causal, double *scale),       \
       grad, q, k, v, attn_mask, out, lse, causal, scale)                                                               \
+    X(attention_decode, 1,                                                                                             \
+      (AtenTensorHandle q, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle seq_lens,              \
+       double *scale, int32_t causal),                                                                                 \
+      q, k_cache, v_cache, seq_lens, scale, causal)                                                                    \
     X(rms_norm, 2, (AtenTensorHandle x, AtenTensorHandle * weight, double eps, int32_t offset), x, weight, eps,        \
       offset)                                                                                                          \
     X(rms_norm_backward, 2,                                                                                            \

@@ -12,6 +12,7 @@
 
 #include "../kernels/act.h"
 #include "../kernels/attention.h"
+#include "../kernels/attention_decode.h"
 #include "../kernels/convert.h"
 #include "../kernels/cross_entropy.h"
 #include "../kernels/dispersion_correction.h"
@@ -481,9 +482,9 @@ OPF_EXPORT const char *opforge_isa_name_at(int i) {
     return i >= 0 && i < OPF_ISA_COUNT ? opf_isa_name((opf_isa)i) : NULL;
 }
 
-static const opf_variants *const kernel_families[] = {&dc_variants,   &gemm_variants,    &attn_variants, &act_variants,
-                                                      &cvt_variants,  &probe_variants,   &norm_variants, &glu_variants,
-                                                      &rope_variants, &softmax_variants, &ce_variants,   &lce_variants};
+static const opf_variants *const kernel_families[] = {
+    &dc_variants,  &gemm_variants, &attn_variants,    &act_variants, &cvt_variants, &probe_variants, &norm_variants,
+    &glu_variants, &rope_variants, &softmax_variants, &ce_variants,  &lce_variants, &decode_variants};
 
 /* Variant i of the family vs: its name (NULL where this build lacks it), the
  * ISA it needs, and whether the current ISA runs it. Returns 1, or 0 past the

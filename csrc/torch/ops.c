@@ -13,6 +13,7 @@ extern const opf_op_desc opf_rope_ops[];
 extern const opf_op_desc opf_softmax_ops[];
 extern const opf_op_desc opf_cross_entropy_ops[];
 extern const opf_op_desc opf_linear_cross_entropy_ops[];
+extern const opf_op_desc opf_attention_decode_ops[];
 
 static const opf_op_desc *const groups[] = {opf_dispersion_correction_ops,
                                             opf_linear_ops,
@@ -22,7 +23,8 @@ static const opf_op_desc *const groups[] = {opf_dispersion_correction_ops,
                                             opf_rope_ops,
                                             opf_softmax_ops,
                                             opf_cross_entropy_ops,
-                                            opf_linear_cross_entropy_ops};
+                                            opf_linear_cross_entropy_ops,
+                                            opf_attention_decode_ops};
 
 #define OPF_MAX_OPS 64
 static opf_op_desc table[OPF_MAX_OPS + 1]; /* and its end */

@@ -10,7 +10,7 @@ from ._runtime import (cpu_features, get_isa, isa_best, kernel_variants, library
 from . import functional, nn
 from .aoti import aoti_config
 from .build import BuildError, load, load_library
-from .functional import (add_rms_norm, cross_entropy, dispersion_correction, geglu, layer_norm, linear,
+from .functional import (add_rms_norm, attention_decode, cross_entropy, dispersion_correction, geglu, layer_norm, linear,
                          linear_cross_entropy, log_softmax, matmul, rms_norm, rope, scaled_dot_product_attention,
                          softmax, swiglu)
 from .hf import patch_hf
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "add_rms_norm",
     "aoti_config",
+    "attention_decode",
     "BuildError",
     "cpu_features",
     "cross_entropy",

@@ -79,6 +79,7 @@ CHUNK_FLOATS = 1 << 21
 K_SLICES = (256, 384, 1024, 2048)
 ATTN_MARKS = (1, 8, 16, 32, 63, 64, 65, 128, 192, 256, 512, 1024)  # 64-row query and key blocks
 HEAD_DIMS = (1, 7, 8, 16, 31, 32, 33, 40, 64, 80, 96, 128, 129, 256)
+DECODE_MARKS = (1, 7, 63, 64, 65, 255, 256, 257, 512, 1024, 4097)  # attention_decode: 64-key blocks, 256-key chunks
 LCE_MARKS = (1, 7, 16, 64, 2047, 2048, 2049, 4097)  # linear_cross_entropy: 2048 x 2048 logits blocks
 DC_MARKS = (7, 8, 15, 16, 17, 31, 32, 33, 64, 4097, 32767, 32768, 32769, 65536, 100000)  # vectors, the 32768 grain
 
@@ -386,16 +387,39 @@ def _draw_lce(rng, c):
     return _seconds(c, flops * (4 if c["grad"] else 1), flops * (3 if c["grad"] else 1), 30 * c["t"] * c["v"])
 
 
+def _draw_attention_decode(rng, c):
+    c["b"] = rng.choice((1, 1, 2, 3, 5)) if rng.random() > 0.02 else 0
+    c["hkv"] = rng.choice((1, 1, 2, 3, 8))
+    c["h"] = c["hkv"] * rng.choice((1, 2, 4, 8))
+    c["n"] = rng.choice((1, 1, 1, 2, 4, 16, rng.randint(1, 16)))
+    c["s"] = _dim(rng, 8192, DECODE_MARKS, zero=0.02)
+    # each row's length: 0, full, or anywhere (near a chunk or block edge now and then)
+    c["lens"] = [rng.choice((0, c["s"], rng.randint(0, c["s"]), min(c["s"], max(0, _near(rng, rng.choice(DECODE_MARKS))))))
+                 for _ in range(c["b"])]
+    c["lens_dtype"] = rng.choice(("int32", "int64"))
+    c["d"] = rng.choice(HEAD_DIMS) if rng.random() < 0.7 else rng.randint(1, 160)
+    c["dv"] = c["d"] if rng.random() < 0.7 else rng.choice(HEAD_DIMS)
+    c["causal"] = rng.random() < 0.4
+    c["scale"] = None if rng.random() < 0.6 else rng.choice((0.3, 1.0, round(rng.uniform(0.01, 2.0), 4), -0.5))
+    c["q_layout"] = _layout(rng, [c["b"], c["h"], c["n"], c["d"]])
+    c["k_layout"] = _layout(rng, [c["b"], c["hkv"], c["s"], c["d"]])
+    c["v_layout"] = _layout(rng, [c["b"], c["hkv"], c["s"], c["dv"]])
+    area = c["b"] * c["h"] * c["n"] * c["s"]
+    flops = 2.0 * area * (c["d"] + c["dv"])
+    return _seconds(c, flops, 3 * flops, area * 15 + c["b"] * c["hkv"] * c["s"] * (c["d"] + c["dv"]) * 3)
+
+
 DRAW = {"matmul": _draw_matmul, "linear": _draw_linear, "attention": _draw_attention,
         "dispersion_correction": _draw_dispersion, "glu": _draw_glu, "rope": _draw_rope, "softmax": _draw_softmax,
-        "cross_entropy": _draw_cross_entropy, "linear_cross_entropy": _draw_lce}
+        "cross_entropy": _draw_cross_entropy, "linear_cross_entropy": _draw_lce,
+        "attention_decode": _draw_attention_decode}
 # the GEMM ops have the most plans (blocks, threads, slices, chunks, paths of the backward)
 OP_WEIGHTS = {"matmul": 0.25, "linear": 0.45, "attention": 0.2, "dispersion_correction": 0.1, "glu": 0.15,
               "rope": 0.15, "softmax": 0.15, "cross_entropy": 0.15,
-              "linear_cross_entropy": 0.1}  # norm's weight is set with its generator
+              "linear_cross_entropy": 0.1, "attention_decode": 0.1}  # norm's weight is set with its generator
 # ops added after test_fuzz.py's seeds were chosen take LATER_SHARE of the cases from a stream of their
 # own (weights among themselves), so every other case of a seed stays the case it was
-LATER_OPS = ("glu", "rope", "norm", "softmax", "cross_entropy", "linear_cross_entropy")
+LATER_OPS = ("glu", "rope", "norm", "softmax", "cross_entropy", "linear_cross_entropy", "attention_decode")
 LATER_SHARE = 0.3
 # estimated seconds a case may take: most cases are small; a fifth may be big, since a 16-bit GEMM over
 # row chunks needs M * N >= 2**21 and K over a slice (>= 8e8 multiply-adds)
@@ -446,6 +470,10 @@ def describe(c: dict) -> str:
         lay = "".join(f" {t}{_layout_str(c[t + '_layout'])}" for t in "qkv" if c[t + "_layout"])
         return (f"{head} {c['dims']}-d B={c['b']} H={c['h']} Hkv={c['hkv']} N={c['n']} S={c['s']} D={c['d']} "
                 f"Dv={c['dv']} causal={c['causal']} scale={c['scale']}{mask}{lay} grad={c['grad']}")
+    if c["op"] == "attention_decode":
+        lay = "".join(f" {t}{_layout_str(c[t + '_layout'])}" for t in "qkv" if c[t + "_layout"])
+        return (f"{head} B={c['b']} H={c['h']} Hkv={c['hkv']} N={c['n']} S_max={c['s']} D={c['d']} Dv={c['dv']} "
+                f"seq_lens={c['lens']} ({c['lens_dtype']}) causal={c['causal']} scale={c['scale']}{lay}")
     if c["op"] == "glu":
         up = "packed" if c["packed"] else f"up{_layout_str(c['up_layout'])}"
         return (f"{head} act={c['act']} shape={tuple(c['shape'])} gate{_layout_str(c['gate_layout'])} {up} "
@@ -788,6 +816,28 @@ def check_attention(c, gen, dtype, dt, call):
     return checks
 
 
+def check_attention_decode(c, gen, dtype, dt, call):
+    shapes = {"q": (c["h"], c["n"], c["d"]), "k": (c["hkv"], c["s"], c["d"]), "v": (c["hkv"], c["s"], c["dv"])}
+    t = {}
+    for name, (h, length, d) in shapes.items():
+        base, view = make(gen, [c["b"], h, length, d], dtype, c[name + "_layout"])
+        t[name] = view(base)
+    lens = torch.tensor(c["lens"], dtype=getattr(torch, c["lens_dtype"])).reshape(c["b"])
+    with torch.no_grad():
+        out = call(lambda: opforge.attention_decode(t["q"], t["k"], t["v"], lens, c["scale"], c["causal"]))
+    # keys j < lim: seq_lens[b], less N - 1 - i for query i under the bottom-right causal mask
+    lim = lens.to(torch.int64).view(-1, 1, 1, 1)
+    if c["causal"]:
+        lim = lim - c["n"] + 1 + torch.arange(c["n"]).view(1, 1, -1, 1)
+    keep = torch.arange(c["s"]).view(1, 1, 1, -1) < lim
+    scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["d"]) if c["d"] else 1.0
+    if c["dtype"] != "float64":
+        scale = float(torch.tensor(scale, dtype=torch.float32))
+    want, bound, _ = _attention_reference(t["q"].double(), t["k"].double(), t["v"].double(), keep, False, scale,
+                                          None, dt)
+    return [Check("out", out, want, bound, dtype)]
+
+
 EDGE_VALUES = (0.0, -0.0, -1.0, math.inf, -math.inf, math.nan, 1e-40, 1e-6, 65000.0)
 
 
@@ -1109,7 +1159,8 @@ def check_lce(c, gen, dtype, dt, call):
 
 CHECKERS = {"matmul": check_matmul, "linear": check_linear, "attention": check_attention,
             "dispersion_correction": check_dispersion, "glu": check_glu, "rope": check_rope,
-            "softmax": check_softmax, "cross_entropy": check_cross_entropy, "linear_cross_entropy": check_lce}
+            "softmax": check_softmax, "cross_entropy": check_cross_entropy, "linear_cross_entropy": check_lce,
+            "attention_decode": check_attention_decode}
 
 
 class OpError(Exception):

@@ -1,0 +1,349 @@
+/*
+ * KV-cache decoding attention: the scalar reference kernels, the variant table, the chunk plan, the
+ * driver (tasks, then the combine) and the double-precision oracle. See attention_decode.h.
+ */
+#include "attention_decode.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Chunks are planned so that B x Hkv x chunks reaches DECODE_TASKS (a few tasks per thread on up to ~16
+ * threads, so that uneven chunks even out), but no chunk is shorter than DECODE_MIN_CHUNK keys: below
+ * that the per-task cost (loading the group's queries, writing and combining g x N partial rows of Dv)
+ * shows against the keys' bytes. */
+enum { DECODE_TASKS = 64, DECODE_MIN_CHUNK = 256 };
+
+#define LOG2E 1.44269504088896341
+
+/* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
+extern const decode_kernels decode_kernels_avx2 __attribute__((weak));
+extern const decode_kernels decode_kernels_avx512 __attribute__((weak));
+
+const opf_variants decode_variants =
+    OPF_VARIANTS("attention_decode", &decode_kernels_ref, &decode_kernels_avx2, &decode_kernels_avx512);
+
+const decode_kernels *decode_kernels_for(opf_isa isa) { return opf_variant_pick(&decode_variants, isa); }
+
+/* ---- scalar reference kernels ------------------------------------------------------------ */
+
+static void scores_ref(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const float *k, int64_t ldk,
+                       int64_t bk) {
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t j = 0; j < bk; j++) {
+            float sum = 0.0f;
+            for (int64_t e = 0; e < d; e++) sum += q[i * d + e] * k[j * ldk + e];
+            s[i * lds + j] = sum;
+        }
+}
+
+static float softmax_row_ref(float *x, int64_t bk, int64_t keys, float *m, float *l) {
+    float mx = *m;
+    for (int64_t j = 0; j < keys; j++) mx = fmaxf(mx, x[j]);
+    if (mx == -INFINITY) {
+        for (int64_t j = 0; j < bk; j++) x[j] = 0.0f;
+        return 1.0f;
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < bk; j++) {
+        x[j] = j < keys ? exp2f(x[j] - mx) : 0.0f;
+        sum += x[j];
+    }
+    const float alpha = exp2f(*m - mx);
+    *l = *l * alpha + sum;
+    *m = mx;
+    return alpha;
+}
+
+static void pv_ref(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const float *v,
+                   int64_t ldv, int64_t dv) {
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t e = 0; e < dv; e++) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < bk; j++) sum += p[i * ldp + j] * v[j * ldv + e];
+            o[i * dv + e] = o[i * dv + e] * alpha[i] + sum;
+        }
+}
+
+const decode_kernels decode_kernels_ref = {.name = "ref",
+                                           .isa = OPF_ISA_REF,
+                                           .cvt = &cvt_kernels_ref,
+                                           .scores = scores_ref,
+                                           .softmax_row = softmax_row_ref,
+                                           .pv = pv_ref};
+
+/* ---- plan and workspace ---------------------------------------------------------------------- */
+
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t round16(int64_t n) { return cdiv(n, 16) * 16; } /* keeps workspace slices 64-byte aligned */
+
+static int64_t carve(int64_t *at, int64_t n) {
+    const int64_t offset = *at;
+    *at += n;
+    return offset;
+}
+
+static int64_t max_len(const decode_problem *p) {
+    int64_t m = 0;
+    for (int64_t b = 0; b < p->b; b++) {
+        const int64_t len = decode_len(p, b);
+        m = len > m ? len : m;
+    }
+    return m;
+}
+
+int64_t decode_chunk(const decode_problem *p) {
+    const int64_t groups = p->b * p->hkv > 0 ? p->b * p->hkv : 1;
+    const int64_t chunk = cdiv(cdiv(max_len(p), cdiv(DECODE_TASKS, groups)), DECODE_BK) * DECODE_BK;
+    return chunk > DECODE_MIN_CHUNK ? chunk : DECODE_MIN_CHUNK;
+}
+
+static int64_t group_rows(const decode_problem *p) { return p->hkv ? p->h / p->hkv * p->n : 0; }
+
+/* The workspace, as offsets: the partial (m, l, acc) of every task's rows, then one slice per worker.
+ * The one statement of it: decode_workspace sizes with it, decode_fwd carves with it. */
+typedef struct decode_layout {
+    int64_t chunks, tasks, workers, part_floats;     /* part_floats: one task's rows, rows x (2 + dv), padded */
+    int64_t parts, done, per_worker, slices, floats; /* offsets of the partials, the groups' counters and
+                                                      * the slices; total floats */
+    int64_t q32, kbuf, vbuf, s, o, m, l, alpha;      /* offsets within a slice */
+} decode_layout;
+
+static decode_layout layout_for(const decode_problem *p) {
+    const int64_t r = group_rows(p), len = max_len(p);
+    decode_layout lay = {0};
+    lay.chunks = len > 0 ? cdiv(len, decode_chunk(p)) : 0;
+    lay.tasks = p->b * p->hkv * lay.chunks;
+    if (r == 0 || p->d_v == 0) lay.tasks = 0; /* nothing to compute: the combine writes what there is */
+    const int64_t threads = opf_num_threads();
+    lay.workers = lay.tasks < threads ? lay.tasks : threads;
+    lay.part_floats = round16(r * (2 + p->d_v));
+    int64_t at = 0;
+    lay.q32 = carve(&at, r * p->d_qk);          /* the group's query rows, float32, times scale log2(e) */
+    lay.kbuf = carve(&at, DECODE_BK * p->d_qk); /* a block's K and V rows, float32, when not read in place */
+    lay.vbuf = carve(&at, DECODE_BK * p->d_v);
+    lay.s = carve(&at, r * DECODE_BK); /* scores, then probabilities */
+    lay.o = carve(&at, r * p->d_v);    /* unnormalised output rows */
+    lay.m = carve(&at, r);
+    lay.l = carve(&at, r);
+    lay.alpha = carve(&at, r);
+    lay.per_worker = round16(at);
+    at = 0;
+    lay.parts = carve(&at, lay.tasks * lay.part_floats);
+    lay.done = carve(&at, round16(2 * (lay.tasks ? p->b * p->hkv : 0))); /* an atomic_llong per group */
+    lay.slices = carve(&at, lay.workers * lay.per_worker);
+    lay.floats = at;
+    return lay;
+}
+
+int64_t decode_workspace(const decode_problem *p) { return layout_for(p).floats; }
+
+/* ---- driver -------------------------------------------------------------------------------------- */
+
+/* n elements of src from element offset off, stride st, to float32 */
+static void load_row(const decode_kernels *k, float *dst, const void *src, int64_t off, int64_t st, int64_t n,
+                     opf_dtype dt) {
+    if (dt == OPF_F32 && st == 1) {
+        memcpy(dst, (const float *)src + off, sizeof(float) * (size_t)n);
+    } else if (dt != OPF_F32 && st == 1) {
+        k->cvt->to_f32(dst, (const uint16_t *)src + off, dt, n);
+    } else {
+        for (int64_t e = 0; e < n; e++) dst[e] = (float)opf_load_elem(src, off + e * st, dt);
+    }
+}
+
+static void store_row(const decode_kernels *k, void *dst, int64_t off, int64_t st, const float *src, int64_t n,
+                      opf_dtype dt) {
+    if (dt == OPF_F32 && st == 1) {
+        memcpy((float *)dst + off, src, sizeof(float) * (size_t)n);
+    } else if (dt != OPF_F32 && st == 1) {
+        k->cvt->from_f32((uint16_t *)dst + off, src, dt, n);
+    } else {
+        for (int64_t e = 0; e < n; e++) opf_store_elem(dst, off + e * st, dt, src[e]);
+    }
+}
+
+static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, int64_t d) {
+    return b * st[0] + h * st[1] + i * st[2] + d * st[3];
+}
+
+/* rows (K or V) j0..j0+bk of head (b, kvh) as float32: in place when float32 and unit-stride, else
+ * converted into buf; returns the rows and their stride */
+static const float *cache_rows(const decode_kernels *k, const decode_problem *p, const void *src, const int64_t *st,
+                               int64_t b, int64_t kvh, int64_t j0, int64_t bk, int64_t d, float *buf, int64_t *ld) {
+    if (p->dt == OPF_F32 && st[3] == 1) {
+        *ld = st[2];
+        return (const float *)src + off4(st, b, kvh, j0, 0);
+    }
+    for (int64_t j = 0; j < bk; j++) load_row(k, buf + j * d, src, off4(st, b, kvh, j0 + j, 0), st[3], d, p->dt);
+    *ld = d;
+    return buf;
+}
+
+typedef struct decode_ctx {
+    const decode_kernels *k;
+    const decode_problem *p;
+    decode_layout lay;
+    int64_t chunk;
+    float *ws;
+    atomic_llong next;
+} decode_ctx;
+
+/* Task t = (b, kv head, chunk c): the partial state of the group's g x N rows over the chunk's keys. */
+static void decode_task(const decode_ctx *c, int64_t t, float *slice) {
+    const decode_kernels *k = c->k;
+    const decode_problem *p = c->p;
+    const decode_layout *lay = &c->lay;
+    const int64_t g = p->h / p->hkv, r = g * p->n, d_qk = p->d_qk, d_v = p->d_v;
+    const int64_t grp = t / lay->chunks, b = grp / p->hkv, kvh = grp % p->hkv;
+    const int64_t len = decode_len(p, b), j_begin = t % lay->chunks * c->chunk;
+    const int64_t j_end = j_begin + c->chunk < len ? j_begin + c->chunk : len;
+    float *part = c->ws + lay->parts + t * lay->part_floats; /* row i: m, l, acc[d_v] */
+    if (j_begin >= j_end) {                                  /* past this row's keys: nothing seen */
+        for (int64_t i = 0; i < r; i++) part[i * (2 + d_v)] = -INFINITY, part[i * (2 + d_v) + 1] = 0.0f;
+        return;
+    }
+    float *q32 = slice + lay->q32, *kbuf = slice + lay->kbuf, *vbuf = slice + lay->vbuf, *s = slice + lay->s;
+    float *o = slice + lay->o, *m = slice + lay->m, *l = slice + lay->l, *alpha = slice + lay->alpha;
+    const float qscale = (float)(p->scale * LOG2E); /* scores in base 2: exp(x) = 2^(x log2 e) */
+    for (int64_t hl = 0; hl < g; hl++)
+        for (int64_t i = 0; i < p->n; i++) {
+            float *row = q32 + (hl * p->n + i) * d_qk;
+            load_row(k, row, p->q, off4(p->qs, b, kvh * g + hl, i, 0), p->qs[3], d_qk, p->dt);
+            for (int64_t e = 0; e < d_qk; e++) row[e] *= qscale;
+        }
+    for (int64_t i = 0; i < r; i++) m[i] = -INFINITY, l[i] = 0.0f;
+    memset(o, 0, sizeof(float) * (size_t)(r * d_v));
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += DECODE_BK) {
+        const int64_t bk = j_end - j0 < DECODE_BK ? j_end - j0 : DECODE_BK;
+        int64_t ldk, ldv;
+        const float *kr = cache_rows(k, p, p->k, p->ks, b, kvh, j0, bk, d_qk, kbuf, &ldk);
+        k->scores(s, DECODE_BK, q32, r, d_qk, kr, ldk, bk);
+        for (int64_t i = 0; i < r; i++) {
+            /* row i is query i % N of its head; bottom-right causal: keys j < len - N + 1 + (i % N) */
+            const int64_t lim = p->causal ? len - p->n + 1 + i % p->n : len;
+            const int64_t keys = lim - j0 < 0 ? 0 : lim - j0 < bk ? lim - j0 : bk;
+            alpha[i] = k->softmax_row(s + i * DECODE_BK, bk, keys, &m[i], &l[i]);
+        }
+        const float *vr = cache_rows(k, p, p->v, p->vs, b, kvh, j0, bk, d_v, vbuf, &ldv);
+        k->pv(o, alpha, s, DECODE_BK, r, bk, vr, ldv, d_v);
+    }
+    for (int64_t i = 0; i < r; i++) {
+        float *pi = part + i * (2 + d_v);
+        pi[0] = m[i], pi[1] = l[i];
+        memcpy(pi + 2, o + i * d_v, sizeof(float) * (size_t)d_v);
+    }
+}
+
+/* The group's g x N output rows: each row's chunks combined in chunk order, into the acc of chunk 0 (the
+ * row owns that slot), then normalised and stored. */
+static void decode_combine(const decode_ctx *c, int64_t grp) {
+    const decode_problem *p = c->p;
+    const decode_layout *lay = &c->lay;
+    const int64_t d_v = p->d_v, g = p->h / p->hkv, stride = 2 + d_v, b = grp / p->hkv, kvh = grp % p->hkv;
+    for (int64_t ri = 0; ri < g * p->n; ri++) {
+        const int64_t h = kvh * g + ri / p->n, i = ri % p->n;
+        float *acc = c->ws + lay->parts + grp * lay->chunks * lay->part_floats + ri * stride;
+        float mx = -INFINITY;
+        for (int64_t ch = 0; ch < lay->chunks; ch++) {
+            const float *pc = acc + ch * lay->part_floats;
+            if (pc[1] > 0.0f || isnan(pc[1])) mx = fmaxf(mx, pc[0]);
+        }
+        if (mx == -INFINITY) { /* no key: zeros */
+            for (int64_t e = 0; e < d_v; e++) opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, 0.0);
+            continue;
+        }
+        float total = 0.0f;
+        for (int64_t ch = 0; ch < lay->chunks; ch++) {
+            const float *pc = acc + ch * lay->part_floats;
+            if (!(pc[1] > 0.0f || isnan(pc[1]))) { /* no key of this row in the chunk: its acc is unset */
+                if (ch == 0) memset(acc + 2, 0, sizeof(float) * (size_t)d_v);
+                continue;
+            }
+            const float w = exp2f(pc[0] - mx);
+            total += pc[1] * w;
+            float *restrict dst = acc + 2;
+            const float *restrict src = pc + 2;
+            if (ch == 0) {
+                for (int64_t e = 0; e < d_v; e++) dst[e] = src[e] * w;
+            } else {
+                for (int64_t e = 0; e < d_v; e++) dst[e] += src[e] * w;
+            }
+        }
+        const float inv = 1.0f / total;
+        for (int64_t e = 0; e < d_v; e++) acc[2 + e] *= inv;
+        store_row(c->k, p->out, off4(p->os, b, h, i, 0), p->os[3], acc + 2, d_v, p->dt);
+    }
+}
+
+/* Tasks are taken in order; whoever completes a group's last chunk combines the group: one parallel
+ * region per call, not a second one for the combine (each region waits for every thread, which on a
+ * busy machine means waiting for the OS to schedule them). The counter's read-modify-write orders the
+ * other tasks' partials before the combine reads them. */
+static void decode_worker(int64_t w0, int64_t w1, void *arg) {
+    decode_ctx *c = arg;
+    atomic_llong *done = (atomic_llong *)(void *)(c->ws + c->lay.done);
+    for (int64_t w = w0; w < w1; w++) {
+        float *slice = c->ws + c->lay.slices + w * c->lay.per_worker;
+        for (;;) {
+            const int64_t t = atomic_fetch_add(&c->next, 1);
+            if (t >= c->lay.tasks) break;
+            decode_task(c, t, slice);
+            const int64_t grp = t / c->lay.chunks;
+            if (atomic_fetch_add(&done[grp], 1) == c->lay.chunks - 1) decode_combine(c, grp);
+        }
+    }
+}
+
+void decode_fwd(const decode_kernels *k, const decode_problem *p, float *workspace) {
+    decode_ctx c = {.k = k, .p = p, .lay = layout_for(p), .chunk = decode_chunk(p), .ws = workspace};
+    atomic_init(&c.next, 0);
+    if (c.lay.tasks == 0) { /* no key anywhere (or no row): zeros */
+        for (int64_t b = 0; b < p->b; b++)
+            for (int64_t h = 0; h < p->h; h++)
+                for (int64_t i = 0; i < p->n; i++)
+                    for (int64_t e = 0; e < p->d_v; e++) opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, 0.0);
+        return;
+    }
+    atomic_llong *done = (atomic_llong *)(void *)(workspace + c.lay.done);
+    for (int64_t grp = 0; grp < p->b * p->hkv; grp++) atomic_init(&done[grp], 0);
+    opf_parallel_for(0, c.lay.workers, 1, decode_worker, &c);
+}
+
+/* ---- the oracle ---------------------------------------------------------------------------------- */
+
+int decode_ref_fwd(const decode_problem *p) {
+    double *w = malloc(sizeof(double) * (size_t)(p->s_max + p->d_v + 1));
+    if (!w) return -1;
+    double *acc = w + p->s_max;
+    const int64_t g = p->hkv ? p->h / p->hkv : 1;
+    for (int64_t b = 0; b < p->b; b++) {
+        const int64_t len = decode_len(p, b);
+        for (int64_t h = 0; h < p->h; h++)
+            for (int64_t i = 0; i < p->n; i++) {
+                const int64_t lim = p->causal ? len - p->n + 1 + i : len, kvh = h / g;
+                double mx = -INFINITY;
+                for (int64_t j = 0; j < lim; j++) {
+                    double dot = 0.0;
+                    for (int64_t e = 0; e < p->d_qk; e++)
+                        dot += opf_load_elem(p->q, off4(p->qs, b, h, i, e), p->dt) *
+                               opf_load_elem(p->k, off4(p->ks, b, kvh, j, e), p->dt);
+                    w[j] = dot * p->scale;
+                    mx = fmax(mx, w[j]);
+                }
+                double sum = 0.0;
+                for (int64_t e = 0; e < p->d_v; e++) acc[e] = 0.0;
+                for (int64_t j = 0; j < lim && mx != -INFINITY; j++) {
+                    const double e_j = exp(w[j] - mx);
+                    sum += e_j;
+                    for (int64_t e = 0; e < p->d_v; e++)
+                        acc[e] += e_j * opf_load_elem(p->v, off4(p->vs, b, kvh, j, e), p->dt);
+                }
+                for (int64_t e = 0; e < p->d_v; e++)
+                    opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, sum > 0.0 ? acc[e] / sum : 0.0);
+            }
+    }
+    free(w);
+    return 0;
+}

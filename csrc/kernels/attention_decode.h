@@ -1,0 +1,89 @@
+/*
+ * KV-cache decoding attention (flash-decoding), forward only:
+ *     out[b, h, i] = sum_{j < lim(b, i)} softmax_j(scale * q[b, h, i] . k[b, h / g, j]) v[b, h / g, j]
+ * q (B, H, N, Dqk): N = 1..16 new tokens per sequence; k (B, Hkv, S_max, Dqk) and v (B, Hkv, S_max, Dv):
+ * views of a preallocated cache, any element strides; out (B, H, N, Dv) any strides; g = H / Hkv
+ * (grouped-query attention, K/V never repeated). seq_lens (B,) int32 or int64: the keys j < seq_lens[b]
+ * of row b are valid, the rest of the cache is never read (a padded cache needs no mask).
+ *     lim(b, i) = seq_lens[b]                     without causal
+ *     lim(b, i) = seq_lens[b] - N + 1 + i         causal, bottom-right aligned: the N new tokens are
+ *                                                 already appended to the cache, query i is the token at
+ *                                                 position seq_lens[b] - N + i and sees itself and what
+ *                                                 precedes it.
+ * A query with no key (seq_lens[b] = 0, or lim <= 0) gives zeros, as a fully masked row of attention.
+ *
+ * Plan (flash-decoding): the keys of each (batch row, kv head) are cut into chunks of decode_chunk()
+ * keys, a function of the shapes and of max(seq_lens) alone, never of the thread count. A task is one
+ * (b, kv head, chunk): it reads the chunk's K and V once (16-bit types converted to float32 a block
+ * of DECODE_BK keys at a time) for all g x N query rows of the group -- the cache is where the bytes
+ * are -- and leaves each row's partial softmax state (max m, sum l, unnormalised acc, base 2) in the
+ * workspace. Tasks are pulled from an atomic counter; the worker that completes a group's last chunk
+ * combines each of the group's query rows over its chunks, in chunk order, in float32:
+ *     M = max_c m_c,  L = sum_c l_c 2^(m_c - M),  out = sum_c acc_c 2^(m_c - M) / L
+ * so the result is bitwise the same on any thread count.
+ */
+#ifndef OPFORGE_KERNELS_ATTENTION_DECODE_H
+#define OPFORGE_KERNELS_ATTENTION_DECODE_H
+
+#include <stdint.h>
+
+#include "convert.h"
+#include "opforge/half.h"
+#include "opforge/runtime.h"
+
+/* keys per block inside a task: the scores of a block (rows x DECODE_BK) and its converted K/V stay in L1/L2 */
+#define DECODE_BK 64
+
+typedef struct decode_problem {
+    int64_t b, h, hkv, n, s_max, d_qk, d_v; /* batch, heads, kv heads, new tokens, cache length, head dims */
+    opf_dtype dt;                           /* of q, k, v, out */
+    const void *q, *k, *v;
+    int64_t qs[4], ks[4], vs[4]; /* element strides (b, h, n|s, d) */
+    const void *lens;            /* seq_lens (b,), every value in [0, s_max] (the caller checks) */
+    int lens_i64;                /* 1: int64, 0: int32 */
+    int64_t lens_stride;         /* in elements */
+    int causal;
+    double scale; /* exact for the float64 oracle; the float32 kernels round it once */
+    void *out;
+    int64_t os[4];
+} decode_problem;
+
+typedef struct decode_kernels {
+    OPF_VARIANT_HEAD;
+    const cvt_kernels *cvt; /* 16-bit rows to and from float32 */
+    /* s(i, j) = q_i . k_j for r rows of q (r x d, row stride d) and bk rows of k (row stride ldk, unit
+     * stride within a row); s is r x bk with row stride lds */
+    void (*scores)(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const float *k, int64_t ldk,
+                   int64_t bk);
+    /* One row's online softmax step in base 2 over x[0..bk), of which x[j < keys] are valid (0 <= keys
+     * <= bk): m' = max(m, max x); x = 2^(x - m') (0 beyond keys); l = l alpha + sum x; m = m'. Returns
+     * alpha = 2^(m - m'). While m' is -inf (no key yet) x becomes 0 and alpha 1. */
+    float (*softmax_row)(float *x, int64_t bk, int64_t keys, float *m, float *l);
+    /* o (r x dv, row stride dv) = o alpha_i + p v, p r x bk (row stride ldp), v bk x dv (row stride ldv) */
+    void (*pv)(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const float *v,
+               int64_t ldv, int64_t dv);
+} decode_kernels;
+
+extern const decode_kernels decode_kernels_ref;
+extern const decode_kernels decode_kernels_avx2;   /* attention_decode_avx2.c */
+extern const decode_kernels decode_kernels_avx512; /* attention_decode_avx512.c: masked tails */
+extern const opf_variants decode_variants;
+
+const decode_kernels *decode_kernels_for(opf_isa isa);
+
+static inline int64_t decode_len(const decode_problem *p, int64_t b) {
+    return p->lens_i64 ? ((const int64_t *)p->lens)[b * p->lens_stride]
+                       : (int64_t)((const int32_t *)p->lens)[b * p->lens_stride];
+}
+
+/* Keys per chunk (a multiple of DECODE_BK), from the shapes and max(seq_lens) only. */
+int64_t decode_chunk(const decode_problem *p);
+/* Floats of workspace for decode_fwd (float32, bfloat16, float16). */
+int64_t decode_workspace(const decode_problem *p);
+void decode_fwd(const decode_kernels *k, const decode_problem *p, float *workspace);
+
+/* The oracle, row by row in double (and the float64 path of the op); any dtype incl. OPF_F64.
+ * Returns 0, or -1 when out of memory. */
+int decode_ref_fwd(const decode_problem *p);
+
+#endif

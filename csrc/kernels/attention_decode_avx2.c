@@ -1,0 +1,198 @@
+/*
+ * Decoding attention kernels, AVX2 + FMA. A decode step is a few query rows against many keys, so the
+ * scores are dot products along the head dim (two keys x up to four rows per pass: each K load feeds
+ * four FMAs, each query load two), reduced four at a time with hadd; the softmax runs along a row's
+ * keys with exp2_8z (math_avx2.h); P V broadcasts each probability over 32-float slivers of V rows,
+ * two output rows at a time. Tails of the head dims are masked loads and stores.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "attention_decode.h"
+#include "math_avx2.h"
+
+static inline __m256i lanes_below(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* the four sums of a0..a3's lanes, in that order */
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* s(i, j) for rows i < nr (nr <= 4) and keys j < nk (nk <= 2), nr and nk constants at each call */
+static inline __attribute__((always_inline)) void dots(const int nr, const int nk, float *s, int64_t lds,
+                                                       const float *q, int64_t d, const float *k, int64_t ldk) {
+    __m256 acc[2][4];
+#pragma GCC unroll 2
+    for (int j = 0; j < nk; j++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm256_setzero_ps();
+    int64_t e = 0;
+    for (; e + 8 <= d; e += 8) {
+        __m256 kv[2];
+#pragma GCC unroll 2
+        for (int j = 0; j < nk; j++) kv[j] = _mm256_loadu_ps(k + j * ldk + e);
+#pragma GCC unroll 4
+        for (int i = 0; i < nr; i++) {
+            const __m256 qv = _mm256_loadu_ps(q + i * d + e);
+#pragma GCC unroll 2
+            for (int j = 0; j < nk; j++) acc[j][i] = _mm256_fmadd_ps(qv, kv[j], acc[j][i]);
+        }
+    }
+    if (e < d) {
+        const __m256i mask = lanes_below(d - e);
+        __m256 kv[2];
+#pragma GCC unroll 2
+        for (int j = 0; j < nk; j++) kv[j] = _mm256_maskload_ps(k + j * ldk + e, mask);
+#pragma GCC unroll 4
+        for (int i = 0; i < nr; i++) {
+            const __m256 qv = _mm256_maskload_ps(q + i * d + e, mask);
+#pragma GCC unroll 2
+            for (int j = 0; j < nk; j++) acc[j][i] = _mm256_fmadd_ps(qv, kv[j], acc[j][i]);
+        }
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < nk; j++) {
+        float sums[4];
+        _mm_storeu_ps(sums, hsum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+#pragma GCC unroll 4
+        for (int i = 0; i < nr; i++) s[i * lds + j] = sums[i];
+    }
+}
+
+#define DOTS_ROWS(NK)                                                         \
+    switch (r - i < 4 ? r - i : 4) {                                          \
+    case 4: dots(4, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
+    case 3: dots(3, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
+    case 2: dots(2, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
+    default: dots(1, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break; \
+    }
+
+static void scores_avx2(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const float *k, int64_t ldk,
+                        int64_t bk) {
+    int64_t j = 0;
+    for (; j + 2 <= bk; j += 2) {
+        const float *kj = k + j * ldk;
+        for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(2)
+    }
+    if (j < bk) {
+        const float *kj = k + j * ldk;
+        for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(1)
+    }
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, float *l) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 vmax = ninf;
+    int64_t j = 0;
+    for (; j + 8 <= keys; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + j));
+    if (j < keys) {
+        const __m256 keep = _mm256_castsi256_ps(lanes_below(keys - j));
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(ninf, _mm256_loadu_ps(x + j), keep));
+    }
+    const float mx = fmaxf(*m, hmax8(vmax));
+    if (mx == -INFINITY) {
+        for (j = 0; j < bk; j++) x[j] = 0.0f;
+        return 1.0f;
+    }
+    const __m256 base = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= bk; j += 8) {
+        __m256 e = exp2_8z(_mm256_sub_ps(_mm256_loadu_ps(x + j), base));
+        if (j + 8 > keys) e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes_below(keys - j)));
+        _mm256_storeu_ps(x + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (j < bk) {
+        const __m256i in = lanes_below(bk - j);
+        __m256 e = exp2_8z(_mm256_sub_ps(_mm256_maskload_ps(x + j, in), base));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes_below(keys - j)));
+        _mm256_maskstore_ps(x + j, in, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    const float alpha = exp2f(*m - mx);
+    *l = *l * alpha + hsum8(sum);
+    *m = mx;
+    return alpha;
+}
+
+/* o rows i < nr (nr <= 2), columns [0, 8 nv) of the pointers given (masked: the first vector's lanes
+ * below `mask` only, nv = 1), += p v after scaling by alpha; nr, nv, masked constants at each call */
+static inline __attribute__((always_inline)) void pv_tile(const int nr, const int nv, const int masked, float *o,
+                                                          int64_t dv, const float *alpha, const float *p, int64_t ldp,
+                                                          int64_t bk, const float *v, int64_t ldv, __m256i mask) {
+    __m256 acc[2][4];
+#pragma GCC unroll 2
+    for (int i = 0; i < nr; i++) {
+        const __m256 a = _mm256_set1_ps(alpha[i]);
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++)
+            acc[i][c] =
+                _mm256_mul_ps(masked ? _mm256_maskload_ps(o + i * dv, mask) : _mm256_loadu_ps(o + i * dv + 8 * c), a);
+    }
+    for (int64_t j = 0; j < bk; j++) {
+        __m256 vv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++)
+            vv[c] = masked ? _mm256_maskload_ps(v + j * ldv, mask) : _mm256_loadu_ps(v + j * ldv + 8 * c);
+#pragma GCC unroll 2
+        for (int i = 0; i < nr; i++) {
+            const __m256 pij = _mm256_broadcast_ss(p + i * ldp + j);
+#pragma GCC unroll 4
+            for (int c = 0; c < nv; c++) acc[i][c] = _mm256_fmadd_ps(pij, vv[c], acc[i][c]);
+        }
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < nr; i++)
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) {
+            if (masked)
+                _mm256_maskstore_ps(o + i * dv, mask, acc[i][c]);
+            else
+                _mm256_storeu_ps(o + i * dv + 8 * c, acc[i][c]);
+        }
+}
+
+#define PV_COLS(NR)                                                                                     \
+    do {                                                                                                \
+        int64_t e = 0;                                                                                  \
+        for (; e + 32 <= dv; e += 32) pv_tile(NR, 4, 0, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, none); \
+        for (; e + 8 <= dv; e += 8) pv_tile(NR, 1, 0, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, none);   \
+        if (e < dv) pv_tile(NR, 1, 1, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, lanes_below(dv - e));    \
+    } while (0)
+
+static void pv_avx2(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const float *v,
+                    int64_t ldv, int64_t dv) {
+    const __m256i none = _mm256_setzero_si256();
+    for (int64_t i = 0; i < r; i += 2) {
+        float *oi = o + i * dv;
+        const float *ai = alpha + i, *pi = p + i * ldp;
+        if (r - i >= 2)
+            PV_COLS(2);
+        else
+            PV_COLS(1);
+    }
+}
+
+const decode_kernels decode_kernels_avx2 = {.name = "avx2",
+                                            .isa = OPF_ISA_AVX2,
+                                            .cvt = &cvt_kernels_avx2,
+                                            .scores = scores_avx2,
+                                            .softmax_row = softmax_row_avx2,
+                                            .pv = pv_avx2};
