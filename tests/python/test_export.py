@@ -1,7 +1,7 @@
 """torch.export and AOTInductor with opforge ops.
 
-One small model uses most forward ops (rms_norm, linear with an activation,
-swiglu, rope, attention, softmax, dispersion_correction, cross_entropy). It is
+One small model uses every forward op (FORWARD_OPS; a test keeps the list
+complete as ops land). It is
 exported once, compiled once with opforge's C shims and once without (two
 AOTInductor compiles, about a minute each on a 2-core machine), and each
 package is loaded and run in a fresh Python process.
@@ -31,6 +31,9 @@ class Model(torch.nn.Module):
         self.up = torch.nn.Parameter(torch.randn(2 * HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5)
         self.qkv = torch.nn.Parameter(torch.randn(3 * HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5)
         self.head = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5)
+        self.mix = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN)
+        self.ln_w = torch.nn.Parameter(1 + 0.1 * torch.randn(HIDDEN, generator=g))
+        self.ln_b = torch.nn.Parameter(0.1 * torch.randn(HIDDEN, generator=g))
         pos = torch.arange(max_len, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, D, 2) / D)
         self.register_buffer("cos", torch.cat([pos.cos(), pos.cos()], -1))
         self.register_buffer("sin", torch.cat([pos.sin(), pos.sin()], -1))
@@ -41,11 +44,29 @@ class Model(torch.nn.Module):
         q, k, v = F.linear(h, self.qkv).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)
         q, k = F.rope(q, k, self.cos[:n], self.sin[:n])
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, HIDDEN)
-        h = h + F.swiglu(F.linear(a, self.up, None, activation="gelu"))
+        # the last query again, as a decoding step sees it: k and v as a cache of n keys per row
+        last = F.attention_decode(q[:, :, -1:], k, v, (target >= 0).sum(1))
+        m, s = F.add_rms_norm(a + last.transpose(1, 2).reshape(b, 1, HIDDEN), h, self.norm)
+        h = F.layer_norm(s + F.swiglu(F.linear(m, self.up, None, activation="gelu")), self.ln_w, self.ln_b)
         p = F.softmax(h)
         h = h + F.dispersion_correction(p, 0.5)  # sqrt inside: fed probabilities, not raw values
+        h = h + F.matmul(h.reshape(b * n, HIDDEN), self.mix).view(b, n, HIDDEN)
         logits = F.linear(h, self.head)
-        return logits, F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+        flat, t = h.reshape(-1, HIDDEN), target.reshape(-1)
+        safe = t.clamp(0, VOCAB - 1)  # an out-of-range target is cross_entropy's to refuse (tests below)
+        return (logits, F.log_softmax(logits), F.cross_entropy(logits.reshape(-1, VOCAB), t),
+                F.linear_cross_entropy(flat, self.head, safe),
+                F.linear_cross_entropy(flat, self.head, safe, reduction="none"))
+
+
+FORWARD_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "linear", "matmul", "rope", "attention", "attention_decode",
+               "glu", "softmax", "log_softmax", "dispersion_correction", "cross_entropy", "linear_cross_entropy",
+               "linear_cross_entropy_none")
+
+
+def test_the_model_covers_every_forward_op():
+    backward = {n for d in opforge.library.ops if d.backward for n in (d.backward, d.backward + "_")}
+    assert set(FORWARD_OPS) == {d.name for d in opforge.library.ops if d.name not in backward}
 
 
 def inputs(b=2, n=5, seed=1):
@@ -82,7 +103,7 @@ def assert_close_all(got, want):
 def test_export_graph_holds_the_opforge_ops(exported):
     targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
     ns = opforge.namespace
-    for op in ("rms_norm", "linear", "rope", "attention", "glu", "softmax", "dispersion_correction", "cross_entropy"):
+    for op in FORWARD_OPS:
         assert f"{ns}.{op}.default" in targets, (op, sorted(targets))
 
 
@@ -226,7 +247,7 @@ def wrapper_source(package) -> str:
 
 def test_compiled_code_calls_the_c_shims(shim_package):
     src = wrapper_source(shim_package)
-    for op in ("rms_norm", "linear", "rope", "attention", "glu", "softmax", "dispersion_correction", "cross_entropy"):
+    for op in FORWARD_OPS:
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in src, op
         assert f'__asm__("{opforge.namespace}_aoti_cpu_{op}")' in src, op
     assert "aoti_torch_proxy_executor_call_function(" not in src
