@@ -43,7 +43,7 @@ def runtime() -> list[str]:
 
 def build_test(output: str, sources: list[str], include: list[str], defines: list[str]) -> None:
     obj_dir = os.path.join(os.path.dirname(output), "obj" + "".join("-" + d.split("=")[0].lower() for d in defines))
-    objs = _build.compile_objects(sources, include, obj_dir, SANITIZE + [f"-D{d}" for d in defines])
+    objs, _ = _build.compile_objects(sources, include, obj_dir, SANITIZE + [f"-D{d}" for d in defines])
     subprocess.run([_build.compiler(), *SANITIZE, *objs, "-lpthread", "-lm", "-o", output], check=True)
 
 
