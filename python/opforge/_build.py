@@ -178,6 +178,7 @@ def build_library(
     link = [
         compiler(),
         "-shared",
+        *[f for f in extra_cflags or [] if f.startswith("-fsanitize")],  # the sanitizer runtimes (make sanitize)
         *objs,
         *runtime,
         f"-L{lib}",
