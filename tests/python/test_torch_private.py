@@ -223,9 +223,9 @@ a, b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True), torch.randn(5
 torch.autograd.gradcheck(opforge.matmul, (a, b))
 q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
 torch.autograd.gradcheck(opforge.scaled_dot_product_attention, (q, k, v))
-x = torch.rand(4, 6) + 0.5
-with torch.autocast("cpu", dtype=torch.bfloat16):
-    assert opforge.dispersion_correction(x, 0.7).dtype == torch.bfloat16
+x, w = torch.rand(4, 6), torch.rand(3, 6)
+with torch.autocast("cpu", dtype=torch.bfloat16):  # linear's policy: the autocast dtype
+    assert opforge.linear(x, w).dtype == torch.bfloat16
 print("ok")
 """
 
