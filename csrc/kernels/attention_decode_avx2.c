@@ -83,20 +83,6 @@ static void scores_avx2(float *s, int64_t lds, const float *q, int64_t r, int64_
     }
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, float *l) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 vmax = ninf;

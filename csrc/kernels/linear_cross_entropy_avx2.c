@@ -15,20 +15,6 @@ static inline __m256 capped8(__m256 u, __m256 cap, __m256 rcap, int has_cap) {
     return has_cap ? _mm256_mul_ps(cap, tanh8(_mm256_mul_ps(u, rcap))) : u;
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
 static inline float capped1(float u, float cap) { return cap > 0.0f ? cap * tanhf(u / cap) : u; }
 
 static void lse_update_avx2(const float *u, int64_t n, float capf, float *max, float *sum, float *zsum) {

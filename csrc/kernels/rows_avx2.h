@@ -18,20 +18,6 @@
 
 static inline __m256 exp8z(__m256 d) { return exp2_8z(_mm256_mul_ps(d, _mm256_set1_ps(LOG2E))); }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline float ld1_f32(const float *p) { return *p; }
