@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "half_avx2.h"
+#include "math_avx2.h"
 #include "norm.h"
 
 static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
@@ -24,13 +25,6 @@ static inline __m256 rt_bf16(__m256 v) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_round(v)), 16));
 }
 static inline __m256 rt_f16(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* lanes [0, n) set, n < 8 */
 static inline __m256i lanes(int64_t n) {
@@ -99,7 +93,7 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
                 a0 = _mm256_fmadd_ps(v, v, a0);                                                                     \
             }                                                                                                       \
         }                                                                                                           \
-        float ss = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                               \
+        float ss = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                              \
         const float rs = 1.0f / sqrtf(ss / (float)n + (float)eps);                                                  \
         *rstd = rs;                                                                                                 \
         const E *src = r ? s : x;                                                                                   \
@@ -137,7 +131,7 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
                                      _mm256_mul_ps(ldn_##name(x + i, n - i), vr));                                  \
             a0 = _mm256_add_ps(a0, t);                                                                              \
         }                                                                                                           \
-        const __m256 vc = _mm256_set1_ps(hsum(_mm256_add_ps(a0, a1)) / (float)n);                                   \
+        const __m256 vc = _mm256_set1_ps(hsum8(_mm256_add_ps(a0, a1)) / (float)n);                                  \
         for (i = 0; i < n; i += 8) {                                                                                \
             __m256 we = w ? wn_##name(w + i, n - i, offset) : one;                                                  \
             __m256 gi = ldn_##name(g + i, n - i), xh = _mm256_mul_ps(ldn_##name(x + i, n - i), vr);                 \
@@ -164,7 +158,7 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
             a1 = _mm256_add_ps(a1, LD(x + i + 8));                                                                  \
         }                                                                                                           \
         for (; i < n; i += 8) a0 = _mm256_add_ps(a0, ldn_##name(x + i, n - i));                                     \
-        const float mu = hsum(_mm256_add_ps(a0, a1)) / (float)n;                                                    \
+        const float mu = hsum8(_mm256_add_ps(a0, a1)) / (float)n;                                                   \
         const __m256 vm = _mm256_set1_ps(mu);                                                                       \
         a0 = a1 = _mm256_setzero_ps();                                                                              \
         for (i = 0; i + 16 <= n; i += 16) {                                                                         \
@@ -177,7 +171,7 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
             if (n - i < 8) d = _mm256_and_ps(d, _mm256_castsi256_ps(lanes(n - i)));                                 \
             a0 = _mm256_fmadd_ps(d, d, a0);                                                                         \
         }                                                                                                           \
-        const float rs = 1.0f / sqrtf(hsum(_mm256_add_ps(a0, a1)) / (float)n + (float)eps);                         \
+        const float rs = 1.0f / sqrtf(hsum8(_mm256_add_ps(a0, a1)) / (float)n + (float)eps);                        \
         *mean = mu, *rstd = rs;                                                                                     \
         const __m256 vr = _mm256_set1_ps(rs);                                                                       \
         for (i = 0; i < n; i += 8) {                                                                                \
@@ -205,7 +199,7 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
             sg = _mm256_add_ps(sg, gw);                                                                             \
             sgx = _mm256_add_ps(sgx, _mm256_mul_ps(gw, xh));                                                        \
         }                                                                                                           \
-        const __m256 va = _mm256_set1_ps(hsum(sg) / (float)n), vc = _mm256_set1_ps(hsum(sgx) / (float)n);           \
+        const __m256 va = _mm256_set1_ps(hsum8(sg) / (float)n), vc = _mm256_set1_ps(hsum8(sgx) / (float)n);         \
         for (int64_t i = 0; i < n; i += 8) {                                                                        \
             __m256 gi = ldn_##name(g + i, n - i);                                                                   \
             __m256 xh = _mm256_mul_ps(_mm256_sub_ps(ldn_##name(x + i, n - i), vm), vr);                             \
