@@ -11,10 +11,6 @@
 #include "attention.h"
 #include "math_avx2.h"
 
-static inline __m256i lanes_below(int64_t n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 /* C[0..mr) x [0..8*nv) (+)= A B; masked: lanes beyond the mask are neither
  * read from B or C nor written. mr, nv and masked are constants at each call. */
 static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int masked, int64_t k,

@@ -11,10 +11,6 @@
 #include "attention_decode.h"
 #include "math_avx2.h"
 
-static inline __m256i lanes_below(int64_t n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 /* the four sums of a0..a3's lanes, in that order */
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));

@@ -59,4 +59,9 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* a mask with lanes [0, n) set, n < 8 (a masked load or store of a row's tail) */
+static inline __m256i lanes_below(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 #endif

@@ -26,18 +26,13 @@ static inline __m256 rt_bf16(__m256 v) {
 }
 static inline __m256 rt_f16(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
 
-/* lanes [0, n) set, n < 8 */
-static inline __m256i lanes(int64_t n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 /* dw[i..i+8) += v, n lanes */
 static inline void acc_add(float *dw, __m256 v, int64_t n) {
     if (n >= 8) {
         _mm256_storeu_ps(dw, _mm256_add_ps(_mm256_loadu_ps(dw), v));
         return;
     }
-    __m256i m = lanes(n);
+    __m256i m = lanes_below(n);
     _mm256_maskstore_ps(dw, m, _mm256_add_ps(_mm256_maskload_ps(dw, m), v));
 }
 
@@ -168,7 +163,7 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
         }                                                                                                           \
         for (; i < n; i += 8) {                                                                                     \
             __m256 d = _mm256_sub_ps(ldn_##name(x + i, n - i), vm);                                                 \
-            if (n - i < 8) d = _mm256_and_ps(d, _mm256_castsi256_ps(lanes(n - i)));                                 \
+            if (n - i < 8) d = _mm256_and_ps(d, _mm256_castsi256_ps(lanes_below(n - i)));                           \
             a0 = _mm256_fmadd_ps(d, d, a0);                                                                         \
         }                                                                                                           \
         const float rs = 1.0f / sqrtf(hsum8(_mm256_add_ps(a0, a1)) / (float)n + (float)eps);                        \
