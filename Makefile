@@ -16,7 +16,7 @@ LIB    := python/opforge/libopforge.so
 CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
 TORCH_INCLUDE = $(shell $(PY) -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 
-.PHONY: all setup build demo test ctest abi-check pytest test-other-torch bench bench-smoke fuzz sanitize lint format clean
+.PHONY: all setup build demo test ctest ctest-emulated abi-check pytest test-other-torch bench bench-smoke fuzz sanitize lint format clean
 
 all: build
 
@@ -46,7 +46,23 @@ build/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) 
 # every tests/c/test_*.c, and the AMX kernel over a model of its tile instructions
 CTESTS := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c))) build/ctest/test_gemm_amx_emulated
 
-ctest: $(CTESTS)
+# The same tests with the AVX-512 (and AMX) variants compiled for AVX2 over
+# SIMDe (tests/emu/immintrin.h): their logic is tested on CPUs without AVX-512.
+# SIMDe is Debian's libsimde-dev (.ci/run installs it).
+SIMDE_HEADER := /usr/include/simde/x86/avx512.h
+EMU_CTESTS := $(patsubst tests/c/%.c,build/ctest-emu/%,$(sort $(wildcard tests/c/test_*.c))) build/ctest-emu/test_gemm_amx_emulated
+
+build/ctest-emu/test_%: tests/c/test_%.c tests/c/check.h tests/emu/immintrin.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
+	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_EMULATE_AVX512
+
+build/ctest-emu/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h tests/emu/immintrin.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
+	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_EMULATE_AVX512 -D OPF_AMX_EMULATE
+
+ctest-emulated: $(if $(wildcard $(SIMDE_HEADER)),$(EMU_CTESTS))
+	@if [ ! -f $(SIMDE_HEADER) ]; then echo "ctest-emulated: SIMDe is missing: apt-get install libsimde-dev"; exit 1; fi
+	@for t in $(EMU_CTESTS); do echo "./$$t (AVX-512 emulated)"; ./$$t || exit 1; done
+
+ctest: $(CTESTS) ctest-emulated
 	@for t in $(CTESTS); do echo "./$$t"; ./$$t || exit 1; done
 
 # torch's C++ headers and ours in one C++ file: a drifted signature fails here.

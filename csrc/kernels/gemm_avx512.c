@@ -62,9 +62,12 @@ static void ukernel_avx512_12x32(int64_t depth, const float *ap, const float *bp
  * 12 broadcasts of an A pair, each feeding two dot products (vdpbf16ps: 64
  * FLOP per instruction, twice an FMA's). Built for AVX512-BF16 alone; runs
  * only where the CPU has it (the avx512_bf16 ISA). */
-__attribute__((target("avx512bf16"))) static void ukernel_avx512bf16_12x32(int64_t kp, const uint32_t *ap,
-                                                                           const uint32_t *bp, float *c, int64_t rsc,
-                                                                           int m, int n, const gemm_tile *t) {
+#ifndef OPF_EMULATE_AVX512
+__attribute__((target("avx512bf16")))
+#endif
+static void
+ukernel_avx512bf16_12x32(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc, int m, int n,
+                         const gemm_tile *t) {
     __m512 acc[MR][2];
 #pragma GCC unroll 12
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();

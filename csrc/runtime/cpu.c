@@ -95,6 +95,10 @@ const char *opf_isa_name(opf_isa isa) { return (unsigned)isa < OPF_ISA_COUNT ? i
 
 static int isa_supported(opf_isa isa) {
     const opf_cpu_features *f = opf_cpu();
+#ifdef OPF_EMULATE_AVX512
+    /* the emulated AVX-512 test build (tests/emu): its AVX-512 variants run on AVX2 */
+    if (isa == OPF_ISA_AVX512 || isa == OPF_ISA_AVX512_BF16) return isa_supported(OPF_ISA_AVX2);
+#endif
     switch (isa) {
     case OPF_ISA_REF: return 1;
     case OPF_ISA_AVX2: return f->os_avx && f->avx2 && f->fma && f->f16c;

@@ -37,7 +37,24 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
-ISA_FLAGS["amx"] = ISA_FLAGS["avx512"] + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+ISA_FLAGS["avx512_bf16"] = ISA_FLAGS["avx512"] + ["-mavx512bf16"]
+ISA_FLAGS["amx"] = ISA_FLAGS["avx512_bf16"] + ["-mamx-tile", "-mamx-bf16"]
+
+# The emulated AVX-512 test build (-DOPF_EMULATE_AVX512, C tests only): the
+# AVX-512 and AMX files are compiled for AVX2, their 512-bit intrinsics mapped
+# onto a portable implementation by tests/emu/immintrin.h.
+EMULATE_AVX512 = "-DOPF_EMULATE_AVX512"
+EMU_INCLUDE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "emu")
+
+
+def isa_flags(isa: str | None, extra_cflags: list[str]) -> list[str]:
+    if isa is None:
+        return []
+    if EMULATE_AVX512 in extra_cflags and isa != "avx2":
+        # AMX instructions: the C model of gemm_amx.c; -Wno-psabi: 512-bit values pass as the emulation's structs
+        emu = ["-DOPF_AMX_EMULATE"] if isa == "amx" else []
+        return ISA_FLAGS["avx2"] + [f"-I{os.path.abspath(EMU_INCLUDE)}", "-Wno-psabi", *emu]
+    return ISA_FLAGS[isa]
 
 
 class BuildError(RuntimeError):
@@ -86,6 +103,22 @@ def _show(output: str) -> None:
         sys.stderr.write(output if output.endswith("\n") else output + "\n")
 
 
+def _up_to_date(cmd: list[str]) -> bool:
+    """Whether the object cmd writes exists, was made by this same command, and
+    is newer than its source and every header the compiler listed for it (-MMD)."""
+    obj, dep = cmd[-4], cmd[-1]
+    try:
+        with open(obj + ".cmd") as f:
+            if f.read() != " ".join(cmd):
+                return False
+        with open(dep) as f:
+            deps = f.read().replace("\\\n", " ").split(":", 1)[1].split()
+        made = os.path.getmtime(obj)
+        return all(os.path.getmtime(d) <= made for d in deps)
+    except (OSError, IndexError):
+        return False
+
+
 def compile_objects(
     sources: list[str],
     include_dirs: list[str],
@@ -106,16 +139,22 @@ def compile_objects(
         parent = os.path.basename(os.path.dirname(os.path.abspath(src)))
         obj = os.path.join(build_dir, f"{parent}_{os.path.basename(src)[:-2]}.o")
         isa = isa_of(src)
-        flags = CFLAGS + (ISA_FLAGS[isa] if isa else []) + (extra_cflags or [])
-        jobs.append(([cc, *flags, *incs, "-c", src, "-o", obj], obj))
+        flags = CFLAGS + isa_flags(isa, extra_cflags or []) + (extra_cflags or [])
+        jobs.append(([cc, *flags, *incs, "-c", src, "-o", obj, "-MMD", "-MF", obj[:-2] + ".d"], obj))
     if verbose:
         for cmd, _ in jobs:
             print(" ".join(cmd))
+
     def run(cmd):
+        if _up_to_date(cmd):
+            return "", ""
         try:
-            return "", _run(cmd)
+            out = _run(cmd)
         except BuildError as e:
             return str(e), ""
+        with open(cmd[-4] + ".cmd", "w") as f:  # the object's command, for _up_to_date
+            f.write(" ".join(cmd))
+        return "", out
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(pool.map(lambda job: run(job[0]), jobs))
