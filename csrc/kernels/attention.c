@@ -17,8 +17,10 @@ enum { BQ = 64, BK = 64 };
 
 /* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
 extern const attn_kernels attn_kernels_avx2 __attribute__((weak));
+extern const attn_kernels attn_kernels_avx512 __attribute__((weak));
 
-const opf_variants attn_variants = OPF_VARIANTS("attention", &attn_kernels_ref, &attn_kernels_avx2);
+const opf_variants attn_variants =
+    OPF_VARIANTS("attention", &attn_kernels_ref, &attn_kernels_avx2, &attn_kernels_avx512);
 
 const attn_kernels *attn_kernels_for(opf_isa isa) { return opf_variant_pick(&attn_variants, isa); }
 

@@ -83,7 +83,8 @@ typedef struct attn_kernels {
 } attn_kernels;
 
 extern const attn_kernels attn_kernels_ref;
-extern const attn_kernels attn_kernels_avx2; /* attention_avx2.c */
+extern const attn_kernels attn_kernels_avx2;   /* attention_avx2.c */
+extern const attn_kernels attn_kernels_avx512; /* attention_avx512.c */
 extern const opf_variants attn_variants;
 
 const attn_kernels *attn_kernels_for(opf_isa isa);

@@ -1,0 +1,176 @@
+/*
+ * Attention kernels, AVX-512 (F, BW, VL, DQ): the 16-lane twins of
+ * attention_avx2.c. The block matmul keeps up to 12 x 32 floats of C in 24
+ * zmm accumulators (A broadcast from any strides, two B vectors per step);
+ * the column-wise online softmax takes 16 queries per vector, and every tail
+ * (columns of C, queries of a column group, keys of a row) is a lane mask,
+ * never a scalar loop. exp is exp2_16z (rows_avx512.h).
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "attention.h"
+#include "rows_avx512.h"
+
+/* the lanes at or above `from` (0 <= from), as a mask: none when from >= 16 */
+static inline __mmask16 lanes_from(int64_t from) { return from >= 16 ? 0 : (__mmask16)(0xffffu << from); }
+/* tail16 for any count: none when left <= 0 */
+static inline __mmask16 lanes_below16(int64_t left) { return left <= 0 ? 0 : tail16(left); }
+
+/* C[0..mr) x [0..16*nv) (+)= A B, lanes outside m0 / m1 neither read nor written; mr and nv constants at each call */
+static inline __attribute__((always_inline)) void tile(const int mr, const int nv, int64_t k, const float *a,
+                                                       int64_t rsa, int64_t csa, const float *b, int64_t ldb, float *c,
+                                                       int64_t ldc, int acc, __mmask16 m0, __mmask16 m1) {
+    __m512 c0[12], c1[12];
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k; p++, a += csa, b += ldb) {
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, b);
+        const __m512 b1 = nv == 2 ? _mm512_maskz_loadu_ps(m1, b + 16) : b0;
+#pragma GCC unroll 12
+        for (int r = 0; r < mr; r++) {
+            const __m512 av = _mm512_set1_ps(a[r * rsa]);
+            c0[r] = _mm512_fmadd_ps(av, b0, c0[r]);
+            if (nv == 2) c1[r] = _mm512_fmadd_ps(av, b1, c1[r]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; r++) {
+        float *cr = c + r * ldc;
+        if (acc) c0[r] = _mm512_add_ps(c0[r], _mm512_maskz_loadu_ps(m0, cr));
+        _mm512_mask_storeu_ps(cr, m0, c0[r]);
+        if (nv == 2) {
+            if (acc) c1[r] = _mm512_add_ps(c1[r], _mm512_maskz_loadu_ps(m1, cr + 16));
+            _mm512_mask_storeu_ps(cr + 16, m1, c1[r]);
+        }
+    }
+}
+
+#define ROWS(NV)                                                                      \
+    for (int64_t i = 0; i < m; i += 12) {                                             \
+        const float *ai = a + i * rsa;                                                \
+        float *ci = c + i * ldc + j;                                                  \
+        switch (m - i < 12 ? m - i : 12) {                                            \
+        case 12: tile(12, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break; \
+        case 11: tile(11, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break; \
+        case 10: tile(10, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break; \
+        case 9: tile(9, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;   \
+        case 8: tile(8, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;   \
+        case 7: tile(7, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;   \
+        case 6: tile(6, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;   \
+        case 5: tile(5, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;   \
+        case 4: tile(4, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;   \
+        case 3: tile(3, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;   \
+        case 2: tile(2, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;   \
+        default: tile(1, NV, k, ai, rsa, csa, bj, ldb, ci, ldc, acc, m0, m1); break;  \
+        }                                                                             \
+    }
+
+static void mm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+                      int64_t ldb, float *c, int64_t ldc, int acc) {
+    for (int64_t j = 0; j < n; j += 32) { /* one 32-column sliver of B stays in L1 across the rows */
+        const int64_t nb = n - j < 32 ? n - j : 32;
+        const float *bj = b + j;
+        const __mmask16 m0 = lanes_below16(nb), m1 = lanes_below16(nb - 16);
+        if (nb > 16) {
+            ROWS(2)
+        } else {
+            ROWS(1)
+        }
+    }
+}
+
+#define LOG2E 1.44269504088896341f
+
+/* The keep-mask of key row j for the 16 queries starting at i (query i keeps key j when j <= i + diag) */
+static inline __mmask16 keep16(int64_t i, int64_t j, int64_t diag) {
+    return lanes_from(j - diag - i < 0 ? 0 : j - diag - i);
+}
+
+/* Columns in groups of 16 queries, up to 4 groups at a time, walked row by row
+ * (consecutive addresses, as the AVX2 kernel); the last group's missing
+ * queries are masked lanes. */
+static void softmax_cols_avx512(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
+                                float *alpha, int64_t diag) {
+    const __m512 vs = _mm512_set1_ps(scale), vs2 = _mm512_set1_ps(scale * LOG2E), log2e = _mm512_set1_ps(LOG2E);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < bq; i0 += 64) {
+        const int ng = (int)((bq - i0 + 15) / 16 < 4 ? (bq - i0 + 15) / 16 : 4);
+        const int64_t jfull = i0 + diag; /* rows j <= jfull keep every query of the chunk */
+        __mmask16 lanes[4];
+        __m512 mx[4], base2[4], sum[4];
+        for (int g = 0; g < ng; g++) {
+            lanes[g] = lanes_below16(bq - i0 - 16 * g);
+            mx[g] = _mm512_mask_loadu_ps(ninf, lanes[g], m + i0 + 16 * g);
+            sum[g] = zero;
+        }
+        for (int64_t j = 0; j < bk; j++) {
+            const float *row = st + j * ld + i0;
+            for (int g = 0; g < ng; g++) {
+                const __mmask16 keep = j <= jfull ? lanes[g] : lanes[g] & keep16(i0 + 16 * g, j, diag);
+                mx[g] = _mm512_mask_max_ps(mx[g], keep, mx[g],
+                                           _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, row + 16 * g), vs));
+            }
+        }
+        for (int g = 0; g < ng; g++) /* a column with no key yet: base 0, so that exp(-inf - 0) = 0 */
+            base2[g] = _mm512_mul_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx[g], ninf, _CMP_NEQ_UQ), mx[g]), log2e);
+        for (int64_t j = 0; j < bk; j++) { /* exp(x scale - base) = 2^(x scale log2e - base log2e) */
+            float *row = st + j * ld + i0;
+            for (int g = 0; g < ng; g++) {
+                const __mmask16 keep = j <= jfull ? lanes[g] : lanes[g] & keep16(i0 + 16 * g, j, diag);
+                __m512 e = exp2_16z(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes[g], row + 16 * g), vs2, base2[g]));
+                e = _mm512_maskz_mov_ps(keep, e);
+                _mm512_mask_storeu_ps(row + 16 * g, lanes[g], e);
+                sum[g] = _mm512_add_ps(sum[g], e);
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            float *mg = m + i0 + 16 * g, *lg = l + i0 + 16 * g;
+            const __m512 a =
+                exp2_16z(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes[g], mg), log2e), base2[g]));
+            _mm512_mask_storeu_ps(alpha + i0 + 16 * g, lanes[g], a);
+            _mm512_mask_storeu_ps(lg, lanes[g], _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes[g], lg), a, sum[g]));
+            _mm512_mask_storeu_ps(mg, lanes[g], mx[g]);
+        }
+    }
+}
+
+static inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+static void probs_avx512(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse,
+                         int64_t diag) {
+    const __m512 vs2 = _mm512_set1_ps(scale * LOG2E);
+    for (int64_t i = 0; i < bq; i++) {
+        float *row = scores + i * ld;
+        const int64_t keys = lse[i] == -INFINITY ? 0 : clamp64(i + diag + 1, 0, bk); /* the rest are 0 */
+        const __m512 vl = _mm512_set1_ps(lse[i] * LOG2E);
+        for (int64_t j = 0; j < bk; j += 16) {
+            const __mmask16 valid = lanes_below16(bk - j), keep = lanes_below16(keys - j);
+            const __m512 e = exp2_16z(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, row + j), vs2, vl));
+            _mm512_mask_storeu_ps(row + j, valid, _mm512_maskz_mov_ps(keep, e));
+        }
+    }
+}
+
+static void dscores_avx512(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta,
+                           float scale) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < bq; i++) {
+        float *d = dp + i * ld;
+        const float *pr = p + i * ld;
+        const __m512 vd = _mm512_set1_ps(delta[i]);
+        for (int64_t j = 0; j < bk; j += 16) {
+            const __mmask16 valid = lanes_below16(bk - j);
+            const __m512 g = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, d + j), vd), vs);
+            _mm512_mask_storeu_ps(d + j, valid, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, pr + j), g));
+        }
+    }
+}
+
+const attn_kernels attn_kernels_avx512 = {.name = "avx512",
+                                          .isa = OPF_ISA_AVX512,
+                                          .cvt = &cvt_kernels_avx512,
+                                          .mm = mm_avx512,
+                                          .softmax_cols = softmax_cols_avx512,
+                                          .probs = probs_avx512,
+                                          .dscores = dscores_avx512};
