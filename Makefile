@@ -43,8 +43,13 @@ build/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge/_bui
 build/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_AMX_EMULATE
 
-# every tests/c/test_*.c, and the AMX kernel over a model of its tile instructions
-CTESTS := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c))) build/ctest/test_gemm_amx_emulated
+# attention with the forward's keys split into chunks on (almost) every shape, not only the fewest query blocks
+build/ctest/test_attention_split: tests/c/test_attention.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
+	$(PY) python/opforge/_build.py $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D ATTN_FWD_MIN_TASKS=64
+
+# every tests/c/test_*.c, the AMX kernel over a model of its tile instructions, attention split
+CTESTS := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c))) build/ctest/test_gemm_amx_emulated \
+	build/ctest/test_attention_split
 
 # The same tests with the AVX-512 (and AMX) variants compiled for AVX2 over
 # SIMDe (tests/emu/immintrin.h): their logic is tested on CPUs without AVX-512.
@@ -107,7 +112,7 @@ fuzz: build
 # ASan + UBSan: the C tests, and the fuzz on a sanitized copy of the package (build/asan/python) in a
 # python that preloads the sanitizer runtimes. The default build is left as it is.
 SAN_DIR := build/asan
-SAN_CTESTS := $(patsubst tests/c/%.c,%,$(wildcard tests/c/test_*.c)) test_gemm_amx_emulated
+SAN_CTESTS := $(patsubst tests/c/%.c,%,$(wildcard tests/c/test_*.c)) test_gemm_amx_emulated test_attention_split
 SAN_OPTIONS := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 SANITIZE_FUZZ_SECONDS ?= 180
 
@@ -116,6 +121,9 @@ $(SAN_DIR)/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge
 
 $(SAN_DIR)/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) python/opforge/_build.py tests/sanitize.py | $(VENV)/.installed
 	$(PY) tests/sanitize.py test $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_AMX_EMULATE
+
+$(SAN_DIR)/ctest/test_attention_split: tests/c/test_attention.c tests/c/check.h $(CSRC) python/opforge/_build.py tests/sanitize.py | $(VENV)/.installed
+	$(PY) tests/sanitize.py test $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D ATTN_FWD_MIN_TASKS=64
 
 $(SAN_DIR)/python/opforge/libopforge.so: $(CSRC) $(wildcard python/opforge/*.py) tests/sanitize.py | $(VENV)/.installed
 	$(PY) tests/sanitize.py library $(SAN_DIR)/python

@@ -8,7 +8,10 @@ heads, the cache a view of a preallocated (B, Hkv, S_max, D) buffer) against F.s
 on the sliced cache (enable_gqa=True) and torch.compile of it, with the bandwidth the decode reaches
 (bytes of K and V read / time) as a % of a plain copy of the same K and V measured in the same rounds.
 
-    python benchmarks/bench_attention.py [--smoke] [--only train|decode] [--out DIR]
+    python benchmarks/bench_attention.py [--smoke] [--only train|decode] [--small] [--out DIR]
+
+--small: the training part on small shapes only (B x H of 1 and 2, N 64 to 256, where the query blocks
+alone are too few to keep the cores busy), with (4, 8, 128, 64) for comparison.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--only", choices=("train", "decode"), help="run one of the two parts")
+    p.add_argument("--small", action="store_true", help="the training part on small shapes only")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     if a.only != "train":
@@ -141,13 +145,17 @@ def main(argv=None):
     if a.only == "decode":
         return
     f32, bf16 = torch.float32, torch.bfloat16
-    # (batch, heads, N, D, dtype): B x H in {1, 8, 32}; each with and without a causal mask
+    # (batch, heads, N, D, dtype): B x H in {1, 8, 32}; each with and without a causal mask; small
+    # shapes: B x H in {1, 2} with N in {64, 128, 256}, fewer query blocks than cores
+    small = [(b, h, n, 64, f32) for b, h in ((1, 1), (1, 2)) for n in (64, 128, 256)] + [(4, 8, 128, 64, f32)]
     if a.smoke:
         grid = [(1, 2, 64, 32, f32), (1, 2, 64, 32, bf16)]
     else:
         grid = [(4, 8, 1024, 64, f32), (1, 1, 1024, 64, f32), (1, 1, 4096, 64, f32), (1, 8, 512, 64, f32),
                 (1, 8, 2048, 64, f32), (4, 8, 128, 64, f32), (4, 8, 512, 64, f32), (1, 8, 1024, 128, f32),
-                (1, 8, 1024, 64, bf16)]
+                (1, 8, 1024, 64, bf16)] + small[:-1]
+    if a.small:
+        grid = small
     threads = torch.get_num_threads()
     probe, probe_flops = fma_probe()
     rows = []

@@ -13,6 +13,11 @@
  * tiles are only those on the causal diagonal or under an explicit mask;
  * tiles above the diagonal are never computed. Tasks are pulled from an
  * atomic counter, most expensive first, so cores stay busy for any B x H.
+ * With fewer query blocks than a fixed minimum of tasks (one head of up to 64
+ * queries: decoding, cross-attention) each block's keys are split into chunks
+ * of whole key blocks, one task each, leaving (O, max, sum) in a slot; the task
+ * finishing a block's last chunk merges them in chunk order (split-K). The
+ * split depends on the shape only: the same bits on any thread count.
  *
  * Backward (FlashAttention-2): each task is one block of BK keys of one
  * key/value head, looping over the query blocks of every query head that

@@ -3,9 +3,13 @@
  * forward (out, lse) and backward (dq, dk, dv) on odd lengths (1, 7, 129,
  * 1000), head dims 16..256, causal and not, grouped-query heads, boolean and
  * additive masks with broadcast dims, fully masked rows, transposed (B, N, H,
- * D) and strided layouts, float32 and bfloat16; the backward bitwise the same
- * on 1 to 4 threads, run after run; empty shapes; the float64 oracle at a
- * scale float32 cannot hold.
+ * D) and strided layouts, float32 and bfloat16; few query blocks (one head,
+ * N = 1 to 200, S up to 1000: the forward splits a lone query block's keys into
+ * chunks; built with -D ATTN_FWD_MIN_TASKS=64 as test_attention_split, it
+ * splits almost every shape here, causal, masked and grouped ones too); the
+ * forward and backward bitwise the same on 1 to 4 threads, run after run;
+ * workspaces exactly as sized, between guard words; empty shapes; the float64
+ * oracle at a scale float32 cannot hold.
  */
 #define _POSIX_C_SOURCE 200809L /* setenv: the standalone thread count is OPFORGE_NUM_THREADS */
 #include <math.h>
@@ -94,10 +98,10 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
     const int runs[5] = {1, 2, 2, 2, 4};
     for (int r = 0; r < 5; r++) {
         set_threads(runs[r]);
-        float *ws = malloc((size_t)(attn_bwd_workspace(&p) + 16) * sizeof(float));
+        float *ws = check_ws_alloc(attn_bwd_workspace(&p));
         memset(gq, 0x7f, nq), memset(gk, 0x7f, nk), memset(gv, 0x7f, nv);
         attn_bwd(k, &p, ws);
-        free(ws);
+        check_ws_free(ws, "attn_bwd");
         CHECK(same_bits(gq, dq, p.dqs, p.b, p.h, p.n, p.d_qk, p.dt) &&
                   same_bits(gk, dk, p.dks, p.b, p.hkv, p.s, p.d_qk, p.dt) &&
                   same_bits(gv, dv, p.dvs, p.b, p.hkv, p.s, p.d_v, p.dt),
@@ -111,6 +115,33 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
     else
         unsetenv("OPFORGE_NUM_THREADS");
     free(threads0), free(gq), free(gk), free(gv);
+}
+
+/* attn_fwd again on 1, 2 (twice) and 4 threads: out and lse must equal the
+ * first run's bit for bit (split into key chunks or not, by the shape alone) */
+static void check_fwd_bits(const attn_kernels *k, attn_problem p, const void *out, const float *lse, size_t no) {
+    const char *env = getenv("OPFORGE_NUM_THREADS");
+    char *threads0 = env ? strdup(env) : NULL;
+    const size_t nl = (size_t)(p.b * p.h * p.n) * sizeof(float);
+    void *go = malloc(no + 1);
+    float *gl = malloc(nl + sizeof(float));
+    p.out = go, p.lse = gl;
+    const int runs[4] = {1, 2, 2, 4};
+    for (int r = 0; r < 4; r++) {
+        set_threads(runs[r]);
+        float *ws = check_ws_alloc(attn_fwd_workspace(&p));
+        memset(go, 0x7f, no), memset(gl, 0x7f, nl);
+        attn_fwd(k, &p, ws);
+        check_ws_free(ws, "attn_fwd");
+        CHECK(same_bits(go, out, p.os, p.b, p.h, p.n, p.d_v, p.dt) && memcmp(gl, lse, nl) == 0,
+              "%s b=%lld h=%lld n=%lld s=%lld causal=%d: forward on %d threads (check %d) differs from the first run",
+              k->name, (long long)p.b, (long long)p.h, (long long)p.n, (long long)p.s, p.causal, runs[r], r + 1);
+    }
+    if (threads0)
+        setenv("OPFORGE_NUM_THREADS", threads0, 1);
+    else
+        unsetenv("OPFORGE_NUM_THREADS");
+    free(threads0), free(go), free(gl);
 }
 
 static void run(const attn_kernels *k, cfg c) {
@@ -160,11 +191,14 @@ static void run(const attn_kernels *k, cfg c) {
 
     CHECK(attn_ref_fwd(&want) == 0, "oracle out of memory");
     CHECK(attn_ref_bwd(&want) == 0, "oracle out of memory");
-    int64_t fws = attn_fwd_workspace(&p), bws = attn_bwd_workspace(&p);
-    float *ws = malloc((size_t)((fws > bws ? fws : bws) + 16) * sizeof(float));
-    attn_fwd(k, &p, ws);
-    attn_bwd(k, &p, ws);
+    float *fws = check_ws_alloc(attn_fwd_workspace(&p));
+    attn_fwd(k, &p, fws);
+    check_ws_free(fws, "attn_fwd");
+    float *bws = check_ws_alloc(attn_bwd_workspace(&p));
+    attn_bwd(k, &p, bws);
+    check_ws_free(bws, "attn_bwd");
 
+    check_fwd_bits(k, p, out, lse, (size_t)no * esize(c.dt));
     check_bwd_bits(k, p, dq, dk, dv, (size_t)nq * esize(c.dt), (size_t)nk * esize(c.dt), (size_t)nv * esize(c.dt));
 
     const double tol = c.dt == OPF_BF16 ? 1.6e-2 : 2e-5, gtol = c.dt == OPF_BF16 ? 3e-2 : 1e-4;
@@ -186,7 +220,7 @@ static void run(const attn_kernels *k, cfg c) {
           k->name, (long long)c.b, (long long)c.h, (long long)c.hkv, (long long)c.n, (long long)c.s, (long long)c.d,
           (long long)c.dv, c.causal, c.mask, c.layout, c.dt == OPF_BF16 ? "bf16" : "f32", eo, lerr, eq, ek, ev);
     free(q), free(kk), free(v), free(dout), free(mask), free(out), free(wout), free(lse), free(wlse);
-    free(dq), free(dk), free(dv), free(wdq), free(wdk), free(wdv), free(ws);
+    free(dq), free(dk), free(dv), free(wdq), free(wdk), free(wdv);
 }
 
 static void test_mm(const attn_kernels *k) {
@@ -238,6 +272,22 @@ static void test_variant(const attn_kernels *k) {
     run(k, (cfg){2, 4, 2, 129, 100, 64, 64, 1, 0, 1, OPF_BF16});  /* bfloat16 */
     run(k, (cfg){1, 2, 1, 70, 70, 80, 80, 0, 2, 2, OPF_BF16});    /* bfloat16, mask, strided */
     run(k, (cfg){3, 4, 1, 200, 300, 32, 32, 1, 0, 0, OPF_F32});   /* 3 groups: whole on 1 thread, key blocks on 2 */
+    /* few query blocks (fewer than the forward's minimum of tasks): each block's
+     * keys in chunks of whole key blocks, merged in chunk order; at the default
+     * minimum only one head's lone query block without a causal mask splits */
+    const int64_t split_n[] = {1, 7, 64, 65, 200}, split_s[] = {1, 64, 65, 200, 1000};
+    for (size_t a = 0; a < 5; a++)
+        for (size_t b = 0; b < 5; b++)
+            for (int causal = 0; causal < 2; causal++)
+                run(k, (cfg){1, 1, 1, split_n[a], split_s[b], 64, 64, causal, 0, 0, OPF_F32});
+    run(k, (cfg){1, 2, 1, 65, 300, 40, 40, 1, 1, 0, OPF_F32});    /* MQA, bool mask + causal */
+    run(k, (cfg){1, 1, 1, 7, 1000, 24, 24, 0, 2, 2, OPF_F32});    /* additive mask, strided */
+    run(k, (cfg){1, 1, 1, 50, 300, 16, 16, 0, 3, 0, OPF_F32});    /* fully masked rows */
+    run(k, (cfg){1, 4, 2, 64, 700, 72, 72, 1, 0, 1, OPF_F32});    /* GQA, causal, transposed */
+    run(k, (cfg){1, 3, 3, 200, 129, 33, 17, 0, 0, 0, OPF_F32});   /* odd head dims */
+    run(k, (cfg){2, 1, 1, 1, 999, 7, 9, 0, 0, 2, OPF_F32});       /* one query, odd dims, strided */
+    run(k, (cfg){1, 1, 1, 200, 1000, 64, 64, 1, 0, 0, OPF_BF16}); /* bfloat16, causal */
+    run(k, (cfg){1, 2, 1, 65, 500, 80, 80, 0, 1, 1, OPF_BF16});   /* bfloat16, bool mask, transposed */
     /* empty: no query, no key (zeros, lse -inf), no batch, no head */
     run(k, (cfg){2, 2, 1, 0, 7, 16, 16, 0, 0, 0, OPF_F32});
     run(k, (cfg){2, 2, 1, 9, 0, 16, 16, 1, 0, 0, OPF_F32});

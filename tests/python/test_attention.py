@@ -1,8 +1,9 @@
 """attention against torch.nn.functional.scaled_dot_product_attention: values per
 dtype, causal with unequal lengths, grouped-query heads, masks, fully masked
 rows, strides, gradients, gradcheck, float64 to the last bits, empty shapes,
-opcheck, a backward bitwise the same on any thread count, no leak on failing
-calls, torch.compile, autocast, nn.MultiheadAttention, bad input."""
+opcheck, a backward bitwise the same on any thread count, few query blocks (the
+forward's keys split into chunks) against float64 and bitwise the same on 1 and 2
+threads, no leak on failing calls, torch.compile, autocast, nn.MultiheadAttention, bad input."""
 
 import ctypes
 import os
@@ -280,6 +281,96 @@ def test_runs_under_deterministic_algorithms():
         assert all(torch.equal(a, w) for a, w in zip(_backward(q, k, v, g, True), first))
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+# One query block of up to 64 queries of one head, fewer tasks than the forward's minimum:
+# its keys are cut into chunks of whole 64-key blocks, merged in chunk order. Causal
+# (a lone block sees at most 64 keys) and several heads are not split: the same checks.
+SPLIT = [(1, 1000), (7, 300), (64, 129), (33, 65), (64, 64), (7, 1), (65, 200), (200, 1000)]
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, s", SPLIT, ids=str)
+def test_few_query_blocks_values(n, s, causal, dtype):
+    q, k, v = qkv(b=1, h=1, n=n, s=s, d=40, dtype=dtype)
+    out = opforge.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert out.shape == (1, 1, n, 40) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), reference(q, k, v, causal=causal), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_query_blocks_grouped_heads_and_odd_dims(dtype):
+    q, k, v = qkv(b=1, h=2, hkv=1, n=7, s=700, d=33, dv=17, dtype=dtype)
+    out = opforge.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), **TOL[dtype])
+    q, k, v = (t[:, :1] for t in (q, k, v))  # one head: split
+    out = opforge.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out.double(), reference(q, k, v), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["bool-2d", "float-with-inf", "bool-key-padding"])
+def test_few_query_blocks_masks(kind, dtype):
+    q, k, v = qkv(b=1, h=1, n=50, s=300, d=24, dtype=dtype)
+    mask = MASKS[kind](1, 1, 50, 300)
+    mask = mask if mask.dtype == torch.bool else mask.to(dtype)
+    out = opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask), **TOL[dtype])
+
+
+def test_few_query_blocks_row_masked_in_some_chunks_only():
+    # row 0 sees only the last key (the last chunk), row 1 none: zeros, as torch gives
+    q, k, v = qkv(b=1, h=1, n=3, s=700, d=16, grad=True)
+    mask = torch.rand(3, 700) > 0.5
+    mask[0] = False
+    mask[0, -1] = True
+    mask[1] = False
+    out = opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.all(out[:, :, 1] == 0)
+    torch.testing.assert_close(out, SDPA(q, k, v, attn_mask=mask), **TOL[torch.float32])
+    torch.testing.assert_close(out[0, 0, 0], v[0, 0, -1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_few_query_blocks_gradients(causal, dtype):
+    q, k, v = qkv(b=1, h=1, n=64, s=400, d=32, dtype=dtype, grad=True)
+    out = opforge.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(reference(*leaves, causal=causal), leaves, g.double())
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a.double(), b, **GTOL[dtype], msg=f"d{name}")
+
+
+def test_few_query_blocks_gradcheck_float64():
+    q, k, v = qkv(b=1, h=1, n=3, s=130, d=4, dtype=torch.float64, grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: opforge.scaled_dot_product_attention(q, k, v), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, s, causal", [(64, 1000, False), (1, 300, False), (40, 700, True)], ids=str)
+def test_few_query_blocks_bitwise_the_same_on_any_thread_count(n, s, causal, dtype):
+    q, k, v = qkv(b=1, h=1, n=n, s=s, d=64, dtype=dtype, grad=True)
+    g = torch.randn(1, 1, n, 64).to(dtype)
+
+    def run():
+        out, lse = ATTN(q, k, v, None, causal, None)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), g))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = run()
+        for r in range(5):
+            assert all(torch.equal(a, w) for a, w in zip(run(), first)), f"run {r + 2} differs from run 1 on 2 threads"
+        torch.set_num_threads(1)
+        for name, a, w in zip(["out", "lse", "dq", "dk", "dv"], run(), first):
+            assert torch.equal(a, w), f"{name} differs between 1 and 2 threads"
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _MallInfo2(ctypes.Structure):
