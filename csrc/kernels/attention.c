@@ -18,9 +18,10 @@ enum { BQ = 64, BK = 64 };
 /* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
 extern const attn_kernels attn_kernels_avx2 __attribute__((weak));
 extern const attn_kernels attn_kernels_avx512 __attribute__((weak));
+extern const attn_kernels attn_kernels_avx512_bf16 __attribute__((weak));
 
 const opf_variants attn_variants =
-    OPF_VARIANTS("attention", &attn_kernels_ref, &attn_kernels_avx2, &attn_kernels_avx512);
+    OPF_VARIANTS("attention", &attn_kernels_ref, &attn_kernels_avx2, &attn_kernels_avx512, &attn_kernels_avx512_bf16);
 
 const attn_kernels *attn_kernels_for(opf_isa isa) { return opf_variant_pick(&attn_variants, isa); }
 
@@ -278,6 +279,7 @@ static void fwd_merge(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t nch, flo
 static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float *ws) {
     const attn_kernels *k = c->k;
     const attn_problem *p = c->p;
+    const attn_mm_fn mm = attn_mm_for(k, p);
     const int64_t d_qk = p->d_qk, d_v = p->d_v, b = bh / p->h, h = bh % p->h, kvh = h / (p->h / p->hkv);
     const int64_t i0 = qb * BQ, bq = p->n - i0 < BQ ? p->n - i0 : BQ, kend = fwd_kend(p, i0, bq);
     const int64_t jbeg = ch * c->pl.span, jend = kend - jbeg < c->pl.span ? kend : jbeg + c->pl.span;
@@ -311,7 +313,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
             for (int64_t j = 0; j < bk; j++)
                 load_row(k, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
         }
-        k->mm(bk, bq, d_qk, ka, rsk, csk, qt, BQ, st, BQ, 0);
+        mm(bk, bq, d_qk, ka, rsk, csk, qt, BQ, st, BQ, 0);
         float scale;
         const int64_t diag = tile_diag(p, st, 1, BQ, b, h, i0, bq, j0, bk, &scale);
         k->softmax_cols(st, BQ, bk, bq, scale, m, l, alpha, diag);
@@ -328,7 +330,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
             for (int64_t j = 0; j < bk; j++)
                 load_row(k, vbuf + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
         }
-        k->mm(bq, d_v, bk, st, 1, BQ, vb, ldv, o, d_v, 1);
+        mm(bq, d_v, bk, st, 1, BQ, vb, ldv, o, d_v, 1);
     }
     if (split) { /* the last chunk of the block to finish merges them (the atomic orders the slots' writes) */
         const int64_t nch = cdiv(kend, c->pl.span);
@@ -495,6 +497,7 @@ static void add_slot(bwd_ctx *c, int64_t grp, int64_t kb, const float *slot) {
 static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot) {
     const attn_kernels *k = c->k;
     const attn_problem *p = c->p;
+    const attn_mm_fn mm = attn_mm_for(k, p);
     const int64_t d_qk = p->d_qk, d_v = p->d_v, g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
     const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK;
     const bwd_worker_layout lay = bwd_worker_layout_for(p);
@@ -533,15 +536,15 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot
                 for (int64_t i = 0; i < bq; i++)
                     load_row(k, dor + i * d_v, p->dout, off4(p->dos, b, h, i0 + i, 0), p->dos[3], d_v, p->dt);
             }
-            k->mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
+            mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
             float scale;
             const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
             k->probs(scores, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag);             /* P */
-            k->mm(bq, bk, d_v, dout, lddo, 1, vt, BK, dp, BK, 0);                           /* dP = dO V^T */
+            mm(bq, bk, d_v, dout, lddo, 1, vt, BK, dp, BK, 0);                              /* dP = dO V^T */
             k->dscores(dp, scores, BK, bq, bk, c->delta + bh * p->n + i0, (float)p->scale); /* dS */
-            k->mm(bk, d_v, bq, scores, 1, BK, dout, lddo, dv, d_v, 1);                      /* dV += P^T dO */
-            k->mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                            /* dK += dS^T Q */
-            k->mm(bq, d_qk, bk, dp, BK, 1, kr, d_qk, dqh + i0 * lddq, lddq, !slot);         /* dQ += dS K */
+            mm(bk, d_v, bq, scores, 1, BK, dout, lddo, dv, d_v, 1);                         /* dV += P^T dO */
+            mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                               /* dK += dS^T Q */
+            mm(bq, d_qk, bk, dp, BK, 1, kr, d_qk, dqh + i0 * lddq, lddq, !slot);            /* dQ += dS K */
         }
     }
     for (int64_t j = 0; j < bk; j++) {

@@ -66,13 +66,19 @@ typedef struct attn_problem {
     int64_t dqs[4], dks[4], dvs[4];
 } attn_problem;
 
+typedef void (*attn_mm_fn)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+                           int64_t ldb, float *c, int64_t ldc, int acc);
+
 typedef struct attn_kernels {
     OPF_VARIANT_HEAD;
     const cvt_kernels *cvt; /* 16-bit rows to and from float32 */
     /* C (m x n, row stride ldc) = (acc ? C : 0) + A B with A(i, p) = a[i*rsa + p*csa]
      * and B(p, j) = b[p*ldb + j] */
-    void (*mm)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b, int64_t ldb,
-               float *c, int64_t ldc, int acc);
+    attn_mm_fn mm;
+    /* mm on operands rounded to bfloat16 (to nearest even), float32 sums: used
+     * for bfloat16 inputs, where Q, K, V and dO round exactly and P and dS
+     * once, as flash kernels do; NULL where the ISA has no bfloat16 product */
+    attn_mm_fn mm_bf16;
     /* online softmax down the columns of st (bk keys x bq queries, row stride ld):
      * x = scale * st; m' = max(m, max_j x); st = exp(x - m'); alpha = exp(m - m');
      * l = l * alpha + sum_j st; m = m'. A column with m' = -inf gets zeros.
@@ -88,11 +94,17 @@ typedef struct attn_kernels {
 } attn_kernels;
 
 extern const attn_kernels attn_kernels_ref;
-extern const attn_kernels attn_kernels_avx2;   /* attention_avx2.c */
-extern const attn_kernels attn_kernels_avx512; /* attention_avx512.c */
+extern const attn_kernels attn_kernels_avx2;        /* attention_avx2.c */
+extern const attn_kernels attn_kernels_avx512;      /* attention_avx512.c */
+extern const attn_kernels attn_kernels_avx512_bf16; /* attention_avx512.c */
 extern const opf_variants attn_variants;
 
 const attn_kernels *attn_kernels_for(opf_isa isa);
+
+/* The product the driver uses for p's dtype: mm_bf16 for bfloat16 where the table has one */
+static inline attn_mm_fn attn_mm_for(const attn_kernels *k, const attn_problem *p) {
+    return p->dt == OPF_BF16 && k->mm_bf16 ? k->mm_bf16 : k->mm;
+}
 
 /* ---- element access, shared by the driver and the oracle ---- */
 

@@ -17,6 +17,22 @@ static inline __mmask16 lanes_from(int64_t from) { return from >= 16 ? 0 : (__mm
 /* tail16 for any count: none when left <= 0 */
 static inline __mmask16 lanes_below16(int64_t left) { return left <= 0 ? 0 : tail16(left); }
 
+/* C[0..mr) x [0..16*nv) (+)= the accumulators, lanes outside m0 / m1 left alone */
+static inline __attribute__((always_inline)) void store_tile(const int mr, const int nv, __m512 *c0, __m512 *c1,
+                                                             float *c, int64_t ldc, int acc, __mmask16 m0,
+                                                             __mmask16 m1) {
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; r++) {
+        float *cr = c + r * ldc;
+        if (acc) c0[r] = _mm512_add_ps(c0[r], _mm512_maskz_loadu_ps(m0, cr));
+        _mm512_mask_storeu_ps(cr, m0, c0[r]);
+        if (nv == 2) {
+            if (acc) c1[r] = _mm512_add_ps(c1[r], _mm512_maskz_loadu_ps(m1, cr + 16));
+            _mm512_mask_storeu_ps(cr + 16, m1, c1[r]);
+        }
+    }
+}
+
 /* C[0..mr) x [0..16*nv) (+)= A B, lanes outside m0 / m1 neither read nor written; mr and nv constants at each call */
 static inline __attribute__((always_inline)) void tile(const int mr, const int nv, int64_t k, const float *a,
                                                        int64_t rsa, int64_t csa, const float *b, int64_t ldb, float *c,
@@ -34,16 +50,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
             if (nv == 2) c1[r] = _mm512_fmadd_ps(av, b1, c1[r]);
         }
     }
-#pragma GCC unroll 12
-    for (int r = 0; r < mr; r++) {
-        float *cr = c + r * ldc;
-        if (acc) c0[r] = _mm512_add_ps(c0[r], _mm512_maskz_loadu_ps(m0, cr));
-        _mm512_mask_storeu_ps(cr, m0, c0[r]);
-        if (nv == 2) {
-            if (acc) c1[r] = _mm512_add_ps(c1[r], _mm512_maskz_loadu_ps(m1, cr + 16));
-            _mm512_mask_storeu_ps(cr + 16, m1, c1[r]);
-        }
-    }
+    store_tile(mr, nv, c0, c1, c, ldc, acc, m0, m1);
 }
 
 #define ROWS(NV)                                                                      \
@@ -76,6 +83,124 @@ static void mm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t r
             ROWS(2)
         } else {
             ROWS(1)
+        }
+    }
+}
+
+/* ---- the same product on bfloat16 pairs (AVX512-BF16), for bfloat16 inputs ---------------------------- */
+
+/* vdpbf16ps takes a K pair of bfloat16 in each 32-bit lane: A's pairs are
+ * packed as ap[p2 * MC + r] (row r, pair p2), B's as bp[p2 * 32 + j] (32
+ * columns of a sliver, zeros past n and past an odd k), both per chunk of
+ * KC2 pairs, on the stack (40 KiB). Rounding is to nearest even: exact for
+ * operands that came from bfloat16 (Q, K, V, dO), one rounding for P and dS. */
+enum { KC2 = 128, MC = 48 };
+
+#ifndef OPF_EMULATE_AVX512
+#define TARGET_BF16 __attribute__((target("avx512bf16")))
+#else
+#define TARGET_BF16 /* tests/emu: the instruction is emulated */
+#endif
+
+/* the pairs (r0[j], r1[j]) of 16 columns, r1 NULL for zeros; lanes outside m are zero */
+static inline __m512i pairs16(const float *r0, const float *r1, __mmask16 m) {
+    const __m512i lo = bf16_lanes(_mm512_maskz_loadu_ps(m, r0));
+    const __m512i hi = r1 ? bf16_lanes(_mm512_maskz_loadu_ps(m, r1)) : _mm512_setzero_si512();
+    return _mm512_maskz_mov_epi32(m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+}
+
+static inline uint32_t pair1(float x0, float x1) {
+    return (uint32_t)opf_f32_to_bf16(x0) | (uint32_t)opf_f32_to_bf16(x1) << 16;
+}
+
+/* A(r, p) = a[r*rsa + p*csa] for r < mc, p < kc, into ap[p2 * MC + r] */
+static void pack_a(uint32_t *ap, const float *a, int64_t rsa, int64_t csa, int64_t mc, int64_t kc) {
+    const int64_t kp = (kc + 1) / 2;
+    for (int64_t p2 = 0; p2 < kp; p2++) {
+        const float *a0 = a + 2 * p2 * csa, *a1 = 2 * p2 + 1 < kc ? a0 + csa : NULL;
+        if (rsa == 1) { /* the rows of a pair's two columns are consecutive: 16 rows a vector */
+            for (int64_t r = 0; r < mc; r += 16) {
+                const __mmask16 m = lanes_below16(mc - r);
+                _mm512_mask_storeu_epi32(ap + p2 * MC + r, m, pairs16(a0 + r, a1 ? a1 + r : NULL, m));
+            }
+        } else {
+            for (int64_t r = 0; r < mc; r++) ap[p2 * MC + r] = pair1(a0[r * rsa], a1 ? a1[r * rsa] : 0.0f);
+        }
+    }
+}
+
+/* B(p, j) = b[p*ldb + j] for p < kc, j < nb (<= 32), into bp[p2 * 32 + j], zeros past nb */
+static void pack_b(uint32_t *bp, const float *b, int64_t ldb, int64_t kc, int64_t nb) {
+    const __mmask16 m0 = lanes_below16(nb), m1 = lanes_below16(nb - 16);
+    for (int64_t p2 = 0; p2 < (kc + 1) / 2; p2++) {
+        const float *b0 = b + 2 * p2 * ldb, *b1 = 2 * p2 + 1 < kc ? b0 + ldb : NULL;
+        _mm512_storeu_si512(bp + p2 * 32, pairs16(b0, b1, m0));
+        _mm512_storeu_si512(bp + p2 * 32 + 16, pairs16(b0 + 16, b1 ? b1 + 16 : NULL, m1));
+    }
+}
+
+static inline __attribute__((always_inline)) TARGET_BF16 void tile_bf16(const int mr, const int nv, int64_t kp,
+                                                                        const uint32_t *ap, const uint32_t *bp,
+                                                                        float *c, int64_t ldc, int acc, __mmask16 m0,
+                                                                        __mmask16 m1) {
+    __m512 c0[12], c1[12];
+#pragma GCC unroll 12
+    for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm512_setzero_ps();
+    for (int64_t p2 = 0; p2 < kp; p2++, ap += MC, bp += 32) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp), b1 = (__m512bh)_mm512_loadu_si512(bp + 16);
+#pragma GCC unroll 12
+        for (int r = 0; r < mr; r++) {
+            const __m512bh av = (__m512bh)_mm512_set1_epi32((int)ap[r]);
+            c0[r] = _mm512_dpbf16_ps(c0[r], av, b0);
+            if (nv == 2) c1[r] = _mm512_dpbf16_ps(c1[r], av, b1);
+        }
+    }
+    store_tile(mr, nv, c0, c1, c, ldc, acc, m0, m1);
+}
+
+#define ROWS_BF16(NV)                                                          \
+    for (int64_t i = 0; i < mc; i += 12) {                                     \
+        const uint32_t *ai = ap + i;                                           \
+        float *ci = c + (i0 + i) * ldc + j;                                    \
+        switch (mc - i < 12 ? mc - i : 12) {                                   \
+        case 12: tile_bf16(12, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break; \
+        case 11: tile_bf16(11, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break; \
+        case 10: tile_bf16(10, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break; \
+        case 9: tile_bf16(9, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 8: tile_bf16(8, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 7: tile_bf16(7, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 6: tile_bf16(6, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 5: tile_bf16(5, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 4: tile_bf16(4, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 3: tile_bf16(3, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 2: tile_bf16(2, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        default: tile_bf16(1, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;  \
+        }                                                                      \
+    }
+
+TARGET_BF16 static void mm_avx512bf16(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa,
+                                      const float *b, int64_t ldb, float *c, int64_t ldc, int acc) {
+    _Alignas(64) uint32_t ap[KC2 * MC], bp[KC2 * 32];
+    if (k == 0) { /* no chunk to run: C = 0 (+ C) */
+        mm_avx512(m, n, k, a, rsa, csa, b, ldb, c, ldc, acc);
+        return;
+    }
+    for (int64_t k0 = 0; k0 < k; k0 += 2 * KC2) {
+        const int64_t kc = k - k0 < 2 * KC2 ? k - k0 : 2 * KC2, kp = (kc + 1) / 2;
+        const int accum = acc || k0 > 0;
+        for (int64_t i0 = 0; i0 < m; i0 += MC) {
+            const int64_t mc = m - i0 < MC ? m - i0 : MC;
+            pack_a(ap, a + i0 * rsa + k0 * csa, rsa, csa, mc, kc);
+            for (int64_t j = 0; j < n; j += 32) {
+                const int64_t nb = n - j < 32 ? n - j : 32;
+                const __mmask16 m0 = lanes_below16(nb), m1 = lanes_below16(nb - 16);
+                pack_b(bp, b + k0 * ldb + j, ldb, kc, nb);
+                if (nb > 16) {
+                    ROWS_BF16(2)
+                } else {
+                    ROWS_BF16(1)
+                }
+            }
         }
     }
 }
@@ -174,3 +299,13 @@ const attn_kernels attn_kernels_avx512 = {.name = "avx512",
                                           .softmax_cols = softmax_cols_avx512,
                                           .probs = probs_avx512,
                                           .dscores = dscores_avx512};
+
+/* bfloat16 inputs multiply on bfloat16 pairs; float32 ones keep the float32 product */
+const attn_kernels attn_kernels_avx512_bf16 = {.name = "avx512_bf16",
+                                               .isa = OPF_ISA_AVX512_BF16,
+                                               .cvt = &cvt_kernels_avx512,
+                                               .mm = mm_avx512,
+                                               .mm_bf16 = mm_avx512bf16,
+                                               .softmax_cols = softmax_cols_avx512,
+                                               .probs = probs_avx512,
+                                               .dscores = dscores_avx512};

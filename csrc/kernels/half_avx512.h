@@ -10,13 +10,17 @@
 
 #include "opforge/half.h"
 
-static inline __m256i round16x16(__m512 v, opf_dtype dt) {
-    if (dt != OPF_BF16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+/* 16 floats rounded to bfloat16 (to nearest even, NaN quiet), each in the low half of its 32-bit lane */
+static inline __m512i bf16_lanes(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+static inline __m256i round16x16(__m512 v, opf_dtype dt) {
+    if (dt != OPF_BF16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    return _mm512_cvtepi32_epi16(bf16_lanes(v));
 }
 
 #endif

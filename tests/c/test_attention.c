@@ -223,32 +223,42 @@ static void run(const attn_kernels *k, cfg c) {
     free(dq), free(dk), free(dv), free(wdq), free(wdk), free(wdv);
 }
 
+static double as_bf16(float x) { return opf_bf16_to_f32(opf_f32_to_bf16(x)); }
+
 static void test_mm(const attn_kernels *k) {
-    /* the block matmul on every tail shape, with strided A and accumulation */
-    const int64_t shapes[][3] = {{1, 1, 1}, {6, 16, 3}, {7, 17, 5}, {13, 9, 64}, {5, 8, 2}, {64, 64, 64}, {3, 40, 7}};
-    for (size_t t = 0; t < sizeof shapes / sizeof shapes[0]; t++) {
-        int64_t m = shapes[t][0], n = shapes[t][1], kd = shapes[t][2];
-        for (int trans = 0; trans < 2; trans++)
-            for (int acc = 0; acc < 2; acc++) {
-                float *a = rand_tensor(m * kd, OPF_F32, 1, 1.0), *b = rand_tensor(kd * (n + 3), OPF_F32, 2, 1.0);
-                float *cc = rand_tensor(m * (n + 1), OPF_F32, 3, 1.0),
-                      *want = malloc(sizeof(float) * (size_t)(m * (n + 1)));
-                memcpy(want, cc, sizeof(float) * (size_t)(m * (n + 1)));
-                int64_t rsa = trans ? 1 : kd, csa = trans ? m : 1;
-                k->mm(m, n, kd, a, rsa, csa, b, n + 3, cc, n + 1, acc);
-                double err = 0.0;
-                for (int64_t i = 0; i < m; i++)
-                    for (int64_t j = 0; j < n + 1; j++) {
-                        double s = j < n && acc ? want[i * (n + 1) + j] : 0.0;
-                        for (int64_t p = 0; p < kd && j < n; p++)
-                            s += (double)a[i * rsa + p * csa] * b[p * (n + 3) + j];
-                        if (j == n) s = want[i * (n + 1) + j]; /* the padding column is never written */
-                        err = fmax(err, fabs(cc[i * (n + 1) + j] - s));
-                    }
-                CHECK(err < 1e-4, "%s mm m=%lld n=%lld k=%lld trans=%d acc=%d: error %g", k->name, (long long)m,
-                      (long long)n, (long long)kd, trans, acc, err);
-                free(a), free(b), free(cc), free(want);
-            }
+    /* the block matmul on every tail shape, with strided A and accumulation; the
+     * bfloat16 product (where the table has one) against its operands rounded */
+    const int64_t shapes[][3] = {{1, 1, 1}, {6, 16, 3},   {7, 17, 5}, {13, 9, 64},
+                                 {5, 8, 2}, {64, 64, 64}, {3, 40, 7}, {70, 35, 301}};
+    for (int bf = 0; bf < 2; bf++) {
+        if (bf && !k->mm_bf16) continue;
+        const attn_mm_fn mm = bf ? k->mm_bf16 : k->mm;
+        for (size_t t = 0; t < sizeof shapes / sizeof shapes[0]; t++) {
+            int64_t m = shapes[t][0], n = shapes[t][1], kd = shapes[t][2];
+            for (int trans = 0; trans < 2; trans++)
+                for (int acc = 0; acc < 2; acc++) {
+                    float *a = rand_tensor(m * kd, OPF_F32, 1, 1.0), *b = rand_tensor(kd * (n + 3), OPF_F32, 2, 1.0);
+                    float *cc = rand_tensor(m * (n + 1), OPF_F32, 3, 1.0),
+                          *want = malloc(sizeof(float) * (size_t)(m * (n + 1)));
+                    memcpy(want, cc, sizeof(float) * (size_t)(m * (n + 1)));
+                    int64_t rsa = trans ? 1 : kd, csa = trans ? m : 1;
+                    mm(m, n, kd, a, rsa, csa, b, n + 3, cc, n + 1, acc);
+                    double err = 0.0;
+                    for (int64_t i = 0; i < m; i++)
+                        for (int64_t j = 0; j < n + 1; j++) {
+                            double s = j < n && acc ? want[i * (n + 1) + j] : 0.0;
+                            for (int64_t p = 0; p < kd && j < n; p++) {
+                                const float x = a[i * rsa + p * csa], y = b[p * (n + 3) + j];
+                                s += bf ? as_bf16(x) * as_bf16(y) : (double)x * y;
+                            }
+                            if (j == n) s = want[i * (n + 1) + j]; /* the padding column is never written */
+                            err = fmax(err, fabs(cc[i * (n + 1) + j] - s));
+                        }
+                    CHECK(err < 1e-4 * (kd > 64 ? 4 : 1), "%s mm%s m=%lld n=%lld k=%lld trans=%d acc=%d: error %g",
+                          k->name, bf ? "_bf16" : "", (long long)m, (long long)n, (long long)kd, trans, acc, err);
+                    free(a), free(b), free(cc), free(want);
+                }
+        }
     }
 }
 

@@ -56,6 +56,7 @@
 #define _mm512_mask_sub_ps simde_mm512_mask_sub_ps
 #define _mm512_max_ps simde_mm512_max_ps
 #define _mm512_min_ps simde_mm512_min_ps
+#define _mm512_maskz_mov_epi32 simde_mm512_maskz_mov_epi32
 #define _mm512_maskz_mov_ps simde_mm512_maskz_mov_ps
 #define _mm512_maskz_sub_ps simde_mm512_maskz_sub_ps
 #define _mm512_mul_pd simde_mm512_mul_pd
@@ -68,11 +69,13 @@
 #define _mm512_set1_pd simde_mm512_set1_pd
 #define _mm512_set1_ps simde_mm512_set1_ps
 #define _mm512_setzero_ps simde_mm512_setzero_ps
+#define _mm512_setzero_si512 simde_mm512_setzero_si512
 #define _mm512_slli_epi32 simde_mm512_slli_epi32
 #define _mm512_sqrt_pd simde_mm512_sqrt_pd
 #define _mm512_sqrt_ps simde_mm512_sqrt_ps
 #define _mm512_srli_epi32 simde_mm512_srli_epi32
 #define _mm512_storeu_ps simde_mm512_storeu_ps
+#define _mm512_storeu_si512 simde_mm512_storeu_si512
 #define _mm512_sub_ps simde_mm512_sub_ps
 #define _mm512_xor_si512 simde_mm512_xor_si512
 
@@ -87,6 +90,11 @@ static inline simde__m512 emu_mask_loadu_ps(simde__m512 src, uint16_t k, const v
     for (int i = 0; i < 16; i++)
         if ((k >> i) & 1) r.f32[i] = ((const float *)p)[i];
     return simde__m512_from_private(r);
+}
+static inline void emu_mask_storeu_epi32(void *p, uint16_t k, simde__m512i a) {
+    simde__m512i_private v = simde__m512i_to_private(a);
+    for (int i = 0; i < 16; i++)
+        if ((k >> i) & 1) ((int32_t *)p)[i] = v.i32[i];
 }
 static inline simde__m512d emu_maskz_loadu_pd(uint8_t k, const void *p) {
     simde__m512d_private r;
@@ -177,6 +185,7 @@ static inline simde__m512 emu_permute_ps(simde__m512 a, int imm) { /* within eac
 #define _mm512_maskz_loadu_pd emu_maskz_loadu_pd
 #define _mm512_mask_storeu_ps emu_mask_storeu_ps
 #define _mm512_mask_storeu_pd emu_mask_storeu_pd
+#define _mm512_mask_storeu_epi32 emu_mask_storeu_epi32
 #define _mm256_maskz_loadu_epi16 emu_maskz_loadu_epi16
 #define _mm256_mask_storeu_epi16 emu_mask_storeu_epi16
 #define _mm512_stream_ps emu_stream_ps
