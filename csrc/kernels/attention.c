@@ -1,6 +1,6 @@
 /*
- * Attention driver (blocking, masking, threads, dtype conversion) and the
- * scalar reference kernels. The double-precision oracle is attention_ref.c.
+ * Attention driver (blocking, masking, threads, dtype conversion). The scalar
+ * reference kernels and the double-precision oracle are attention_ref.c.
  * See attention.h.
  */
 #include "attention.h"
@@ -24,56 +24,6 @@ const opf_variants attn_variants =
     OPF_VARIANTS("attention", &attn_kernels_ref, &attn_kernels_avx2, &attn_kernels_avx512, &attn_kernels_avx512_bf16);
 
 const attn_kernels *attn_kernels_for(opf_isa isa) { return opf_variant_pick(&attn_variants, isa); }
-
-/* ---- scalar reference kernels ------------------------------------------------------------ */
-
-static void mm_ref(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
-                   int64_t ldb, float *c, int64_t ldc, int acc) {
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++) {
-            float sum = 0.0f;
-            for (int64_t p = 0; p < k; p++) sum += a[i * rsa + p * csa] * b[p * ldb + j];
-            c[i * ldc + j] = acc ? c[i * ldc + j] + sum : sum;
-        }
-}
-
-static void softmax_cols_ref(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
-                             float *alpha, int64_t diag) {
-    for (int64_t i = 0; i < bq; i++) {
-        const int64_t keys = bk < i + diag + 1 ? bk : (i + diag + 1 > 0 ? i + diag + 1 : 0); /* unmasked: j < keys */
-        float mx = m[i];
-        for (int64_t j = 0; j < keys; j++) mx = fmaxf(mx, st[j * ld + i] * scale);
-        float base = mx == -INFINITY ? 0.0f : mx, sum = 0.0f;
-        for (int64_t j = 0; j < bk; j++) {
-            float e = j < keys ? expf(st[j * ld + i] * scale - base) : 0.0f;
-            st[j * ld + i] = e;
-            sum += e;
-        }
-        alpha[i] = expf(m[i] - base);
-        l[i] = l[i] * alpha[i] + sum;
-        m[i] = mx;
-    }
-}
-
-static void probs_ref(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag) {
-    for (int64_t i = 0; i < bq; i++)
-        for (int64_t j = 0; j < bk; j++)
-            scores[i * ld + j] = lse[i] == -INFINITY || j > i + diag ? 0.0f : expf(scores[i * ld + j] * scale - lse[i]);
-}
-
-static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta,
-                        float scale) {
-    for (int64_t i = 0; i < bq; i++)
-        for (int64_t j = 0; j < bk; j++) dp[i * ld + j] = p[i * ld + j] * (dp[i * ld + j] - delta[i]) * scale;
-}
-
-const attn_kernels attn_kernels_ref = {.name = "ref",
-                                       .isa = OPF_ISA_REF,
-                                       .cvt = &cvt_kernels_ref,
-                                       .mm = mm_ref,
-                                       .softmax_cols = softmax_cols_ref,
-                                       .probs = probs_ref,
-                                       .dscores = dscores_ref};
 
 /* ---- element access ---------------------------------------------------------------------- */
 

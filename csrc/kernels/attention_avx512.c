@@ -14,8 +14,6 @@
 
 /* the lanes at or above `from` (0 <= from), as a mask: none when from >= 16 */
 static inline __mmask16 lanes_from(int64_t from) { return from >= 16 ? 0 : (__mmask16)(0xffffu << from); }
-/* tail16 for any count: none when left <= 0 */
-static inline __mmask16 lanes_below16(int64_t left) { return left <= 0 ? 0 : tail16(left); }
 
 /* C[0..mr) x [0..16*nv) (+)= the accumulators, lanes outside m0 / m1 left alone */
 static inline __attribute__((always_inline)) void store_tile(const int mr, const int nv, __m512 *c0, __m512 *c1,
@@ -78,7 +76,7 @@ static void mm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t r
     for (int64_t j = 0; j < n; j += 32) { /* one 32-column sliver of B stays in L1 across the rows */
         const int64_t nb = n - j < 32 ? n - j : 32;
         const float *bj = b + j;
-        const __mmask16 m0 = lanes_below16(nb), m1 = lanes_below16(nb - 16);
+        const __mmask16 m0 = tail16(nb), m1 = tail16(nb - 16);
         if (nb > 16) {
             ROWS(2)
         } else {
@@ -120,7 +118,7 @@ static void pack_a(uint32_t *ap, const float *a, int64_t rsa, int64_t csa, int64
         const float *a0 = a + 2 * p2 * csa, *a1 = 2 * p2 + 1 < kc ? a0 + csa : NULL;
         if (rsa == 1) { /* the rows of a pair's two columns are consecutive: 16 rows a vector */
             for (int64_t r = 0; r < mc; r += 16) {
-                const __mmask16 m = lanes_below16(mc - r);
+                const __mmask16 m = tail16(mc - r);
                 _mm512_mask_storeu_epi32(ap + p2 * MC + r, m, pairs16(a0 + r, a1 ? a1 + r : NULL, m));
             }
         } else {
@@ -131,7 +129,7 @@ static void pack_a(uint32_t *ap, const float *a, int64_t rsa, int64_t csa, int64
 
 /* B(p, j) = b[p*ldb + j] for p < kc, j < nb (<= 32), into bp[p2 * 32 + j], zeros past nb */
 static void pack_b(uint32_t *bp, const float *b, int64_t ldb, int64_t kc, int64_t nb) {
-    const __mmask16 m0 = lanes_below16(nb), m1 = lanes_below16(nb - 16);
+    const __mmask16 m0 = tail16(nb), m1 = tail16(nb - 16);
     for (int64_t p2 = 0; p2 < (kc + 1) / 2; p2++) {
         const float *b0 = b + 2 * p2 * ldb, *b1 = 2 * p2 + 1 < kc ? b0 + ldb : NULL;
         _mm512_storeu_si512(bp + p2 * 32, pairs16(b0, b1, m0));
@@ -193,7 +191,7 @@ TARGET_BF16 static void mm_avx512bf16(int64_t m, int64_t n, int64_t k, const flo
             pack_a(ap, a + i0 * rsa + k0 * csa, rsa, csa, mc, kc);
             for (int64_t j = 0; j < n; j += 32) {
                 const int64_t nb = n - j < 32 ? n - j : 32;
-                const __mmask16 m0 = lanes_below16(nb), m1 = lanes_below16(nb - 16);
+                const __mmask16 m0 = tail16(nb), m1 = tail16(nb - 16);
                 pack_b(bp, b + k0 * ldb + j, ldb, kc, nb);
                 if (nb > 16) {
                     ROWS_BF16(2)
@@ -225,7 +223,7 @@ static void softmax_cols_avx512(float *st, int64_t ld, int64_t bk, int64_t bq, f
         __mmask16 lanes[4];
         __m512 mx[4], base2[4], sum[4];
         for (int g = 0; g < ng; g++) {
-            lanes[g] = lanes_below16(bq - i0 - 16 * g);
+            lanes[g] = tail16(bq - i0 - 16 * g);
             mx[g] = _mm512_mask_loadu_ps(ninf, lanes[g], m + i0 + 16 * g);
             sum[g] = zero;
         }
@@ -270,7 +268,7 @@ static void probs_avx512(float *scores, int64_t ld, int64_t bq, int64_t bk, floa
         const int64_t keys = lse[i] == -INFINITY ? 0 : clamp64(i + diag + 1, 0, bk); /* the rest are 0 */
         const __m512 vl = _mm512_set1_ps(lse[i] * LOG2E);
         for (int64_t j = 0; j < bk; j += 16) {
-            const __mmask16 valid = lanes_below16(bk - j), keep = lanes_below16(keys - j);
+            const __mmask16 valid = tail16(bk - j), keep = tail16(keys - j);
             const __m512 e = exp2_16z(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, row + j), vs2, vl));
             _mm512_mask_storeu_ps(row + j, valid, _mm512_maskz_mov_ps(keep, e));
         }
@@ -285,7 +283,7 @@ static void dscores_avx512(float *dp, const float *p, int64_t ld, int64_t bq, in
         const float *pr = p + i * ld;
         const __m512 vd = _mm512_set1_ps(delta[i]);
         for (int64_t j = 0; j < bk; j += 16) {
-            const __mmask16 valid = lanes_below16(bk - j);
+            const __mmask16 valid = tail16(bk - j);
             const __m512 g = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, d + j), vd), vs);
             _mm512_mask_storeu_ps(d + j, valid, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, pr + j), g));
         }

@@ -13,7 +13,10 @@
 
 #include "half_avx512.h"
 
-static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+/* the first `left` lanes: none when left <= 0, all when left >= 16 */
+static inline __mmask16 tail16(int64_t left) {
+    return left <= 0 ? 0 : left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
 
 static inline __m512 ld16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline void st16_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
