@@ -28,12 +28,12 @@ const decode_kernels *decode_kernels_for(opf_isa isa) { return opf_variant_pick(
 
 /* ---- scalar reference kernels ------------------------------------------------------------ */
 
-static void scores_ref(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const float *k, int64_t ldk,
-                       int64_t bk) {
+static void scores_ref(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk,
+                       int64_t bk, opf_dtype kdt) {
     for (int64_t i = 0; i < r; i++)
         for (int64_t j = 0; j < bk; j++) {
             float sum = 0.0f;
-            for (int64_t e = 0; e < d; e++) sum += q[i * d + e] * k[j * ldk + e];
+            for (int64_t e = 0; e < d; e++) sum += q[i * d + e] * (float)opf_load_elem(k, j * ldk + e, kdt);
             s[i * lds + j] = sum;
         }
 }
@@ -56,12 +56,12 @@ static float softmax_row_ref(float *x, int64_t bk, int64_t keys, float *m, float
     return alpha;
 }
 
-static void pv_ref(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const float *v,
-                   int64_t ldv, int64_t dv) {
+static void pv_ref(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const void *v,
+                   int64_t ldv, int64_t dv, opf_dtype vdt) {
     for (int64_t i = 0; i < r; i++)
         for (int64_t e = 0; e < dv; e++) {
             float sum = 0.0f;
-            for (int64_t j = 0; j < bk; j++) sum += p[i * ldp + j] * v[j * ldv + e];
+            for (int64_t j = 0; j < bk; j++) sum += p[i * ldp + j] * (float)opf_load_elem(v, j * ldv + e, vdt);
             o[i * dv + e] = o[i * dv + e] * alpha[i] + sum;
         }
 }
@@ -168,16 +168,19 @@ static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, i
     return b * st[0] + h * st[1] + i * st[2] + d * st[3];
 }
 
-/* rows (K or V) j0..j0+bk of head (b, kvh) as float32: in place when float32 and unit-stride, else
- * converted into buf; returns the rows and their stride */
-static const float *cache_rows(const decode_kernels *k, const decode_problem *p, const void *src, const int64_t *st,
-                               int64_t b, int64_t kvh, int64_t j0, int64_t bk, int64_t d, float *buf, int64_t *ld) {
-    if (p->dt == OPF_F32 && st[3] == 1) {
+/* rows (K or V) j0..j0+bk of head (b, kvh): in place when unit-stride (a 16-bit cache too: the kernels
+ * convert in registers), else converted to float32 into buf; returns the rows, their stride and type */
+static const void *cache_rows(const decode_kernels *k, const decode_problem *p, const void *src, const int64_t *st,
+                              int64_t b, int64_t kvh, int64_t j0, int64_t bk, int64_t d, float *buf, int64_t *ld,
+                              opf_dtype *dt) {
+    if (st[3] == 1) {
         *ld = st[2];
-        return (const float *)src + off4(st, b, kvh, j0, 0);
+        *dt = p->dt;
+        return (const char *)src + (size_t)off4(st, b, kvh, j0, 0) * opf_dtype_size(p->dt);
     }
     for (int64_t j = 0; j < bk; j++) load_row(k, buf + j * d, src, off4(st, b, kvh, j0 + j, 0), st[3], d, p->dt);
     *ld = d;
+    *dt = OPF_F32;
     return buf;
 }
 
@@ -218,16 +221,17 @@ static void decode_task(const decode_ctx *c, int64_t t, float *slice) {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += DECODE_BK) {
         const int64_t bk = j_end - j0 < DECODE_BK ? j_end - j0 : DECODE_BK;
         int64_t ldk, ldv;
-        const float *kr = cache_rows(k, p, p->k, p->ks, b, kvh, j0, bk, d_qk, kbuf, &ldk);
-        k->scores(s, DECODE_BK, q32, r, d_qk, kr, ldk, bk);
+        opf_dtype kdt, vdt;
+        const void *kr = cache_rows(k, p, p->k, p->ks, b, kvh, j0, bk, d_qk, kbuf, &ldk, &kdt);
+        k->scores(s, DECODE_BK, q32, r, d_qk, kr, ldk, bk, kdt);
         for (int64_t i = 0; i < r; i++) {
             /* row i is query i % N of its head; bottom-right causal: keys j < len - N + 1 + (i % N) */
             const int64_t lim = p->causal ? len - p->n + 1 + i % p->n : len;
             const int64_t keys = lim - j0 < 0 ? 0 : lim - j0 < bk ? lim - j0 : bk;
             alpha[i] = k->softmax_row(s + i * DECODE_BK, bk, keys, &m[i], &l[i]);
         }
-        const float *vr = cache_rows(k, p, p->v, p->vs, b, kvh, j0, bk, d_v, vbuf, &ldv);
-        k->pv(o, alpha, s, DECODE_BK, r, bk, vr, ldv, d_v);
+        const void *vr = cache_rows(k, p, p->v, p->vs, b, kvh, j0, bk, d_v, vbuf, &ldv, &vdt);
+        k->pv(o, alpha, s, DECODE_BK, r, bk, vr, ldv, d_v, vdt);
     }
     for (int64_t i = 0; i < r; i++) {
         float *pi = part + i * (2 + d_v);

@@ -14,8 +14,9 @@
  *
  * Plan (flash-decoding): the keys of each (batch row, kv head) are cut into chunks of decode_chunk()
  * keys, a function of the shapes and of max(seq_lens) alone, never of the thread count. A task is one
- * (b, kv head, chunk): it reads the chunk's K and V once (16-bit types converted to float32 a block
- * of DECODE_BK keys at a time) for all g x N query rows of the group -- the cache is where the bytes
+ * (b, kv head, chunk): it reads the chunk's K and V once (16-bit types converted to float32 in registers,
+ * or, for a cache with a non-unit element stride, into a buffer a block of DECODE_BK keys at a time)
+ * for all g x N query rows of the group -- the cache is where the bytes
  * are -- and leaves each row's partial softmax state (max m, sum l, unnormalised acc, base 2) in the
  * workspace. Tasks are pulled from an atomic counter; the worker that completes a group's last chunk
  * combines each of the group's query rows over its chunks, in chunk order, in float32:
@@ -33,6 +34,10 @@
 
 /* keys per block inside a task: the scores of a block (rows x DECODE_BK) and its converted K/V stay in L1/L2 */
 #define DECODE_BK 64
+/* Keys ahead whose K (V) rows the scores (P V) kernels prefetch while working on the current ones. A
+ * task streams its chunk's K and V from memory, block by block, alternating between the two: the
+ * hardware prefetchers alone left a single thread at 40% of the bandwidth a plain read reaches. */
+#define DECODE_PF 24
 
 typedef struct decode_problem {
     int64_t b, h, hkv, n, s_max, d_qk, d_v; /* batch, heads, kv heads, new tokens, cache length, head dims */
@@ -51,17 +56,21 @@ typedef struct decode_problem {
 typedef struct decode_kernels {
     OPF_VARIANT_HEAD;
     const cvt_kernels *cvt; /* 16-bit rows to and from float32 */
-    /* s(i, j) = q_i . k_j for r rows of q (r x d, row stride d) and bk rows of k (row stride ldk, unit
-     * stride within a row); s is r x bk with row stride lds */
-    void (*scores)(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const float *k, int64_t ldk,
-                   int64_t bk);
+    /* s(i, j) = q_i . k_j for r rows of q (float32, r x d, row stride d) and bk rows of k (row stride ldk
+     * elements, unit stride within a row) of type kdt (OPF_F32, OPF_BF16 or OPF_F16: a 16-bit cache is
+     * read in place, converted in registers); s is r x bk with row stride lds. Rows up to DECODE_PF past
+     * the block are prefetched: the next block's, read next. */
+    void (*scores)(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk, int64_t bk,
+                   opf_dtype kdt);
     /* One row's online softmax step in base 2 over x[0..bk), of which x[j < keys] are valid (0 <= keys
      * <= bk): m' = max(m, max x); x = 2^(x - m') (0 beyond keys); l = l alpha + sum x; m = m'. Returns
      * alpha = 2^(m - m'). While m' is -inf (no key yet) x becomes 0 and alpha 1. */
     float (*softmax_row)(float *x, int64_t bk, int64_t keys, float *m, float *l);
-    /* o (r x dv, row stride dv) = o alpha_i + p v, p r x bk (row stride ldp), v bk x dv (row stride ldv) */
-    void (*pv)(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const float *v,
-               int64_t ldv, int64_t dv);
+    /* o (r x dv, row stride dv) = o alpha_i + p v, p r x bk (row stride ldp), v bk x dv (row stride ldv
+     * elements, unit stride within a row) of type vdt as for scores; rows up to DECODE_PF past the block
+     * are prefetched */
+    void (*pv)(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const void *v,
+               int64_t ldv, int64_t dv, opf_dtype vdt);
 } decode_kernels;
 
 extern const decode_kernels decode_kernels_ref;

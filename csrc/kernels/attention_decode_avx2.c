@@ -3,13 +3,37 @@
  * scores are dot products along the head dim (two keys x up to four rows per pass: each K load feeds
  * four FMAs, each query load two), reduced four at a time with hadd; the softmax runs along a row's
  * keys with exp2_8z (math_avx2.h); P V broadcasts each probability over 32-float slivers of V rows,
- * two output rows at a time. Tails of the head dims are masked loads and stores.
+ * two output rows at a time. K and V rows are float32, bfloat16 or float16 (converted on load, the
+ * type a constant of each instantiation) and prefetched DECODE_PF keys ahead. Tails of the head dims
+ * are masked loads and stores (16-bit: through a zeroed 8-lane copy).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "attention_decode.h"
+#include "half_avx2.h"
 #include "math_avx2.h"
+
+enum { KT_F32, KT_BF16, KT_F16 }; /* the cache's element type, a constant in each instantiation */
+
+static inline __attribute__((always_inline)) __m256 ld8(const int kt, const void *p, int64_t at) {
+    if (kt == KT_F32) return _mm256_loadu_ps((const float *)p + at);
+    return kt == KT_BF16 ? ld_bf16((const uint16_t *)p + at) : ld_f16((const uint16_t *)p + at);
+}
+
+/* the first n (< 8) elements, 0 in the other lanes */
+static inline __attribute__((always_inline)) __m256 ld8_tail(const int kt, const void *p, int64_t at, int64_t n) {
+    if (kt == KT_F32) return _mm256_maskload_ps((const float *)p + at, lanes_below(n));
+    uint16_t h[8] = {0};
+    memcpy(h, (const uint16_t *)p + at, sizeof(uint16_t) * (size_t)n);
+    return ld8(kt, h, 0);
+}
+
+static inline __attribute__((always_inline)) void prefetch_row(const int kt, const void *p, int64_t at, int64_t n) {
+    const char *c = (const char *)p + at * (kt == KT_F32 ? 4 : 2);
+    for (int64_t b = 0; b < n * (kt == KT_F32 ? 4 : 2); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
 
 /* the four sums of a0..a3's lanes, in that order */
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -18,8 +42,9 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 /* s(i, j) for rows i < nr (nr <= 4) and keys j < nk (nk <= 2), nr and nk constants at each call */
-static inline __attribute__((always_inline)) void dots(const int nr, const int nk, float *s, int64_t lds,
-                                                       const float *q, int64_t d, const float *k, int64_t ldk) {
+static inline __attribute__((always_inline)) void dots(const int kt, const int nr, const int nk, float *s, int64_t lds,
+                                                       const float *q, int64_t d, const void *k, int64_t k0,
+                                                       int64_t ldk) {
     __m256 acc[2][4];
 #pragma GCC unroll 2
     for (int j = 0; j < nk; j++)
@@ -29,7 +54,7 @@ static inline __attribute__((always_inline)) void dots(const int nr, const int n
     for (; e + 8 <= d; e += 8) {
         __m256 kv[2];
 #pragma GCC unroll 2
-        for (int j = 0; j < nk; j++) kv[j] = _mm256_loadu_ps(k + j * ldk + e);
+        for (int j = 0; j < nk; j++) kv[j] = ld8(kt, k, k0 + j * ldk + e);
 #pragma GCC unroll 4
         for (int i = 0; i < nr; i++) {
             const __m256 qv = _mm256_loadu_ps(q + i * d + e);
@@ -41,7 +66,7 @@ static inline __attribute__((always_inline)) void dots(const int nr, const int n
         const __m256i mask = lanes_below(d - e);
         __m256 kv[2];
 #pragma GCC unroll 2
-        for (int j = 0; j < nk; j++) kv[j] = _mm256_maskload_ps(k + j * ldk + e, mask);
+        for (int j = 0; j < nk; j++) kv[j] = ld8_tail(kt, k, k0 + j * ldk + e, d - e);
 #pragma GCC unroll 4
         for (int i = 0; i < nr; i++) {
             const __m256 qv = _mm256_maskload_ps(q + i * d + e, mask);
@@ -58,25 +83,35 @@ static inline __attribute__((always_inline)) void dots(const int nr, const int n
     }
 }
 
-#define DOTS_ROWS(NK)                                                         \
-    switch (r - i < 4 ? r - i : 4) {                                          \
-    case 4: dots(4, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
-    case 3: dots(3, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
-    case 2: dots(2, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
-    default: dots(1, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break; \
+#define DOTS_ROWS(NK)                                                                     \
+    switch (r - i < 4 ? r - i : 4) {                                                      \
+    case 4: dots(kt, 4, NK, s + i * lds + j, lds, q + i * d, d, k, j * ldk, ldk); break;  \
+    case 3: dots(kt, 3, NK, s + i * lds + j, lds, q + i * d, d, k, j * ldk, ldk); break;  \
+    case 2: dots(kt, 2, NK, s + i * lds + j, lds, q + i * d, d, k, j * ldk, ldk); break;  \
+    default: dots(kt, 1, NK, s + i * lds + j, lds, q + i * d, d, k, j * ldk, ldk); break; \
     }
 
-static void scores_avx2(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const float *k, int64_t ldk,
-                        int64_t bk) {
+static inline __attribute__((always_inline)) void scores_t(const int kt, float *s, int64_t lds, const float *q,
+                                                           int64_t r, int64_t d, const void *k, int64_t ldk,
+                                                           int64_t bk) {
     int64_t j = 0;
     for (; j + 2 <= bk; j += 2) {
-        const float *kj = k + j * ldk;
+        prefetch_row(kt, k, (j + DECODE_PF) * ldk, d);
+        prefetch_row(kt, k, (j + DECODE_PF + 1) * ldk, d);
         for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(2)
     }
-    if (j < bk) {
-        const float *kj = k + j * ldk;
+    if (j < bk)
         for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(1)
-    }
+}
+
+static void scores_avx2(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk,
+                        int64_t bk, opf_dtype kdt) {
+    if (kdt == OPF_F32)
+        scores_t(KT_F32, s, lds, q, r, d, k, ldk, bk);
+    else if (kdt == OPF_BF16)
+        scores_t(KT_BF16, s, lds, q, r, d, k, ldk, bk);
+    else
+        scores_t(KT_F16, s, lds, q, r, d, k, ldk, bk);
 }
 
 static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, float *l) {
@@ -114,11 +149,14 @@ static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, floa
     return alpha;
 }
 
-/* o rows i < nr (nr <= 2), columns [0, 8 nv) of the pointers given (masked: the first vector's lanes
- * below `mask` only, nv = 1), += p v after scaling by alpha; nr, nv, masked constants at each call */
-static inline __attribute__((always_inline)) void pv_tile(const int nr, const int nv, const int masked, float *o,
-                                                          int64_t dv, const float *alpha, const float *p, int64_t ldp,
-                                                          int64_t bk, const float *v, int64_t ldv, __m256i mask) {
+/* o rows i < nr (nr <= 2), columns [0, 8 nv) of the pointers given (masked: the first vector's first
+ * `left` lanes only, nv = 1), += p v after scaling by alpha; v's rows from element v0, prefetched ahead
+ * when pf; kt, nr, nv, masked constants at each call */
+static inline __attribute__((always_inline)) void pv_tile(const int kt, const int nr, const int nv, const int masked,
+                                                          float *o, int64_t dv, const float *alpha, const float *p,
+                                                          int64_t ldp, int64_t bk, const void *v, int64_t v0,
+                                                          int64_t ldv, int64_t left, int pf) {
+    const __m256i mask = masked ? lanes_below(left) : _mm256_setzero_si256();
     __m256 acc[2][4];
 #pragma GCC unroll 2
     for (int i = 0; i < nr; i++) {
@@ -129,10 +167,11 @@ static inline __attribute__((always_inline)) void pv_tile(const int nr, const in
                 _mm256_mul_ps(masked ? _mm256_maskload_ps(o + i * dv, mask) : _mm256_loadu_ps(o + i * dv + 8 * c), a);
     }
     for (int64_t j = 0; j < bk; j++) {
+        if (pf) prefetch_row(kt, v, v0 + (j + DECODE_PF) * ldv, 8 * nv);
         __m256 vv[4];
 #pragma GCC unroll 4
         for (int c = 0; c < nv; c++)
-            vv[c] = masked ? _mm256_maskload_ps(v + j * ldv, mask) : _mm256_loadu_ps(v + j * ldv + 8 * c);
+            vv[c] = masked ? ld8_tail(kt, v, v0 + j * ldv, left) : ld8(kt, v, v0 + j * ldv + 8 * c);
 #pragma GCC unroll 2
         for (int i = 0; i < nr; i++) {
             const __m256 pij = _mm256_broadcast_ss(p + i * ldp + j);
@@ -151,17 +190,18 @@ static inline __attribute__((always_inline)) void pv_tile(const int nr, const in
         }
 }
 
-#define PV_COLS(NR)                                                                                     \
-    do {                                                                                                \
-        int64_t e = 0;                                                                                  \
-        for (; e + 32 <= dv; e += 32) pv_tile(NR, 4, 0, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, none); \
-        for (; e + 8 <= dv; e += 8) pv_tile(NR, 1, 0, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, none);   \
-        if (e < dv) pv_tile(NR, 1, 1, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, lanes_below(dv - e));    \
+/* the first row pair prefetches the block's successors; the others find the block in cache */
+#define PV_COLS(NR)                                                                                             \
+    do {                                                                                                        \
+        int64_t e = 0;                                                                                          \
+        for (; e + 32 <= dv; e += 32) pv_tile(kt, NR, 4, 0, oi + e, dv, ai, pi, ldp, bk, v, e, ldv, 0, i == 0); \
+        for (; e + 8 <= dv; e += 8) pv_tile(kt, NR, 1, 0, oi + e, dv, ai, pi, ldp, bk, v, e, ldv, 0, i == 0);   \
+        if (e < dv) pv_tile(kt, NR, 1, 1, oi + e, dv, ai, pi, ldp, bk, v, e, ldv, dv - e, i == 0);              \
     } while (0)
 
-static void pv_avx2(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const float *v,
-                    int64_t ldv, int64_t dv) {
-    const __m256i none = _mm256_setzero_si256();
+static inline __attribute__((always_inline)) void pv_t(const int kt, float *o, const float *alpha, const float *p,
+                                                       int64_t ldp, int64_t r, int64_t bk, const void *v, int64_t ldv,
+                                                       int64_t dv) {
     for (int64_t i = 0; i < r; i += 2) {
         float *oi = o + i * dv;
         const float *ai = alpha + i, *pi = p + i * ldp;
@@ -170,6 +210,16 @@ static void pv_avx2(float *o, const float *alpha, const float *p, int64_t ldp, i
         else
             PV_COLS(1);
     }
+}
+
+static void pv_avx2(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const void *v,
+                    int64_t ldv, int64_t dv, opf_dtype vdt) {
+    if (vdt == OPF_F32)
+        pv_t(KT_F32, o, alpha, p, ldp, r, bk, v, ldv, dv);
+    else if (vdt == OPF_BF16)
+        pv_t(KT_BF16, o, alpha, p, ldp, r, bk, v, ldv, dv);
+    else
+        pv_t(KT_F16, o, alpha, p, ldp, r, bk, v, ldv, dv);
 }
 
 const decode_kernels decode_kernels_avx2 = {.name = "avx2",

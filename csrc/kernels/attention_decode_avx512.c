@@ -2,7 +2,9 @@
  * Decoding attention kernels, AVX-512 (F, BW, VL, DQ): the 16-lane twins of attention_decode_avx2.c.
  * Scores are dot products along the head dim (two keys x up to four rows per pass), the softmax runs
  * along a row's keys with exp2_16z (rows_avx512.h), P V broadcasts each probability over 64-float
- * slivers of V rows, two output rows at a time. Every tail is a masked load or store.
+ * slivers of V rows, two output rows at a time. K and V rows are float32, bfloat16 or float16
+ * (converted on load, the type a constant of each instantiation) and prefetched DECODE_PF keys ahead.
+ * Every tail is a masked load or store.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -10,9 +12,22 @@
 #include "attention_decode.h"
 #include "rows_avx512.h"
 
+enum { KT_F32, KT_BF16, KT_F16 }; /* the cache's element type, a constant in each instantiation */
+
+static inline __attribute__((always_inline)) __m512 ld16(const int kt, const void *p, int64_t at, __mmask16 m) {
+    if (kt == KT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + at);
+    return kt == KT_BF16 ? ld16_bf16((const uint16_t *)p + at, m) : ld16_f16((const uint16_t *)p + at, m);
+}
+
+static inline __attribute__((always_inline)) void prefetch_row(const int kt, const void *p, int64_t at, int64_t n) {
+    const char *c = (const char *)p + at * (kt == KT_F32 ? 4 : 2);
+    for (int64_t b = 0; b < n * (kt == KT_F32 ? 4 : 2); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 /* s(i, j) for rows i < nr (nr <= 4) and keys j < nk (nk <= 2), nr and nk constants at each call */
-static inline __attribute__((always_inline)) void dots(const int nr, const int nk, float *s, int64_t lds,
-                                                       const float *q, int64_t d, const float *k, int64_t ldk) {
+static inline __attribute__((always_inline)) void dots(const int kt, const int nr, const int nk, float *s, int64_t lds,
+                                                       const float *q, int64_t d, const void *k, int64_t k0,
+                                                       int64_t ldk) {
     __m512 acc[2][4];
 #pragma GCC unroll 2
     for (int j = 0; j < nk; j++)
@@ -22,7 +37,7 @@ static inline __attribute__((always_inline)) void dots(const int nr, const int n
         const __mmask16 m = tail16(d - e);
         __m512 kv[2];
 #pragma GCC unroll 2
-        for (int j = 0; j < nk; j++) kv[j] = _mm512_maskz_loadu_ps(m, k + j * ldk + e);
+        for (int j = 0; j < nk; j++) kv[j] = ld16(kt, k, k0 + j * ldk + e, m);
 #pragma GCC unroll 4
         for (int i = 0; i < nr; i++) {
             const __m512 qv = _mm512_maskz_loadu_ps(m, q + i * d + e);
@@ -36,25 +51,35 @@ static inline __attribute__((always_inline)) void dots(const int nr, const int n
         for (int i = 0; i < nr; i++) s[i * lds + j] = _mm512_reduce_add_ps(acc[j][i]);
 }
 
-#define DOTS_ROWS(NK)                                                         \
-    switch (r - i < 4 ? r - i : 4) {                                          \
-    case 4: dots(4, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
-    case 3: dots(3, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
-    case 2: dots(2, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break;  \
-    default: dots(1, NK, s + i * lds + j, lds, q + i * d, d, kj, ldk); break; \
+#define DOTS_ROWS(NK)                                                                     \
+    switch (r - i < 4 ? r - i : 4) {                                                      \
+    case 4: dots(kt, 4, NK, s + i * lds + j, lds, q + i * d, d, k, j * ldk, ldk); break;  \
+    case 3: dots(kt, 3, NK, s + i * lds + j, lds, q + i * d, d, k, j * ldk, ldk); break;  \
+    case 2: dots(kt, 2, NK, s + i * lds + j, lds, q + i * d, d, k, j * ldk, ldk); break;  \
+    default: dots(kt, 1, NK, s + i * lds + j, lds, q + i * d, d, k, j * ldk, ldk); break; \
     }
 
-static void scores_avx512(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const float *k, int64_t ldk,
-                          int64_t bk) {
+static inline __attribute__((always_inline)) void scores_t(const int kt, float *s, int64_t lds, const float *q,
+                                                           int64_t r, int64_t d, const void *k, int64_t ldk,
+                                                           int64_t bk) {
     int64_t j = 0;
     for (; j + 2 <= bk; j += 2) {
-        const float *kj = k + j * ldk;
+        prefetch_row(kt, k, (j + DECODE_PF) * ldk, d);
+        prefetch_row(kt, k, (j + DECODE_PF + 1) * ldk, d);
         for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(2)
     }
-    if (j < bk) {
-        const float *kj = k + j * ldk;
+    if (j < bk)
         for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(1)
-    }
+}
+
+static void scores_avx512(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk,
+                          int64_t bk, opf_dtype kdt) {
+    if (kdt == OPF_F32)
+        scores_t(KT_F32, s, lds, q, r, d, k, ldk, bk);
+    else if (kdt == OPF_BF16)
+        scores_t(KT_BF16, s, lds, q, r, d, k, ldk, bk);
+    else
+        scores_t(KT_F16, s, lds, q, r, d, k, ldk, bk);
 }
 
 static float softmax_row_avx512(float *x, int64_t bk, int64_t keys, float *m, float *l) {
@@ -81,10 +106,12 @@ static float softmax_row_avx512(float *x, int64_t bk, int64_t keys, float *m, fl
 }
 
 /* o rows i < nr (nr <= 2), columns [0, 16 nv) (masked: the first vector's lanes in `mask` only, nv =
- * 1), += p v after scaling by alpha; nr, nv, masked constants at each call */
-static inline __attribute__((always_inline)) void pv_tile(const int nr, const int nv, const int masked, float *o,
-                                                          int64_t dv, const float *alpha, const float *p, int64_t ldp,
-                                                          int64_t bk, const float *v, int64_t ldv, __mmask16 mask) {
+ * 1), += p v after scaling by alpha; v's rows from element v0, prefetched ahead when pf; kt, nr, nv,
+ * masked constants at each call */
+static inline __attribute__((always_inline)) void pv_tile(const int kt, const int nr, const int nv, const int masked,
+                                                          float *o, int64_t dv, const float *alpha, const float *p,
+                                                          int64_t ldp, int64_t bk, const void *v, int64_t v0,
+                                                          int64_t ldv, __mmask16 mask, int pf) {
     const __mmask16 m = masked ? mask : (__mmask16)0xffff;
     __m512 acc[2][4];
 #pragma GCC unroll 2
@@ -94,9 +121,10 @@ static inline __attribute__((always_inline)) void pv_tile(const int nr, const in
         for (int c = 0; c < nv; c++) acc[i][c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + i * dv + 16 * c), a);
     }
     for (int64_t j = 0; j < bk; j++) {
+        if (pf) prefetch_row(kt, v, v0 + (j + DECODE_PF) * ldv, 16 * nv);
         __m512 vv[4];
 #pragma GCC unroll 4
-        for (int c = 0; c < nv; c++) vv[c] = _mm512_maskz_loadu_ps(m, v + j * ldv + 16 * c);
+        for (int c = 0; c < nv; c++) vv[c] = ld16(kt, v, v0 + j * ldv + 16 * c, m);
 #pragma GCC unroll 2
         for (int i = 0; i < nr; i++) {
             const __m512 pij = _mm512_set1_ps(p[i * ldp + j]);
@@ -110,16 +138,18 @@ static inline __attribute__((always_inline)) void pv_tile(const int nr, const in
         for (int c = 0; c < nv; c++) _mm512_mask_storeu_ps(o + i * dv + 16 * c, m, acc[i][c]);
 }
 
-#define PV_COLS(NR)                                                                                       \
-    do {                                                                                                  \
-        int64_t e = 0;                                                                                    \
-        for (; e + 64 <= dv; e += 64) pv_tile(NR, 4, 0, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, 0xffff); \
-        for (; e + 16 <= dv; e += 16) pv_tile(NR, 1, 0, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, 0xffff); \
-        if (e < dv) pv_tile(NR, 1, 1, oi + e, dv, ai, pi, ldp, bk, v + e, ldv, tail16(dv - e));           \
+/* the first row pair prefetches the block's successors; the others find the block in cache */
+#define PV_COLS(NR)                                                                                                  \
+    do {                                                                                                             \
+        int64_t e = 0;                                                                                               \
+        for (; e + 64 <= dv; e += 64) pv_tile(kt, NR, 4, 0, oi + e, dv, ai, pi, ldp, bk, v, e, ldv, 0xffff, i == 0); \
+        for (; e + 16 <= dv; e += 16) pv_tile(kt, NR, 1, 0, oi + e, dv, ai, pi, ldp, bk, v, e, ldv, 0xffff, i == 0); \
+        if (e < dv) pv_tile(kt, NR, 1, 1, oi + e, dv, ai, pi, ldp, bk, v, e, ldv, tail16(dv - e), i == 0);           \
     } while (0)
 
-static void pv_avx512(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const float *v,
-                      int64_t ldv, int64_t dv) {
+static inline __attribute__((always_inline)) void pv_t(const int kt, float *o, const float *alpha, const float *p,
+                                                       int64_t ldp, int64_t r, int64_t bk, const void *v, int64_t ldv,
+                                                       int64_t dv) {
     for (int64_t i = 0; i < r; i += 2) {
         float *oi = o + i * dv;
         const float *ai = alpha + i, *pi = p + i * ldp;
@@ -128,6 +158,16 @@ static void pv_avx512(float *o, const float *alpha, const float *p, int64_t ldp,
         else
             PV_COLS(1);
     }
+}
+
+static void pv_avx512(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const void *v,
+                      int64_t ldv, int64_t dv, opf_dtype vdt) {
+    if (vdt == OPF_F32)
+        pv_t(KT_F32, o, alpha, p, ldp, r, bk, v, ldv, dv);
+    else if (vdt == OPF_BF16)
+        pv_t(KT_BF16, o, alpha, p, ldp, r, bk, v, ldv, dv);
+    else
+        pv_t(KT_F16, o, alpha, p, ldp, r, bk, v, ldv, dv);
 }
 
 const decode_kernels decode_kernels_avx512 = {.name = "avx512",

@@ -204,7 +204,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The keys are split into chunks spread over the threads, each chunk's K and V read once for all
     the query heads sharing them; the chunks' partial softmaxes are combined in float32 in a fixed
     order, so results are bitwise the same on any thread count. float32, bfloat16 and float16
-    (float32 accumulation; 16-bit K/V converted a block at a time) and float64 (a reference loop).
+    (float32 accumulation; a 16-bit cache read in place and converted in registers) and float64 (a reference loop).
     Forward only: the op has no derivative (an input that requires grad is refused; call it under
     ``torch.no_grad()`` or ``torch.inference_mode()``). Under autocast it runs in the autocast dtype:
     keep the cache in that dtype, or each call converts the whole cache.
