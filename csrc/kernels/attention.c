@@ -331,18 +331,19 @@ void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
  * count, so it is bitwise the same run to run and on any number of threads.
  * With enough head groups for every thread a task is a whole group: its
  * worker walks the key blocks in order and accumulates straight into dQ.
- * With fewer (e.g. batch x heads = 1) a task is one key block and tasks are
- * taken in key order: a task that finds every earlier one added into dQ adds
- * straight into it too; any other writes its dS K into its slot of a ring, and
- * whoever completes the oldest outstanding task adds the completed slots into
- * dQ in task order. Both orders give the same sums. A slot costs one pass over
- * a head group's dQ rows per key block (against 10 x 64 flops per element for
- * the block: 0.3-2% of the backward on 2 cores, measured), and a task waits
- * only when it is a whole ring ahead of the oldest: unlike lock-step schemes,
- * a thread that loses its core holds the others up only after the ring is
- * full. The adds run on one thread at a time, so on many cores (~16 and more
- * busy on one head group) they would bound the backward: adding by query
- * block behind per-block turns would spread them. */
+ * With fewer (e.g. batch x heads = 1) a task is one key block, tasks are taken
+ * in key order, and each query block of each head has a turn: the number of
+ * key blocks added into its dQ rows. A task adds its dS K into a query block's
+ * rows when the turn is its key block's, then passes the turn on. Workers on
+ * neighbouring key blocks thus walk the query blocks one step apart: the one
+ * behind waits once, for one block's dQ product, then finds its turns come.
+ * No dQ copy is kept per task: a ring of per-task dQ slots (the previous
+ * scheme) let a worker run further ahead of a preempted one, but its slots,
+ * a head group's whole dQ each, made the backward of one long head take twice
+ * the memory of PyTorch's, and the adds ran on one thread at a time. Turns
+ * need BQ == BK: key block kb's first query (causal) starts query block kb. */
+_Static_assert(BQ == BK, "the backward's per-query-block turns need query and key blocks of one size");
+
 /* Decided once per call, on the calling thread (workers may see another thread count). */
 static int whole_groups(const attn_problem *p) { return p->b * p->hkv >= 2 * (int64_t)opf_num_threads(); }
 
@@ -375,36 +376,26 @@ static bwd_worker_layout bwd_worker_layout_for(const attn_problem *p) {
 /* float32 dQ is accumulated in place when its rows are unit-stride (the block matmul's C) */
 static int dq_in_place(const attn_problem *p) { return p->dt == OPF_F32 && p->dqs[3] == 1; }
 
-static int64_t slot_floats(const attn_problem *p) { return p->hkv ? round16(p->h / p->hkv * p->n * p->d_qk) : 0; }
-
-/* Slots of the ring: at least two per worker, so that a worker runs a round
- * ahead before it waits, and as many as fit in 8 MiB (every task when dQ is
- * small), so that a thread preempted by the OS stalls no other. */
-static int64_t ring_slots(const attn_problem *p) {
-    const int64_t tasks = bwd_tasks(p), w = workers_for(tasks), sf = slot_floats(p);
-    if (whole_groups(p) || tasks == 0) return 0; /* tasks == 0 also when there is no key/value head */
-    const int64_t fit = sf > 0 ? ((int64_t)8 << 20) / (int64_t)sizeof(float) / sf : tasks;
-    const int64_t slots = w == 1 ? 1 : 2 * w > fit ? 2 * w : fit;
-    return slots < tasks ? slots : tasks;
+/* query blocks of all heads, each with a turn (per-key-block tasks only) */
+static int64_t bwd_turns(const attn_problem *p) {
+    return whole_groups(p) || bwd_tasks(p) == 0 ? 0 : p->b * p->h * cdiv(p->n, BQ);
 }
 
 /* The backward's workspace, as offsets: delta = rowsum(dO * out) (b, h, n);
- * a float32 dQ (b, h, n, d_qk) unless in place (then dq32 < 0); the ring's
- * slots, each (g, n, d_qk), and their task numbers (int64); then one slice per
- * worker. The one statement of it: attn_bwd_workspace sizes with it, attn_bwd
- * carves with it. */
+ * a float32 dQ (b, h, n, d_qk) unless in place (then dq32 < 0); the query
+ * blocks' turns (atomic int64); then one slice per worker. The one statement
+ * of it: attn_bwd_workspace sizes with it, attn_bwd carves with it. */
 typedef struct bwd_layout {
-    int64_t slots, per_worker;
-    int64_t delta, dq32, ring, slot_task, workers, floats;
+    int64_t per_worker;
+    int64_t delta, dq32, turns, workers, floats;
 } bwd_layout;
 
 static bwd_layout bwd_layout_for(const attn_problem *p) {
-    bwd_layout lay = {.slots = ring_slots(p), .per_worker = bwd_worker_layout_for(p).floats};
+    bwd_layout lay = {.per_worker = bwd_worker_layout_for(p).floats};
     int64_t at = 0;
     lay.delta = carve(&at, round16(p->b * p->h * p->n));
     lay.dq32 = dq_in_place(p) ? -1 : carve(&at, round16(p->b * p->h * p->n * p->d_qk));
-    lay.ring = carve(&at, lay.slots * slot_floats(p));
-    lay.slot_task = carve(&at, round16(2 * lay.slots));
+    lay.turns = carve(&at, round16(2 * bwd_turns(p)));
     lay.workers = carve(&at, workers_for(bwd_tasks(p)) * lay.per_worker);
     lay.floats = at;
     return lay;
@@ -415,36 +406,52 @@ int64_t attn_bwd_workspace(const attn_problem *p) { return bwd_layout_for(p).flo
 typedef struct bwd_ctx {
     const attn_kernels *k;
     const attn_problem *p;
-    float *delta, *dq32, *ws, *ring;
+    float *delta, *dq32, *ws;
     int64_t dq32s[4];
-    int64_t per_worker, tasks, nkb, slots;
+    int64_t per_worker, tasks, nkb;
     int whole; /* whole_groups(), as sized by attn_bwd_workspace */
     atomic_llong next;
-    /* the ring, under lock: tasks < added are in dQ; slot_task[t % slots] == t once task t is done */
-    pthread_mutex_t lock;
+    atomic_llong *turns;  /* per (b, h, query block): key blocks added into its dQ rows */
+    pthread_mutex_t lock; /* guards waiting; a worker waiting for a turn sleeps on moved */
     pthread_cond_t moved;
-    int64_t added, *slot_task;
-    int adding; /* a worker is adding slots into dQ (outside the lock) */
+    int64_t waiting;
 } bwd_ctx;
 
 /* The first query that sees key block kb: under a causal mask, none before its first key. */
 static int64_t first_query(const attn_problem *p, int64_t kb) { return p->causal ? kb * BK : 0; }
 
-/* dQ (b, h of group grp, rows >= first_query) += the slot of key block kb; dQ's
- * rows are unit-stride (dq_in_place or the float32 workspace), so this vectorises */
-static void add_slot(bwd_ctx *c, int64_t grp, int64_t kb, const float *slot) {
-    const attn_problem *p = c->p;
-    const int64_t g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
-    for (int64_t hl = 0; hl < g; hl++)
-        for (int64_t i = first_query(p, kb); i < p->n; i++) {
-            const float *restrict src = slot + (hl * p->n + i) * p->d_qk;
-            float *restrict dst = c->dq32 + off4(c->dq32s, b, kvh * g + hl, i, 0);
-            for (int64_t d = 0; d < p->d_qk; d++) dst[d] += src[d];
-        }
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
 }
 
-/* dS K of key block kb goes into dQ (slot NULL) or into slot (g, n, d), rows >= first_query(kb) */
-static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot) {
+/* A turn is usually a block product away: spin for about that long before sleeping (waking a
+ * sleeping thread costs more than the wait itself on a busy or virtual machine). */
+enum { TURN_SPINS = 2000 };
+
+static void wait_turn(bwd_ctx *c, atomic_llong *turn, int64_t kb) {
+    for (int i = 0; i < TURN_SPINS; i++) {
+        if (atomic_load_explicit(turn, memory_order_acquire) == kb) return;
+        cpu_relax();
+    }
+    pthread_mutex_lock(&c->lock);
+    c->waiting++;
+    while (atomic_load_explicit(turn, memory_order_acquire) != kb) pthread_cond_wait(&c->moved, &c->lock);
+    c->waiting--;
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* The store is seen by a waiter either before it sleeps (it checks under the lock) or on the broadcast. */
+static void pass_turn(bwd_ctx *c, atomic_llong *turn, int64_t kb) {
+    atomic_store_explicit(turn, kb + 1, memory_order_release);
+    pthread_mutex_lock(&c->lock);
+    if (c->waiting) pthread_cond_broadcast(&c->moved);
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* Key block kb of head group grp: dK and dV of its keys; dS K into dQ, by turns when c->turns */
+static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
     const attn_kernels *k = c->k;
     const attn_problem *p = c->p;
     const attn_mm_fn mm = attn_mm_for(k, p);
@@ -453,21 +460,20 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot
     const bwd_worker_layout lay = bwd_worker_layout_for(p);
     float *kt = ws + lay.kt, *vt = ws + lay.vt, *kr = ws + lay.kr, *dk = ws + lay.dk, *dv = ws + lay.dv;
     float *qr = ws + lay.qr, *dor = ws + lay.dor, *scores = ws + lay.scores, *dp = ws + lay.dp, *row = ws + lay.row;
-    for (int64_t j = 0; j < bk; j++) { /* K rows, K^T and V^T of the block, float32 */
+    const int64_t qstart = first_query(p, kb);
+    memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
+    memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
+    for (int64_t j = 0; j < bk && qstart < p->n; j++) { /* K rows, K^T and V^T of the block, float32 */
         load_row(k, kr + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
         for (int64_t d = 0; d < d_qk; d++) kt[d * BK + j] = kr[j * d_qk + d];
         load_row(k, row, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
         for (int64_t d = 0; d < d_v; d++) vt[d * BK + j] = row[d];
     }
-    memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
-    memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
-    const int64_t qstart = first_query(p, kb);
     const int f32 = p->dt == OPF_F32;
     for (int64_t hl = 0; hl < g && qstart < p->n; hl++) {
         const int64_t h = kvh * g + hl, bh = b * p->h + h;
-        /* the slot is written once per row (acc 0), dQ accumulated (acc 1): the same sums */
-        float *dqh = slot ? slot + hl * p->n * d_qk : c->dq32 + off4(c->dq32s, b, h, 0, 0);
-        const int64_t lddq = slot ? d_qk : c->dq32s[2];
+        float *dqh = c->dq32 + off4(c->dq32s, b, h, 0, 0);
+        const int64_t lddq = c->dq32s[2];
         for (int64_t i0 = qstart; i0 < p->n; i0 += BQ) {
             const int64_t bq = p->n - i0 < BQ ? p->n - i0 : BQ;
             const float *q = qr, *dout = dor;
@@ -494,7 +500,10 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot
             k->dscores(dp, scores, BK, bq, bk, c->delta + bh * p->n + i0, (float)p->scale); /* dS */
             mm(bk, d_v, bq, scores, 1, BK, dout, lddo, dv, d_v, 1);                         /* dV += P^T dO */
             mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                               /* dK += dS^T Q */
-            mm(bq, d_qk, bk, dp, BK, 1, kr, d_qk, dqh + i0 * lddq, lddq, !slot);            /* dQ += dS K */
+            atomic_llong *turn = c->turns ? &c->turns[bh * cdiv(p->n, BQ) + i0 / BQ] : NULL;
+            if (turn) wait_turn(c, turn, kb);
+            mm(bq, d_qk, bk, dp, BK, 1, kr, d_qk, dqh + i0 * lddq, lddq, 1); /* dQ += dS K */
+            if (turn) pass_turn(c, turn, kb);
         }
     }
     for (int64_t j = 0; j < bk; j++) {
@@ -503,42 +512,15 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws, float *slot
     }
 }
 
-/* Task t of the ring: wait for a free slot, run, then add what is complete in order. */
-static void ring_task(bwd_ctx *c, int64_t t, float *ws) {
-    float *slot = c->ring + t % c->slots * slot_floats(c->p);
-    pthread_mutex_lock(&c->lock);
-    while (t - c->added >= c->slots) pthread_cond_wait(&c->moved, &c->lock);
-    const int direct = t == c->added; /* nothing before t is outstanding, and nothing after it adds before it */
-    pthread_mutex_unlock(&c->lock);
-    bwd_task(c, t / c->nkb, t % c->nkb, ws, direct ? NULL : slot);
-    pthread_mutex_lock(&c->lock);
-    if (direct)
-        c->added = t + 1;
-    else
-        c->slot_task[t % c->slots] = t;
-    if (!c->adding) {
-        c->adding = 1;
-        for (int64_t u; (u = c->added) < c->tasks && c->slot_task[u % c->slots] == u;) {
-            pthread_mutex_unlock(&c->lock);
-            add_slot(c, u / c->nkb, u % c->nkb, c->ring + u % c->slots * slot_floats(c->p));
-            pthread_mutex_lock(&c->lock);
-            c->added = u + 1;
-        }
-        c->adding = 0;
-    }
-    pthread_cond_broadcast(&c->moved);
-    pthread_mutex_unlock(&c->lock);
-}
-
 static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
     bwd_ctx *c = arg;
     for (int64_t w = w0; w < w1; w++) {
         float *ws = c->ws + w * c->per_worker;
         for (int64_t t; (t = atomic_fetch_add(&c->next, 1)) < c->tasks;) {
             if (!c->whole)
-                ring_task(c, t, ws);
+                bwd_task(c, t / c->nkb, t % c->nkb, ws);
             else
-                for (int64_t kb = 0; kb < c->nkb; kb++) bwd_task(c, t, kb, ws, NULL);
+                for (int64_t kb = 0; kb < c->nkb; kb++) bwd_task(c, t, kb, ws);
         }
     }
 }
@@ -583,7 +565,6 @@ void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
                  .per_worker = lay.per_worker,
                  .tasks = bwd_tasks(p),
                  .nkb = cdiv(p->s, BK),
-                 .slots = lay.slots,
                  .whole = whole_groups(p)};
     const int in_place = lay.dq32 < 0;
     c.delta = workspace + lay.delta;
@@ -595,9 +576,9 @@ void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
         int64_t st[4] = {p->h * p->n * p->d_qk, p->n * p->d_qk, p->d_qk, 1};
         memcpy(c.dq32s, st, sizeof st);
     }
-    c.ring = workspace + lay.ring;
-    c.slot_task = (int64_t *)(workspace + lay.slot_task);
-    for (int64_t i = 0; i < c.slots; i++) c.slot_task[i] = -1;
+    const int64_t turns = bwd_turns(p);
+    c.turns = turns ? (atomic_llong *)(void *)(workspace + lay.turns) : NULL;
+    for (int64_t i = 0; i < turns; i++) atomic_init(&c.turns[i], 0);
     c.ws = workspace + lay.workers;
     atomic_init(&c.next, 0);
     pthread_mutex_init(&c.lock, NULL);
