@@ -409,7 +409,8 @@ typedef struct bwd_ctx {
     float *delta, *dq32, *ws;
     int64_t dq32s[4];
     int64_t per_worker, tasks, nkb;
-    int whole; /* whole_groups(), as sized by attn_bwd_workspace */
+    int whole;    /* whole_groups(), as sized by attn_bwd_workspace */
+    int in_place; /* dQ accumulated in p->dq itself */
     atomic_llong next;
     atomic_llong *turns;  /* per (b, h, query block): key blocks added into its dQ rows */
     pthread_mutex_t lock; /* guards waiting; a worker waiting for a turn sleeps on moved */
@@ -512,50 +513,67 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
     }
 }
 
-static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
-    bwd_ctx *c = arg;
-    for (int64_t w = w0; w < w1; w++) {
-        float *ws = c->ws + w * c->per_worker;
-        for (int64_t t; (t = atomic_fetch_add(&c->next, 1)) < c->tasks;) {
-            if (!c->whole)
-                bwd_task(c, t / c->nkb, t % c->nkb, ws);
-            else
-                for (int64_t kb = 0; kb < c->nkb; kb++) bwd_task(c, t, kb, ws);
-        }
-    }
-}
-
-typedef struct rows_ctx {
-    const attn_kernels *k;
-    const attn_problem *p;
-    bwd_ctx *c;
-} rows_ctx;
-
-/* per (b, h): zero dQ's float32 accumulator, delta[i] = sum_d dO[i, d] out[i, d] */
-static void bwd_prologue(int64_t bh0, int64_t bh1, void *arg) {
-    rows_ctx *r = arg;
-    const attn_problem *p = r->p;
+/* heads bh0..bh1: zero dQ's float32 accumulator, delta[i] = sum_d dO[i, d] out[i, d]
+ * (the rows converted to float32 64 elements at a time, summed in 8 float lanes, then the lanes in order) */
+static void rows_in(const bwd_ctx *c, int64_t bh0, int64_t bh1) {
+    const attn_problem *p = c->p;
+    float dor[64], outr[64];
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t b = bh / p->h, h = bh % p->h;
         for (int64_t i = 0; i < p->n; i++) {
-            float *dq = r->c->dq32 + off4(r->c->dq32s, b, h, i, 0);
-            for (int64_t d = 0; d < p->d_qk; d++) dq[d * r->c->dq32s[3]] = 0.0f;
-            double sum = 0.0;
-            for (int64_t d = 0; d < p->d_v; d++)
-                sum += opf_load_elem(p->dout, off4(p->dos, b, h, i, d), p->dt) *
-                       opf_load_elem(p->out, off4(p->os, b, h, i, d), p->dt);
-            r->c->delta[bh * p->n + i] = (float)sum;
+            float *dq = c->dq32 + off4(c->dq32s, b, h, i, 0);
+            if (c->dq32s[3] == 1)
+                memset(dq, 0, sizeof(float) * (size_t)p->d_qk);
+            else
+                for (int64_t d = 0; d < p->d_qk; d++) dq[d * c->dq32s[3]] = 0.0f;
+            float lanes[8] = {0};
+            for (int64_t e0 = 0; e0 < p->d_v; e0 += 64) {
+                const int64_t n = p->d_v - e0 < 64 ? p->d_v - e0 : 64;
+                load_row(c->k, dor, p->dout, off4(p->dos, b, h, i, e0), p->dos[3], n, p->dt);
+                load_row(c->k, outr, p->out, off4(p->os, b, h, i, e0), p->os[3], n, p->dt);
+                int64_t e = 0;
+                for (; e + 8 <= n; e += 8)
+                    for (int l = 0; l < 8; l++) lanes[l] += dor[e + l] * outr[e + l];
+                for (; e < n; e++) lanes[e % 8] += dor[e] * outr[e];
+            }
+            float sum = 0.0f;
+            for (int l = 0; l < 8; l++) sum += lanes[l];
+            c->delta[bh * p->n + i] = sum;
         }
     }
 }
 
-static void bwd_epilogue(int64_t bh0, int64_t bh1, void *arg) {
-    rows_ctx *r = arg;
-    const attn_problem *p = r->p;
+/* heads bh0..bh1: dQ from its float32 accumulator (when not accumulated in place) */
+static void rows_out(const bwd_ctx *c, int64_t bh0, int64_t bh1) {
+    const attn_problem *p = c->p;
     for (int64_t bh = bh0; bh < bh1; bh++)
         for (int64_t i = 0; i < p->n; i++)
-            store_row(r->k, p->dq, off4(p->dqs, bh / p->h, bh % p->h, i, 0), p->dqs[3],
-                      r->c->dq32 + (bh * p->n + i) * p->d_qk, p->d_qk, p->dt);
+            store_row(c->k, p->dq, off4(p->dqs, bh / p->h, bh % p->h, i, 0), p->dqs[3],
+                      c->dq32 + (bh * p->n + i) * p->d_qk, p->d_qk, p->dt);
+}
+
+static void bwd_prologue(int64_t bh0, int64_t bh1, void *arg) { rows_in(arg, bh0, bh1); }
+static void bwd_epilogue(int64_t bh0, int64_t bh1, void *arg) { rows_out(arg, bh0, bh1); }
+
+/* A whole group's task also does its heads' rows_in and rows_out (its heads, b x H + kvh x g .. + g,
+ * are nobody else's), so the backward is one parallel region: each region waits for every thread. */
+static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
+    bwd_ctx *c = arg;
+    const attn_problem *p = c->p;
+    const int64_t g = p->hkv ? p->h / p->hkv : 0;
+    for (int64_t w = w0; w < w1; w++) {
+        float *ws = c->ws + w * c->per_worker;
+        for (int64_t t; (t = atomic_fetch_add(&c->next, 1)) < c->tasks;) {
+            if (!c->whole) {
+                bwd_task(c, t / c->nkb, t % c->nkb, ws);
+                continue;
+            }
+            const int64_t bh0 = t / p->hkv * p->h + t % p->hkv * g;
+            rows_in(c, bh0, bh0 + g);
+            for (int64_t kb = 0; kb < c->nkb; kb++) bwd_task(c, t, kb, ws);
+            if (!c->in_place) rows_out(c, bh0, bh0 + g);
+        }
+    }
 }
 
 void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
@@ -567,6 +585,7 @@ void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
                  .nkb = cdiv(p->s, BK),
                  .whole = whole_groups(p)};
     const int in_place = lay.dq32 < 0;
+    c.in_place = in_place;
     c.delta = workspace + lay.delta;
     if (in_place) {
         c.dq32 = p->dq;
@@ -583,10 +602,9 @@ void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
     atomic_init(&c.next, 0);
     pthread_mutex_init(&c.lock, NULL);
     pthread_cond_init(&c.moved, NULL);
-    rows_ctx r = {.k = k, .p = p, .c = &c};
-    opf_parallel_for(0, p->b * p->h, 1, bwd_prologue, &r);
+    if (!c.whole) opf_parallel_for(0, p->b * p->h, 1, bwd_prologue, &c);
     if (c.tasks > 0) opf_parallel_for(0, workers_for(c.tasks), 1, bwd_worker, &c);
-    if (!in_place) opf_parallel_for(0, p->b * p->h, 1, bwd_epilogue, &r);
+    if (!in_place && !c.whole) opf_parallel_for(0, p->b * p->h, 1, bwd_epilogue, &c);
     pthread_cond_destroy(&c.moved);
     pthread_mutex_destroy(&c.lock);
 }
