@@ -188,8 +188,35 @@ def test_fake_mode_exit_missing(monkeypatch):
     assert out.shape == (5, 3)
 
 
+def test_lean_autograd_kernel_restores_dropped_defaults():
+    # the dispatcher leaves out trailing arguments equal to their defaults (linear's save_preact=True);
+    # setup_context still sees every input, so the backward finds the saved pre-activation
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    out = torch.ops.opforge.linear(x, w, None, 1)[0]  # activation 1 (relu), save_preact omitted
+    gx, gw = torch.autograd.grad(out.square().sum(), (x, w))
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    want = torch.autograd.grad(torch.relu(xr @ wr.T).square().sum(), (xr, wr))
+    torch.testing.assert_close((gx, gw), want)
+
+
+def test_lean_autograd_kernel_declines_what_it_does_not_serve():
+    # a mutable (in-place) op is left to torch's own kernel; so is an op once a piece is missing
+    assert private.lean_autograd_kernel(torch.ops.opforge.linear_backward_.default, None, None) is None
+    assert private.lean_autograd_kernel(torch.ops.opforge.dispersion_correction.default, None, None) is not None
+
+
+def test_lean_autograd_kernel_missing_piece(monkeypatch):
+    hide(monkeypatch, "_C", "_any_requires_grad")
+    assert private.lean_autograd_kernel(torch.ops.opforge.dispersion_correction.default, None, None) is None
+    op = torch.ops.opforge.dispersion_correction.default
+    kernel = private.autograd_kernel("opforge::dispersion_correction", op, lambda ctx, g: g, lambda ctx, i, o: None)
+    assert callable(kernel)  # torch's generated kernel instead
+
+
 def test_autograd_kernel_from_public_registration(monkeypatch):
     hide(monkeypatch, "_torch", "_library")
+    hide(monkeypatch, "_C", "_AutoDispatchBelowAutograd")
     op = torch.ops.opforge.dispersion_correction.default
     kernel = private.autograd_kernel("opforge::dispersion_correction", op, lambda ctx, g: g, lambda ctx, i, o: None)
     assert callable(kernel)
