@@ -39,6 +39,26 @@
  * hardware prefetchers alone left a single thread at 40% of the bandwidth a plain read reaches. */
 #define DECODE_PF 24
 
+/* The ISA files instantiate their scores and P V loops once per cache element type, a constant in each:
+ * DECODE_BY_TYPE(dt, fn, args...) calls fn(DECODE_T_F32 | DECODE_T_BF16 | DECODE_T_F16, args...). */
+enum { DECODE_T_F32, DECODE_T_BF16, DECODE_T_F16 };
+#define DECODE_BY_TYPE(dt, fn, ...)         \
+    do {                                    \
+        if ((dt) == OPF_F32)                \
+            fn(DECODE_T_F32, __VA_ARGS__);  \
+        else if ((dt) == OPF_BF16)          \
+            fn(DECODE_T_BF16, __VA_ARGS__); \
+        else                                \
+            fn(DECODE_T_F16, __VA_ARGS__);  \
+    } while (0)
+
+/* the cache lines of n elements of type kt from element `at` of p, into L1 (prefetches never fault) */
+static inline __attribute__((always_inline)) void decode_prefetch(const int kt, const void *p, int64_t at, int64_t n) {
+    const int64_t size = kt == DECODE_T_F32 ? 4 : 2;
+    const char *c = (const char *)p + at * size;
+    for (int64_t b = 0; b < n * size; b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
 typedef struct decode_problem {
     int64_t b, h, hkv, n, s_max, d_qk, d_v; /* batch, heads, kv heads, new tokens, cache length, head dims */
     opf_dtype dt;                           /* of q, k, v, out */

@@ -15,24 +15,17 @@
 #include "half_avx2.h"
 #include "math_avx2.h"
 
-enum { KT_F32, KT_BF16, KT_F16 }; /* the cache's element type, a constant in each instantiation */
-
 static inline __attribute__((always_inline)) __m256 ld8(const int kt, const void *p, int64_t at) {
-    if (kt == KT_F32) return _mm256_loadu_ps((const float *)p + at);
-    return kt == KT_BF16 ? ld_bf16((const uint16_t *)p + at) : ld_f16((const uint16_t *)p + at);
+    if (kt == DECODE_T_F32) return _mm256_loadu_ps((const float *)p + at);
+    return kt == DECODE_T_BF16 ? ld_bf16((const uint16_t *)p + at) : ld_f16((const uint16_t *)p + at);
 }
 
 /* the first n (< 8) elements, 0 in the other lanes */
 static inline __attribute__((always_inline)) __m256 ld8_tail(const int kt, const void *p, int64_t at, int64_t n) {
-    if (kt == KT_F32) return _mm256_maskload_ps((const float *)p + at, lanes_below(n));
+    if (kt == DECODE_T_F32) return _mm256_maskload_ps((const float *)p + at, lanes_below(n));
     uint16_t h[8] = {0};
     memcpy(h, (const uint16_t *)p + at, sizeof(uint16_t) * (size_t)n);
     return ld8(kt, h, 0);
-}
-
-static inline __attribute__((always_inline)) void prefetch_row(const int kt, const void *p, int64_t at, int64_t n) {
-    const char *c = (const char *)p + at * (kt == KT_F32 ? 4 : 2);
-    for (int64_t b = 0; b < n * (kt == KT_F32 ? 4 : 2); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
 /* the four sums of a0..a3's lanes, in that order */
@@ -96,8 +89,8 @@ static inline __attribute__((always_inline)) void scores_t(const int kt, float *
                                                            int64_t bk) {
     int64_t j = 0;
     for (; j + 2 <= bk; j += 2) {
-        prefetch_row(kt, k, (j + DECODE_PF) * ldk, d);
-        prefetch_row(kt, k, (j + DECODE_PF + 1) * ldk, d);
+        decode_prefetch(kt, k, (j + DECODE_PF) * ldk, d);
+        decode_prefetch(kt, k, (j + DECODE_PF + 1) * ldk, d);
         for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(2)
     }
     if (j < bk)
@@ -106,12 +99,7 @@ static inline __attribute__((always_inline)) void scores_t(const int kt, float *
 
 static void scores_avx2(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk,
                         int64_t bk, opf_dtype kdt) {
-    if (kdt == OPF_F32)
-        scores_t(KT_F32, s, lds, q, r, d, k, ldk, bk);
-    else if (kdt == OPF_BF16)
-        scores_t(KT_BF16, s, lds, q, r, d, k, ldk, bk);
-    else
-        scores_t(KT_F16, s, lds, q, r, d, k, ldk, bk);
+    DECODE_BY_TYPE(kdt, scores_t, s, lds, q, r, d, k, ldk, bk);
 }
 
 static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, float *l) {
@@ -167,7 +155,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int kt, const in
                 _mm256_mul_ps(masked ? _mm256_maskload_ps(o + i * dv, mask) : _mm256_loadu_ps(o + i * dv + 8 * c), a);
     }
     for (int64_t j = 0; j < bk; j++) {
-        if (pf) prefetch_row(kt, v, v0 + (j + DECODE_PF) * ldv, 8 * nv);
+        if (pf) decode_prefetch(kt, v, v0 + (j + DECODE_PF) * ldv, 8 * nv);
         __m256 vv[4];
 #pragma GCC unroll 4
         for (int c = 0; c < nv; c++)
@@ -214,12 +202,7 @@ static inline __attribute__((always_inline)) void pv_t(const int kt, float *o, c
 
 static void pv_avx2(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const void *v,
                     int64_t ldv, int64_t dv, opf_dtype vdt) {
-    if (vdt == OPF_F32)
-        pv_t(KT_F32, o, alpha, p, ldp, r, bk, v, ldv, dv);
-    else if (vdt == OPF_BF16)
-        pv_t(KT_BF16, o, alpha, p, ldp, r, bk, v, ldv, dv);
-    else
-        pv_t(KT_F16, o, alpha, p, ldp, r, bk, v, ldv, dv);
+    DECODE_BY_TYPE(vdt, pv_t, o, alpha, p, ldp, r, bk, v, ldv, dv);
 }
 
 const decode_kernels decode_kernels_avx2 = {.name = "avx2",

@@ -12,16 +12,9 @@
 #include "attention_decode.h"
 #include "rows_avx512.h"
 
-enum { KT_F32, KT_BF16, KT_F16 }; /* the cache's element type, a constant in each instantiation */
-
 static inline __attribute__((always_inline)) __m512 ld16(const int kt, const void *p, int64_t at, __mmask16 m) {
-    if (kt == KT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + at);
-    return kt == KT_BF16 ? ld16_bf16((const uint16_t *)p + at, m) : ld16_f16((const uint16_t *)p + at, m);
-}
-
-static inline __attribute__((always_inline)) void prefetch_row(const int kt, const void *p, int64_t at, int64_t n) {
-    const char *c = (const char *)p + at * (kt == KT_F32 ? 4 : 2);
-    for (int64_t b = 0; b < n * (kt == KT_F32 ? 4 : 2); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+    if (kt == DECODE_T_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + at);
+    return kt == DECODE_T_BF16 ? ld16_bf16((const uint16_t *)p + at, m) : ld16_f16((const uint16_t *)p + at, m);
 }
 
 /* s(i, j) for rows i < nr (nr <= 4) and keys j < nk (nk <= 2), nr and nk constants at each call */
@@ -64,8 +57,8 @@ static inline __attribute__((always_inline)) void scores_t(const int kt, float *
                                                            int64_t bk) {
     int64_t j = 0;
     for (; j + 2 <= bk; j += 2) {
-        prefetch_row(kt, k, (j + DECODE_PF) * ldk, d);
-        prefetch_row(kt, k, (j + DECODE_PF + 1) * ldk, d);
+        decode_prefetch(kt, k, (j + DECODE_PF) * ldk, d);
+        decode_prefetch(kt, k, (j + DECODE_PF + 1) * ldk, d);
         for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(2)
     }
     if (j < bk)
@@ -74,12 +67,7 @@ static inline __attribute__((always_inline)) void scores_t(const int kt, float *
 
 static void scores_avx512(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk,
                           int64_t bk, opf_dtype kdt) {
-    if (kdt == OPF_F32)
-        scores_t(KT_F32, s, lds, q, r, d, k, ldk, bk);
-    else if (kdt == OPF_BF16)
-        scores_t(KT_BF16, s, lds, q, r, d, k, ldk, bk);
-    else
-        scores_t(KT_F16, s, lds, q, r, d, k, ldk, bk);
+    DECODE_BY_TYPE(kdt, scores_t, s, lds, q, r, d, k, ldk, bk);
 }
 
 static float softmax_row_avx512(float *x, int64_t bk, int64_t keys, float *m, float *l) {
@@ -121,7 +109,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int kt, const in
         for (int c = 0; c < nv; c++) acc[i][c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + i * dv + 16 * c), a);
     }
     for (int64_t j = 0; j < bk; j++) {
-        if (pf) prefetch_row(kt, v, v0 + (j + DECODE_PF) * ldv, 16 * nv);
+        if (pf) decode_prefetch(kt, v, v0 + (j + DECODE_PF) * ldv, 16 * nv);
         __m512 vv[4];
 #pragma GCC unroll 4
         for (int c = 0; c < nv; c++) vv[c] = ld16(kt, v, v0 + j * ldv + 16 * c, m);
@@ -162,12 +150,7 @@ static inline __attribute__((always_inline)) void pv_t(const int kt, float *o, c
 
 static void pv_avx512(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const void *v,
                       int64_t ldv, int64_t dv, opf_dtype vdt) {
-    if (vdt == OPF_F32)
-        pv_t(KT_F32, o, alpha, p, ldp, r, bk, v, ldv, dv);
-    else if (vdt == OPF_BF16)
-        pv_t(KT_BF16, o, alpha, p, ldp, r, bk, v, ldv, dv);
-    else
-        pv_t(KT_F16, o, alpha, p, ldp, r, bk, v, ldv, dv);
+    DECODE_BY_TYPE(vdt, pv_t, o, alpha, p, ldp, r, bk, v, ldv, dv);
 }
 
 const decode_kernels decode_kernels_avx512 = {.name = "avx512",
