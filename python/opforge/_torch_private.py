@@ -121,8 +121,8 @@ def functorch_transform() -> str | None:
 
 def lean_autograd_kernel(op, backward, setup_context):
     """What torch's register_autograd kernel does, less its per-call walks of the
-    schema (filling defaults, checking for out= arguments: together about half of
-    an op's autograd overhead, measured on small inputs): an autograd.Function
+    schema (filling defaults, checking for out= arguments: a third of that
+    kernel's time on a small input, 26 against 17 us per forward): an autograd.Function
     whose forward runs op below autograd then calls setup_context(ctx, inputs,
     output) with the inputs the dispatcher left out restored to their defaults,
     and whose backward returns backward(ctx, *grads). None for a schema with
@@ -139,7 +139,7 @@ def lean_autograd_kernel(op, backward, setup_context):
         return None
     defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
 
-    def forward(ctx, keyset, *args):
+    def forward(ctx, keyset, *args):  # redispatch_below_autograd, with its pieces looked up once
         with below():
             result = op.redispatch(keyset & after, *args)
         setup_context(ctx, args + defaults[len(args):], result)
@@ -155,8 +155,7 @@ def lean_autograd_kernel(op, backward, setup_context):
     def kernel(keyset, *args, **kwargs):
         if grad_enabled() and any_requires_grad(*args):
             return function.apply(keyset, *args)
-        with below():
-            return op.redispatch(keyset & after, *args, **kwargs)
+        return redispatch_below_autograd(op, keyset, args, kwargs)
 
     return kernel
 
