@@ -17,7 +17,10 @@
  * queries: decoding, cross-attention) each block's keys are split into chunks
  * of whole key blocks, one task each, leaving (O, max, sum) in a slot; the task
  * finishing a block's last chunk merges them in chunk order (split-K). The
- * split depends on the shape only: the same bits on any thread count.
+ * split depends on the shape only: the same bits on any thread count. A few
+ * queries (N <= 4) run the flash-decoding driver of attention_decode.c
+ * instead: its tasks read a chunk of one key/value head's keys once for all
+ * the query rows of the heads sharing it (attention.c: FWD_DECODE_MAX_N).
  *
  * Backward (FlashAttention-2): each task is one block of BK keys of one
  * key/value head, looping over the query blocks of every query head that
@@ -31,7 +34,10 @@
  * Semantics match torch.nn.functional.scaled_dot_product_attention: causal is
  * top-left aligned (query i sees keys j <= i), a boolean mask keeps the keys
  * where it is true, a float mask is added to the scores, and a row with no
- * key left gives zeros (and zero gradients), lse = -inf.
+ * key left gives zeros (and zero gradients), lse = -inf. A row whose every
+ * key a float mask sets to float32's lowest gets uniform weights, as in torch;
+ * its lse rounds to that lowest value, so the backward, which recomputes P
+ * from lse, gives it P = 1 rather than 1 / S (as torch's flash kernels do).
  */
 #ifndef OPFORGE_KERNELS_ATTENTION_H
 #define OPFORGE_KERNELS_ATTENTION_H

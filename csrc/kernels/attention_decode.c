@@ -38,7 +38,7 @@ static void scores_ref(float *s, int64_t lds, const float *q, int64_t r, int64_t
         }
 }
 
-static float softmax_row_ref(float *x, int64_t bk, int64_t keys, float *m, float *l) {
+static float softmax_row_ref(float *x, int64_t bk, int64_t keys, float *m, float *l, float unit) {
     float mx = *m;
     for (int64_t j = 0; j < keys; j++) mx = fmaxf(mx, x[j]);
     if (mx == -INFINITY) {
@@ -47,10 +47,10 @@ static float softmax_row_ref(float *x, int64_t bk, int64_t keys, float *m, float
     }
     float sum = 0.0f;
     for (int64_t j = 0; j < bk; j++) {
-        x[j] = j < keys ? exp2f(x[j] - mx) : 0.0f;
+        x[j] = j < keys ? exp2f((x[j] - mx) * unit) : 0.0f;
         sum += x[j];
     }
-    const float alpha = exp2f(*m - mx);
+    const float alpha = exp2f((*m - mx) * unit);
     *l = *l * alpha + sum;
     *m = mx;
     return alpha;
@@ -184,6 +184,30 @@ static const void *cache_rows(const decode_kernels *k, const decode_problem *p, 
     return buf;
 }
 
+/* An explicit mask on the scores of block j0.. (bk keys) of the group's rows. An added mask is added in
+ * natural units (decode_unit), so that float32's lowest, torch's usual mask value, stays finite: a row
+ * masked by it alone gets uniform weights, as in torch, and its lse stays what the backward recomputes
+ * P from. Cheap beside the scores: one element per score against d_qk multiply-adds. */
+static void decode_mask(const decode_problem *p, float *s, int64_t r, int64_t b, int64_t kvh, int64_t j0, int64_t bk) {
+    const int64_t g = p->h / p->hkv, m3 = p->ms[3];
+    for (int64_t ri = 0; ri < r; ri++) {
+        const int64_t at = off4(p->ms, b, kvh * g + ri / p->n, ri % p->n, j0);
+        float *restrict row = s + ri * DECODE_BK;
+        if (p->mask_kind == DECODE_MASK_BOOL) {
+            const uint8_t *keep = (const uint8_t *)p->mask + at;
+            for (int64_t j = 0; j < bk; j++)
+                if (!keep[j * m3]) row[j] = -INFINITY;
+        } else {
+            for (int64_t j = 0; j < bk; j++) {
+                row[j] += (float)opf_load_elem(p->mask, at + j * m3, p->mask_dt);
+            }
+        }
+    }
+}
+
+/* The units of the scores, as softmax_row takes them: base 2 (1), or natural (log2(e)) under an added mask */
+static float decode_unit(const decode_problem *p) { return p->mask_kind == DECODE_MASK_ADD ? (float)LOG2E : 1.0f; }
+
 typedef struct decode_ctx {
     const decode_kernels *k;
     const decode_problem *p;
@@ -209,7 +233,7 @@ static void decode_task(const decode_ctx *c, int64_t t, float *slice) {
     }
     float *q32 = slice + lay->q32, *kbuf = slice + lay->kbuf, *vbuf = slice + lay->vbuf, *s = slice + lay->s;
     float *o = slice + lay->o, *m = slice + lay->m, *l = slice + lay->l, *alpha = slice + lay->alpha;
-    const float qscale = (float)(p->scale * LOG2E); /* scores in base 2: exp(x) = 2^(x log2 e) */
+    const float unit = decode_unit(p), qscale = (float)(unit == 1.0f ? p->scale * LOG2E : p->scale);
     for (int64_t hl = 0; hl < g; hl++)
         for (int64_t i = 0; i < p->n; i++) {
             float *row = q32 + (hl * p->n + i) * d_qk;
@@ -224,11 +248,11 @@ static void decode_task(const decode_ctx *c, int64_t t, float *slice) {
         opf_dtype kdt, vdt;
         const void *kr = cache_rows(k, p, p->k, p->ks, b, kvh, j0, bk, d_qk, kbuf, &ldk, &kdt);
         k->scores(s, DECODE_BK, q32, r, d_qk, kr, ldk, bk, kdt);
+        if (p->mask) decode_mask(p, s, r, b, kvh, j0, bk);
         for (int64_t i = 0; i < r; i++) {
-            /* row i is query i % N of its head; bottom-right causal: keys j < len - N + 1 + (i % N) */
-            const int64_t lim = p->causal ? len - p->n + 1 + i % p->n : len;
+            const int64_t lim = decode_lim(p, len, i % p->n); /* row i is query i % N of its head */
             const int64_t keys = lim - j0 < 0 ? 0 : lim - j0 < bk ? lim - j0 : bk;
-            alpha[i] = k->softmax_row(s + i * DECODE_BK, bk, keys, &m[i], &l[i]);
+            alpha[i] = k->softmax_row(s + i * DECODE_BK, bk, keys, &m[i], &l[i], unit);
         }
         const void *vr = cache_rows(k, p, p->v, p->vs, b, kvh, j0, bk, d_v, vbuf, &ldv, &vdt);
         k->pv(o, alpha, s, DECODE_BK, r, bk, vr, ldv, d_v, vdt);
@@ -246,6 +270,7 @@ static void decode_combine(const decode_ctx *c, int64_t grp) {
     const decode_problem *p = c->p;
     const decode_layout *lay = &c->lay;
     const int64_t d_v = p->d_v, g = p->h / p->hkv, stride = 2 + d_v, b = grp / p->hkv, kvh = grp % p->hkv;
+    const float unit = decode_unit(p);
     for (int64_t ri = 0; ri < g * p->n; ri++) {
         const int64_t h = kvh * g + ri / p->n, i = ri % p->n;
         float *acc = c->ws + lay->parts + grp * lay->chunks * lay->part_floats + ri * stride;
@@ -256,6 +281,7 @@ static void decode_combine(const decode_ctx *c, int64_t grp) {
         }
         if (mx == -INFINITY) { /* no key: zeros */
             for (int64_t e = 0; e < d_v; e++) opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, 0.0);
+            if (p->lse) p->lse[(b * p->h + h) * p->n + i] = -INFINITY;
             continue;
         }
         float total = 0.0f;
@@ -265,7 +291,7 @@ static void decode_combine(const decode_ctx *c, int64_t grp) {
                 if (ch == 0) memset(acc + 2, 0, sizeof(float) * (size_t)d_v);
                 continue;
             }
-            const float w = exp2f(pc[0] - mx);
+            const float w = exp2f((pc[0] - mx) * unit);
             total += pc[1] * w;
             float *restrict dst = acc + 2;
             const float *restrict src = pc + 2;
@@ -277,6 +303,7 @@ static void decode_combine(const decode_ctx *c, int64_t grp) {
         }
         const float inv = 1.0f / total;
         for (int64_t e = 0; e < d_v; e++) acc[2 + e] *= inv;
+        if (p->lse) p->lse[(b * p->h + h) * p->n + i] = (float)(((double)mx * unit + log2((double)total)) / LOG2E);
         store_row(c->k, p->out, off4(p->os, b, h, i, 0), p->os[3], acc + 2, d_v, p->dt);
     }
 }
@@ -306,8 +333,10 @@ void decode_fwd(const decode_kernels *k, const decode_problem *p, float *workspa
     if (c.lay.tasks == 0) { /* no key anywhere (or no row): zeros */
         for (int64_t b = 0; b < p->b; b++)
             for (int64_t h = 0; h < p->h; h++)
-                for (int64_t i = 0; i < p->n; i++)
+                for (int64_t i = 0; i < p->n; i++) {
                     for (int64_t e = 0; e < p->d_v; e++) opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, 0.0);
+                    if (p->lse) p->lse[(b * p->h + h) * p->n + i] = -INFINITY;
+                }
         return;
     }
     atomic_llong *done = (atomic_llong *)(void *)(workspace + c.lay.done);
@@ -326,7 +355,7 @@ int decode_ref_fwd(const decode_problem *p) {
         const int64_t len = decode_len(p, b);
         for (int64_t h = 0; h < p->h; h++)
             for (int64_t i = 0; i < p->n; i++) {
-                const int64_t lim = p->causal ? len - p->n + 1 + i : len, kvh = h / g;
+                const int64_t lim = decode_lim(p, len, i), kvh = h / g;
                 double mx = -INFINITY;
                 for (int64_t j = 0; j < lim; j++) {
                     double dot = 0.0;
@@ -334,6 +363,10 @@ int decode_ref_fwd(const decode_problem *p) {
                         dot += opf_load_elem(p->q, off4(p->qs, b, h, i, e), p->dt) *
                                opf_load_elem(p->k, off4(p->ks, b, kvh, j, e), p->dt);
                     w[j] = dot * p->scale;
+                    if (p->mask_kind == DECODE_MASK_BOOL && !((const uint8_t *)p->mask)[off4(p->ms, b, h, i, j)])
+                        w[j] = -INFINITY;
+                    else if (p->mask_kind == DECODE_MASK_ADD)
+                        w[j] += opf_load_elem(p->mask, off4(p->ms, b, h, i, j), p->mask_dt);
                     mx = fmax(mx, w[j]);
                 }
                 double sum = 0.0;
@@ -346,6 +379,7 @@ int decode_ref_fwd(const decode_problem *p) {
                 }
                 for (int64_t e = 0; e < p->d_v; e++)
                     opf_store_elem(p->out, off4(p->os, b, h, i, e), p->dt, sum > 0.0 ? acc[e] / sum : 0.0);
+                if (p->lse) p->lse[(b * p->h + h) * p->n + i] = sum > 0.0 ? (float)(mx + log(sum)) : -INFINITY;
             }
     }
     free(w);

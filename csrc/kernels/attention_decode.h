@@ -12,15 +12,21 @@
  *                                                 precedes it.
  * A query with no key (seq_lens[b] = 0, or lim <= 0) gives zeros, as a fully masked row of attention.
  *
+ * The attention op runs its few-query shapes (decoding without a cache object, cross-attention of a
+ * few rows) through the same driver, so it also takes what attention means: no seq_lens (every row
+ * has s_max keys), top-left causal (lim(b, i) = min(i + 1, len)), an explicit mask (bool: keep where
+ * true; or added to the scores), and the rows' log-sum-exp for the backward.
+ *
  * Plan (flash-decoding): the keys of each (batch row, kv head) are cut into chunks of decode_chunk()
  * keys, a function of the shapes and of max(seq_lens) alone, never of the thread count. A task is one
  * (b, kv head, chunk): it reads the chunk's K and V once (16-bit types converted to float32 in registers,
  * or, for a cache with a non-unit element stride, into a buffer a block of DECODE_BK keys at a time)
  * for all g x N query rows of the group -- the cache is where the bytes
- * are -- and leaves each row's partial softmax state (max m, sum l, unnormalised acc, base 2) in the
- * workspace. Tasks are pulled from an atomic counter; the worker that completes a group's last chunk
- * combines each of the group's query rows over its chunks, in chunk order, in float32:
- *     M = max_c m_c,  L = sum_c l_c 2^(m_c - M),  out = sum_c acc_c 2^(m_c - M) / L
+ * are -- and leaves each row's partial softmax state (max m, sum l, unnormalised acc; scores in base 2,
+ * or natural under an added mask: u = 1 or log2 e) in the workspace. Tasks are pulled from an atomic
+ * counter; the worker that completes a group's last chunk combines each of the group's query rows over
+ * its chunks, in chunk order, in float32:
+ *     M = max_c m_c,  L = sum_c l_c 2^((m_c - M) u),  out = sum_c acc_c 2^((m_c - M) u) / L
  * so the result is bitwise the same on any thread count.
  */
 #ifndef OPFORGE_KERNELS_ATTENTION_DECODE_H
@@ -59,18 +65,28 @@ static inline __attribute__((always_inline)) void decode_prefetch(const int kt, 
     for (int64_t b = 0; b < n * size; b += 64) __builtin_prefetch(c + b, 0, 3);
 }
 
+/* decode_problem.causal */
+enum { DECODE_CAUSAL_NONE = 0, DECODE_CAUSAL_BOTTOM_RIGHT = 1, DECODE_CAUSAL_TOP_LEFT = 2 };
+/* decode_problem.mask_kind (the values of attn_mask_kind) */
+enum { DECODE_MASK_NONE = 0, DECODE_MASK_BOOL = 1, DECODE_MASK_ADD = 2 };
+
 typedef struct decode_problem {
     int64_t b, h, hkv, n, s_max, d_qk, d_v; /* batch, heads, kv heads, new tokens, cache length, head dims */
     opf_dtype dt;                           /* of q, k, v, out */
     const void *q, *k, *v;
     int64_t qs[4], ks[4], vs[4]; /* element strides (b, h, n|s, d) */
-    const void *lens;            /* seq_lens (b,), every value in [0, s_max] (the caller checks) */
+    const void *lens;            /* seq_lens (b,), every value in [0, s_max] (the caller checks); NULL: s_max */
     int lens_i64;                /* 1: int64, 0: int32 */
     int64_t lens_stride;         /* in elements */
-    int causal;
-    double scale; /* exact for the float64 oracle; the float32 kernels round it once */
+    int causal;                  /* DECODE_CAUSAL_* */
+    double scale;                /* exact for the float64 oracle; the float32 kernels round it once */
+    const void *mask;            /* NULL, or element (b, h, i, j) at ms (0 where broadcast) */
+    int mask_kind;               /* DECODE_MASK_*: bool (uint8, keep where nonzero) or added (mask_dt) */
+    opf_dtype mask_dt;
+    int64_t ms[4];
     void *out;
     int64_t os[4];
+    float *lse; /* NULL, or (b, h, n) contiguous: each row's log-sum-exp (natural log), -inf with no key */
 } decode_problem;
 
 typedef struct decode_kernels {
@@ -82,10 +98,12 @@ typedef struct decode_kernels {
      * the block are prefetched: the next block's, read next. */
     void (*scores)(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk, int64_t bk,
                    opf_dtype kdt);
-    /* One row's online softmax step in base 2 over x[0..bk), of which x[j < keys] are valid (0 <= keys
-     * <= bk): m' = max(m, max x); x = 2^(x - m') (0 beyond keys); l = l alpha + sum x; m = m'. Returns
-     * alpha = 2^(m - m'). While m' is -inf (no key yet) x becomes 0 and alpha 1. */
-    float (*softmax_row)(float *x, int64_t bk, int64_t keys, float *m, float *l);
+    /* One row's online softmax step over x[0..bk), of which x[j < keys] are valid (0 <= keys <= bk), the
+     * scores in units where exp = 2^(x unit) (unit 1: base 2, the scale's log2(e) folded into the queries;
+     * log2(e): natural, with an added mask, whose float32 lowest would overflow in base 2):
+     * m' = max(m, max x); x = 2^((x - m') unit) (0 beyond keys); l = l alpha + sum x; m = m'. Returns
+     * alpha = 2^((m - m') unit). While m' is -inf (no key yet) x becomes 0 and alpha 1. */
+    float (*softmax_row)(float *x, int64_t bk, int64_t keys, float *m, float *l, float unit);
     /* o (r x dv, row stride dv) = o alpha_i + p v, p r x bk (row stride ldp), v bk x dv (row stride ldv
      * elements, unit stride within a row) of type vdt as for scores; rows up to DECODE_PF past the block
      * are prefetched */
@@ -101,8 +119,16 @@ extern const opf_variants decode_variants;
 const decode_kernels *decode_kernels_for(opf_isa isa);
 
 static inline int64_t decode_len(const decode_problem *p, int64_t b) {
+    if (!p->lens) return p->s_max;
     return p->lens_i64 ? ((const int64_t *)p->lens)[b * p->lens_stride]
                        : (int64_t)((const int32_t *)p->lens)[b * p->lens_stride];
+}
+
+/* The keys j < lim of query i of a row with len keys */
+static inline int64_t decode_lim(const decode_problem *p, int64_t len, int64_t i) {
+    if (p->causal == DECODE_CAUSAL_BOTTOM_RIGHT) return len - p->n + 1 + i;
+    if (p->causal == DECODE_CAUSAL_TOP_LEFT) return i + 1 < len ? i + 1 : len;
+    return len;
 }
 
 /* Keys per chunk (a multiple of DECODE_BK), from the shapes and max(seq_lens) only. */

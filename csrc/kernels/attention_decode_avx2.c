@@ -102,7 +102,7 @@ static void scores_avx2(float *s, int64_t lds, const float *q, int64_t r, int64_
     DECODE_BY_TYPE(kdt, scores_t, s, lds, q, r, d, k, ldk, bk);
 }
 
-static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, float *l) {
+static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, float *l, float unit) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 vmax = ninf;
     int64_t j = 0;
@@ -116,22 +116,22 @@ static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, floa
         for (j = 0; j < bk; j++) x[j] = 0.0f;
         return 1.0f;
     }
-    const __m256 base = _mm256_set1_ps(mx);
+    const __m256 base = _mm256_set1_ps(mx), vunit = _mm256_set1_ps(unit);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= bk; j += 8) {
-        __m256 e = exp2_8z(_mm256_sub_ps(_mm256_loadu_ps(x + j), base));
+        __m256 e = exp2_8z(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), base), vunit));
         if (j + 8 > keys) e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes_below(keys - j)));
         _mm256_storeu_ps(x + j, e);
         sum = _mm256_add_ps(sum, e);
     }
     if (j < bk) {
         const __m256i in = lanes_below(bk - j);
-        __m256 e = exp2_8z(_mm256_sub_ps(_mm256_maskload_ps(x + j, in), base));
+        __m256 e = exp2_8z(_mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(x + j, in), base), vunit));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes_below(keys - j)));
         _mm256_maskstore_ps(x + j, in, e);
         sum = _mm256_add_ps(sum, e);
     }
-    const float alpha = exp2f(*m - mx);
+    const float alpha = exp2f((*m - mx) * unit);
     *l = *l * alpha + hsum8(sum);
     *m = mx;
     return alpha;

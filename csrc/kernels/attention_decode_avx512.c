@@ -70,7 +70,7 @@ static void scores_avx512(float *s, int64_t lds, const float *q, int64_t r, int6
     DECODE_BY_TYPE(kdt, scores_t, s, lds, q, r, d, k, ldk, bk);
 }
 
-static float softmax_row_avx512(float *x, int64_t bk, int64_t keys, float *m, float *l) {
+static float softmax_row_avx512(float *x, int64_t bk, int64_t keys, float *m, float *l, float unit) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < keys; j += 16)
         vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail16(keys - j), x + j));
@@ -79,15 +79,16 @@ static float softmax_row_avx512(float *x, int64_t bk, int64_t keys, float *m, fl
         for (int64_t j = 0; j < bk; j += 16) _mm512_mask_storeu_ps(x + j, tail16(bk - j), _mm512_setzero_ps());
         return 1.0f;
     }
-    const __m512 base = _mm512_set1_ps(mx);
+    const __m512 base = _mm512_set1_ps(mx), vunit = _mm512_set1_ps(unit);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < bk; j += 16) {
         const __mmask16 in = tail16(bk - j), keep = keys > j ? tail16(keys - j) : 0;
-        const __m512 e = _mm512_maskz_mov_ps(keep, exp2_16z(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, x + j), base)));
+        const __m512 e = _mm512_maskz_mov_ps(
+            keep, exp2_16z(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, x + j), base), vunit)));
         _mm512_mask_storeu_ps(x + j, in, e);
         sum = _mm512_add_ps(sum, e);
     }
-    const float alpha = exp2f(*m - mx);
+    const float alpha = exp2f((*m - mx) * unit);
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = mx;
     return alpha;

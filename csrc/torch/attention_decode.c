@@ -81,7 +81,7 @@ static void attention_decode_cpu(StableIValue *stack, uint64_t nin, uint64_t nou
                         .lens = sl.data,
                         .lens_i64 = lens_i64,
                         .lens_stride = sl.strides[0],
-                        .causal = causal};
+                        .causal = causal ? DECODE_CAUSAL_BOTTOM_RIGHT : DECODE_CAUSAL_NONE};
     for (int d = 0; d < 4; d++) p.qs[d] = q.strides[d], p.ks[d] = kc.strides[d], p.vs[d] = vc.strides[d];
     const int f64 = p.dt == OPF_F64;
     if (has_scale && !(fabs(scale) <= (f64 ? DBL_MAX : FLT_MAX)))

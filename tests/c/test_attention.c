@@ -12,6 +12,7 @@
  * oracle at a scale float32 cannot hold.
  */
 #define _POSIX_C_SOURCE 200809L /* setenv: the standalone thread count is OPFORGE_NUM_THREADS */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -21,7 +22,8 @@
 
 typedef struct cfg {
     int64_t b, h, hkv, n, s, d, dv;
-    int causal, mask; /* mask: 0 none, 1 bool (N,S) broadcast, 2 additive (B,1,N,S), 3 bool with empty rows */
+    int causal, mask; /* mask: 0 none, 1 bool (N,S) broadcast, 2 additive (B,1,N,S), 3 bool with empty rows,
+                       * 4 additive with rows at float32's lowest */
     int layout;       /* 0 contiguous, 1 (B,N,H,D) transposed, 2 element stride 2 */
     opf_dtype dt;
 } cfg;
@@ -171,9 +173,12 @@ static void run(const attn_kernels *k, cfg c) {
                 ((uint8_t *)mask)[i * c.s + j] = (c.mask == 3 && i % 5 == 2) ? 0 : check_uniform(&seed) < 0.7;
         p.mask_kind = ATTN_MASK_BOOL;
         p.ms[0] = p.ms[1] = 0, p.ms[2] = c.s, p.ms[3] = 1;
-    } else if (c.mask == 2) { /* additive (B, 1, N, S) in the inputs' dtype, some -inf */
+    } else if (c.mask == 2 || c.mask == 4) { /* additive (B, 1, N, S) in the inputs' dtype, some -inf */
         mask = rand_tensor(c.b * c.n * c.s, c.dt, 22, 3.0);
         for (int64_t i = 0; i < c.b * c.n * c.s; i += 7) opf_store_elem(mask, i, c.dt, -INFINITY);
+        if (c.mask == 4) /* or: every key of some rows at float32's lowest (torch's masks), uniform weights */
+            for (int64_t i = 0; i < c.b * c.n * c.s; i++)
+                opf_store_elem(mask, i, c.dt, i / c.s % 2 ? -FLT_MAX : -1.0 - (double)(i % 3));
         p.mask_kind = ATTN_MASK_ADD, p.mask_dt = c.dt;
         p.ms[0] = c.n * c.s, p.ms[1] = 0, p.ms[2] = c.s, p.ms[3] = 1;
     }
@@ -214,6 +219,9 @@ static void run(const attn_kernels *k, cfg c) {
     double eq = rel_err(dq, wdq, p.qs, c.b, c.h, c.n, c.d, c.dt);
     double ek = rel_err(dk, wdk, p.ks, c.b, c.hkv, c.s, c.d, c.dt);
     double ev = rel_err(dv, wdv, p.vs, c.b, c.hkv, c.s, c.dv, c.dt);
+    if (c.mask == 4) /* the forward only: a float32 lse of -FLT_MAX + ln S is -FLT_MAX, so the backward
+                      * recomputes such a row's P as 1, not 1 / S (torch's flash kernels too) */
+        eq = ek = ev = 0.0;
     CHECK(eo <= tol && lerr <= 1e-4 && eq <= gtol && ek <= gtol && ev <= gtol,
           "%s b=%lld h=%lld hkv=%lld n=%lld s=%lld d=%lld dv=%lld causal=%d mask=%d layout=%d %s: "
           "out %.3g lse %.3g dq %.3g dk %.3g dv %.3g",
@@ -298,6 +306,19 @@ static void test_variant(const attn_kernels *k) {
     run(k, (cfg){2, 1, 1, 1, 999, 7, 9, 0, 0, 2, OPF_F32});       /* one query, odd dims, strided */
     run(k, (cfg){1, 1, 1, 200, 1000, 64, 64, 1, 0, 0, OPF_BF16}); /* bfloat16, causal */
     run(k, (cfg){1, 2, 1, 65, 500, 80, 80, 0, 1, 1, OPF_BF16});   /* bfloat16, bool mask, transposed */
+    /* few queries (N <= 4: the flash-decoding driver): every mask kind, both causal alignments' meeting
+     * point (top-left here), GQA, strides, odd dims, keys over several decode chunks, bfloat16 */
+    const int64_t few_n[] = {1, 2, 3, 4, 5}, few_s[] = {1, 5, 64, 300, 1500};
+    for (size_t a = 0; a < 5; a++)
+        for (size_t b = 0; b < 5; b++)
+            for (int mk = 0; mk < 4; mk++)
+                run(k, (cfg){2, 4, 2, few_n[a], few_s[b], 40, 24, (int)(a + b + (size_t)mk) % 2, mk,
+                             (int)(a + (size_t)mk) % 3, OPF_F32});
+    run(k, (cfg){1, 32, 8, 1, 2100, 128, 128, 0, 0, 0, OPF_F32}); /* decoding: GQA 4, chunks */
+    run(k, (cfg){3, 6, 1, 3, 777, 7, 9, 1, 2, 2, OPF_F32});       /* MQA, causal, additive mask, strided */
+    run(k, (cfg){2, 4, 4, 4, 500, 64, 64, 0, 1, 1, OPF_BF16});    /* bfloat16, bool mask, transposed */
+    run(k, (cfg){1, 8, 2, 2, 999, 80, 80, 1, 2, 0, OPF_BF16});    /* bfloat16, causal, additive mask */
+    run(k, (cfg){2, 2, 1, 1, 700, 16, 16, 0, 4, 0, OPF_F32});     /* rows masked by float32's lowest alone */
     /* empty: no query, no key (zeros, lse -inf), no batch, no head */
     run(k, (cfg){2, 2, 1, 0, 7, 16, 16, 0, 0, 0, OPF_F32});
     run(k, (cfg){2, 2, 1, 9, 0, 16, 16, 1, 0, 0, OPF_F32});

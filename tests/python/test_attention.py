@@ -3,7 +3,8 @@ dtype, causal with unequal lengths, grouped-query heads, masks, fully masked
 rows, strides, gradients, gradcheck, float64 to the last bits, empty shapes,
 opcheck, a backward bitwise the same on any thread count, few query blocks (the
 forward's keys split into chunks) against float64 and bitwise the same on 1 and 2
-threads, no leak on failing calls, torch.compile, autocast, nn.MultiheadAttention, bad input."""
+threads, a few queries (N <= 4, the flash-decoding driver) with every mask kind, gradients and
+opcheck, no leak on failing calls, torch.compile, autocast, nn.MultiheadAttention, bad input."""
 
 import ctypes
 import os
@@ -371,6 +372,63 @@ def test_few_query_blocks_bitwise_the_same_on_any_thread_count(n, s, causal, dty
             assert torch.equal(a, w), f"{name} differs between 1 and 2 threads"
     finally:
         torch.set_num_threads(threads)
+
+
+# A few queries (N <= 4: decoding a token or a few against the keys so far, cross-attention of a few
+# rows) run the flash-decoding driver: a task is a chunk of one key/value head's keys for all the query
+# rows that read it. The same meaning as the blocks: all S keys, top-left causal, any mask, lse for the
+# backward, and the same bits on any thread count.
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("kind", [None, *MASKS])
+@pytest.mark.parametrize("n, s, causal", [(1, 1, False), (1, 2100, False), (2, 700, True), (3, 5, True),
+                                          (4, 300, False)], ids=str)
+def test_few_queries_values_and_gradients(n, s, causal, kind, dtype):
+    q, k, v = qkv(b=2, h=4, hkv=2, n=n, s=s, d=40, dv=24, dtype=dtype, grad=True)
+    mask = None if kind is None else MASKS[kind](2, 4, n, s)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    out, lse = ATTN(q, k, v, mask, causal, None)
+    want = reference(q, k, v, mask, causal)
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+    g = torch.randn_like(out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    wgrads = torch.autograd.grad(reference(*leaves, mask, causal), leaves, g.double())
+    for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), g), wgrads):
+        torch.testing.assert_close(a.double(), b, **GTOL[dtype], msg=f"d{name}")
+
+
+def test_few_queries_rows_masked_by_the_lowest_float_get_uniform_weights_as_torch():
+    # torch's masks use finfo.min: a row masked by it alone averages V in torch, and must here too
+    # (the decode driver adds such a mask in natural units, where it cannot overflow)
+    q, k, v = qkv(b=1, h=2, n=2, s=600, d=16)
+    mask = torch.zeros(1, 1, 2, 600)
+    mask[..., 0, :] = torch.finfo(torch.float32).min
+    mask[..., 1, 100:] = torch.finfo(torch.float32).min
+    out, lse = ATTN(q, k, v, mask, False, None)
+    torch.testing.assert_close(out, SDPA(q, k, v, attn_mask=mask), **TOL[torch.float32])
+    torch.testing.assert_close(out[0, :, 0], v[0, :, :].mean(1).expand(2, -1), **TOL[torch.float32])
+    assert torch.all(lse[0, :, 0] == torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_queries_bitwise_the_same_on_any_thread_count_and_opcheck(dtype):
+    q, k, v = qkv(b=1, h=8, hkv=2, n=2, s=3000, d=64, dtype=dtype, grad=True)
+    mask = torch.rand(1, 1, 2, 3000) > 0.1
+
+    def run():
+        return ATTN(q, k, v, mask, False, None)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = run()
+        for r in range(5):
+            assert all(torch.equal(a, w) for a, w in zip(run(), first)), f"run {r + 2} differs from run 1"
+        torch.set_num_threads(1)
+        assert all(torch.equal(a, w) for a, w in zip(run(), first)), "1 thread differs from 2"
+    finally:
+        torch.set_num_threads(threads)
+    opcheck(ATTN, (q, k, v, mask, True, 0.3))
 
 
 class _MallInfo2(ctypes.Structure):
