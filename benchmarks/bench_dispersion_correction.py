@@ -112,7 +112,6 @@ def main(argv=None):
         "vs_eager / vs_compile: time of `x * alpha + torch.sqrt(x)` eager / torch.compile over opforge's time (>1: opforge faster)",
         "vs_clone: time of x.clone() (same bytes, same fresh output) over opforge's time",
         "copy_bw_share: opforge's bandwidth as a share of buf.copy_(x) into an already-touched buffer",
-        "outputs above 32 MiB are hinted MADV_HUGEPAGE before the first write (2-MiB page faults instead of 4-KiB)",
     ]
     table = write_results(stem, rows, notes, a.out)
     plot(stem, [r["elements"] for r in rows],

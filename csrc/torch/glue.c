@@ -246,8 +246,6 @@ AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *
                                    int32_t dtype, const opf_tensor *like) {
     AtenTensorHandle out = NULL;
     int32_t index = 0;
-    int64_t numel = 1;
-    for (int64_t d = 0; d < ndim; d++) numel *= sizes[d];
     OPF_TRY(op, aoti_torch_get_device_index(like->h, &index));
     if (aoti_torch_empty_strided(ndim, sizes, strides, dtype, like->device_type, index, &out) != OPF_AOTI_SUCCESS) {
         opf_tensor t = {.ndim = ndim, .sizes = sizes};
@@ -255,9 +253,6 @@ AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *
         opf_shape_str(shape, sizeof shape, &t);
         opf_fail(op, "could not allocate the output (%s %s): out of memory?", opf_dtype_name(dtype), shape);
     }
-    void *data = NULL;
-    if (numel > 0 && aoti_torch_get_data_ptr(out, &data) == OPF_AOTI_SUCCESS)
-        opf_hint_fresh_output(data, (size_t)numel * aoti_torch_dtype_element_size(dtype));
     return out;
 }
 

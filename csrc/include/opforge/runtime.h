@@ -124,13 +124,6 @@ double opf_now_us(void);
 void opf_log_note_pick(const char *family, const char *variant, opf_isa isa);
 int opf_log_take_picks(double t0_us, char *buf, size_t len);
 
-/* ---- memory ------------------------------------------------------------------- */
-
-/* Asks the kernel to back a fresh output with transparent huge pages before
- * the first write. Only for buffers large enough that the allocator maps them
- * on their own (glibc: > 32 MiB), so the hint ends with the buffer. */
-void opf_hint_fresh_output(void *data, size_t bytes);
-
 /* ---- strided n-d iteration for elementwise kernels -------------------------- */
 
 #define OPF_MAX_DIMS 64
