@@ -59,9 +59,24 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
+    elif (attention_mask is not None and attention_mask.shape[-1] == key.shape[2] > query.shape[2]
+          and not torch.compiler.is_compiling()):
+        key, value, attention_mask = _attended_keys(key, value, attention_mask)
     out = OF.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                           scale=scaling)
     return out.transpose(1, 2), None
+
+
+def _attended_keys(key, value, mask):
+    """K, V and a bool mask cut to the keys up to the last one any query attends to (views): a static
+    cache hands over its whole preallocated length, masked past the tokens so far, and reading it all
+    would cost each decoding step the cache's full size. The keys cut off have zero weight (and zero
+    gradient) either way."""
+    seen = mask.reshape(-1, mask.shape[-1]).any(0).nonzero()
+    end = int(seen[-1]) + 1 if seen.numel() else mask.shape[-1]
+    if end == key.shape[2]:
+        return key, value, mask
+    return key[:, :, :end], value[:, :, :end], mask[..., :end]
 
 
 def _register_attention():

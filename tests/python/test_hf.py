@@ -73,6 +73,40 @@ def test_generate_greedy_same_tokens(kind):
     assert torch.equal(patched.generate(prompt, **kw), model.generate(prompt, **kw))
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_left_padded_batch_same_tokens(cache):
+    """Decoding steps run the attention op's few-query path with transformers' bool mask; a static
+    cache hands over its whole length, cut to the keys attended (opforge.hf._attended_keys)."""
+    model, patched, _ = _pair("llama", seed=3)
+    model.eval()
+    patched.eval()
+    prompt = _batch(4, b=3, n=7)
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0  # left padding, as generate expects for decoder-only models
+    mask[2, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    assert torch.equal(patched.generate(prompt, **kw), model.generate(prompt, **kw))
+
+
+def test_attended_keys_cut_to_the_last_attended_key():
+    from opforge.hf import _attended_keys
+
+    k, v = torch.randn(2, 2, 50, 8), torch.randn(2, 2, 50, 8)
+    mask = torch.zeros(2, 1, 3, 50, dtype=torch.bool)
+    mask[0, 0, :, :20] = True
+    mask[1, 0, 2, 5:31] = True
+    k2, v2, m2 = _attended_keys(k, v, mask)
+    assert k2.shape[2] == v2.shape[2] == m2.shape[-1] == 31
+    assert k2.data_ptr() == k.data_ptr() and torch.equal(m2, mask[..., :31])  # views, not copies
+    q = torch.randn(2, 2, 3, 8)
+    torch.testing.assert_close(opforge.scaled_dot_product_attention(q, k2, v2, attn_mask=m2),
+                               opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    nothing = torch.zeros_like(mask)
+    assert _attended_keys(k, v, nothing)[0].shape[2] == 50  # no key attended anywhere: left as it is
+
+
 def test_padded_batch_mask():
     model, patched, _ = _pair("llama", seed=2)
     ids = _batch(3, b=2, n=9)
