@@ -44,7 +44,8 @@ class BuildOpLibrary(build_ext):
             [os.path.join(ROOT, s) for s in ext.sources],
             self.get_ext_fullpath(ext.name),
             include_dirs=[os.path.join(ROOT, "csrc/include")],
-            build_dir=os.path.join(self.build_temp, "opforge"),
+            # the object cache the C tests share (make test): a file is compiled once for both
+            build_dir=os.path.join(ROOT, "build", "obj"),
             extra_cflags=_build.namespace_flags(os.environ.get("OPFORGE_NAMESPACE")),
             verbose=self.verbose > 1,
         )

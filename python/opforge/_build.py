@@ -10,8 +10,10 @@ time. Never ``-march=native``.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -47,13 +49,31 @@ EMULATE_AVX512 = "-DOPF_EMULATE_AVX512"
 EMU_INCLUDE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "emu")
 
 
+SIMDE_HEADER = os.path.join("simde", "x86", "avx512.h")
+
+
+def simde_include() -> str | None:
+    """Where SIMDe's headers are: $SIMDE_INCLUDE, the cmeel-simde package of this
+    python (requirements-dev.txt installs it in the venv), or the system's
+    (Debian's libsimde-dev); None without them."""
+    prefix = os.path.join(sysconfig.get_paths()["purelib"], "cmeel.prefix", "include")
+    for d in (os.environ.get("SIMDE_INCLUDE"), prefix, "/usr/local/include", "/usr/include"):
+        if d and os.path.exists(os.path.join(d, SIMDE_HEADER)):
+            return d
+    return None
+
+
 def isa_flags(isa: str | None, extra_cflags: list[str]) -> list[str]:
     if isa is None:
         return []
     if EMULATE_AVX512 in extra_cflags and isa != "avx2":
+        simde = simde_include()
+        if simde is None:
+            raise BuildError("the emulated AVX-512 build needs SIMDe's headers: pip install cmeel-simde "
+                             "(make setup does), apt-get install libsimde-dev, or set SIMDE_INCLUDE")
         # AMX instructions: the C model of gemm_amx.c; -Wno-psabi: 512-bit values pass as the emulation's structs
         emu = ["-DOPF_AMX_EMULATE"] if isa == "amx" else []
-        return ISA_FLAGS["avx2"] + [f"-I{os.path.abspath(EMU_INCLUDE)}", "-Wno-psabi", *emu]
+        return ISA_FLAGS["avx2"] + [f"-I{os.path.abspath(EMU_INCLUDE)}", f"-I{simde}", "-Wno-psabi", *emu]
     return ISA_FLAGS[isa]
 
 
@@ -119,6 +139,44 @@ def _up_to_date(cmd: list[str]) -> bool:
         return False
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def _text_closure(src: str, include_dirs: list[str], seen: dict[str, str]) -> str:
+    """The text of src and of every header it includes with quotes, transitively
+    (resolved as the compiler does: beside the including file, then include_dirs)."""
+    path = os.path.abspath(src)
+    if path in seen:
+        return ""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    seen[path] = text
+    for name in _INCLUDE.findall(text):
+        for d in (os.path.dirname(path), *include_dirs):
+            if os.path.exists(os.path.join(d, name)):
+                _text_closure(os.path.join(d, name), include_dirs, seen)
+                break
+    return "".join(seen.values())
+
+
+def flags_for(src: str, include_dirs: list[str], extra_cflags: list[str]) -> list[str]:
+    """extra_cflags as src sees them: a -D goes only to a file that reads its macro
+    (in its own text or in a header it includes), so that a define for one file
+    (a test's build parameter, the op namespace) recompiles that file alone."""
+    out, text = [], None
+    for flag in extra_cflags:
+        if flag.startswith("-D"):
+            if text is None:
+                text = _text_closure(src, include_dirs, {})
+            if not re.search(r"\b" + re.escape(flag[2:].split("=")[0]) + r"\b", text):
+                continue
+        out.append(flag)
+    return out
+
+
 def compile_objects(
     sources: list[str],
     include_dirs: list[str],
@@ -129,17 +187,21 @@ def compile_objects(
     """Compiles each source (in parallel) with CFLAGS plus its ISA's flags;
     returns the objects and the compiler's warnings. A failure raises a
     BuildError with every file's messages, warnings of the files that
-    compiled included."""
+    compiled included. An object's name carries a digest of its command, so
+    one build_dir is a cache that builds with other flags share: a file is
+    compiled once per distinct command (the library, each C test binary and a
+    rebuild under another namespace reuse what they have in common)."""
     cc = compiler()
     os.makedirs(build_dir, exist_ok=True)
     incs = [f"-I{d}" for d in include_dirs]
     jobs = []
     for src in select_sources(sources):
+        isa = isa_of(src)
+        flags = CFLAGS + isa_flags(isa, extra_cflags or []) + flags_for(src, include_dirs, extra_cflags or [])
+        digest = hashlib.sha1(" ".join([cc, *flags, *incs, os.path.abspath(src)]).encode()).hexdigest()[:10]
         # the same stem lives in csrc/kernels and csrc/torch: keep the folder in the name
         parent = os.path.basename(os.path.dirname(os.path.abspath(src)))
-        obj = os.path.join(build_dir, f"{parent}_{os.path.basename(src)[:-2]}.o")
-        isa = isa_of(src)
-        flags = CFLAGS + isa_flags(isa, extra_cflags or []) + (extra_cflags or [])
+        obj = os.path.join(build_dir, f"{parent}_{os.path.basename(src)[:-2]}-{digest}.o")
         jobs.append(([cc, *flags, *incs, "-c", src, "-o", obj, "-MMD", "-MF", obj[:-2] + ".d"], obj))
     if verbose:
         for cmd, _ in jobs:
@@ -239,9 +301,10 @@ def build_test_binary(
     sources: list[str], output: str, include_dirs: list[str], build_dir: str, defines: list[str] | None = None
 ) -> str:
     """Compiles a standalone C test (kernels + runtime, no torch) with the
-    library's flags, so the tests exercise exactly what ships (plus ``defines``,
-    e.g. a test model of instructions the CPU lacks)."""
-    objs, warnings = compile_objects(sources, include_dirs, build_dir, ["-g", *(f"-D{d}" for d in defines or [])])
+    library's flags, so the tests exercise exactly what ships and share its
+    objects (plus ``defines``, e.g. a test model of instructions the CPU lacks,
+    which reach only the files that read them)."""
+    objs, warnings = compile_objects(sources, include_dirs, build_dir, [f"-D{d}" for d in defines or []])
     _show(warnings + _run([compiler(), *objs, "-lpthread", "-lm", "-o", output], warnings))
     return output
 
@@ -254,7 +317,6 @@ if __name__ == "__main__":
     p.add_argument("sources", nargs="+")
     p.add_argument("-I", dest="include", action="append", default=[])
     p.add_argument("-D", dest="defines", action="append", default=[])
+    p.add_argument("--objects", default="build/obj", help="the object cache (shared with the library's build)")
     a = p.parse_args()
-    # objects built with defines of their own get a folder of their own
-    obj = "obj" + "".join("-" + d.split("=")[0].lower() for d in a.defines)
-    build_test_binary(a.sources, a.output, a.include, os.path.join(os.path.dirname(a.output), obj), a.defines)
+    build_test_binary(a.sources, a.output, a.include, a.objects, a.defines)

@@ -340,6 +340,7 @@ def _available_bytes():
     return 0
 
 
+@pytest.mark.slow
 def test_more_than_2_31_elements():
     n = (1 << 31) + 17  # bfloat16: 4 GiB in, 4 GiB out
     if _available_bytes() < 12 * 2**30:

@@ -47,6 +47,8 @@ import opforge.nn as onn
 from dist_helpers import COLLECTIVE_TIMEOUT_S, free_port, spawn
 from opforge.models import GPT, GPTConfig
 
+pytestmark = pytest.mark.slow  # the full tier: process groups of spawned ranks
+
 CONFIG = GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 BATCH, SEQ, FEATURES, HIDDEN, OUT = 4, 32, 16, 45, 7
 STEPS = 3

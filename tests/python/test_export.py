@@ -19,6 +19,8 @@ import opforge
 import opforge.functional as F
 from opforge.aoti import c_parameters
 
+pytestmark = pytest.mark.slow  # the full tier: AOTInductor compiles C++ (tens of seconds)
+
 H, D, HIDDEN, VOCAB = 2, 8, 16, 16
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

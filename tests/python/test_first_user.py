@@ -82,6 +82,7 @@ def test_runtime_library_carries_no_build_path():
         assert entry.startswith("$ORIGIN"), f"libopforge.so hard-codes {entry}"
 
 
+@pytest.mark.slow
 def test_scaffold_bench_script_runs(tmp_path):
     r = _cli("new", "benched", "--dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
@@ -152,6 +153,7 @@ def inputs():
 """
 
 
+@pytest.mark.slow
 def test_check_and_bench_take_shapes_and_inputs(tmp_path):
     ref = tmp_path / "ref.py"
     ref.write_text(MATMUL_FILES)

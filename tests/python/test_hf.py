@@ -9,6 +9,8 @@ import torch
 
 import opforge
 
+pytestmark = pytest.mark.slow  # the full tier: Hugging Face models, generation and training curves
+
 transformers = pytest.importorskip("transformers")  # pinned in requirements-dev.txt: present in CI
 
 COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

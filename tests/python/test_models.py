@@ -64,6 +64,7 @@ def _train(model, steps, autocast_dtype=None):
     return torch.tensor(losses)
 
 
+@pytest.mark.slow
 def test_training_curves_match_float32():
     plain, fused = _pair(seed=3)
     lp, lf = _train(plain, 50), _train(fused, 50)
@@ -72,6 +73,7 @@ def test_training_curves_match_float32():
     assert rel < 0.01, f"float32 loss curves differ by {rel:.4f} (relative) at worst"
 
 
+@pytest.mark.slow
 def test_training_curves_match_bfloat16_autocast():
     plain, fused = _pair(seed=4)
     lp, lf = _train(plain, 30, torch.bfloat16), _train(fused, 30, torch.bfloat16)
@@ -150,6 +152,7 @@ def test_patch_refuses_a_bare_leaf():
         opforge.patch(torch.nn.LayerNorm(8))
 
 
+@pytest.mark.slow
 def test_train_gpt_example_runs(tmp_path):
     import importlib.util
     import os

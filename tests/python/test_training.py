@@ -418,6 +418,7 @@ def test_checkpointed_blocks_give_bitwise_the_same_gradients(amp):
         assert torch.equal(p.grad, grads[name]), f"{name}: gradient differs under checkpointing"
 
 
+@pytest.mark.slow
 def test_compile_whole_model_dynamic_two_lengths_no_recompile():
     """torch.compile(fused GPT, fullgraph=True, dynamic=True): one graph (fullgraph raises on a break), a
     second sequence length runs the same compiled code (set_stance('fail_on_recompile') raises otherwise),

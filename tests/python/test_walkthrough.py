@@ -16,6 +16,8 @@ import pytest
 
 from opforge import scaffold
 
+pytestmark = pytest.mark.slow  # the full tier: replays the README walk-throughs in a shell
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples", "first_op")
 
