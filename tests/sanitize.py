@@ -45,6 +45,7 @@ def runtime() -> list[str]:
 
 def build_test(output: str, sources: list[str], include: list[str], defines: list[str]) -> None:
     objs, _ = _build.compile_objects(sources, include, OBJECTS, SANITIZE + [f"-D{d}" for d in defines])
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     subprocess.run([_build.compiler(), *SANITIZE, *objs, "-lpthread", "-lm", "-o", output], check=True)
 
 

@@ -115,7 +115,8 @@ static decode_layout layout_for(const decode_problem *p) {
     decode_layout lay = {0};
     lay.chunks = len > 0 ? cdiv(len, decode_chunk(p)) : 0;
     lay.tasks = p->b * p->hkv * lay.chunks;
-    if (r == 0 || p->d_v == 0) lay.tasks = 0; /* nothing to compute: the combine writes what there is */
+    /* nothing to compute (no row, or no output column and no lse asked for): zeros, -inf lse */
+    if (r == 0 || (p->d_v == 0 && !p->lse)) lay.tasks = 0;
     const int64_t threads = opf_num_threads();
     lay.workers = lay.tasks < threads ? lay.tasks : threads;
     lay.part_floats = round16(r * (2 + p->d_v));

@@ -131,7 +131,8 @@ static void cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64
     if (lse.dtype != aoti_torch_dtype_float64() && lse.dtype != aoti_torch_dtype_float32())
         opf_fail(CEB, "argument 'lse' must be float64 (as the forward makes it) or float32, got %s",
                  opf_dtype_name(lse.dtype));
-    for (int64_t d = lse.ndim - 1, step = 1; d >= 0; step *= lse.sizes[d], d--)
+    /* an empty lse (a leading dim 0) has any strides: nothing of it is read */
+    for (int64_t d = lse.ndim - 1, step = 1; d >= 0 && lse.numel > 0; step *= lse.sizes[d], d--)
         if (lse.sizes[d] > 1 && lse.strides[d] != step)
             opf_fail(CEB, "argument 'lse' must be contiguous (the tensor the forward made)");
     OPF_OWNED AtenTensorHandle dx_h = opf_empty(CEB, x->ndim, x->sizes, x->dtype, x);

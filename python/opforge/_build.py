@@ -305,6 +305,7 @@ def build_test_binary(
     objects (plus ``defines``, e.g. a test model of instructions the CPU lacks,
     which reach only the files that read them)."""
     objs, warnings = compile_objects(sources, include_dirs, build_dir, [f"-D{d}" for d in defines or []])
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     _show(warnings + _run([compiler(), *objs, "-lpthread", "-lm", "-o", output], warnings))
     return output
 
