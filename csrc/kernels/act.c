@@ -21,7 +21,7 @@ float act_f32(act_kind act, float x) {
 
 float act_grad_f32(act_kind act, float x) {
     switch (act) {
-    case ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    case ACT_RELU: return x <= 0.0f ? 0.0f : 1.0f; /* NaN passes the gradient, as torch's threshold_backward */
     case ACT_GELU: {
         float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
         float pdf = expf(-0.5f * x * x) * 0.3989422804014327f;
@@ -51,7 +51,7 @@ double act_f64(act_kind act, double x) {
 
 double act_grad_f64(act_kind act, double x) {
     switch (act) {
-    case ACT_RELU: return x > 0.0 ? 1.0 : 0.0;
+    case ACT_RELU: return x <= 0.0 ? 0.0 : 1.0;
     case ACT_GELU: return 0.5 * (1.0 + erf(x * 0.70710678118654752)) + x * exp(-0.5 * x * x) * 0.3989422804014327;
     case ACT_GELU_TANH: {
         double k = 0.7978845608028654, t = tanh(k * (x + 0.044715 * x * x * x));

@@ -7,6 +7,11 @@
  *     silu(x)      = x / (1 + exp(-x))
  * and the backward's first steps over rows: g' = g * act'(pre), with the
  * column sums of g' (a bias gradient) fused or on their own.
+ *
+ * Every variant evaluates these formulas as float32 does at infinite and
+ * huge x too, as torch's kernels do: gelu'(inf) = 1 + inf x 0 = NaN,
+ * gelu'(-1e30) = 0. Derivatives at NaN are NaN, but relu'(NaN) = 1: torch's
+ * relu backward passes the gradient there.
  */
 #ifndef OPFORGE_KERNELS_ACT_H
 #define OPFORGE_KERNELS_ACT_H

@@ -64,7 +64,8 @@ static inline __m256 act8(act_kind act, __m256 v) {
 static inline __m256 act_grad8(act_kind act, __m256 x) {
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     switch (act) {
-    case ACT_RELU: return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ), one);
+    case ACT_RELU: /* 1 where not x <= 0: NaN included, as act_grad_f32 */
+        return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NLE_UQ), one);
     case ACT_GELU: { /* Phi(x) + x phi(x); erf(x / sqrt 2) is made of exp(-x^2 / 2), phi's exponential */
         __m256 e;
         __m256 cdf =

@@ -17,7 +17,9 @@ extern const gemm_kernels gemm_kernels_amx __attribute__((weak));
 const opf_variants gemm_variants = OPF_VARIANTS("gemm", &gemm_kernels_ref, &gemm_kernels_avx2, &gemm_kernels_avx512,
                                                 &gemm_kernels_avx512_bf16, &gemm_kernels_amx);
 
-const gemm_kernels *gemm_kernels_for(opf_isa isa) { return opf_variant_pick(&gemm_variants, isa); }
+/* Not noted for the log here: which kernel multiplies depends on the operand types (a pair kernel's table
+ * hands the other products to its float32 table), so gemm_f32x notes the table that runs. */
+const gemm_kernels *gemm_kernels_for(opf_isa isa) { return opf_variant_best(&gemm_variants, isa); }
 
 static gemm_plan plan_for(const gemm_kernels *kern, int64_t m, int64_t kdim, int64_t threads) {
     gemm_plan p = {.threads = threads};
@@ -52,8 +54,14 @@ static int use_pairs(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb) {
     return kern->ukernel_pairs && (ta == OPF_BF16 || tb == OPF_BF16) && ta != OPF_F16 && tb != OPF_F16;
 }
 
+/* the table whose micro-kernel multiplies operands of these types */
+static const gemm_kernels *table_for(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb) {
+    return kern->f32 && !use_pairs(kern, ta, tb) ? kern->f32 : kern;
+}
+
 /* a pair takes one float's room in the workspace: a slice of pairs is twice as deep */
 int64_t gemm_slice_depth(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb) {
+    kern = table_for(kern, ta, tb);
     return use_pairs(kern, ta, tb) ? 2 * kern->kc : kern->kc;
 }
 
@@ -136,11 +144,12 @@ int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, cons
               int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c, int64_t rsc,
               const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
     if (m <= 0 || n <= 0) return 0;
-    if (kern->f32 && !use_pairs(kern, ta, tb)) kern = kern->f32;
+    kern = table_for(kern, ta, tb);
     if (kdim <= 0) { /* empty sum: the epilogue alone */
         gemm_ref_f32(m, n, 0, NULL, 0, 0, NULL, 0, 0, c, rsc, ep);
         return 0;
     }
+    if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick(gemm_variants.family, kern->name, kern->isa);
     gemm_plan plan = plan_for(kern, m, kdim, opf_num_threads());
     gemm_layout lay = layout_for(kern, &plan, m, n);
     if (lay.floats > ws_floats) {

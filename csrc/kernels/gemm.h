@@ -98,8 +98,10 @@ typedef struct gemm_kernels {
      * pairs A(r, 2p), A(r, 2p+1); B keeps the layout above; and the packed
      * depth of both is padded with zero pairs to a multiple of tile_pairs. */
     int tile_pairs;
-    /* The table products that are not multiplied as pairs run on (a pair
-     * kernel whose MR / NR the float32 kernel does not share); NULL: this one */
+    /* The table products that are not multiplied as pairs run on, and the
+     * one the log names for them: a pair kernel's table names an ISA (AMX,
+     * AVX512-BF16) that the float32 kernel does not use, and AMX's MR / NR
+     * are not the float32 kernel's; NULL: this one */
     const struct gemm_kernels *f32;
     /* Called by each worker after its micro-kernel calls of a pass (AMX:
      * releases the tiles); NULL: nothing to do */
@@ -109,10 +111,14 @@ typedef struct gemm_kernels {
 extern const gemm_kernels gemm_kernels_ref;
 extern const gemm_kernels gemm_kernels_avx2;        /* gemm_avx2.c */
 extern const gemm_kernels gemm_kernels_avx512;      /* gemm_avx512.c */
-extern const gemm_kernels gemm_kernels_avx512_bf16; /* gemm_avx512.c: the same plus the pair kernel */
+extern const gemm_kernels gemm_kernels_avx512_bf16; /* gemm_avx512.c: the pair kernel, else avx512 */
 extern const gemm_kernels gemm_kernels_amx;         /* gemm_amx.c: AMX-BF16 tiles for pairs, else avx512 */
 extern const opf_variants gemm_variants;
 
+/* The table for isa (opf_variant_best). It notes no pick for the log: at
+ * OPFORGE_LOG_LEVEL=info gemm_f32x notes the table whose micro-kernel runs
+ * for its operand types (the pair table or its `f32` one), and gemm_ref_f64
+ * notes "ref_f64", so that a call's log line names the kernel that ran. */
 const gemm_kernels *gemm_kernels_for(opf_isa isa);
 
 /* The K depth one slice covers for these operand types: a product with

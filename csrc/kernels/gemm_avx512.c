@@ -106,4 +106,5 @@ const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .ukernel = ukernel_avx512_12x32,
                                                .ukernel_pairs = ukernel_avx512bf16_12x32,
                                                .cvt = &cvt_kernels_avx512,
-                                               .act = &act_kernels_avx2};
+                                               .act = &act_kernels_avx2,
+                                               .f32 = &gemm_kernels_avx512};

@@ -53,6 +53,7 @@ void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rs
 void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa, const double *b,
                   int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta, const double *bias,
                   int64_t bias_stride, gemm_bias_kind bias_kind, act_kind act, double *preact, int64_t rsp) {
+    if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick(gemm_variants.family, "ref_f64", OPF_ISA_REF);
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j = 0; j < n; j++) {
             double v = 0;

@@ -15,7 +15,8 @@ extern const lce_kernels lce_kernels_avx512 __attribute__((weak));
 const opf_variants lce_variants =
     OPF_VARIANTS("linear_cross_entropy", &lce_kernels_ref, &lce_kernels_avx2, &lce_kernels_avx512);
 
-const lce_kernels *lce_kernels_for(opf_isa isa) { return opf_variant_pick(&lce_variants, isa); }
+/* Not noted for the log here: float64 runs the reference whatever the table, so lce_run notes what runs. */
+const lce_kernels *lce_kernels_for(opf_isa isa) { return opf_variant_best(&lce_variants, isa); }
 
 static const void *at(const void *p, int64_t i, opf_dtype dt) {
     return (const char *)p + i * (int64_t)opf_dtype_size(dt);
@@ -55,7 +56,13 @@ static void grad_ref(float *u, int64_t n, float cap, float lse, float scale, flo
     }
 }
 
-const lce_kernels lce_kernels_ref = {.name = "ref", .isa = OPF_ISA_REF, .lse_update = lse_update_ref, .grad = grad_ref};
+static float capped_ref(const float *u, int64_t n, int64_t j, float cap) {
+    (void)n;
+    return capped(u[j], cap);
+}
+
+const lce_kernels lce_kernels_ref = {
+    .name = "ref", .isa = OPF_ISA_REF, .lse_update = lse_update_ref, .grad = grad_ref, .capped = capped_ref};
 
 /* ---- plan and workspace --------------------------------------------------------------------------- */
 
@@ -141,7 +148,7 @@ static void lse_rows(int64_t r0, int64_t r1, void *ctx) {
         const float *u = job->block + r * job->cols;
         job->kern->lse_update(u, job->cols, job->cap, mx + t, sm + t, zs + t);
         int64_t y = p->target[t * p->target_stride] - job->v0;
-        if (!ignored(p, t) && y >= 0 && y < job->cols) zy[t] = capped(u[y], job->cap);
+        if (!ignored(p, t) && y >= 0 && y < job->cols) zy[t] = job->kern->capped(u, job->cols, y, job->cap);
     }
 }
 
@@ -168,7 +175,7 @@ static void grad_rows(int64_t r0, int64_t r1, void *ctx) {
         int64_t y = p->target[t * p->target_stride] - job->v0;
         float dy = 0.0f; /* the target's -(1 - eps) term, times the cap's derivative at its logit */
         if (y >= 0 && y < job->cols) {
-            float z = capped(u[y], job->cap);
+            float z = job->kern->capped(u, job->cols, y, job->cap);
             dy = scale * job->one_eps * (job->cap > 0.0f ? 1.0f - (z / job->cap) * (z / job->cap) : 1.0f);
         }
         job->kern->grad(u, job->cols, job->cap, p->lse[t], scale, job->eps_v);
@@ -205,8 +212,9 @@ static void store_loss(const lce_problem *p, const lce_job *job) {
         double lse = (double)mx[t] + log((double)sm[t]);
         p->lse[t] = (float)lse;
         double loss = 0.0;
-        if (!ignored(p, t)) {
-            loss = lse - (1.0 - eps) * zy[t] - (p->v > 0 ? eps * zs[t] / (double)p->v : 0.0);
+        if (!ignored(p, t)) { /* torch's form, term by term (linear_cross_entropy.h) */
+            loss = (1.0 - eps) * (lse - zy[t]);
+            if (eps > 0.0) loss += eps * (lse - zs[t] / (double)p->v);
             count++;
         }
         if (p->reduction == LCE_NONE)
@@ -291,7 +299,9 @@ static int run_f32(const lce_kernels *kern, const gemm_kernels *gemm, const lce_
 }
 
 int lce_run(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, float *ws, int64_t ws_floats) {
-    if (p->dt == OPF_F64) {
+    const int f64 = p->dt == OPF_F64, log = opf_log_enabled(OPF_LOG_INFO);
+    if (log) opf_log_note_pick(lce_variants.family, f64 ? "ref_f64" : kern->name, f64 ? OPF_ISA_REF : kern->isa);
+    if (f64) {
         if (ws_floats < lce_workspace(gemm, p)) return LCE_ERR_WORKSPACE;
         lce_ref_f64(p, (double *)ws);
         return 0;
@@ -369,8 +379,11 @@ void lce_ref_f64(const lce_problem *p, double *z) {
         if (!p->lse_given) p->lse[t] = (float)lse;
         int64_t y = p->target[t * p->target_stride];
         if (y != p->ignore_index) {
-            for (int64_t v = 0; v < p->v; v++) zsum += z[v];
-            loss = lse - (1.0 - eps) * z[y] - eps * zsum / (double)p->v;
+            loss = (1.0 - eps) * (lse - z[y]);
+            if (eps > 0.0) {
+                for (int64_t v = 0; v < p->v; v++) zsum += z[v];
+                loss += eps * (lse - zsum / (double)p->v);
+            }
             count++;
         }
         if (p->lse_given) continue;

@@ -4,8 +4,12 @@
  *     u = hidden (T,H) . weight (V,H)^T + bias (V)          logits, per block
  *     z = c tanh(u / c)   (softcap c > 0; z = u without)    Gemma-2 soft-capping
  *     lse_t = log sum_v exp z_tv
- *     loss_t = lse_t - (1 - eps) z_{t,y_t} - (eps / V) sum_v z_tv   (label smoothing eps)
+ *     loss_t = (1 - eps) (lse_t - z_{t,y_t}) + eps (lse_t - (1/V) sum_v z_tv)   (label smoothing eps)
  *            = 0 where y_t == ignore_index
+ *   torch's form, term by term: each difference is exactly 0 for V = 1 (lse = z), where lse - (1 - eps) z
+ *   - eps z left rounding of either sign; and the smoothing term is left out at eps = 0, as torch computes
+ *   none: with a -inf logit (a class masked by a -inf bias) it is +inf, and 0 x inf would make the loss
+ *   NaN where torch's is finite (with eps > 0 the loss is +inf, as torch's)
  *     reduction: none (loss_t), sum, mean (sum / the count of tokens not ignored)
  *     dz_tv = s_t (exp(z_tv - lse_t) - (1 - eps) [v == y_t] - eps / V),  du = dz (1 - (z/c)^2)
  *     dhidden = du . weight     dweight = du^T . hidden     dbias = sum_t du
@@ -82,11 +86,15 @@ typedef struct lce_problem {
  *   lse_update: folds the row into the running (*max, *sum of exp(z - *max))
  *     and adds sum z to *zsum
  *   grad: u[j] <- scale (exp(z_j - lse) - eps_v) (1 - (z_j / c)^2), in place
+ *   capped: z_j, the very number the other two make of u[j] (a vector tanh's
+ *     lane or the scalar tail's tanhf): the caller's target logit, so that
+ *     lse - z_y >= 0, and = 0 for one class, as torch's log-softmax gives
  * (the target's -(1 - eps) term is the caller's, one element). */
 typedef struct lce_kernels {
     OPF_VARIANT_HEAD;
     void (*lse_update)(const float *u, int64_t n, float cap, float *max, float *sum, float *zsum);
     void (*grad)(float *u, int64_t n, float cap, float lse, float scale, float eps_v);
+    float (*capped)(const float *u, int64_t n, int64_t j, float cap);
 } lce_kernels;
 
 extern const lce_kernels lce_kernels_ref;
@@ -94,6 +102,8 @@ extern const lce_kernels lce_kernels_avx2;   /* linear_cross_entropy_avx2.c */
 extern const lce_kernels lce_kernels_avx512; /* linear_cross_entropy_avx512.c */
 extern const opf_variants lce_variants;
 
+/* The table for isa, not noted for the log: lce_run notes the row code that
+ * runs (the table, or "ref_f64" for float64), as gemm_f32x notes its GEMM. */
 const lce_kernels *lce_kernels_for(opf_isa isa);
 
 /* The first t with a target outside [0, V) other than ignore_index, or -1. */

@@ -24,7 +24,7 @@ static void lse_update_avx2(const float *u, int64_t n, float capf, float *max, f
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         __m256 z = capped8(_mm256_loadu_ps(u + j), cap, rcap, has_cap);
-        vm = _mm256_max_ps(vm, z); /* a NaN z is dropped here, as fmaxf drops it, and shows in the sum */
+        vm = _mm256_max_ps(vm, z); /* a NaN z may be dropped here, as fmaxf drops it: it shows in the sum */
         vz = _mm256_add_ps(vz, z);
     }
     float m = hmax8(vm), zs = hsum8(vz), s = 0.0f;
@@ -34,7 +34,7 @@ static void lse_update_avx2(const float *u, int64_t n, float capf, float *max, f
         zs += z;
     }
     *zsum += zs;
-    if (isnan(*zsum)) *sum = NAN; /* a NaN logit, which max and exp8's clamp would drop: NaN, as expf gives */
+    if (isnan(*zsum)) *sum = NAN; /* a NaN logit, which the max may drop (m = -inf ends here): NaN, as expf gives */
     if (m == -INFINITY || isnan(*zsum)) return;
     __m256 vs = _mm256_setzero_ps(), mm = _mm256_set1_ps(m);
     for (j = 0; j + 8 <= n; j += 8)
@@ -67,5 +67,11 @@ static void grad_avx2(float *u, int64_t n, float capf, float lse, float scale, f
     lce_kernels_ref.grad(u + j, n - j, capf, lse, scale, eps_v);
 }
 
+/* tanh8 works lane by lane: a broadcast u[j] gives u[j]'s lane of its block; the tail is scalar */
+static float capped_avx2(const float *u, int64_t n, int64_t j, float capf) {
+    if (!(capf > 0.0f) || j >= n - n % 8) return capped1(u[j], capf);
+    return _mm256_cvtss_f32(capped8(_mm256_set1_ps(u[j]), _mm256_set1_ps(capf), _mm256_set1_ps(1.0f / capf), 1));
+}
+
 const lce_kernels lce_kernels_avx2 = {
-    .name = "avx2", .isa = OPF_ISA_AVX2, .lse_update = lse_update_avx2, .grad = grad_avx2};
+    .name = "avx2", .isa = OPF_ISA_AVX2, .lse_update = lse_update_avx2, .grad = grad_avx2, .capped = capped_avx2};

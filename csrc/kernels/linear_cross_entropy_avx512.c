@@ -9,9 +9,11 @@
 
 #include "linear_cross_entropy.h"
 
+/* exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial (math_avx2.h's exp8). The
+ * clamp keeps NaN (max and min return their second operand when either is NaN: a NaN logit's gradient is
+ * NaN); scalef rounds p 2^n to subnormals as expf does, and to 0 from x = -104 down (-inf included) */
 static inline __m512 exp16(__m512 x) {
-    /* exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial (math_avx2.h's exp8) */
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    x = _mm512_min_ps(_mm512_set1_ps(88.7f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -56,7 +58,7 @@ static void lse_update_avx512(const float *u, int64_t n, float capf, float *max,
     }
     float m = _mm512_reduce_max_ps(vm), s;
     *zsum += _mm512_reduce_add_ps(vz);
-    if (isnan(*zsum)) *sum = NAN; /* a NaN logit, which max and exp16's clamp would drop: NaN, as expf gives */
+    if (isnan(*zsum)) *sum = NAN; /* a NaN logit, which the max may drop (m = -inf ends here): NaN, as expf gives */
     if (m == -INFINITY || isnan(*zsum)) return;
     __m512 vs = _mm512_setzero_ps(), mm = _mm512_set1_ps(m);
     for (int64_t j = 0; j < n; j += 16) {
@@ -90,5 +92,15 @@ static void grad_avx512(float *u, int64_t n, float capf, float lse, float scale,
     }
 }
 
-const lce_kernels lce_kernels_avx512 = {
-    .name = "avx512", .isa = OPF_ISA_AVX512, .lse_update = lse_update_avx512, .grad = grad_avx512};
+/* tanh16 works lane by lane: a broadcast u[j] gives u[j]'s lane (every logit, the tail too, is a lane) */
+static float capped_avx512(const float *u, int64_t n, int64_t j, float capf) {
+    (void)n;
+    if (!(capf > 0.0f)) return u[j];
+    return _mm512_cvtss_f32(capped16(_mm512_set1_ps(u[j]), _mm512_set1_ps(capf), _mm512_set1_ps(1.0f / capf), 1));
+}
+
+const lce_kernels lce_kernels_avx512 = {.name = "avx512",
+                                        .isa = OPF_ISA_AVX512,
+                                        .lse_update = lse_update_avx512,
+                                        .grad = grad_avx512,
+                                        .capped = capped_avx512};

@@ -1,15 +1,21 @@
 /*
  * 8-wide float32 math for the AVX2 kernels (built with -mavx2 -mfma): exp to
- * ~1-2 ulp, and a masked 2^t for softmaxes. Included by *_avx2.c files only.
+ * ~1-2 ulp (NaN kept, 0 at -inf), and a masked 2^t for softmaxes. Included
+ * by *_avx2.c files only.
  */
 #ifndef OPFORGE_KERNELS_MATH_AVX2_H
 #define OPFORGE_KERNELS_MATH_AVX2_H
 
 #include <immintrin.h>
 
+/* exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial. The clamp keeps NaN (max
+ * and min return their second operand when either is NaN), and its ends are where 2^n's exponent field
+ * overflows to inf (n = 128) and reaches 0 (n = -127): exp(NaN) = NaN, exp(inf) = inf, and exp(x) = 0
+ * below -87.68 (subnormal there, flushed), -inf included. A clamp to -87.3 with x as the first operand
+ * made exp(NaN) and exp(-inf) 1.2e-38: a NaN logit's gradient came out finite, and GELU's x phi(x) was
+ * inf instead of NaN at x = inf and -4.9e-9 instead of 0 at -1e30. */
 static inline __m256 exp8(__m256 x) {
-    /* exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial */
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    x = _mm256_min_ps(_mm256_set1_ps(88.7f), _mm256_max_ps(_mm256_set1_ps(-88.0f), x));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

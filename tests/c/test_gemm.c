@@ -2,7 +2,9 @@
  * Every compiled GEMM variant against the double-accumulating oracle, on
  * shapes that are not multiples of the register or cache blocks, with
  * transposed and strided operands and every epilogue (beta, bias per row and
- * per column, each activation, the pre-activation store).
+ * per column, each activation, the pre-activation store); the activations
+ * and their derivatives at infinities, huge values and NaN as the scalar
+ * ones; the log naming the table whose kernel ran for each operand type.
  */
 #define _POSIX_C_SOURCE 200809L /* setenv: the thread count per test */
 #include <math.h>
@@ -80,6 +82,31 @@ static void test_act_grad(const act_kernels *k) {
         double worst = 0;
         for (int i = 0; i < N; i++) worst = fmax(worst, fabs(got[i] - g[i] * act_grad_f64(act, pre[i])));
         CHECK(worst < 2e-6, "%s act_grad %s: max error %g", k->name, ACT[act], worst);
+    }
+}
+
+/* Pre-activations at the edges of exp's range (infinities, magnitudes whose square overflows float32,
+ * exponents far below the smallest float) and NaN */
+static const float SPECIAL[] = {INFINITY, -INFINITY, -1e30f, -1e25f, 1e30f, 1e25f, -100.0f,
+                                100.0f,   -20.0f,    20.0f,  -2.0f,  0.5f,  NAN};
+enum { NSPECIAL = sizeof SPECIAL / sizeof *SPECIAL };
+
+/* got as want: NaN where want is NaN, the same infinity, within 1e-4 relative (an exact 0 where 0) */
+static int same_value(float got, float want) {
+    if (isnan(want) || isnan(got)) return isnan(want) && isnan(got);
+    return got == want || fabsf(got - want) <= 1e-4f * fabsf(want);
+}
+
+/* the derivative at SPECIAL as the scalar reference's: the vector exp clamped its argument to [-87.3, 88.7],
+ * so GELU's x phi(x) was inf x 1e-38 = inf at inf (the reference: inf x 0 = NaN) and -4.86e-9 at -1e30 */
+static void test_act_grad_special(const act_kernels *k) {
+    float g[NSPECIAL], got[NSPECIAL];
+    for (int i = 0; i < NSPECIAL; i++) g[i] = 1.0f;
+    for (int act = 1; act < ACT_COUNT; act++) {
+        k->grad(got, g, SPECIAL, NSPECIAL, act);
+        for (int i = 0; i < NSPECIAL; i++)
+            CHECK(same_value(got[i], act_grad_f32(act, SPECIAL[i])), "%s act_grad %s at %g: got %g, reference %g",
+                  k->name, ACT[act], SPECIAL[i], got[i], act_grad_f32(act, SPECIAL[i]));
     }
 }
 
@@ -391,7 +418,78 @@ static void test_workspace_plans(const gemm_kernels *k) {
     free(a), free(b), free(want), free(got), free(ah), free(bh);
 }
 
+/* The epilogue's activations at SPECIAL as the scalar ones: C = act(x . 1) over full register tiles (48
+ * rows and 64 columns are whole tiles of every variant), so the vector epilogue runs */
+static void test_epilogue_special(const gemm_kernels *k) {
+    enum { M = 48, N = 64 };
+    float a[M], b[N], c[M * N];
+    for (int i = 0; i < M; i++) a[i] = SPECIAL[i % NSPECIAL];
+    for (int j = 0; j < N; j++) b[j] = 1.0f;
+    const int64_t wsn = gemm_workspace_floats(k, M, N, 1);
+    for (int act = 1; act < ACT_COUNT; act++) {
+        float *ws = check_ws_alloc(wsn);
+        gemm_epilogue ep = {.act = act};
+        CHECK(gemm_f32(k, M, N, 1, a, 1, 1, b, N, 1, c, N, &ep, ws, wsn) == 0, "%s: workspace refused", k->name);
+        check_ws_free(ws, k->name);
+        int64_t bad = 0, first = -1;
+        for (int64_t e = 0; e < M * N; e++)
+            if (!same_value(c[e], act_f32(act, a[e / N])) && bad++ == 0) first = e;
+        CHECK(bad == 0, "%s epilogue %s: %lld bad, first at x = %g: got %g, reference %g", k->name, ACT[act],
+              (long long)bad, first < 0 ? 0.0 : a[first / N], first < 0 ? 0.0 : c[first],
+              first < 0 ? 0.0 : act_f32(act, a[first / N]));
+    }
+}
+
+/* The log names the table whose micro-kernel ran, as the glue's call line reads it: the table picked for
+ * the ISA, a product, then the picks noted since the call began. A product of bfloat16 pairs (a bfloat16
+ * operand whose partner is bfloat16 or float32, on a table with a pair kernel) names a table with a pair
+ * kernel; any other names a table without one, whose float32 kernel it is (AVX512-BF16 and AMX hand those
+ * to the AVX-512 kernel: naming them claimed an ISA that did not run). float64 names its reference. */
+static void test_log_names_what_ran(const gemm_kernels *k) {
+    if (gemm_kernels_for(k->isa) != k) return; /* a table outside the variant list (the portable pairs) */
+    enum { M = 7, N = 13, KD = 5 };
+    const opf_dtype types[][2] = {{OPF_F32, OPF_F32}, {OPF_BF16, OPF_BF16}, {OPF_F16, OPF_F16}, {OPF_F32, OPF_BF16}};
+    const char *const dt_name[] = {"f32", "f64", "bf16", "f16"};
+    uint16_t a16[M * KD], b16[KD * N];
+    float a[M * KD] = {0}, b[KD * N] = {0}, c[M * N];
+    memset(a16, 0, sizeof a16), memset(b16, 0, sizeof b16);
+    char names[128];
+    const int saved = opf_log_level_value;
+    opf_log_level_value = OPF_LOG_INFO; /* picks are noted at info */
+    for (size_t t = 0; t < sizeof types / sizeof *types; t++) {
+        const opf_dtype ta = types[t][0], tb = types[t][1];
+        const int pairs = k->ukernel_pairs && (ta == OPF_BF16 || tb == OPF_BF16) && ta != OPF_F16 && tb != OPF_F16;
+        const int64_t wsn = gemm_workspace_floats(k, M, N, KD);
+        float *ws = check_ws_alloc(wsn);
+        gemm_epilogue ep = {0};
+        double t0 = opf_now_us();
+        const gemm_kernels *picked = gemm_kernels_for(k->isa);
+        CHECK(gemm_f32x(picked, M, N, KD, ta == OPF_F32 ? (void *)a : a16, ta, KD, 1, tb == OPF_F32 ? (void *)b : b16,
+                        tb, N, 1, c, N, &ep, ws, wsn) == 0,
+              "%s: workspace refused", k->name);
+        check_ws_free(ws, k->name);
+        int isa = opf_log_take_picks(t0, names, sizeof names);
+        const gemm_kernels *named = NULL;
+        for (int i = 0; i < gemm_variants.count; i++) {
+            const gemm_kernels *v = gemm_variants.tables[i];
+            if (v && strncmp(names, "gemm:", 5) == 0 && strcmp(names + 5, v->name) == 0) named = v;
+        }
+        CHECK(named && (int)named->isa == isa && (pairs ? named->ukernel_pairs != NULL : named->ukernel_pairs == NULL),
+              "%s %s x %s (%s): the log names '%s' (isa %s), not the table whose kernel ran", k->name, dt_name[ta],
+              dt_name[tb], pairs ? "pairs" : "float32 kernel", names, isa >= 0 ? opf_isa_name((opf_isa)isa) : "none");
+    }
+    double a64[M * KD] = {0}, b64[KD * N] = {0}, c64[M * N];
+    double t0 = opf_now_us();
+    gemm_ref_f64(M, N, KD, a64, KD, 1, b64, N, 1, c64, N, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
+    int isa = opf_log_take_picks(t0, names, sizeof names);
+    CHECK(strcmp(names, "gemm:ref_f64") == 0 && isa == OPF_ISA_REF, "float64: the log names '%s', not gemm:ref_f64",
+          names);
+    opf_log_level_value = saved;
+}
+
 static void test_variant(const gemm_kernels *k) {
+    test_log_names_what_ran(k);
+    test_epilogue_special(k);
     test_workspace_plans(k);
     test_half_operands(k);
     test_out16(k);
@@ -413,6 +511,7 @@ static void test_variant(const gemm_kernels *k) {
 
 static void test_act_variant(const act_kernels *k) {
     test_act_grad(k);
+    test_act_grad_special(k);
     test_act_grad_rows(k);
 }
 

@@ -2,7 +2,8 @@
  * Every compiled glu variant against the double-precision oracle and the
  * scalar reference: all dtypes, the three activations, F = 1, 7, 123, 4097
  * over several rows, strided and broadcast (stride 0) operands, and the
- * threaded n-d driver (same bits serial and threaded). The vector variants
+ * threaded n-d driver (same bits serial and threaded), and float32 at
+ * infinite, huge and NaN gates as the scalar reference. The vector variants
  * use exp / erf / tanh approximations (~1-2 ulp in float32), so values are
  * compared within per-dtype tolerances, reporting index, both values and the
  * max error.
@@ -71,6 +72,31 @@ static void test_rows(const glu_kernels *k, opf_dtype dt, act_kind act, int64_t 
     k->bwd[dt](out, out2, grad, gate, up, n, os, rs, gs, us, act);
     compare("bwd dgate", k->name, dt, act, n, out, os, want, scale);
     compare("bwd dup", k->name, dt, act, n, out2, os, want2, scale2);
+}
+
+/* Gates at the edges of exp's range (infinities, magnitudes whose square overflows float32, exponents far
+ * below the smallest float) and NaN, float32: the scalar reference's values, NaN where it has NaN. The
+ * vector exp clamped its argument to [-87.3, 88.7], so GELU's derivative x phi(x) was inf x 1e-38 = inf at
+ * inf (the reference: inf x 0 = NaN) and -4.86e-9 at -1e30 (the reference: 0). */
+static void test_special(const glu_kernels *k) {
+    static const float gate[] = {INFINITY, -INFINITY, -1e30f, -1e25f, 1e30f, 1e25f, -100.0f,
+                                 100.0f,   -20.0f,    20.0f,  -2.0f,  0.5f,  NAN};
+    enum { N = sizeof gate / sizeof *gate };
+    float up[N], grad[N], got[3][N], want[3][N];
+    for (int i = 0; i < N; i++) up[i] = 1.0f, grad[i] = 1.0f;
+    for (size_t a = 0; a < sizeof ACTS / sizeof *ACTS; a++) {
+        k->fwd[OPF_F32](got[0], gate, up, N, 1, 1, 1, ACTS[a]);
+        k->bwd[OPF_F32](got[1], got[2], grad, gate, up, N, 1, 1, 1, 1, ACTS[a]);
+        glu_kernels_ref.fwd[OPF_F32](want[0], gate, up, N, 1, 1, 1, ACTS[a]);
+        glu_kernels_ref.bwd[OPF_F32](want[1], want[2], grad, gate, up, N, 1, 1, 1, 1, ACTS[a]);
+        static const char *const what[] = {"fwd", "bwd dgate", "bwd dup"};
+        for (int o = 0; o < 3; o++)
+            for (int i = 0; i < N; i++) {
+                float g = got[o][i], w = want[o][i];
+                int same = isnan(w) || isnan(g) ? isnan(w) && isnan(g) : g == w || fabsf(g - w) <= 1e-4f * fabsf(w);
+                CHECK(same, "%s %s act=%d at %g: got %g, reference %g", what[o], k->name, (int)ACTS[a], gate[i], g, w);
+            }
+    }
 }
 
 #define TEST_VARIANT(k)                                                                                  \
@@ -158,6 +184,7 @@ static void test_long_runs(const glu_kernels *k) {
 #define TEST_ALL(k)        \
     do {                   \
         TEST_VARIANT(k);   \
+        test_special(k);   \
         test_driver(k);    \
         test_long_runs(k); \
     } while (0)

@@ -215,11 +215,11 @@ static void test_variant(const gemm_kernels *gemm) {
                     for (int bias = 0; bias < 2; bias++)
                         for (int save = 0; save < 2; save++)
                             run(gemm,
-                                (cfg){shapes[s][0], shapes[s][1], shapes[s][2], layout, bias, act, dtypes[d], save});
+                                (cfg){shapes[s][0], shapes[s][1], shapes[s][2], layout, bias, act, dtypes[d], save, 0});
     for (size_t d = 0; d < 3; d++)
         for (int layout = 0; layout < X_LAYOUTS; layout++) {
-            run(gemm, (cfg){123, 77, 301, layout, 1, ACT_GELU, dtypes[d], 1});
-            run(gemm, (cfg){123, 77, 301, layout, 0, ACT_SILU, dtypes[d], 0});
+            run(gemm, (cfg){123, 77, 301, layout, 1, ACT_GELU, dtypes[d], 1, 0});
+            run(gemm, (cfg){123, 77, 301, layout, 0, ACT_SILU, dtypes[d], 0, 0});
         }
     /* row counts around the backward's chunk boundary at 1-3 threads. A wide N makes the chunk a little over
      * one MC block of rows: at one thread the full chunk packs A a block per worker and a last chunk of
@@ -237,11 +237,11 @@ static void test_variant(const gemm_kernels *gemm) {
         for (size_t i = 0; i < 4; i++) {
             int turn = (int)i + threads;
             run(gemm, (cfg){rows[i], 7, wide, X_CONTIGUOUS, 1, turn % 2 ? ACT_GELU : ACT_GELU_TANH, dtypes[turn % 3],
-                            turn % 2});
+                            turn % 2, 0});
         }
         if (threads == 2) {
-            run(gemm, (cfg){rows[1], 5, wide, X_MATRICES, 0, ACT_RELU, OPF_F32, 1});
-            run(gemm, (cfg){rows[2], 5, wide, X_TRANSPOSED, 1, ACT_NONE, OPF_BF16, 0});
+            run(gemm, (cfg){rows[1], 5, wide, X_MATRICES, 0, ACT_RELU, OPF_F32, 1, 0});
+            run(gemm, (cfg){rows[2], 5, wide, X_TRANSPOSED, 1, ACT_NONE, OPF_BF16, 0, 0});
         }
     }
     /* 16-bit results over several K slices: the forward's float32 C in row chunks, the last one short */

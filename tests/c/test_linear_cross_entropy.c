@@ -7,8 +7,9 @@
  * float16; odd sizes T 1, 7, 37, H 1, 7, 123, V 1, 7, 123, 4097; ignored
  * rows, bias, label smoothing, softcap; the default block plan and one of
  * 16-row blocks, so that both sweeps cross token and vocab block boundaries;
- * strided hidden and weight; the same bits at 1 and 2 threads. Every
- * workspace sits between guard words, sized exactly as lce_workspace says.
+ * strided hidden and weight; the same bits at 1 and 2 threads; non-finite
+ * logits (a -inf bias, a NaN hidden row) and one class. Every workspace sits
+ * between guard words, sized exactly as lce_workspace says.
  */
 #define _POSIX_C_SOURCE 200809L /* setenv: the thread count per test */
 #include <math.h>
@@ -62,11 +63,13 @@ static void compare(const char *what, const cfg *c, const char *variant, const v
                     const double *want, int64_t count) {
     double err = 0.0, mag = 1e-3 * (c->reduction == LCE_SUM ? (double)c->t : 1.0);
     int64_t worst = -1;
-    for (int64_t i = 0; i < count; i++) mag = fmax(mag, fabs(want[i]));
+    for (int64_t i = 0; i < count; i++)
+        if (isfinite(want[i])) mag = fmax(mag, fabs(want[i]));
     for (int64_t i = 0; i < count; i++) {
         double g = opf_load_elem(got, i, gdt), e = fabs(g - want[i]);
-        if (isnan(want[i]) && isnan(g)) continue;
-        if (!(e <= err)) err = e, worst = i; /* a NaN is the worst */
+        if ((isnan(want[i]) && isnan(g)) || g == want[i]) continue; /* NaN, or the same infinity */
+        if (!(e <= err)) err = e, worst = i;
+        if (isnan(err)) break; /* a NaN is the worst: later finite errors must not replace it */
     }
     CHECK(worst < 0 || err / mag <= tol_of(c->dt),
           "%s %s: T=%lld H=%lld V=%lld dt=%d reduction=%d bias=%d extras=%d block=%lld: index %lld got %g want %g, "
@@ -256,9 +259,136 @@ static void test_short_workspace(void) {
     arr_free(&hid), arr_free(&w);
 }
 
+/* count elements of a, all finite (or all not) */
+static int64_t count_finite(const double *a, int64_t count) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++) n += isfinite(a[i]) != 0;
+    return n;
+}
+
+/* Non-finite logits, as torch gives them: a class masked by a -inf bias leaves the loss finite without
+ * label smoothing (its term eps / V sum_v z_tv was 0 x -inf = NaN) and +inf with it, the gradients finite
+ * either way; a NaN in hidden row 1 makes the loss of token 1, all of dhidden's row 1 and all of dweight
+ * NaN (the vector exp clamped NaN to a finite value: a made-up row 1 and NaN in the target's weight rows
+ * only). The loss and the backward from lse, both reductions, against the float64 reference. */
+static void test_nonfinite_case(const lce_kernels *kern, int reduction, int smoothing, int nan_row) {
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    enum { T = 6, H = 16, V = 40 };
+    const cfg c = {.t = T, .h = H, .v = V, .dt = OPF_F32, .reduction = reduction, .bias = 1, .extras = smoothing};
+    arr hid = arr_rand(T * H, OPF_F32, 3, 1.0), w = arr_rand(V * H, OPF_F32, 4, 0.5), b = arr_rand(V, OPF_F32, 5, 0.5);
+    if (nan_row)
+        ((float *)hid.lo)[1 * H + 3] = NAN, hid.hi[1 * H + 3] = NAN;
+    else
+        ((float *)b.lo)[7] = -INFINITY, b.hi[7] = -INFINITY;
+    int64_t target[T] = {0, 1, 2, 3, 4, 0};
+    const int64_t nloss = reduction == LCE_NONE ? T : 1;
+    arr loss = arr_empty(nloss, OPF_F32), lref = arr_empty(nloss, OPF_F64), ones = arr_empty(T, OPF_F32);
+    arr dh = arr_empty(T * H, OPF_F32), dw = arr_empty(V * H, OPF_F32), db = arr_empty(V, OPF_F32);
+    arr rdh = arr_empty(T * H, OPF_F64), rdw = arr_empty(V * H, OPF_F64), rdb = arr_empty(V, OPF_F64);
+    for (int64_t i = 0; i < T; i++) ((float *)ones.lo)[i] = 1.0f, ones.hi[i] = 1.0;
+    float lse[T], lse_ref[T];
+    double row[V];
+    lce_problem p = {.t = T,
+                     .h = H,
+                     .v = V,
+                     .dt = OPF_F32,
+                     .hidden = hid.lo,
+                     .hidden_strides = {H, 1},
+                     .weight = w.lo,
+                     .weight_strides = {H, 1},
+                     .target = target,
+                     .target_stride = 1,
+                     .bias = b.lo,
+                     .bias_stride = 1,
+                     .ignore_index = -100,
+                     .label_smoothing = smoothing ? 0.1 : 0.0,
+                     .reduction = reduction,
+                     .loss = loss.lo,
+                     .lse = lse};
+    lce_problem ref = p;
+    ref.dt = OPF_F64, ref.hidden = hid.hi, ref.weight = w.hi, ref.bias = b.hi, ref.loss = lref.hi, ref.lse = lse_ref;
+    lce_ref_f64(&ref, row);
+    /* the reference's own loss: what torch gives */
+    const int64_t want_finite = nan_row ? (reduction == LCE_NONE ? T - 1 : 0) : smoothing ? 0 : nloss;
+    CHECK(count_finite(lref.hi, nloss) == want_finite && (nan_row || !smoothing || lref.hi[0] == INFINITY),
+          "reference: reduction=%d smoothing=%d nan_row=%d: %lld finite losses of %lld, want %lld (loss[0] %g)",
+          reduction, smoothing, nan_row, (long long)count_finite(lref.hi, nloss), (long long)nloss,
+          (long long)want_finite, lref.hi[0]);
+    if (run(kern, gemm, &p, "non-finite forward") == 0)
+        compare("loss (non-finite)", &c, kern->name, loss.lo, OPF_F32, lref.hi, nloss);
+    p.lse_given = ref.lse_given = 1;
+    p.grad = ones.lo, ref.grad = ones.hi, p.grad_stride = ref.grad_stride = 1; /* 1 per token, or the one of mean */
+    p.dhidden = dh.lo, p.dweight = dw.lo, p.dbias = db.lo;
+    ref.dhidden = rdh.hi, ref.dweight = rdw.hi, ref.dbias = rdb.hi;
+    lce_ref_f64(&ref, row);
+    CHECK(count_finite(rdh.hi, T * H) == T * H - (nan_row ? H : 0) &&
+              count_finite(rdw.hi, V * H) == (nan_row ? 0 : V * H),
+          "reference: reduction=%d smoothing=%d nan_row=%d: %lld finite of dhidden, %lld of dweight", reduction,
+          smoothing, nan_row, (long long)count_finite(rdh.hi, T * H), (long long)count_finite(rdw.hi, V * H));
+    if (run(kern, gemm, &p, "non-finite backward") == 0) {
+        compare("dhidden (non-finite)", &c, kern->name, dh.lo, OPF_F32, rdh.hi, T * H);
+        compare("dweight (non-finite)", &c, kern->name, dw.lo, OPF_F32, rdw.hi, V * H);
+        compare("dbias (non-finite)", &c, kern->name, db.lo, OPF_F32, rdb.hi, V);
+    }
+    arr_free(&hid), arr_free(&w), arr_free(&b), arr_free(&loss), arr_free(&lref), arr_free(&ones);
+    arr_free(&dh), arr_free(&dw), arr_free(&db), arr_free(&rdh), arr_free(&rdw), arr_free(&rdb);
+}
+
+/* One class (V = 1) with label smoothing, with and without softcap: every log-probability is log 1 = 0, so
+ * the loss is exactly 0 (as torch's), not the rounding left by lse - (1 - eps) z_y - eps z, nor that of a
+ * target z capped by another tanh than the lse's */
+static void test_one_class(const lce_kernels *kern, double softcap) {
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    enum { T = 7, H = 5 };
+    arr hid = arr_rand(T * H, OPF_F32, 7, 3.0), w = arr_rand(H, OPF_F32, 8, 1.0), loss = arr_empty(T, OPF_F32);
+    int64_t target[T] = {0};
+    float lse[T];
+    double lref[T], row[1];
+    lce_problem p = {.t = T,
+                     .h = H,
+                     .v = 1,
+                     .dt = OPF_F32,
+                     .hidden = hid.lo,
+                     .hidden_strides = {H, 1},
+                     .weight = w.lo,
+                     .weight_strides = {H, 1},
+                     .target = target,
+                     .target_stride = 1,
+                     .ignore_index = -100,
+                     .label_smoothing = 0.1,
+                     .softcap = softcap,
+                     .reduction = LCE_NONE,
+                     .loss = loss.lo,
+                     .lse = lse};
+    lce_problem ref = p;
+    float lse_ref[T];
+    ref.dt = OPF_F64, ref.hidden = hid.hi, ref.weight = w.hi, ref.loss = lref, ref.lse = lse_ref;
+    lce_ref_f64(&ref, row);
+    if (run(kern, gemm, &p, "one class") == 0)
+        for (int64_t t = 0; t < T; t++)
+            CHECK(((float *)loss.lo)[t] == 0.0f && lref[t] == 0.0,
+                  "%s: V = 1 with label smoothing, softcap %g: loss[%lld] %g (reference %g), want exactly 0",
+                  kern->name, softcap, (long long)t, ((float *)loss.lo)[t], lref[t]);
+    arr_free(&hid), arr_free(&w), arr_free(&loss);
+}
+
+static void test_nonfinite(const lce_kernels *kern) {
+    for (int reduction = LCE_NONE; reduction <= LCE_MEAN; reduction++)
+        for (int smoothing = 0; smoothing < 2; smoothing++)
+            for (int nan_row = 0; nan_row < 2; nan_row++) test_nonfinite_case(kern, reduction, smoothing, nan_row);
+    test_one_class(kern, 0.0);
+    test_one_class(kern, 2.5);
+}
+
+#define TEST_ALL(k)        \
+    do {                   \
+        test_variant(k);   \
+        test_nonfinite(k); \
+    } while (0)
+
 int main(void) {
     set_threads(2);
-    CHECK_EACH_VARIANT(lce_kernels_for, test_variant);
+    CHECK_EACH_VARIANT(lce_kernels_for, TEST_ALL);
     test_short_workspace();
     return check_report("test_linear_cross_entropy");
 }

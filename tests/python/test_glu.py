@@ -213,6 +213,36 @@ def test_every_isa_matches_the_reference(dtype):
             torch.testing.assert_close(got, want, msg=f"{isa} vs ref", **tol(dtype, grad=True))
 
 
+# gates at the edges of exp's range: infinities, magnitudes whose square overflows float32, exponents far
+# below the smallest float, NaN
+SPECIAL = [float("inf"), float("-inf"), -1e30, -1e25, 1e30, 1e25, -100.0, 100.0, -20.0, 20.0, -2.0, 0.5, float("nan")]
+TORCH_ACTS = {2: TF.gelu, 3: lambda t: TF.gelu(t, approximate="tanh"), 4: TF.silu}
+
+
+@pytest.mark.parametrize("act", list(TORCH_ACTS), ids=["gelu", "gelu_tanh", "silu"])
+def test_activations_at_infinite_and_huge_gates_on_every_isa(act):
+    # the vector exp clamped its argument: gelu' at [inf, -inf, -1e30, -1e25] was [inf, -inf, -4.86e-9, -4.86e-14]
+    # where torch (and the reference) give [nan, nan, 0, 0]. Against torch in float32 one element at a time
+    # (its vectorized float32 erf makes gelu(inf) NaN; its scalar path and float64 give inf).
+    gate = torch.tensor(SPECIAL)
+    want, want_grad = [], []
+    for v in gate:
+        v = v.reshape(1).clone().requires_grad_()
+        y = TORCH_ACTS[act](v)
+        y.backward(torch.ones_like(y))
+        want.append(y.detach()), want_grad.append(v.grad)
+    want, want_grad, up = torch.cat(want), torch.cat(want_grad), torch.ones_like(gate)
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            out, (dgate, dup) = OP(gate, up, act), BWD(torch.ones_like(gate), gate, up, act)
+            for what, got, ref in (("forward", out, want), ("dgate", dgate, want_grad), ("dup", dup, want)):
+                torch.testing.assert_close(got, ref, rtol=1e-4, atol=0, equal_nan=True,
+                                           msg=lambda m: f"{isa} act={act} {what} at {SPECIAL}: {got.tolist()}\n{m}")
+    finally:
+        opforge.set_isa("auto")
+
+
 # ---- nn.SwiGLU -----------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,11 @@
 """linear (+ bias + activation) and matmul against PyTorch: values, strides,
 gradients, gradcheck, opcheck, torch.compile, autocast, nn.Linear, bad input."""
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -253,6 +258,76 @@ def test_every_isa_agrees():
         opforge.set_isa("auto")
     for isa, y in outs.items():
         torch.testing.assert_close(y, outs["ref"], **TOL[torch.float32], msg=f"{isa} vs ref")
+
+
+# Pre-activations at the edges of exp's range: infinities, magnitudes whose square overflows float32, exponents
+# far below the smallest float, NaN.
+SPECIAL = [float("inf"), float("-inf"), -1e30, -1e25, 1e30, 1e25, -100.0, 100.0, -20.0, 20.0, -2.0, 0.5, float("nan")]
+
+
+def torch_one_at_a_time(fn, x):
+    """fn and its derivative in float32, element by element: the single-element path of torch's kernels (its
+    vectorized float32 erf makes gelu(inf) NaN, its scalar one and float64 give inf)."""
+    values, grads = [], []
+    for v in x.reshape(-1):
+        v = v.reshape(1).clone().requires_grad_()
+        y = fn(v)
+        y.backward(torch.ones_like(y))
+        values.append(y.detach()), grads.append(v.grad)
+    return torch.cat(values).reshape(x.shape), torch.cat(grads).reshape(x.shape)
+
+
+@pytest.mark.parametrize("act", [a for a in ACTS if a != "none"])
+def test_activation_at_infinite_and_huge_preactivations_on_every_isa(act):
+    # the vector exp clamped its argument: gelu' at [inf, -inf, -1e30, -1e25] was [inf, -inf, -4.86e-9, -4.86e-14]
+    # where torch (and the reference) give [nan, nan, 0, 0]; relu' at NaN passes the gradient, as torch's
+    x, w = torch.tensor(SPECIAL).reshape(-1, 1), torch.ones(1, 1)
+    want, want_grad = torch_one_at_a_time(ACTS[act], x)
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            xl = x.clone().requires_grad_()
+            y = opforge.linear(xl, w, None, act)
+            y.backward(torch.ones_like(y))
+            for what, got, ref in (("forward", y.detach(), want), ("derivative", xl.grad, want_grad)):
+                torch.testing.assert_close(got, ref, rtol=1e-4, atol=0, equal_nan=True,
+                                           msg=lambda m: f"{isa} {act} {what} at {SPECIAL}: {got.flatten().tolist()}\n{m}")
+    finally:
+        opforge.set_isa("auto")
+
+
+# The GEMM table whose micro-kernel multiplies each dtype at each ISA, and that table's ISA: float32 and float16
+# never run a pair kernel (AVX512-BF16, AMX), so those ISAs hand them to the AVX-512 kernel; float64 runs the
+# double-precision reference.
+GEMM_RAN = {"ref": "ref_4x4", "avx2": "avx2_6x16", "avx512": "avx512_12x32", "avx512_bf16": "avx512_12x32",
+            "amx": "avx512_12x32"}
+GEMM_RAN_BF16 = dict(GEMM_RAN, avx512_bf16="avx512bf16_12x32", amx="amx_32x32")
+GEMM_ISA = {"ref_4x4": "ref", "avx2_6x16": "avx2", "avx512_12x32": "avx512", "avx512bf16_12x32": "avx512_bf16",
+            "amx_32x32": "amx", "ref_f64": "ref"}
+
+
+def test_matmul_log_names_the_kernel_that_ran():
+    # the log named the table picked for the ISA (avx512bf16_12x32, amx_32x32) for every dtype, while float32 and
+    # float16 ran the AVX-512 kernel and float64 the reference
+    dtypes = ["float32", "bfloat16", "float16", "float64"]
+    code = ("import torch, opforge\n"
+            "a, b = torch.randn(20, 30), torch.randn(30, 40)\n"
+            "for isa in opforge.supported_isas():\n"
+            "    opforge.set_isa(isa)\n"
+            f"    for dt in {dtypes}:\n"
+            "        opforge.matmul(a.to(getattr(torch, dt)), b.to(getattr(torch, dt)))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, OPFORGE_LOG_LEVEL="info"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if re.search(r"::matmul \w+\[", line)]
+    calls = [(isa, dt) for isa in opforge.supported_isas() for dt in dtypes]
+    assert len(lines) == len(calls), r.stderr
+    wrong = []
+    for (isa, dt), line in zip(calls, lines):
+        name = "ref_f64" if dt == "float64" else (GEMM_RAN_BF16 if dt == "bfloat16" else GEMM_RAN)[isa]
+        if f"isa={GEMM_ISA[name]} kernels=gemm:{name} " not in line:
+            wrong.append(f"{isa} {dt}: want gemm:{name}, got {line}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_compile_fullgraph_forward_and_backward():

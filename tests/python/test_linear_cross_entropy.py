@@ -3,6 +3,10 @@ gradient over reduction x ignore_index x label_smoothing x bias x softcap per dt
 gradcheck, opcheck, torch.compile, autocast, thread-count determinism, all-ignored batches, the nn
 module and each error message."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -351,3 +355,104 @@ def test_an_ignore_index_inside_the_vocab():
     torch.testing.assert_close(got, want, **TOL[torch.float64])
     got.backward(), want.backward()
     torch.testing.assert_close(w.grad, wr.grad, **GRAD_TOL[torch.float64])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_a_minus_inf_logit_gives_torchs_loss_on_every_isa(dtype, reduction, label_smoothing):
+    # a vocabulary entry masked by a -inf bias: without label smoothing the loss is finite (torch: 11.2060 for
+    # the mean here), not 0 x -inf = NaN from the smoothing term; with it, the smoothing term is +inf, as
+    # torch's. The gradients stay finite either way.
+    g = torch.Generator().manual_seed(0)
+    hid, w = torch.randn(6, 16, generator=g).to(dtype), torch.randn(40, 16, generator=g).to(dtype)
+    y, b = torch.tensor([0, 1, 2, 3, 4, 0]), torch.zeros(40, dtype=dtype)
+    b[7] = float("-inf")
+    refs = [x.double().requires_grad_() for x in (hid, w, b)]
+    want = reference(*refs[:2], y, refs[2], label_smoothing=label_smoothing, reduction=reduction)
+    want.sum().backward()
+    assert want.isinf().all() if label_smoothing else want.isfinite().all()
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            leaves = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
+            got = linear_cross_entropy(*leaves[:2], y, leaves[2], label_smoothing=label_smoothing, reduction=reduction)
+            torch.testing.assert_close(got.double(), want.detach(), **TOL[dtype], msg=lambda m: f"{isa} loss: {m}")
+            got.sum().backward()
+            for name, leaf, ref in zip(("hidden", "weight", "bias"), leaves, refs):
+                torch.testing.assert_close(leaf.grad.double(), ref.grad, **GRAD_TOL[dtype],
+                                           msg=lambda m: f"{isa} d{name}: {m}")
+    finally:
+        opforge.set_isa("auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1, 1.0])
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["no-cap", "cap"])
+def test_one_class_gives_a_loss_of_exactly_zero_on_every_isa(dtype, label_smoothing, softcap):
+    # V = 1: every log-probability is log 1 = 0, so torch's loss is exactly (-)0 with or without smoothing;
+    # lse - (1 - eps) z_y - eps z was a cancellation that left -1.4e-16 (float64) or a few ulps of z, and with
+    # a softcap the AVX-512 lse was made of tanh16's z, the target's of tanhf's: +-1.2e-7
+    hid, w, _, y = inputs(7, 5, 1, dtype, ignore=False)
+    hid = hid * 3  # logits beyond the softcap's linear range
+    want = reference(hid.double(), w.double(), y, label_smoothing=label_smoothing, reduction="none", softcap=softcap)
+    assert (want == 0).all()
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            got = linear_cross_entropy(hid, w, y, label_smoothing=label_smoothing, reduction="none", softcap=softcap)
+            assert (got == 0).all(), f"{isa}: {got.tolist()}"
+    finally:
+        opforge.set_isa("auto")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no-cap", "cap"])
+def test_a_nan_hidden_row_gives_nan_gradients_as_torch_on_every_isa(reduction, softcap):
+    # a NaN in hidden row 1 makes all of that row's logits NaN: torch's dhidden row 1 and all of dweight are
+    # NaN (every weight row meets the NaN row's du); the other dhidden rows and every finite value as torch's
+    g = torch.Generator().manual_seed(0)
+    hid, w = torch.randn(6, 16, generator=g), torch.randn(40, 16, generator=g)
+    y, b = torch.tensor([0, 1, 2, 3, 4, 0]), torch.randn(40, generator=g)
+    hid[1, 3] = float("nan")
+    refs = [x.double().requires_grad_() for x in (hid, w, b)]
+    reference(*refs[:2], y, refs[2], reduction=reduction, softcap=softcap).sum().backward()
+    assert refs[0].grad[1].isnan().all() and refs[1].grad.isnan().all() and refs[0].grad[0].isfinite().all()
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            leaves = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
+            linear_cross_entropy(*leaves[:2], y, leaves[2], reduction=reduction, softcap=softcap).sum().backward()
+            for name, leaf, ref in zip(("hidden", "weight", "bias"), leaves, refs):
+                assert torch.equal(leaf.grad.isnan(), ref.grad.isnan()), \
+                    f"{isa} d{name}: {int(leaf.grad.isnan().sum())} NaN, torch {int(ref.grad.isnan().sum())}"
+                torch.testing.assert_close(leaf.grad.double(), ref.grad, **GRAD_TOL[torch.float32], equal_nan=True,
+                                           msg=lambda m: f"{isa} d{name}: {m}")
+    finally:
+        opforge.set_isa("auto")
+
+
+def test_log_names_the_row_code_that_ran():
+    # float64 runs the float64 reference whatever the ISA: the log named the ISA's row code (and GEMM) for it
+    code = ("import torch, opforge\n"
+            "from opforge.functional import linear_cross_entropy\n"
+            "h, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))\n"
+            "for isa in opforge.supported_isas():\n"
+            "    opforge.set_isa(isa)\n"
+            "    for dt in (torch.float32, torch.float64):\n"
+            "        linear_cross_entropy(h.to(dt), w.to(dt), y)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, OPFORGE_LOG_LEVEL="info"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "::linear_cross_entropy " in line]
+    want = []
+    try:
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            name = next(n for n, _, now in opforge.kernel_variants()["linear_cross_entropy"] if now)
+            want += [f"kernels=linear_cross_entropy:{name},gemm:", "isa=ref kernels=linear_cross_entropy:ref_f64 "]
+    finally:
+        opforge.set_isa("auto")
+    assert len(lines) == len(want), r.stderr
+    wrong = [f"want {w!r} in {line}" for w, line in zip(want, lines) if w not in line]
+    assert not wrong, "\n".join(wrong)
