@@ -105,12 +105,16 @@ abi-check: $(VENV)/.installed
 	g++ -std=c++17 -fsyntax-only -I$(TORCH_INCLUDE) -Icsrc/include tests/abi/abi_drift.cpp
 	@echo "abi-check: csrc/include/opforge/shim.h matches torch's headers"
 
-# the fast tier: the tests not marked slow, torch.compile on aot_eager (tests/python/conftest.py)
+# the fast tier: the tests not marked slow, torch.compile on aot_eager (tests/python/conftest.py);
+# one pytest worker per core (at most 8), a file's tests in one worker (its module fixtures built once)
+PYTEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; echo $$n)
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadfile
+
 pytest: build
-	$(PY) -m pytest -q -m "not slow" tests/python
+	$(PYTEST) -m "not slow" tests/python
 
 pytest-full: build
-	OPFORGE_TEST_FULL=1 $(PY) -m pytest -q tests/python
+	OPFORGE_TEST_FULL=1 $(PYTEST) tests/python
 
 test: lint abi-check ctest pytest
 
