@@ -23,8 +23,11 @@ reference on the same (rounded) inputs, within a bound that follows the
 rounding: a sum of K products accumulated in precision u is within
 u * c(K) * (|A| @ |B|) of the exact one, errors of a pre-activation or of the
 scores carry through the activation's or softmax's derivative, and a 16-bit
-result adds one rounding (an ulp of its type). Garbage, a dropped K slice, a
-wrong row chunk or NaN exceed it by orders of magnitude.
+result adds one rounding (an ulp of its type). What a kernel variant rounds to
+16 bits on the way (attention's P and dS on avx512_bf16, a saved output the
+backward reads, ...) is stated per (op, variant, dtype) in ROUNDED, and each
+such rounding's error is carried into the bound as the sums' are. Garbage, a
+dropped K slice, a wrong row chunk or NaN exceed it by orders of magnitude.
 
 Cases run in child processes, so an abort or a segfault fails the case that
 was running instead of ending the run; a case that crashes is re-run alone to
@@ -36,6 +39,9 @@ MALLOC_PERTURB_: fresh and freed memory is filled with a pattern) unless
     python tests/python/fuzz.py --seconds 600          # a fresh seed until time is up
     python tests/python/fuzz.py --seed 7 --cases 500   # cases 0..499 of seed 7
     python tests/python/fuzz.py --seed 7 --case 42     # one case, in this process, in detail
+    python tests/python/fuzz.py --seconds 300 --ops attention --dtypes bfloat16 --isas avx512_bf16
+    # case 55 of seed 629 as drawn on a CPU with AMX, run under avx512_bf16 (its attention variant there)
+    python tests/python/fuzz.py --seed 629 --case 55 --isas ref,avx2,avx512,avx512_bf16,amx --isa avx512_bf16
 
 Without PYTHONPATH the script tests the opforge of this checkout (python/).
 """
@@ -51,6 +57,7 @@ import queue
 import random
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +98,7 @@ ACTS = {
     "silu": F.silu,
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPE_WEIGHTS = {"float32": 0.45, "bfloat16": 0.2, "float16": 0.2, "float64": 0.15}
 
 # Relative precision of the arithmetic (float32 for every type but float64); of one rounding to the
 # result type, twice the largest relative rounding error for margin (bfloat16 keeps 8 significant bits,
@@ -116,6 +124,86 @@ def sum_err(u: float, k: int, abs_sum, exact):
     grow steadily toward the result (terms of one sign, e.g. operands broadcast along the sum), whose
     roundings add up to about k / 2 times |exact|."""
     return u * (c_sum(k) * abs_sum + 0.5 * k * exact.abs())
+
+
+# ---- what each kernel variant rounds --------------------------------------------------------------
+#
+# A 16-bit path reads its 16-bit inputs exactly (converted to float32, or multiplied as bfloat16 pairs,
+# whose products float32 holds exactly), computes and sums in float32 (U_ACC) and rounds each result it
+# returns once (U_OUT, _out_tol). ROUNDED states what else each kernel variant rounds to the 16-bit type:
+# an intermediate before a product, a value saved for the backward. One rounding to nearest moves a
+# value v by at most U16 |v|, or A16 where v is subnormal (float16's below 2**-14; the bfloat16 pair
+# products flush bfloat16 subnormals, vdpbf16ps), and each checker carries that error through the rest of
+# the computation into its bound, as it does the sums' own errors: a rounded P adds
+# U16 sum_j |P_ij| |V_jd| to out[i, d], beside the product's u c(S) sum_j |P_ij| |V_jd|.
+#
+# Key: (op, variant, dtype) -> the names a checker asks `rounding` about. The variant is the one of the
+# op's kernel family (FAMILY; opforge.kernel_variants()) that ran under the case's ISA, "*" any; the
+# dtype a 16-bit type, "*" either; the most specific key wins. The ISA alone does not say it: amx runs
+# attention's avx512_bf16 variant, avx512_bf16 the avx512 row kernels of softmax, norm, ... .
+U16 = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+A16 = {"bfloat16": 2.0**-126, "float16": 2.0**-25}
+FAMILY = {"matmul": "gemm", "linear": "gemm", "linear_cross_entropy": "gemm"}  # else the op's own name
+GEMM_PAIRS = ("avx512bf16_12x32", "amx_32x32")  # gemm.h: ukernel_pairs
+ROUNDED = {
+    # gemm_f32x (gemm.c): float32 sums, over K slices too; the pair variants multiply two bfloat16
+    # operands as they are
+    ("matmul", "*", "*"): (),
+    # linear (linear.c): the pre-activation as the forward keeps it (saved, or recomputed and rounded
+    # as stored: gather_grad_f32); g' = grad act'(preact) rounded on the in-place backward (every
+    # variant: bwd_in_place stores it over the donated preact) and, on the chunked one, by the pair
+    # variants, which round a float32 operand beside a bfloat16 one (gemm.h gemm_f32x: dx = g' W,
+    # dweight = g'^T x); dbias sums g' as the path holds it
+    ("linear", "*", "*"): ("preact", "g'"),
+    # attention (attention.c): delta = rowsum(dO o out) reads the saved 16-bit out (rows_in); S, P, dP,
+    # dS float32 (mm: attention_ref.c, attention_avx2.c, attention_avx512.c)
+    ("attention", "*", "*"): ("out",),
+    # mm_bf16 = mm_avx512bf16 (attention_avx512.c) packs both operands of each product as bfloat16 pairs
+    # (pack_a, pack_b: to nearest even): Q, K, V, dO exact; P before P V (forward) and P^T dO, dS before
+    # dS K and dS^T Q; float32 softmax (l sums the unrounded P), sums and dQ, dK, dV
+    ("attention", "avx512_bf16", "bfloat16"): ("out", "P", "dS"),
+    # attention_decode.c, and attention's forward of N <= FWD_DECODE_MAX_N queries: P V in float32
+    ("attention_decode", "*", "*"): (),
+    # linear_cross_entropy.c run_f32: logits, lse and du in float32, gradients summed in float32 and
+    # rounded once; with reduction mean or sum over one block (functional.LCE_BLOCK_FLOATS) the forward
+    # makes them (rounded) and the backward scales them by the incoming gradient and rounds again
+    # (lce_scale)
+    ("linear_cross_entropy", "*", "*"): ("grads",),
+    # ... and the pair variants round du beside the bfloat16 weight and hidden (dhidden = du W,
+    # dweight = du^T hidden; dbias sums the float32 du)
+    **{("linear_cross_entropy", v, "bfloat16"): ("grads", "du") for v in GEMM_PAIRS},
+    # softmax.c: the backward reads the saved 16-bit y (softmax.h)
+    ("softmax", "*", "*"): ("y",),
+    # norm.h: add_rms_norm's s = x + residual rounded to x's dtype, y computed from it; rstd, mean saved
+    # in float32, dweight and dbias summed in float32 and rounded once
+    ("norm", "*", "*"): ("s",),
+    # cross_entropy.c (lse saved in float64), glu.h (act recomputed from gate), rope.h, dispersion_correction.h:
+    # float32 from the 16-bit inputs to the rounded results
+    ("cross_entropy", "*", "*"): (),
+    ("glu", "*", "*"): (),
+    ("rope", "*", "*"): (),
+    ("dispersion_correction", "*", "*"): (),
+}
+FWD_DECODE_MAX_N = 4  # attention.c: the forward of this few queries runs attention_decode's driver
+
+
+def rounding(c: dict, what: str, op: str | None = None) -> float:
+    """U16 of the case's dtype where the kernel variant that ran (c["variants"]) rounds `what` to it
+    (ROUNDED), else 0."""
+    dt, op = c["dtype"], op or c["op"]
+    if dt not in U16:
+        return 0.0
+    variant = c["variants"][FAMILY.get(op, op)]
+    for key in ((op, variant, dt), (op, variant, "*"), (op, "*", dt), (op, "*", "*")):
+        if key in ROUNDED:
+            return U16[dt] if what in ROUNDED[key] else 0.0
+    raise KeyError(f"fuzz: ROUNDED states nothing for {op} ({variant}, {dt})")
+
+
+def rounding_err(c: dict, what: str, value: torch.Tensor, op: str | None = None):
+    """The error the rounding of `what` (exact value `value`) adds where the variant rounds it, else 0."""
+    r = rounding(c, what, op)
+    return r * value.abs() + A16[c["dtype"]] if r else torch.zeros_like(value)
 
 
 # ---- drawing a case: plain Python random, so a case is the same on every run ----------------------
@@ -426,9 +514,30 @@ LATER_SHARE = 0.3
 CASE_SECONDS, BIG_CASE_SECONDS, BIG_SHARE = 0.8, 2.5, 0.2
 
 
-def draw(seed: int, index: int, isas, ops=None) -> dict:
-    """Case `index` of `seed`: a dict of plain values (JSON), the same on every run on a CPU with these
-    ISAs. Draws again (from the same stream) while its estimated time is over its budget."""
+@dataclass(frozen=True)
+class Selection:
+    """Which cases a run draws: subsets of the ops and dtypes (None: all), the ISAs they are drawn from
+    (None: this CPU's; another CPU's list draws its cases, one ISA forces it), and an ISA every case runs
+    under whatever it drew (None: the drawn one), e.g. a case drawn on a CPU with AMX run here under
+    avx512_bf16, whose attention kernels it picks there too."""
+    ops: tuple | None = None
+    dtypes: tuple | None = None
+    isas: tuple | None = None
+    isa: str | None = None
+
+    def args(self) -> list:
+        """The command-line options that select the same cases."""
+        out = []
+        for flag, names in (("--ops", self.ops), ("--dtypes", self.dtypes), ("--isas", self.isas)):
+            out += [flag, ",".join(names)] if names else []
+        return out + (["--isa", self.isa] if self.isa else [])
+
+
+def draw(seed: int, index: int, sel: Selection = Selection()) -> dict:
+    """Case `index` of `seed`: a dict of plain values (JSON), the same on every run with the same ISA
+    list. Draws again (from the same stream) while its estimated time is over its budget."""
+    ops, isas = sel.ops, sel.isas or opforge.supported_isas()
+    dtypes = [dt for dt in DTYPES if sel.dtypes is None or dt in sel.dtypes]
     rng = random.Random(f"opforge-fuzz:{seed}:{index}")
     first = [op for op in OP_WEIGHTS if op not in LATER_OPS and (ops is None or op in ops)]
     later = [op for op in LATER_OPS if ops is None or op in ops]
@@ -439,12 +548,13 @@ def draw(seed: int, index: int, isas, ops=None) -> dict:
     budget = BIG_CASE_SECONDS if rng.random() < BIG_SHARE else CASE_SECONDS
     for _ in range(500):
         c = {"seed": seed, "index": index, "op": op,
-             "dtype": rng.choices(list(DTYPES), (0.45, 0.2, 0.2, 0.15))[0],
+             "dtype": rng.choices(dtypes, [DTYPE_WEIGHTS[dt] for dt in dtypes])[0],
              "isa": rng.choice(list(isas)), "threads": rng.choice((1, 2)), "data_seed": rng.getrandbits(62),
              "big": budget > CASE_SECONDS}
         cost = DRAW[op](rng, c)
         if cost <= budget:
             c["estimate_s"] = round(cost, 4)
+            c["isa"] = sel.isa or c["isa"]
             return c
     raise RuntimeError(f"fuzz: no case of {op} within {budget} s after 500 draws (seed {seed}, case {index})")
 
@@ -564,7 +674,7 @@ def compare(ck: Check) -> tuple[str | None, float]:
     if bool(over.any()):
         big = torch.finfo(ck.dtype).max
         ok |= over & ((g == math.inf * w.sign()) | ((g == big * w.sign()) & (w.abs() - big <= bound)))
-    ratio = torch.where(ok, (err / bound).nan_to_num(0.0, 0.0, 0.0), torch.full_like(err, math.inf))
+    ratio = torch.where(ok, (err / bound).nan_to_num(0.0, 0.0, 0.0), (err / bound).nan_to_num(math.inf, math.inf))
     worst = float(ratio.max())
     if bool(ok.all()):
         return None, worst
@@ -623,7 +733,7 @@ def check_linear(c, gen, dtype, dt, call):
     out_shape = list(c["x_shape"][:-1]) + [n]
     g = random_tensor(gen, out_shape, dtype)
     u = U_ACC[dt]
-    uo = U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else 0.0  # a kept pre-activation's rounding
+    r_pre, r_gp = rounding(c, "preact"), rounding(c, "g'")
 
     # references in float64 over the rows (M, K)
     m = math.prod(c["x_shape"][:-1])
@@ -665,15 +775,16 @@ def check_linear(c, gen, dtype, dt, call):
 
     y, first, second = call(forward_backward)
     checks.append(Check("out", y, shape_out(out_want), shape_out(out_bound), dtype))
-    # g' = g * act'(pre), from a pre-activation off by pre_err (and rounded to 16 bits where it is kept)
+    # g' = g * act'(pre), from a pre-activation off by pre_err (and rounded where it is kept), and
+    # rounded itself where the backward rounds it (ROUNDED); without an activation g' is g
     g64 = g.double().reshape(m, n)
     d1 = _act_grad(act, pre)
     gp = g64 * d1
-    pre_off = pre_err + uo * pre.abs()
+    pre_off = pre_err + r_pre * pre.abs() + (A16[dt] if r_pre else 0.0)
     if act == "none":
         gp_err = torch.zeros_like(gp)
     else:
-        gp_err = g64.abs() * (ACT_L2 * pre_off + C_FN * u) + max(uo, u) * gp.abs()
+        gp_err = g64.abs() * (ACT_L2 * pre_off + C_FN * u) + (u + r_gp) * gp.abs() + (A16[dt] if r_gp else 0.0)
         if act == "relu":  # act' jumps at 0: a pre-activation within its error of 0 may go either way
             gp_err = torch.where(pre.abs() <= pre_off, g64.abs(), gp_err)
     # errors carried from g' and made by the sums (over n for dx, over the m rows for dweight and dbias)
@@ -696,13 +807,15 @@ def check_linear(c, gen, dtype, dt, call):
     return checks
 
 
-def _attention_reference(q, k, v, mask, causal, scale, g, dt):
+def _attention_reference(q, k, v, mask, causal, scale, g, dt, r_pv=0.0, r_p=0.0, r_ds=0.0, r_out=0.0):
     """SDPA in float64 with error bounds: (out, out_bound, grads {q,k,v: (want, bound)} or None).
 
     Scores s = q k^T scale + mask are off by es <= u c(D) |q||k|^T |scale| (+ a rounding of the masked
     sum); softmax turns that into a relative error of each weight p_ij of es_ij + sum_j p_ij es_ij, plus
     the exp and the row sum's roundings. The backward (dv = p^T g, dp = g v^T, ds = p (dp - rowsum(g o)),
-    dq = ds k scale, dk = ds^T q scale) carries those errors through each product."""
+    dq = ds k scale, dk = ds^T q scale) carries those errors through each product. The kernel's own
+    roundings (ROUNDED), relative: r_pv of P before the forward's P V, r_p of P before the backward's
+    P^T dO, r_ds of dS before dS K and dS^T Q, r_out of the saved out that delta reads."""
     u = U_ACC[dt]
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -729,13 +842,16 @@ def _attention_reference(q, k, v, mask, causal, scale, g, dt):
     rel = es + (p * es).sum(-1, keepdim=True) + u * (C_FN + c_sum(s_len) + 0.5 * s_len)  # exp, the row sum
     dp_abs = p * rel  # |error| of each weight
     out = p @ v
-    out_bound = dp_abs @ v.abs() + sum_err(u, s_len, p @ v.abs(), out) + _out_tol(out, dt)
+    pv_abs = p @ v.abs()
+    out_err = dp_abs @ v.abs() + sum_err(u, s_len, pv_abs, out) + r_pv * pv_abs
+    out_bound = out_err + _out_tol(out, dt)
     if g is None:
         return out, out_bound, None
     gv = g @ v.transpose(-2, -1)
     egv = sum_err(u, dv, g.abs() @ v.abs().transpose(-2, -1), gv)
     dd = (g * out).sum(-1, keepdim=True)
-    edd = (g.abs() * out_bound).sum(-1, keepdim=True) + sum_err(u, dv, (g.abs() * out.abs()).sum(-1, keepdim=True), dd)
+    out_saved = out_err + r_out * out.abs() + (A16[dt] if r_out else 0.0)
+    edd = (g.abs() * out_saved).sum(-1, keepdim=True) + sum_err(u, dv, (g.abs() * out.abs()).sum(-1, keepdim=True), dd)
     ds = p * (gv - dd)
     eds = dp_abs * (gv - dd).abs() + p * (egv + edd) + 4 * u * ds.abs()
     a_scale = abs(scale)
@@ -744,13 +860,16 @@ def _attention_reference(q, k, v, mask, causal, scale, g, dt):
         return t.reshape(t.shape[0], t.shape[1] // rep, rep, *t.shape[2:]).sum(2) if rep > 1 else t
 
     dq = ds @ k
-    dq_b = (eds @ k.abs() + sum_err(u, s_len, ds.abs() @ k.abs(), dq)) * a_scale
+    dsk_abs = ds.abs() @ k.abs()
+    dq_b = (eds @ k.abs() + sum_err(u, s_len, dsk_abs, dq) + r_ds * dsk_abs) * a_scale
     dq = dq * scale
     dk = ds.transpose(-2, -1) @ q
-    dk_b = group((eds.transpose(-2, -1) @ q.abs() + sum_err(u, n, ds.abs().transpose(-2, -1) @ q.abs(), dk)) * a_scale)
+    dsq_abs = ds.abs().transpose(-2, -1) @ q.abs()
+    dk_b = group((eds.transpose(-2, -1) @ q.abs() + sum_err(u, n, dsq_abs, dk) + r_ds * dsq_abs) * a_scale)
     dk = group(dk * scale)
     dvv = p.transpose(-2, -1) @ g
-    dv_b = group(dp_abs.transpose(-2, -1) @ g.abs() + sum_err(u, n, p.transpose(-2, -1) @ g.abs(), dvv))
+    pg_abs = p.transpose(-2, -1) @ g.abs()
+    dv_b = group(dp_abs.transpose(-2, -1) @ g.abs() + sum_err(u, n, pg_abs, dvv) + r_p * pg_abs)
     dvv = group(dvv)
     return out, out_bound, {"q": (dq, dq_b), "k": (dk, dk_b), "v": (dvv, dv_b)}
 
@@ -801,9 +920,12 @@ def check_attention(c, gen, dtype, dt, call):
     if mask is not None:  # a 3-d mask goes with 3-d inputs (B, N, S); fewer dims broadcast as they are
         m64 = mask if mask.dtype == torch.bool else mask.double()
         m64 = m64.unsqueeze(1) if not four and mask.dim() == 3 else m64
+    fwd = "attention_decode" if 1 <= c["n"] <= FWD_DECODE_MAX_N else "attention"
     want, bound, gwant = _attention_reference(four_d(q.detach().double()), four_d(k.detach().double()),
                                               four_d(v.detach().double()), m64, c["causal"], scale,
-                                              four_d(g.double()) if c["grad"] else None, dt)
+                                              four_d(g.double()) if c["grad"] else None, dt,
+                                              r_pv=rounding(c, "P", fwd), r_p=rounding(c, "P"),
+                                              r_ds=rounding(c, "dS"), r_out=rounding(c, "out"))
 
     def back(t):
         return t if four else t.squeeze(1)
@@ -872,11 +994,8 @@ def check_dispersion(c, gen, dtype, dt, call):
     if c["grad"]:
         g64 = g.double()
         gwant = g64 * a + g64 / (2 * root)
-        # 16-bit gradients round each step as autograd of the reference does: a few of their ulps
-        per_step = U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else u
         gterms = (g64 * a).abs() + (g64 / (2 * root)).abs()
-        checks.append(Check("dx", dx, gwant, 4 * per_step * gterms.nan_to_num(0.0, 0.0, 0.0) + _out_tol(gwant, dt),
-                            dtype))
+        checks.append(Check("dx", dx, gwant, 4 * u * gterms.nan_to_num(0.0, 0.0, 0.0) + _out_tol(gwant, dt), dtype))
     return checks
 
 
@@ -1015,7 +1134,7 @@ def check_softmax(c, gen, dtype, dt, call):
             y, dx = call(forward_backward)
     x64 = x.detach().double()
     n = x64.shape[dim] if x64.dim() else 1
-    u, half = U_ACC[dt], (4 * U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else 0.0)
+    u = U_ACC[dt]
     sm = F.softmax(x64, dim)
     mx = x64.amax(dim, keepdim=True) if x64.numel() else x64
     d = (x64 - mx).abs().nan_to_num(0.0, 0.0, 0.0)  # the exp's argument: its rounding is relative to it
@@ -1032,15 +1151,20 @@ def check_softmax(c, gen, dtype, dt, call):
         with torch.enable_grad():
             (gwant,) = torch.autograd.grad((F.log_softmax if c["log"] else F.softmax)(x64r, dim), x64r, g64)
         ga = g64.abs()
-        if c["log"]:
+        # the backward reads y as saved: its forward error, and its rounding where ROUNDED says so
+        # (relative, or half a float16 subnormal's spacing)
+        y_rnd = rounding_err(c, "y", want)
+        if c["log"]:  # dx = dy - exp(y) sum(dy)
             gsum = ga.sum(dim, keepdim=True)
-            err_y = C_FN * u * (d + mx.abs().nan_to_num(0.0, 0.0, 0.0) + 1.0) + half * (want.abs() + 1.0)
-            gb = sm * gsum * (err_y + c_sum(n) * u) + C_FN * u * ga
-        else:
-            yd = sm * (C_FN * u * (1.0 + d) + half)
-            gb = yd * (ga + (ga * sm).sum(dim, keepdim=True)) + sm * (ga * yd).sum(dim, keepdim=True) \
-                + c_sum(n) * u * sm * (ga * sm).sum(dim, keepdim=True)
-        checks.append(Check("dx", dx, gwant, 4 * gb.nan_to_num(0.0, 0.0, 0.0) + _out_tol(gwant, dt), dtype))
+            err_y = C_FN * u * (d + mx.abs().nan_to_num(0.0, 0.0, 0.0) + 1.0)
+            gb = 4 * (sm * gsum * (err_y + c_sum(n) * u) + C_FN * u * ga) + sm * gsum * y_rnd.expm1()
+        else:  # dx = y (dy - sum(dy y))
+            def carried(ey):
+                return ey * (ga + (ga * sm).sum(dim, keepdim=True)) + sm * (ga * ey).sum(dim, keepdim=True)
+
+            gb = 4 * (carried(sm * C_FN * u * (1.0 + d)) + c_sum(n) * u * sm * (ga * sm).sum(dim, keepdim=True)) \
+                + carried(y_rnd)
+        checks.append(Check("dx", dx, gwant, gb.nan_to_num(0.0, 0.0, 0.0) + _out_tol(gwant, dt), dtype))
     return checks
 
 
@@ -1077,6 +1201,8 @@ def check_cross_entropy(c, gen, dtype, dt, call):
         want = F.cross_entropy(flat, tf, w64, label_smoothing=eps, reduction=red)
         want = want.reshape(lead) if red == "none" else want
         gwant = torch.autograd.grad(want, x64, g.double())[0] if c["grad"] else None
+    if gwant is not None:  # ignored rows get 0 (cross_entropy.h); torch's log_softmax backward turns an
+        gwant = gwant.masked_fill((t == -100)[..., None], 0.0)  # ignored row of -inf into NaN (0 * NaN)
     u = U_ACC[dt]
     zd = z.detach().reshape(-1, classes)
     keep = tf != -100
@@ -1104,18 +1230,17 @@ def check_cross_entropy(c, gen, dtype, dt, call):
         p = torch.softmax(zd, -1).nan_to_num(0.0, 0.0, 0.0)
         a = (scale * ((1 - eps) * wt + eps / classes * wc))[:, None]
         err_p = C_FN * u * (1 + zd.abs().nan_to_num(0.0, 0.0, 0.0) + lse.abs().nan_to_num(0.0, 0.0, 0.0)[:, None])
-        half = 4 * U_OUT[dt] if dtype in (torch.bfloat16, torch.float16) else 0.0
-        gb = a * p * err_p + (scale * (1 + wt))[:, None] * (C_FN * u + half) * (eps / classes + (1 - eps))
+        gb = a * p * err_p + (scale * (1 + wt))[:, None] * C_FN * u * (eps / classes + (1 - eps))
         checks.append(Check("dlogits", dx, gwant, (4 * gb).reshape(gwant.shape) + _out_tol(gwant, dt), dtype))
     return checks
 
 
-# linear_cross_entropy: normwise bounds, relative to the largest element of each result: sums of H products
-# and of V exponentials in float32 (float64 for float64), 16-bit operands, results rounded once
-LCE_REL = {"float64": 1e-10, "float32": 2e-4, "bfloat16": 4e-2, "float16": 1e-2}
-
-
 def check_lce(c, gen, dtype, dt, call):
+    """Bounds, as for linear and cross_entropy: the logits u = hidden weight^T + bias are off by a sum's
+    error eu, z (capped) by ez; the float32 lse by the weights' sum_v p_v ez_v and the exp's and sums'
+    roundings; each du = s (p - eps / V - (1 - eps) [v = y]) (1 - (z / c)^2) by p's relative error, the
+    few float32 operations, and its rounding where the variant rounds it (ROUNDED); the gradients are
+    sums of du times 16-bit operands, rounded once (or twice: ROUNDED's "grads")."""
     t, h, v = c["t"], c["h"], c["v"]
     specs = [([t, h], dtype, c["h_layout"], "randn", 1.0), ([v, h], dtype, c["w_layout"], "randn", 2 / max(h, 1) ** 0.5)]
     if c["bias"]:
@@ -1141,19 +1266,62 @@ def check_lce(c, gen, dtype, dt, call):
             loss, grads = call(forward_backward)
     refs = [x.detach().double().requires_grad_() for x in leaves]
     z = F.linear(refs[0], refs[1], refs[2] if b is not None else None)
-    if c["softcap"] is not None:
-        z = c["softcap"] * torch.tanh(z / c["softcap"])
+    cap, eps, red = c["softcap"], c["label_smoothing"], c["reduction"]
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
     want = F.cross_entropy(z, y, **{k: kw[k] for k in ("ignore_index", "label_smoothing", "reduction")})
-    rel = LCE_REL[dt]
 
-    def bound(ref):
-        return torch.full_like(ref, rel * float(ref.abs().nan_to_num(0.0).max()) if ref.numel() else 0.0)
-
-    checks = [Check("loss", loss, want.detach(), bound(want.detach()), dtype)]
-    if c["grad"]:
-        gwant = torch.autograd.grad(want, refs, g.double())
-        for name, got, ref in zip(("dhidden", "dweight", "dbias"), grads, gwant):
-            checks.append(Check(name, got, ref, bound(ref), dtype))
+    u = U_ACC[dt]
+    h64, w64 = refs[0].detach(), refs[1].detach()
+    b64 = refs[2].detach() if b is not None else torch.zeros(v, dtype=torch.float64)
+    logits = h64 @ w64.T + b64
+    eu = sum_err(u, h + 1, h64.abs() @ w64.abs().T + b64.abs(), logits)
+    z = z.detach()
+    dcap = 1 - (z / cap) ** 2 if cap is not None else torch.ones_like(z)
+    ez = eu * dcap + (C_FN * u * z.abs() if cap is not None else 0.0)  # tanhf, and the scaling around it
+    keep = y != -100  # (V >= 1: _draw_lce)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    p = (z - lse).exp()
+    dist = (z - z.amax(-1, keepdim=True)).abs()  # the exp's argument, rounded relative to it
+    # the float32 lse (an online max and sum over the vocab blocks, log, the add), as lse_update computes it
+    e_lse = (p * (ez + u * dist)).sum(-1, keepdim=True) + u * (C_FN + c_sum(v) + 0.5 * v) \
+        + u * (C_FN + 1) * lse.abs()
+    yc = y.clamp_min(0)[:, None]
+    # loss_t = lse - (1 - eps) z_y - eps / V sum_v z_v, in double from float32 lse, z_y and sum z
+    e_loss = e_lse[:, 0] + (1 - eps) * ez.gather(1, yc)[:, 0]
+    if eps:
+        e_loss = e_loss + eps / v * (ez.sum(-1) + sum_err(u, v, z.abs().sum(-1), z.sum(-1)))
+    e_loss = torch.where(keep, e_loss, torch.zeros_like(e_loss))
+    count = int(keep.sum())
+    lb = e_loss if red == "none" else e_loss.sum() / (count if red == "mean" and count else 1)
+    checks = [Check("loss", loss, want.detach(), lb + _out_tol(want.detach(), dt), dtype)]
+    if not c["grad"]:
+        return checks
+    gwant = torch.autograd.grad(want, refs, g.double())
+    # s_t: the gradient of token t's loss (0 where ignored); du as the kernels make it (grad_rows)
+    base = 1.0 / count if red == "mean" and count else 1.0
+    s_t = torch.where(keep, base * g.double().expand(t), torch.zeros(t, dtype=torch.float64))[:, None]
+    onehot = torch.zeros_like(z).scatter_(1, yc, 1.0) * keep[:, None]
+    graw = s_t * (p - eps / v - (1 - eps) * onehot)
+    du = graw * dcap
+    e_p = p * (ez + e_lse + u * (C_FN + (z - lse).abs()))
+    e_graw = s_t.abs() * (e_p + 2 * u * (p + eps / v + (1 - eps) * onehot))
+    e_du = e_graw * dcap.abs()
+    if cap is not None:  # 1 - (z / c)^2 from the float32 z: z's error, and the few roundings of its own
+        e_du = e_du + graw.abs() * (2 * z.abs() * ez / cap**2 + 4 * u * (1 + 2 * (z / cap) ** 2))
+    e_du16 = e_du + rounding_err(c, "du", du)  # the operand of the dhidden and dweight products
+    dh, dw, db = du @ w64, du.T @ h64, du.sum(0)
+    bounds = {
+        "dhidden": e_du16 @ w64.abs() + sum_err(u, v, du.abs() @ w64.abs(), dh),
+        "dweight": e_du16.T @ h64.abs() + sum_err(u, t, du.abs().T @ h64.abs(), dw),
+        "dbias": e_du.sum(0) + sum_err(u, t, du.abs().sum(0), db),
+    }
+    # reduction mean or sum over one block: the forward rounds the gradients of a unit g, the backward
+    # scales them by g and rounds again (_out_tol's): the first rounding, scaled, adds U16 |ref| + A16 |g|
+    r_twice = rounding(c, "grads") if red != "none" and t * v <= opforge.functional.LCE_BLOCK_FLOATS else 0.0
+    for name, got, ref in zip(("dhidden", "dweight", "dbias"), grads, gwant):
+        again = r_twice * ref.abs() + (A16[dt] * abs(float(g)) if r_twice else 0.0)
+        checks.append(Check(name, got, ref, bounds[name] + again + _out_tol(ref, dt), dtype))
     return checks
 
 
@@ -1172,6 +1340,15 @@ class Outcome:
     failures: list = field(default_factory=list)
     worst: dict = field(default_factory=dict)  # check name -> error / bound
     seconds: float = 0.0
+
+
+def kernel_variants(isa: str) -> dict:
+    """{kernel family: the variant it runs under isa}."""
+    opforge.set_isa(isa)
+    try:
+        return {fam: name for fam, vs in opforge.kernel_variants().items() for name, _, now in vs if now}
+    finally:
+        opforge.set_isa("auto")
 
 
 def run_case(c: dict) -> Outcome:
@@ -1194,6 +1371,7 @@ def run_case(c: dict) -> Outcome:
             torch.set_num_threads(threads)
             opforge.set_isa("auto")
 
+    c = {**c, "variants": kernel_variants(c["isa"])}
     try:
         checks = CHECKERS[c["op"]](c, gen, dtype, dt, call)
     except OpError as e:
@@ -1287,6 +1465,7 @@ def check_norm(c, gen, dtype, dt, call):
 
     u, n = U_ACC[dt], max(h, 1)
     cu = u * (c_sum(n) + 0.5 * n + 16)  # sums of one sign (squares; x broadcast along a row) drift like n / 2
+    # y and the backward start from s as the kernel keeps it: x + residual rounded to x's dtype (ROUNDED)
     src = (x.detach().double() + r.detach().double()).to(dtype) if c["kind"] == "add" else x.detach()
     s64 = src.double()
     w64 = w.detach().double() if w is not None else torch.ones(h, dtype=torch.float64)
@@ -1341,13 +1520,12 @@ CHECKERS["norm"] = check_norm
 PROTO = "@@fuzz "
 
 
-def worker(seed: int, start: int, step: int, stop: int | None, deadline: float | None, ops) -> None:
+def worker(seed: int, start: int, step: int, stop: int | None, deadline: float | None, sel: Selection) -> None:
     """Runs cases start, start + step, ... until stop or deadline, one protocol line before and after each."""
-    isas = opforge.supported_isas()
     torch.set_num_threads(2)
     i = start
     while (stop is None or i < stop) and (deadline is None or time.time() < deadline):
-        c = draw(seed, i, isas, ops)
+        c = draw(seed, i, sel)
         print(PROTO + json.dumps({"begin": i, "op": c["op"]}), flush=True)
         t0 = time.perf_counter()
         res = run_case(c)
@@ -1405,7 +1583,7 @@ class Failure:
     cases: list  # the case numbers that reproduce it, run in this order in one process
     desc: str
     what: str
-    ops: list | None = None  # the subset of ops the cases were drawn from
+    sel: Selection = Selection()  # how the cases were drawn
 
     def reproducer(self) -> str:
         """The command that reruns the case, with the environment that picks the library (a sanitized
@@ -1413,7 +1591,7 @@ class Failure:
         env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("ASAN_OPTIONS", "LD_PRELOAD", "PYTHONPATH")
                if os.environ.get(k) and (k == "PYTHONPATH" or "asan" in os.environ.get("LD_PRELOAD", ""))]
         cmd = [f"python tests/python/fuzz.py --seed {self.seed}"] + [f"--case {i}" for i in self.cases]
-        return " ".join(env + cmd + ([f"--ops {','.join(self.ops)}"] if self.ops else []))
+        return " ".join(env + cmd + self.sel.args())
 
 
 @dataclass
@@ -1424,25 +1602,28 @@ class Report:
     failures: list = field(default_factory=list)
     seconds: float = 0.0
     worst: float = 0.0  # largest error / bound of the passing cases
+    ratios: list = field(default_factory=list)  # each passing case's largest error / bound
 
     def summary(self) -> str:
         ops = ", ".join(f"{op} {n}" for op, n in sorted(self.per_op.items()))
         lines = [f"fuzz: seed {self.seed}: {self.cases} cases in {self.seconds:.0f} s ({ops}); "
-                 f"{len(self.failures)} failed; largest error/bound of a passing check {self.worst:.3g}"]
+                 f"{len(self.failures)} failed; largest error/bound of a passing check {self.worst:.3g}"
+                 + (f" (a passing case's largest: median {statistics.median(self.ratios):.3g}, 90th percentile "
+                    f"{statistics.quantiles(self.ratios, n=10)[-1]:.3g})" if len(self.ratios) > 1 else "")]
         for f in self.failures:
             lines.append(f"FAIL {f.desc}\n     {f.what}\n     reproduce: {f.reproducer()}")
         return "\n".join(lines)
 
 
 class _Child:
-    def __init__(self, wid, seed, start, step, stop, deadline, ops, env):
+    def __init__(self, wid, seed, start, step, stop, deadline, sel, env):
         self.wid, self.step, self.current, self.started, self.previous = wid, step, None, 0.0, None
         self.errfile = tempfile.NamedTemporaryFile(prefix="opforge-fuzz-", suffix=".stderr", delete=False)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(seed), "--start", str(start),
                "--step", str(step)]
         cmd += ["--stop", str(stop)] if stop is not None else []
         cmd += ["--deadline", str(deadline)] if deadline is not None else []
-        cmd += ["--ops", ",".join(ops)] if ops else []
+        cmd += sel.args()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.errfile, env=env, text=True, bufsize=1)
 
     def pump(self, q):
@@ -1455,18 +1636,19 @@ class _Child:
         os.unlink(self.errfile.name)
 
 
-def _run_alone(seed: int, cases: list, ops, env: dict, timeout: float) -> int:
+def _run_alone(seed: int, cases: list, sel: Selection, env: dict, timeout: float) -> int:
     """Runs cases in one fresh child, in this order: its return code."""
     cmd = [sys.executable, os.path.abspath(__file__), "--seed", str(seed), "--quiet"]
-    cmd += [a for i in cases for a in ("--case", str(i))] + (["--ops", ",".join(ops)] if ops else [])
+    cmd += [a for i in cases for a in ("--case", str(i))] + sel.args()
     try:
         return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         return -signal.SIGKILL
 
 
-def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs: int = 1, ops=None,
-        malloc_check: bool = True, case_timeout: float = 300.0, log=print, progress_every: float = 30.0) -> Report:
+def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs: int = 1,
+        sel: Selection = Selection(), malloc_check: bool = True, case_timeout: float = 300.0, log=print,
+        progress_every: float = 30.0) -> Report:
     """Runs cases 0..cases-1 of seed (or as many as fit in `seconds`) in `jobs` child processes."""
     assert cases is not None or seconds is not None
     env = _child_env(malloc_check)
@@ -1479,7 +1661,7 @@ def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs:
     def start(wid, first):
         if (cases is not None and first >= cases) or (deadline is not None and time.time() >= deadline):
             return
-        ch = _Child(wid, seed, first, jobs, cases, deadline, ops, env)
+        ch = _Child(wid, seed, first, jobs, cases, deadline, sel, env)
         children[wid] = ch
         threading.Thread(target=ch.pump, args=(q,), daemon=True).start()
 
@@ -1506,11 +1688,12 @@ def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs:
             rep.cases += 1
             rep.per_op[msg["op"]] = rep.per_op.get(msg["op"], 0) + 1
             if msg["failures"]:
-                f = Failure(seed, [msg["end"]], msg["desc"], "; ".join(msg["failures"]), ops)
+                f = Failure(seed, [msg["end"]], msg["desc"], "; ".join(msg["failures"]), sel)
                 rep.failures.append(f)
                 log(f"FAIL case {msg['end']}: {f.desc}\n     {f.what}\n     reproduce: {f.reproducer()}")
             else:
                 rep.worst = max(rep.worst, msg["worst"])
+                rep.ratios.append(msg["worst"])
             if time.time() - last_progress > progress_every:
                 last_progress = time.time()
                 log(f"fuzz: {rep.cases} cases, {len(rep.failures)} failed, {time.time() - t0:.0f} s")
@@ -1526,7 +1709,7 @@ def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs:
                 raise RuntimeError(f"fuzz: a worker {_signal_name(rc)} outside any case:\n{tail}")
             continue
         rep.cases += 1
-        c = draw(seed, crashed, opforge.supported_isas(), ops)
+        c = draw(seed, crashed, sel)
         rep.per_op[c["op"]] = rep.per_op.get(c["op"], 0) + 1
         hung = time.time() - ch.started > case_timeout
         what = f"hung (over {case_timeout:.0f} s)" if hung else f"crashed: the worker {_signal_name(rc)}"
@@ -1534,15 +1717,15 @@ def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs:
         # does it crash alone? else with the case run before it in the same process?
         repro = [crashed]
         if not hung:
-            rc1 = _run_alone(seed, [crashed], ops, env, case_timeout)
+            rc1 = _run_alone(seed, [crashed], sel, env, case_timeout)
             if rc1 == 0 and prev is not None:
-                rc2 = _run_alone(seed, [prev, crashed], ops, env, case_timeout)
+                rc2 = _run_alone(seed, [prev, crashed], sel, env, case_timeout)
                 repro = [prev, crashed] if rc2 != 0 else repro
                 if rc2 == 0:
                     what += " (not reproduced by the case alone nor after the case before it)"
             elif rc1 == 0:
                 what += " (not reproduced by the case alone)"
-        f = Failure(seed, repro, describe(c), what, ops)
+        f = Failure(seed, repro, describe(c), what, sel)
         rep.failures.append(f)
         log(f"FAIL case {crashed}: {f.desc}\n     {f.what}\n     reproduce: {f.reproducer()}")
         start(wid, crashed + jobs)
@@ -1553,8 +1736,8 @@ def run(seed: int, cases: int | None = None, seconds: float | None = None, jobs:
 # ---- command line ------------------------------------------------------------------------------------------
 
 
-def _verbose_case(seed: int, index: int, ops, quiet: bool) -> bool:
-    c = draw(seed, index, opforge.supported_isas(), ops)
+def _verbose_case(seed: int, index: int, sel: Selection, quiet: bool) -> bool:
+    c = draw(seed, index, sel)
     if not quiet:
         print(f"case {index} of seed {seed}: {describe(c)}")
         print(f"  spec {json.dumps(c)}")
@@ -1579,6 +1762,10 @@ def main(argv=None) -> int:
     p.add_argument("--case", type=int, action="append", help="run this case in this process, in detail (repeatable)")
     p.add_argument("--jobs", type=int, default=1, help="child processes (default 1)")
     p.add_argument("--ops", help="comma-separated subset of " + ",".join(OP_WEIGHTS))
+    p.add_argument("--dtypes", help="comma-separated subset of " + ",".join(DTYPES))
+    p.add_argument("--isas", help="the ISAs cases are drawn from (default: this CPU's, "
+                   + ",".join(opforge.supported_isas()) + "): another CPU's list draws its cases, one forces it")
+    p.add_argument("--isa", help="run every case under this ISA whatever it drew (one of this CPU's)")
     p.add_argument("--no-malloc-check", action="store_true", help="children without glibc's heap checks")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -1587,23 +1774,29 @@ def main(argv=None) -> int:
     p.add_argument("--stop", type=int, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    ops = a.ops.split(",") if a.ops else None
-    for op in ops or []:
-        if op not in OP_WEIGHTS:
-            p.error(f"unknown op {op!r}: one of {', '.join(OP_WEIGHTS)}")
+    sel = Selection(*(tuple(v.split(",")) if v else None for v in (a.ops, a.dtypes, a.isas)), a.isa)
+    for flag, names, known in (("--ops", sel.ops, OP_WEIGHTS), ("--dtypes", sel.dtypes, DTYPES)):
+        for name in names or ():
+            if name not in known:
+                p.error(f"{flag}: unknown {name!r}: one of {', '.join(known)}")
+    here = opforge.supported_isas()
+    if sel.isa is not None and sel.isa not in here:
+        p.error(f"--isa: this CPU runs {', '.join(here)}, not {sel.isa!r}")
+    if sel.isa is None and set(sel.isas or ()) - set(here):
+        p.error(f"--isas: this CPU lacks {', '.join(sorted(set(sel.isas) - set(here)))}: name one it runs with --isa")
     if a.worker:
-        worker(a.seed, a.start, a.step, a.stop, a.deadline, ops)
+        worker(a.seed, a.start, a.step, a.stop, a.deadline, sel)
         return 0
     if a.case:
         if a.seed is None:
             p.error("--case needs --seed")
-        return 0 if all([_verbose_case(a.seed, i, ops, a.quiet) for i in a.case]) else 1
+        return 0 if all([_verbose_case(a.seed, i, sel, a.quiet) for i in a.case]) else 1
     if a.cases is None and a.seconds is None:
         p.error("give --cases N, --seconds T or --case I")
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
     print(f"fuzz: seed {seed}, {a.cases} cases" if a.cases is not None else f"fuzz: seed {seed}, {a.seconds:.0f} s",
           f"on {a.jobs} job(s); ISAs {', '.join(opforge.supported_isas())}; opforge {opforge.__file__}", flush=True)
-    rep = run(seed, a.cases, a.seconds, a.jobs, ops, not a.no_malloc_check)
+    rep = run(seed, a.cases, a.seconds, a.jobs, sel, not a.no_malloc_check)
     print(rep.summary(), flush=True)
     return 1 if rep.failures else 0
 
