@@ -8,6 +8,8 @@ import pytest
 import fuzz
 import opforge
 
+pytestmark = pytest.mark.slow  # the full tier: random cases on fixed seeds
+
 # Cases are drawn per seed and per the CPU's ISA list. On AVX2 machines the
 # first cases of these seeds include 16-bit GEMMs over row chunks and linear's
 # chunked backward at everyday sizes.
