@@ -193,9 +193,12 @@ def compile_objects(
     rebuild under another namespace reuse what they have in common)."""
     cc = compiler()
     os.makedirs(build_dir, exist_ok=True)
+    # absolute paths: the same file reached from the Makefile (relative) and from setup.py (absolute)
+    # is one command, so one object
+    include_dirs = [os.path.abspath(d) for d in include_dirs]
     incs = [f"-I{d}" for d in include_dirs]
     jobs = []
-    for src in select_sources(sources):
+    for src in select_sources([os.path.abspath(s) for s in sources]):
         isa = isa_of(src)
         flags = CFLAGS + isa_flags(isa, extra_cflags or []) + flags_for(src, include_dirs, extra_cflags or [])
         digest = hashlib.sha1(" ".join([cc, *flags, *incs, os.path.abspath(src)]).encode()).hexdigest()[:10]
