@@ -192,9 +192,10 @@ def compile_objects(
     compiled once per distinct command (the library, each C test binary and a
     rebuild under another namespace reuse what they have in common)."""
     cc = compiler()
-    os.makedirs(build_dir, exist_ok=True)
     # absolute paths: the same file reached from the Makefile (relative) and from setup.py (absolute)
     # is one command, so one object
+    build_dir = os.path.abspath(build_dir)
+    os.makedirs(build_dir, exist_ok=True)
     include_dirs = [os.path.abspath(d) for d in include_dirs]
     incs = [f"-I{d}" for d in include_dirs]
     jobs = []
