@@ -57,9 +57,9 @@ build/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) 
 build/ctest/test_attention_split: tests/c/test_attention.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(CBUILD) -D ATTN_FWD_MIN_TASKS=64
 
-# every tests/c/test_*.c, the AMX kernel over a model of its tile instructions, attention split
-CTESTS := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c))) build/ctest/test_gemm_amx_emulated \
-	build/ctest/test_attention_split
+# every tests/c/test_*.c and the AMX kernel over a model of its tile instructions; attention split
+# (the same test with the forward's keys split on every shape) runs in the full tier
+CTESTS := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c))) build/ctest/test_gemm_amx_emulated
 
 # The same tests with the AVX-512 (and AMX) variants compiled for AVX2 over
 # SIMDe (tests/emu/immintrin.h): their logic is tested on CPUs without AVX-512.
@@ -94,7 +94,8 @@ ctest-threads: $(SWEEP_TESTS)
 	@for n in $(SWEEP_THREADS); do for t in $(SWEEP_TESTS); do \
 		echo "OPFORGE_NUM_THREADS=$$n ./$$t"; OPFORGE_NUM_THREADS=$$n ./$$t > /dev/null || exit 1; done; done
 
-ctest-full: ctest ctest-threads
+ctest-full: ctest ctest-threads build/ctest/test_attention_split
+	./build/ctest/test_attention_split
 ifeq ($(NATIVE_AVX512),yes)
 	@echo "ctest-emulated: skipped: this CPU runs the AVX-512 variants natively (make ctest-emulated runs them over SIMDe)"
 else
