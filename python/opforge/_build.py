@@ -202,7 +202,7 @@ def compile_objects(
     for src in select_sources([os.path.abspath(s) for s in sources]):
         isa = isa_of(src)
         flags = CFLAGS + isa_flags(isa, extra_cflags or []) + flags_for(src, include_dirs, extra_cflags or [])
-        digest = hashlib.sha1(" ".join([cc, *flags, *incs, os.path.abspath(src)]).encode()).hexdigest()[:10]
+        digest = hashlib.sha1(" ".join([cc, *flags, *incs, src]).encode()).hexdigest()[:10]
         # the same stem lives in csrc/kernels and csrc/torch: keep the folder in the name
         parent = os.path.basename(os.path.dirname(os.path.abspath(src)))
         obj = os.path.join(build_dir, f"{parent}_{os.path.basename(src)[:-2]}-{digest}.o")
