@@ -184,7 +184,8 @@ def bench(args) -> int:
 
 
 AUTOCAST_NAMES = {0: "none (runs in its inputs' dtype)", 1: "lower (runs in the autocast dtype)",
-                  2: "fp32 (inputs cast to float32)", 3: "promote (inputs cast to the widest of their dtypes)"}
+                  2: "fp32 (inputs cast to float32)", 3: "promote (inputs cast to the widest of their dtypes)",
+                  4: "follow (float32 parameters cast to a 16-bit input's dtype)"}
 
 
 def _library_info(paths: list[str], ns: str | None) -> int:

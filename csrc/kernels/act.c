@@ -82,7 +82,7 @@ const act_kernels *act_kernels_for(opf_isa isa) { return opf_variant_pick(&act_v
 
 typedef struct rows_job {
     const act_kernels *kern;
-    const cvt_kernels *cvt;
+    const convert_kernels *cvt;
     opf_dtype dt;
     void *out;
     const void *g, *pre;
@@ -135,8 +135,9 @@ static void act_grad_cols_range(int64_t begin, int64_t end, void *ctx) {
     act_grad_block(job, 0, job->m, begin, end);
 }
 
-void act_grad_rows(const act_kernels *kern, const cvt_kernels *cvt, opf_dtype dt, void *out, int64_t rso, const void *g,
-                   int64_t rsg, const void *pre, int64_t rsp, int64_t m, int64_t n, act_kind act, float *db) {
+void act_grad_rows(const act_kernels *kern, const convert_kernels *cvt, opf_dtype dt, void *out, int64_t rso,
+                   const void *g, int64_t rsg, const void *pre, int64_t rsp, int64_t m, int64_t n, act_kind act,
+                   float *db, int64_t threads) {
     rows_job job = {.kern = kern,
                     .cvt = cvt,
                     .dt = dt,
@@ -150,7 +151,7 @@ void act_grad_rows(const act_kernels *kern, const cvt_kernels *cvt, opf_dtype dt
                     .act = act,
                     .db = db,
                     .m = m};
-    if (db && n >= 256 * opf_num_threads()) { /* threads split the columns: each sums its own */
+    if (db && n >= 256 * threads) { /* threads split the columns: each sums its own */
         opf_parallel_for(0, n, 256, act_grad_cols_range, &job);
         return;
     }
@@ -178,7 +179,7 @@ static void colsum_range(int64_t begin, int64_t end, void *ctx) {
     }
 }
 
-void colsum_f32(const cvt_kernels *cvt, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
+void colsum_f32(const convert_kernels *cvt, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
                 int beta) {
     rows_job job = {.cvt = cvt, .dt = dt, .g = g, .rsg = rsg, .m = m, .n = n, .db = db, .beta = beta};
     opf_parallel_for(0, n, 256, colsum_range, &job);

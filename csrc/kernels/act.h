@@ -49,11 +49,15 @@ const act_kernels *act_kernels_for(opf_isa isa);
  * bfloat16 or float16; 16-bit ones computed in float32 through cvt and
  * rounded once) with row strides, threaded. out may be pre (in place). With
  * db (optional, n floats) also db[j] = sum_i g'[i, j] of g' as stored, in the
- * same pass: what colsum_f32 gives, without reading g' again. */
-void act_grad_rows(const act_kernels *kern, const cvt_kernels *cvt, opf_dtype dt, void *out, int64_t rso, const void *g,
-                   int64_t rsg, const void *pre, int64_t rsp, int64_t m, int64_t n, act_kind act, float *db);
+ * same pass: what colsum_f32 gives, without reading g' again. threads: the
+ * caller's plan's thread count, which decides whether threads split the
+ * columns (each summing its own) or the rows (the sums after); the same bits
+ * either way. */
+void act_grad_rows(const act_kernels *kern, const convert_kernels *cvt, opf_dtype dt, void *out, int64_t rso,
+                   const void *g, int64_t rsg, const void *pre, int64_t rsp, int64_t m, int64_t n, act_kind act,
+                   float *db, int64_t threads);
 /* db[j] = (beta ? db[j] : 0) + sum_i g[i, j] in float32 over g of type dt; threaded over columns. */
-void colsum_f32(const cvt_kernels *cvt, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
+void colsum_f32(const convert_kernels *cvt, float *db, const void *g, opf_dtype dt, int64_t rsg, int64_t m, int64_t n,
                 int beta);
 
 #endif

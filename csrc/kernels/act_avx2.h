@@ -1,7 +1,8 @@
 /*
  * 8-wide activations and their derivatives (float32, ~1-2 ulp), built on
- * math_avx2.h: the GEMM epilogues' and act_avx2.c's. Included by the files
- * built with -mavx2 -mfma (gemm_avx2.c, gemm_avx512.c, gemm_amx.c, act_avx2.c).
+ * math_avx2.h: the GEMM epilogues', act_avx2.c's and glu_avx2.c's
+ * (act_avx512.h is the 16-lane twin). Included by the files built with
+ * -mavx2 -mfma (gemm_avx2.c, gemm_avx512.c, gemm_amx.c, act_avx2.c, glu_avx2.c).
  */
 #ifndef OPFORGE_KERNELS_ACT_AVX2_H
 #define OPFORGE_KERNELS_ACT_AVX2_H
@@ -10,37 +11,6 @@
 
 #include "act.h"
 #include "math_avx2.h"
-
-/* tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): no overflow, exact sign */
-static inline __m256 tanh8(__m256 u) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 a = _mm256_andnot_ps(sign, u);
-    __m256 e = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
-    __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    return _mm256_or_ps(t, _mm256_and_ps(u, sign));
-}
-
-/* erf(x), Abramowitz-Stegun 7.1.26 refined: |error| < 1.5e-7; *e gets the
- * exp(-x^2) it is made of (GELU's derivative needs it too: its pdf term) */
-static inline __m256 erf8e(__m256 x, __m256 *e) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
-    __m256 a = _mm256_andnot_ps(sign, x);
-    __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), a, one));
-    __m256 p = _mm256_set1_ps(1.061405429f);
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
-    p = _mm256_mul_ps(p, t);
-    *e = exp8(_mm256_mul_ps(_mm256_mul_ps(a, a), _mm256_set1_ps(-1.0f)));
-    __m256 y = _mm256_fnmadd_ps(p, *e, one);
-    return _mm256_or_ps(y, _mm256_and_ps(x, sign));
-}
-
-static inline __m256 erf8(__m256 x) {
-    __m256 e;
-    return erf8e(x, &e);
-}
 
 static inline __m256 act8(act_kind act, __m256 v) {
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
@@ -61,16 +31,22 @@ static inline __m256 act8(act_kind act, __m256 v) {
     }
 }
 
-static inline __m256 act_grad8(act_kind act, __m256 x) {
+/* act(x) and act'(x) together, sharing the exponential they are made of. act(x) is x times its factor
+ * (x s, x Phi), not act8's rounding (x / (1 + e), (x / 2) (1 + erf)): the GLU backward's */
+static inline __m256 act_pair8(act_kind act, __m256 x, __m256 *da) {
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     switch (act) {
-    case ACT_RELU: /* 1 where not x <= 0: NaN included, as act_grad_f32 */
-        return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NLE_UQ), one);
+    case ACT_SILU: {
+        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        *da = _mm256_mul_ps(s, _mm256_fmadd_ps(x, _mm256_sub_ps(one, s), one));
+        return _mm256_mul_ps(x, s);
+    }
     case ACT_GELU: { /* Phi(x) + x phi(x); erf(x / sqrt 2) is made of exp(-x^2 / 2), phi's exponential */
         __m256 e;
         __m256 cdf =
             _mm256_mul_ps(half, _mm256_add_ps(one, erf8e(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)), &e)));
-        return _mm256_fmadd_ps(x, _mm256_mul_ps(e, _mm256_set1_ps(0.3989422804014327f)), cdf);
+        *da = _mm256_fmadd_ps(x, _mm256_mul_ps(e, _mm256_set1_ps(0.3989422804014327f)), cdf);
+        return _mm256_mul_ps(x, cdf);
     }
     case ACT_GELU_TANH: {
         const __m256 k = _mm256_set1_ps(0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
@@ -79,14 +55,19 @@ static inline __m256 act_grad8(act_kind act, __m256 x) {
         __m256 left = _mm256_mul_ps(half, _mm256_add_ps(one, t));
         __m256 dt = _mm256_fnmadd_ps(t, t, one);
         __m256 inner = _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(3.0f), c), x2, one));
-        return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), dt), inner, left);
+        *da = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), dt), inner, left);
+        return _mm256_mul_ps(x, left);
     }
-    case ACT_SILU: {
-        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-        return _mm256_mul_ps(s, _mm256_fmadd_ps(x, _mm256_sub_ps(one, s), one));
+    default: *da = one; return x;
     }
-    default: return one;
-    }
+}
+
+static inline __m256 act_grad8(act_kind act, __m256 x) {
+    if (act == ACT_RELU) /* 1 where not x <= 0: NaN included, as act_grad_f32 */
+        return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NLE_UQ), _mm256_set1_ps(1.0f));
+    __m256 da;
+    act_pair8(act, x, &da);
+    return da;
 }
 
 #endif

@@ -18,55 +18,24 @@
 enum { BQ = 64, BK = 64 };
 
 /* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
-extern const attn_kernels attn_kernels_avx2 __attribute__((weak));
-extern const attn_kernels attn_kernels_avx512 __attribute__((weak));
-extern const attn_kernels attn_kernels_avx512_bf16 __attribute__((weak));
+extern const attention_kernels attention_kernels_avx2 __attribute__((weak));
+extern const attention_kernels attention_kernels_avx512 __attribute__((weak));
+extern const attention_kernels attention_kernels_avx512_bf16 __attribute__((weak));
 
-const opf_variants attn_variants =
-    OPF_VARIANTS("attention", &attn_kernels_ref, &attn_kernels_avx2, &attn_kernels_avx512, &attn_kernels_avx512_bf16);
+const opf_variants attention_variants = OPF_VARIANTS("attention", &attention_kernels_ref, &attention_kernels_avx2,
+                                                     &attention_kernels_avx512, &attention_kernels_avx512_bf16);
 
-const attn_kernels *attn_kernels_for(opf_isa isa) { return opf_variant_pick(&attn_variants, isa); }
+/* Not noted for the log here: attention_fwd / attention_bwd note what runs (this table, the oracle for float64, or the
+ * decoding driver's table for a few queries). */
+const attention_kernels *attention_kernels_for(opf_isa isa) { return opf_variant_best(&attention_variants, isa); }
 
-/* ---- element access ---------------------------------------------------------------------- */
-
-/* n elements from src[off + e*stride] into float32 dst */
-static void load_row(const attn_kernels *k, float *dst, const void *src, int64_t off, int64_t stride, int64_t n,
-                     opf_dtype dt) {
-    if (dt == OPF_F32) {
-        const float *s = (const float *)src + off;
-        if (stride == 1)
-            memcpy(dst, s, sizeof(float) * (size_t)n);
-        else
-            for (int64_t e = 0; e < n; e++) dst[e] = s[e * stride];
-        return;
-    }
-    if (stride == 1) {
-        k->cvt->to_f32(dst, (const uint16_t *)src + off, dt, n);
-        return;
-    }
-    for (int64_t e = 0; e < n; e++) dst[e] = (float)opf_load_elem(src, off + e * stride, dt);
-}
-
-static void store_row(const attn_kernels *k, void *dst, int64_t off, int64_t stride, const float *src, int64_t n,
-                      opf_dtype dt) {
-    if (dt == OPF_F32) {
-        float *d = (float *)dst + off;
-        if (stride == 1)
-            memcpy(d, src, sizeof(float) * (size_t)n);
-        else
-            for (int64_t e = 0; e < n; e++) d[e * stride] = src[e];
-        return;
-    }
-    if (stride == 1) {
-        k->cvt->from_f32((uint16_t *)dst + off, src, dt, n);
-        return;
-    }
-    for (int64_t e = 0; e < n; e++) opf_store_elem(dst, off + e * stride, dt, src[e]);
+static void note_pick(const char *name, opf_isa isa) {
+    if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick(attention_variants.family, name, isa);
 }
 
 /* Tile element (i, j) at t[i*ti + j*tj] (queries i0.., keys j0..) becomes
  * scale * t + bias under an explicit mask (and the causal one with it). */
-static void apply_mask(const attn_problem *p, float *t, int64_t ti, int64_t tj, int64_t b, int64_t h, int64_t i0,
+static void apply_mask(const attention_problem *p, float *t, int64_t ti, int64_t tj, int64_t b, int64_t h, int64_t i0,
                        int64_t bq, int64_t j0, int64_t bk) {
     const float scale = (float)p->scale;
     for (int64_t i = 0; i < bq; i++)
@@ -79,10 +48,10 @@ static void apply_mask(const attn_problem *p, float *t, int64_t ti, int64_t tj, 
 
 /* How the ISA kernels mask a tile: returns the diag argument (keys j > i +
  * diag masked), after applying an explicit mask to the tile (then *scale = 1). */
-static inline int64_t tile_diag(const attn_problem *p, float *t, int64_t ti, int64_t tj, int64_t b, int64_t h,
+static inline int64_t tile_diag(const attention_problem *p, float *t, int64_t ti, int64_t tj, int64_t b, int64_t h,
                                 int64_t i0, int64_t bq, int64_t j0, int64_t bk, float *scale) {
     *scale = (float)p->scale;
-    if (p->mask_kind != ATTN_MASK_NONE) {
+    if (p->mask_kind != ATTENTION_MASK_NONE) {
         apply_mask(p, t, ti, tj, b, h, i0, bq, j0, bk);
         *scale = 1.0f;
         return bk;
@@ -100,8 +69,9 @@ static int64_t carve(int64_t *at, int64_t n) {
     return offset;
 }
 
-static int64_t workers_for(int64_t tasks) {
-    int64_t w = opf_num_threads();
+/* workers for a number of tasks at the plan's thread count */
+static int64_t workers_for(int64_t tasks, int64_t threads) {
+    int64_t w = threads;
     if (w > tasks) w = tasks;
     return w > 0 ? w : 1;
 }
@@ -124,23 +94,23 @@ static int64_t workers_for(int64_t tasks) {
  * merged: ~2.5 us against ~14 us per 64 x 64 key block, D = 64), so a larger
  * minimum pays only on machines with more cores. (Under a causal mask a lone
  * query block sees at most 64 keys: at 2, only shapes without it split.) */
-#ifndef ATTN_FWD_MIN_TASKS /* the C tests also build with a larger one, to split (almost) every shape */
-#define ATTN_FWD_MIN_TASKS 2
+#ifndef ATTENTION_FWD_MIN_TASKS /* the C tests also build with a larger one, to split (almost) every shape */
+#define ATTENTION_FWD_MIN_TASKS 2
 #endif
-enum { FWD_MIN_TASKS = ATTN_FWD_MIN_TASKS };
+enum { FWD_MIN_TASKS = ATTENTION_FWD_MIN_TASKS };
 
 /* The keys query block i0.. (bq queries) sees: 0 .. kend */
-static int64_t fwd_kend(const attn_problem *p, int64_t i0, int64_t bq) {
+static int64_t fwd_kend(const attention_problem *p, int64_t i0, int64_t bq) {
     return p->causal ? (p->s < i0 + bq ? p->s : i0 + bq) : p->s;
 }
 
 /* A forward worker's slice of the workspace, as offsets: the one statement of
- * it (fwd_plan_for sizes with it, fwd_task carves with it) */
+ * it (blocks_plan sizes with it, fwd_task carves with it) */
 typedef struct fwd_layout {
     int64_t qt, kbuf, vbuf, st, o, m, l, alpha, row, floats;
 } fwd_layout;
 
-static fwd_layout fwd_layout_for(const attn_problem *p) {
+static fwd_layout fwd_layout_for(const attention_problem *p) {
     const int64_t d_qk = p->d_qk, d_v = p->d_v;
     fwd_layout lay;
     int64_t at = 0;
@@ -157,20 +127,9 @@ static fwd_layout fwd_layout_for(const attn_problem *p) {
     return lay;
 }
 
-/* The forward's tasks and workspace, as offsets: the chunk slots (split only;
- * per query block and chunk: O (rows x d_v), m (rows), l (rows)), a count of
- * finished chunks per query block (int64), then one slice per worker. The one
- * statement of it: attn_fwd_workspace sizes with it, attn_fwd carves with it. */
-typedef struct fwd_plan {
-    int64_t nqb, blocks; /* query blocks per head, of all heads */
-    int64_t chunks;      /* the most chunks of a query block: 1 unless split */
-    int64_t span;        /* keys per chunk, a multiple of BK when split */
-    int64_t tasks, rows, slot_floats, per_worker;
-    int64_t slots, counts, workers, floats;
-} fwd_plan;
-
-static fwd_plan fwd_plan_for(const attn_problem *p) {
-    fwd_plan pl = {.nqb = cdiv(p->n, BQ), .chunks = 1, .span = p->s};
+/* The query blocks' plan (attention_fwd_plan in attention.h) */
+static attention_fwd_plan blocks_plan(const attention_problem *p, int64_t threads) {
+    attention_fwd_plan pl = {.path = ATTENTION_PATH_BLOCKS, .nqb = cdiv(p->n, BQ), .chunks = 1, .span = p->s};
     pl.blocks = p->b * p->h * pl.nqb;
     const int64_t kb = cdiv(p->causal && p->n < p->s ? p->n : p->s, BK); /* key blocks of the last query block */
     if (pl.blocks > 0 && pl.blocks < FWD_MIN_TASKS && kb >= 2) {
@@ -186,7 +145,8 @@ static fwd_plan fwd_plan_for(const attn_problem *p) {
     int64_t at = 0;
     pl.slots = carve(&at, pl.tasks * pl.slot_floats);
     pl.counts = carve(&at, split ? round16(2 * pl.blocks) : 0);
-    pl.workers = carve(&at, workers_for(pl.tasks) * pl.per_worker);
+    pl.workers = workers_for(pl.tasks, threads);
+    pl.slices = carve(&at, pl.workers * pl.per_worker);
     pl.floats = at;
     return pl;
 }
@@ -201,49 +161,55 @@ static fwd_plan fwd_plan_for(const attn_problem *p) {
  * The decode driver takes attention's meaning: all S keys, top-left causal, the explicit mask, lse. */
 enum { FWD_DECODE_MAX_N = 4 };
 
-static int fwd_as_decode(const attn_problem *p) {
+static int fwd_as_decode(const attention_problem *p) {
     return p->n >= 1 && p->n <= FWD_DECODE_MAX_N && p->s > 0 && p->b > 0 && p->h > 0 && p->d_qk > 0 && p->d_v > 0;
 }
 
-static decode_problem decode_for(const attn_problem *p) {
-    decode_problem d = {.b = p->b,
-                        .h = p->h,
-                        .hkv = p->hkv,
-                        .n = p->n,
-                        .s_max = p->s,
-                        .d_qk = p->d_qk,
-                        .d_v = p->d_v,
-                        .dt = p->dt,
-                        .q = p->q,
-                        .k = p->k,
-                        .v = p->v,
-                        .lens = NULL,
-                        .causal = p->causal ? DECODE_CAUSAL_TOP_LEFT : DECODE_CAUSAL_NONE,
-                        .scale = p->scale,
-                        .mask = p->mask_kind == ATTN_MASK_NONE ? NULL : p->mask,
-                        .mask_kind = p->mask_kind == ATTN_MASK_BOOL  ? DECODE_MASK_BOOL
-                                     : p->mask_kind == ATTN_MASK_ADD ? DECODE_MASK_ADD
-                                                                     : DECODE_MASK_NONE,
-                        .mask_dt = p->mask_dt,
-                        .out = p->out,
-                        .lse = p->lse};
+static attention_decode_problem attention_decode_for(const attention_problem *p) {
+    attention_decode_problem d = {.b = p->b,
+                                  .h = p->h,
+                                  .hkv = p->hkv,
+                                  .n = p->n,
+                                  .s_max = p->s,
+                                  .d_qk = p->d_qk,
+                                  .d_v = p->d_v,
+                                  .dt = p->dt,
+                                  .q = p->q,
+                                  .k = p->k,
+                                  .v = p->v,
+                                  .lens = NULL,
+                                  .causal = p->causal ? ATTENTION_DECODE_CAUSAL_TOP_LEFT : ATTENTION_DECODE_CAUSAL_NONE,
+                                  .scale = p->scale,
+                                  .mask = p->mask_kind == ATTENTION_MASK_NONE ? NULL : p->mask,
+                                  .mask_kind = p->mask_kind == ATTENTION_MASK_BOOL  ? ATTENTION_DECODE_MASK_BOOL
+                                               : p->mask_kind == ATTENTION_MASK_ADD ? ATTENTION_DECODE_MASK_ADD
+                                                                                    : ATTENTION_DECODE_MASK_NONE,
+                                  .mask_dt = p->mask_dt,
+                                  .out = p->out,
+                                  .lse = p->lse};
     for (int i = 0; i < 4; i++) d.qs[i] = p->qs[i], d.ks[i] = p->ks[i], d.vs[i] = p->vs[i], d.ms[i] = p->ms[i];
     for (int i = 0; i < 4; i++) d.os[i] = p->os[i];
     return d;
 }
 
-int64_t attn_fwd_workspace(const attn_problem *p) {
+attention_fwd_plan attention_fwd_plan_make(const attention_problem *p, int64_t threads) {
+    if (p->dt == OPF_F64)
+        return (attention_fwd_plan){.path = ATTENTION_PATH_REF, .floats = 2 * attention_ref_fwd_doubles(p)};
     if (fwd_as_decode(p)) {
-        const decode_problem d = decode_for(p);
-        return decode_workspace(&d);
+        const attention_decode_problem d = attention_decode_for(p);
+        attention_fwd_plan pl = {.path = ATTENTION_PATH_DECODE, .decode = attention_decode_plan_make(&d, threads)};
+        pl.floats = attention_decode_workspace(&pl.decode);
+        return pl;
     }
-    return fwd_plan_for(p).floats;
+    return blocks_plan(p, threads);
 }
 
+int64_t attention_fwd_workspace(const attention_fwd_plan *plan) { return plan->floats; }
+
 typedef struct fwd_ctx {
-    const attn_kernels *k;
-    const attn_problem *p;
-    fwd_plan pl;
+    const attention_kernels *k;
+    const attention_problem *p;
+    attention_fwd_plan pl;
     float *ws, *slots;
     atomic_llong *counts; /* chunks of each query block finished */
     atomic_llong next;
@@ -251,7 +217,7 @@ typedef struct fwd_ctx {
 
 /* Query block qb of head bh: merge its nch chunk slots, in chunk order, into out and lse. */
 static void fwd_merge(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t nch, float *ws) {
-    const attn_problem *p = c->p;
+    const attention_problem *p = c->p;
     const int64_t d_v = p->d_v, rows = c->pl.rows, b = bh / p->h, h = bh % p->h;
     const int64_t i0 = qb * BQ, bq = p->n - i0 < BQ ? p->n - i0 : BQ;
     const float *slot0 = c->slots + (bh * c->pl.nqb + qb) * c->pl.chunks * c->pl.slot_floats;
@@ -269,16 +235,16 @@ static void fwd_merge(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t nch, flo
         }
         const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
         for (int64_t d = 0; d < d_v; d++) o[d] *= inv;
-        store_row(c->k, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o, d_v, p->dt);
+        store_row(c->k->cvt, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o, d_v, p->dt);
         p->lse[bh * p->n + i0 + i] = sum == 0.0f ? -INFINITY : mx + logf(sum);
     }
 }
 
 /* Query block qb of head bh, chunk ch of its keys (the whole block unless split) */
 static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float *ws) {
-    const attn_kernels *k = c->k;
-    const attn_problem *p = c->p;
-    const attn_mm_fn mm = attn_mm_for(k, p);
+    const attention_kernels *k = c->k;
+    const attention_problem *p = c->p;
+    const attention_mm_fn mm = attention_mm_for(k, p);
     const int64_t d_qk = p->d_qk, d_v = p->d_v, b = bh / p->h, h = bh % p->h, kvh = h / (p->h / p->hkv);
     const int64_t i0 = qb * BQ, bq = p->n - i0 < BQ ? p->n - i0 : BQ, kend = fwd_kend(p, i0, bq);
     const int64_t jbeg = ch * c->pl.span, jend = kend - jbeg < c->pl.span ? kend : jbeg + c->pl.span;
@@ -293,7 +259,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
         l = m + c->pl.rows;
     }
     for (int64_t i = 0; i < bq; i++) { /* Q^T of the block, float32 */
-        load_row(k, row, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
+        load_row(k->cvt, row, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
         for (int64_t d = 0; d < d_qk; d++) qt[d * BQ + i] = row[d];
         m[i] = -INFINITY;
         l[i] = 0.0f;
@@ -310,7 +276,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
             rsk = p->ks[2], csk = p->ks[3];
         } else {
             for (int64_t j = 0; j < bk; j++)
-                load_row(k, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
+                load_row(k->cvt, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
         }
         mm(bk, bq, d_qk, ka, rsk, csk, qt, BQ, st, BQ, 0);
         float scale;
@@ -327,7 +293,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
             ldv = p->vs[2];
         } else {
             for (int64_t j = 0; j < bk; j++)
-                load_row(k, vbuf + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
+                load_row(k->cvt, vbuf + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
         }
         mm(bq, d_v, bk, st, 1, BQ, vb, ldv, o, d_v, 1);
     }
@@ -339,7 +305,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
     for (int64_t i = 0; i < bq; i++) {
         const float inv = l[i] == 0.0f ? 0.0f : 1.0f / l[i]; /* a NaN score keeps the row NaN */
         for (int64_t d = 0; d < d_v; d++) o[i * d_v + d] *= inv;
-        store_row(k, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * d_v, d_v, p->dt);
+        store_row(k->cvt, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * d_v, d_v, p->dt);
         p->lse[bh * p->n + i0 + i] = l[i] == 0.0f ? -INFINITY : m[i] + logf(l[i]);
     }
 }
@@ -362,21 +328,28 @@ static void fwd_worker(int64_t w0, int64_t w1, void *arg) {
     }
 }
 
-void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
-    if (fwd_as_decode(p)) {
-        const decode_problem d = decode_for(p);
-        decode_fwd(decode_kernels_for(k->isa), &d, workspace);
+void attention_fwd(const attention_kernels *k, const attention_fwd_plan *plan, const attention_problem *p,
+                   float *workspace) {
+    if (plan->path == ATTENTION_PATH_REF) {
+        note_pick("ref_f64", OPF_ISA_REF);
+        attention_ref_fwd(p, (double *)(void *)workspace);
         return;
     }
-    fwd_ctx c = {.k = k, .p = p, .pl = fwd_plan_for(p)};
+    if (plan->path == ATTENTION_PATH_DECODE) {
+        const attention_decode_problem d = attention_decode_for(p);
+        attention_decode_fwd(attention_decode_kernels_for(k->isa), &plan->decode, &d, workspace);
+        return;
+    }
+    note_pick(k->name, k->isa);
+    fwd_ctx c = {.k = k, .p = p, .pl = *plan};
     if (c.pl.tasks == 0) return;
-    c.ws = workspace + c.pl.workers;
+    c.ws = workspace + c.pl.slices;
     c.slots = workspace + c.pl.slots;
     c.counts = (atomic_llong *)(workspace + c.pl.counts);
     if (c.pl.chunks > 1)
         for (int64_t i = 0; i < c.pl.blocks; i++) atomic_init(&c.counts[i], 0);
     atomic_init(&c.next, 0);
-    opf_parallel_for(0, workers_for(c.pl.tasks), 1, fwd_worker, &c);
+    opf_parallel_for(0, c.pl.workers, 1, fwd_worker, &c);
 }
 
 /* ---- backward ------------------------------------------------------------------------------ */
@@ -398,18 +371,16 @@ void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
  * need BQ == BK: key block kb's first query (causal) starts query block kb. */
 _Static_assert(BQ == BK, "the backward's per-query-block turns need query and key blocks of one size");
 
-/* Decided once per call, on the calling thread (workers may see another thread count). */
-static int whole_groups(const attn_problem *p) { return p->b * p->hkv >= 2 * (int64_t)opf_num_threads(); }
-
-static int64_t bwd_tasks(const attn_problem *p) { return p->b * p->hkv * (whole_groups(p) ? 1 : cdiv(p->s, BK)); }
+/* A task per head group when there are enough groups for every thread: decided by the plan, once per call */
+static int whole_groups(const attention_problem *p, int64_t threads) { return p->b * p->hkv >= 2 * threads; }
 
 /* A backward worker's slice of the workspace, as offsets: the one statement
- * of it (bwd_layout_for sizes with it, bwd_task carves with it) */
+ * of it (attention_bwd_plan_make sizes with it, bwd_task carves with it) */
 typedef struct bwd_worker_layout {
     int64_t kt, vt, kr, dk, dv, qr, dor, scores, dp, row, floats;
 } bwd_worker_layout;
 
-static bwd_worker_layout bwd_worker_layout_for(const attn_problem *p) {
+static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p) {
     const int64_t d_qk = p->d_qk, d_v = p->d_v;
     bwd_worker_layout lay;
     int64_t at = 0;
@@ -428,42 +399,38 @@ static bwd_worker_layout bwd_worker_layout_for(const attn_problem *p) {
 }
 
 /* float32 dQ is accumulated in place when its rows are unit-stride (the block matmul's C) */
-static int dq_in_place(const attn_problem *p) { return p->dt == OPF_F32 && p->dqs[3] == 1; }
+static int dq_in_place(const attention_problem *p) { return p->dt == OPF_F32 && p->dqs[3] == 1; }
 
-/* query blocks of all heads, each with a turn (per-key-block tasks only) */
-static int64_t bwd_turns(const attn_problem *p) {
-    return whole_groups(p) || bwd_tasks(p) == 0 ? 0 : p->b * p->h * cdiv(p->n, BQ);
-}
-
-/* The backward's workspace, as offsets: delta = rowsum(dO * out) (b, h, n);
- * a float32 dQ (b, h, n, d_qk) unless in place (then dq32 < 0); the query
- * blocks' turns (atomic int64); then one slice per worker. The one statement
- * of it: attn_bwd_workspace sizes with it, attn_bwd carves with it. */
-typedef struct bwd_layout {
-    int64_t per_worker;
-    int64_t delta, dq32, turns, workers, floats;
-} bwd_layout;
-
-static bwd_layout bwd_layout_for(const attn_problem *p) {
-    bwd_layout lay = {.per_worker = bwd_worker_layout_for(p).floats};
+/* The backward's workspace (attention_bwd_plan in attention.h): the one statement
+ * of it, attention_bwd_workspace sizes with it, attention_bwd carves with it. The query
+ * blocks of all heads have a turn each with per-key-block tasks. */
+attention_bwd_plan attention_bwd_plan_make(const attention_problem *p, int64_t threads) {
+    if (p->dt == OPF_F64)
+        return (attention_bwd_plan){.path = ATTENTION_PATH_REF, .floats = 2 * attention_ref_bwd_doubles(p)};
+    attention_bwd_plan pl = {
+        .path = ATTENTION_PATH_BLOCKS, .whole = whole_groups(p, threads), .key_blocks = cdiv(p->s, BK)};
+    pl.tasks = p->b * p->hkv * (pl.whole ? 1 : pl.key_blocks);
+    pl.turns = pl.whole || pl.tasks == 0 ? 0 : p->b * p->h * cdiv(p->n, BQ);
+    pl.workers = workers_for(pl.tasks, threads);
+    pl.per_worker = bwd_worker_layout_for(p).floats;
     int64_t at = 0;
-    lay.delta = carve(&at, round16(p->b * p->h * p->n));
-    lay.dq32 = dq_in_place(p) ? -1 : carve(&at, round16(p->b * p->h * p->n * p->d_qk));
-    lay.turns = carve(&at, round16(2 * bwd_turns(p)));
-    lay.workers = carve(&at, workers_for(bwd_tasks(p)) * lay.per_worker);
-    lay.floats = at;
-    return lay;
+    pl.delta = carve(&at, round16(p->b * p->h * p->n));
+    pl.dq32 = dq_in_place(p) ? -1 : carve(&at, round16(p->b * p->h * p->n * p->d_qk));
+    pl.turns_at = carve(&at, round16(2 * pl.turns));
+    pl.slices = carve(&at, pl.workers * pl.per_worker);
+    pl.floats = at;
+    return pl;
 }
 
-int64_t attn_bwd_workspace(const attn_problem *p) { return bwd_layout_for(p).floats; }
+int64_t attention_bwd_workspace(const attention_bwd_plan *plan) { return plan->floats; }
 
 typedef struct bwd_ctx {
-    const attn_kernels *k;
-    const attn_problem *p;
+    const attention_kernels *k;
+    const attention_problem *p;
     float *delta, *dq32, *ws;
     int64_t dq32s[4];
     int64_t per_worker, tasks, nkb;
-    int whole;    /* whole_groups(), as sized by attn_bwd_workspace */
+    int whole;    /* a task per head group (the plan's) */
     int in_place; /* dQ accumulated in p->dq itself */
     atomic_llong next;
     atomic_llong *turns;  /* per (b, h, query block): key blocks added into its dQ rows */
@@ -473,7 +440,7 @@ typedef struct bwd_ctx {
 } bwd_ctx;
 
 /* The first query that sees key block kb: under a causal mask, none before its first key. */
-static int64_t first_query(const attn_problem *p, int64_t kb) { return p->causal ? kb * BK : 0; }
+static int64_t first_query(const attention_problem *p, int64_t kb) { return p->causal ? kb * BK : 0; }
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -507,9 +474,9 @@ static void pass_turn(bwd_ctx *c, atomic_llong *turn, int64_t kb) {
 
 /* Key block kb of head group grp: dK and dV of its keys; dS K into dQ, by turns when c->turns */
 static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
-    const attn_kernels *k = c->k;
-    const attn_problem *p = c->p;
-    const attn_mm_fn mm = attn_mm_for(k, p);
+    const attention_kernels *k = c->k;
+    const attention_problem *p = c->p;
+    const attention_mm_fn mm = attention_mm_for(k, p);
     const int64_t d_qk = p->d_qk, d_v = p->d_v, g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
     const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK;
     const bwd_worker_layout lay = bwd_worker_layout_for(p);
@@ -519,9 +486,9 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
     memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
     memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
     for (int64_t j = 0; j < bk && qstart < p->n; j++) { /* K rows, K^T and V^T of the block, float32 */
-        load_row(k, kr + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
+        load_row(k->cvt, kr + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
         for (int64_t d = 0; d < d_qk; d++) kt[d * BK + j] = kr[j * d_qk + d];
-        load_row(k, row, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
+        load_row(k->cvt, row, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
         for (int64_t d = 0; d < d_v; d++) vt[d * BK + j] = row[d];
     }
     const int f32 = p->dt == OPF_F32;
@@ -538,14 +505,14 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
                 ldq = p->qs[2];
             } else {
                 for (int64_t i = 0; i < bq; i++)
-                    load_row(k, qr + i * d_qk, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
+                    load_row(k->cvt, qr + i * d_qk, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
             }
             if (f32 && p->dos[3] == 1) {
                 dout = (const float *)p->dout + off4(p->dos, b, h, i0, 0);
                 lddo = p->dos[2];
             } else {
                 for (int64_t i = 0; i < bq; i++)
-                    load_row(k, dor + i * d_v, p->dout, off4(p->dos, b, h, i0 + i, 0), p->dos[3], d_v, p->dt);
+                    load_row(k->cvt, dor + i * d_v, p->dout, off4(p->dos, b, h, i0 + i, 0), p->dos[3], d_v, p->dt);
             }
             mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
             float scale;
@@ -562,15 +529,15 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
         }
     }
     for (int64_t j = 0; j < bk; j++) {
-        store_row(k, p->dk, off4(p->dks, b, kvh, j0 + j, 0), p->dks[3], dk + j * d_qk, d_qk, p->dt);
-        store_row(k, p->dv, off4(p->dvs, b, kvh, j0 + j, 0), p->dvs[3], dv + j * d_v, d_v, p->dt);
+        store_row(k->cvt, p->dk, off4(p->dks, b, kvh, j0 + j, 0), p->dks[3], dk + j * d_qk, d_qk, p->dt);
+        store_row(k->cvt, p->dv, off4(p->dvs, b, kvh, j0 + j, 0), p->dvs[3], dv + j * d_v, d_v, p->dt);
     }
 }
 
 /* heads bh0..bh1: zero dQ's float32 accumulator, delta[i] = sum_d dO[i, d] out[i, d]
  * (the rows converted to float32 64 elements at a time, summed in 8 float lanes, then the lanes in order) */
 static void rows_in(const bwd_ctx *c, int64_t bh0, int64_t bh1) {
-    const attn_problem *p = c->p;
+    const attention_problem *p = c->p;
     float dor[64], outr[64];
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t b = bh / p->h, h = bh % p->h;
@@ -583,8 +550,8 @@ static void rows_in(const bwd_ctx *c, int64_t bh0, int64_t bh1) {
             float lanes[8] = {0};
             for (int64_t e0 = 0; e0 < p->d_v; e0 += 64) {
                 const int64_t n = p->d_v - e0 < 64 ? p->d_v - e0 : 64;
-                load_row(c->k, dor, p->dout, off4(p->dos, b, h, i, e0), p->dos[3], n, p->dt);
-                load_row(c->k, outr, p->out, off4(p->os, b, h, i, e0), p->os[3], n, p->dt);
+                load_row(c->k->cvt, dor, p->dout, off4(p->dos, b, h, i, e0), p->dos[3], n, p->dt);
+                load_row(c->k->cvt, outr, p->out, off4(p->os, b, h, i, e0), p->os[3], n, p->dt);
                 int64_t e = 0;
                 for (; e + 8 <= n; e += 8)
                     for (int l = 0; l < 8; l++) lanes[l] += dor[e + l] * outr[e + l];
@@ -599,10 +566,10 @@ static void rows_in(const bwd_ctx *c, int64_t bh0, int64_t bh1) {
 
 /* heads bh0..bh1: dQ from its float32 accumulator (when not accumulated in place) */
 static void rows_out(const bwd_ctx *c, int64_t bh0, int64_t bh1) {
-    const attn_problem *p = c->p;
+    const attention_problem *p = c->p;
     for (int64_t bh = bh0; bh < bh1; bh++)
         for (int64_t i = 0; i < p->n; i++)
-            store_row(c->k, p->dq, off4(p->dqs, bh / p->h, bh % p->h, i, 0), p->dqs[3],
+            store_row(c->k->cvt, p->dq, off4(p->dqs, bh / p->h, bh % p->h, i, 0), p->dqs[3],
                       c->dq32 + (bh * p->n + i) * p->d_qk, p->d_qk, p->dt);
 }
 
@@ -613,7 +580,7 @@ static void bwd_epilogue(int64_t bh0, int64_t bh1, void *arg) { rows_out(arg, bh
  * are nobody else's), so the backward is one parallel region: each region waits for every thread. */
 static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
     bwd_ctx *c = arg;
-    const attn_problem *p = c->p;
+    const attention_problem *p = c->p;
     const int64_t g = p->hkv ? p->h / p->hkv : 0;
     for (int64_t w = w0; w < w1; w++) {
         float *ws = c->ws + w * c->per_worker;
@@ -630,34 +597,40 @@ static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
     }
 }
 
-void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace) {
-    const bwd_layout lay = bwd_layout_for(p);
+void attention_bwd(const attention_kernels *k, const attention_bwd_plan *plan, const attention_problem *p,
+                   float *workspace) {
+    if (plan->path == ATTENTION_PATH_REF) {
+        note_pick("ref_f64", OPF_ISA_REF);
+        attention_ref_bwd(p, (double *)(void *)workspace);
+        return;
+    }
+    note_pick(k->name, k->isa);
     bwd_ctx c = {.k = k,
                  .p = p,
-                 .per_worker = lay.per_worker,
-                 .tasks = bwd_tasks(p),
-                 .nkb = cdiv(p->s, BK),
-                 .whole = whole_groups(p)};
-    const int in_place = lay.dq32 < 0;
+                 .per_worker = plan->per_worker,
+                 .tasks = plan->tasks,
+                 .nkb = plan->key_blocks,
+                 .whole = plan->whole};
+    const int in_place = plan->dq32 < 0;
     c.in_place = in_place;
-    c.delta = workspace + lay.delta;
+    c.delta = workspace + plan->delta;
     if (in_place) {
         c.dq32 = p->dq;
         memcpy(c.dq32s, p->dqs, sizeof c.dq32s);
     } else {
-        c.dq32 = workspace + lay.dq32;
+        c.dq32 = workspace + plan->dq32;
         int64_t st[4] = {p->h * p->n * p->d_qk, p->n * p->d_qk, p->d_qk, 1};
         memcpy(c.dq32s, st, sizeof st);
     }
-    const int64_t turns = bwd_turns(p);
-    c.turns = turns ? (atomic_llong *)(void *)(workspace + lay.turns) : NULL;
+    const int64_t turns = plan->turns;
+    c.turns = turns ? (atomic_llong *)(void *)(workspace + plan->turns_at) : NULL;
     for (int64_t i = 0; i < turns; i++) atomic_init(&c.turns[i], 0);
-    c.ws = workspace + lay.workers;
+    c.ws = workspace + plan->slices;
     atomic_init(&c.next, 0);
     pthread_mutex_init(&c.lock, NULL);
     pthread_cond_init(&c.moved, NULL);
     if (!c.whole) opf_parallel_for(0, p->b * p->h, 1, bwd_prologue, &c);
-    if (c.tasks > 0) opf_parallel_for(0, workers_for(c.tasks), 1, bwd_worker, &c);
+    if (c.tasks > 0) opf_parallel_for(0, plan->workers, 1, bwd_worker, &c);
     if (!in_place && !c.whole) opf_parallel_for(0, p->b * p->h, 1, bwd_epilogue, &c);
     pthread_cond_destroy(&c.moved);
     pthread_mutex_destroy(&c.lock);

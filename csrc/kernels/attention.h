@@ -45,20 +45,26 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "attention_decode.h"
+#include "attention_rows.h"
 #include "convert.h"
 #include "opforge/half.h"
 #include "opforge/runtime.h"
 
-typedef enum attn_mask_kind { ATTN_MASK_NONE = 0, ATTN_MASK_BOOL, ATTN_MASK_ADD } attn_mask_kind;
+typedef enum attention_mask_kind {
+    ATTENTION_MASK_NONE = 0,
+    ATTENTION_MASK_BOOL,
+    ATTENTION_MASK_ADD
+} attention_mask_kind;
 
-typedef struct attn_problem {
+typedef struct attention_problem {
     int64_t b, h, hkv, n, s, d_qk, d_v; /* batch, heads, key/value heads, query and key length, head dims */
     opf_dtype dt;                       /* of q, k, v, out, dout, dq, dk, dv */
     const void *q, *k, *v;
     int64_t qs[4], ks[4], vs[4]; /* element strides (b, h, n|s, d) */
     const void *mask;            /* NULL, or (b, h, n, s) via ms (0 where broadcast) */
-    attn_mask_kind mask_kind;
-    opf_dtype mask_dt; /* ATTN_MASK_ADD: the mask's float type */
+    attention_mask_kind mask_kind;
+    opf_dtype mask_dt; /* ATTENTION_MASK_ADD: the mask's float type */
     int64_t ms[4];
     int causal;
     double scale; /* exact for the float64 oracle; the float32 kernels round it once */
@@ -70,21 +76,21 @@ typedef struct attn_problem {
     int64_t dos[4];
     void *dq, *dk, *dv;
     int64_t dqs[4], dks[4], dvs[4];
-} attn_problem;
+} attention_problem;
 
-typedef void (*attn_mm_fn)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
-                           int64_t ldb, float *c, int64_t ldc, int acc);
+typedef void (*attention_mm_fn)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa,
+                                const float *b, int64_t ldb, float *c, int64_t ldc, int acc);
 
-typedef struct attn_kernels {
+typedef struct attention_kernels {
     OPF_VARIANT_HEAD;
-    const cvt_kernels *cvt; /* 16-bit rows to and from float32 */
+    const convert_kernels *cvt; /* 16-bit rows to and from float32 */
     /* C (m x n, row stride ldc) = (acc ? C : 0) + A B with A(i, p) = a[i*rsa + p*csa]
      * and B(p, j) = b[p*ldb + j] */
-    attn_mm_fn mm;
+    attention_mm_fn mm;
     /* mm on operands rounded to bfloat16 (to nearest even), float32 sums: used
      * for bfloat16 inputs, where Q, K, V and dO round exactly and P and dS
      * once, as flash kernels do; NULL where the ISA has no bfloat16 product */
-    attn_mm_fn mm_bf16;
+    attention_mm_fn mm_bf16;
     /* online softmax down the columns of st (bk keys x bq queries, row stride ld):
      * x = scale * st; m' = max(m, max_j x); st = exp(x - m'); alpha = exp(m - m');
      * l = l * alpha + sum_j st; m = m'. A column with m' = -inf gets zeros.
@@ -97,48 +103,84 @@ typedef struct attn_kernels {
     void (*probs)(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag);
     /* dp = p * (dp - delta[i]) * scale (the gradient of the scaled scores) */
     void (*dscores)(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta, float scale);
-} attn_kernels;
+} attention_kernels;
 
-extern const attn_kernels attn_kernels_ref;
-extern const attn_kernels attn_kernels_avx2;        /* attention_avx2.c */
-extern const attn_kernels attn_kernels_avx512;      /* attention_avx512.c */
-extern const attn_kernels attn_kernels_avx512_bf16; /* attention_avx512.c */
-extern const opf_variants attn_variants;
+extern const attention_kernels attention_kernels_ref;
+extern const attention_kernels attention_kernels_avx2;        /* attention_avx2.c */
+extern const attention_kernels attention_kernels_avx512;      /* attention_avx512.c */
+extern const attention_kernels attention_kernels_avx512_bf16; /* attention_avx512.c */
+extern const opf_variants attention_variants;
 
-const attn_kernels *attn_kernels_for(opf_isa isa);
+/* The table for isa (not noted for the log: attention_fwd and attention_bwd note what runs). */
+const attention_kernels *attention_kernels_for(opf_isa isa);
 
 /* The product the driver uses for p's dtype: mm_bf16 for bfloat16 where the table has one */
-static inline attn_mm_fn attn_mm_for(const attn_kernels *k, const attn_problem *p) {
+static inline attention_mm_fn attention_mm_for(const attention_kernels *k, const attention_problem *p) {
     return p->dt == OPF_BF16 && k->mm_bf16 ? k->mm_bf16 : k->mm;
 }
 
-/* ---- element access, shared by the driver and the oracle ---- */
-
-/* element (b, h, i, d) of a 4-d array of strides st */
-static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, int64_t d) {
-    return b * st[0] + h * st[1] + i * st[2] + d * st[3];
-}
+/* ---- element access, shared by the driver and the oracle (off4: attention_rows.h) ---- */
 
 /* The mask's verdict on query i, key j: -inf (masked out), or what to add. */
-static inline float mask_bias(const attn_problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
+static inline float mask_bias(const attention_problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
     if (p->causal && j > i) return -INFINITY;
-    if (p->mask_kind == ATTN_MASK_NONE) return 0.0f;
+    if (p->mask_kind == ATTENTION_MASK_NONE) return 0.0f;
     int64_t o = off4(p->ms, b, h, i, j);
-    if (p->mask_kind == ATTN_MASK_BOOL) return ((const uint8_t *)p->mask)[o] ? 0.0f : -INFINITY;
+    if (p->mask_kind == ATTENTION_MASK_BOOL) return ((const uint8_t *)p->mask)[o] ? 0.0f : -INFINITY;
     return (float)opf_load_elem(p->mask, o, p->mask_dt);
 }
 
-/* Floats of workspace for attn_fwd / attn_bwd (float32, bfloat16, float16). */
-int64_t attn_fwd_workspace(const attn_problem *p);
-int64_t attn_bwd_workspace(const attn_problem *p);
-void attn_fwd(const attn_kernels *k, const attn_problem *p, float *workspace);
-/* Needs p->out and p->lse from attn_fwd, p->dout; writes dq, dk, dv. */
-void attn_bwd(const attn_kernels *k, const attn_problem *p, float *workspace);
+/* ---- plans: made once per call, at the caller's thread count ---- */
+
+/* float64 runs the oracle on a scratch of doubles in the workspace; a few
+ * queries run the flash-decoding driver (attention.c: FWD_DECODE_MAX_N);
+ * the rest query blocks of the flash kernels */
+typedef enum attention_path { ATTENTION_PATH_BLOCKS = 0, ATTENTION_PATH_DECODE, ATTENTION_PATH_REF } attention_path;
+
+/* The forward's tasks and workspace. Blocks: the chunk slots (split only;
+ * per query block and chunk: O (rows x d_v), m (rows), l (rows)), a count of
+ * finished chunks per query block (int64), then one slice per worker, as
+ * offsets: the one statement of it (attention_fwd_workspace sizes with it,
+ * attention_fwd carves with it). */
+typedef struct attention_fwd_plan {
+    attention_path path;
+    attention_decode_plan decode; /* ATTENTION_PATH_DECODE */
+    int64_t nqb, blocks;          /* query blocks per head, of all heads */
+    int64_t chunks;               /* the most chunks of a query block: 1 unless split */
+    int64_t span;                 /* keys per chunk, a multiple of the key block when split */
+    int64_t tasks, rows, slot_floats, per_worker, workers;
+    int64_t slots, counts, slices, floats;
+} attention_fwd_plan;
+
+/* The backward's tasks and workspace: a task is a whole head group when there
+ * are enough groups for every thread, else one key block of a group; then
+ * delta = rowsum(dO * out) (b, h, n), a float32 dQ (b, h, n, d_qk) unless
+ * accumulated in place (dq32 < 0), the query blocks' turns (atomic int64),
+ * and one slice per worker, as offsets. */
+typedef struct attention_bwd_plan {
+    attention_path path; /* ATTENTION_PATH_REF or ATTENTION_PATH_BLOCKS */
+    int whole;           /* a task is a whole head group */
+    int64_t tasks, key_blocks, turns, workers, per_worker;
+    int64_t delta, dq32, turns_at, slices, floats;
+} attention_bwd_plan;
+
+attention_fwd_plan attention_fwd_plan_make(const attention_problem *p, int64_t threads);
+attention_bwd_plan attention_bwd_plan_make(const attention_problem *p, int64_t threads);
+/* Floats of workspace for attention_fwd / attention_bwd under the plan (float64: the oracle's doubles). */
+int64_t attention_fwd_workspace(const attention_fwd_plan *plan);
+int64_t attention_bwd_workspace(const attention_bwd_plan *plan);
+void attention_fwd(const attention_kernels *k, const attention_fwd_plan *plan, const attention_problem *p,
+                   float *workspace);
+/* Needs p->out and p->lse from attention_fwd, p->dout; writes dq, dk, dv. */
+void attention_bwd(const attention_kernels *k, const attention_bwd_plan *plan, const attention_problem *p,
+                   float *workspace);
 
 /* The oracle, row by row in double (and the float64 path of the op); any dtype
- * incl. OPF_F64. The backward allocates its own double accumulators. Returns
- * 0, or -1 when out of memory. */
-int attn_ref_fwd(const attn_problem *p);
-int attn_ref_bwd(const attn_problem *p);
+ * incl. OPF_F64. Its scratch: attention_ref_fwd_doubles / attention_ref_bwd_doubles
+ * doubles (the backward's double accumulators of dK and dV among them). */
+int64_t attention_ref_fwd_doubles(const attention_problem *p);
+int64_t attention_ref_bwd_doubles(const attention_problem *p);
+void attention_ref_fwd(const attention_problem *p, double *scratch);
+void attention_ref_bwd(const attention_problem *p, double *scratch);
 
 #endif

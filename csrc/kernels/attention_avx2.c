@@ -83,7 +83,6 @@ static void mm_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa
     }
 }
 
-#define LOG2E 1.44269504088896341f
 
 /* The keep-mask of key row j for the 8 queries starting at i (query i keeps key
  * j when j <= i + diag): all, none, or a lane compare. */
@@ -143,7 +142,8 @@ static void softmax_cols_avx2(float *st, int64_t ld, int64_t bk, int64_t bq, flo
             break;
         }
     }
-    if (i0 < bq) attn_kernels_ref.softmax_cols(st + i0, ld, bk, bq - i0, scale, m + i0, l + i0, alpha + i0, diag + i0);
+    if (i0 < bq)
+        attention_kernels_ref.softmax_cols(st + i0, ld, bk, bq - i0, scale, m + i0, l + i0, alpha + i0, diag + i0);
 }
 
 static inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
@@ -157,7 +157,7 @@ static void probs_avx2(float *scores, int64_t ld, int64_t bq, int64_t bk, float 
         int64_t j = 0;
         for (; j + 8 <= keys; j += 8)
             _mm256_storeu_ps(row + j, exp2_8z(_mm256_fmsub_ps(_mm256_loadu_ps(row + j), vs2, vl)));
-        if (j < bk) attn_kernels_ref.probs(row + j, ld, 1, bk - j, scale, lse + i, i + diag - j);
+        if (j < bk) attention_kernels_ref.probs(row + j, ld, 1, bk - j, scale, lse + i, i + diag - j);
     }
 }
 
@@ -173,14 +173,14 @@ static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int6
             __m256 g = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(d + j), vd), vs);
             _mm256_storeu_ps(d + j, _mm256_mul_ps(_mm256_loadu_ps(pr + j), g));
         }
-        if (j < bk) attn_kernels_ref.dscores(d + j, pr + j, ld, 1, bk - j, delta + i, scale);
+        if (j < bk) attention_kernels_ref.dscores(d + j, pr + j, ld, 1, bk - j, delta + i, scale);
     }
 }
 
-const attn_kernels attn_kernels_avx2 = {.name = "avx2",
-                                        .isa = OPF_ISA_AVX2,
-                                        .cvt = &cvt_kernels_avx2,
-                                        .mm = mm_avx2,
-                                        .softmax_cols = softmax_cols_avx2,
-                                        .probs = probs_avx2,
-                                        .dscores = dscores_avx2};
+const attention_kernels attention_kernels_avx2 = {.name = "avx2",
+                                                  .isa = OPF_ISA_AVX2,
+                                                  .cvt = &convert_kernels_avx2,
+                                                  .mm = mm_avx2,
+                                                  .softmax_cols = softmax_cols_avx2,
+                                                  .probs = probs_avx2,
+                                                  .dscores = dscores_avx2};

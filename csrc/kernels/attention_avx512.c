@@ -4,12 +4,13 @@
  * zmm accumulators (A broadcast from any strides, two B vectors per step);
  * the column-wise online softmax takes 16 queries per vector, and every tail
  * (columns of C, queries of a column group, keys of a row) is a lane mask,
- * never a scalar loop. exp is exp2_16z (rows_avx512.h).
+ * never a scalar loop. exp is exp2_16z (math_avx512.h).
  */
 #include <immintrin.h>
 #include <math.h>
 
 #include "attention.h"
+#include "math_avx512.h"
 #include "rows_avx512.h"
 
 /* the lanes at or above `from` (0 <= from), as a mask: none when from >= 16 */
@@ -203,7 +204,6 @@ TARGET_BF16 static void mm_avx512bf16(int64_t m, int64_t n, int64_t k, const flo
     }
 }
 
-#define LOG2E 1.44269504088896341f
 
 /* The keep-mask of key row j for the 16 queries starting at i (query i keeps key j when j <= i + diag) */
 static inline __mmask16 keep16(int64_t i, int64_t j, int64_t diag) {
@@ -290,20 +290,20 @@ static void dscores_avx512(float *dp, const float *p, int64_t ld, int64_t bq, in
     }
 }
 
-const attn_kernels attn_kernels_avx512 = {.name = "avx512",
-                                          .isa = OPF_ISA_AVX512,
-                                          .cvt = &cvt_kernels_avx512,
-                                          .mm = mm_avx512,
-                                          .softmax_cols = softmax_cols_avx512,
-                                          .probs = probs_avx512,
-                                          .dscores = dscores_avx512};
+const attention_kernels attention_kernels_avx512 = {.name = "avx512",
+                                                    .isa = OPF_ISA_AVX512,
+                                                    .cvt = &convert_kernels_avx512,
+                                                    .mm = mm_avx512,
+                                                    .softmax_cols = softmax_cols_avx512,
+                                                    .probs = probs_avx512,
+                                                    .dscores = dscores_avx512};
 
 /* bfloat16 inputs multiply on bfloat16 pairs; float32 ones keep the float32 product */
-const attn_kernels attn_kernels_avx512_bf16 = {.name = "avx512_bf16",
-                                               .isa = OPF_ISA_AVX512_BF16,
-                                               .cvt = &cvt_kernels_avx512,
-                                               .mm = mm_avx512,
-                                               .mm_bf16 = mm_avx512bf16,
-                                               .softmax_cols = softmax_cols_avx512,
-                                               .probs = probs_avx512,
-                                               .dscores = dscores_avx512};
+const attention_kernels attention_kernels_avx512_bf16 = {.name = "avx512_bf16",
+                                                         .isa = OPF_ISA_AVX512_BF16,
+                                                         .cvt = &convert_kernels_avx512,
+                                                         .mm = mm_avx512,
+                                                         .mm_bf16 = mm_avx512bf16,
+                                                         .softmax_cols = softmax_cols_avx512,
+                                                         .probs = probs_avx512,
+                                                         .dscores = dscores_avx512};

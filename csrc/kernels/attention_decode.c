@@ -3,28 +3,32 @@
  * driver (tasks, then the combine) and the double-precision oracle. See attention_decode.h.
  */
 #include "attention_decode.h"
+#include "attention_rows.h"
 
 #include <math.h>
 #include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
 
-/* Chunks are planned so that B x Hkv x chunks reaches DECODE_TASKS (a few tasks per thread on up to ~16
- * threads, so that uneven chunks even out), but no chunk is shorter than DECODE_MIN_CHUNK keys: below
+/* Chunks are planned so that B x Hkv x chunks reaches ATTENTION_DECODE_TASKS (a few tasks per thread on up to ~16
+ * threads, so that uneven chunks even out), but no chunk is shorter than ATTENTION_DECODE_MIN_CHUNK keys: below
  * that the per-task cost (loading the group's queries, writing and combining g x N partial rows of Dv)
  * shows against the keys' bytes. */
-enum { DECODE_TASKS = 64, DECODE_MIN_CHUNK = 256 };
+enum { ATTENTION_DECODE_TASKS = 64, ATTENTION_DECODE_MIN_CHUNK = 256 };
 
 #define LOG2E 1.44269504088896341
 
 /* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
-extern const decode_kernels decode_kernels_avx2 __attribute__((weak));
-extern const decode_kernels decode_kernels_avx512 __attribute__((weak));
+extern const attention_decode_kernels attention_decode_kernels_avx2 __attribute__((weak));
+extern const attention_decode_kernels attention_decode_kernels_avx512 __attribute__((weak));
 
-const opf_variants decode_variants =
-    OPF_VARIANTS("attention_decode", &decode_kernels_ref, &decode_kernels_avx2, &decode_kernels_avx512);
+const opf_variants attention_decode_variants =
+    OPF_VARIANTS("attention_decode", &attention_decode_kernels_ref, &attention_decode_kernels_avx2,
+                 &attention_decode_kernels_avx512);
 
-const decode_kernels *decode_kernels_for(opf_isa isa) { return opf_variant_pick(&decode_variants, isa); }
+/* Not noted for the log here: attention_decode_fwd notes what runs (this table, or the oracle for float64). */
+const attention_decode_kernels *attention_decode_kernels_for(opf_isa isa) {
+    return opf_variant_best(&attention_decode_variants, isa);
+}
 
 /* ---- scalar reference kernels ------------------------------------------------------------ */
 
@@ -66,12 +70,12 @@ static void pv_ref(float *o, const float *alpha, const float *p, int64_t ldp, in
         }
 }
 
-const decode_kernels decode_kernels_ref = {.name = "ref",
-                                           .isa = OPF_ISA_REF,
-                                           .cvt = &cvt_kernels_ref,
-                                           .scores = scores_ref,
-                                           .softmax_row = softmax_row_ref,
-                                           .pv = pv_ref};
+const attention_decode_kernels attention_decode_kernels_ref = {.name = "ref",
+                                                               .isa = OPF_ISA_REF,
+                                                               .cvt = &convert_kernels_ref,
+                                                               .scores = scores_ref,
+                                                               .softmax_row = softmax_row_ref,
+                                                               .pv = pv_ref};
 
 /* ---- plan and workspace ---------------------------------------------------------------------- */
 
@@ -84,48 +88,44 @@ static int64_t carve(int64_t *at, int64_t n) {
     return offset;
 }
 
-static int64_t max_len(const decode_problem *p) {
+static int64_t max_len(const attention_decode_problem *p) {
     int64_t m = 0;
     for (int64_t b = 0; b < p->b; b++) {
-        const int64_t len = decode_len(p, b);
+        const int64_t len = attention_decode_len(p, b);
         m = len > m ? len : m;
     }
     return m;
 }
 
-int64_t decode_chunk(const decode_problem *p) {
+int64_t attention_decode_chunk(const attention_decode_problem *p) {
     const int64_t groups = p->b * p->hkv > 0 ? p->b * p->hkv : 1;
-    const int64_t chunk = cdiv(cdiv(max_len(p), cdiv(DECODE_TASKS, groups)), DECODE_BK) * DECODE_BK;
-    return chunk > DECODE_MIN_CHUNK ? chunk : DECODE_MIN_CHUNK;
+    const int64_t chunk =
+        cdiv(cdiv(max_len(p), cdiv(ATTENTION_DECODE_TASKS, groups)), ATTENTION_DECODE_BK) * ATTENTION_DECODE_BK;
+    return chunk > ATTENTION_DECODE_MIN_CHUNK ? chunk : ATTENTION_DECODE_MIN_CHUNK;
 }
 
-static int64_t group_rows(const decode_problem *p) { return p->hkv ? p->h / p->hkv * p->n : 0; }
+static int64_t group_rows(const attention_decode_problem *p) { return p->hkv ? p->h / p->hkv * p->n : 0; }
 
-/* The workspace, as offsets: the partial (m, l, acc) of every task's rows, then one slice per worker.
- * The one statement of it: decode_workspace sizes with it, decode_fwd carves with it. */
-typedef struct decode_layout {
-    int64_t chunks, tasks, workers, part_floats;     /* part_floats: one task's rows, rows x (2 + dv), padded */
-    int64_t parts, done, per_worker, slices, floats; /* offsets of the partials, the groups' counters and
-                                                      * the slices; total floats */
-    int64_t q32, kbuf, vbuf, s, o, m, l, alpha;      /* offsets within a slice */
-} decode_layout;
-
-static decode_layout layout_for(const decode_problem *p) {
+attention_decode_plan attention_decode_plan_make(const attention_decode_problem *p, int64_t threads) {
+    attention_decode_plan lay = {.ref = p->dt == OPF_F64};
+    if (lay.ref) { /* the oracle's scratch */
+        lay.floats = 2 * attention_decode_ref_doubles(p);
+        return lay;
+    }
     const int64_t r = group_rows(p), len = max_len(p);
-    decode_layout lay = {0};
-    lay.chunks = len > 0 ? cdiv(len, decode_chunk(p)) : 0;
+    lay.chunk = attention_decode_chunk(p);
+    lay.chunks = len > 0 ? cdiv(len, lay.chunk) : 0;
     lay.tasks = p->b * p->hkv * lay.chunks;
     /* nothing to compute (no row, or no output column and no lse asked for): zeros, -inf lse */
     if (r == 0 || (p->d_v == 0 && !p->lse)) lay.tasks = 0;
-    const int64_t threads = opf_num_threads();
     lay.workers = lay.tasks < threads ? lay.tasks : threads;
     lay.part_floats = round16(r * (2 + p->d_v));
     int64_t at = 0;
-    lay.q32 = carve(&at, r * p->d_qk);          /* the group's query rows, float32, times scale log2(e) */
-    lay.kbuf = carve(&at, DECODE_BK * p->d_qk); /* a block's K and V rows, float32, when not read in place */
-    lay.vbuf = carve(&at, DECODE_BK * p->d_v);
-    lay.s = carve(&at, r * DECODE_BK); /* scores, then probabilities */
-    lay.o = carve(&at, r * p->d_v);    /* unnormalised output rows */
+    lay.q32 = carve(&at, r * p->d_qk);                    /* the group's query rows, float32, times scale log2(e) */
+    lay.kbuf = carve(&at, ATTENTION_DECODE_BK * p->d_qk); /* a block's K and V rows, float32, when not read in place */
+    lay.vbuf = carve(&at, ATTENTION_DECODE_BK * p->d_v);
+    lay.s = carve(&at, r * ATTENTION_DECODE_BK); /* scores, then probabilities */
+    lay.o = carve(&at, r * p->d_v);              /* unnormalised output rows */
     lay.m = carve(&at, r);
     lay.l = carve(&at, r);
     lay.alpha = carve(&at, r);
@@ -138,63 +138,37 @@ static decode_layout layout_for(const decode_problem *p) {
     return lay;
 }
 
-int64_t decode_workspace(const decode_problem *p) { return layout_for(p).floats; }
+int64_t attention_decode_workspace(const attention_decode_plan *plan) { return plan->floats; }
 
 /* ---- driver -------------------------------------------------------------------------------------- */
 
-/* n elements of src from element offset off, stride st, to float32 */
-static void load_row(const decode_kernels *k, float *dst, const void *src, int64_t off, int64_t st, int64_t n,
-                     opf_dtype dt) {
-    if (dt == OPF_F32 && st == 1) {
-        memcpy(dst, (const float *)src + off, sizeof(float) * (size_t)n);
-    } else if (dt != OPF_F32 && st == 1) {
-        k->cvt->to_f32(dst, (const uint16_t *)src + off, dt, n);
-    } else {
-        for (int64_t e = 0; e < n; e++) dst[e] = (float)opf_load_elem(src, off + e * st, dt);
-    }
-}
-
-static void store_row(const decode_kernels *k, void *dst, int64_t off, int64_t st, const float *src, int64_t n,
-                      opf_dtype dt) {
-    if (dt == OPF_F32 && st == 1) {
-        memcpy((float *)dst + off, src, sizeof(float) * (size_t)n);
-    } else if (dt != OPF_F32 && st == 1) {
-        k->cvt->from_f32((uint16_t *)dst + off, src, dt, n);
-    } else {
-        for (int64_t e = 0; e < n; e++) opf_store_elem(dst, off + e * st, dt, src[e]);
-    }
-}
-
-static inline int64_t off4(const int64_t *st, int64_t b, int64_t h, int64_t i, int64_t d) {
-    return b * st[0] + h * st[1] + i * st[2] + d * st[3];
-}
-
 /* rows (K or V) j0..j0+bk of head (b, kvh): in place when unit-stride (a 16-bit cache too: the kernels
  * convert in registers), else converted to float32 into buf; returns the rows, their stride and type */
-static const void *cache_rows(const decode_kernels *k, const decode_problem *p, const void *src, const int64_t *st,
-                              int64_t b, int64_t kvh, int64_t j0, int64_t bk, int64_t d, float *buf, int64_t *ld,
-                              opf_dtype *dt) {
+static const void *cache_rows(const attention_decode_kernels *k, const attention_decode_problem *p, const void *src,
+                              const int64_t *st, int64_t b, int64_t kvh, int64_t j0, int64_t bk, int64_t d, float *buf,
+                              int64_t *ld, opf_dtype *dt) {
     if (st[3] == 1) {
         *ld = st[2];
         *dt = p->dt;
         return (const char *)src + (size_t)off4(st, b, kvh, j0, 0) * opf_dtype_size(p->dt);
     }
-    for (int64_t j = 0; j < bk; j++) load_row(k, buf + j * d, src, off4(st, b, kvh, j0 + j, 0), st[3], d, p->dt);
+    for (int64_t j = 0; j < bk; j++) load_row(k->cvt, buf + j * d, src, off4(st, b, kvh, j0 + j, 0), st[3], d, p->dt);
     *ld = d;
     *dt = OPF_F32;
     return buf;
 }
 
 /* An explicit mask on the scores of block j0.. (bk keys) of the group's rows. An added mask is added in
- * natural units (decode_unit), so that float32's lowest, torch's usual mask value, stays finite: a row
+ * natural units (attention_decode_unit), so that float32's lowest, torch's usual mask value, stays finite: a row
  * masked by it alone gets uniform weights, as in torch, and its lse stays what the backward recomputes
  * P from. Cheap beside the scores: one element per score against d_qk multiply-adds. */
-static void decode_mask(const decode_problem *p, float *s, int64_t r, int64_t b, int64_t kvh, int64_t j0, int64_t bk) {
+static void attention_decode_mask(const attention_decode_problem *p, float *s, int64_t r, int64_t b, int64_t kvh,
+                                  int64_t j0, int64_t bk) {
     const int64_t g = p->h / p->hkv, m3 = p->ms[3];
     for (int64_t ri = 0; ri < r; ri++) {
         const int64_t at = off4(p->ms, b, kvh * g + ri / p->n, ri % p->n, j0);
-        float *restrict row = s + ri * DECODE_BK;
-        if (p->mask_kind == DECODE_MASK_BOOL) {
+        float *restrict row = s + ri * ATTENTION_DECODE_BK;
+        if (p->mask_kind == ATTENTION_DECODE_MASK_BOOL) {
             const uint8_t *keep = (const uint8_t *)p->mask + at;
             for (int64_t j = 0; j < bk; j++)
                 if (!keep[j * m3]) row[j] = -INFINITY;
@@ -207,25 +181,27 @@ static void decode_mask(const decode_problem *p, float *s, int64_t r, int64_t b,
 }
 
 /* The units of the scores, as softmax_row takes them: base 2 (1), or natural (log2(e)) under an added mask */
-static float decode_unit(const decode_problem *p) { return p->mask_kind == DECODE_MASK_ADD ? (float)LOG2E : 1.0f; }
+static float attention_decode_unit(const attention_decode_problem *p) {
+    return p->mask_kind == ATTENTION_DECODE_MASK_ADD ? (float)LOG2E : 1.0f;
+}
 
-typedef struct decode_ctx {
-    const decode_kernels *k;
-    const decode_problem *p;
-    decode_layout lay;
+typedef struct attention_decode_ctx {
+    const attention_decode_kernels *k;
+    const attention_decode_problem *p;
+    const attention_decode_plan *lay;
     int64_t chunk;
     float *ws;
     atomic_llong next;
-} decode_ctx;
+} attention_decode_ctx;
 
 /* Task t = (b, kv head, chunk c): the partial state of the group's g x N rows over the chunk's keys. */
-static void decode_task(const decode_ctx *c, int64_t t, float *slice) {
-    const decode_kernels *k = c->k;
-    const decode_problem *p = c->p;
-    const decode_layout *lay = &c->lay;
+static void attention_decode_task(const attention_decode_ctx *c, int64_t t, float *slice) {
+    const attention_decode_kernels *k = c->k;
+    const attention_decode_problem *p = c->p;
+    const attention_decode_plan *lay = c->lay;
     const int64_t g = p->h / p->hkv, r = g * p->n, d_qk = p->d_qk, d_v = p->d_v;
     const int64_t grp = t / lay->chunks, b = grp / p->hkv, kvh = grp % p->hkv;
-    const int64_t len = decode_len(p, b), j_begin = t % lay->chunks * c->chunk;
+    const int64_t len = attention_decode_len(p, b), j_begin = t % lay->chunks * c->chunk;
     const int64_t j_end = j_begin + c->chunk < len ? j_begin + c->chunk : len;
     float *part = c->ws + lay->parts + t * lay->part_floats; /* row i: m, l, acc[d_v] */
     if (j_begin >= j_end) {                                  /* past this row's keys: nothing seen */
@@ -234,29 +210,29 @@ static void decode_task(const decode_ctx *c, int64_t t, float *slice) {
     }
     float *q32 = slice + lay->q32, *kbuf = slice + lay->kbuf, *vbuf = slice + lay->vbuf, *s = slice + lay->s;
     float *o = slice + lay->o, *m = slice + lay->m, *l = slice + lay->l, *alpha = slice + lay->alpha;
-    const float unit = decode_unit(p), qscale = (float)(unit == 1.0f ? p->scale * LOG2E : p->scale);
+    const float unit = attention_decode_unit(p), qscale = (float)(unit == 1.0f ? p->scale * LOG2E : p->scale);
     for (int64_t hl = 0; hl < g; hl++)
         for (int64_t i = 0; i < p->n; i++) {
             float *row = q32 + (hl * p->n + i) * d_qk;
-            load_row(k, row, p->q, off4(p->qs, b, kvh * g + hl, i, 0), p->qs[3], d_qk, p->dt);
+            load_row(k->cvt, row, p->q, off4(p->qs, b, kvh * g + hl, i, 0), p->qs[3], d_qk, p->dt);
             for (int64_t e = 0; e < d_qk; e++) row[e] *= qscale;
         }
     for (int64_t i = 0; i < r; i++) m[i] = -INFINITY, l[i] = 0.0f;
     memset(o, 0, sizeof(float) * (size_t)(r * d_v));
-    for (int64_t j0 = j_begin; j0 < j_end; j0 += DECODE_BK) {
-        const int64_t bk = j_end - j0 < DECODE_BK ? j_end - j0 : DECODE_BK;
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += ATTENTION_DECODE_BK) {
+        const int64_t bk = j_end - j0 < ATTENTION_DECODE_BK ? j_end - j0 : ATTENTION_DECODE_BK;
         int64_t ldk, ldv;
         opf_dtype kdt, vdt;
         const void *kr = cache_rows(k, p, p->k, p->ks, b, kvh, j0, bk, d_qk, kbuf, &ldk, &kdt);
-        k->scores(s, DECODE_BK, q32, r, d_qk, kr, ldk, bk, kdt);
-        if (p->mask) decode_mask(p, s, r, b, kvh, j0, bk);
+        k->scores(s, ATTENTION_DECODE_BK, q32, r, d_qk, kr, ldk, bk, kdt);
+        if (p->mask) attention_decode_mask(p, s, r, b, kvh, j0, bk);
         for (int64_t i = 0; i < r; i++) {
-            const int64_t lim = decode_lim(p, len, i % p->n); /* row i is query i % N of its head */
+            const int64_t lim = attention_decode_lim(p, len, i % p->n); /* row i is query i % N of its head */
             const int64_t keys = lim - j0 < 0 ? 0 : lim - j0 < bk ? lim - j0 : bk;
-            alpha[i] = k->softmax_row(s + i * DECODE_BK, bk, keys, &m[i], &l[i], unit);
+            alpha[i] = k->softmax_row(s + i * ATTENTION_DECODE_BK, bk, keys, &m[i], &l[i], unit);
         }
         const void *vr = cache_rows(k, p, p->v, p->vs, b, kvh, j0, bk, d_v, vbuf, &ldv, &vdt);
-        k->pv(o, alpha, s, DECODE_BK, r, bk, vr, ldv, d_v, vdt);
+        k->pv(o, alpha, s, ATTENTION_DECODE_BK, r, bk, vr, ldv, d_v, vdt);
     }
     for (int64_t i = 0; i < r; i++) {
         float *pi = part + i * (2 + d_v);
@@ -267,11 +243,11 @@ static void decode_task(const decode_ctx *c, int64_t t, float *slice) {
 
 /* The group's g x N output rows: each row's chunks combined in chunk order, into the acc of chunk 0 (the
  * row owns that slot), then normalised and stored. */
-static void decode_combine(const decode_ctx *c, int64_t grp) {
-    const decode_problem *p = c->p;
-    const decode_layout *lay = &c->lay;
+static void attention_decode_combine(const attention_decode_ctx *c, int64_t grp) {
+    const attention_decode_problem *p = c->p;
+    const attention_decode_plan *lay = c->lay;
     const int64_t d_v = p->d_v, g = p->h / p->hkv, stride = 2 + d_v, b = grp / p->hkv, kvh = grp % p->hkv;
-    const float unit = decode_unit(p);
+    const float unit = attention_decode_unit(p);
     for (int64_t ri = 0; ri < g * p->n; ri++) {
         const int64_t h = kvh * g + ri / p->n, i = ri % p->n;
         float *acc = c->ws + lay->parts + grp * lay->chunks * lay->part_floats + ri * stride;
@@ -305,7 +281,7 @@ static void decode_combine(const decode_ctx *c, int64_t grp) {
         const float inv = 1.0f / total;
         for (int64_t e = 0; e < d_v; e++) acc[2 + e] *= inv;
         if (p->lse) p->lse[(b * p->h + h) * p->n + i] = (float)(((double)mx * unit + log2((double)total)) / LOG2E);
-        store_row(c->k, p->out, off4(p->os, b, h, i, 0), p->os[3], acc + 2, d_v, p->dt);
+        store_row(c->k->cvt, p->out, off4(p->os, b, h, i, 0), p->os[3], acc + 2, d_v, p->dt);
     }
 }
 
@@ -313,25 +289,33 @@ static void decode_combine(const decode_ctx *c, int64_t grp) {
  * region per call, not a second one for the combine (each region waits for every thread, which on a
  * busy machine means waiting for the OS to schedule them). The counter's read-modify-write orders the
  * other tasks' partials before the combine reads them. */
-static void decode_worker(int64_t w0, int64_t w1, void *arg) {
-    decode_ctx *c = arg;
-    atomic_llong *done = (atomic_llong *)(void *)(c->ws + c->lay.done);
+static void attention_decode_worker(int64_t w0, int64_t w1, void *arg) {
+    attention_decode_ctx *c = arg;
+    atomic_llong *done = (atomic_llong *)(void *)(c->ws + c->lay->done);
     for (int64_t w = w0; w < w1; w++) {
-        float *slice = c->ws + c->lay.slices + w * c->lay.per_worker;
+        float *slice = c->ws + c->lay->slices + w * c->lay->per_worker;
         for (;;) {
             const int64_t t = atomic_fetch_add(&c->next, 1);
-            if (t >= c->lay.tasks) break;
-            decode_task(c, t, slice);
-            const int64_t grp = t / c->lay.chunks;
-            if (atomic_fetch_add(&done[grp], 1) == c->lay.chunks - 1) decode_combine(c, grp);
+            if (t >= c->lay->tasks) break;
+            attention_decode_task(c, t, slice);
+            const int64_t grp = t / c->lay->chunks;
+            if (atomic_fetch_add(&done[grp], 1) == c->lay->chunks - 1) attention_decode_combine(c, grp);
         }
     }
 }
 
-void decode_fwd(const decode_kernels *k, const decode_problem *p, float *workspace) {
-    decode_ctx c = {.k = k, .p = p, .lay = layout_for(p), .chunk = decode_chunk(p), .ws = workspace};
+void attention_decode_fwd(const attention_decode_kernels *k, const attention_decode_plan *plan,
+                          const attention_decode_problem *p, float *workspace) {
+    if (opf_log_enabled(OPF_LOG_INFO))
+        opf_log_note_pick(attention_decode_variants.family, plan->ref ? "ref_f64" : k->name,
+                          plan->ref ? OPF_ISA_REF : k->isa);
+    if (plan->ref) {
+        attention_decode_ref_fwd(p, (double *)(void *)workspace);
+        return;
+    }
+    attention_decode_ctx c = {.k = k, .p = p, .lay = plan, .chunk = plan->chunk, .ws = workspace};
     atomic_init(&c.next, 0);
-    if (c.lay.tasks == 0) { /* no key anywhere (or no row): zeros */
+    if (plan->tasks == 0) { /* no key anywhere (or no row): zeros */
         for (int64_t b = 0; b < p->b; b++)
             for (int64_t h = 0; h < p->h; h++)
                 for (int64_t i = 0; i < p->n; i++) {
@@ -340,23 +324,24 @@ void decode_fwd(const decode_kernels *k, const decode_problem *p, float *workspa
                 }
         return;
     }
-    atomic_llong *done = (atomic_llong *)(void *)(workspace + c.lay.done);
+    atomic_llong *done = (atomic_llong *)(void *)(workspace + plan->done);
     for (int64_t grp = 0; grp < p->b * p->hkv; grp++) atomic_init(&done[grp], 0);
-    opf_parallel_for(0, c.lay.workers, 1, decode_worker, &c);
+    opf_parallel_for(0, plan->workers, 1, attention_decode_worker, &c);
 }
 
 /* ---- the oracle ---------------------------------------------------------------------------------- */
 
-int decode_ref_fwd(const decode_problem *p) {
-    double *w = malloc(sizeof(double) * (size_t)(p->s_max + p->d_v + 1));
-    if (!w) return -1;
-    double *acc = w + p->s_max;
+/* the scores of one query row (s_max), then its output row (d_v) */
+int64_t attention_decode_ref_doubles(const attention_decode_problem *p) { return p->s_max + p->d_v + 1; }
+
+void attention_decode_ref_fwd(const attention_decode_problem *p, double *scratch) {
+    double *w = scratch, *acc = w + p->s_max;
     const int64_t g = p->hkv ? p->h / p->hkv : 1;
     for (int64_t b = 0; b < p->b; b++) {
-        const int64_t len = decode_len(p, b);
+        const int64_t len = attention_decode_len(p, b);
         for (int64_t h = 0; h < p->h; h++)
             for (int64_t i = 0; i < p->n; i++) {
-                const int64_t lim = decode_lim(p, len, i), kvh = h / g;
+                const int64_t lim = attention_decode_lim(p, len, i), kvh = h / g;
                 double mx = -INFINITY;
                 for (int64_t j = 0; j < lim; j++) {
                     double dot = 0.0;
@@ -364,9 +349,10 @@ int decode_ref_fwd(const decode_problem *p) {
                         dot += opf_load_elem(p->q, off4(p->qs, b, h, i, e), p->dt) *
                                opf_load_elem(p->k, off4(p->ks, b, kvh, j, e), p->dt);
                     w[j] = dot * p->scale;
-                    if (p->mask_kind == DECODE_MASK_BOOL && !((const uint8_t *)p->mask)[off4(p->ms, b, h, i, j)])
+                    if (p->mask_kind == ATTENTION_DECODE_MASK_BOOL &&
+                        !((const uint8_t *)p->mask)[off4(p->ms, b, h, i, j)])
                         w[j] = -INFINITY;
-                    else if (p->mask_kind == DECODE_MASK_ADD)
+                    else if (p->mask_kind == ATTENTION_DECODE_MASK_ADD)
                         w[j] += opf_load_elem(p->mask, off4(p->ms, b, h, i, j), p->mask_dt);
                     mx = fmax(mx, w[j]);
                 }
@@ -383,6 +369,4 @@ int decode_ref_fwd(const decode_problem *p) {
                 if (p->lse) p->lse[(b * p->h + h) * p->n + i] = sum > 0.0 ? (float)(mx + log(sum)) : -INFINITY;
             }
     }
-    free(w);
-    return 0;
 }

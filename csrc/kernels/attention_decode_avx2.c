@@ -4,7 +4,7 @@
  * four FMAs, each query load two), reduced four at a time with hadd; the softmax runs along a row's
  * keys with exp2_8z (math_avx2.h); P V broadcasts each probability over 32-float slivers of V rows,
  * two output rows at a time. K and V rows are float32, bfloat16 or float16 (converted on load, the
- * type a constant of each instantiation) and prefetched DECODE_PF keys ahead. Tails of the head dims
+ * type a constant of each instantiation) and prefetched ATTENTION_DECODE_PF keys ahead. Tails of the head dims
  * are masked loads and stores (16-bit: through a zeroed 8-lane copy).
  */
 #include <immintrin.h>
@@ -16,13 +16,13 @@
 #include "math_avx2.h"
 
 static inline __attribute__((always_inline)) __m256 ld8(const int kt, const void *p, int64_t at) {
-    if (kt == DECODE_T_F32) return _mm256_loadu_ps((const float *)p + at);
-    return kt == DECODE_T_BF16 ? ld_bf16((const uint16_t *)p + at) : ld_f16((const uint16_t *)p + at);
+    if (kt == ATTENTION_DECODE_T_F32) return _mm256_loadu_ps((const float *)p + at);
+    return kt == ATTENTION_DECODE_T_BF16 ? ld_bf16((const uint16_t *)p + at) : ld_f16((const uint16_t *)p + at);
 }
 
 /* the first n (< 8) elements, 0 in the other lanes */
 static inline __attribute__((always_inline)) __m256 ld8_tail(const int kt, const void *p, int64_t at, int64_t n) {
-    if (kt == DECODE_T_F32) return _mm256_maskload_ps((const float *)p + at, lanes_below(n));
+    if (kt == ATTENTION_DECODE_T_F32) return _mm256_maskload_ps((const float *)p + at, lanes_below(n));
     uint16_t h[8] = {0};
     memcpy(h, (const uint16_t *)p + at, sizeof(uint16_t) * (size_t)n);
     return ld8(kt, h, 0);
@@ -89,8 +89,8 @@ static inline __attribute__((always_inline)) void scores_t(const int kt, float *
                                                            int64_t bk) {
     int64_t j = 0;
     for (; j + 2 <= bk; j += 2) {
-        decode_prefetch(kt, k, (j + DECODE_PF) * ldk, d);
-        decode_prefetch(kt, k, (j + DECODE_PF + 1) * ldk, d);
+        attention_decode_prefetch(kt, k, (j + ATTENTION_DECODE_PF) * ldk, d);
+        attention_decode_prefetch(kt, k, (j + ATTENTION_DECODE_PF + 1) * ldk, d);
         for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(2)
     }
     if (j < bk)
@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void scores_t(const int kt, float *
 
 static void scores_avx2(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk,
                         int64_t bk, opf_dtype kdt) {
-    DECODE_BY_TYPE(kdt, scores_t, s, lds, q, r, d, k, ldk, bk);
+    ATTENTION_DECODE_BY_TYPE(kdt, scores_t, s, lds, q, r, d, k, ldk, bk);
 }
 
 static float softmax_row_avx2(float *x, int64_t bk, int64_t keys, float *m, float *l, float unit) {
@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int kt, const in
                 _mm256_mul_ps(masked ? _mm256_maskload_ps(o + i * dv, mask) : _mm256_loadu_ps(o + i * dv + 8 * c), a);
     }
     for (int64_t j = 0; j < bk; j++) {
-        if (pf) decode_prefetch(kt, v, v0 + (j + DECODE_PF) * ldv, 8 * nv);
+        if (pf) attention_decode_prefetch(kt, v, v0 + (j + ATTENTION_DECODE_PF) * ldv, 8 * nv);
         __m256 vv[4];
 #pragma GCC unroll 4
         for (int c = 0; c < nv; c++)
@@ -202,12 +202,12 @@ static inline __attribute__((always_inline)) void pv_t(const int kt, float *o, c
 
 static void pv_avx2(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const void *v,
                     int64_t ldv, int64_t dv, opf_dtype vdt) {
-    DECODE_BY_TYPE(vdt, pv_t, o, alpha, p, ldp, r, bk, v, ldv, dv);
+    ATTENTION_DECODE_BY_TYPE(vdt, pv_t, o, alpha, p, ldp, r, bk, v, ldv, dv);
 }
 
-const decode_kernels decode_kernels_avx2 = {.name = "avx2",
-                                            .isa = OPF_ISA_AVX2,
-                                            .cvt = &cvt_kernels_avx2,
-                                            .scores = scores_avx2,
-                                            .softmax_row = softmax_row_avx2,
-                                            .pv = pv_avx2};
+const attention_decode_kernels attention_decode_kernels_avx2 = {.name = "avx2",
+                                                                .isa = OPF_ISA_AVX2,
+                                                                .cvt = &convert_kernels_avx2,
+                                                                .scores = scores_avx2,
+                                                                .softmax_row = softmax_row_avx2,
+                                                                .pv = pv_avx2};

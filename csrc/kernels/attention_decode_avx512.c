@@ -1,20 +1,22 @@
 /*
  * Decoding attention kernels, AVX-512 (F, BW, VL, DQ): the 16-lane twins of attention_decode_avx2.c.
  * Scores are dot products along the head dim (two keys x up to four rows per pass), the softmax runs
- * along a row's keys with exp2_16z (rows_avx512.h), P V broadcasts each probability over 64-float
+ * along a row's keys with exp2_16z (math_avx512.h), P V broadcasts each probability over 64-float
  * slivers of V rows, two output rows at a time. K and V rows are float32, bfloat16 or float16
- * (converted on load, the type a constant of each instantiation) and prefetched DECODE_PF keys ahead.
+ * (converted on load, the type a constant of each instantiation) and prefetched ATTENTION_DECODE_PF keys ahead.
  * Every tail is a masked load or store.
  */
 #include <immintrin.h>
 #include <math.h>
 
 #include "attention_decode.h"
+#include "math_avx512.h"
 #include "rows_avx512.h"
 
 static inline __attribute__((always_inline)) __m512 ld16(const int kt, const void *p, int64_t at, __mmask16 m) {
-    if (kt == DECODE_T_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + at);
-    return kt == DECODE_T_BF16 ? ld16_bf16((const uint16_t *)p + at, m) : ld16_f16((const uint16_t *)p + at, m);
+    if (kt == ATTENTION_DECODE_T_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + at);
+    return kt == ATTENTION_DECODE_T_BF16 ? ld16_bf16((const uint16_t *)p + at, m)
+                                         : ld16_f16((const uint16_t *)p + at, m);
 }
 
 /* s(i, j) for rows i < nr (nr <= 4) and keys j < nk (nk <= 2), nr and nk constants at each call */
@@ -57,8 +59,8 @@ static inline __attribute__((always_inline)) void scores_t(const int kt, float *
                                                            int64_t bk) {
     int64_t j = 0;
     for (; j + 2 <= bk; j += 2) {
-        decode_prefetch(kt, k, (j + DECODE_PF) * ldk, d);
-        decode_prefetch(kt, k, (j + DECODE_PF + 1) * ldk, d);
+        attention_decode_prefetch(kt, k, (j + ATTENTION_DECODE_PF) * ldk, d);
+        attention_decode_prefetch(kt, k, (j + ATTENTION_DECODE_PF + 1) * ldk, d);
         for (int64_t i = 0; i < r; i += 4) DOTS_ROWS(2)
     }
     if (j < bk)
@@ -67,7 +69,7 @@ static inline __attribute__((always_inline)) void scores_t(const int kt, float *
 
 static void scores_avx512(float *s, int64_t lds, const float *q, int64_t r, int64_t d, const void *k, int64_t ldk,
                           int64_t bk, opf_dtype kdt) {
-    DECODE_BY_TYPE(kdt, scores_t, s, lds, q, r, d, k, ldk, bk);
+    ATTENTION_DECODE_BY_TYPE(kdt, scores_t, s, lds, q, r, d, k, ldk, bk);
 }
 
 static float softmax_row_avx512(float *x, int64_t bk, int64_t keys, float *m, float *l, float unit) {
@@ -110,7 +112,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int kt, const in
         for (int c = 0; c < nv; c++) acc[i][c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + i * dv + 16 * c), a);
     }
     for (int64_t j = 0; j < bk; j++) {
-        if (pf) decode_prefetch(kt, v, v0 + (j + DECODE_PF) * ldv, 16 * nv);
+        if (pf) attention_decode_prefetch(kt, v, v0 + (j + ATTENTION_DECODE_PF) * ldv, 16 * nv);
         __m512 vv[4];
 #pragma GCC unroll 4
         for (int c = 0; c < nv; c++) vv[c] = ld16(kt, v, v0 + j * ldv + 16 * c, m);
@@ -151,12 +153,12 @@ static inline __attribute__((always_inline)) void pv_t(const int kt, float *o, c
 
 static void pv_avx512(float *o, const float *alpha, const float *p, int64_t ldp, int64_t r, int64_t bk, const void *v,
                       int64_t ldv, int64_t dv, opf_dtype vdt) {
-    DECODE_BY_TYPE(vdt, pv_t, o, alpha, p, ldp, r, bk, v, ldv, dv);
+    ATTENTION_DECODE_BY_TYPE(vdt, pv_t, o, alpha, p, ldp, r, bk, v, ldv, dv);
 }
 
-const decode_kernels decode_kernels_avx512 = {.name = "avx512",
-                                              .isa = OPF_ISA_AVX512,
-                                              .cvt = &cvt_kernels_avx512,
-                                              .scores = scores_avx512,
-                                              .softmax_row = softmax_row_avx512,
-                                              .pv = pv_avx512};
+const attention_decode_kernels attention_decode_kernels_avx512 = {.name = "avx512",
+                                                                  .isa = OPF_ISA_AVX512,
+                                                                  .cvt = &convert_kernels_avx512,
+                                                                  .scores = scores_avx512,
+                                                                  .softmax_row = softmax_row_avx512,
+                                                                  .pv = pv_avx512};

@@ -1,10 +1,10 @@
 /*
  * The scalar reference kernels (the table every ISA variant is tested
  * against) and the attention oracle: row by row in double, any dtype (float64
- * included: the op's float64 path, for gradcheck). Contract in attention.h.
+ * included: the op's float64 path, for gradcheck), on a scratch its caller
+ * gives. Contract in attention.h.
  */
 #include <math.h>
-#include <stdlib.h>
 
 #include "attention.h"
 
@@ -50,24 +50,24 @@ static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64
         for (int64_t j = 0; j < bk; j++) dp[i * ld + j] = p[i * ld + j] * (dp[i * ld + j] - delta[i]) * scale;
 }
 
-const attn_kernels attn_kernels_ref = {.name = "ref",
-                                       .isa = OPF_ISA_REF,
-                                       .cvt = &cvt_kernels_ref,
-                                       .mm = mm_ref,
-                                       .softmax_cols = softmax_cols_ref,
-                                       .probs = probs_ref,
-                                       .dscores = dscores_ref};
+const attention_kernels attention_kernels_ref = {.name = "ref",
+                                                 .isa = OPF_ISA_REF,
+                                                 .cvt = &convert_kernels_ref,
+                                                 .mm = mm_ref,
+                                                 .softmax_cols = softmax_cols_ref,
+                                                 .probs = probs_ref,
+                                                 .dscores = dscores_ref};
 
 /* ---- oracle: row by row in double ---------------------------------------------------------- */
 
 /* scores of query i of (b, h) against every key, softmax in place; returns lse */
-static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, double *w) {
+static double ref_probs(const attention_problem *p, int64_t b, int64_t h, int64_t i, double *w) {
     const int64_t kvh = h / (p->h / p->hkv);
     double mx = -INFINITY;
     int nan = 0;
     for (int64_t j = 0; j < p->s; j++) {
         double bias = mask_bias(p, b, h, i, j);
-        if (p->mask_kind == ATTN_MASK_ADD && !(p->causal && j > i))
+        if (p->mask_kind == ATTENTION_MASK_ADD && !(p->causal && j > i))
             bias = opf_load_elem(p->mask, off4(p->ms, b, h, i, j), p->mask_dt); /* in double for float64 */
         double dot = 0.0;
         for (int64_t d = 0; d < p->d_qk; d++)
@@ -91,9 +91,11 @@ static double ref_probs(const attn_problem *p, int64_t b, int64_t h, int64_t i, 
     return mx + log(sum);
 }
 
-int attn_ref_fwd(const attn_problem *p) {
-    double *w = malloc(sizeof(double) * (size_t)(p->s + 1));
-    if (!w) return -1;
+/* the probabilities of one query row */
+int64_t attention_ref_fwd_doubles(const attention_problem *p) { return p->s + 1; }
+
+void attention_ref_fwd(const attention_problem *p, double *scratch) {
+    double *w = scratch;
     for (int64_t b = 0; b < p->b; b++)
         for (int64_t h = 0; h < p->h; h++) {
             const int64_t kvh = h / (p->h / p->hkv);
@@ -107,20 +109,19 @@ int attn_ref_fwd(const attn_problem *p) {
                 }
             }
         }
-    free(w);
-    return 0;
 }
 
-int attn_ref_bwd(const attn_problem *p) {
+/* one query row's probabilities, dP and dQ, then dK and dV of every key in double */
+int64_t attention_ref_bwd_doubles(const attention_problem *p) {
     const int64_t nk = p->b * p->hkv * p->s;
-    double *w = malloc(sizeof(double) * (size_t)(2 * p->s + p->d_qk + 1));
-    double *dk = calloc((size_t)(nk * p->d_qk + 1), sizeof(double)),
-           *dv = calloc((size_t)(nk * p->d_v + 1), sizeof(double));
-    if (!w || !dk || !dv) {
-        free(w), free(dk), free(dv);
-        return -1;
-    }
-    double *dpr = w + p->s, *dqr = dpr + p->s;
+    return (2 * p->s + p->d_qk + 1) + nk * (p->d_qk + p->d_v);
+}
+
+void attention_ref_bwd(const attention_problem *p, double *scratch) {
+    const int64_t nk = p->b * p->hkv * p->s;
+    double *w = scratch, *dpr = w + p->s, *dqr = dpr + p->s;
+    double *dk = dqr + p->d_qk + 1, *dv = dk + nk * p->d_qk;
+    for (int64_t e = 0; e < nk * (p->d_qk + p->d_v); e++) dk[e] = 0.0;
     for (int64_t b = 0; b < p->b; b++)
         for (int64_t h = 0; h < p->h; h++) {
             const int64_t kvh = h / (p->h / p->hkv), kbase = (b * p->hkv + kvh) * p->s;
@@ -157,6 +158,4 @@ int attn_ref_bwd(const attn_problem *p) {
                 for (int64_t d = 0; d < p->d_v; d++)
                     opf_store_elem(p->dv, off4(p->dvs, b, kvh, j, d), p->dt, dv[r * p->d_v + d]);
             }
-    free(w), free(dk), free(dv);
-    return 0;
 }

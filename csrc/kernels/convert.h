@@ -13,26 +13,27 @@
 #include "opforge/runtime.h"
 
 /* n contiguous elements between float32 and a 16-bit type (dt: OPF_BF16 / OPF_F16) */
-typedef void (*cvt_to_f32_fn)(float *dst, const uint16_t *src, opf_dtype dt, int64_t n);
-typedef void (*cvt_from_f32_fn)(uint16_t *dst, const float *src, opf_dtype dt, int64_t n);
+typedef void (*convert_to_f32_fn)(float *dst, const uint16_t *src, opf_dtype dt, int64_t n);
+typedef void (*convert_from_f32_fn)(uint16_t *dst, const float *src, opf_dtype dt, int64_t n);
 
-typedef struct cvt_kernels {
+typedef struct convert_kernels {
     OPF_VARIANT_HEAD;
-    cvt_to_f32_fn to_f32;
-    cvt_from_f32_fn from_f32;
-} cvt_kernels;
+    convert_to_f32_fn to_f32;
+    convert_from_f32_fn from_f32;
+} convert_kernels;
 
-extern const cvt_kernels cvt_kernels_ref;
-extern const cvt_kernels cvt_kernels_avx2;   /* convert_avx2.c: F16C, 8 lanes */
-extern const cvt_kernels cvt_kernels_avx512; /* convert_avx512.c: 16 lanes, masked tails */
-extern const opf_variants cvt_variants;
+extern const convert_kernels convert_kernels_ref;
+extern const convert_kernels convert_kernels_avx2;   /* convert_avx2.c: F16C, 8 lanes */
+extern const convert_kernels convert_kernels_avx512; /* convert_avx512.c: 16 lanes, masked tails */
+extern const opf_variants convert_variants;
 
-const cvt_kernels *cvt_kernels_for(opf_isa isa);
+const convert_kernels *convert_kernels_for(opf_isa isa);
 
 /* dst[i] = src[i * stride] converted to float32 / from float32 (rounded to
  * nearest even) for float32, bfloat16 and float16; contiguous runs use the
  * ISA's vector conversions and threads. */
-void cvt_load_f32(const cvt_kernels *kern, float *dst, const void *src, opf_dtype dt, int64_t n, int64_t stride);
-void cvt_store_f32(const cvt_kernels *kern, void *dst, opf_dtype dt, const float *src, int64_t n);
+void convert_load_f32(const convert_kernels *kern, float *dst, const void *src, opf_dtype dt, int64_t n,
+                      int64_t stride);
+void convert_store_f32(const convert_kernels *kern, void *dst, opf_dtype dt, const float *src, int64_t n);
 
 #endif

@@ -9,72 +9,82 @@
 
 #include "cross_entropy.h"
 
-static inline double ce_cap(double v, double c) { return c > 0 ? c * tanh(v / c) : v; }
+static inline double cross_entropy_cap(double v, double c) { return c > 0 ? c * tanh(v / c) : v; }
 
-#define CE_ID(v) ((double)(v))
-#define CE_F32(v) ((float)(v))
-#define CE_TO_BF16(v) opf_f32_to_bf16((float)(v))
-#define CE_TO_F16(v) opf_f32_to_f16((float)(v))
+#define CROSS_ENTROPY_ID(v) ((double)(v))
+#define CROSS_ENTROPY_F32(v) ((float)(v))
+#define CROSS_ENTROPY_TO_BF16(v) opf_f32_to_bf16((float)(v))
+#define CROSS_ENTROPY_TO_F16(v) opf_f32_to_f16((float)(v))
 
-#define CE_REF(name, E, LD, ST)                                                                               \
-    static void ce_fwd_##name(const void *x_, int64_t C, int64_t xs, const void *w_, int64_t ws, double cap,  \
-                              double *lse, double *wz) {                                                      \
-        const E *x = x_, *w = w_;                                                                             \
-        double m = -INFINITY, s = 0, t = 0;                                                                   \
-        for (int64_t j = 0; j < C; j++) {                                                                     \
-            double v = LD(x[j * xs]);                                                                         \
-            if (v > m || v != v) m = v;                                                                       \
-            if (m != m) break;                                                                                \
-        }                                                                                                     \
-        m = ce_cap(m, cap); /* tanh is increasing: the max of z is the capped max of x */                     \
-        for (int64_t j = 0; j < C; j++) {                                                                     \
-            double z = ce_cap(LD(x[j * xs]), cap);                                                            \
-            s += exp(z - m);                                                                                  \
-            if (wz) t += (w ? LD(w[j * ws]) : 1.0) * z;                                                       \
-        }                                                                                                     \
-        *lse = m + log(s);                                                                                    \
-        if (wz) *wz = t;                                                                                      \
-    }                                                                                                         \
-    static void ce_bwd_##name(void *dx_, const void *x_, int64_t C, int64_t dxs, int64_t xs, const void *w_,  \
-                              int64_t ws, double cap, double lse, double a, double b, int64_t t, double ct) { \
-        E *dx = dx_;                                                                                          \
-        const E *x = x_, *w = w_;                                                                             \
-        const int zero = a == 0 && b == 0 && ct == 0;                                                         \
-        for (int64_t j = 0; j < C; j++) {                                                                     \
-            if (zero) {                                                                                       \
-                dx[j * dxs] = ST(0.0);                                                                        \
-                continue;                                                                                     \
-            }                                                                                                 \
-            double z = ce_cap(LD(x[j * xs]), cap);                                                            \
-            double g = a * exp(z - lse) - b * (w ? LD(w[j * ws]) : 1.0) - (j == t ? ct : 0.0);                \
-            if (cap > 0) g *= 1.0 - (z / cap) * (z / cap);                                                    \
-            dx[j * dxs] = ST(g);                                                                              \
-        }                                                                                                     \
+#define CROSS_ENTROPY_REF(name, E, LD, ST)                                                                       \
+    static void cross_entropy_fwd_##name(const void *x_, int64_t C, int64_t xs, const void *w_, int64_t ws,      \
+                                         double cap, double *lse, double *wz) {                                  \
+        const E *x = x_, *w = w_;                                                                                \
+        double m = -INFINITY, s = 0, t = 0;                                                                      \
+        for (int64_t j = 0; j < C; j++) {                                                                        \
+            double v = LD(x[j * xs]);                                                                            \
+            if (v > m || v != v) m = v;                                                                          \
+            if (m != m) break;                                                                                   \
+        }                                                                                                        \
+        m = cross_entropy_cap(m, cap); /* tanh is increasing: the max of z is the capped max of x */             \
+        for (int64_t j = 0; j < C; j++) {                                                                        \
+            double z = cross_entropy_cap(LD(x[j * xs]), cap);                                                    \
+            s += exp(z - m);                                                                                     \
+            if (wz) t += (w ? LD(w[j * ws]) : 1.0) * z;                                                          \
+        }                                                                                                        \
+        *lse = m + log(s);                                                                                       \
+        if (wz) *wz = t;                                                                                         \
+    }                                                                                                            \
+    static void cross_entropy_bwd_##name(void *dx_, const void *x_, int64_t C, int64_t dxs, int64_t xs,          \
+                                         const void *w_, int64_t ws, double cap, double lse, double a, double b, \
+                                         int64_t t, double ct) {                                                 \
+        E *dx = dx_;                                                                                             \
+        const E *x = x_, *w = w_;                                                                                \
+        const int zero = a == 0 && b == 0 && ct == 0;                                                            \
+        for (int64_t j = 0; j < C; j++) {                                                                        \
+            if (zero) {                                                                                          \
+                dx[j * dxs] = ST(0.0);                                                                           \
+                continue;                                                                                        \
+            }                                                                                                    \
+            double z = cross_entropy_cap(LD(x[j * xs]), cap);                                                    \
+            double g = a * exp(z - lse) - b * (w ? LD(w[j * ws]) : 1.0) - (j == t ? ct : 0.0);                   \
+            if (cap > 0) g *= 1.0 - (z / cap) * (z / cap);                                                       \
+            dx[j * dxs] = ST(g);                                                                                 \
+        }                                                                                                        \
     }
 
-CE_REF(f32, float, CE_ID, CE_F32)
-CE_REF(f64, double, CE_ID, CE_ID)
-CE_REF(bf16, uint16_t, opf_bf16_to_f32, CE_TO_BF16)
-CE_REF(f16, uint16_t, opf_f16_to_f32, CE_TO_F16)
+CROSS_ENTROPY_REF(f32, float, CROSS_ENTROPY_ID, CROSS_ENTROPY_F32)
+CROSS_ENTROPY_REF(f64, double, CROSS_ENTROPY_ID, CROSS_ENTROPY_ID)
+CROSS_ENTROPY_REF(bf16, uint16_t, opf_bf16_to_f32, CROSS_ENTROPY_TO_BF16)
+CROSS_ENTROPY_REF(f16, uint16_t, opf_f16_to_f32, CROSS_ENTROPY_TO_F16)
 
-const ce_kernels ce_kernels_ref = {
+const cross_entropy_kernels cross_entropy_kernels_ref = {
     .name = "ref",
     .isa = OPF_ISA_REF,
-    .fwd = {[OPF_F32] = ce_fwd_f32, [OPF_F64] = ce_fwd_f64, [OPF_BF16] = ce_fwd_bf16, [OPF_F16] = ce_fwd_f16},
-    .bwd = {[OPF_F32] = ce_bwd_f32, [OPF_F64] = ce_bwd_f64, [OPF_BF16] = ce_bwd_bf16, [OPF_F16] = ce_bwd_f16},
+    .fwd = {[OPF_F32] = cross_entropy_fwd_f32,
+            [OPF_F64] = cross_entropy_fwd_f64,
+            [OPF_BF16] = cross_entropy_fwd_bf16,
+            [OPF_F16] = cross_entropy_fwd_f16},
+    .bwd = {[OPF_F32] = cross_entropy_bwd_f32,
+            [OPF_F64] = cross_entropy_bwd_f64,
+            [OPF_BF16] = cross_entropy_bwd_bf16,
+            [OPF_F16] = cross_entropy_bwd_f16},
 };
 
-extern const ce_kernels ce_kernels_avx2 __attribute__((weak));
-extern const ce_kernels ce_kernels_avx512 __attribute__((weak));
+extern const cross_entropy_kernels cross_entropy_kernels_avx2 __attribute__((weak));
+extern const cross_entropy_kernels cross_entropy_kernels_avx512 __attribute__((weak));
 
-const opf_variants ce_variants = OPF_VARIANTS("cross_entropy", &ce_kernels_ref, &ce_kernels_avx2, &ce_kernels_avx512);
+const opf_variants cross_entropy_variants = OPF_VARIANTS("cross_entropy", &cross_entropy_kernels_ref,
+                                                         &cross_entropy_kernels_avx2, &cross_entropy_kernels_avx512);
 
-const ce_kernels *ce_kernels_for(opf_isa isa) { return opf_variant_pick(&ce_variants, isa); }
+const cross_entropy_kernels *cross_entropy_kernels_for(opf_isa isa) {
+    return opf_variant_pick(&cross_entropy_variants, isa);
+}
 
 /* ---- drivers ---------------------------------------------------------------- */
 
 /* offset (in elements) of row i in a tensor of the lead dims with these strides */
-static int64_t row_offset(const ce_problem *p, const int64_t *strides, int64_t i) {
+static int64_t row_offset(const cross_entropy_problem *p, const int64_t *strides, int64_t i) {
     int64_t off = 0;
     for (int d = p->lead_ndim - 1; d >= 0; d--) {
         off += (i % p->lead_sizes[d]) * strides[d];
@@ -83,25 +93,27 @@ static int64_t row_offset(const ce_problem *p, const int64_t *strides, int64_t i
     return off;
 }
 
-static const char *row_ptr(const ce_problem *p, int64_t i) {
+static const char *row_ptr(const cross_entropy_problem *p, int64_t i) {
     return (const char *)p->logits + row_offset(p, p->logits_strides, i) * (int64_t)opf_dtype_size(p->dt);
 }
 
-static int64_t row_target(const ce_problem *p, int64_t i) { return p->target[row_offset(p, p->target_strides, i)]; }
+static int64_t row_target(const cross_entropy_problem *p, int64_t i) {
+    return p->target[row_offset(p, p->target_strides, i)];
+}
 
-static double weight_of(const ce_problem *p, int64_t c) {
+static double weight_of(const cross_entropy_problem *p, int64_t c) {
     return p->weight ? opf_load_elem(p->weight, c * p->weight_stride, p->dt) : 1.0;
 }
 
 /* sum_j w_j: C without weight */
-static double weight_total(const ce_problem *p) {
+static double weight_total(const cross_entropy_problem *p) {
     if (!p->weight) return (double)p->classes;
     double s = 0;
     for (int64_t c = 0; c < p->classes; c++) s += weight_of(p, c);
     return s;
 }
 
-int64_t ce_check_target(const ce_problem *p, int64_t *value) {
+int64_t cross_entropy_check_target(const cross_entropy_problem *p, int64_t *value) {
     for (int64_t i = 0; i < p->rows; i++) {
         int64_t t = row_target(p, i);
         if (t != p->ignore_index && (t < 0 || t >= p->classes)) {
@@ -112,31 +124,33 @@ int64_t ce_check_target(const ce_problem *p, int64_t *value) {
     return -1;
 }
 
-int64_t ce_fwd_workspace(const ce_problem *p) { return 4 * ((p->rows + CE_BLOCK - 1) / CE_BLOCK); }
+int64_t cross_entropy_fwd_workspace(const cross_entropy_problem *p) {
+    return 4 * ((p->rows + CROSS_ENTROPY_BLOCK - 1) / CROSS_ENTROPY_BLOCK);
+}
 
-typedef struct ce_job {
-    const ce_kernels *k;
-    const ce_problem *p;
+typedef struct cross_entropy_job {
+    const cross_entropy_kernels *k;
+    const cross_entropy_problem *p;
     double wc, coef;  /* Wc; backward: grad_loss * (1/W or 1) */
     double *partials; /* forward: (loss sum, weight sum) per block */
-} ce_job;
+} cross_entropy_job;
 
-static void ce_fwd_blocks(int64_t b0, int64_t b1, void *ctx) {
-    const ce_job *j = ctx;
-    const ce_problem *p = j->p;
+static void cross_entropy_fwd_blocks(int64_t b0, int64_t b1, void *ctx) {
+    const cross_entropy_job *j = ctx;
+    const cross_entropy_problem *p = j->p;
     const int64_t cs = p->logits_strides[p->lead_ndim];
     const double eps = p->label_smoothing, C = (double)p->classes;
     for (int64_t b = b0; b < b1; b++) {
         double lsum = 0, wsum = 0;
-        int64_t end = (b + 1) * CE_BLOCK < p->rows ? (b + 1) * CE_BLOCK : p->rows;
-        for (int64_t i = b * CE_BLOCK; i < end; i++) {
+        int64_t end = (b + 1) * CROSS_ENTROPY_BLOCK < p->rows ? (b + 1) * CROSS_ENTROPY_BLOCK : p->rows;
+        for (int64_t i = b * CROSS_ENTROPY_BLOCK; i < end; i++) {
             int64_t t = row_target(p, i);
             double loss = 0, lse = 0, wz = 0;
             if (t != p->ignore_index) {
                 const char *x = row_ptr(p, i);
                 j->k->fwd[p->dt](x, p->classes, cs, p->weight, p->weight_stride, p->softcap, &lse,
                                  eps > 0 ? &wz : NULL);
-                double zt = ce_cap(opf_load_elem(x, t * cs, p->dt), p->softcap), wt = weight_of(p, t);
+                double zt = cross_entropy_cap(opf_load_elem(x, t * cs, p->dt), p->softcap), wt = weight_of(p, t);
                 loss = (1 - eps) * wt * (lse - zt);
                 if (eps > 0) loss += eps / C * (lse * j->wc - wz);
                 wsum += wt;
@@ -150,18 +164,21 @@ static void ce_fwd_blocks(int64_t b0, int64_t b1, void *ctx) {
     }
 }
 
-void ce_fwd(const ce_kernels *k, const ce_problem *p, float *ws) {
-    ce_job j = {.k = k, .p = p, .wc = weight_total(p), .partials = (double *)ws};
-    int64_t blocks = (p->rows + CE_BLOCK - 1) / CE_BLOCK, per = CE_BLOCK * (p->classes > 0 ? p->classes : 1);
-    if (blocks > 0) opf_parallel_for(0, blocks, CE_GRAIN / per > 1 ? CE_GRAIN / per : 1, ce_fwd_blocks, &j);
+void cross_entropy_fwd(const cross_entropy_kernels *k, const cross_entropy_problem *p, float *ws) {
+    cross_entropy_job j = {.k = k, .p = p, .wc = weight_total(p), .partials = (double *)ws};
+    int64_t blocks = (p->rows + CROSS_ENTROPY_BLOCK - 1) / CROSS_ENTROPY_BLOCK,
+            per = CROSS_ENTROPY_BLOCK * (p->classes > 0 ? p->classes : 1);
+    if (blocks > 0)
+        opf_parallel_for(0, blocks, CROSS_ENTROPY_GRAIN / per > 1 ? CROSS_ENTROPY_GRAIN / per : 1,
+                         cross_entropy_fwd_blocks, &j);
     double total = 0, wtotal = 0;
     for (int64_t b = 0; b < blocks; b++) total += j.partials[2 * b], wtotal += j.partials[2 * b + 1];
-    opf_store_elem(p->loss, 0, p->dt, p->reduction == CE_REDUCTION_MEAN ? total / wtotal : total);
+    opf_store_elem(p->loss, 0, p->dt, p->reduction == CROSS_ENTROPY_REDUCTION_MEAN ? total / wtotal : total);
 }
 
-static void ce_bwd_rows(int64_t i0, int64_t i1, void *ctx) {
-    const ce_job *j = ctx;
-    const ce_problem *p = j->p;
+static void cross_entropy_bwd_rows(int64_t i0, int64_t i1, void *ctx) {
+    const cross_entropy_job *j = ctx;
+    const cross_entropy_problem *p = j->p;
     const int64_t cs = p->logits_strides[p->lead_ndim], C = p->classes;
     const double eps = p->label_smoothing;
     for (int64_t i = i0; i < i1; i++) {
@@ -182,14 +199,14 @@ static void ce_bwd_rows(int64_t i0, int64_t i1, void *ctx) {
     }
 }
 
-void ce_bwd(const ce_kernels *k, const ce_problem *p) {
-    ce_job j = {.k = k, .p = p, .wc = weight_total(p)};
+void cross_entropy_bwd(const cross_entropy_kernels *k, const cross_entropy_problem *p) {
+    cross_entropy_job j = {.k = k, .p = p, .wc = weight_total(p)};
     double g = opf_load_elem(p->grad_loss, 0, p->dt);
-    if (p->reduction == CE_REDUCTION_MEAN && g != 0) {
+    if (p->reduction == CROSS_ENTROPY_REDUCTION_MEAN && g != 0) {
         double w = 0; /* block by block, as the forward adds it up: the same W */
-        for (int64_t b = 0; b * CE_BLOCK < p->rows; b++) {
+        for (int64_t b = 0; b * CROSS_ENTROPY_BLOCK < p->rows; b++) {
             double wb = 0;
-            for (int64_t i = b * CE_BLOCK; i < p->rows && i < (b + 1) * CE_BLOCK; i++) {
+            for (int64_t i = b * CROSS_ENTROPY_BLOCK; i < p->rows && i < (b + 1) * CROSS_ENTROPY_BLOCK; i++) {
                 int64_t t = row_target(p, i);
                 if (t != p->ignore_index) wb += weight_of(p, t);
             }
@@ -200,5 +217,7 @@ void ce_bwd(const ce_kernels *k, const ce_problem *p) {
         j.coef = g;
     }
     int64_t per = p->classes > 0 ? p->classes : 1;
-    if (p->rows > 0) opf_parallel_for(0, p->rows, CE_GRAIN / per > 1 ? CE_GRAIN / per : 1, ce_bwd_rows, &j);
+    if (p->rows > 0)
+        opf_parallel_for(0, p->rows, CROSS_ENTROPY_GRAIN / per > 1 ? CROSS_ENTROPY_GRAIN / per : 1,
+                         cross_entropy_bwd_rows, &j);
 }

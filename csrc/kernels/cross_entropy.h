@@ -30,37 +30,41 @@
 #include "opforge/runtime.h"
 
 /* lse of one row and, when wz is not NULL, sum_j w_j z_j */
-typedef void (*ce_fwd_fn)(const void *x, int64_t C, int64_t xs, const void *w, int64_t ws, double softcap, double *lse,
-                          double *wz);
+typedef void (*cross_entropy_fwd_fn)(const void *x, int64_t C, int64_t xs, const void *w, int64_t ws, double softcap,
+                                     double *lse, double *wz);
 /* dx_j = (a p_j - b w_j - ct [j == t]) (softcap derivative); a = b = ct = 0 writes zeros */
-typedef void (*ce_bwd_fn)(void *dx, const void *x, int64_t C, int64_t dxs, int64_t xs, const void *w, int64_t ws,
-                          double softcap, double lse, double a, double b, int64_t t, double ct);
+typedef void (*cross_entropy_bwd_fn)(void *dx, const void *x, int64_t C, int64_t dxs, int64_t xs, const void *w,
+                                     int64_t ws, double softcap, double lse, double a, double b, int64_t t, double ct);
 
-typedef struct ce_kernels {
+typedef struct cross_entropy_kernels {
     OPF_VARIANT_HEAD;
-    ce_fwd_fn fwd[OPF_DTYPE_COUNT];
-    ce_bwd_fn bwd[OPF_DTYPE_COUNT];
-} ce_kernels;
+    cross_entropy_fwd_fn fwd[OPF_DTYPE_COUNT];
+    cross_entropy_bwd_fn bwd[OPF_DTYPE_COUNT];
+} cross_entropy_kernels;
 
-extern const ce_kernels ce_kernels_ref;
-extern const ce_kernels ce_kernels_avx2;   /* cross_entropy_avx2.c */
-extern const ce_kernels ce_kernels_avx512; /* cross_entropy_avx512.c */
-extern const opf_variants ce_variants;
+extern const cross_entropy_kernels cross_entropy_kernels_ref;
+extern const cross_entropy_kernels cross_entropy_kernels_avx2;   /* cross_entropy_avx2.c */
+extern const cross_entropy_kernels cross_entropy_kernels_avx512; /* cross_entropy_avx512.c */
+extern const opf_variants cross_entropy_variants;
 
-const ce_kernels *ce_kernels_for(opf_isa isa);
+const cross_entropy_kernels *cross_entropy_kernels_for(opf_isa isa);
 
-enum { CE_REDUCTION_NONE = 0, CE_REDUCTION_MEAN = 1, CE_REDUCTION_SUM = 2 }; /* torch's Reduction codes */
+enum {
+    CROSS_ENTROPY_REDUCTION_NONE = 0,
+    CROSS_ENTROPY_REDUCTION_MEAN = 1,
+    CROSS_ENTROPY_REDUCTION_SUM = 2
+}; /* torch's Reduction codes */
 
 /* Rows per block of the reduction: every block's partial sum is made by one
  * task and the blocks are added in order, so the mean and the sum have the
  * same bits on any thread count. */
-#define CE_BLOCK 16
+#define CROSS_ENTROPY_BLOCK 16
 /* Logits per parallel task (at least). */
-#define CE_GRAIN 65536
+#define CROSS_ENTROPY_GRAIN 65536
 
 /* The problem: logits (lead..., C) with strides (lead_ndim + 1 of them),
  * target (lead...) int64 with its strides; rows = product of lead sizes. */
-typedef struct ce_problem {
+typedef struct cross_entropy_problem {
     opf_dtype dt;
     int64_t rows, classes;
     int lead_ndim;
@@ -84,15 +88,15 @@ typedef struct ce_problem {
     const int64_t *grad_losses_strides;
     const void *grad_loss;
     void *dlogits;
-} ce_problem;
+} cross_entropy_problem;
 
 /* The first row whose target is neither in [0, C) nor ignore_index, its value
  * in *value; -1 when every target is valid. */
-int64_t ce_check_target(const ce_problem *p, int64_t *value);
+int64_t cross_entropy_check_target(const cross_entropy_problem *p, int64_t *value);
 
-/* Workspace floats of ce_fwd (the reduction's block partials). */
-int64_t ce_fwd_workspace(const ce_problem *p);
-void ce_fwd(const ce_kernels *k, const ce_problem *p, float *ws);
-void ce_bwd(const ce_kernels *k, const ce_problem *p);
+/* Workspace floats of cross_entropy_fwd (the reduction's block partials). */
+int64_t cross_entropy_fwd_workspace(const cross_entropy_problem *p);
+void cross_entropy_fwd(const cross_entropy_kernels *k, const cross_entropy_problem *p, float *ws);
+void cross_entropy_bwd(const cross_entropy_kernels *k, const cross_entropy_problem *p);
 
 #endif

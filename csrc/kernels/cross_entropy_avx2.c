@@ -5,14 +5,14 @@
  * tanh is increasing), then one pass summing exp(z - max) (and w_j z_j when
  * label smoothing needs it); lse = max + log(sum) in double. Backward: one
  * pass, dx = (a exp(z - lse) - b w - ct [j == t]) (1 - (z/c)^2). exp is
- * exp8z of rows_avx2.h (exact 0 at -inf, NaN kept); tanh is act_avx2.h's.
+ * exp8z of math_avx2.h (exact 0 at -inf, NaN kept), and so is tanh8.
  * Non-unit strides go through the reference.
  */
 #include <immintrin.h>
 #include <math.h>
 
-#include "act_avx2.h"
 #include "cross_entropy.h"
+#include "math_avx2.h"
 #include "rows_avx2.h"
 
 static inline __m256 cap8(__m256 x, float cap, float inv) {
@@ -25,18 +25,12 @@ static inline __m256 lane_is(int64_t l) {
         _mm256_cmpeq_epi32(_mm256_set1_epi32((int)l), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-/* lanes [0, r) set */
-static inline __m256 first_lanes(int64_t r) {
-    return _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-#define CE_AVX2(name, E, LD, ST, DT)                                                                                  \
-    static void ce_fwd_##name(const void *x_, int64_t C, int64_t xs, const void *w_, int64_t ws, double cap_,         \
-                              double *lse, double *wz) {                                                              \
+#define CROSS_ENTROPY_AVX2(name, E, LD, ST, DT)                                                                       \
+    static void cross_entropy_fwd_##name(const void *x_, int64_t C, int64_t xs, const void *w_, int64_t ws,           \
+                                         double cap_, double *lse, double *wz) {                                      \
         const E *x = x_, *w = w_;                                                                                     \
         if (xs != 1 || (w && ws != 1)) {                                                                              \
-            ce_kernels_ref.fwd[DT](x_, C, xs, w_, ws, cap_, lse, wz);                                                 \
+            cross_entropy_kernels_ref.fwd[DT](x_, C, xs, w_, ws, cap_, lse, wz);                                      \
             return;                                                                                                   \
         }                                                                                                             \
         const float cap = (float)cap_, inv = cap > 0 ? 1.0f / cap : 0.0f;                                             \
@@ -62,7 +56,8 @@ static inline __m256 first_lanes(int64_t r) {
             if (wz && !w) t0 = _mm256_add_ps(t0, z0), t1 = _mm256_add_ps(t1, z1);                                     \
         }                                                                                                             \
         for (; i < C; i += 8) {                                                                                       \
-            __m256 valid = first_lanes(C - i), z = C - i >= 8 ? LD(x + i) : ldn_##name(x + i, C - i, 0);              \
+            __m256 valid = _mm256_castsi256_ps(lanes_below(C - i)),                                                   \
+                   z = C - i >= 8 ? LD(x + i) : ldn_##name(x + i, C - i, 0);                                          \
             if (cap > 0) z = cap8(z, cap, inv);                                                                       \
             s0 = _mm256_add_ps(s0, _mm256_and_ps(valid, exp8z(_mm256_sub_ps(z, mv))));                                \
             z = _mm256_and_ps(valid, z);                                                                              \
@@ -72,12 +67,13 @@ static inline __m256 first_lanes(int64_t r) {
         *lse = (double)m + log((double)hsum8(_mm256_add_ps(s0, s1)));                                                 \
         if (wz) *wz = hsum8(_mm256_add_ps(t0, t1));                                                                   \
     }                                                                                                                 \
-    static void ce_bwd_##name(void *dx_, const void *x_, int64_t C, int64_t dxs, int64_t xs, const void *w_,          \
-                              int64_t ws, double cap_, double lse_, double a_, double b_, int64_t t, double ct) {     \
+    static void cross_entropy_bwd_##name(void *dx_, const void *x_, int64_t C, int64_t dxs, int64_t xs,               \
+                                         const void *w_, int64_t ws, double cap_, double lse_, double a_, double b_,  \
+                                         int64_t t, double ct) {                                                      \
         E *dx = dx_;                                                                                                  \
         const E *x = x_, *w = w_;                                                                                     \
         if (dxs != 1 || xs != 1 || (w && ws != 1)) {                                                                  \
-            ce_kernels_ref.bwd[DT](dx_, x_, C, dxs, xs, w_, ws, cap_, lse_, a_, b_, t, ct);                           \
+            cross_entropy_kernels_ref.bwd[DT](dx_, x_, C, dxs, xs, w_, ws, cap_, lse_, a_, b_, t, ct);                \
             return;                                                                                                   \
         }                                                                                                             \
         const float cap = (float)cap_, inv = cap > 0 ? 1.0f / cap : 0.0f;                                             \
@@ -106,23 +102,29 @@ static inline __m256 first_lanes(int64_t r) {
         }                                                                                                             \
     }
 
-CE_AVX2(f32, float, ld_f32, st_f32, OPF_F32)
-CE_AVX2(bf16, uint16_t, ld_bf16, st_bf16, OPF_BF16)
-CE_AVX2(f16, uint16_t, ld_f16, st_f16, OPF_F16)
+CROSS_ENTROPY_AVX2(f32, float, ld_f32, st_f32, OPF_F32)
+CROSS_ENTROPY_AVX2(bf16, uint16_t, ld_bf16, st_bf16, OPF_BF16)
+CROSS_ENTROPY_AVX2(f16, uint16_t, ld_f16, st_f16, OPF_F16)
 
-static void ce_fwd_f64(const void *x, int64_t C, int64_t xs, const void *w, int64_t ws, double cap, double *lse,
-                       double *wz) {
-    ce_kernels_ref.fwd[OPF_F64](x, C, xs, w, ws, cap, lse, wz);
+static void cross_entropy_fwd_f64(const void *x, int64_t C, int64_t xs, const void *w, int64_t ws, double cap,
+                                  double *lse, double *wz) {
+    cross_entropy_kernels_ref.fwd[OPF_F64](x, C, xs, w, ws, cap, lse, wz);
 }
 
-static void ce_bwd_f64(void *dx, const void *x, int64_t C, int64_t dxs, int64_t xs, const void *w, int64_t ws,
-                       double cap, double lse, double a, double b, int64_t t, double ct) {
-    ce_kernels_ref.bwd[OPF_F64](dx, x, C, dxs, xs, w, ws, cap, lse, a, b, t, ct);
+static void cross_entropy_bwd_f64(void *dx, const void *x, int64_t C, int64_t dxs, int64_t xs, const void *w,
+                                  int64_t ws, double cap, double lse, double a, double b, int64_t t, double ct) {
+    cross_entropy_kernels_ref.bwd[OPF_F64](dx, x, C, dxs, xs, w, ws, cap, lse, a, b, t, ct);
 }
 
-const ce_kernels ce_kernels_avx2 = {
+const cross_entropy_kernels cross_entropy_kernels_avx2 = {
     .name = "avx2",
     .isa = OPF_ISA_AVX2,
-    .fwd = {[OPF_F32] = ce_fwd_f32, [OPF_F64] = ce_fwd_f64, [OPF_BF16] = ce_fwd_bf16, [OPF_F16] = ce_fwd_f16},
-    .bwd = {[OPF_F32] = ce_bwd_f32, [OPF_F64] = ce_bwd_f64, [OPF_BF16] = ce_bwd_bf16, [OPF_F16] = ce_bwd_f16},
+    .fwd = {[OPF_F32] = cross_entropy_fwd_f32,
+            [OPF_F64] = cross_entropy_fwd_f64,
+            [OPF_BF16] = cross_entropy_fwd_bf16,
+            [OPF_F16] = cross_entropy_fwd_f16},
+    .bwd = {[OPF_F32] = cross_entropy_bwd_f32,
+            [OPF_F64] = cross_entropy_bwd_f64,
+            [OPF_BF16] = cross_entropy_bwd_bf16,
+            [OPF_F16] = cross_entropy_bwd_f16},
 };

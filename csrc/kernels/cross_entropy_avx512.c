@@ -1,24 +1,25 @@
 /*
  * cross_entropy rows, AVX-512 (F, BW, VL, DQ): the AVX2 file's passes on 16
  * lanes, tails masked; float64 and non-unit strides run the reference. tanh
- * (softcap) is tanh16 of rows_avx512.h, built on the same exp as the softmax.
+ * (softcap) is tanh16z of math_avx512.h, built on the same exp as the softmax.
  */
 #include <immintrin.h>
 #include <math.h>
 
 #include "cross_entropy.h"
+#include "math_avx512.h"
 #include "rows_avx512.h"
 
 static inline __m512 cap16(__m512 x, float cap, float inv) {
-    return _mm512_mul_ps(_mm512_set1_ps(cap), tanh16(_mm512_mul_ps(x, _mm512_set1_ps(inv))));
+    return _mm512_mul_ps(_mm512_set1_ps(cap), tanh16z(_mm512_mul_ps(x, _mm512_set1_ps(inv))));
 }
 
-#define CE_AVX512(name, E, LD, ST, DT)                                                                                \
-    static void ce_fwd_##name(const void *x_, int64_t C, int64_t xs, const void *w_, int64_t ws, double cap_,         \
-                              double *lse, double *wz) {                                                              \
+#define CROSS_ENTROPY_AVX512(name, E, LD, ST, DT)                                                                     \
+    static void cross_entropy_fwd_##name(const void *x_, int64_t C, int64_t xs, const void *w_, int64_t ws,           \
+                                         double cap_, double *lse, double *wz) {                                      \
         const E *x = x_, *w = w_;                                                                                     \
         if (xs != 1 || (w && ws != 1)) {                                                                              \
-            ce_kernels_ref.fwd[DT](x_, C, xs, w_, ws, cap_, lse, wz);                                                 \
+            cross_entropy_kernels_ref.fwd[DT](x_, C, xs, w_, ws, cap_, lse, wz);                                      \
             return;                                                                                                   \
         }                                                                                                             \
         const float cap = (float)cap_, inv = cap > 0 ? 1.0f / cap : 0.0f;                                             \
@@ -44,12 +45,13 @@ static inline __m512 cap16(__m512 x, float cap, float inv) {
         *lse = (double)_mm512_cvtss_f32(mv) + log((double)_mm512_reduce_add_ps(s));                                   \
         if (wz) *wz = _mm512_reduce_add_ps(t);                                                                        \
     }                                                                                                                 \
-    static void ce_bwd_##name(void *dx_, const void *x_, int64_t C, int64_t dxs, int64_t xs, const void *w_,          \
-                              int64_t ws, double cap_, double lse_, double a_, double b_, int64_t t, double ct) {     \
+    static void cross_entropy_bwd_##name(void *dx_, const void *x_, int64_t C, int64_t dxs, int64_t xs,               \
+                                         const void *w_, int64_t ws, double cap_, double lse_, double a_, double b_,  \
+                                         int64_t t, double ct) {                                                      \
         E *dx = dx_;                                                                                                  \
         const E *x = x_, *w = w_;                                                                                     \
         if (dxs != 1 || xs != 1 || (w && ws != 1)) {                                                                  \
-            ce_kernels_ref.bwd[DT](dx_, x_, C, dxs, xs, w_, ws, cap_, lse_, a_, b_, t, ct);                           \
+            cross_entropy_kernels_ref.bwd[DT](dx_, x_, C, dxs, xs, w_, ws, cap_, lse_, a_, b_, t, ct);                \
             return;                                                                                                   \
         }                                                                                                             \
         const float cap = (float)cap_, inv = cap > 0 ? 1.0f / cap : 0.0f;                                             \
@@ -75,23 +77,29 @@ static inline __m512 cap16(__m512 x, float cap, float inv) {
         }                                                                                                             \
     }
 
-CE_AVX512(f32, float, ld16_f32, st16_f32, OPF_F32)
-CE_AVX512(bf16, uint16_t, ld16_bf16, st16_bf16, OPF_BF16)
-CE_AVX512(f16, uint16_t, ld16_f16, st16_f16, OPF_F16)
+CROSS_ENTROPY_AVX512(f32, float, ld16_f32, st16_f32, OPF_F32)
+CROSS_ENTROPY_AVX512(bf16, uint16_t, ld16_bf16, st16_bf16, OPF_BF16)
+CROSS_ENTROPY_AVX512(f16, uint16_t, ld16_f16, st16_f16, OPF_F16)
 
-static void ce_fwd_f64(const void *x, int64_t C, int64_t xs, const void *w, int64_t ws, double cap, double *lse,
-                       double *wz) {
-    ce_kernels_ref.fwd[OPF_F64](x, C, xs, w, ws, cap, lse, wz);
+static void cross_entropy_fwd_f64(const void *x, int64_t C, int64_t xs, const void *w, int64_t ws, double cap,
+                                  double *lse, double *wz) {
+    cross_entropy_kernels_ref.fwd[OPF_F64](x, C, xs, w, ws, cap, lse, wz);
 }
 
-static void ce_bwd_f64(void *dx, const void *x, int64_t C, int64_t dxs, int64_t xs, const void *w, int64_t ws,
-                       double cap, double lse, double a, double b, int64_t t, double ct) {
-    ce_kernels_ref.bwd[OPF_F64](dx, x, C, dxs, xs, w, ws, cap, lse, a, b, t, ct);
+static void cross_entropy_bwd_f64(void *dx, const void *x, int64_t C, int64_t dxs, int64_t xs, const void *w,
+                                  int64_t ws, double cap, double lse, double a, double b, int64_t t, double ct) {
+    cross_entropy_kernels_ref.bwd[OPF_F64](dx, x, C, dxs, xs, w, ws, cap, lse, a, b, t, ct);
 }
 
-const ce_kernels ce_kernels_avx512 = {
+const cross_entropy_kernels cross_entropy_kernels_avx512 = {
     .name = "avx512",
     .isa = OPF_ISA_AVX512,
-    .fwd = {[OPF_F32] = ce_fwd_f32, [OPF_F64] = ce_fwd_f64, [OPF_BF16] = ce_fwd_bf16, [OPF_F16] = ce_fwd_f16},
-    .bwd = {[OPF_F32] = ce_bwd_f32, [OPF_F64] = ce_bwd_f64, [OPF_BF16] = ce_bwd_bf16, [OPF_F16] = ce_bwd_f16},
+    .fwd = {[OPF_F32] = cross_entropy_fwd_f32,
+            [OPF_F64] = cross_entropy_fwd_f64,
+            [OPF_BF16] = cross_entropy_fwd_bf16,
+            [OPF_F16] = cross_entropy_fwd_f16},
+    .bwd = {[OPF_F32] = cross_entropy_bwd_f32,
+            [OPF_F64] = cross_entropy_bwd_f64,
+            [OPF_BF16] = cross_entropy_bwd_bf16,
+            [OPF_F16] = cross_entropy_bwd_f16},
 };

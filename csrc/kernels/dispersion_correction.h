@@ -18,31 +18,33 @@
 #include "opforge/half.h"
 #include "opforge/runtime.h"
 
-typedef void (*dc_fwd_fn)(void *y, const void *x, int64_t n, int64_t ys, int64_t xs, double alpha);
-typedef void (*dc_bwd_fn)(void *dx, const void *dy, const void *x, int64_t n, int64_t dxs, int64_t dys, int64_t xs,
-                          double alpha);
+typedef void (*dispersion_correction_fwd_fn)(void *y, const void *x, int64_t n, int64_t ys, int64_t xs, double alpha);
+typedef void (*dispersion_correction_bwd_fn)(void *dx, const void *dy, const void *x, int64_t n, int64_t dxs,
+                                             int64_t dys, int64_t xs, double alpha);
 
-typedef struct dc_kernels {
+typedef struct dispersion_correction_kernels {
     OPF_VARIANT_HEAD;
-    dc_fwd_fn fwd[OPF_DTYPE_COUNT];
-    dc_bwd_fn bwd[OPF_DTYPE_COUNT];
-} dc_kernels;
+    dispersion_correction_fwd_fn fwd[OPF_DTYPE_COUNT];
+    dispersion_correction_bwd_fn bwd[OPF_DTYPE_COUNT];
+} dispersion_correction_kernels;
 
-extern const dc_kernels dc_kernels_ref;
-extern const dc_kernels dc_kernels_avx2;   /* dispersion_correction_avx2.c */
-extern const dc_kernels dc_kernels_avx512; /* dispersion_correction_avx512.c */
-extern const opf_variants dc_variants;
+extern const dispersion_correction_kernels dispersion_correction_kernels_ref;
+extern const dispersion_correction_kernels dispersion_correction_kernels_avx2;   /* dispersion_correction_avx2.c */
+extern const dispersion_correction_kernels dispersion_correction_kernels_avx512; /* dispersion_correction_avx512.c */
+extern const opf_variants dispersion_correction_variants;
 
 /* Kernels for isa; an ISA this build lacks falls back to the next one below. */
-const dc_kernels *dc_kernels_for(opf_isa isa);
+const dispersion_correction_kernels *dispersion_correction_kernels_for(opf_isa isa);
 
 /* Elements per parallel task: big enough that a task outlasts the pool hand-off. */
-#define DC_GRAIN 32768
+#define DISPERSION_CORRECTION_GRAIN 32768
 
 /* Whole tensors: y (or dx) and the inputs described by nd (operand 0 is the
  * output; forward: 1 = x; backward: 1 = dy, 2 = x). Splits nd over
  * opf_parallel_for. */
-void dc_fwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *y, const void *x, double alpha);
-void dc_bwd(const dc_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx, const void *dy, const void *x, double alpha);
+void dispersion_correction_fwd(const dispersion_correction_kernels *k, opf_dtype dt, const opf_nd *nd, void *y,
+                               const void *x, double alpha);
+void dispersion_correction_bwd(const dispersion_correction_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx,
+                               const void *dy, const void *x, double alpha);
 
 #endif

@@ -12,24 +12,10 @@
 #include "dispersion_correction.h"
 #include "half_avx2.h"
 
-/* ---- 8 x fp32 loads and stores of each element type -------------------------- */
-
-static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
-
-/* Non-temporal twins of the stores (aligned addresses only). */
-static inline void nt_f32(float *p, __m256 v) { _mm256_stream_ps(p, v); }
-
-static inline void nt_bf16(uint16_t *p, __m256 v) { _mm_stream_si128((__m128i *)p, bf16_round(v)); }
-
-static inline void nt_f16(uint16_t *p, __m256 v) {
-    _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-
 /* Runs that write more than this are streamed past the caches: such an output
  * cannot stay cached anyway, and a non-temporal store skips reading each
  * output line before overwriting it. */
-#define DC_STREAM_MIN_BYTES ((int64_t)8 << 20)
+#define DISPERSION_CORRECTION_STREAM_MIN_BYTES ((int64_t)8 << 20)
 
 static inline __m256 fwd8(__m256 x, __m256 a) { return _mm256_add_ps(_mm256_mul_ps(x, a), _mm256_sqrt_ps(x)); }
 
@@ -40,48 +26,50 @@ static inline __m256 bwd8(__m256 g, __m256 x, __m256 a) {
 
 /* The 8-wide loops for the three types computed in fp32; strided runs and
  * tails reuse the reference. */
-#define DC_AVX2(name, E, LD, ST, NT)                                                                           \
-    static void dc_fwd_##name(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs, double alpha) {     \
-        E *y = y_;                                                                                             \
-        const E *x = x_;                                                                                       \
-        int64_t i = 0;                                                                                         \
-        if (ys == 1 && xs == 1 && n * (int64_t)sizeof(E) >= DC_STREAM_MIN_BYTES) {                             \
-            const __m256 a = _mm256_set1_ps((float)alpha);                                                     \
-            i = (int64_t)((32 - ((uintptr_t)y & 31)) & 31) / (int64_t)sizeof(E);                               \
-            dc_kernels_ref.fwd[OPF_##name](y, x, i, 1, 1, alpha);                                              \
-            for (; i + 8 <= n; i += 8) NT(y + i, fwd8(LD(x + i), a));                                          \
-            _mm_sfence();                                                                                      \
-        } else if (ys == 1 && xs == 1) {                                                                       \
-            const __m256 a = _mm256_set1_ps((float)alpha);                                                     \
-            for (; i + 16 <= n; i += 16) {                                                                     \
-                __m256 v0 = LD(x + i), v1 = LD(x + i + 8);                                                     \
-                ST(y + i, fwd8(v0, a));                                                                        \
-                ST(y + i + 8, fwd8(v1, a));                                                                    \
-            }                                                                                                  \
-            for (; i + 8 <= n; i += 8) ST(y + i, fwd8(LD(x + i), a));                                          \
-        }                                                                                                      \
-        dc_kernels_ref.fwd[OPF_##name](y + i * ys, x + i * xs, n - i, ys, xs, alpha);                          \
-    }                                                                                                          \
-    static void dc_bwd_##name(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs, int64_t dys, \
-                              int64_t xs, double alpha) {                                                      \
-        E *dx = dx_;                                                                                           \
-        const E *dy = dy_, *x = x_;                                                                            \
-        int64_t i = 0;                                                                                         \
-        if (dxs == 1 && dys == 1 && xs == 1) {                                                                 \
-            const __m256 a = _mm256_set1_ps((float)alpha);                                                     \
-            for (; i + 8 <= n; i += 8) ST(dx + i, bwd8(LD(dy + i), LD(x + i), a));                             \
-        }                                                                                                      \
-        dc_kernels_ref.bwd[OPF_##name](dx + i * dxs, dy + i * dys, x + i * xs, n - i, dxs, dys, xs, alpha);    \
+#define DISPERSION_CORRECTION_AVX2(name, E, LD, ST, NT)                                                                \
+    static void dispersion_correction_fwd_##name(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs,          \
+                                                 double alpha) {                                                       \
+        E *y = y_;                                                                                                     \
+        const E *x = x_;                                                                                               \
+        int64_t i = 0;                                                                                                 \
+        if (ys == 1 && xs == 1 && n * (int64_t)sizeof(E) >= DISPERSION_CORRECTION_STREAM_MIN_BYTES) {                  \
+            const __m256 a = _mm256_set1_ps((float)alpha);                                                             \
+            i = (int64_t)((32 - ((uintptr_t)y & 31)) & 31) / (int64_t)sizeof(E);                                       \
+            dispersion_correction_kernels_ref.fwd[OPF_##name](y, x, i, 1, 1, alpha);                                   \
+            for (; i + 8 <= n; i += 8) NT(y + i, fwd8(LD(x + i), a));                                                  \
+            _mm_sfence();                                                                                              \
+        } else if (ys == 1 && xs == 1) {                                                                               \
+            const __m256 a = _mm256_set1_ps((float)alpha);                                                             \
+            for (; i + 16 <= n; i += 16) {                                                                             \
+                __m256 v0 = LD(x + i), v1 = LD(x + i + 8);                                                             \
+                ST(y + i, fwd8(v0, a));                                                                                \
+                ST(y + i + 8, fwd8(v1, a));                                                                            \
+            }                                                                                                          \
+            for (; i + 8 <= n; i += 8) ST(y + i, fwd8(LD(x + i), a));                                                  \
+        }                                                                                                              \
+        dispersion_correction_kernels_ref.fwd[OPF_##name](y + i * ys, x + i * xs, n - i, ys, xs, alpha);               \
+    }                                                                                                                  \
+    static void dispersion_correction_bwd_##name(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs,   \
+                                                 int64_t dys, int64_t xs, double alpha) {                              \
+        E *dx = dx_;                                                                                                   \
+        const E *dy = dy_, *x = x_;                                                                                    \
+        int64_t i = 0;                                                                                                 \
+        if (dxs == 1 && dys == 1 && xs == 1) {                                                                         \
+            const __m256 a = _mm256_set1_ps((float)alpha);                                                             \
+            for (; i + 8 <= n; i += 8) ST(dx + i, bwd8(LD(dy + i), LD(x + i), a));                                     \
+        }                                                                                                              \
+        dispersion_correction_kernels_ref.bwd[OPF_##name](dx + i * dxs, dy + i * dys, x + i * xs, n - i, dxs, dys, xs, \
+                                                          alpha);                                                      \
     }
 
 #define OPF_f32 OPF_F32
 #define OPF_bf16 OPF_BF16
 #define OPF_f16 OPF_F16
-DC_AVX2(f32, float, ld_f32, st_f32, nt_f32)
-DC_AVX2(bf16, uint16_t, ld_bf16, st_bf16, nt_bf16)
-DC_AVX2(f16, uint16_t, ld_f16, st_f16, nt_f16)
+DISPERSION_CORRECTION_AVX2(f32, float, ld_f32, st_f32, nt_f32)
+DISPERSION_CORRECTION_AVX2(bf16, uint16_t, ld_bf16, st_bf16, nt_bf16)
+DISPERSION_CORRECTION_AVX2(f16, uint16_t, ld_f16, st_f16, nt_f16)
 
-static void dc_fwd_f64(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs, double alpha) {
+static void dispersion_correction_fwd_f64(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs, double alpha) {
     double *y = y_;
     const double *x = x_;
     int64_t i = 0;
@@ -92,11 +80,11 @@ static void dc_fwd_f64(void *y_, const void *x_, int64_t n, int64_t ys, int64_t 
             _mm256_storeu_pd(y + i, _mm256_add_pd(_mm256_mul_pd(v, a), _mm256_sqrt_pd(v)));
         }
     }
-    dc_kernels_ref.fwd[OPF_F64](y + i * ys, x + i * xs, n - i, ys, xs, alpha);
+    dispersion_correction_kernels_ref.fwd[OPF_F64](y + i * ys, x + i * xs, n - i, ys, xs, alpha);
 }
 
-static void dc_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs, int64_t dys, int64_t xs,
-                       double alpha) {
+static void dispersion_correction_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs,
+                                          int64_t dys, int64_t xs, double alpha) {
     double *dx = dx_;
     const double *dy = dy_, *x = x_;
     int64_t i = 0;
@@ -108,12 +96,18 @@ static void dc_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, in
             _mm256_storeu_pd(dx + i, _mm256_add_pd(_mm256_mul_pd(g, a), _mm256_div_pd(g, den)));
         }
     }
-    dc_kernels_ref.bwd[OPF_F64](dx + i * dxs, dy + i * dys, x + i * xs, n - i, dxs, dys, xs, alpha);
+    dispersion_correction_kernels_ref.bwd[OPF_F64](dx + i * dxs, dy + i * dys, x + i * xs, n - i, dxs, dys, xs, alpha);
 }
 
-const dc_kernels dc_kernels_avx2 = {
+const dispersion_correction_kernels dispersion_correction_kernels_avx2 = {
     .name = "avx2",
     .isa = OPF_ISA_AVX2,
-    .fwd = {[OPF_F32] = dc_fwd_f32, [OPF_F64] = dc_fwd_f64, [OPF_BF16] = dc_fwd_bf16, [OPF_F16] = dc_fwd_f16},
-    .bwd = {[OPF_F32] = dc_bwd_f32, [OPF_F64] = dc_bwd_f64, [OPF_BF16] = dc_bwd_bf16, [OPF_F16] = dc_bwd_f16},
+    .fwd = {[OPF_F32] = dispersion_correction_fwd_f32,
+            [OPF_F64] = dispersion_correction_fwd_f64,
+            [OPF_BF16] = dispersion_correction_fwd_bf16,
+            [OPF_F16] = dispersion_correction_fwd_f16},
+    .bwd = {[OPF_F32] = dispersion_correction_bwd_f32,
+            [OPF_F64] = dispersion_correction_bwd_f64,
+            [OPF_BF16] = dispersion_correction_bwd_bf16,
+            [OPF_F16] = dispersion_correction_bwd_f16},
 };

@@ -6,29 +6,7 @@
 #include <immintrin.h>
 
 #include "dispersion_correction.h"
-
-static inline __m512 ld_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline void st_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-
-static inline __m512 ld_bf16(const uint16_t *p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline void st_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
-
-static inline __m512 ld_f16(const uint16_t *p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-
-static inline void st_f16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
+#include "rows_avx512.h"
 
 static inline __m512 fwd16(__m512 x, __m512 a) { return _mm512_add_ps(_mm512_mul_ps(x, a), _mm512_sqrt_ps(x)); }
 
@@ -37,55 +15,54 @@ static inline __m512 bwd16(__m512 g, __m512 x, __m512 a) {
     return _mm512_add_ps(_mm512_mul_ps(g, a), _mm512_div_ps(g, den));
 }
 
-static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
-
-#define DC_AVX512(name, E, LD, ST)                                                                             \
-    static void dc_fwd_##name(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs, double alpha) {     \
-        E *y = y_;                                                                                             \
-        const E *x = x_;                                                                                       \
-        if (ys != 1 || xs != 1) {                                                                              \
-            dc_kernels_ref.fwd[OPF_##name](y, x, n, ys, xs, alpha);                                            \
-            return;                                                                                            \
-        }                                                                                                      \
-        const __m512 a = _mm512_set1_ps((float)alpha);                                                         \
-        int64_t i = 0;                                                                                         \
-        for (; i + 32 <= n; i += 32) {                                                                         \
-            __m512 v0 = LD(x + i, 0xffff), v1 = LD(x + i + 16, 0xffff);                                        \
-            ST(y + i, fwd16(v0, a), 0xffff);                                                                   \
-            ST(y + i + 16, fwd16(v1, a), 0xffff);                                                              \
-        }                                                                                                      \
-        for (; i < n; i += 16) {                                                                               \
-            __mmask16 m = tail16(n - i);                                                                       \
-            ST(y + i, fwd16(LD(x + i, m), a), m);                                                              \
-        }                                                                                                      \
-    }                                                                                                          \
-    static void dc_bwd_##name(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs, int64_t dys, \
-                              int64_t xs, double alpha) {                                                      \
-        E *dx = dx_;                                                                                           \
-        const E *dy = dy_, *x = x_;                                                                            \
-        if (dxs != 1 || dys != 1 || xs != 1) {                                                                 \
-            dc_kernels_ref.bwd[OPF_##name](dx, dy, x, n, dxs, dys, xs, alpha);                                 \
-            return;                                                                                            \
-        }                                                                                                      \
-        const __m512 a = _mm512_set1_ps((float)alpha);                                                         \
-        for (int64_t i = 0; i < n; i += 16) {                                                                  \
-            __mmask16 m = tail16(n - i);                                                                       \
-            ST(dx + i, bwd16(LD(dy + i, m), LD(x + i, m), a), m);                                              \
-        }                                                                                                      \
+#define DISPERSION_CORRECTION_AVX512(name, E, LD, ST)                                                                \
+    static void dispersion_correction_fwd_##name(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs,        \
+                                                 double alpha) {                                                     \
+        E *y = y_;                                                                                                   \
+        const E *x = x_;                                                                                             \
+        if (ys != 1 || xs != 1) {                                                                                    \
+            dispersion_correction_kernels_ref.fwd[OPF_##name](y, x, n, ys, xs, alpha);                               \
+            return;                                                                                                  \
+        }                                                                                                            \
+        const __m512 a = _mm512_set1_ps((float)alpha);                                                               \
+        int64_t i = 0;                                                                                               \
+        for (; i + 32 <= n; i += 32) {                                                                               \
+            __m512 v0 = LD(x + i, 0xffff), v1 = LD(x + i + 16, 0xffff);                                              \
+            ST(y + i, fwd16(v0, a), 0xffff);                                                                         \
+            ST(y + i + 16, fwd16(v1, a), 0xffff);                                                                    \
+        }                                                                                                            \
+        for (; i < n; i += 16) {                                                                                     \
+            __mmask16 m = tail16(n - i);                                                                             \
+            ST(y + i, fwd16(LD(x + i, m), a), m);                                                                    \
+        }                                                                                                            \
+    }                                                                                                                \
+    static void dispersion_correction_bwd_##name(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs, \
+                                                 int64_t dys, int64_t xs, double alpha) {                            \
+        E *dx = dx_;                                                                                                 \
+        const E *dy = dy_, *x = x_;                                                                                  \
+        if (dxs != 1 || dys != 1 || xs != 1) {                                                                       \
+            dispersion_correction_kernels_ref.bwd[OPF_##name](dx, dy, x, n, dxs, dys, xs, alpha);                    \
+            return;                                                                                                  \
+        }                                                                                                            \
+        const __m512 a = _mm512_set1_ps((float)alpha);                                                               \
+        for (int64_t i = 0; i < n; i += 16) {                                                                        \
+            __mmask16 m = tail16(n - i);                                                                             \
+            ST(dx + i, bwd16(LD(dy + i, m), LD(x + i, m), a), m);                                                    \
+        }                                                                                                            \
     }
 
 #define OPF_f32 OPF_F32
 #define OPF_bf16 OPF_BF16
 #define OPF_f16 OPF_F16
-DC_AVX512(f32, float, ld_f32, st_f32)
-DC_AVX512(bf16, uint16_t, ld_bf16, st_bf16)
-DC_AVX512(f16, uint16_t, ld_f16, st_f16)
+DISPERSION_CORRECTION_AVX512(f32, float, ld16_f32, st16_f32)
+DISPERSION_CORRECTION_AVX512(bf16, uint16_t, ld16_bf16, st16_bf16)
+DISPERSION_CORRECTION_AVX512(f16, uint16_t, ld16_f16, st16_f16)
 
-static void dc_fwd_f64(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs, double alpha) {
+static void dispersion_correction_fwd_f64(void *y_, const void *x_, int64_t n, int64_t ys, int64_t xs, double alpha) {
     double *y = y_;
     const double *x = x_;
     if (ys != 1 || xs != 1) {
-        dc_kernels_ref.fwd[OPF_F64](y, x, n, ys, xs, alpha);
+        dispersion_correction_kernels_ref.fwd[OPF_F64](y, x, n, ys, xs, alpha);
         return;
     }
     const __m512d a = _mm512_set1_pd(alpha);
@@ -96,12 +73,12 @@ static void dc_fwd_f64(void *y_, const void *x_, int64_t n, int64_t ys, int64_t 
     }
 }
 
-static void dc_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs, int64_t dys, int64_t xs,
-                       double alpha) {
+static void dispersion_correction_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, int64_t dxs,
+                                          int64_t dys, int64_t xs, double alpha) {
     double *dx = dx_;
     const double *dy = dy_, *x = x_;
     if (dxs != 1 || dys != 1 || xs != 1) {
-        dc_kernels_ref.bwd[OPF_F64](dx, dy, x, n, dxs, dys, xs, alpha);
+        dispersion_correction_kernels_ref.bwd[OPF_F64](dx, dy, x, n, dxs, dys, xs, alpha);
         return;
     }
     const __m512d a = _mm512_set1_pd(alpha), two = _mm512_set1_pd(2.0);
@@ -113,9 +90,15 @@ static void dc_bwd_f64(void *dx_, const void *dy_, const void *x_, int64_t n, in
     }
 }
 
-const dc_kernels dc_kernels_avx512 = {
+const dispersion_correction_kernels dispersion_correction_kernels_avx512 = {
     .name = "avx512",
     .isa = OPF_ISA_AVX512,
-    .fwd = {[OPF_F32] = dc_fwd_f32, [OPF_F64] = dc_fwd_f64, [OPF_BF16] = dc_fwd_bf16, [OPF_F16] = dc_fwd_f16},
-    .bwd = {[OPF_F32] = dc_bwd_f32, [OPF_F64] = dc_bwd_f64, [OPF_BF16] = dc_bwd_bf16, [OPF_F16] = dc_bwd_f16},
+    .fwd = {[OPF_F32] = dispersion_correction_fwd_f32,
+            [OPF_F64] = dispersion_correction_fwd_f64,
+            [OPF_BF16] = dispersion_correction_fwd_bf16,
+            [OPF_F16] = dispersion_correction_fwd_f16},
+    .bwd = {[OPF_F32] = dispersion_correction_bwd_f32,
+            [OPF_F64] = dispersion_correction_bwd_f64,
+            [OPF_BF16] = dispersion_correction_bwd_bf16,
+            [OPF_F16] = dispersion_correction_bwd_f16},
 };

@@ -18,37 +18,8 @@ const opf_variants gemm_variants = OPF_VARIANTS("gemm", &gemm_kernels_ref, &gemm
                                                 &gemm_kernels_avx512_bf16, &gemm_kernels_amx);
 
 /* Not noted for the log here: which kernel multiplies depends on the operand types (a pair kernel's table
- * hands the other products to its float32 table), so gemm_f32x notes the table that runs. */
+ * hands the other products to its float32 table), so gemm_run notes the table that runs. */
 const gemm_kernels *gemm_kernels_for(opf_isa isa) { return opf_variant_best(&gemm_variants, isa); }
-
-static gemm_plan plan_for(const gemm_kernels *kern, int64_t m, int64_t kdim, int64_t threads) {
-    gemm_plan p = {.threads = threads};
-    p.kc_max = kdim < kern->kc ? kdim : kern->kc;
-    if (kern->tile_pairs) p.kc_max = round_up(p.kc_max, kern->tile_pairs); /* zero pairs up to a whole tile */
-    p.slivers = (m + kern->mr - 1) / kern->mr;
-    p.mblocks = round_up((m + kern->mc - 1) / kern->mc, threads);
-    if (p.mblocks > p.slivers) p.mblocks = p.slivers;
-    p.mc = (p.slivers + p.mblocks - 1) / p.mblocks * kern->mr;
-    p.own_a = p.mblocks >= 2 * threads;
-    p.workers = p.mblocks < threads ? p.mblocks : threads;
-    return p;
-}
-
-/* Where the packed operands go: A's region (the whole of A, or one block per
- * worker) at the start, then one KC x NC panel of B. The one statement of the
- * workspace a plan carves: gemm_workspace_floats sizes with it, gemm_f32x
- * carves with it and checks the total against what it was given. */
-typedef struct gemm_layout {
-    int64_t b_offset, floats;
-} gemm_layout;
-
-static gemm_layout layout_for(const gemm_kernels *kern, const gemm_plan *p, int64_t m, int64_t n) {
-    int64_t nc = n < kern->nc ? n : kern->nc;
-    gemm_layout l;
-    l.b_offset = (p->own_a ? p->workers * p->mc : round_up(m, kern->mr)) * p->kc_max;
-    l.floats = l.b_offset + round_up(nc, kern->nr) * p->kc_max;
-    return l;
-}
 
 static int use_pairs(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb) {
     return kern->ukernel_pairs && (ta == OPF_BF16 || tb == OPF_BF16) && ta != OPF_F16 && tb != OPF_F16;
@@ -65,16 +36,27 @@ int64_t gemm_slice_depth(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb) {
     return use_pairs(kern, ta, tb) ? 2 * kern->kc : kern->kc;
 }
 
-int64_t gemm_workspace_floats(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim) {
-    if (m <= 0 || n <= 0 || kdim <= 0) return 0;
-    gemm_plan p = plan_for(kern, m, kdim, opf_num_threads());
-    int64_t floats = layout_for(kern, &p, m, n).floats;
-    if (kern->f32) { /* either table may run: room for the larger */
-        int64_t other = gemm_workspace_floats(kern->f32, m, n, kdim);
-        if (other > floats) floats = other;
-    }
-    return floats;
+gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t k, opf_dtype ta, opf_dtype tb,
+                         int64_t threads) {
+    kern = table_for(kern, ta, tb);
+    gemm_plan p = {.kern = kern, .m = m, .n = n, .k = k, .ta = ta, .tb = tb, .threads = threads > 0 ? threads : 1};
+    p.pairs = use_pairs(kern, ta, tb);
+    if (m <= 0 || n <= 0 || k <= 0) return p; /* nothing to pack: no workspace */
+    p.kc_max = k < kern->kc ? k : kern->kc;
+    if (kern->tile_pairs) p.kc_max = round_up(p.kc_max, kern->tile_pairs); /* zero pairs up to a whole tile */
+    p.slivers = (m + kern->mr - 1) / kern->mr;
+    p.mblocks = round_up((m + kern->mc - 1) / kern->mc, p.threads);
+    if (p.mblocks > p.slivers) p.mblocks = p.slivers;
+    p.mc = (p.slivers + p.mblocks - 1) / p.mblocks * kern->mr;
+    p.own_a = p.mblocks >= 2 * p.threads;
+    p.workers = p.mblocks < p.threads ? p.mblocks : p.threads;
+    const int64_t nc = n < kern->nc ? n : kern->nc;
+    p.b_offset = (p.own_a ? p.workers * p.mc : round_up(m, kern->mr)) * p.kc_max;
+    p.floats = p.b_offset + round_up(nc, kern->nr) * p.kc_max;
+    return p;
 }
+
+int64_t gemm_workspace(const gemm_plan *plan) { return plan->floats; }
 
 /* A task: a row block and a column chunk of the panel. Blocks of its own A:
  * one chunk (the whole panel). Shared A: the tasks of one column chunk are
@@ -83,7 +65,7 @@ int64_t gemm_workspace_floats(const gemm_kernels *kern, int64_t m, int64_t n, in
 static void compute_task(const gemm_job *job, int64_t task, float *own_a) {
     const gemm_kernels *kern = job->kern;
     const gemm_epilogue *ep = job->ep;
-    const int first = job->pc == 0, last = job->pc + job->depth >= job->kdim;
+    const int first = job->pc == 0, last = job->pc + job->depth >= job->k;
     int64_t slivers = (job->nc + kern->nr - 1) / kern->nr, mb = job->plan.mblocks;
     int64_t ib = task % mb, jn = task / mb;
     int64_t i_lo = job->plan.slivers * ib / mb * kern->mr, i_hi = job->plan.slivers * (ib + 1) / mb * kern->mr;
@@ -134,39 +116,25 @@ static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
     if (job->kern->release) job->kern->release();
 }
 
-int gemm_f32(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,
-             const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace,
-             int64_t ws_floats) {
-    return gemm_f32x(kern, m, n, kdim, a, OPF_F32, rsa, csa, b, OPF_F32, rsb, csb, c, rsc, ep, workspace, ws_floats);
-}
-
-int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta, int64_t rsa,
-              int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c, int64_t rsc,
-              const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
+int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb,
+             float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
+    const gemm_kernels *kern = plan->kern;
+    const int64_t m = plan->m, n = plan->n, k = plan->k;
     if (m <= 0 || n <= 0) return 0;
-    kern = table_for(kern, ta, tb);
-    if (kdim <= 0) { /* empty sum: the epilogue alone */
+    if (k <= 0) { /* empty sum: the epilogue alone */
         gemm_ref_f32(m, n, 0, NULL, 0, 0, NULL, 0, 0, c, rsc, ep);
         return 0;
     }
+    if (ws_floats < plan->floats) return -1; /* a caller that sized for another product */
     if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick(gemm_variants.family, kern->name, kern->isa);
-    gemm_plan plan = plan_for(kern, m, kdim, opf_num_threads());
-    gemm_layout lay = layout_for(kern, &plan, m, n);
-    if (lay.floats > ws_floats) {
-        /* sized while fewer threads were set? One worker's plan never needs more than a plan for
-         * more threads (its blocks are at most `threads` times larger, and there is one of them) */
-        plan = plan_for(kern, m, kdim, 1);
-        lay = layout_for(kern, &plan, m, n);
-        if (lay.floats > ws_floats) return -1; /* a caller that sized for another product */
-    }
     gemm_job job = {.kern = kern,
                     .ep = ep,
                     .m = m,
-                    .kdim = kdim,
+                    .k = k,
                     .a = a,
                     .b = b,
-                    .ta = ta,
-                    .tb = tb,
+                    .ta = plan->ta,
+                    .tb = plan->tb,
                     .rsa = rsa,
                     .csa = csa,
                     .rsb = rsb,
@@ -174,27 +142,27 @@ int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, cons
                     .rsc = rsc,
                     .c = c,
                     .ap = workspace,
-                    .bp = workspace + lay.b_offset,
-                    .plan = plan};
-    job.pairs = use_pairs(kern, ta, tb);
-    const int64_t max_depth = gemm_slice_depth(kern, ta, tb);
-    int64_t threads = plan.threads, mslivers = (m + kern->mr - 1) / kern->mr;
+                    .bp = workspace + plan->b_offset,
+                    .plan = *plan,
+                    .pairs = plan->pairs};
+    const int64_t max_depth = gemm_slice_depth(kern, plan->ta, plan->tb);
+    const int64_t threads = plan->threads, mblocks = plan->mblocks, mslivers = (m + kern->mr - 1) / kern->mr;
     for (int64_t jc = 0; jc < n; jc += kern->nc) {
         job.jc = jc;
         job.nc = n - jc < kern->nc ? n - jc : kern->nc;
         int64_t nslivers = (job.nc + kern->nr - 1) / kern->nr;
         /* enough column chunks that every thread has work when M is small */
-        job.ntn = plan.own_a ? 1 : (2 * threads + plan.mblocks - 1) / plan.mblocks;
+        job.ntn = plan->own_a ? 1 : (2 * threads + mblocks - 1) / mblocks;
         if (job.ntn > nslivers) job.ntn = nslivers;
         /* (with own_a this is plan.workers: ntn = 1 and mblocks >= 2 threads) */
-        job.plan.workers = plan.mblocks * job.ntn < threads ? plan.mblocks * job.ntn : threads;
-        for (int64_t pc = 0; pc < kdim; pc += max_depth) {
+        job.plan.workers = mblocks * job.ntn < threads ? mblocks * job.ntn : threads;
+        for (int64_t pc = 0; pc < k; pc += max_depth) {
             job.pc = pc;
-            job.depth = kdim - pc < max_depth ? kdim - pc : max_depth;
+            job.depth = k - pc < max_depth ? k - pc : max_depth;
             job.kp = job.pairs ? (job.depth + 1) / 2 : job.depth;
             if (job.pairs && kern->tile_pairs) job.kp = round_up(job.kp, kern->tile_pairs);
             opf_parallel_for(0, nslivers, 16, gemm_pack_b_range, &job);
-            if (!plan.own_a) opf_parallel_for(0, mslivers, 16, gemm_pack_a_range, &job); /* blocks shared by tasks */
+            if (!plan->own_a) opf_parallel_for(0, mslivers, 16, gemm_pack_a_range, &job); /* blocks shared by tasks */
             opf_parallel_for(0, job.plan.workers, 1, compute_workers, &job);
         }
     }

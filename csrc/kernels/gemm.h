@@ -11,8 +11,12 @@
  * pre-activation store run in the micro-kernel on the last K slice, while the
  * tile is in registers. Block sizes per ISA live in the gemm_kernels tables.
  *
- * Kernels never allocate: the caller passes a workspace and its size, at
- * least gemm_workspace_floats() of the product being run. Threads come from
+ * A product runs under a plan made once per call (gemm_plan_make): the table
+ * whose micro-kernel multiplies, the blocking over the thread count the
+ * caller read once, and the workspace that blocking carves. The caller sizes
+ * the workspace from that plan (gemm_workspace) and runs the same plan
+ * (gemm_run): sizing and running cannot disagree on the thread count.
+ * Kernels never allocate or start threads: threads come from
  * opf_parallel_for.
  *
  * Files by job, as BLIS separates them: gemm_ref.c (the oracles, the scalar
@@ -47,7 +51,7 @@ typedef struct gemm_epilogue {
      * (row stride rsc) and v to pre16 (row stride rsp; optional), rounded to
      * out_dt (OPF_BF16 / OPF_F16), instead of to C and preact. C then only
      * holds the partial sums of earlier K slices, and may be NULL when K fits
-     * one slice (kdim <= gemm_slice_depth). beta must be 0. */
+     * one slice (k <= gemm_slice_depth). beta must be 0. */
     void *out16, *pre16;
     opf_dtype out_dt;
 } gemm_epilogue;
@@ -90,7 +94,7 @@ typedef struct gemm_kernels {
     /* The conversions of the same ISA (16-bit operands are converted while
      * packed), and the activations whose derivatives match this epilogue's
      * activations (the linear backward takes them from here) */
-    const cvt_kernels *cvt;
+    const convert_kernels *cvt;
     const act_kernels *act;
     /* Tile layout of the pair kernel (AMX): 0, or the pairs of one tile row
      * (16). Then A slivers are packed a tile at a time, row-major:
@@ -116,45 +120,63 @@ extern const gemm_kernels gemm_kernels_amx;         /* gemm_amx.c: AMX-BF16 tile
 extern const opf_variants gemm_variants;
 
 /* The table for isa (opf_variant_best). It notes no pick for the log: at
- * OPFORGE_LOG_LEVEL=info gemm_f32x notes the table whose micro-kernel runs
+ * OPFORGE_LOG_LEVEL=info gemm_run notes the table whose micro-kernel runs
  * for its operand types (the pair table or its `f32` one), and gemm_ref_f64
  * notes "ref_f64", so that a call's log line names the kernel that ran. */
 const gemm_kernels *gemm_kernels_for(opf_isa isa);
 
 /* The K depth one slice covers for these operand types: a product with
- * kdim <= this and 16-bit results (gemm_epilogue.out16) needs no float32 C. */
+ * k <= this and 16-bit results (gemm_epilogue.out16) needs no float32 C. */
 int64_t gemm_slice_depth(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb);
 
-/* Floats of workspace gemm_f32 / gemm_f32x need for an M x N x K product, at
- * the current thread count. It is not monotonic in M: a few rows pack the
- * whole of A, enough rows for every thread pack one block per worker, so a
- * caller that runs a product in row chunks sizes for each chunk length it
- * runs (the full chunk and the last, shorter one) and takes the larger. */
-int64_t gemm_workspace_floats(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim);
+/* How one M x N x K product with operands of types ta and tb is split at a
+ * thread count: MC-row blocks (at most the ISA's MC, as many as a multiple
+ * of the threads so each thread gets equal ones), and whether each worker
+ * packs its own blocks of A (enough blocks for every thread: the block stays
+ * in that core's L2, and the workspace holds one block per worker) or A is
+ * packed whole and shared by column tasks (few, short blocks); then where
+ * the packed operands go: A's region (the whole of A, or one block per
+ * worker) at the start, then one KC x NC panel of B. The one statement of
+ * the workspace a product carves. Not monotonic in M: a caller that runs a
+ * product in row chunks makes a plan for each chunk length it runs (the full
+ * chunk and the last, shorter one) and sizes for the larger. */
+typedef struct gemm_plan {
+    const gemm_kernels *kern; /* the table whose micro-kernel runs: a pair table or its `f32` one */
+    int64_t m, n, k;
+    opf_dtype ta, tb;
+    int pairs;                /* packed as bfloat16 pairs for kern->ukernel_pairs */
+    int64_t threads;          /* the thread count the plan is for */
+    int64_t mc;               /* rows of the largest block */
+    int64_t slivers, mblocks; /* block b: MR-row slivers [slivers * b / mblocks, slivers * (b + 1) / mblocks) */
+    int64_t workers, kc_max;
+    int own_a;
+    int64_t b_offset, floats; /* workspace: B's panel at b_offset; floats in all (0: nothing to pack) */
+} gemm_plan;
 
-/* Returns 0, or -1 without touching anything when ws_floats is smaller than
- * the plan it would run needs (a caller that sized for another product). */
-int gemm_f32(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa,
-             const float *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace,
-             int64_t ws_floats);
+gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t k, opf_dtype ta, opf_dtype tb,
+                         int64_t threads);
+/* Floats of workspace the plan's product needs. */
+int64_t gemm_workspace(const gemm_plan *plan);
 
-/* The same with bfloat16 / float16 (or float32) operands: C stays float32
- * and the product accumulates in float32. With a pair kernel (kern->ukernel_pairs)
- * and a bfloat16 operand whose partner is bfloat16 or float32, both are
- * packed as bfloat16 pairs (a float32 partner rounded to nearest even, as
- * PyTorch rounds a bfloat16 op's intermediate results) and multiplied by the
- * pair kernel. Otherwise both are converted to float32 while packed. */
-int gemm_f32x(const gemm_kernels *kern, int64_t m, int64_t n, int64_t kdim, const void *a, opf_dtype ta, int64_t rsa,
-              int64_t csa, const void *b, opf_dtype tb, int64_t rsb, int64_t csb, float *c, int64_t rsc,
-              const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
+/* C (plan->m, plan->n) = act(A B + beta C + bias): A and B of the plan's
+ * types (float32, bfloat16 or float16); C stays float32 and the product
+ * accumulates in float32. With a pair kernel (kern->ukernel_pairs) and a
+ * bfloat16 operand whose partner is bfloat16 or float32, both are packed as
+ * bfloat16 pairs (a float32 partner rounded to nearest even, as PyTorch
+ * rounds a bfloat16 op's intermediate results) and multiplied by the pair
+ * kernel. Otherwise both are converted to float32 while packed. Returns 0,
+ * or -1 without touching anything when ws_floats is smaller than the plan
+ * needs (a caller that sized for another product). */
+int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb,
+             float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
 
 /* Naive triple loop with the same epilogue, accumulating in double: the oracle. */
-void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa, const float *b,
+void gemm_ref_f32(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
                   int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep);
 
 /* float64 oracle (and the float64 path of the ops, for gradcheck): the same
  * contract in double, activations from libm; the bias of any stride. */
-void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa, const double *b,
+void gemm_ref_f64(int64_t m, int64_t n, int64_t k, const double *a, int64_t rsa, int64_t csa, const double *b,
                   int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta, const double *bias,
                   int64_t bias_stride, gemm_bias_kind bias_kind, act_kind act, double *preact, int64_t rsp);
 

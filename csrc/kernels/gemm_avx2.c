@@ -96,5 +96,5 @@ const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16",
                                         .kc = 384,
                                         .nc = 3072,
                                         .ukernel = ukernel_avx2_6x16,
-                                        .cvt = &cvt_kernels_avx2,
+                                        .cvt = &convert_kernels_avx2,
                                         .act = &act_kernels_avx2};

@@ -93,7 +93,7 @@ const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32",
                                           .kc = 1024,
                                           .nc = 1024,
                                           .ukernel = ukernel_avx512_12x32,
-                                          .cvt = &cvt_kernels_avx512,
+                                          .cvt = &convert_kernels_avx512,
                                           .act = &act_kernels_avx2};
 
 const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
@@ -105,6 +105,6 @@ const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .nc = 1024,
                                                .ukernel = ukernel_avx512_12x32,
                                                .ukernel_pairs = ukernel_avx512bf16_12x32,
-                                               .cvt = &cvt_kernels_avx512,
+                                               .cvt = &convert_kernels_avx512,
                                                .act = &act_kernels_avx2,
                                                .f32 = &gemm_kernels_avx512};

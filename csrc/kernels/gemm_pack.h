@@ -13,31 +13,18 @@ static inline const void *elem_ptr(const void *p, int64_t i, opf_dtype dt) {
     return (const char *)p + i * (int64_t)opf_dtype_size(dt);
 }
 
-/* How a product is split: MC-row blocks (at most the ISA's MC, as many as a
- * multiple of the threads so each thread gets equal ones), and whether each
- * worker packs its own blocks of A (enough blocks for every thread: the block
- * stays in that core's L2, and the workspace holds one block per worker) or
- * A is packed whole and shared by column tasks (few, short blocks). */
-typedef struct gemm_plan {
-    int64_t threads;          /* the thread count the plan is for */
-    int64_t mc;               /* rows of the largest block */
-    int64_t slivers, mblocks; /* block b: MR-row slivers [slivers * b / mblocks, slivers * (b + 1) / mblocks) */
-    int64_t workers, kc_max;
-    int own_a;
-} gemm_plan;
-
 typedef struct gemm_job {
     const gemm_kernels *kern;
     const gemm_epilogue *ep;
-    int64_t m, nc, depth, jc, pc, kdim; /* depth: of the current K slice, from pc */
+    int64_t m, nc, depth, jc, pc, k; /* depth: of the current K slice, from pc */
     const void *a, *b;
     opf_dtype ta, tb;
     int64_t rsa, csa, rsb, csb, rsc;
     float *c, *ap, *bp;
-    gemm_plan plan;
-    int64_t ntn; /* column chunks per row block in the compute phase (1 when plan.own_a) */
-    int pairs;   /* packed as bfloat16 pairs for kern->ukernel_pairs */
-    int64_t kp;  /* packed depth of the K slice: depth, or its pairs */
+    gemm_plan plan; /* the caller's, workers set per column panel */
+    int64_t ntn;    /* column chunks per row block in the compute phase (1 when plan.own_a) */
+    int pairs;      /* packed as bfloat16 pairs for kern->ukernel_pairs */
+    int64_t kp;     /* packed depth of the K slice: depth, or its pairs */
 } gemm_job;
 
 /* A slivers [begin, end) of the K slice into dst (sliver s at (s - base) * mr * kp) */

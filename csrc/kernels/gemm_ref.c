@@ -30,12 +30,12 @@ void gemm_tile_store(const float *acc, int nr, float *c, int64_t rsc, int m, int
 
 /* ---- the oracles ------------------------------------------------------------------- */
 
-void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rsa, int64_t csa, const float *b,
+void gemm_ref_f32(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
                   int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep) {
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j = 0; j < n; j++) {
             double s = 0;
-            for (int64_t p = 0; p < kdim; p++) s += (double)a[i * rsa + p * csa] * b[p * rsb + j * csb];
+            for (int64_t p = 0; p < k; p++) s += (double)a[i * rsa + p * csa] * b[p * rsb + j * csb];
             float v = (float)s;
             if (ep->beta != 0.0f) v += ep->beta * c[i * rsc + j];
             if (ep->bias_kind == GEMM_BIAS_ROW) v += ep->bias[j];
@@ -50,14 +50,14 @@ void gemm_ref_f32(int64_t m, int64_t n, int64_t kdim, const float *a, int64_t rs
     }
 }
 
-void gemm_ref_f64(int64_t m, int64_t n, int64_t kdim, const double *a, int64_t rsa, int64_t csa, const double *b,
+void gemm_ref_f64(int64_t m, int64_t n, int64_t k, const double *a, int64_t rsa, int64_t csa, const double *b,
                   int64_t rsb, int64_t csb, double *c, int64_t rsc, double beta, const double *bias,
                   int64_t bias_stride, gemm_bias_kind bias_kind, act_kind act, double *preact, int64_t rsp) {
     if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick(gemm_variants.family, "ref_f64", OPF_ISA_REF);
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j = 0; j < n; j++) {
             double v = 0;
-            for (int64_t p = 0; p < kdim; p++) v += a[i * rsa + p * csa] * b[p * rsb + j * csb];
+            for (int64_t p = 0; p < k; p++) v += a[i * rsa + p * csa] * b[p * rsb + j * csb];
             if (beta != 0.0) v += beta * c[i * rsc + j];
             if (bias_kind == GEMM_BIAS_ROW) v += bias[j * bias_stride];
             if (bias_kind == GEMM_BIAS_COL) v += bias[i * bias_stride];
@@ -86,5 +86,5 @@ const gemm_kernels gemm_kernels_ref = {.name = "ref_4x4",
                                        .kc = 256,
                                        .nc = 1024,
                                        .ukernel = ukernel_ref_4x4,
-                                       .cvt = &cvt_kernels_ref,
+                                       .cvt = &convert_kernels_ref,
                                        .act = &act_kernels_ref};

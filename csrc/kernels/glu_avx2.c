@@ -1,49 +1,16 @@
 /*
  * Gated linear units, AVX2 + FMA + F16C: 8 lanes through act_avx2.h's
- * activations (exp / erf / tanh to ~1-2 ulp). Strided operands are gathered
- * into an 8-element block and the end of a run is padded to one, so every
- * element goes through the same vector code whatever its stride or position
- * (results independent of the thread split). float64 runs the reference
- * (libm in double: the gradcheck path).
+ * activations (act8 forward, act_pair8 backward; exp / erf / tanh to ~1-2
+ * ulp). Strided operands are gathered into an 8-element block and the end of
+ * a run is padded to one, so every element goes through the same vector code
+ * whatever its stride or position (results independent of the thread split).
+ * float64 runs the reference (libm in double: the gradcheck path).
  */
 #include <immintrin.h>
 
 #include "act_avx2.h"
 #include "glu.h"
 #include "half_avx2.h"
-
-/* act(x) and act'(x) together, sharing the exponential they are made of */
-static inline __m256 act_pair8(act_kind act, __m256 x, __m256 *da) {
-    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    switch (act) {
-    case ACT_SILU: {
-        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-        *da = _mm256_mul_ps(s, _mm256_fmadd_ps(x, _mm256_sub_ps(one, s), one));
-        return _mm256_mul_ps(x, s);
-    }
-    case ACT_GELU: { /* Phi(x) + x phi(x); erf(x / sqrt 2) is made of exp(-x^2 / 2), phi's exponential */
-        __m256 e;
-        __m256 cdf =
-            _mm256_mul_ps(half, _mm256_add_ps(one, erf8e(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)), &e)));
-        *da = _mm256_fmadd_ps(x, _mm256_mul_ps(e, _mm256_set1_ps(0.3989422804014327f)), cdf);
-        return _mm256_mul_ps(x, cdf);
-    }
-    case ACT_GELU_TANH: {
-        const __m256 k = _mm256_set1_ps(0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
-        __m256 x2 = _mm256_mul_ps(x, x);
-        __m256 t = tanh8(_mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(c, x2), x, x)));
-        __m256 left = _mm256_mul_ps(half, _mm256_add_ps(one, t));
-        __m256 dt = _mm256_fnmadd_ps(t, t, one);
-        __m256 inner = _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(3.0f), c), x2, one));
-        *da = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), dt), inner, left);
-        return _mm256_mul_ps(x, left);
-    }
-    default: *da = one; return x;
-    }
-}
-
-static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 
 /* LDn / STn: m <= 8 elements at stride s, through a zero-padded block unless
  * the 8 lie side by side. */
@@ -67,13 +34,6 @@ static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 GLU_BLOCK_IO(f32, float, ld_f32, st_f32)
 GLU_BLOCK_IO(bf16, uint16_t, ld_bf16, st_bf16)
 GLU_BLOCK_IO(f16, uint16_t, ld_f16, st_f16)
-
-/* Non-temporal stores of a whole aligned block (32 bytes for float32, 16 for the 16-bit types). */
-static inline void nt_f32(float *p, __m256 v) { _mm256_stream_ps(p, v); }
-static inline void nt_bf16(uint16_t *p, __m256 v) { _mm_stream_si128((__m128i *)p, bf16_round(v)); }
-static inline void nt_f16(uint16_t *p, __m256 v) {
-    _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
 
 /* Unit-stride runs that write more than this stream their output past the caches: such an output cannot
  * stay cached anyway, and a non-temporal store skips reading each line before overwriting it (a quarter

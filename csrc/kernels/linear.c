@@ -1,8 +1,11 @@
 /*
- * Fused linear: row views of x, chunk plans, workspace layouts, the forward
- * and both backward strategies, and the float64 reference path. See linear.h.
+ * Fused linear and matmul: row views of x, the plans (chunks, GEMM plans,
+ * workspace layouts), the forward, both backward strategies, matmul's batch
+ * loops, and the float64 reference paths. See linear.h.
  */
 #include "linear.h"
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static void *at(const void *p, int64_t i, opf_dtype dt) { return (char *)p + i * (int64_t)opf_dtype_size(dt); }
 
@@ -60,6 +63,12 @@ static int64_t row_offset(const linear_view *x, const rows_view *v, int64_t row)
     return matrix_offset(x, v, row / v->rows) + (row % v->rows) * v->rs;
 }
 
+/* M: the product of x's leading dims */
+static int64_t rows_of(const linear_view *x) {
+    const rows_view v = view_rows(x);
+    return v.rows * v.count;
+}
+
 /* ---- GEMM results of any float type ------------------------------------------------------------ */
 
 int64_t linear_chunk_rows(int64_t rows, int64_t n) {
@@ -68,27 +77,28 @@ int64_t linear_chunk_rows(int64_t rows, int64_t n) {
     return c > rows ? (rows > 0 ? rows : 1) : c;
 }
 
-/* The GEMM workspace for (rows, n, kdim) products over `total` rows run `chunk` rows at a time */
-static int64_t chunked_ws(const gemm_kernels *gemm, int64_t chunk, int64_t total, int64_t n, int64_t kdim) {
-    int64_t full = gemm_workspace_floats(gemm, chunk, n, kdim), last = total % chunk;
-    int64_t tail = last ? gemm_workspace_floats(gemm, last, n, kdim) : 0;
-    return full > tail ? full : tail;
-}
-
-linear_gemm_plan linear_gemm_plan_for(const gemm_kernels *gemm, opf_dtype dt, int64_t m, int64_t n, int64_t kdim) {
-    linear_gemm_plan p = {.c_scratch = dt != OPF_F32 && kdim > gemm_slice_depth(gemm, dt, dt)};
+static linear_gemm_plan linear_gemm_plan_make(const gemm_kernels *gemm, opf_dtype dt, int64_t m, int64_t n, int64_t k,
+                                              int64_t threads) {
+    linear_gemm_plan p = {
+        .dt = dt, .m = m, .n = n, .k = k, .c_scratch = dt != OPF_F32 && k > gemm_slice_depth(gemm, dt, dt)};
     p.chunk = p.c_scratch ? linear_chunk_rows(m, n) : (m > 0 ? m : 1);
-    p.gemm_floats = chunked_ws(gemm, p.chunk, m, n, kdim);
-    p.ws_floats = p.gemm_floats + (p.c_scratch ? p.chunk * n : 0);
+    p.full = gemm_plan_make(gemm, p.chunk, n, k, dt, dt, threads);
+    p.last = gemm_plan_make(gemm, m % p.chunk, n, k, dt, dt, threads);
+    p.gemm_floats = max64(gemm_workspace(&p.full), gemm_workspace(&p.last));
+    p.floats = p.gemm_floats + (p.c_scratch ? p.chunk * n : 0);
     return p;
 }
 
-int linear_gemm(const gemm_kernels *gemm, const linear_gemm_plan *plan, int64_t m, int64_t n, int64_t kdim,
-                const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb, void *out, void *pre,
-                opf_dtype dt, const float *bias, int act, float *ws) {
+/* out (m, n; row stride n) = act(A (m, k) B (k, n) + bias), its pre-activation
+ * to pre when not NULL, both of the plan's type (float32 bias or NULL). ws:
+ * plan->floats floats. */
+static int linear_gemm(const linear_gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b,
+                       int64_t rsb, int64_t csb, void *out, void *pre, const float *bias, int act, float *ws) {
+    const int64_t m = plan->m, n = plan->n;
+    const opf_dtype dt = plan->dt;
     float *cbuf = plan->c_scratch ? ws + plan->gemm_floats : NULL;
     for (int64_t r0 = 0; r0 < m; r0 += plan->chunk) {
-        int64_t rows = m - r0 < plan->chunk ? m - r0 : plan->chunk;
+        const gemm_plan *part = m - r0 < plan->chunk ? &plan->last : &plan->full; /* the last chunk is shorter */
         gemm_epilogue ep = {
             .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, .act = act, .rsp = n, .out_dt = dt};
         float *c = cbuf;
@@ -99,166 +109,150 @@ int linear_gemm(const gemm_kernels *gemm, const linear_gemm_plan *plan, int64_t 
             ep.out16 = at(out, r0 * n, dt);
             ep.pre16 = pre ? at(pre, r0 * n, dt) : NULL;
         }
-        TRY(gemm_f32x(gemm, rows, n, kdim, at(a, r0 * rsa, dt), dt, rsa, csa, b, dt, rsb, csb, c, n, &ep, ws,
-                      plan->gemm_floats));
+        TRY(gemm_run(part, at(a, r0 * rsa, dt), rsa, csa, b, rsb, csb, c, n, &ep, ws, plan->gemm_floats));
     }
     return 0;
 }
 
 /* ---- forward ----------------------------------------------------------------------------------- */
 
-/* the GEMM's plan, then a float32 copy of the bias */
-typedef struct fwd_layout {
-    linear_gemm_plan plan;
-    int64_t bias, floats;
-} fwd_layout;
-
-static fwd_layout fwd_layout_for(const gemm_kernels *gemm, const linear_problem *p) {
+linear_fwd_plan linear_fwd_plan_make(const gemm_kernels *gemm, const linear_problem *p, int64_t threads) {
+    linear_fwd_plan l = {.gemm = gemm};
+    if (p->dt == OPF_F64) return l;
     rows_view v = view_rows(&p->x);
-    fwd_layout l = {.plan = linear_gemm_plan_for(gemm, p->dt, v.rows, p->out_features, p->in_features)};
-    l.bias = l.plan.ws_floats;
-    l.floats = l.bias + p->out_features;
+    l.product = linear_gemm_plan_make(gemm, p->dt, v.rows, p->n, p->k, threads);
+    l.bias = l.product.floats;
+    l.floats = l.bias + p->n;
     return l;
 }
 
-int64_t linear_fwd_workspace(const gemm_kernels *gemm, const linear_problem *p) {
-    return p->dt == OPF_F64 ? 0 : fwd_layout_for(gemm, p).floats;
-}
+int64_t linear_fwd_workspace(const linear_fwd_plan *plan) { return plan->floats; }
 
 static void fwd_ref(const linear_problem *p) {
-    const int64_t n = p->out_features, kdim = p->in_features;
+    const int64_t n = p->n, k = p->k;
     rows_view v = view_rows(&p->x);
     for (int64_t i = 0; i < v.count; i++) {
         int64_t xo = matrix_offset(&p->x, &v, i), oo = i * v.rows * n;
-        gemm_ref_f64(v.rows, n, kdim, (const double *)p->x.data + xo, v.rs, v.cs, p->weight, p->weight_strides[1],
+        gemm_ref_f64(v.rows, n, k, (const double *)p->x.data + xo, v.rs, v.cs, p->weight, p->weight_strides[1],
                      p->weight_strides[0], (double *)p->out + oo, n, 0.0, p->bias, p->bias ? p->bias_stride : 0,
                      p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, p->act, p->preact ? (double *)p->preact + oo : NULL, n);
     }
 }
 
-int linear_fwd(const gemm_kernels *gemm, const linear_problem *p, float *ws, int64_t ws_floats) {
+int linear_fwd(const linear_fwd_plan *plan, const linear_problem *p, float *ws, int64_t ws_floats) {
     if (p->dt == OPF_F64) {
         fwd_ref(p);
         return 0;
     }
-    const int64_t n = p->out_features, kdim = p->in_features;
-    fwd_layout l = fwd_layout_for(gemm, p);
-    if (ws_floats < l.floats) return LINEAR_ERR_WORKSPACE;
+    if (ws_floats < plan->floats) return LINEAR_ERR_WORKSPACE;
+    const int64_t n = p->n;
     rows_view v = view_rows(&p->x);
     float *bias = NULL;
     if (p->bias) {
-        bias = ws + l.bias;
-        cvt_load_f32(gemm->cvt, bias, p->bias, p->dt, n, p->bias_stride);
+        bias = ws + plan->bias;
+        convert_load_f32(plan->gemm->cvt, bias, p->bias, p->dt, n, p->bias_stride);
     }
     for (int64_t i = 0; i < v.count; i++) {
         int64_t oo = i * v.rows * n;
-        TRY(linear_gemm(gemm, &l.plan, v.rows, n, kdim, at(p->x.data, matrix_offset(&p->x, &v, i), p->dt), v.rs, v.cs,
-                        p->weight, p->weight_strides[1], p->weight_strides[0], at(p->out, oo, p->dt),
-                        p->preact ? at(p->preact, oo, p->dt) : NULL, p->dt, bias, p->act, ws));
+        TRY(linear_gemm(&plan->product, at(p->x.data, matrix_offset(&p->x, &v, i), p->dt), v.rs, v.cs, p->weight,
+                        p->weight_strides[1], p->weight_strides[0], at(p->out, oo, p->dt),
+                        p->preact ? at(p->preact, oo, p->dt) : NULL, bias, p->act, ws));
     }
     return 0;
 }
 
 /* ---- backward in place --------------------------------------------------------------------------- */
 
-linear_bwd_strategy linear_bwd_plan(const linear_problem *p, int preact_donated) {
-    if (!preact_donated || p->dt == OPF_F64 || !p->act || p->m == 0 || !p->saved_preact.data) return LINEAR_BWD_CHUNKED;
+static linear_bwd_strategy bwd_strategy(const linear_problem *p, int preact_donated) {
+    if (!preact_donated || p->dt == OPF_F64 || !p->act || rows_of(&p->x) == 0 || !p->saved_preact.data)
+        return LINEAR_BWD_CHUNKED;
     rows_view gv = view_rows(&p->grad), pv = view_rows(&p->saved_preact), xv = view_rows(&p->x);
-    if (gv.count != 1 || pv.count != 1 || gv.cs != 1 || pv.cs != 1 || pv.rs != p->out_features ||
+    if (gv.count != 1 || pv.count != 1 || gv.cs != 1 || pv.cs != 1 || pv.rs != p->n ||
         (p->dt != OPF_F32 && xv.count != 1))
         return LINEAR_BWD_CHUNKED;
     return LINEAR_BWD_IN_PLACE;
 }
 
-/* the larger of the two GEMMs' workspaces, then a float32 dbias */
-typedef struct in_place_layout {
-    linear_gemm_plan dx, dweight;
-    int64_t dbias, floats;
-} in_place_layout;
-
-static in_place_layout in_place_layout_for(const gemm_kernels *gemm, const linear_problem *p) {
-    const int64_t n = p->out_features, kdim = p->in_features;
+/* the larger of the GEMMs' workspaces, then a float32 dbias */
+static void in_place_plan(linear_bwd_plan *l, const linear_problem *p) {
+    const int64_t n = p->n, k = p->k;
     rows_view xv = view_rows(&p->x);
-    in_place_layout l = {.dx = linear_gemm_plan_for(gemm, p->dt, p->m, kdim, n),
-                         .dweight = linear_gemm_plan_for(gemm, p->dt, n, kdim, xv.rows)};
-    l.dbias = l.dx.ws_floats > l.dweight.ws_floats ? l.dx.ws_floats : l.dweight.ws_floats;
-    l.floats = l.dbias + n;
-    return l;
+    l->in_place.dx = linear_gemm_plan_make(l->gemm, p->dt, rows_of(&p->x), k, n, l->threads);
+    l->in_place.dweight = linear_gemm_plan_make(l->gemm, p->dt, n, k, xv.rows, l->threads);
+    l->in_place.dweight_each = gemm_plan_make(l->gemm, n, k, xv.rows, OPF_F32, OPF_F32, l->threads);
+    l->in_place.dbias = max64(l->in_place.dx.floats,
+                              xv.count == 1 ? l->in_place.dweight.floats : gemm_workspace(&l->in_place.dweight_each));
+    l->floats = l->in_place.dbias + n;
 }
 
 /* g' replaces preact in one threaded pass that also sums dbias (16-bit types:
  * computed in float32, rounded once, as PyTorch's activation backward rounds
  * it), then dx and dweight are one GEMM each over all M rows. */
-static int bwd_in_place(const gemm_kernels *gemm, const linear_problem *p, float *ws, int64_t ws_floats) {
-    const int64_t n = p->out_features, kdim = p->in_features;
+static int bwd_in_place(const linear_bwd_plan *l, const linear_problem *p, float *ws) {
+    const gemm_kernels *gemm = l->gemm;
+    const int64_t n = p->n, k = p->k;
     const opf_dtype dt = p->dt;
     const int half = dt != OPF_F32;
-    in_place_layout l = in_place_layout_for(gemm, p);
-    if (ws_floats < l.floats) return LINEAR_ERR_WORKSPACE;
     rows_view gv = view_rows(&p->grad), xv = view_rows(&p->x);
     void *gp = p->saved_preact.data;
-    float *db32 = !p->bias ? NULL : half ? ws + l.dbias : p->dbias;
-    act_grad_rows(gemm->act, gemm->cvt, dt, gp, n, p->grad.data, gv.rs, gp, n, p->m, n, p->act, db32); /* and dbias */
+    float *db32 = !p->bias ? NULL : half ? ws + l->in_place.dbias : p->dbias;
+    act_grad_rows(gemm->act, gemm->cvt, dt, gp, n, p->grad.data, gv.rs, gp, n, l->in_place.dx.m, n, p->act, db32,
+                  l->threads); /* and dbias */
     /* dx (m, k) = g' (m, n) . weight (n, k) */
-    TRY(linear_gemm(gemm, &l.dx, p->m, kdim, n, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1], p->dx,
-                    NULL, dt, NULL, ACT_NONE, ws));
+    TRY(linear_gemm(&l->in_place.dx, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1], p->dx, NULL, NULL,
+                    ACT_NONE, ws));
     /* dweight (n, k) = sum over x's matrices of g'^T (n, rows) . x (rows, k) */
     if (xv.count == 1) {
-        TRY(linear_gemm(gemm, &l.dweight, n, kdim, xv.rows, gp, 1, n, p->x.data, xv.rs, xv.cs, p->dweight, NULL, dt,
-                        NULL, ACT_NONE, ws));
+        TRY(linear_gemm(&l->in_place.dweight, gp, 1, n, p->x.data, xv.rs, xv.cs, p->dweight, NULL, NULL, ACT_NONE, ws));
     } else {
+        const gemm_plan *each = &l->in_place.dweight_each;
         for (int64_t i = 0; i < xv.count; i++) {
             gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
-            TRY(gemm_f32x(gemm, n, kdim, xv.rows, (const float *)gp + i * xv.rows * n, OPF_F32, 1, n,
-                          (const float *)p->x.data + matrix_offset(&p->x, &xv, i), OPF_F32, xv.rs, xv.cs, p->dweight,
-                          kdim, &acc, ws, l.dweight.gemm_floats));
+            TRY(gemm_run(each, (const float *)gp + i * xv.rows * n, 1, n,
+                         (const float *)p->x.data + matrix_offset(&p->x, &xv, i), xv.rs, xv.cs, p->dweight, k, &acc, ws,
+                         gemm_workspace(each)));
         }
     }
-    if (p->bias && half) cvt_store_f32(gemm->cvt, p->dbias, dt, db32, n);
+    if (p->bias && half) convert_store_f32(gemm->cvt, p->dbias, dt, db32, n);
     return 0;
 }
 
 /* ---- backward in row chunks ---------------------------------------------------------------------- */
 
-/* g' (chunk x n, float32 or float64), the GEMMs' workspace, one float32 row of
- * grad and of preact (converted or gathered), a float32 bias for the
- * recomputation, and for 16-bit types float32 dx rows, dweight and dbias */
-typedef struct chunked_layout {
-    int64_t chunk, gemm_floats;
-    int64_t gemm_ws, grad_row, preact_row, bias, dx, dweight, dbias, floats;
-} chunked_layout;
-
-static chunked_layout chunked_layout_for(const gemm_kernels *gemm, const linear_problem *p) {
-    const int64_t n = p->out_features, kdim = p->in_features;
+static void chunked_plan(linear_bwd_plan *l, const linear_problem *p) {
+    const int64_t n = p->n, k = p->k;
     const int f64 = p->dt == OPF_F64, half = p->dt == OPF_BF16 || p->dt == OPF_F16;
     const int recompute = p->act && !p->saved_preact.data;
     rows_view xv = view_rows(&p->x);
-    chunked_layout l = {.chunk = linear_chunk_rows(xv.rows, n)};
+    const int64_t chunk = linear_chunk_rows(xv.rows, n);
+    l->chunked.chunk = chunk;
     /* the GEMMs, for the full chunk and the last one: dx rows (rows, k, n),
      * dweight (n, k, rows), the recomputed preact (rows, n, k) */
     for (int last = 0; !f64 && last < 2; last++) {
-        int64_t rows = last ? xv.rows % l.chunk : l.chunk;
-        if (rows == 0) continue;
-        int64_t need[3] = {gemm_workspace_floats(gemm, rows, kdim, n), gemm_workspace_floats(gemm, n, kdim, rows),
-                           recompute ? gemm_workspace_floats(gemm, rows, n, kdim) : 0};
-        for (int g = 0; g < 3; g++) l.gemm_floats = need[g] > l.gemm_floats ? need[g] : l.gemm_floats;
+        const int64_t rows = last ? xv.rows % chunk : chunk;
+        l->chunked.dx[last] = gemm_plan_make(l->gemm, rows, k, n, OPF_F32, p->dt, l->threads);
+        l->chunked.dweight[last] = gemm_plan_make(l->gemm, n, k, rows, OPF_F32, p->dt, l->threads);
+        l->chunked.recompute[last] = gemm_plan_make(l->gemm, rows, n, k, p->dt, p->dt, l->threads);
+        if (rows == 0) continue; /* no last chunk: its plans run nothing */
+        int64_t need[3] = {gemm_workspace(&l->chunked.dx[last]), gemm_workspace(&l->chunked.dweight[last]),
+                           recompute ? gemm_workspace(&l->chunked.recompute[last]) : 0};
+        for (int g = 0; g < 3; g++) l->chunked.gemm_floats = max64(l->chunked.gemm_floats, need[g]);
     }
-    l.gemm_ws = (l.chunk * n * (f64 ? 8 : 4) + 3) / 4;
-    l.grad_row = l.gemm_ws + l.gemm_floats;
-    l.preact_row = l.grad_row + n;
-    l.bias = l.preact_row + n;
-    l.dx = l.bias + n;
-    l.dweight = l.dx + (half ? l.chunk * kdim : 0);
-    l.dbias = l.dweight + (half ? n * kdim : 0);
-    l.floats = l.dbias + (half ? n : 0);
-    return l;
+    l->chunked.gemm_ws = (chunk * n * (f64 ? 8 : 4) + 3) / 4;
+    l->chunked.grad_row = l->chunked.gemm_ws + l->chunked.gemm_floats;
+    l->chunked.preact_row = l->chunked.grad_row + n;
+    l->chunked.bias = l->chunked.preact_row + n;
+    l->chunked.dx32 = l->chunked.bias + n;
+    l->chunked.dweight32 = l->chunked.dx32 + (half ? chunk * k : 0);
+    l->chunked.dbias32 = l->chunked.dweight32 + (half ? n * k : 0);
+    l->floats = l->chunked.dbias32 + (half ? n : 0);
 }
 
 /* g' rows (rows, n) in double from grad and preact (or the recomputed preact
  * already in gp) */
 static void gather_grad_f64(const linear_problem *p, const rows_view *gv, const rows_view *pv, int recompute,
                             int64_t row0, int64_t rows, double *gp) {
-    const int64_t n = p->out_features;
+    const int64_t n = p->n;
     for (int64_t r = 0; r < rows; r++) {
         const double *gr = (const double *)p->grad.data + row_offset(&p->grad, gv, row0 + r);
         double *dst = gp + r * n;
@@ -274,7 +268,7 @@ static void gather_grad_f64(const linear_problem *p, const rows_view *gv, const 
  * float32 row each */
 static void gather_grad_f32(const gemm_kernels *gemm, const linear_problem *p, const rows_view *gv, const rows_view *pv,
                             int recompute, int64_t row0, int64_t rows, float *gp, float *grow, float *prow) {
-    const int64_t n = p->out_features;
+    const int64_t n = p->n;
     const int half = p->dt != OPF_F32, act = p->act;
     for (int64_t r = 0; r < rows; r++) {
         int64_t go = row_offset(&p->grad, gv, row0 + r);
@@ -287,11 +281,11 @@ static void gather_grad_f32(const gemm_kernels *gemm, const linear_problem *p, c
             gemm->cvt->to_f32(dst, (const uint16_t *)prow, p->dt, n);
         }
         if (half || gv->cs != 1) { /* convert / gather to float32 rows first */
-            cvt_load_f32(gemm->cvt, act ? grow : dst, at(p->grad.data, go, p->dt), p->dt, n, gv->cs);
+            convert_load_f32(gemm->cvt, act ? grow : dst, at(p->grad.data, go, p->dt), p->dt, n, gv->cs);
             gr = act ? grow : dst;
         }
         if (act && !recompute && (half || pv->cs != 1)) {
-            cvt_load_f32(gemm->cvt, prow, at(p->saved_preact.data, po, p->dt), p->dt, n, pv->cs);
+            convert_load_f32(gemm->cvt, prow, at(p->saved_preact.data, po, p->dt), p->dt, n, pv->cs);
             pr = prow;
         }
         if (act)
@@ -301,40 +295,40 @@ static void gather_grad_f32(const gemm_kernels *gemm, const linear_problem *p, c
     }
 }
 
-static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float *ws, int64_t ws_floats) {
-    const int64_t n = p->out_features, kdim = p->in_features;
+static int bwd_chunked(const linear_bwd_plan *plan, const linear_problem *p, float *ws) {
+    const gemm_kernels *gemm = plan->gemm;
+    const int64_t n = p->n, k = p->k, chunk = plan->chunked.chunk, gemm_floats = plan->chunked.gemm_floats;
     const opf_dtype dt = p->dt;
     const int recompute = p->act && !p->saved_preact.data;
     const int f64 = dt == OPF_F64, half = dt == OPF_BF16 || dt == OPF_F16;
-    chunked_layout l = chunked_layout_for(gemm, p);
-    if (ws_floats < l.floats) return LINEAR_ERR_WORKSPACE;
     rows_view gv = view_rows(&p->grad), pv = p->act && !recompute ? view_rows(&p->saved_preact) : gv;
     rows_view xv = view_rows(&p->x);
     void *gp = ws;
-    float *gemm_ws = ws + l.gemm_ws, *bias32 = ws + l.bias;
-    float *dx32 = half ? ws + l.dx : NULL, *dw32 = half ? ws + l.dweight : p->dweight;
-    float *db32 = half ? ws + l.dbias : p->dbias;
-    if (recompute && p->bias && !f64) cvt_load_f32(gemm->cvt, bias32, p->bias, dt, n, p->bias_stride);
+    float *gemm_ws = ws + plan->chunked.gemm_ws, *bias32 = ws + plan->chunked.bias;
+    float *dx32 = half ? ws + plan->chunked.dx32 : NULL, *dw32 = half ? ws + plan->chunked.dweight32 : p->dweight;
+    float *db32 = half ? ws + plan->chunked.dbias32 : p->dbias;
+    if (recompute && p->bias && !f64) convert_load_f32(gemm->cvt, bias32, p->bias, dt, n, p->bias_stride);
     int first = 1;
-    for (int64_t i = 0; i < xv.count; i++) {                /* x's matrices */
-        for (int64_t r0 = 0; r0 < xv.rows; r0 += l.chunk) { /* row chunks of one matrix */
-            int64_t rows = xv.rows - r0 < l.chunk ? xv.rows - r0 : l.chunk, row0 = i * xv.rows + r0;
+    for (int64_t i = 0; i < xv.count; i++) {              /* x's matrices */
+        for (int64_t r0 = 0; r0 < xv.rows; r0 += chunk) { /* row chunks of one matrix */
+            const int64_t rows = xv.rows - r0 < chunk ? xv.rows - r0 : chunk, row0 = i * xv.rows + r0;
+            const int tail = rows < chunk; /* the last chunk's plans */
             int64_t xo = matrix_offset(&p->x, &xv, i) + r0 * xv.rs;
             if (recompute && f64) /* preact rows (rows, n) = x rows . weight^T + bias, into the g' scratch */
-                gemm_ref_f64(rows, n, kdim, (const double *)p->x.data + xo, xv.rs, xv.cs, p->weight,
-                             p->weight_strides[1], p->weight_strides[0], gp, n, 0.0, p->bias,
-                             p->bias ? p->bias_stride : 0, p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
+                gemm_ref_f64(rows, n, k, (const double *)p->x.data + xo, xv.rs, xv.cs, p->weight, p->weight_strides[1],
+                             p->weight_strides[0], gp, n, 0.0, p->bias, p->bias ? p->bias_stride : 0,
+                             p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
             else if (recompute) {
                 gemm_epilogue ep = {.bias = p->bias ? bias32 : NULL,
                                     .bias_kind = p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
-                TRY(gemm_f32x(gemm, rows, n, kdim, at(p->x.data, xo, dt), dt, xv.rs, xv.cs, p->weight, dt,
-                              p->weight_strides[1], p->weight_strides[0], gp, n, &ep, gemm_ws, l.gemm_floats));
+                TRY(gemm_run(&plan->chunked.recompute[tail], at(p->x.data, xo, dt), xv.rs, xv.cs, p->weight,
+                             p->weight_strides[1], p->weight_strides[0], gp, n, &ep, gemm_ws, gemm_floats));
             }
             if (f64) {
                 gather_grad_f64(p, &gv, &pv, recompute, row0, rows, gp);
-                gemm_ref_f64(rows, kdim, n, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1],
-                             (double *)p->dx + row0 * kdim, kdim, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
-                gemm_ref_f64(n, kdim, rows, gp, 1, n, (const double *)p->x.data + xo, xv.rs, xv.cs, p->dweight, kdim,
+                gemm_ref_f64(rows, k, n, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1],
+                             (double *)p->dx + row0 * k, k, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
+                gemm_ref_f64(n, k, rows, gp, 1, n, (const double *)p->x.data + xo, xv.rs, xv.cs, p->dweight, k,
                              first ? 0.0 : 1.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
                 for (int64_t j = 0; p->bias && j < n; j++) {
                     double sum = first ? 0.0 : ((double *)p->dbias)[j];
@@ -342,23 +336,24 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
                     ((double *)p->dbias)[j] = sum;
                 }
             } else {
-                gather_grad_f32(gemm, p, &gv, &pv, recompute, row0, rows, gp, ws + l.grad_row, ws + l.preact_row);
+                gather_grad_f32(gemm, p, &gv, &pv, recompute, row0, rows, gp, ws + plan->chunked.grad_row,
+                                ws + plan->chunked.preact_row);
                 gemm_epilogue none = {0}, acc = {.beta = first ? 0.0f : 1.0f};
-                float *dxr = half ? dx32 : (float *)p->dx + row0 * kdim;
+                float *dxr = half ? dx32 : (float *)p->dx + row0 * k;
                 /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
-                TRY(gemm_f32x(gemm, rows, kdim, n, gp, OPF_F32, n, 1, p->weight, dt, p->weight_strides[0],
-                              p->weight_strides[1], dxr, kdim, &none, gemm_ws, l.gemm_floats));
-                if (half) cvt_store_f32(gemm->cvt, at(p->dx, row0 * kdim, dt), dt, dx32, rows * kdim);
+                TRY(gemm_run(&plan->chunked.dx[tail], gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1],
+                             dxr, k, &none, gemm_ws, gemm_floats));
+                if (half) convert_store_f32(gemm->cvt, at(p->dx, row0 * k, dt), dt, dx32, rows * k);
                 /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
-                TRY(gemm_f32x(gemm, n, kdim, rows, gp, OPF_F32, 1, n, at(p->x.data, xo, dt), dt, xv.rs, xv.cs, dw32,
-                              kdim, &acc, gemm_ws, l.gemm_floats));
+                TRY(gemm_run(&plan->chunked.dweight[tail], gp, 1, n, at(p->x.data, xo, dt), xv.rs, xv.cs, dw32, k, &acc,
+                             gemm_ws, gemm_floats));
                 if (p->bias) colsum_f32(gemm->cvt, db32, gp, OPF_F32, n, rows, n, !first);
             }
             first = 0;
         }
     }
     if (first) { /* no rows at all: zero gradients of weight and bias */
-        for (int64_t e = 0; e < n * kdim; e++) {
+        for (int64_t e = 0; e < n * k; e++) {
             if (f64)
                 ((double *)p->dweight)[e] = 0.0;
             else
@@ -372,19 +367,105 @@ static int bwd_chunked(const gemm_kernels *gemm, const linear_problem *p, float 
         }
     }
     if (half) {
-        cvt_store_f32(gemm->cvt, p->dweight, dt, dw32, n * kdim);
-        if (p->bias) cvt_store_f32(gemm->cvt, p->dbias, dt, db32, n);
+        convert_store_f32(gemm->cvt, p->dweight, dt, dw32, n * k);
+        if (p->bias) convert_store_f32(gemm->cvt, p->dbias, dt, db32, n);
     }
     return 0;
 }
 
 /* ---- backward ---------------------------------------------------------------------------------- */
 
-int64_t linear_bwd_workspace(const gemm_kernels *gemm, const linear_problem *p, linear_bwd_strategy strategy) {
-    return strategy == LINEAR_BWD_IN_PLACE ? in_place_layout_for(gemm, p).floats : chunked_layout_for(gemm, p).floats;
+linear_bwd_plan linear_bwd_plan_make(const gemm_kernels *gemm, const linear_problem *p, int preact_donated,
+                                     int64_t threads) {
+    linear_bwd_plan l = {.gemm = gemm, .strategy = bwd_strategy(p, preact_donated), .threads = threads};
+    if (l.strategy == LINEAR_BWD_IN_PLACE)
+        in_place_plan(&l, p);
+    else
+        chunked_plan(&l, p);
+    return l;
 }
 
-int linear_bwd(const gemm_kernels *gemm, const linear_problem *p, linear_bwd_strategy strategy, float *ws,
+int64_t linear_bwd_workspace(const linear_bwd_plan *plan) { return plan->floats; }
+
+int linear_bwd(const linear_bwd_plan *plan, const linear_problem *p, float *ws, int64_t ws_floats) {
+    if (ws_floats < plan->floats) return LINEAR_ERR_WORKSPACE;
+    return plan->strategy == LINEAR_BWD_IN_PLACE ? bwd_in_place(plan, p, ws) : bwd_chunked(plan, p, ws);
+}
+
+/* ---- matmul ------------------------------------------------------------------------------------ */
+
+/* element strides of one matrix of a 2-d or 3-d view: batch (0 for 2-d), row, column */
+typedef struct batch_strides {
+    int64_t batch, row, col;
+} batch_strides;
+
+static batch_strides strides_of(const linear_view *v) {
+    const int64_t nd = v->ndim;
+    return (batch_strides){.batch = nd == 3 ? v->strides[0] : 0, .row = v->strides[nd - 2], .col = v->strides[nd - 1]};
+}
+
+matmul_fwd_plan matmul_fwd_plan_make(const gemm_kernels *gemm, opf_dtype dt, int64_t batch, int64_t m, int64_t n,
+                                     int64_t k, int64_t threads) {
+    matmul_fwd_plan l = {.dt = dt, .batch = batch, .m = m, .n = n, .k = k};
+    if (dt == OPF_F64) return l;
+    l.product = linear_gemm_plan_make(gemm, dt, m, n, k, threads);
+    l.floats = l.product.floats;
+    return l;
+}
+
+int64_t matmul_fwd_workspace(const matmul_fwd_plan *plan) { return plan->floats; }
+
+int matmul_fwd(const matmul_fwd_plan *plan, void *c, const linear_view *a, const linear_view *b, float *ws,
                int64_t ws_floats) {
-    return strategy == LINEAR_BWD_IN_PLACE ? bwd_in_place(gemm, p, ws, ws_floats) : bwd_chunked(gemm, p, ws, ws_floats);
+    if (ws_floats < plan->floats) return LINEAR_ERR_WORKSPACE;
+    const int64_t m = plan->m, n = plan->n, k = plan->k;
+    const opf_dtype dt = plan->dt;
+    const batch_strides as = strides_of(a), bs = strides_of(b);
+    for (int64_t i = 0; i < plan->batch; i++) {
+        const void *ai = at(a->data, i * as.batch, dt), *bi = at(b->data, i * bs.batch, dt);
+        void *ci = at(c, i * m * n, dt);
+        if (dt == OPF_F64)
+            gemm_ref_f64(m, n, k, ai, as.row, as.col, bi, bs.row, bs.col, ci, n, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE,
+                         NULL, 0);
+        else
+            TRY(linear_gemm(&plan->product, ai, as.row, as.col, bi, bs.row, bs.col, ci, NULL, NULL, ACT_NONE, ws));
+    }
+    return 0;
+}
+
+matmul_bwd_plan matmul_bwd_plan_make(const gemm_kernels *gemm, opf_dtype dt, int64_t batch, int64_t m, int64_t n,
+                                     int64_t k, int64_t threads) {
+    matmul_bwd_plan l = {.dt = dt, .batch = batch, .m = m, .n = n, .k = k};
+    if (dt == OPF_F64) return l;
+    l.da = linear_gemm_plan_make(gemm, dt, m, k, n, threads);
+    l.db = linear_gemm_plan_make(gemm, dt, k, n, m, threads);
+    l.floats = max64(l.da.floats, l.db.floats);
+    return l;
+}
+
+int64_t matmul_bwd_workspace(const matmul_bwd_plan *plan) { return plan->floats; }
+
+int matmul_bwd(const matmul_bwd_plan *plan, void *da, void *db, const linear_view *grad, const linear_view *a,
+               const linear_view *b, float *ws, int64_t ws_floats) {
+    if (ws_floats < plan->floats) return LINEAR_ERR_WORKSPACE;
+    const int64_t m = plan->m, n = plan->n, k = plan->k;
+    const opf_dtype dt = plan->dt;
+    const batch_strides gs = strides_of(grad), as = strides_of(a), bs = strides_of(b);
+    for (int64_t i = 0; i < plan->batch; i++) {
+        const void *gi = at(grad->data, i * gs.batch, dt), *ai = at(a->data, i * as.batch, dt);
+        const void *bi = at(b->data, i * bs.batch, dt);
+        void *dai = at(da, i * m * k, dt), *dbi = at(db, i * k * n, dt);
+        if (dt == OPF_F64) {
+            gemm_ref_f64(m, k, n, gi, gs.row, gs.col, bi, bs.col, bs.row, dai, k, 0.0, NULL, 0, GEMM_BIAS_NONE,
+                         ACT_NONE, NULL, 0);
+            gemm_ref_f64(k, n, m, ai, as.col, as.row, gi, gs.row, gs.col, dbi, n, 0.0, NULL, 0, GEMM_BIAS_NONE,
+                         ACT_NONE, NULL, 0);
+            continue;
+        }
+        /* da (m, k) = grad (m, n) . b^T (n, k) */
+        TRY(linear_gemm(&plan->da, gi, gs.row, gs.col, bi, bs.col, bs.row, dai, NULL, NULL, ACT_NONE, ws));
+        /* db (k, n) = a^T (k, m) . grad (m, n) */
+        TRY(linear_gemm(&plan->db, ai, as.col, as.row, gi, gs.row, gs.col, dbi, NULL, NULL, ACT_NONE, ws));
+    }
+    return 0;
 }

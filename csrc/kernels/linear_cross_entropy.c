@@ -9,14 +9,17 @@
 #include <string.h>
 
 /* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
-extern const lce_kernels lce_kernels_avx2 __attribute__((weak));
-extern const lce_kernels lce_kernels_avx512 __attribute__((weak));
+extern const linear_cross_entropy_kernels linear_cross_entropy_kernels_avx2 __attribute__((weak));
+extern const linear_cross_entropy_kernels linear_cross_entropy_kernels_avx512 __attribute__((weak));
 
-const opf_variants lce_variants =
-    OPF_VARIANTS("linear_cross_entropy", &lce_kernels_ref, &lce_kernels_avx2, &lce_kernels_avx512);
+const opf_variants linear_cross_entropy_variants =
+    OPF_VARIANTS("linear_cross_entropy", &linear_cross_entropy_kernels_ref, &linear_cross_entropy_kernels_avx2,
+                 &linear_cross_entropy_kernels_avx512);
 
-/* Not noted for the log here: float64 runs the reference whatever the table, so lce_run notes what runs. */
-const lce_kernels *lce_kernels_for(opf_isa isa) { return opf_variant_best(&lce_variants, isa); }
+/* Not noted for the log here: float64 runs the reference whatever the table, so linear_cross_entropy_run notes what runs. */
+const linear_cross_entropy_kernels *linear_cross_entropy_kernels_for(opf_isa isa) {
+    return opf_variant_best(&linear_cross_entropy_variants, isa);
+}
 
 static const void *at(const void *p, int64_t i, opf_dtype dt) {
     return (const char *)p + i * (int64_t)opf_dtype_size(dt);
@@ -61,12 +64,12 @@ static float capped_ref(const float *u, int64_t n, int64_t j, float cap) {
     return capped(u[j], cap);
 }
 
-const lce_kernels lce_kernels_ref = {
+const linear_cross_entropy_kernels linear_cross_entropy_kernels_ref = {
     .name = "ref", .isa = OPF_ISA_REF, .lse_update = lse_update_ref, .grad = grad_ref, .capped = capped_ref};
 
 /* ---- plan and workspace --------------------------------------------------------------------------- */
 
-int64_t lce_bad_target(const lce_problem *p) {
+int64_t linear_cross_entropy_bad_target(const linear_cross_entropy_problem *p) {
     for (int64_t t = 0; t < p->t; t++) {
         int64_t y = p->target[t * p->target_stride];
         if (y != p->ignore_index && (y < 0 || y >= p->v)) return t;
@@ -74,34 +77,42 @@ int64_t lce_bad_target(const lce_problem *p) {
     return -1;
 }
 
-static int wants_grad(const lce_problem *p) { return p->dhidden || p->dweight || p->dbias; }
+static int wants_grad(const linear_cross_entropy_problem *p) { return p->dhidden || p->dweight || p->dbias; }
 
-/* Blocks of tc tokens x vb vocab rows; after them in the workspace: the GEMM's
- * packing, the logits block, the per-token running max, sum and sum of z and
- * the target's z (sweep 1), a float32 bias, and for 16-bit types the float32
- * gradients (dhidden (T,H), dweight of one vocab block, dbias (V)). */
-typedef struct lce_layout {
-    int64_t tc, vb, gemm_floats;
-    int64_t block, max, sum, zsum, zy, bias, dh, dw, db, floats;
-} lce_layout;
+/* The logits block: vb vocabulary columns by tc tokens within budget floats. */
+static void block_shape(int64_t t, int64_t v, int64_t budget, int64_t *tc, int64_t *vb) {
+    *vb = min64(max64(v, 1), max64(16, budget / max64(1, min64(t, 2048))));
+    *tc = min64(max64(t, 1), max64(1, budget / *vb));
+}
 
-static lce_layout layout_for(const gemm_kernels *gemm, const lce_problem *p) {
-    const int64_t budget = p->block_floats > 0 ? p->block_floats : LCE_BLOCK_FLOATS;
+int linear_cross_entropy_one_block(int64_t t, int64_t v) {
+    int64_t tc, vb;
+    block_shape(t, v, LINEAR_CROSS_ENTROPY_BLOCK_FLOATS, &tc, &vb);
+    return tc >= t && vb >= v;
+}
+
+linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gemm,
+                                                         const linear_cross_entropy_problem *p, int64_t threads) {
+    linear_cross_entropy_plan l = {.gemm = gemm};
+    if (p->dt == OPF_F64) { /* the reference: one row of doubles */
+        l.floats = 2 * max64(p->v, 1);
+        return l;
+    }
+    const int64_t budget = p->block_floats > 0 ? p->block_floats : LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
     const int half = p->dt == OPF_BF16 || p->dt == OPF_F16, grads = wants_grad(p);
-    lce_layout l = {0};
-    l.vb = min64(max64(p->v, 1), max64(16, budget / max64(1, min64(p->t, 2048))));
-    l.tc = min64(max64(p->t, 1), max64(1, budget / l.vb));
+    block_shape(p->t, p->v, budget, &l.tc, &l.vb);
     /* the GEMMs of the full and the last block each way: logits (tc, vb, H), dhidden (tc, H, vb), dweight (vb,
-     * H, tc); gemm_workspace_floats is not monotonic in the rows */
+     * H, tc); a GEMM's workspace is not monotonic in the rows */
     for (int lt = 0; lt < 2; lt++) {
-        int64_t rows = lt ? p->t % l.tc : l.tc;
-        if (rows == 0 || rows > p->t) continue;
+        const int64_t rows = lt ? p->t % l.tc : l.tc;
         for (int lv = 0; lv < 2; lv++) {
-            int64_t cols = lv ? p->v % l.vb : l.vb;
-            if (cols == 0 || cols > p->v) continue;
-            int64_t need[3] = {gemm_workspace_floats(gemm, rows, cols, p->h),
-                               grads ? gemm_workspace_floats(gemm, rows, p->h, cols) : 0,
-                               grads ? gemm_workspace_floats(gemm, cols, p->h, rows) : 0};
+            const int64_t cols = lv ? p->v % l.vb : l.vb;
+            l.logits[lt][lv] = gemm_plan_make(gemm, rows, cols, p->h, p->dt, p->dt, threads);
+            l.dhidden[lt][lv] = gemm_plan_make(gemm, rows, p->h, cols, OPF_F32, p->dt, threads);
+            l.dweight[lt][lv] = gemm_plan_make(gemm, cols, p->h, rows, OPF_F32, p->dt, threads);
+            if (rows == 0 || rows > p->t || cols == 0 || cols > p->v) continue; /* no such block */
+            int64_t need[3] = {gemm_workspace(&l.logits[lt][lv]), grads ? gemm_workspace(&l.dhidden[lt][lv]) : 0,
+                               grads ? gemm_workspace(&l.dweight[lt][lv]) : 0};
             for (int g = 0; g < 3; g++) l.gemm_floats = max64(l.gemm_floats, need[g]);
         }
     }
@@ -118,29 +129,28 @@ static lce_layout layout_for(const gemm_kernels *gemm, const lce_problem *p) {
     return l;
 }
 
-int64_t lce_workspace(const gemm_kernels *gemm, const lce_problem *p) {
-    if (p->dt == OPF_F64) return 2 * max64(p->v, 1);
-    return layout_for(gemm, p).floats;
-}
+int64_t linear_cross_entropy_workspace(const linear_cross_entropy_plan *plan) { return plan->floats; }
 
 /* ---- the sweeps --------------------------------------------------------------------------------- */
 
-typedef struct lce_job {
-    const lce_kernels *kern;
-    const lce_problem *p;
-    const lce_layout *l;
+typedef struct linear_cross_entropy_job {
+    const linear_cross_entropy_kernels *kern;
+    const linear_cross_entropy_problem *p;
+    const linear_cross_entropy_plan *l;
     float *ws, *block;
     int64_t t0, v0, rows, cols; /* the block: tokens [t0, t0 + rows), vocab [v0, v0 + cols) */
     double base;                /* the gradient of each token's loss before grad: 1/N (mean) or 1 */
     float cap, eps_v, one_eps;
-} lce_job;
+} linear_cross_entropy_job;
 
-static int ignored(const lce_problem *p, int64_t t) { return p->target[t * p->target_stride] == p->ignore_index; }
+static int ignored(const linear_cross_entropy_problem *p, int64_t t) {
+    return p->target[t * p->target_stride] == p->ignore_index;
+}
 
 /* sweep 1, rows [r0, r1) of the block */
 static void lse_rows(int64_t r0, int64_t r1, void *ctx) {
-    const lce_job *job = ctx;
-    const lce_problem *p = job->p;
+    const linear_cross_entropy_job *job = ctx;
+    const linear_cross_entropy_problem *p = job->p;
     float *mx = job->ws + job->l->max, *sm = job->ws + job->l->sum, *zs = job->ws + job->l->zsum;
     float *zy = job->ws + job->l->zy;
     for (int64_t r = r0; r < r1; r++) {
@@ -153,17 +163,18 @@ static void lse_rows(int64_t r0, int64_t r1, void *ctx) {
 }
 
 /* the gradient of token t's loss */
-static double token_scale(const lce_job *job, int64_t t) {
-    const lce_problem *p = job->p;
+static double token_scale(const linear_cross_entropy_job *job, int64_t t) {
+    const linear_cross_entropy_problem *p = job->p;
     if (ignored(p, t)) return 0.0;
     if (!p->grad) return job->base;
-    return job->base * opf_load_elem(p->grad, p->reduction == LCE_NONE ? t * p->grad_stride : 0, p->dt);
+    return job->base *
+           opf_load_elem(p->grad, p->reduction == LINEAR_CROSS_ENTROPY_NONE ? t * p->grad_stride : 0, p->dt);
 }
 
 /* sweep 2, rows [r0, r1) of the block: logits -> du in place */
 static void grad_rows(int64_t r0, int64_t r1, void *ctx) {
-    const lce_job *job = ctx;
-    const lce_problem *p = job->p;
+    const linear_cross_entropy_job *job = ctx;
+    const linear_cross_entropy_problem *p = job->p;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t t = job->t0 + r;
         float *u = job->block + r * job->cols;
@@ -187,22 +198,23 @@ static void grad_rows(int64_t r0, int64_t r1, void *ctx) {
 static int64_t row_grain(int64_t cols) { return max64(1, 4096 / max64(cols, 1)); }
 
 /* the logits block (rows, cols) = hidden[t0..] . weight[v0..]^T + bias, into job->block */
-static int logits_block(const gemm_kernels *gemm, const lce_job *job, float *ws) {
-    const lce_problem *p = job->p;
+static int logits_block(const linear_cross_entropy_job *job, float *ws) {
+    const linear_cross_entropy_problem *p = job->p;
     const opf_dtype dt = p->dt;
     gemm_epilogue ep = {.bias = p->bias ? ws + job->l->bias + job->v0 : NULL,
                         .bias_kind = p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
-    return gemm_f32x(gemm, job->rows, job->cols, p->h, at(p->hidden, job->t0 * p->hidden_strides[0], dt), dt,
-                     p->hidden_strides[0], p->hidden_strides[1], at(p->weight, job->v0 * p->weight_strides[0], dt), dt,
-                     p->weight_strides[1], p->weight_strides[0], job->block, job->cols, &ep, ws, job->l->gemm_floats);
+    return gemm_run(&job->l->logits[job->rows < job->l->tc][job->cols < job->l->vb],
+                    at(p->hidden, job->t0 * p->hidden_strides[0], dt), p->hidden_strides[0], p->hidden_strides[1],
+                    at(p->weight, job->v0 * p->weight_strides[0], dt), p->weight_strides[1], p->weight_strides[0],
+                    job->block, job->cols, &ep, ws, job->l->gemm_floats);
 }
 
-#define TRY(call)                                  \
-    do {                                           \
-        if ((call) != 0) return LCE_ERR_WORKSPACE; \
+#define TRY(call)                                                   \
+    do {                                                            \
+        if ((call) != 0) return LINEAR_CROSS_ENTROPY_ERR_WORKSPACE; \
     } while (0)
 
-static void store_loss(const lce_problem *p, const lce_job *job) {
+static void store_loss(const linear_cross_entropy_problem *p, const linear_cross_entropy_job *job) {
     const float *mx = job->ws + job->l->max, *sm = job->ws + job->l->sum, *zs = job->ws + job->l->zsum;
     const float *zy = job->ws + job->l->zy;
     const double eps = p->label_smoothing;
@@ -217,72 +229,77 @@ static void store_loss(const lce_problem *p, const lce_job *job) {
             if (eps > 0.0) loss += eps * (lse - zs[t] / (double)p->v);
             count++;
         }
-        if (p->reduction == LCE_NONE)
+        if (p->reduction == LINEAR_CROSS_ENTROPY_NONE)
             opf_store_elem(p->loss, t, p->dt, loss);
         else
             total += loss;
     }
-    if (p->reduction == LCE_SUM) opf_store_elem(p->loss, 0, p->dt, total);
-    if (p->reduction == LCE_MEAN) opf_store_elem(p->loss, 0, p->dt, total / (double)count); /* 0/0: NaN, as torch */
+    if (p->reduction == LINEAR_CROSS_ENTROPY_SUM) opf_store_elem(p->loss, 0, p->dt, total);
+    if (p->reduction == LINEAR_CROSS_ENTROPY_MEAN)
+        opf_store_elem(p->loss, 0, p->dt, total / (double)count); /* 0/0: NaN, as torch */
 }
 
-static int64_t valid_tokens(const lce_problem *p) {
+static int64_t valid_tokens(const linear_cross_entropy_problem *p) {
     int64_t count = 0;
     for (int64_t t = 0; t < p->t; t++) count += !ignored(p, t);
     return count;
 }
 
-static int run_f32(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, float *ws,
-                   int64_t ws_floats) {
-    const lce_layout l = layout_for(gemm, p);
-    if (ws_floats < l.floats) return LCE_ERR_WORKSPACE;
+static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_entropy_plan *l,
+                   const linear_cross_entropy_problem *p, float *ws) {
+    const gemm_kernels *gemm = l->gemm;
     const opf_dtype dt = p->dt;
     const int half = dt != OPF_F32;
-    lce_job job = {.kern = kern,
-                   .p = p,
-                   .l = &l,
-                   .ws = ws,
-                   .block = ws + l.block,
-                   .cap = (float)p->softcap,
-                   .eps_v = p->v > 0 ? (float)(p->label_smoothing / (double)p->v) : 0.0f,
-                   .one_eps = (float)(1.0 - p->label_smoothing)};
-    if (p->bias) cvt_load_f32(gemm->cvt, ws + l.bias, p->bias, dt, p->v, p->bias_stride);
-    const int64_t ntc = (p->t + l.tc - 1) / l.tc, nvb = (p->v + l.vb - 1) / l.vb;
+    linear_cross_entropy_job job = {.kern = kern,
+                                    .p = p,
+                                    .l = l,
+                                    .ws = ws,
+                                    .block = ws + l->block,
+                                    .cap = (float)p->softcap,
+                                    .eps_v = p->v > 0 ? (float)(p->label_smoothing / (double)p->v) : 0.0f,
+                                    .one_eps = (float)(1.0 - p->label_smoothing)};
+    if (p->bias) convert_load_f32(gemm->cvt, ws + l->bias, p->bias, dt, p->v, p->bias_stride);
+    const int64_t ntc = (p->t + l->tc - 1) / l->tc, nvb = (p->v + l->vb - 1) / l->vb;
     if (!p->lse_given) { /* sweep 1: lse and the loss */
-        for (int64_t t = 0; t < p->t; t++) ws[l.max + t] = -INFINITY, ws[l.sum + t] = 0.0f;
-        memset(ws + l.zsum, 0, (size_t)(2 * p->t) * sizeof(float));
+        for (int64_t t = 0; t < p->t; t++) ws[l->max + t] = -INFINITY, ws[l->sum + t] = 0.0f;
+        memset(ws + l->zsum, 0, (size_t)(2 * p->t) * sizeof(float));
         for (int64_t b = 0; b < ntc * nvb; b++) {
-            job.t0 = b / nvb * l.tc, job.v0 = b % nvb * l.vb;
-            job.rows = min64(l.tc, p->t - job.t0), job.cols = min64(l.vb, p->v - job.v0);
-            TRY(logits_block(gemm, &job, ws));
+            job.t0 = b / nvb * l->tc, job.v0 = b % nvb * l->vb;
+            job.rows = min64(l->tc, p->t - job.t0), job.cols = min64(l->vb, p->v - job.v0);
+            TRY(logits_block(&job, ws));
             opf_parallel_for(0, job.rows, row_grain(job.cols), lse_rows, &job);
         }
         store_loss(p, &job);
     }
     if (!wants_grad(p)) return 0;
     /* sweep 2: the gradients, vocab blocks outer, token chunks inner */
-    job.base = p->reduction == LCE_MEAN ? 1.0 / (double)valid_tokens(p) : 1.0;
-    float *dh32 = !p->dhidden ? NULL : half ? ws + l.dh : p->dhidden;
-    float *dw32 = !p->dweight ? NULL : half ? ws + l.dw : NULL, *db32 = !p->dbias ? NULL : half ? ws + l.db : p->dbias;
+    job.base = p->reduction == LINEAR_CROSS_ENTROPY_MEAN ? 1.0 / (double)valid_tokens(p) : 1.0;
+    float *dh32 = !p->dhidden ? NULL : half ? ws + l->dh : p->dhidden;
+    float *dw32 = !p->dweight ? NULL
+                  : half      ? ws + l->dw
+                              : NULL,
+          *db32 = !p->dbias ? NULL
+                  : half    ? ws + l->db
+                            : p->dbias;
     const int kept = ntc == 1 && nvb == 1 && !p->lse_given; /* the one block is still in the scratch */
     for (int64_t vbi = 0; vbi < nvb; vbi++) {
-        job.v0 = vbi * l.vb, job.cols = min64(l.vb, p->v - job.v0);
+        job.v0 = vbi * l->vb, job.cols = min64(l->vb, p->v - job.v0);
         float *dwb = !p->dweight ? NULL : half ? dw32 : (float *)p->dweight + job.v0 * p->h;
         for (int64_t tci = 0; tci < ntc; tci++) {
-            job.t0 = tci * l.tc, job.rows = min64(l.tc, p->t - job.t0);
-            if (!kept) TRY(logits_block(gemm, &job, ws));
+            job.t0 = tci * l->tc, job.rows = min64(l->tc, p->t - job.t0);
+            if (!kept) TRY(logits_block(&job, ws));
             opf_parallel_for(0, job.rows, row_grain(job.cols), grad_rows, &job);
             if (dh32) { /* dhidden rows (rows, H) (+)= du (rows, cols) . weight rows (cols, H) */
                 gemm_epilogue ep = {.beta = vbi ? 1.0f : 0.0f};
-                TRY(gemm_f32x(gemm, job.rows, p->h, job.cols, job.block, OPF_F32, job.cols, 1,
-                              at(p->weight, job.v0 * p->weight_strides[0], dt), dt, p->weight_strides[0],
-                              p->weight_strides[1], dh32 + job.t0 * p->h, p->h, &ep, ws, l.gemm_floats));
+                TRY(gemm_run(&l->dhidden[job.rows < l->tc][job.cols < l->vb], job.block, job.cols, 1,
+                             at(p->weight, job.v0 * p->weight_strides[0], dt), p->weight_strides[0],
+                             p->weight_strides[1], dh32 + job.t0 * p->h, p->h, &ep, ws, l->gemm_floats));
             }
             if (dwb) { /* dweight rows (cols, H) (+)= du^T (cols, rows) . hidden rows (rows, H) */
                 gemm_epilogue ep = {.beta = tci ? 1.0f : 0.0f};
-                TRY(gemm_f32x(gemm, job.cols, p->h, job.rows, job.block, OPF_F32, 1, job.cols,
-                              at(p->hidden, job.t0 * p->hidden_strides[0], dt), dt, p->hidden_strides[0],
-                              p->hidden_strides[1], dwb, p->h, &ep, ws, l.gemm_floats));
+                TRY(gemm_run(&l->dweight[job.rows < l->tc][job.cols < l->vb], job.block, 1, job.cols,
+                             at(p->hidden, job.t0 * p->hidden_strides[0], dt), p->hidden_strides[0],
+                             p->hidden_strides[1], dwb, p->h, &ep, ws, l->gemm_floats));
             }
             if (db32) colsum_f32(gemm->cvt, db32 + job.v0, job.block, OPF_F32, job.cols, job.rows, job.cols, tci > 0);
         }
@@ -290,29 +307,32 @@ static int run_f32(const lce_kernels *kern, const gemm_kernels *gemm, const lce_
             for (int64_t e = 0; dwb && e < job.cols * p->h; e++) dwb[e] = 0.0f;
             for (int64_t e = 0; db32 && e < job.cols; e++) db32[job.v0 + e] = 0.0f;
         }
-        if (dwb && half) cvt_store_f32(gemm->cvt, (char *)p->dweight + job.v0 * p->h * 2, dt, dwb, job.cols * p->h);
+        if (dwb && half) convert_store_f32(gemm->cvt, (char *)p->dweight + job.v0 * p->h * 2, dt, dwb, job.cols * p->h);
     }
     if (nvb == 0 && dh32) memset(dh32, 0, (size_t)(p->t * p->h) * sizeof(float)); /* no vocab: zero dhidden */
-    if (half && dh32) cvt_store_f32(gemm->cvt, p->dhidden, dt, dh32, p->t * p->h);
-    if (half && db32) cvt_store_f32(gemm->cvt, p->dbias, dt, db32, p->v);
+    if (half && dh32) convert_store_f32(gemm->cvt, p->dhidden, dt, dh32, p->t * p->h);
+    if (half && db32) convert_store_f32(gemm->cvt, p->dbias, dt, db32, p->v);
     return 0;
 }
 
-int lce_run(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, float *ws, int64_t ws_floats) {
+int linear_cross_entropy_run(const linear_cross_entropy_kernels *kern, const linear_cross_entropy_plan *plan,
+                             const linear_cross_entropy_problem *p, float *ws, int64_t ws_floats) {
     const int f64 = p->dt == OPF_F64, log = opf_log_enabled(OPF_LOG_INFO);
-    if (log) opf_log_note_pick(lce_variants.family, f64 ? "ref_f64" : kern->name, f64 ? OPF_ISA_REF : kern->isa);
+    if (log)
+        opf_log_note_pick(linear_cross_entropy_variants.family, f64 ? "ref_f64" : kern->name,
+                          f64 ? OPF_ISA_REF : kern->isa);
+    if (ws_floats < plan->floats) return LINEAR_CROSS_ENTROPY_ERR_WORKSPACE;
     if (f64) {
-        if (ws_floats < lce_workspace(gemm, p)) return LCE_ERR_WORKSPACE;
-        lce_ref_f64(p, (double *)ws);
+        linear_cross_entropy_ref_f64(p, (double *)ws);
         return 0;
     }
-    return run_f32(kern, gemm, p, ws, ws_floats);
+    return run_f32(kern, plan, p, ws);
 }
 
 /* ---- the backward of mean / sum over precomputed gradients --------------------------------------- */
 
 typedef struct scale_job {
-    const cvt_kernels *cvt;
+    const convert_kernels *cvt;
     opf_dtype dt;
     void *dst;
     const void *src;
@@ -341,7 +361,8 @@ static void scale_range(int64_t begin, int64_t end, void *ctx) {
     }
 }
 
-void lce_scale(const cvt_kernels *cvt, opf_dtype dt, void *dst, const void *src, int64_t n, const void *grad) {
+void linear_cross_entropy_scale(const convert_kernels *cvt, opf_dtype dt, void *dst, const void *src, int64_t n,
+                                const void *grad) {
     scale_job job = {.cvt = cvt, .dt = dt, .dst = dst, .src = src, .g = opf_load_elem(grad, 0, dt)};
     opf_parallel_for(0, n, 65536, scale_range, &job);
 }
@@ -351,7 +372,7 @@ void lce_scale(const cvt_kernels *cvt, opf_dtype dt, void *dst, const void *src,
 static double ld(const void *p, int64_t i) { return ((const double *)p)[i]; }
 
 /* one row of capped logits of token t, in double */
-static void ref_row(const lce_problem *p, int64_t t, double *z) {
+static void ref_row(const linear_cross_entropy_problem *p, int64_t t, double *z) {
     for (int64_t v = 0; v < p->v; v++) {
         double u = p->bias ? ld(p->bias, v * p->bias_stride) : 0.0;
         for (int64_t k = 0; k < p->h; k++)
@@ -369,7 +390,7 @@ static double ref_lse(const double *z, int64_t n) {
     return m + log(s);
 }
 
-void lce_ref_f64(const lce_problem *p, double *z) {
+void linear_cross_entropy_ref_f64(const linear_cross_entropy_problem *p, double *z) {
     const double eps = p->label_smoothing;
     double total = 0.0;
     int64_t count = 0;
@@ -387,23 +408,24 @@ void lce_ref_f64(const lce_problem *p, double *z) {
             count++;
         }
         if (p->lse_given) continue;
-        if (p->reduction == LCE_NONE)
+        if (p->reduction == LINEAR_CROSS_ENTROPY_NONE)
             ((double *)p->loss)[t] = loss;
         else
             total += loss;
     }
-    if (!p->lse_given && p->reduction != LCE_NONE)
-        ((double *)p->loss)[0] = p->reduction == LCE_SUM ? total : total / count;
+    if (!p->lse_given && p->reduction != LINEAR_CROSS_ENTROPY_NONE)
+        ((double *)p->loss)[0] = p->reduction == LINEAR_CROSS_ENTROPY_SUM ? total : total / count;
     if (!wants_grad(p)) return;
     double *dh = p->dhidden, *dw = p->dweight, *db = p->dbias;
     if (dh) memset(dh, 0, (size_t)(p->t * p->h) * sizeof(double));
     if (dw) memset(dw, 0, (size_t)(p->v * p->h) * sizeof(double));
     if (db) memset(db, 0, (size_t)p->v * sizeof(double));
-    const double base = p->reduction == LCE_MEAN ? 1.0 / (double)count : 1.0;
+    const double base = p->reduction == LINEAR_CROSS_ENTROPY_MEAN ? 1.0 / (double)count : 1.0;
     for (int64_t t = 0; t < p->t; t++) {
         int64_t y = p->target[t * p->target_stride];
         if (y == p->ignore_index) continue;
-        double scale = base * (p->grad ? ld(p->grad, p->reduction == LCE_NONE ? t * p->grad_stride : 0) : 1.0);
+        double scale =
+            base * (p->grad ? ld(p->grad, p->reduction == LINEAR_CROSS_ENTROPY_NONE ? t * p->grad_stride : 0) : 1.0);
         ref_row(p, t, z);
         double lse = ref_lse(z, p->v); /* in double, not the float32 lse a backward is given: gradcheck's */
         for (int64_t v = 0; v < p->v; v++) {

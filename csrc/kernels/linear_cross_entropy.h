@@ -17,7 +17,7 @@
  * reduced loss, or the per-token gradient for reduction none; 0 when ignored.
  *
  * Block plan: the logits exist a (tc tokens x vb vocab) block at a time, in a
- * float32 scratch of about LCE_BLOCK_FLOATS. Sweep 1 runs every block through
+ * float32 scratch of about LINEAR_CROSS_ENTROPY_BLOCK_FLOATS. Sweep 1 runs every block through
  * the GEMM and folds it into an online (max, sum exp) per token: lse. Sweep 2
  * (when gradients are asked for) runs the vocab blocks in order, and within
  * each the token chunks in order: recompute the block (skipped when the whole
@@ -31,11 +31,13 @@
  * float16 operands go through the GEMM's 16-bit paths (float32 accumulation)
  * and the gradients accumulate in float32 scratch (dhidden (T,H), one vocab
  * block of dweight, dbias) and are rounded once. float64 runs the reference
- * (lce_ref_f64): the C tests' oracle and the op's path for gradcheck.
+ * (linear_cross_entropy_ref_f64): the C tests' oracle and the op's path for gradcheck.
  *
- * Kernels never allocate: the workspace comes in, sized by lce_workspace.
- * Entry points return 0, or LCE_ERR_WORKSPACE for a workspace smaller than the
- * plan (a caller that sized for another problem).
+ * Kernels never allocate: the workspace comes in, sized by linear_cross_entropy_workspace from
+ * the plan made once per call (linear_cross_entropy_plan_make: the blocks, the GEMM plans of
+ * each block shape at the caller's thread count, the workspace layout) that
+ * linear_cross_entropy_run then runs. Entry points return 0, or LINEAR_CROSS_ENTROPY_ERR_WORKSPACE for a
+ * workspace smaller than the plan (a caller that sized for another problem).
  */
 #ifndef OPFORGE_KERNELS_LINEAR_CROSS_ENTROPY_H
 #define OPFORGE_KERNELS_LINEAR_CROSS_ENTROPY_H
@@ -46,14 +48,24 @@
 #include "opforge/half.h"
 #include "opforge/runtime.h"
 
-enum { LCE_ERR_WORKSPACE = -1 };
-typedef enum lce_reduction { LCE_NONE = 0, LCE_MEAN = 1, LCE_SUM = 2 } lce_reduction;
+enum { LINEAR_CROSS_ENTROPY_ERR_WORKSPACE = -1 };
+typedef enum linear_cross_entropy_reduction {
+    LINEAR_CROSS_ENTROPY_NONE = 0,
+    LINEAR_CROSS_ENTROPY_MEAN = 1,
+    LINEAR_CROSS_ENTROPY_SUM = 2
+} linear_cross_entropy_reduction;
 
 /* Floats of the logits block scratch by default: 16 MiB, e.g. 2048 tokens x
  * 2048 vocab rows, large enough that every GEMM of sweep 2 has K >= 2048. */
-#define LCE_BLOCK_FLOATS ((int64_t)4 << 20)
+#define LINEAR_CROSS_ENTROPY_BLOCK_FLOATS ((int64_t)4 << 20)
 
-typedef struct lce_problem {
+/* 1 when t tokens by a vocabulary of v make one logits block (the default
+ * budget): the forward can then keep the gradients it computes on the way,
+ * and the backward only scales them. The same as t * v <= LINEAR_CROSS_ENTROPY_BLOCK_FLOATS,
+ * the form the Python layer evaluates on (possibly symbolic) sizes. */
+int linear_cross_entropy_one_block(int64_t t, int64_t v);
+
+typedef struct linear_cross_entropy_problem {
     int64_t t, h, v;    /* tokens, hidden size, vocab size */
     opf_dtype dt;       /* of hidden, weight, bias, loss, grad and the gradients */
     const void *hidden; /* (T,H): hidden[t * hidden_strides[0] + k * hidden_strides[1]] */
@@ -67,8 +79,8 @@ typedef struct lce_problem {
     int64_t ignore_index;
     double label_smoothing; /* in [0, 1] */
     double softcap;         /* > 0, or 0: none */
-    int reduction;          /* lce_reduction */
-    int64_t block_floats;   /* the logits block's floats; 0: LCE_BLOCK_FLOATS */
+    int reduction;          /* linear_cross_entropy_reduction */
+    int64_t block_floats;   /* the logits block's floats; 0: LINEAR_CROSS_ENTROPY_BLOCK_FLOATS */
     /* forward: loss (T) for reduction none, else one element; lse (T) float32.
      * lse_given: the backward's lse from the forward (sweep 1 is skipped). */
     void *loss;
@@ -79,7 +91,7 @@ typedef struct lce_problem {
     /* gradient of the loss: NULL is 1; reduction none: (T) via grad_stride, else one element */
     const void *grad;
     int64_t grad_stride;
-} lce_problem;
+} linear_cross_entropy_problem;
 
 /* Row code of the two sweeps on one row of a float32 logits block (n raw
  * logits u; cap = c, or 0 without softcap):
@@ -90,39 +102,58 @@ typedef struct lce_problem {
  *     lane or the scalar tail's tanhf): the caller's target logit, so that
  *     lse - z_y >= 0, and = 0 for one class, as torch's log-softmax gives
  * (the target's -(1 - eps) term is the caller's, one element). */
-typedef struct lce_kernels {
+typedef struct linear_cross_entropy_kernels {
     OPF_VARIANT_HEAD;
     void (*lse_update)(const float *u, int64_t n, float cap, float *max, float *sum, float *zsum);
     void (*grad)(float *u, int64_t n, float cap, float lse, float scale, float eps_v);
     float (*capped)(const float *u, int64_t n, int64_t j, float cap);
-} lce_kernels;
+} linear_cross_entropy_kernels;
 
-extern const lce_kernels lce_kernels_ref;
-extern const lce_kernels lce_kernels_avx2;   /* linear_cross_entropy_avx2.c */
-extern const lce_kernels lce_kernels_avx512; /* linear_cross_entropy_avx512.c */
-extern const opf_variants lce_variants;
+extern const linear_cross_entropy_kernels linear_cross_entropy_kernels_ref;
+extern const linear_cross_entropy_kernels linear_cross_entropy_kernels_avx2;   /* linear_cross_entropy_avx2.c */
+extern const linear_cross_entropy_kernels linear_cross_entropy_kernels_avx512; /* linear_cross_entropy_avx512.c */
+extern const opf_variants linear_cross_entropy_variants;
 
-/* The table for isa, not noted for the log: lce_run notes the row code that
- * runs (the table, or "ref_f64" for float64), as gemm_f32x notes its GEMM. */
-const lce_kernels *lce_kernels_for(opf_isa isa);
+/* The table for isa, not noted for the log: linear_cross_entropy_run notes the row code that
+ * runs (the table, or "ref_f64" for float64), as gemm_run notes its GEMM. */
+const linear_cross_entropy_kernels *linear_cross_entropy_kernels_for(opf_isa isa);
 
 /* The first t with a target outside [0, V) other than ignore_index, or -1. */
-int64_t lce_bad_target(const lce_problem *p);
+int64_t linear_cross_entropy_bad_target(const linear_cross_entropy_problem *p);
 
-/* Floats of workspace lce_fwd / lce_bwd need (float64: one row of doubles). */
-int64_t lce_workspace(const gemm_kernels *gemm, const lce_problem *p);
+/* Blocks of tc tokens x vb vocab rows, the GEMMs of the full and the last
+ * block each way ([last token chunk][last vocab block]: logits (rows, cols,
+ * H), dhidden (rows, H, cols), dweight (cols, H, rows)), and the workspace:
+ * the GEMMs' packing, the logits block, the per-token running max, sum and
+ * sum of z and the target's z (sweep 1), a float32 bias, and for 16-bit
+ * types the float32 gradients (dhidden (T,H), dweight of one vocab block,
+ * dbias (V)). float64: one row of V doubles. */
+typedef struct linear_cross_entropy_plan {
+    const gemm_kernels *gemm;
+    int64_t tc, vb;
+    gemm_plan logits[2][2], dhidden[2][2], dweight[2][2];
+    int64_t gemm_floats;
+    int64_t block, max, sum, zsum, zy, bias, dh, dw, db, floats;
+} linear_cross_entropy_plan;
+
+linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gemm,
+                                                         const linear_cross_entropy_problem *p, int64_t threads);
+/* Floats of workspace linear_cross_entropy_run needs under the plan. */
+int64_t linear_cross_entropy_workspace(const linear_cross_entropy_plan *plan);
 /* Sweep 1 (loss, lse) unless lse_given, then sweep 2 when a gradient pointer
  * is set. The backward of reduction none (and of a forward that made no
  * gradients) is this with lse_given and grad. */
-int lce_run(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, float *ws, int64_t ws_floats);
+int linear_cross_entropy_run(const linear_cross_entropy_kernels *kern, const linear_cross_entropy_plan *plan,
+                             const linear_cross_entropy_problem *p, float *ws, int64_t ws_floats);
 
 /* dst[i] = src[i] * g for n elements of dt (float32, float64, bfloat16,
  * float16; g the one element of grad of type dt): the backward of mean / sum
  * when the forward made the gradients. Threaded. */
-void lce_scale(const cvt_kernels *cvt, opf_dtype dt, void *dst, const void *src, int64_t n, const void *grad);
+void linear_cross_entropy_scale(const convert_kernels *cvt, opf_dtype dt, void *dst, const void *src, int64_t n,
+                                const void *grad);
 
-/* float64 reference of lce_run (double inputs and outputs, lse float32);
- * ws: lce_workspace's floats (one row of V doubles). */
-void lce_ref_f64(const lce_problem *p, double *row);
+/* float64 reference of linear_cross_entropy_run (double inputs and outputs, lse float32);
+ * ws: linear_cross_entropy_workspace's floats (one row of V doubles). */
+void linear_cross_entropy_ref_f64(const linear_cross_entropy_problem *p, double *row);
 
 #endif

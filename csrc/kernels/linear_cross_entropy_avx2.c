@@ -7,7 +7,6 @@
 #include <immintrin.h>
 #include <math.h>
 
-#include "act_avx2.h"
 #include "linear_cross_entropy.h"
 #include "math_avx2.h"
 
@@ -64,7 +63,7 @@ static void grad_avx2(float *u, int64_t n, float capf, float lse, float scale, f
         }
         _mm256_storeu_ps(u + j, g);
     }
-    lce_kernels_ref.grad(u + j, n - j, capf, lse, scale, eps_v);
+    linear_cross_entropy_kernels_ref.grad(u + j, n - j, capf, lse, scale, eps_v);
 }
 
 /* tanh8 works lane by lane: a broadcast u[j] gives u[j]'s lane of its block; the tail is scalar */
@@ -73,5 +72,5 @@ static float capped_avx2(const float *u, int64_t n, int64_t j, float capf) {
     return _mm256_cvtss_f32(capped8(_mm256_set1_ps(u[j]), _mm256_set1_ps(capf), _mm256_set1_ps(1.0f / capf), 1));
 }
 
-const lce_kernels lce_kernels_avx2 = {
+const linear_cross_entropy_kernels linear_cross_entropy_kernels_avx2 = {
     .name = "avx2", .isa = OPF_ISA_AVX2, .lse_update = lse_update_avx2, .grad = grad_avx2, .capped = capped_avx2};

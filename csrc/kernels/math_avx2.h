@@ -1,12 +1,15 @@
 /*
  * 8-wide float32 math for the AVX2 kernels (built with -mavx2 -mfma): exp to
- * ~1-2 ulp (NaN kept, 0 at -inf), and a masked 2^t for softmaxes. Included
- * by *_avx2.c files only.
+ * ~1-2 ulp (NaN kept, 0 at -inf), a masked 2^t for softmaxes, tanh and erf,
+ * horizontal max and sum. math_avx512.h is its 16-lane twin. Included by
+ * *_avx2.c files only (and the AVX-512 GEMM epilogue, through act_avx2.h).
  */
 #ifndef OPFORGE_KERNELS_MATH_AVX2_H
 #define OPFORGE_KERNELS_MATH_AVX2_H
 
 #include <immintrin.h>
+
+#define LOG2E 1.44269504088896341f
 
 /* exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial. The clamp keeps NaN (max
  * and min return their second operand when either is NaN), and its ends are where 2^n's exponent field
@@ -50,6 +53,40 @@ static inline __m256 exp2_8z(__m256 t) {
                          _mm256_cmp_ps(t, _mm256_set1_ps(-126.0f), _CMP_NLT_UQ));
 }
 
+/* exp(d) for d <= 0 */
+static inline __m256 exp8z(__m256 d) { return exp2_8z(_mm256_mul_ps(d, _mm256_set1_ps(LOG2E))); }
+
+/* tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|): no overflow, exact sign */
+static inline __m256 tanh8(__m256 u) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a = _mm256_andnot_ps(sign, u);
+    __m256 e = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_or_ps(t, _mm256_and_ps(u, sign));
+}
+
+/* erf(x), Abramowitz-Stegun 7.1.26 refined: |error| < 1.5e-7; *e gets the
+ * exp(-x^2) it is made of (GELU's derivative needs it too: its pdf term) */
+static inline __m256 erf8e(__m256 x, __m256 *e) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    __m256 a = _mm256_andnot_ps(sign, x);
+    __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), a, one));
+    __m256 p = _mm256_set1_ps(1.061405429f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+    p = _mm256_mul_ps(p, t);
+    *e = exp8(_mm256_mul_ps(_mm256_mul_ps(a, a), _mm256_set1_ps(-1.0f)));
+    __m256 y = _mm256_fnmadd_ps(p, *e, one);
+    return _mm256_or_ps(y, _mm256_and_ps(x, sign));
+}
+
+static inline __m256 erf8(__m256 x) {
+    __m256 e;
+    return erf8e(x, &e);
+}
+
 /* the largest and the sum of v's eight lanes */
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -65,7 +102,7 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* a mask with lanes [0, n) set, n < 8 (a masked load or store of a row's tail) */
+/* a mask with lanes [0, n) set (all from n = 8 on, none up to n = 0): a row's tail, masked */
 static inline __m256i lanes_below(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }

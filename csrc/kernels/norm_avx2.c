@@ -16,14 +16,9 @@
 #include "math_avx2.h"
 #include "norm.h"
 
-static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
-
 /* v rounded to the element type and back: the value a stored s holds */
 static inline __m256 rt_f32(__m256 v) { return v; }
-static inline __m256 rt_bf16(__m256 v) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_round(v)), 16));
-}
+static inline __m256 rt_bf16(__m256 v) { return bf16_widen8(bf16_round(v)); }
 static inline __m256 rt_f16(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
 
 /* dw[i..i+8) += v, n lanes */
@@ -36,29 +31,15 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
     _mm256_maskstore_ps(dw, m, _mm256_add_ps(_mm256_maskload_ps(dw, m), v));
 }
 
-/* Loads and stores of n < 8 elements go through a zero-padded copy. */
-#define NORM_PARTIAL(name, E, LD, ST)                                                             \
-    static inline __m256 ldn_##name(const E *p, int64_t n) {                                      \
-        if (n >= 8) return LD(p);                                                                 \
-        E buf[8] = {0};                                                                           \
-        memcpy(buf, p, (size_t)n * sizeof(E));                                                    \
-        return LD(buf);                                                                           \
-    }                                                                                             \
-    static inline void stn_##name(E *p, __m256 v, int64_t n) {                                    \
-        if (n >= 8) {                                                                             \
-            ST(p, v);                                                                             \
-            return;                                                                               \
-        }                                                                                         \
-        E buf[8];                                                                                 \
-        ST(buf, v);                                                                               \
-        memcpy(p, buf, (size_t)n * sizeof(E));                                                    \
-    }                                                                                             \
+/* Loads and stores of n < 8 elements go through a zero-padded copy (PAD8_IO of half_avx2.h). */
+#define NORM_PARTIAL(name, E)                                                                     \
+    PAD8_IO(name, E)                                                                              \
     static inline __m256 wn_##name(const E *w, int64_t n, int offset) {                           \
         return offset ? _mm256_add_ps(_mm256_set1_ps(1.0f), ldn_##name(w, n)) : ldn_##name(w, n); \
     }
 
 #define NORM_AVX2(name, E, LD, ST, RT)                                                                              \
-    NORM_PARTIAL(name, E, LD, ST)                                                                                   \
+    NORM_PARTIAL(name, E)                                                                                           \
     static void rms_fwd_##name(void *y_, void *s_, float *rstd, const void *x_, int64_t xcs, const void *r_,        \
                                int64_t rcs, const void *w_, int64_t wcs, int64_t n, double eps, int offset) {       \
         if (xcs != 1 || (r_ && rcs != 1) || (w_ && wcs != 1)) {                                                     \

@@ -7,29 +7,13 @@
 #include <immintrin.h>
 #include <math.h>
 
-#include "half_avx512.h"
 #include "norm.h"
+#include "rows_avx512.h"
 
-static inline __m512 ld_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline void st_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+/* v rounded to the element type and back: the value a stored s holds */
 static inline __m512 rt_f32(__m512 v) { return v; }
-
-static inline __m512 bf16_widen(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512 ld_bf16(const uint16_t *p, __mmask16 m) { return bf16_widen(_mm256_maskz_loadu_epi16(m, p)); }
-static inline void st_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, round16x16(v, OPF_BF16));
-}
-static inline __m512 rt_bf16(__m512 v) { return bf16_widen(round16x16(v, OPF_BF16)); }
-
-static inline __m512 ld_f16(const uint16_t *p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-static inline void st_f16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, round16x16(v, OPF_F16));
-}
+static inline __m512 rt_bf16(__m512 v) { return bf16_widen16(round16x16(v, OPF_BF16)); }
 static inline __m512 rt_f16(__m512 v) { return _mm512_cvtph_ps(round16x16(v, OPF_F16)); }
-
-static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 
 /* dw[0..16) += v in the lanes of m */
 static inline void acc_add(float *dw, __m512 v, __mmask16 m) {
@@ -174,9 +158,9 @@ static inline void acc_add(float *dw, __m512 v, __mmask16 m) {
 #define OPF_f32 OPF_F32
 #define OPF_bf16 OPF_BF16
 #define OPF_f16 OPF_F16
-NORM_AVX512(f32, float, ld_f32, st_f32, rt_f32)
-NORM_AVX512(bf16, uint16_t, ld_bf16, st_bf16, rt_bf16)
-NORM_AVX512(f16, uint16_t, ld_f16, st_f16, rt_f16)
+NORM_AVX512(f32, float, ld16_f32, st16_f32, rt_f32)
+NORM_AVX512(bf16, uint16_t, ld16_bf16, st16_bf16, rt_bf16)
+NORM_AVX512(f16, uint16_t, ld16_f16, st16_f16, rt_f16)
 
 #define NORM_TABLE(fn) \
     { [OPF_F32] = fn##_f32, [OPF_BF16] = fn##_bf16, [OPF_F16] = fn##_f16 }

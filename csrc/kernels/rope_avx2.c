@@ -12,29 +12,9 @@
 #include "half_avx2.h"
 #include "rope.h"
 
-static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
-
-#define ROPE_BLOCK_IO(name, E, LD, ST)                         \
-    static inline __m256 ldn_##name(const E *p, int64_t m) {   \
-        if (m == 8) return LD(p);                              \
-        E b[8] = {0};                                          \
-        memcpy(b, p, (size_t)m * sizeof(E));                   \
-        return LD(b);                                          \
-    }                                                          \
-    static inline void stn_##name(E *p, int64_t m, __m256 v) { \
-        if (m == 8) {                                          \
-            ST(p, v);                                          \
-            return;                                            \
-        }                                                      \
-        E b[8];                                                \
-        ST(b, v);                                              \
-        memcpy(p, b, (size_t)m * sizeof(E));                   \
-    }
-
-ROPE_BLOCK_IO(f32, float, ld_f32, st_f32)
-ROPE_BLOCK_IO(bf16, uint16_t, ld_bf16, st_bf16)
-ROPE_BLOCK_IO(f16, uint16_t, ld_f16, st_f16)
+PAD8_IO(f32, float)
+PAD8_IO(bf16, uint16_t)
+PAD8_IO(f16, uint16_t)
 
 #define ROPE_AVX2(name, E)                                                                                            \
     static void rope_row_##name(void *out_, const void *x_, const void *cos_, const void *sin_, int64_t d, int64_t r, \
@@ -55,7 +35,7 @@ ROPE_BLOCK_IO(f16, uint16_t, ld_f16, st_f16)
                 __m256 xv = ldn_##name(x + j, m), cv = ldn_##name(c + j, m), sv = ldn_##name(s + j, m);               \
                 __m256 rx = _mm256_xor_ps(_mm256_permute_ps(xv, 0xb1), flip);                                         \
                 if (inverse) sv = _mm256_permute_ps(sv, 0xb1);                                                        \
-                stn_##name(out + j, m, _mm256_add_ps(_mm256_mul_ps(xv, cv), _mm256_mul_ps(rx, sv)));                  \
+                stn_##name(out + j, _mm256_add_ps(_mm256_mul_ps(xv, cv), _mm256_mul_ps(rx, sv)), m);                  \
             }                                                                                                         \
         } else {                                                                                                      \
             const int64_t h = r / 2;                                                                                  \
@@ -66,8 +46,8 @@ ROPE_BLOCK_IO(f16, uint16_t, ld_f16, st_f16)
                 __m256 s1 = ldn_##name(s + j, m), s2 = ldn_##name(s + h + j, m);                                      \
                 /* forward: x1 c1 - x2 s1 and x2 c2 + x1 s2; transpose: x1 c1 + x2 s2 and x2 c2 - x1 s1 */            \
                 __m256 a = inverse ? s2 : _mm256_xor_ps(s1, neg), b = inverse ? _mm256_xor_ps(s1, neg) : s2;          \
-                stn_##name(out + j, m, _mm256_add_ps(_mm256_mul_ps(x1, c1), _mm256_mul_ps(x2, a)));                   \
-                stn_##name(out + h + j, m, _mm256_add_ps(_mm256_mul_ps(x2, c2), _mm256_mul_ps(x1, b)));               \
+                stn_##name(out + j, _mm256_add_ps(_mm256_mul_ps(x1, c1), _mm256_mul_ps(x2, a)), m);                   \
+                stn_##name(out + h + j, _mm256_add_ps(_mm256_mul_ps(x2, c2), _mm256_mul_ps(x1, b)), m);               \
             }                                                                                                         \
         }                                                                                                             \
         if (d > r) memcpy(out + r, x + r, (size_t)(d - r) * sizeof(E));                                               \

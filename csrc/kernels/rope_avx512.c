@@ -8,23 +8,8 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "half_avx512.h"
 #include "rope.h"
-
-static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
-
-static inline __m512 ld_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline void st_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-static inline __m512 ld_bf16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-static inline void st_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, round16x16(v, OPF_BF16));
-}
-static inline __m512 ld_f16(const uint16_t *p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-static inline void st_f16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, round16x16(v, OPF_F16));
-}
+#include "rows_avx512.h"
 
 static inline __m512 xor16(__m512 a, __m512 b) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
@@ -70,9 +55,9 @@ static inline __m512 xor16(__m512 a, __m512 b) {
 #define OPF_f32 OPF_F32
 #define OPF_bf16 OPF_BF16
 #define OPF_f16 OPF_F16
-ROPE_AVX512(f32, float, ld_f32, st_f32)
-ROPE_AVX512(bf16, uint16_t, ld_bf16, st_bf16)
-ROPE_AVX512(f16, uint16_t, ld_f16, st_f16)
+ROPE_AVX512(f32, float, ld16_f32, st16_f32)
+ROPE_AVX512(bf16, uint16_t, ld16_bf16, st16_bf16)
+ROPE_AVX512(f16, uint16_t, ld16_f16, st16_f16)
 
 static void rope_row_f64(void *out, const void *x, const void *cos, const void *sin, int64_t d, int64_t r, int64_t os,
                          int64_t xs, int64_t cs, int64_t ss, int interleaved, int inverse) {

@@ -1,8 +1,9 @@
 /*
  * Row helpers of the AVX2 softmax-like kernels (softmax_avx2.c,
- * cross_entropy_avx2.c), built with -mavx2 -mfma -mf16c: exp of d <= 0,
- * horizontal max and sum, and the 8-float loads and stores of each element
- * type, with r < 8 elements going through a buffer (loads padded with fill).
+ * cross_entropy_avx2.c), built with -mavx2 -mfma -mf16c: the scalar and
+ * r < 8 element loads and stores of each element type, through a buffer
+ * (loads padded with fill); the 8-float ones are half_avx2.h's, exp8z and
+ * the horizontal max and sum math_avx2.h's.
  */
 #ifndef OPFORGE_KERNELS_ROWS_AVX2_H
 #define OPFORGE_KERNELS_ROWS_AVX2_H
@@ -14,12 +15,6 @@
 #include "math_avx2.h"
 #include "opforge/half.h"
 
-#define LOG2E 1.44269504088896341f
-
-static inline __m256 exp8z(__m256 d) { return exp2_8z(_mm256_mul_ps(d, _mm256_set1_ps(LOG2E))); }
-
-static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline void st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline float ld1_f32(const float *p) { return *p; }
 static inline void st1_f32(float *p, float v) { *p = v; }
 static inline float ld1_bf16(const uint16_t *p) { return opf_bf16_to_f32(*p); }
@@ -27,7 +22,7 @@ static inline void st1_bf16(uint16_t *p, float v) { *p = opf_f32_to_bf16(v); }
 static inline float ld1_f16(const uint16_t *p) { return opf_f16_to_f32(*p); }
 static inline void st1_f16(uint16_t *p, float v) { *p = opf_f32_to_f16(v); }
 
-#define SM_TAIL_IO(name, E)                                                  \
+#define SOFTMAX_TAIL_IO(name, E)                                             \
     static inline __m256 ldn_##name(const E *p, int64_t r, float fill) {     \
         float b[8];                                                          \
         for (int i = 0; i < 8; i++) b[i] = i < r ? ld1_##name(p + i) : fill; \
@@ -38,8 +33,8 @@ static inline void st1_f16(uint16_t *p, float v) { *p = opf_f32_to_f16(v); }
         _mm256_storeu_ps(b, v);                                              \
         for (int i = 0; i < r; i++) st1_##name(p + i, b[i]);                 \
     }
-SM_TAIL_IO(f32, float)
-SM_TAIL_IO(bf16, uint16_t)
-SM_TAIL_IO(f16, uint16_t)
+SOFTMAX_TAIL_IO(f32, float)
+SOFTMAX_TAIL_IO(bf16, uint16_t)
+SOFTMAX_TAIL_IO(f16, uint16_t)
 
 #endif

@@ -8,7 +8,7 @@
 
 #include "softmax.h"
 
-#define SM_REF(name, E, LD, ST)                                                                                     \
+#define SOFTMAX_REF(name, E, LD, ST)                                                                                \
     static void sm_fwd_##name(void *y_, const void *x_, int64_t n, int64_t w, int64_t ys, int64_t xs, int is_log) { \
         for (int64_t l = 0; l < w; l++) {                                                                           \
             E *y = (E *)y_ + l;                                                                                     \
@@ -44,14 +44,14 @@
         }                                                                                                           \
     }
 
-#define SM_ID(v) ((double)(v))
-#define SM_F32(v) ((float)(v))
-#define SM_TO_BF16(v) opf_f32_to_bf16((float)(v))
-#define SM_TO_F16(v) opf_f32_to_f16((float)(v))
-SM_REF(f32, float, SM_ID, SM_F32)
-SM_REF(f64, double, SM_ID, SM_ID)
-SM_REF(bf16, uint16_t, opf_bf16_to_f32, SM_TO_BF16)
-SM_REF(f16, uint16_t, opf_f16_to_f32, SM_TO_F16)
+#define SOFTMAX_ID(v) ((double)(v))
+#define SOFTMAX_F32(v) ((float)(v))
+#define SOFTMAX_TO_BF16(v) opf_f32_to_bf16((float)(v))
+#define SOFTMAX_TO_F16(v) opf_f32_to_f16((float)(v))
+SOFTMAX_REF(f32, float, SOFTMAX_ID, SOFTMAX_F32)
+SOFTMAX_REF(f64, double, SOFTMAX_ID, SOFTMAX_ID)
+SOFTMAX_REF(bf16, uint16_t, opf_bf16_to_f32, SOFTMAX_TO_BF16)
+SOFTMAX_REF(f16, uint16_t, opf_f16_to_f32, SOFTMAX_TO_F16)
 
 const softmax_kernels softmax_kernels_ref = {
     .name = "ref",

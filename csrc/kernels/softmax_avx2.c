@@ -29,7 +29,7 @@
 
 /* ---- rows ------------------------------------------------------------------- */
 
-#define SM_ROWS(name, E, LD, ST, E_IN_Y)                                                                             \
+#define SOFTMAX_ROWS(name, E, LD, ST, E_IN_Y)                                                                        \
     static float row_max_##name(const E *x, int64_t n) {                                                             \
         const __m256 ninf = _mm256_set1_ps(-INFINITY);                                                               \
         __m256 m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;                                                           \
@@ -119,7 +119,7 @@
 
 /* ---- 8 lanes down a strided axis -------------------------------------------- */
 
-#define SM_LANES(name, E, LD, ST)                                                                                      \
+#define SOFTMAX_LANES_KERNEL(name, E, LD, ST)                                                                          \
     static void lanes_fwd_##name(E *y, const E *x, int64_t n, int64_t ys, int64_t xs, int is_log) {                    \
         __m256 m = _mm256_set1_ps(-INFINITY), s = _mm256_setzero_ps();                                                 \
         for (int64_t k = 0; k < n; k++) m = _mm256_max_ps(m, LD(x + k * xs));                                          \
@@ -151,9 +151,9 @@
 
 /* ---- the line kernels of the contract ----------------------------------------- */
 
-#define SM_AVX2(name, E, LD, ST, E_IN_Y, DT)                                                                        \
-    SM_ROWS(name, E, LD, ST, E_IN_Y)                                                                                \
-    SM_LANES(name, E, LD, ST)                                                                                       \
+#define SOFTMAX_AVX2(name, E, LD, ST, E_IN_Y, DT)                                                                   \
+    SOFTMAX_ROWS(name, E, LD, ST, E_IN_Y)                                                                           \
+    SOFTMAX_LANES_KERNEL(name, E, LD, ST)                                                                           \
     static void sm_fwd_##name(void *y_, const void *x_, int64_t n, int64_t w, int64_t ys, int64_t xs, int is_log) { \
         E *y = y_;                                                                                                  \
         const E *x = x_;                                                                                            \
@@ -180,9 +180,9 @@
         if (l < w) softmax_kernels_ref.bwd[DT](dx + l, dy + l, y + l, n, w - l, dxs, dys, ys, is_log);              \
     }
 
-SM_AVX2(f32, float, ld_f32, st_f32, 1, OPF_F32)
-SM_AVX2(bf16, uint16_t, ld_bf16, st_bf16, 0, OPF_BF16)
-SM_AVX2(f16, uint16_t, ld_f16, st_f16, 0, OPF_F16)
+SOFTMAX_AVX2(f32, float, ld_f32, st_f32, 1, OPF_F32)
+SOFTMAX_AVX2(bf16, uint16_t, ld_bf16, st_bf16, 0, OPF_BF16)
+SOFTMAX_AVX2(f16, uint16_t, ld_f16, st_f16, 0, OPF_F16)
 
 static void sm_fwd_f64(void *y, const void *x, int64_t n, int64_t w, int64_t ys, int64_t xs, int is_log) {
     softmax_kernels_ref.fwd[OPF_F64](y, x, n, w, ys, xs, is_log);

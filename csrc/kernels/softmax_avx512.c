@@ -8,10 +8,11 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "math_avx512.h"
 #include "rows_avx512.h"
 #include "softmax.h"
 
-#define SM_ROWS(name, E, LD, ST, E_IN_Y)                                                                               \
+#define SOFTMAX_ROWS(name, E, LD, ST, E_IN_Y)                                                                          \
     static void row_fwd_##name(E *y, const E *x, int64_t n, int is_log) {                                              \
         const __m512 ninf = _mm512_set1_ps(-INFINITY);                                                                 \
         __m512 m0 = ninf, m1 = ninf;                                                                                   \
@@ -96,8 +97,8 @@
         }                                                                                                              \
     }
 
-#define SM_AVX512(name, E, LD, ST, E_IN_Y, DT)                                                                      \
-    SM_ROWS(name, E, LD, ST, E_IN_Y)                                                                                \
+#define SOFTMAX_AVX512(name, E, LD, ST, E_IN_Y, DT)                                                                 \
+    SOFTMAX_ROWS(name, E, LD, ST, E_IN_Y)                                                                           \
     static void sm_fwd_##name(void *y_, const void *x_, int64_t n, int64_t w, int64_t ys, int64_t xs, int is_log) { \
         E *y = y_;                                                                                                  \
         const E *x = x_;                                                                                            \
@@ -121,9 +122,9 @@
                 lanes_bwd_##name(dx + l, dy + l, y + l, n, dxs, dys, ys, is_log, tail16(w - l));                    \
     }
 
-SM_AVX512(f32, float, ld16_f32, st16_f32, 1, OPF_F32)
-SM_AVX512(bf16, uint16_t, ld16_bf16, st16_bf16, 0, OPF_BF16)
-SM_AVX512(f16, uint16_t, ld16_f16, st16_f16, 0, OPF_F16)
+SOFTMAX_AVX512(f32, float, ld16_f32, st16_f32, 1, OPF_F32)
+SOFTMAX_AVX512(bf16, uint16_t, ld16_bf16, st16_bf16, 0, OPF_BF16)
+SOFTMAX_AVX512(f16, uint16_t, ld16_f16, st16_f16, 0, OPF_F16)
 
 static void sm_fwd_f64(void *y, const void *x, int64_t n, int64_t w, int64_t ys, int64_t xs, int is_log) {
     softmax_kernels_ref.fwd[OPF_F64](y, x, n, w, ys, xs, is_log);

@@ -38,11 +38,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "namespace.h"
-#include "opforge/op.h"
+#include "aoti.h"
 
 #define OPF_AOTI_FAILURE 1
-#define OPF_AOTI_MAX_ARGS 16
 
 int opf_init_once(char *err, size_t errlen);                   /* glue.c */
 const opf_op_desc *opforge_op_table(char *err, size_t errlen); /* ops.c */
@@ -51,13 +49,7 @@ const opf_op_desc *opforge_op_table(char *err, size_t errlen); /* ops.c */
 
 enum { SLOT_VALUE, SLOT_TENSOR, SLOT_BOX_TENSOR, SLOT_BOX_VALUE };
 
-typedef struct shim_args {
-    StableIValue v[OPF_AOTI_MAX_ARGS];
-    unsigned char kind[OPF_AOTI_MAX_ARGS]; /* what to release if the kernel never gets them */
-    int n, failed;
-} shim_args;
-
-static void push(shim_args *a, StableIValue v, int kind) {
+static void push(opf_aoti_args *a, StableIValue v, int kind) {
     if (a->n == OPF_AOTI_MAX_ARGS) {
         a->failed = 1;
         return;
@@ -87,13 +79,13 @@ static void free_box(StableIValue *box) {
 }
 
 /* The kernel owns its tensor arguments; the caller keeps its own: a new handle to the same tensor. */
-static AtenTensorHandle new_handle(shim_args *a, AtenTensorHandle t) {
+static AtenTensorHandle new_handle(opf_aoti_args *a, AtenTensorHandle t) {
     AtenTensorHandle h = NULL;
     if (t == NULL || aoti_torch_new_tensor_handle(t, &h) != OPF_AOTI_SUCCESS) a->failed = 1;
     return h;
 }
 
-static void push_boxed(shim_args *a, StableIValue v, int kind) {
+static void push_boxed(opf_aoti_args *a, StableIValue v, int kind) {
     StableIValue *box = new_box(v);
     if (box == NULL) {
         a->failed = 1;
@@ -109,12 +101,12 @@ static StableIValue bits_of(double d) {
     return v;
 }
 
-static void arg_tensor(shim_args *a, AtenTensorHandle t) {
+void opf_aoti_arg_tensor(opf_aoti_args *a, AtenTensorHandle t) {
     AtenTensorHandle h = new_handle(a, t);
     if (h) push(a, (StableIValue)(uintptr_t)h, SLOT_TENSOR);
 }
 
-static void arg_optional_tensor(shim_args *a, AtenTensorHandle *t) {
+void opf_aoti_arg_optional_tensor(opf_aoti_args *a, AtenTensorHandle *t) {
     if (t == NULL) {
         push(a, 0, SLOT_VALUE);
         return;
@@ -123,11 +115,11 @@ static void arg_optional_tensor(shim_args *a, AtenTensorHandle *t) {
     if (h) push_boxed(a, (StableIValue)(uintptr_t)h, SLOT_BOX_TENSOR);
 }
 
-static void arg_double(shim_args *a, double v) { push(a, bits_of(v), SLOT_VALUE); }
-static void arg_int(shim_args *a, int64_t v) { push(a, (StableIValue)v, SLOT_VALUE); }
-static void arg_bool(shim_args *a, int32_t v) { push(a, v != 0, SLOT_VALUE); }
+void opf_aoti_arg_double(opf_aoti_args *a, double v) { push(a, bits_of(v), SLOT_VALUE); }
+void opf_aoti_arg_int(opf_aoti_args *a, int64_t v) { push(a, (StableIValue)v, SLOT_VALUE); }
+void opf_aoti_arg_bool(opf_aoti_args *a, int32_t v) { push(a, v != 0, SLOT_VALUE); }
 
-static void arg_optional_double(shim_args *a, double *v) {
+void opf_aoti_arg_optional_double(opf_aoti_args *a, double *v) {
     if (v == NULL) {
         push(a, 0, SLOT_VALUE);
         return;
@@ -135,7 +127,7 @@ static void arg_optional_double(shim_args *a, double *v) {
     push_boxed(a, bits_of(*v), SLOT_BOX_VALUE);
 }
 
-static void arg_optional_int(shim_args *a, int64_t *v) {
+void opf_aoti_arg_optional_int(opf_aoti_args *a, int64_t *v) {
     if (v == NULL) {
         push(a, 0, SLOT_VALUE);
         return;
@@ -143,7 +135,7 @@ static void arg_optional_int(shim_args *a, int64_t *v) {
     push_boxed(a, (StableIValue)*v, SLOT_BOX_VALUE);
 }
 
-static void arg_optional_bool(shim_args *a, int32_t *v) {
+void opf_aoti_arg_optional_bool(opf_aoti_args *a, int32_t *v) {
     if (v == NULL) {
         push(a, 0, SLOT_VALUE);
         return;
@@ -151,19 +143,7 @@ static void arg_optional_bool(shim_args *a, int32_t *v) {
     push_boxed(a, *v != 0, SLOT_BOX_VALUE);
 }
 
-/* The C type of a parameter picks how it is boxed: the parameter list is the only per-op fact. */
-#define OPF_AOTI_ARG(a, v) \
-    _Generic((v),                                              \
-        AtenTensorHandle: arg_tensor,                          \
-        AtenTensorHandle *: arg_optional_tensor,               \
-        double: arg_double,                                    \
-        double *: arg_optional_double,                         \
-        int64_t: arg_int,                                      \
-        int64_t *: arg_optional_int,                           \
-        int32_t: arg_bool,                                     \
-        int32_t *: arg_optional_bool)(a, v)
-
-static void release(shim_args *a) {
+static void release(opf_aoti_args *a) {
     for (int i = 0; i < a->n; i++) {
         StableIValue v = a->v[i];
         if (a->kind[i] == SLOT_TENSOR) aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)v);
@@ -178,11 +158,6 @@ static void release(shim_args *a) {
 
 /* ---- the call --------------------------------------------------------------- */
 
-typedef struct shim_site {
-    const char *op;
-    OpfBoxedKernel kernel; /* the op's cpu kernel, found in the op table on the first call */
-} shim_site;
-
 static OpfBoxedKernel find_kernel(const char *op) {
     char err[256];
     const opf_op_desc *table = opforge_op_table(err, sizeof err);
@@ -192,7 +167,7 @@ static OpfBoxedKernel find_kernel(const char *op) {
     return NULL;
 }
 
-static AOTITorchError shim_run(shim_site *site, shim_args *a, AtenTensorHandle **rets, int nout) {
+AOTITorchError opf_aoti_run(opf_aoti_site *site, opf_aoti_args *a, AtenTensorHandle **rets, int nout) {
     OpfBoxedKernel kernel = __atomic_load_n(&site->kernel, __ATOMIC_ACQUIRE);
     if (kernel == NULL && !a->failed) {
         char err[512];
@@ -215,191 +190,18 @@ static AOTITorchError shim_run(shim_site *site, shim_args *a, AtenTensorHandle *
 
 /* ---- one shim per op ---------------------------------------------------------- */
 
-#define OPF_UNPAREN(...) __VA_ARGS__
-#define OPF_CAT(a, b) OPF_CAT_(a, b)
-#define OPF_CAT_(a, b) a##b
-#define OPF_COUNT(...) OPF_COUNT_(__VA_ARGS__, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1)
-#define OPF_COUNT_(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, n, ...) n
-#define OPF_EACH(m, a, ...) OPF_CAT(OPF_EACH_, OPF_COUNT(__VA_ARGS__))(m, a, __VA_ARGS__)
-#define OPF_EACH_1(m, a, x) m(a, x);
-#define OPF_EACH_2(m, a, x, ...) \
-    m(a, x);                     \
-    OPF_EACH_1(m, a, __VA_ARGS__)
-#define OPF_EACH_3(m, a, x, ...) \
-    m(a, x);                     \
-    OPF_EACH_2(m, a, __VA_ARGS__)
-#define OPF_EACH_4(m, a, x, ...) \
-    m(a, x);                     \
-    OPF_EACH_3(m, a, __VA_ARGS__)
-#define OPF_EACH_5(m, a, x, ...) \
-    m(a, x);                     \
-    OPF_EACH_4(m, a, __VA_ARGS__)
-#define OPF_EACH_6(m, a, x, ...) \
-    m(a, x);                     \
-    OPF_EACH_5(m, a, __VA_ARGS__)
-#define OPF_EACH_7(m, a, x, ...) \
-    m(a, x);                     \
-    OPF_EACH_6(m, a, __VA_ARGS__)
-#define OPF_EACH_8(m, a, x, ...) \
-    m(a, x);                     \
-    OPF_EACH_7(m, a, __VA_ARGS__)
-#define OPF_EACH_9(m, a, x, ...) \
-    m(a, x);                     \
-    OPF_EACH_8(m, a, __VA_ARGS__)
-#define OPF_EACH_10(m, a, x, ...) \
-    m(a, x);                      \
-    OPF_EACH_9(m, a, __VA_ARGS__)
-#define OPF_EACH_11(m, a, x, ...) \
-    m(a, x);                      \
-    OPF_EACH_10(m, a, __VA_ARGS__)
-#define OPF_EACH_12(m, a, x, ...) \
-    m(a, x);                      \
-    OPF_EACH_11(m, a, __VA_ARGS__)
-#define OPF_EACH_13(m, a, x, ...) \
-    m(a, x);                      \
-    OPF_EACH_12(m, a, __VA_ARGS__)
-#define OPF_EACH_14(m, a, x, ...) \
-    m(a, x);                      \
-    OPF_EACH_13(m, a, __VA_ARGS__)
-#define OPF_EACH_15(m, a, x, ...) \
-    m(a, x);                      \
-    OPF_EACH_14(m, a, __VA_ARGS__)
-#define OPF_EACH_16(m, a, x, ...) \
-    m(a, x);                      \
-    OPF_EACH_15(m, a, __VA_ARGS__)
+/* ---- the shims' list ------------------------------------------------------------ */
 
-#define OPF_RETS_1 AtenTensorHandle *ret0
-#define OPF_RETS_2 OPF_RETS_1, AtenTensorHandle *ret1
-#define OPF_RETS_3 OPF_RETS_2, AtenTensorHandle *ret2
-#define OPF_RETS_4 OPF_RETS_3, AtenTensorHandle *ret3
-#define OPF_RETS_5 OPF_RETS_4, AtenTensorHandle *ret4
-#define OPF_RET_PTRS_1 ret0
-#define OPF_RET_PTRS_2 OPF_RET_PTRS_1, ret1
-#define OPF_RET_PTRS_3 OPF_RET_PTRS_2, ret2
-#define OPF_RET_PTRS_4 OPF_RET_PTRS_3, ret3
-#define OPF_RET_PTRS_5 OPF_RET_PTRS_4, ret4
+OPF_SECTION_BOUNDS(opf_aoti_shims, const opf_aoti_shim_desc *);
 
-/* X(op, number of outputs, (C parameters as the schema's arguments map to them), parameter names...).
- * The parameters are written as aoti.py derives them from the schema; opforge_aoti_shim_at hands this
- * text to it, and it refuses an op whose text differs from what it derives (a test checks every op). */
-#define OPF_AOTI_OPS(X)                                                                                                \
-    X(dispersion_correction, 1, (AtenTensorHandle x, double alpha), x, alpha)                                          \
-    X(dispersion_correction_backward, 1, (AtenTensorHandle grad, AtenTensorHandle x, double alpha), grad, x, alpha)    \
-    X(matmul, 1, (AtenTensorHandle a, AtenTensorHandle b), a, b)                                                       \
-    X(matmul_backward, 2, (AtenTensorHandle grad, AtenTensorHandle a, AtenTensorHandle b), grad, a, b)                 \
-    X(linear, 2,                                                                                                       \
-      (AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle * bias, int64_t activation, int32_t save_preact), \
-      x, weight, bias, activation, save_preact)                                                                        \
-    X(linear_backward, 3,                                                                                              \
-      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle * bias,                    \
-       AtenTensorHandle preact, int64_t activation),                                                                   \
-      grad, x, weight, bias, preact, activation)                                                                       \
-    X(linear_backward_, 3,                                                                                             \
-      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle * bias,                    \
-       AtenTensorHandle preact, int64_t activation),                                                                   \
-      grad, x, weight, bias, preact, activation)                                                                       \
-    X(attention, 2,                                                                                                    \
-      (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle * attn_mask, int32_t causal,       \
-       double *scale),                                                                                                 \
-      q, k, v, attn_mask, causal, scale)                                                                               \
-    X(attention_backward, 3,                                                                                           \
-      (AtenTensorHandle grad, AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,                              \
-       AtenTensorHandle * attn_mask, AtenTensorHandle out, AtenTensorHandle lse, int32_t causal, double *scale),       \
-      grad, q, k, v, attn_mask, out, lse, causal, scale)                                                               \
-    X(attention_decode, 1,                                                                                             \
-      (AtenTensorHandle q, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle seq_lens,              \
-       double *scale, int32_t causal),                                                                                 \
-      q, k_cache, v_cache, seq_lens, scale, causal)                                                                    \
-    X(rms_norm, 2, (AtenTensorHandle x, AtenTensorHandle * weight, double eps, int32_t offset), x, weight, eps,        \
-      offset)                                                                                                          \
-    X(rms_norm_backward, 2,                                                                                            \
-      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle rstd, double eps,        \
-       int32_t offset),                                                                                                \
-      grad, x, weight, rstd, eps, offset)                                                                              \
-    X(add_rms_norm, 3,                                                                                                 \
-      (AtenTensorHandle x, AtenTensorHandle residual, AtenTensorHandle * weight, double eps, int32_t offset), x,       \
-      residual, weight, eps, offset)                                                                                   \
-    X(add_rms_norm_backward, 3,                                                                                        \
-      (AtenTensorHandle grad, AtenTensorHandle grad_sum, AtenTensorHandle sum, AtenTensorHandle * weight,              \
-       AtenTensorHandle rstd, double eps, int32_t offset),                                                             \
-      grad, grad_sum, sum, weight, rstd, eps, offset)                                                                  \
-    X(layer_norm, 3, (AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle * bias, double eps), x, weight,  \
-      bias, eps)                                                                                                       \
-    X(layer_norm_backward, 3,                                                                                          \
-      (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle * weight, AtenTensorHandle * bias,                  \
-       AtenTensorHandle mean, AtenTensorHandle rstd, double eps),                                                      \
-      grad, x, weight, bias, mean, rstd, eps)                                                                          \
-    X(glu, 1, (AtenTensorHandle gate, AtenTensorHandle up, int64_t act), gate, up, act)                                \
-    X(glu_backward, 2, (AtenTensorHandle grad, AtenTensorHandle gate, AtenTensorHandle up, int64_t act), grad, gate,   \
-      up, act)                                                                                                         \
-    X(rope, 2,                                                                                                         \
-      (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle cos, AtenTensorHandle sin,                             \
-       AtenTensorHandle * position_ids, int32_t interleaved),                                                          \
-      q, k, cos, sin, position_ids, interleaved)                                                                       \
-    X(rope_backward, 2,                                                                                                \
-      (AtenTensorHandle grad_q, AtenTensorHandle grad_k, AtenTensorHandle cos, AtenTensorHandle sin,                   \
-       AtenTensorHandle * position_ids, int32_t interleaved),                                                          \
-      grad_q, grad_k, cos, sin, position_ids, interleaved)                                                             \
-    X(softmax, 1, (AtenTensorHandle x, int64_t dim), x, dim)                                                           \
-    X(log_softmax, 1, (AtenTensorHandle x, int64_t dim), x, dim)                                                       \
-    X(softmax_backward, 1, (AtenTensorHandle grad, AtenTensorHandle y, int64_t dim), grad, y, dim)                     \
-    X(log_softmax_backward, 1, (AtenTensorHandle grad, AtenTensorHandle y, int64_t dim), grad, y, dim)                 \
-    X(cross_entropy, 3,                                                                                                \
-      (AtenTensorHandle logits, AtenTensorHandle target, AtenTensorHandle * weight, int64_t ignore_index,              \
-       double label_smoothing, int64_t reduction, double *softcap),                                                    \
-      logits, target, weight, ignore_index, label_smoothing, reduction, softcap)                                       \
-    X(cross_entropy_backward, 1,                                                                                       \
-      (AtenTensorHandle grad_losses, AtenTensorHandle grad_loss, AtenTensorHandle logits, AtenTensorHandle target,     \
-       AtenTensorHandle * weight, AtenTensorHandle lse, int64_t ignore_index, double label_smoothing,                  \
-       int64_t reduction, double *softcap),                                                                            \
-      grad_losses, grad_loss, logits, target, weight, lse, ignore_index, label_smoothing, reduction, softcap)          \
-    X(linear_cross_entropy, 5,                                                                                         \
-      (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle * bias,             \
-       int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap, int32_t compute_grad),        \
-      hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, compute_grad)                   \
-    X(linear_cross_entropy_backward, 3,                                                                                \
-      (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,               \
-       AtenTensorHandle * bias, AtenTensorHandle lse, AtenTensorHandle dhidden, AtenTensorHandle dweight,              \
-       AtenTensorHandle dbias, int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap),      \
-      grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias, ignore_index, label_smoothing, reduction,      \
-      softcap)                                                                                                         \
-    X(linear_cross_entropy_none, 2,                                                                                    \
-      (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle * bias,             \
-       int64_t ignore_index, double label_smoothing, double *softcap),                                                 \
-      hidden, weight, target, bias, ignore_index, label_smoothing, softcap)                                            \
-    X(linear_cross_entropy_none_backward, 3,                                                                           \
-      (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,               \
-       AtenTensorHandle * bias, AtenTensorHandle lse, int64_t ignore_index, double label_smoothing, double *softcap),  \
-      grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, softcap)
-
-/* The locals end in '_' so that no schema argument name (a, grad, ...) shadows them. */
-#define OPF_AOTI_DEFINE(op, nout, params, ...)                                                            \
-    OPF_EXPORT AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params,                                       \
-                                                OPF_RETS_##nout) __asm__(OPF_NAMESPACE "_aoti_cpu_" #op); \
-    AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params, OPF_RETS_##nout) {                               \
-        static shim_site site_ = {#op, NULL};                                                             \
-        shim_args args_ = {.n = 0};                                                                       \
-        AtenTensorHandle *rets_[] = {OPF_RET_PTRS_##nout};                                                \
-        OPF_EACH(OPF_AOTI_ARG, &args_, __VA_ARGS__)                                                       \
-        return shim_run(&site_, &args_, rets_, nout);                                                     \
-    }
-OPF_AOTI_OPS(OPF_AOTI_DEFINE)
-
-typedef struct shim_info {
-    const char *op, *params;
-    int nout;
-} shim_info;
-
-#define OPF_AOTI_INFO(op, nout, params, ...) {#op, #params, nout},
-static const shim_info shims[] = {OPF_AOTI_OPS(OPF_AOTI_INFO)};
-
-/* Shim i of this library: the op's name, its C parameters as written above
- * (outputs left out) and its number of outputs; the symbol is
+/* Shim i of this library: the op's name, its C parameters as its op file
+ * writes them (outputs left out) and its number of outputs; the symbol is
  * opforge_namespace() + "_aoti_cpu_" + op. Returns 1, or 0 past the last. */
 OPF_EXPORT int opforge_aoti_shim_at(int i, const char **op, const char **params, int *nout) {
-    if (i < 0 || i >= (int)(sizeof shims / sizeof shims[0])) return 0;
-    *op = shims[i].op;
-    *params = shims[i].params;
-    *nout = shims[i].nout;
+    if (i < 0 || i >= (int)(__stop_opf_aoti_shims - __start_opf_aoti_shims)) return 0;
+    const opf_aoti_shim_desc *d = __start_opf_aoti_shims[i];
+    *op = d->op;
+    *params = d->params;
+    *nout = d->nout;
     return 1;
 }

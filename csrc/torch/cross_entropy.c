@@ -12,20 +12,25 @@
  * Operands of any strides are read in place.
  */
 #include "../kernels/cross_entropy.h"
+#include "aoti.h"
 #include "namespace.h"
 #include "opforge/op.h"
 
 static const char CE[] = OPF_QUALNAME("cross_entropy");
 static const char CEB[] = OPF_QUALNAME("cross_entropy_backward");
 
-typedef struct ce_args {
-    opf_tensor logits, target, weight;
-    ce_problem p;
-} ce_args;
+/* torch's Reduction codes, which linear_cross_entropy takes too */
+OPF_REGISTER_ENUM(reduction, {"none", CROSS_ENTROPY_REDUCTION_NONE}, {"mean", CROSS_ENTROPY_REDUCTION_MEAN},
+                  {"sum", CROSS_ENTROPY_REDUCTION_SUM});
 
-static ce_args check_ce(const char *op, AtenTensorHandle x_h, AtenTensorHandle t_h, AtenTensorHandle w_h,
-                        StableIValue *opts) {
-    ce_args a = {.logits = opf_tensor_info(op, "logits", x_h), .target = opf_tensor_info(op, "target", t_h)};
+typedef struct cross_entropy_args {
+    opf_tensor logits, target, weight;
+    cross_entropy_problem p;
+} cross_entropy_args;
+
+static cross_entropy_args check_ce(const char *op, AtenTensorHandle x_h, AtenTensorHandle t_h, AtenTensorHandle w_h,
+                                   StableIValue *opts) {
+    cross_entropy_args a = {.logits = opf_tensor_info(op, "logits", x_h), .target = opf_tensor_info(op, "target", t_h)};
     const opf_tensor *x = &a.logits, *t = &a.target;
     opf_check_device(op, "logits", x, "logits", x);
     opf_dtype dt = opf_check_float(op, "logits", x);
@@ -49,28 +54,27 @@ static ce_args check_ce(const char *op, AtenTensorHandle x_h, AtenTensorHandle t
     double cap = 0;
     int has_cap = opf_arg_optional_double(opts[3], &cap);
     if (!(eps >= 0 && eps <= 1)) opf_fail(op, "argument 'label_smoothing' must be in [0, 1], got %g", eps);
-    if (reduction < CE_REDUCTION_NONE || reduction > CE_REDUCTION_SUM)
-        opf_fail(op, "argument 'reduction' must be 0 (none), 1 (mean) or 2 (sum), got %lld", (long long)reduction);
+    opf_check_enum(op, "reduction", &opf_enum_reduction, reduction);
     if (has_cap && !(cap > 0)) opf_fail(op, "argument 'softcap' must be > 0 or None, got %g", cap);
     int64_t rows = 1;
     for (int64_t d = 0; d < x->ndim - 1; d++) rows *= x->sizes[d];
-    a.p = (ce_problem){.dt = dt,
-                       .rows = rows,
-                       .classes = C,
-                       .lead_ndim = (int)(x->ndim - 1),
-                       .lead_sizes = x->sizes,
-                       .logits = x->data,
-                       .logits_strides = x->strides,
-                       .target = t->data,
-                       .target_strides = t->strides,
-                       .weight = w_h ? a.weight.data : NULL,
-                       .weight_stride = w_h ? a.weight.strides[0] : 0,
-                       .ignore_index = ignore,
-                       .label_smoothing = eps,
-                       .softcap = has_cap ? cap : 0,
-                       .reduction = (int)reduction};
+    a.p = (cross_entropy_problem){.dt = dt,
+                                  .rows = rows,
+                                  .classes = C,
+                                  .lead_ndim = (int)(x->ndim - 1),
+                                  .lead_sizes = x->sizes,
+                                  .logits = x->data,
+                                  .logits_strides = x->strides,
+                                  .target = t->data,
+                                  .target_strides = t->strides,
+                                  .weight = w_h ? a.weight.data : NULL,
+                                  .weight_stride = w_h ? a.weight.strides[0] : 0,
+                                  .ignore_index = ignore,
+                                  .label_smoothing = eps,
+                                  .softcap = has_cap ? cap : 0,
+                                  .reduction = (int)reduction};
     if (!opf_is_meta(x)) {
-        int64_t value = 0, row = ce_check_target(&a.p, &value);
+        int64_t value = 0, row = cross_entropy_check_target(&a.p, &value);
         if (row >= 0)
             opf_fail(
                 op,
@@ -86,7 +90,7 @@ static void cross_entropy_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) 
     OPF_ARG_TENSOR(t, stack, 1);
     OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[2]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    ce_args a = check_ce(CE, x_h, t_h, w_h, stack + 3);
+    cross_entropy_args a = check_ce(CE, x_h, t_h, w_h, stack + 3);
     const opf_tensor *x = &a.logits;
     OPF_OWNED AtenTensorHandle losses_h = opf_empty(CE, x->ndim - 1, x->sizes, x->dtype, x);
     OPF_OWNED AtenTensorHandle loss_h = opf_empty(CE, 0, NULL, x->dtype, x);
@@ -95,10 +99,10 @@ static void cross_entropy_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) 
         opf_tensor losses = opf_tensor_info(CE, "losses", losses_h), loss = opf_tensor_info(CE, "loss", loss_h);
         opf_tensor lse = opf_tensor_info(CE, "lse", lse_h);
         a.p.losses = losses.data, a.p.loss = loss.data, a.p.lse = lse.data;
-        const ce_kernels *k = ce_kernels_for(opf_isa_current());
+        const cross_entropy_kernels *k = cross_entropy_kernels_for(opf_isa_current());
         float *ws = NULL;
-        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(CE, ce_fwd_workspace(&a.p), x, &ws);
-        ce_fwd(k, &a.p, ws);
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(CE, cross_entropy_fwd_workspace(&a.p), x, &ws);
+        cross_entropy_fwd(k, &a.p, ws);
         opf_log_call(CE, t0, 2, (opf_tensor[]){*x, a.target});
     }
     OPF_RETURN(stack, 0, losses_h);
@@ -115,7 +119,7 @@ static void cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64
     OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[4]);
     OPF_ARG_TENSOR(lse, stack, 5);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    ce_args a = check_ce(CEB, x_h, t_h, w_h, stack + 6);
+    cross_entropy_args a = check_ce(CEB, x_h, t_h, w_h, stack + 6);
     const opf_tensor *x = &a.logits;
     opf_tensor gls = opf_tensor_info(CEB, "grad_losses", gl_h), gs = opf_tensor_info(CEB, "grad_loss", g_h);
     opf_tensor lse = opf_tensor_info(CEB, "lse", lse_h);
@@ -141,7 +145,7 @@ static void cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64
         a.p.grad_losses = gls.data, a.p.grad_losses_strides = gls.strides, a.p.grad_loss = gs.data;
         a.p.lse_saved = lse.data, a.p.dlogits = dx.data;
         a.p.lse_dt = lse.dtype == aoti_torch_dtype_float32() ? OPF_F32 : OPF_F64;
-        ce_bwd(ce_kernels_for(opf_isa_current()), &a.p);
+        cross_entropy_bwd(cross_entropy_kernels_for(opf_isa_current()), &a.p);
         opf_log_call(CEB, t0, 3, (opf_tensor[]){*x, a.target, dx});
     }
     OPF_RETURN(stack, 0, dx_h);
@@ -149,7 +153,7 @@ static void cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64
 
 /* torch's CPU autocast runs cross_entropy in float32 (F.cross_entropy of bfloat16 logits under autocast
  * returns float32): the same policy */
-const opf_op_desc opf_cross_entropy_ops[] = {
+static const opf_op_desc opf_cross_entropy_ops[] = {
     {
         .schema = "cross_entropy(Tensor logits, Tensor target, Tensor? weight, int ignore_index, "
                   "float label_smoothing, int reduction, float? softcap) -> (Tensor, Tensor, Tensor)",
@@ -174,3 +178,16 @@ const opf_op_desc opf_cross_entropy_ops[] = {
     },
     OPF_OP_END,
 };
+
+OPF_REGISTER_OPS(opf_cross_entropy_ops);
+OPF_REGISTER_FAMILY(cross_entropy_variants);
+
+OPF_AOTI_SHIM(cross_entropy, 3,
+              (AtenTensorHandle logits, AtenTensorHandle target, AtenTensorHandle *weight, int64_t ignore_index,
+               double label_smoothing, int64_t reduction, double *softcap),
+              logits, target, weight, ignore_index, label_smoothing, reduction, softcap);
+OPF_AOTI_SHIM(cross_entropy_backward, 1,
+              (AtenTensorHandle grad_losses, AtenTensorHandle grad_loss, AtenTensorHandle logits,
+               AtenTensorHandle target, AtenTensorHandle *weight, AtenTensorHandle lse, int64_t ignore_index,
+               double label_smoothing, int64_t reduction, double *softcap),
+              grad_losses, grad_loss, logits, target, weight, lse, ignore_index, label_smoothing, reduction, softcap);

@@ -5,6 +5,7 @@
  * x is dense (transposed, permuted), else it is contiguous.
  */
 #include "../kernels/dispersion_correction.h"
+#include "aoti.h"
 #include "namespace.h"
 #include "opforge/op.h"
 
@@ -30,8 +31,8 @@ static void dispersion_correction_cpu(StableIValue *stack, uint64_t nin, uint64_
     opf_nd nd;
     const int64_t *strides[] = {y.strides, x.strides};
     opf_nd_init(&nd, (int)x.ndim, x.sizes, 2, strides);
-    opf_nd_log(FWD, &nd, DC_GRAIN);
-    dc_fwd(dc_kernels_for(opf_isa_current()), dt, &nd, y.data, x.data, alpha);
+    opf_nd_log(FWD, &nd, DISPERSION_CORRECTION_GRAIN);
+    dispersion_correction_fwd(dispersion_correction_kernels_for(opf_isa_current()), dt, &nd, y.data, x.data, alpha);
 
     opf_log_call(FWD, t0, 2, (opf_tensor[]){x, y});
     OPF_RETURN(stack, 0, y_h);
@@ -61,14 +62,15 @@ static void dispersion_correction_backward_cpu(StableIValue *stack, uint64_t nin
     opf_nd nd;
     const int64_t *strides[] = {dx.strides, g.strides, x.strides};
     opf_nd_init(&nd, (int)x.ndim, x.sizes, 3, strides);
-    opf_nd_log(BWD, &nd, DC_GRAIN);
-    dc_bwd(dc_kernels_for(opf_isa_current()), dt, &nd, dx.data, g.data, x.data, alpha);
+    opf_nd_log(BWD, &nd, DISPERSION_CORRECTION_GRAIN);
+    dispersion_correction_bwd(dispersion_correction_kernels_for(opf_isa_current()), dt, &nd, dx.data, g.data, x.data,
+                              alpha);
 
     opf_log_call(BWD, t0, 3, (opf_tensor[]){g, x, dx});
     OPF_RETURN(stack, 0, dx_h);
 }
 
-const opf_op_desc opf_dispersion_correction_ops[] = {
+static const opf_op_desc opf_dispersion_correction_ops[] = {
     {
         .schema = "dispersion_correction(Tensor x, float alpha) -> Tensor",
         .cpu = dispersion_correction_cpu,
@@ -90,3 +92,10 @@ const opf_op_desc opf_dispersion_correction_ops[] = {
     },
     OPF_OP_END,
 };
+
+OPF_REGISTER_OPS(opf_dispersion_correction_ops);
+OPF_REGISTER_FAMILY(dispersion_correction_variants);
+
+OPF_AOTI_SHIM(dispersion_correction, 1, (AtenTensorHandle x, double alpha), x, alpha);
+OPF_AOTI_SHIM(dispersion_correction_backward, 1, (AtenTensorHandle grad, AtenTensorHandle x, double alpha), grad, x,
+              alpha);

@@ -10,17 +10,17 @@
  * contiguous. Check, allocate, call; the arithmetic is in csrc/kernels/glu*.
  */
 #include "../kernels/glu.h"
+#include "aoti.h"
 #include "namespace.h"
 #include "opforge/op.h"
 
 static const char FWD[] = OPF_QUALNAME("glu");
 static const char BWD[] = OPF_QUALNAME("glu_backward");
 
+OPF_REGISTER_ENUM(glu_activation, {"gelu", ACT_GELU}, {"gelu_tanh", ACT_GELU_TANH}, {"silu", ACT_SILU});
+
 static act_kind check_act(const char *op, int64_t act) {
-    if (act != ACT_SILU && act != ACT_GELU && act != ACT_GELU_TANH)
-        opf_fail(op, "argument 'act' must be %d (gelu), %d (gelu_tanh) or %d (silu), got %lld", ACT_GELU, ACT_GELU_TANH,
-                 ACT_SILU, (long long)act);
-    return (act_kind)act;
+    return (act_kind)opf_check_enum(op, "act", &opf_enum_glu_activation, act);
 }
 
 /* gate and up: float, one device, dtype and shape */
@@ -90,7 +90,7 @@ static void glu_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_RETURN(stack, 1, dup_h);
 }
 
-const opf_op_desc opf_glu_ops[] = {
+static const opf_op_desc opf_glu_ops[] = {
     {
         .schema = "glu(Tensor gate, Tensor up, int act) -> Tensor",
         .cpu = glu_cpu,
@@ -112,3 +112,10 @@ const opf_op_desc opf_glu_ops[] = {
     },
     OPF_OP_END,
 };
+
+OPF_REGISTER_OPS(opf_glu_ops);
+OPF_REGISTER_FAMILY(glu_variants);
+
+OPF_AOTI_SHIM(glu, 1, (AtenTensorHandle gate, AtenTensorHandle up, int64_t act), gate, up, act);
+OPF_AOTI_SHIM(glu_backward, 2, (AtenTensorHandle grad, AtenTensorHandle gate, AtenTensorHandle up, int64_t act), grad,
+              gate, up, act);

@@ -10,21 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../kernels/act.h"
-#include "../kernels/attention.h"
-#include "../kernels/attention_decode.h"
 #include "../kernels/convert.h"
-#include "../kernels/cross_entropy.h"
-#include "../kernels/dispersion_correction.h"
-#include "../kernels/gemm.h"
-#include "../kernels/linear_cross_entropy.h"
-#include "../kernels/glu.h"
-#include "../kernels/norm.h"
 #include "../kernels/probe.h"
-#include "../kernels/rope.h"
-#include "../kernels/softmax.h"
 #include "namespace.h"
 #include "opforge/op.h"
+#include "registry.h"
 
 /* ---- errors ------------------------------------------------------------------ */
 
@@ -195,6 +185,19 @@ static const char *device_name(int32_t type) {
     if (type == aoti_torch_device_type_cuda()) return "cuda";
     if (type == aoti_torch_device_type_meta()) return "meta";
     return "another device";
+}
+
+int64_t opf_check_enum(const char *op, const char *arg, const opf_enum_desc *e, int64_t value) {
+    for (int i = 0; i < e->count; i++)
+        if (e->values[i].code == value) return value;
+    char list[512];
+    size_t n = 0;
+    for (int i = 0; i < e->count && n < sizeof list; i++) {
+        const char *sep = i == 0 ? "" : i + 1 == e->count ? " or " : ", ";
+        n += (size_t)snprintf(list + n, sizeof list - n, "%s%lld (%s)", sep, (long long)e->values[i].code,
+                              e->values[i].name);
+    }
+    opf_fail(op, "argument '%s' must be %s, got %lld", arg, list, (long long)value);
 }
 
 void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t) {
@@ -477,9 +480,11 @@ OPF_EXPORT const char *opforge_isa_name_at(int i) {
     return i >= 0 && i < OPF_ISA_COUNT ? opf_isa_name((opf_isa)i) : NULL;
 }
 
-static const opf_variants *const kernel_families[] = {
-    &dc_variants,  &gemm_variants, &attn_variants,    &act_variants, &cvt_variants, &probe_variants, &norm_variants,
-    &glu_variants, &rope_variants, &softmax_variants, &ce_variants,  &lce_variants, &decode_variants};
+/* The families every op shares; each op file registers its own. */
+OPF_REGISTER_FAMILY(convert_variants);
+OPF_REGISTER_FAMILY(probe_variants);
+
+OPF_SECTION_BOUNDS(opf_families, const opf_variants *);
 
 /* Variant i of the family vs: its name (NULL where this build lacks it), the
  * ISA it needs, and whether the current ISA runs it. Returns 1, or 0 past the
@@ -500,9 +505,9 @@ OPF_EXPORT int opforge_variant_at(const opf_variants *vs, int i, const char **na
  * Returns 1, 0 past the family's last variant, -1 past the last family. */
 OPF_EXPORT int opforge_kernel_variant(int f, int i, const char **family, const char **name, const char **isa,
                                       int *current) {
-    if (f < 0 || f >= (int)(sizeof kernel_families / sizeof *kernel_families)) return -1;
-    *family = kernel_families[f]->family;
-    return opforge_variant_at(kernel_families[f], i, name, isa, current);
+    if (f < 0 || f >= (int)(__stop_opf_families - __start_opf_families)) return -1;
+    *family = __start_opf_families[f]->family;
+    return opforge_variant_at(__start_opf_families[f], i, name, isa, current);
 }
 
 OPF_EXPORT int opforge_set_log_level(const char *name, char *err, size_t errlen) {

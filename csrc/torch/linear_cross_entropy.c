@@ -19,6 +19,7 @@
 #include <math.h>
 
 #include "../kernels/linear_cross_entropy.h"
+#include "aoti.h"
 #include "namespace.h"
 #include "opforge/op.h"
 
@@ -27,11 +28,13 @@ static const char LCEB[] = OPF_QUALNAME("linear_cross_entropy_backward");
 static const char LCEN[] = OPF_QUALNAME("linear_cross_entropy_none");
 static const char LCENB[] = OPF_QUALNAME("linear_cross_entropy_none_backward");
 
-typedef struct lce_args {
+extern const opf_enum_desc opf_enum_reduction; /* cross_entropy.c: torch's Reduction codes */
+
+typedef struct linear_cross_entropy_args {
     opf_tensor hidden, weight, target, bias;
     int has_bias;
-    lce_problem p;
-} lce_args;
+    linear_cross_entropy_problem p;
+} linear_cross_entropy_args;
 
 static void check_ran(const char *op, int rc) {
     if (rc != 0)
@@ -40,13 +43,13 @@ static void check_ran(const char *op, int rc) {
 }
 
 /* every argument of the forward, checked before anything is computed */
-static lce_args check_lce(const char *op, AtenTensorHandle h_h, AtenTensorHandle w_h, AtenTensorHandle t_h,
-                          AtenTensorHandle b_h, int64_t ignore_index, double label_smoothing, int64_t reduction,
-                          int has_softcap, double softcap) {
-    lce_args a = {.hidden = opf_tensor_info(op, "hidden", h_h),
-                  .weight = opf_tensor_info(op, "weight", w_h),
-                  .target = opf_tensor_info(op, "target", t_h),
-                  .has_bias = b_h != NULL};
+static linear_cross_entropy_args check_lce(const char *op, AtenTensorHandle h_h, AtenTensorHandle w_h,
+                                           AtenTensorHandle t_h, AtenTensorHandle b_h, int64_t ignore_index,
+                                           double label_smoothing, int64_t reduction, int has_softcap, double softcap) {
+    linear_cross_entropy_args a = {.hidden = opf_tensor_info(op, "hidden", h_h),
+                                   .weight = opf_tensor_info(op, "weight", w_h),
+                                   .target = opf_tensor_info(op, "target", t_h),
+                                   .has_bias = b_h != NULL};
     opf_check_device(op, "hidden", &a.hidden, "hidden", &a.hidden);
     opf_dtype dt = opf_check_float(op, "hidden", &a.hidden);
     opf_check_device(op, "weight", &a.weight, "hidden", &a.hidden);
@@ -81,26 +84,25 @@ static lce_args check_lce(const char *op, AtenTensorHandle h_h, AtenTensorHandle
         opf_fail(op, "argument 'label_smoothing' must be in [0, 1], got %g", label_smoothing);
     if (has_softcap && !(softcap > 0.0 && isfinite(softcap)))
         opf_fail(op, "argument 'softcap' must be a finite number > 0 (or None), got %g", softcap);
-    if (reduction < LCE_NONE || reduction > LCE_SUM)
-        opf_fail(op, "argument 'reduction' must be 0 (none), 1 (mean) or 2 (sum), got %lld", (long long)reduction);
-    a.p = (lce_problem){.t = t,
-                        .h = h,
-                        .v = v,
-                        .dt = dt,
-                        .hidden = a.hidden.data,
-                        .hidden_strides = {a.hidden.strides[0], a.hidden.strides[1]},
-                        .weight = a.weight.data,
-                        .weight_strides = {a.weight.strides[0], a.weight.strides[1]},
-                        .target = a.target.data,
-                        .target_stride = a.target.strides[0],
-                        .bias = a.has_bias ? a.bias.data : NULL,
-                        .bias_stride = a.has_bias ? a.bias.strides[0] : 0,
-                        .ignore_index = ignore_index,
-                        .label_smoothing = label_smoothing,
-                        .softcap = has_softcap ? softcap : 0.0,
-                        .reduction = (int)reduction};
+    opf_check_enum(op, "reduction", &opf_enum_reduction, reduction);
+    a.p = (linear_cross_entropy_problem){.t = t,
+                                         .h = h,
+                                         .v = v,
+                                         .dt = dt,
+                                         .hidden = a.hidden.data,
+                                         .hidden_strides = {a.hidden.strides[0], a.hidden.strides[1]},
+                                         .weight = a.weight.data,
+                                         .weight_strides = {a.weight.strides[0], a.weight.strides[1]},
+                                         .target = a.target.data,
+                                         .target_stride = a.target.strides[0],
+                                         .bias = a.has_bias ? a.bias.data : NULL,
+                                         .bias_stride = a.has_bias ? a.bias.strides[0] : 0,
+                                         .ignore_index = ignore_index,
+                                         .label_smoothing = label_smoothing,
+                                         .softcap = has_softcap ? softcap : 0.0,
+                                         .reduction = (int)reduction};
     if (!opf_is_meta(&a.hidden)) { /* the values: a meta tensor has none to read */
-        int64_t bad = lce_bad_target(&a.p);
+        int64_t bad = linear_cross_entropy_bad_target(&a.p);
         if (bad >= 0)
             opf_fail(op,
                      "argument 'target' must hold class indices in [0, %lld) or ignore_index (%lld), got %lld at "
@@ -111,12 +113,13 @@ static lce_args check_lce(const char *op, AtenTensorHandle h_h, AtenTensorHandle
     return a;
 }
 
-static void run(const char *op, const lce_args *a) {
-    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
-    int64_t floats = lce_workspace(gemm, &a->p);
+static void run(const char *op, const linear_cross_entropy_args *a) {
+    const linear_cross_entropy_plan plan =
+        linear_cross_entropy_plan_make(gemm_kernels_for(opf_isa_current()), &a->p, opf_num_threads());
     float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(op, floats, &a->hidden, &ws);
-    check_ran(op, lce_run(lce_kernels_for(opf_isa_current()), gemm, &a->p, ws, floats));
+    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(op, linear_cross_entropy_workspace(&plan), &a->hidden, &ws);
+    check_ran(op, linear_cross_entropy_run(linear_cross_entropy_kernels_for(opf_isa_current()), &plan, &a->p, ws,
+                                           linear_cross_entropy_workspace(&plan)));
 }
 
 /* contiguous (1-d or 2-d; strides of size-1 dims do not matter) */
@@ -135,7 +138,7 @@ typedef struct grads {
     AtenTensorHandle dh, dw, db;
 } grads;
 
-static void alloc_grads(const char *op, lce_args *a, int make, grads *g) {
+static void alloc_grads(const char *op, linear_cross_entropy_args *a, int make, grads *g) {
     int64_t empty = 0;
     const int32_t dt = a->hidden.dtype;
     g->dh = make ? opf_empty(op, 2, a->hidden.sizes, dt, &a->hidden) : opf_empty(op, 1, &empty, dt, &a->hidden);
@@ -160,13 +163,13 @@ static void forward_impl(StableIValue *stack, int per_token) {
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     const int64_t ignore_index = opf_arg_int(stack[4]);
     const double label_smoothing = opf_arg_double(stack[5]);
-    const int64_t reduction = per_token ? LCE_NONE : opf_arg_int(stack[6]);
+    const int64_t reduction = per_token ? LINEAR_CROSS_ENTROPY_NONE : opf_arg_int(stack[6]);
     const int compute_grad = per_token ? 0 : opf_arg_bool(stack[8]);
-    if (!per_token && reduction != LCE_MEAN && reduction != LCE_SUM)
+    if (!per_token && reduction != LINEAR_CROSS_ENTROPY_MEAN && reduction != LINEAR_CROSS_ENTROPY_SUM)
         opf_fail(op, "argument 'reduction' must be 1 (mean) or 2 (sum) (reduction none is %s), got %lld", LCEN,
                  (long long)reduction);
-    lce_args a = check_lce(op, hidden_h, weight_h, target_h, bias_h, ignore_index, label_smoothing, reduction,
-                           has_softcap, softcap);
+    linear_cross_entropy_args a = check_lce(op, hidden_h, weight_h, target_h, bias_h, ignore_index, label_smoothing,
+                                            reduction, has_softcap, softcap);
     OPF_OWNED AtenTensorHandle loss_h = opf_empty(op, per_token ? 1 : 0, &a.p.t, a.hidden.dtype, &a.hidden);
     OPF_OWNED AtenTensorHandle lse_h = opf_empty(op, 1, &a.p.t, aoti_torch_dtype_float32(), &a.hidden);
     grads g = {0};
@@ -184,8 +187,8 @@ static void forward_impl(StableIValue *stack, int per_token) {
     OPF_RETURN(stack, 4, db_h);
 }
 
-static void lce_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { forward_impl(stack, 0); }
-static void lce_none_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { forward_impl(stack, 1); }
+static void linear_cross_entropy_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { forward_impl(stack, 0); }
+static void linear_cross_entropy_none_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { forward_impl(stack, 1); }
 
 /* ---- backward ---------------------------------------------------------------------------------- */
 
@@ -208,11 +211,11 @@ static void backward_impl(StableIValue *stack, int per_token) {
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     const int64_t ignore_index = opf_arg_int(stack[k]);
     const double label_smoothing = opf_arg_double(stack[k + 1]);
-    const int64_t reduction = per_token ? LCE_NONE : opf_arg_int(stack[k + 2]);
-    if (!per_token && reduction != LCE_MEAN && reduction != LCE_SUM)
+    const int64_t reduction = per_token ? LINEAR_CROSS_ENTROPY_NONE : opf_arg_int(stack[k + 2]);
+    if (!per_token && reduction != LINEAR_CROSS_ENTROPY_MEAN && reduction != LINEAR_CROSS_ENTROPY_SUM)
         opf_fail(op, "argument 'reduction' must be 1 (mean) or 2 (sum), got %lld", (long long)reduction);
-    lce_args a = check_lce(op, hidden_h, weight_h, target_h, bias_h, ignore_index, label_smoothing, reduction,
-                           has_softcap, softcap);
+    linear_cross_entropy_args a = check_lce(op, hidden_h, weight_h, target_h, bias_h, ignore_index, label_smoothing,
+                                            reduction, has_softcap, softcap);
     opf_tensor g = opf_tensor_info(op, "grad", grad_h), l = opf_tensor_info(op, "lse", lse_h);
     opf_check_device(op, "grad", &g, "hidden", &a.hidden);
     opf_check_same_dtype(op, "grad", &g, "hidden", &a.hidden);
@@ -249,10 +252,10 @@ static void backward_impl(StableIValue *stack, int per_token) {
     OPF_OWNED AtenTensorHandle dh_h = out.dh, dw_h = out.dw, db_h = out.db;
     if (!opf_is_meta(&a.hidden)) {
         if (saved) {
-            const cvt_kernels *cvt = cvt_kernels_for(opf_isa_current());
-            lce_scale(cvt, a.p.dt, a.p.dhidden, sdh.data, sdh.numel, g.data);
-            lce_scale(cvt, a.p.dt, a.p.dweight, sdw.data, sdw.numel, g.data);
-            if (a.has_bias) lce_scale(cvt, a.p.dt, a.p.dbias, sdb.data, sdb.numel, g.data);
+            const convert_kernels *cvt = convert_kernels_for(opf_isa_current());
+            linear_cross_entropy_scale(cvt, a.p.dt, a.p.dhidden, sdh.data, sdh.numel, g.data);
+            linear_cross_entropy_scale(cvt, a.p.dt, a.p.dweight, sdw.data, sdw.numel, g.data);
+            if (a.has_bias) linear_cross_entropy_scale(cvt, a.p.dt, a.p.dbias, sdb.data, sdb.numel, g.data);
         } else {
             a.p.lse = l.data;
             a.p.lse_given = 1;
@@ -267,19 +270,29 @@ static void backward_impl(StableIValue *stack, int per_token) {
     OPF_RETURN(stack, 2, db_h);
 }
 
-static void lce_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { backward_impl(stack, 0); }
-static void lce_none_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { backward_impl(stack, 1); }
+static void linear_cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    backward_impl(stack, 0);
+}
+static void linear_cross_entropy_none_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    backward_impl(stack, 1);
+}
 
 /* Autocast runs the op in float32: torch's autocast returns F.cross_entropy(F.linear(h, w), t) as a float32
  * loss, and a float16 loss would overflow GradScaler's scaled gradient (65536 is past float16's range), so a
  * float16 step would be skipped where torch's is not. float32 hidden and weights (a float32 residual stream,
  * master weights) are not copied at all, and the logits are float32, more precise than torch's 16-bit ones. */
-const opf_op_desc opf_linear_cross_entropy_ops[] = {
+/* The logits block's floats: tokens x vocab is one block exactly when tokens * vocab <= this
+ * (linear_cross_entropy_one_block, checked in tests/c/test_linear_cross_entropy.c). The Python layer then asks the
+ * forward for the gradients (compute_grad), which it makes on the way at no extra GEMM; it compares
+ * sizes itself, so that a compiled graph (whose sizes may be symbolic) makes the same choice. */
+OPF_EXPORT int64_t opforge_linear_cross_entropy_block_floats(void) { return LINEAR_CROSS_ENTROPY_BLOCK_FLOATS; }
+
+static const opf_op_desc opf_linear_cross_entropy_ops[] = {
     {
         .schema = "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
                   "float label_smoothing, int reduction, float? softcap, bool compute_grad) "
                   "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-        .cpu = lce_cpu,
+        .cpu = linear_cross_entropy_cpu,
         .shape = "[] dtype=hidden; [target[0]] dtype=float32; [hidden[:]] if compute_grad; "
                  "[weight[:]] dtype=hidden if compute_grad; [bias[:]] dtype=hidden if compute_grad and bias",
         .backward = "linear_cross_entropy_backward",
@@ -294,7 +307,7 @@ const opf_op_desc opf_linear_cross_entropy_ops[] = {
         .schema = "linear_cross_entropy_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
                   "Tensor? bias, Tensor lse, Tensor dhidden, Tensor dweight, Tensor dbias, int ignore_index, "
                   "float label_smoothing, int reduction, float? softcap) -> (Tensor, Tensor, Tensor)",
-        .cpu = lce_backward_cpu,
+        .cpu = linear_cross_entropy_backward_cpu,
         .shape = "[hidden[:]]; [weight[:]] dtype=hidden; [bias[:]] dtype=hidden if bias",
         .flops = "4*numel(hidden)*size(weight,0)",
         .meta = 1,
@@ -302,7 +315,7 @@ const opf_op_desc opf_linear_cross_entropy_ops[] = {
     {
         .schema = "linear_cross_entropy_none(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
                   "int ignore_index, float label_smoothing, float? softcap) -> (Tensor, Tensor)",
-        .cpu = lce_none_cpu,
+        .cpu = linear_cross_entropy_none_cpu,
         .shape = "[target[0]] dtype=hidden; [target[0]] dtype=float32",
         .backward = "linear_cross_entropy_none_backward",
         .backward_args = "grad0,hidden,weight,target,bias,out1,ignore_index,label_smoothing,softcap",
@@ -315,10 +328,34 @@ const opf_op_desc opf_linear_cross_entropy_ops[] = {
         .schema = "linear_cross_entropy_none_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
                   "Tensor? bias, Tensor lse, int ignore_index, float label_smoothing, float? softcap) "
                   "-> (Tensor, Tensor, Tensor)",
-        .cpu = lce_none_backward_cpu,
+        .cpu = linear_cross_entropy_none_backward_cpu,
         .shape = "[hidden[:]]; [weight[:]] dtype=hidden; [bias[:]] dtype=hidden if bias",
         .flops = "4*numel(hidden)*size(weight,0)",
         .meta = 1,
     },
     OPF_OP_END,
 };
+
+OPF_REGISTER_OPS(opf_linear_cross_entropy_ops);
+OPF_REGISTER_FAMILY(linear_cross_entropy_variants);
+
+OPF_AOTI_SHIM(linear_cross_entropy, 5,
+              (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle *bias,
+               int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap, int32_t compute_grad),
+              hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, compute_grad);
+OPF_AOTI_SHIM(linear_cross_entropy_backward, 3,
+              (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,
+               AtenTensorHandle *bias, AtenTensorHandle lse, AtenTensorHandle dhidden, AtenTensorHandle dweight,
+               AtenTensorHandle dbias, int64_t ignore_index, double label_smoothing, int64_t reduction,
+               double *softcap),
+              grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias, ignore_index, label_smoothing,
+              reduction, softcap);
+OPF_AOTI_SHIM(linear_cross_entropy_none, 2,
+              (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle *bias,
+               int64_t ignore_index, double label_smoothing, double *softcap),
+              hidden, weight, target, bias, ignore_index, label_smoothing, softcap);
+OPF_AOTI_SHIM(linear_cross_entropy_none_backward, 3,
+              (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,
+               AtenTensorHandle *bias, AtenTensorHandle lse, int64_t ignore_index, double label_smoothing,
+               double *softcap),
+              grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, softcap);

@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "../kernels/norm.h"
+#include "aoti.h"
 #include "namespace.h"
 #include "opforge/op.h"
 
@@ -272,7 +273,7 @@ static void layer_norm_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t 
     OPF_RETURN(stack, 2, db_h);
 }
 
-const opf_op_desc opf_norm_ops[] = {
+static const opf_op_desc opf_norm_ops[] = {
     {
         .schema = "rms_norm(Tensor x, Tensor? weight, float eps, bool offset) -> (Tensor, Tensor)",
         .cpu = rms_norm_cpu,
@@ -280,7 +281,7 @@ const opf_op_desc opf_norm_ops[] = {
         .backward = "rms_norm_backward",
         .backward_args = "grad0,x,weight,out1,eps,offset",
         .backward_grads = "x,weight",
-        .autocast = OPF_AUTOCAST_NONE,
+        .autocast = OPF_AUTOCAST_FOLLOW, /* F.rms_norm / F.layer_norm run in x's dtype beside float32 weights */
         .flops = "4*numel(x)",
         .meta = 1,
     },
@@ -300,7 +301,7 @@ const opf_op_desc opf_norm_ops[] = {
         .backward = "add_rms_norm_backward",
         .backward_args = "grad0,grad1,out1,weight,out2,eps,offset",
         .backward_grads = "x,residual,weight",
-        .autocast = OPF_AUTOCAST_NONE,
+        .autocast = OPF_AUTOCAST_FOLLOW, /* F.rms_norm / F.layer_norm run in x's dtype beside float32 weights */
         .flops = "5*numel(x)",
         .meta = 1,
     },
@@ -319,7 +320,7 @@ const opf_op_desc opf_norm_ops[] = {
         .backward = "layer_norm_backward",
         .backward_args = "grad0,x,weight,bias,out1,out2,eps",
         .backward_grads = "x,weight,bias",
-        .autocast = OPF_AUTOCAST_NONE,
+        .autocast = OPF_AUTOCAST_FOLLOW, /* F.rms_norm / F.layer_norm run in x's dtype beside float32 weights */
         .flops = "6*numel(x)",
         .meta = 1,
     },
@@ -333,3 +334,26 @@ const opf_op_desc opf_norm_ops[] = {
     },
     OPF_OP_END,
 };
+
+OPF_REGISTER_OPS(opf_norm_ops);
+OPF_REGISTER_FAMILY(norm_variants);
+
+OPF_AOTI_SHIM(rms_norm, 2, (AtenTensorHandle x, AtenTensorHandle *weight, double eps, int32_t offset), x, weight, eps,
+              offset);
+OPF_AOTI_SHIM(rms_norm_backward, 2,
+              (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle *weight, AtenTensorHandle rstd, double eps,
+               int32_t offset),
+              grad, x, weight, rstd, eps, offset);
+OPF_AOTI_SHIM(add_rms_norm, 3,
+              (AtenTensorHandle x, AtenTensorHandle residual, AtenTensorHandle *weight, double eps, int32_t offset), x,
+              residual, weight, eps, offset);
+OPF_AOTI_SHIM(add_rms_norm_backward, 3,
+              (AtenTensorHandle grad, AtenTensorHandle grad_sum, AtenTensorHandle sum, AtenTensorHandle *weight,
+               AtenTensorHandle rstd, double eps, int32_t offset),
+              grad, grad_sum, sum, weight, rstd, eps, offset);
+OPF_AOTI_SHIM(layer_norm, 3, (AtenTensorHandle x, AtenTensorHandle *weight, AtenTensorHandle *bias, double eps), x,
+              weight, bias, eps);
+OPF_AOTI_SHIM(layer_norm_backward, 3,
+              (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle *weight, AtenTensorHandle *bias,
+               AtenTensorHandle mean, AtenTensorHandle rstd, double eps),
+              grad, x, weight, bias, mean, rstd, eps);

@@ -13,6 +13,7 @@
  * in csrc/kernels/rope*.
  */
 #include "../kernels/rope.h"
+#include "aoti.h"
 #include "namespace.h"
 #include "opforge/op.h"
 
@@ -177,7 +178,7 @@ static void rope_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) 
     rope_call(BWD, "grad_q", "grad_k", stack, 1);
 }
 
-const opf_op_desc opf_rope_ops[] = {
+static const opf_op_desc opf_rope_ops[] = {
     {
         .schema = "rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? position_ids, bool interleaved) "
                   "-> (Tensor, Tensor)",
@@ -199,3 +200,15 @@ const opf_op_desc opf_rope_ops[] = {
     },
     OPF_OP_END,
 };
+
+OPF_REGISTER_OPS(opf_rope_ops);
+OPF_REGISTER_FAMILY(rope_variants);
+
+OPF_AOTI_SHIM(rope, 2,
+              (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle cos, AtenTensorHandle sin,
+               AtenTensorHandle *position_ids, int32_t interleaved),
+              q, k, cos, sin, position_ids, interleaved);
+OPF_AOTI_SHIM(rope_backward, 2,
+              (AtenTensorHandle grad_q, AtenTensorHandle grad_k, AtenTensorHandle cos, AtenTensorHandle sin,
+               AtenTensorHandle *position_ids, int32_t interleaved),
+              grad_q, grad_k, cos, sin, position_ids, interleaved);

@@ -7,6 +7,7 @@
  * contiguous; the gradient takes y's the same way.
  */
 #include "../kernels/softmax.h"
+#include "aoti.h"
 #include "namespace.h"
 #include "opforge/op.h"
 
@@ -110,7 +111,7 @@ static void log_softmax_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t
 }
 
 /* torch's CPU autocast lists neither softmax nor log_softmax: they run in the dtype they are given */
-const opf_op_desc opf_softmax_ops[] = {
+static const opf_op_desc opf_softmax_ops[] = {
     {
         .schema = "softmax(Tensor x, int dim) -> Tensor",
         .cpu = softmax_cpu,
@@ -151,3 +152,11 @@ const opf_op_desc opf_softmax_ops[] = {
     },
     OPF_OP_END,
 };
+
+OPF_REGISTER_OPS(opf_softmax_ops);
+OPF_REGISTER_FAMILY(softmax_variants);
+
+OPF_AOTI_SHIM(softmax, 1, (AtenTensorHandle x, int64_t dim), x, dim);
+OPF_AOTI_SHIM(log_softmax, 1, (AtenTensorHandle x, int64_t dim), x, dim);
+OPF_AOTI_SHIM(softmax_backward, 1, (AtenTensorHandle grad, AtenTensorHandle y, int64_t dim), grad, y, dim);
+OPF_AOTI_SHIM(log_softmax_backward, 1, (AtenTensorHandle grad, AtenTensorHandle y, int64_t dim), grad, y, dim);

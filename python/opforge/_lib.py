@@ -23,7 +23,7 @@ from ._shape import ShapeRule, compile_rules, output_strides  # noqa: F401  (out
 MIN_TORCH = (2, 10)
 _ERRLEN = 2048
 
-AUTOCAST_NONE, AUTOCAST_LOWER, AUTOCAST_FP32, AUTOCAST_PROMOTE = 0, 1, 2, 3
+AUTOCAST_NONE, AUTOCAST_LOWER, AUTOCAST_FP32, AUTOCAST_PROMOTE, AUTOCAST_FOLLOW = 0, 1, 2, 3, 4
 
 
 class _Desc(ctypes.Structure):
@@ -121,12 +121,14 @@ class OpLibrary:
             count += 1
         # every descriptor is checked before any op is registered: a bad one leaves the namespace free
         self.ops = [self._descriptor(table[i]) for i in range(count)]
-        registrar = runtime or self
         if runtime is None:
+            # opforge's own library registered its schemas and CPU kernels as it was loaded (as a C++
+            # extension does, so that a deployed program needs only torch.ops.load_library); what is
+            # left is the Python side: fake kernels, autograd, autocast
+            self._call("opforge_registered")
             self._call("opforge_init")
-        if runtime is None:
-            self._point_torch_here()
-        registrar._call("opforge_register", namespace.encode(), table)
+        else:
+            runtime._call("opforge_register", namespace.encode(), table)
         backward_ops = {name for d in self.ops if d.backward for name in (d.backward, d.backward + "_")}
         for desc in self.ops:
             wire(desc, is_backward=desc.name in backward_ops)
@@ -140,18 +142,6 @@ class OpLibrary:
     def __getattr__(self, name: str):
         """Only reached for names that are not ops (every op is an attribute, set at load)."""
         raise AttributeError(f"op library '{self.__dict__.get('namespace')}' has no op '{name}'")
-
-    def _point_torch_here(self) -> None:
-        """Names this module to torch as the one that registers the fake and autograd kernels of the
-        ops about to be registered (torch_library_set_python_module, torch >= 2.13): torch checks
-        that they come from here, and its message about a missing fake kernel says what to import.
-        A no-op on older torch."""
-        err = ctypes.create_string_buffer(_ERRLEN)
-        context = f"opforge's op library {self.path}".encode()
-        rc = self.dll.opforge_set_python_module(self.namespace.encode(), __name__.encode(), context, err,
-                                                ctypes.c_size_t(_ERRLEN))
-        if rc < 0:
-            raise RuntimeError(f"opforge: {err.value.decode()}")
 
     def _call(self, fn: str, *args) -> None:
         err = ctypes.create_string_buffer(_ERRLEN)
@@ -421,12 +411,26 @@ def _widest(args, device_type: str) -> torch.dtype | None:
     return functools.reduce(torch.promote_types, dtypes) if dtypes else None
 
 
+def _follow(args, optional: list[bool], device_type: str) -> list:
+    """AUTOCAST_FOLLOW: float32 parameters (the Tensor? arguments) in the dtype of the first tensor
+    argument when that one is 16-bit; everything else as given."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None or first.dtype not in (torch.bfloat16, torch.float16) or first.device.type != device_type:
+        return list(args)
+    return [a.to(first.dtype) if opt and isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+            for a, opt in zip(args, optional)]
+
+
 def _wire_autocast(desc: OpDescriptor) -> None:
     op = op_overload(desc)
+    optional = [str(a.type) == "Optional[Tensor]" for a in op._schema.arguments]
     for device in ("cpu", "cuda"):
         key_name = _private.autocast_key_name(device)
 
         def run(*args, device=device, key_name=key_name):
+            if desc.autocast == AUTOCAST_FOLLOW:
+                with _private.autocast_excluded(device, key_name):
+                    return op(*_follow(args, optional, device))
             if desc.autocast == AUTOCAST_PROMOTE:
                 dtype = _widest(args, device)
             else:

@@ -28,6 +28,41 @@ _dll.opforge_kernel_variant.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.PO
     ctypes.POINTER(ctypes.c_int)]
 
 
+_dll.opforge_enum_value.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+                                    ctypes.POINTER(ctypes.c_int64)]
+_dll.opforge_enum_at.restype = ctypes.c_char_p
+_dll.opforge_enum_at.argtypes = [ctypes.c_int]
+
+
+def enum(name: str) -> dict[str, int]:
+    """The names and codes of an integer argument's values, as the C op that takes them
+    defines them (OPF_REGISTER_ENUM): enum("reduction") == {"none": 0, "mean": 1, "sum": 2}."""
+    out, value, code, i = {}, ctypes.c_char_p(), ctypes.c_int64(), 0
+    while (r := _dll.opforge_enum_value(name.encode(), i, ctypes.byref(value), ctypes.byref(code))) == 1:
+        out[value.value.decode()] = code.value
+        i += 1
+    if r < 0:
+        raise KeyError(f"opforge's library defines no enum {name!r}; it has {', '.join(enums())}")
+    return out
+
+
+def enums() -> list[str]:
+    """The enums the library defines."""
+    names, i = [], 0
+    while (name := _dll.opforge_enum_at(i)) is not None:
+        names.append(name.decode())
+        i += 1
+    return names
+
+
+def library_path() -> str:
+    """The path of opforge's op library. Loading it registers the ops' schemas and CPU kernels
+    (``torch.ops.load_library(path)``): what a deployed program (an AOTInductor package compiled
+    without :func:`opforge.aoti_config`, a ``torch.export.load``-ed program) needs in a process that
+    does not import opforge."""
+    return _PATH
+
+
 def set_isa(name: str) -> None:
     """Forces the kernels' ISA: one of :func:`supported_isas` or "auto" (the best one).
     The same as starting with OPFORGE_ISA=name. Raises RuntimeError when this

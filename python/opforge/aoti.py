@@ -11,7 +11,9 @@ CPU kernel as a C function: no dispatcher, no Python, no proxy executor, and
 no registration -- a process that loads the package needs libopforge.so at the
 path it was compiled against (or on LD_LIBRARY_PATH), not ``import opforge``.
 Without these entries, inductor calls custom ops through its proxy executor,
-which looks them up in the dispatcher: the process must have imported opforge.
+which looks them up in the dispatcher: the process must have loaded the
+library (``torch.ops.load_library(opforge.library_path())``, which registers
+the ops, or ``import opforge``).
 
 The declarations are derived from the ops' schemas; the library states the
 parameter list of each shim it defines, and an op whose list differs from the

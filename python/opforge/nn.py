@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
+from .functional.attention import _attention
+from .functional.linear import _activation_code
 
 
 class Linear(torch.nn.Linear):
@@ -20,7 +22,7 @@ class Linear(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none",
                  device=None, dtype=None, recompute: bool = False):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        F._activation_code(activation)  # fail early on an unknown name
+        _activation_code(activation)  # fail early on an unknown name
         self.activation = activation
         self.recompute = recompute
 
@@ -122,7 +124,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             k = F.linear(key, wk, bk).view(b, s, h, hd).transpose(1, 2)
             v = F.linear(value, wv, bv).view(b, s, h, hd).transpose(1, 2)
         mask = _merge_masks(None if is_causal else attn_mask, key_padding_mask, b, h, n, s, q.dtype)
-        out = F._attention(q, k, v, mask, bool(is_causal), None)[0]
+        out = _attention(q, k, v, mask, bool(is_causal), None)[0]
         out = F.linear(out.transpose(1, 2).reshape(b, n, e), self.out_proj.weight, self.out_proj.bias)
         return (out.squeeze(0) if unbatched else out), None
 

@@ -5,7 +5,7 @@
  * additive masks with broadcast dims, fully masked rows, transposed (B, N, H,
  * D) and strided layouts, float32 and bfloat16; few query blocks (one head,
  * N = 1 to 200, S up to 1000: the forward splits a lone query block's keys into
- * chunks; built with -D ATTN_FWD_MIN_TASKS=64 as test_attention_split, it
+ * chunks; built with -D ATTENTION_FWD_MIN_TASKS=64 as test_attention_split, it
  * splits almost every shape here, causal, masked and grouped ones too); the
  * forward and backward bitwise the same on 1 to 4 threads, run after run;
  * workspaces exactly as sized, between guard words; empty shapes; the float64
@@ -69,6 +69,35 @@ static double rel_err(const void *got, const void *want, const int64_t *st, int6
     return err / mag;
 }
 
+/* the oracle, on scratch of its own */
+static void oracle_fwd(const attention_problem *p) {
+    double *scratch = malloc(sizeof(double) * (size_t)attention_ref_fwd_doubles(p));
+    attention_ref_fwd(p, scratch);
+    free(scratch);
+}
+
+static void oracle_bwd(const attention_problem *p) {
+    double *scratch = malloc(sizeof(double) * (size_t)attention_ref_bwd_doubles(p));
+    attention_ref_bwd(p, scratch);
+    free(scratch);
+}
+
+/* the driver under a plan made at this run's thread count, as the glue makes it, with a workspace of
+ * exactly the plan's size between guard words */
+static void run_fwd(const attention_kernels *k, const attention_problem *p) {
+    const attention_fwd_plan plan = attention_fwd_plan_make(p, opf_num_threads());
+    float *ws = check_ws_alloc(attention_fwd_workspace(&plan));
+    attention_fwd(k, &plan, p, ws);
+    check_ws_free(ws, "attention_fwd");
+}
+
+static void run_bwd(const attention_kernels *k, const attention_problem *p) {
+    const attention_bwd_plan plan = attention_bwd_plan_make(p, opf_num_threads());
+    float *ws = check_ws_alloc(attention_bwd_workspace(&plan));
+    attention_bwd(k, &plan, p, ws);
+    check_ws_free(ws, "attention_bwd");
+}
+
 static void set_threads(int n) {
     char buf[16];
     snprintf(buf, sizeof buf, "%d", n);
@@ -88,11 +117,11 @@ static int same_bits(const void *got, const void *want, const int64_t *st, int64
     return 1;
 }
 
-/* attn_bwd again on 1, 2 (three times) and 4 threads (more than the cores of a
+/* attention_bwd again on 1, 2 (three times) and 4 threads (more than the cores of a
  * small machine: workers lose their core mid-task): dq, dk, dv must equal the
  * first run's bit for bit */
-static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq, const void *dk, const void *dv,
-                           size_t nq, size_t nk, size_t nv) {
+static void check_bwd_bits(const attention_kernels *k, attention_problem p, const void *dq, const void *dk,
+                           const void *dv, size_t nq, size_t nk, size_t nv) {
     const char *env = getenv("OPFORGE_NUM_THREADS");
     char *threads0 = env ? strdup(env) : NULL;
     void *gq = malloc(nq + 1), *gk = malloc(nk + 1), *gv = malloc(nv + 1);
@@ -100,10 +129,8 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
     const int runs[5] = {1, 2, 2, 2, 4};
     for (int r = 0; r < 5; r++) {
         set_threads(runs[r]);
-        float *ws = check_ws_alloc(attn_bwd_workspace(&p));
         memset(gq, 0x7f, nq), memset(gk, 0x7f, nk), memset(gv, 0x7f, nv);
-        attn_bwd(k, &p, ws);
-        check_ws_free(ws, "attn_bwd");
+        run_bwd(k, &p);
         CHECK(same_bits(gq, dq, p.dqs, p.b, p.h, p.n, p.d_qk, p.dt) &&
                   same_bits(gk, dk, p.dks, p.b, p.hkv, p.s, p.d_qk, p.dt) &&
                   same_bits(gv, dv, p.dvs, p.b, p.hkv, p.s, p.d_v, p.dt),
@@ -119,9 +146,10 @@ static void check_bwd_bits(const attn_kernels *k, attn_problem p, const void *dq
     free(threads0), free(gq), free(gk), free(gv);
 }
 
-/* attn_fwd again on 1, 2 (twice) and 4 threads: out and lse must equal the
+/* attention_fwd again on 1, 2 (twice) and 4 threads: out and lse must equal the
  * first run's bit for bit (split into key chunks or not, by the shape alone) */
-static void check_fwd_bits(const attn_kernels *k, attn_problem p, const void *out, const float *lse, size_t no) {
+static void check_fwd_bits(const attention_kernels *k, attention_problem p, const void *out, const float *lse,
+                           size_t no) {
     const char *env = getenv("OPFORGE_NUM_THREADS");
     char *threads0 = env ? strdup(env) : NULL;
     const size_t nl = (size_t)(p.b * p.h * p.n) * sizeof(float);
@@ -131,10 +159,8 @@ static void check_fwd_bits(const attn_kernels *k, attn_problem p, const void *ou
     const int runs[4] = {1, 2, 2, 4};
     for (int r = 0; r < 4; r++) {
         set_threads(runs[r]);
-        float *ws = check_ws_alloc(attn_fwd_workspace(&p));
         memset(go, 0x7f, no), memset(gl, 0x7f, nl);
-        attn_fwd(k, &p, ws);
-        check_ws_free(ws, "attn_fwd");
+        run_fwd(k, &p);
         CHECK(same_bits(go, out, p.os, p.b, p.h, p.n, p.d_v, p.dt) && memcmp(gl, lse, nl) == 0,
               "%s b=%lld h=%lld n=%lld s=%lld causal=%d: forward on %d threads (check %d) differs from the first run",
               k->name, (long long)p.b, (long long)p.h, (long long)p.n, (long long)p.s, p.causal, runs[r], r + 1);
@@ -146,17 +172,17 @@ static void check_fwd_bits(const attn_kernels *k, attn_problem p, const void *ou
     free(threads0), free(go), free(gl);
 }
 
-static void run(const attn_kernels *k, cfg c) {
-    attn_problem p = {.b = c.b,
-                      .h = c.h,
-                      .hkv = c.hkv,
-                      .n = c.n,
-                      .s = c.s,
-                      .d_qk = c.d,
-                      .d_v = c.dv,
-                      .dt = c.dt,
-                      .causal = c.causal,
-                      .scale = 1.0 / sqrt((double)c.d)};
+static void run(const attention_kernels *k, cfg c) {
+    attention_problem p = {.b = c.b,
+                           .h = c.h,
+                           .hkv = c.hkv,
+                           .n = c.n,
+                           .s = c.s,
+                           .d_qk = c.d,
+                           .d_v = c.dv,
+                           .dt = c.dt,
+                           .causal = c.causal,
+                           .scale = 1.0 / sqrt((double)c.d)};
     int64_t nq = layout(c.layout, c.b, c.h, c.n, c.d, p.qs), nk = layout(c.layout, c.b, c.hkv, c.s, c.d, p.ks);
     int64_t nv = layout(c.layout, c.b, c.hkv, c.s, c.dv, p.vs), no = layout(c.layout, c.b, c.h, c.n, c.dv, p.os);
     memcpy(p.dos, p.os, sizeof p.os), memcpy(p.dqs, p.qs, sizeof p.qs);
@@ -171,7 +197,7 @@ static void run(const attn_kernels *k, cfg c) {
         for (int64_t i = 0; i < c.n; i++)
             for (int64_t j = 0; j < c.s; j++)
                 ((uint8_t *)mask)[i * c.s + j] = (c.mask == 3 && i % 5 == 2) ? 0 : check_uniform(&seed) < 0.7;
-        p.mask_kind = ATTN_MASK_BOOL;
+        p.mask_kind = ATTENTION_MASK_BOOL;
         p.ms[0] = p.ms[1] = 0, p.ms[2] = c.s, p.ms[3] = 1;
     } else if (c.mask == 2 || c.mask == 4) { /* additive (B, 1, N, S) in the inputs' dtype, some -inf */
         mask = rand_tensor(c.b * c.n * c.s, c.dt, 22, 3.0);
@@ -179,11 +205,11 @@ static void run(const attn_kernels *k, cfg c) {
         if (c.mask == 4) /* or: every key of some rows at float32's lowest (torch's masks), uniform weights */
             for (int64_t i = 0; i < c.b * c.n * c.s; i++)
                 opf_store_elem(mask, i, c.dt, i / c.s % 2 ? -FLT_MAX : -1.0 - (double)(i % 3));
-        p.mask_kind = ATTN_MASK_ADD, p.mask_dt = c.dt;
+        p.mask_kind = ATTENTION_MASK_ADD, p.mask_dt = c.dt;
         p.ms[0] = c.n * c.s, p.ms[1] = 0, p.ms[2] = c.s, p.ms[3] = 1;
     }
     p.mask = mask;
-    attn_problem want = p;
+    attention_problem want = p;
     void *out = calloc((size_t)no + 1, esize(c.dt)), *wout = calloc((size_t)no + 1, esize(c.dt));
     float *lse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float)),
           *wlse = calloc((size_t)(c.b * c.h * c.n + 1), sizeof(float));
@@ -194,14 +220,10 @@ static void run(const attn_kernels *k, cfg c) {
     p.out = out, p.lse = lse, p.dq = dq, p.dk = dk, p.dv = dv;
     want.out = wout, want.lse = wlse, want.dq = wdq, want.dk = wdk, want.dv = wdv;
 
-    CHECK(attn_ref_fwd(&want) == 0, "oracle out of memory");
-    CHECK(attn_ref_bwd(&want) == 0, "oracle out of memory");
-    float *fws = check_ws_alloc(attn_fwd_workspace(&p));
-    attn_fwd(k, &p, fws);
-    check_ws_free(fws, "attn_fwd");
-    float *bws = check_ws_alloc(attn_bwd_workspace(&p));
-    attn_bwd(k, &p, bws);
-    check_ws_free(bws, "attn_bwd");
+    oracle_fwd(&want);
+    oracle_bwd(&want);
+    run_fwd(k, &p);
+    run_bwd(k, &p);
 
     check_fwd_bits(k, p, out, lse, (size_t)no * esize(c.dt));
     check_bwd_bits(k, p, dq, dk, dv, (size_t)nq * esize(c.dt), (size_t)nk * esize(c.dt), (size_t)nv * esize(c.dt));
@@ -233,14 +255,14 @@ static void run(const attn_kernels *k, cfg c) {
 
 static double as_bf16(float x) { return opf_bf16_to_f32(opf_f32_to_bf16(x)); }
 
-static void test_mm(const attn_kernels *k) {
+static void test_mm(const attention_kernels *k) {
     /* the block matmul on every tail shape, with strided A and accumulation; the
      * bfloat16 product (where the table has one) against its operands rounded */
     const int64_t shapes[][3] = {{1, 1, 1}, {6, 16, 3},   {7, 17, 5}, {13, 9, 64},
                                  {5, 8, 2}, {64, 64, 64}, {3, 40, 7}, {70, 35, 301}};
     for (int bf = 0; bf < 2; bf++) {
         if (bf && !k->mm_bf16) continue;
-        const attn_mm_fn mm = bf ? k->mm_bf16 : k->mm;
+        const attention_mm_fn mm = bf ? k->mm_bf16 : k->mm;
         for (size_t t = 0; t < sizeof shapes / sizeof shapes[0]; t++) {
             int64_t m = shapes[t][0], n = shapes[t][1], kd = shapes[t][2];
             for (int trans = 0; trans < 2; trans++)
@@ -270,7 +292,7 @@ static void test_mm(const attn_kernels *k) {
     }
 }
 
-static void test_variant(const attn_kernels *k) {
+static void test_variant(const attention_kernels *k) {
     test_mm(k);
     const int64_t lens[] = {1, 7, 129};
     const int64_t dims[] = {16, 40, 64, 80, 128, 256};
@@ -336,25 +358,25 @@ static void test_oracle_scale(void) {
     for (int t = 0; t < 2; t++) {
         double out = 0.0, dq[3] = {0};
         float lse;
-        attn_problem p = {.b = 1,
-                          .h = 1,
-                          .hkv = 1,
-                          .n = 1,
-                          .s = 2,
-                          .d_qk = 3,
-                          .d_v = 1,
-                          .dt = OPF_F64,
-                          .scale = scales[t],
-                          .q = q,
-                          .k = k,
-                          .v = v,
-                          .qs = {3, 3, 3, 1},
-                          .ks = {6, 6, 3, 1},
-                          .vs = {2, 2, 1, 1},
-                          .out = &out,
-                          .os = {1, 1, 1, 1},
-                          .lse = &lse};
-        CHECK(attn_ref_fwd(&p) == 0, "oracle out of memory");
+        attention_problem p = {.b = 1,
+                               .h = 1,
+                               .hkv = 1,
+                               .n = 1,
+                               .s = 2,
+                               .d_qk = 3,
+                               .d_v = 1,
+                               .dt = OPF_F64,
+                               .scale = scales[t],
+                               .q = q,
+                               .k = k,
+                               .v = v,
+                               .qs = {3, 3, 3, 1},
+                               .ks = {6, 6, 3, 1},
+                               .vs = {2, 2, 1, 1},
+                               .out = &out,
+                               .os = {1, 1, 1, 1},
+                               .lse = &lse};
+        oracle_fwd(&p);
         double x[2], w[2], dw = 0.0;
         for (int j = 0; j < 2; j++) x[j] = scales[t] * (q[0] * k[j][0] + q[1] * k[j][1] + q[2] * k[j][2]);
         const double m = fmax(x[0], x[1]), z = exp(x[0] - m) + exp(x[1] - m);
@@ -365,7 +387,7 @@ static void test_oracle_scale(void) {
         p.dout = &one, memcpy(p.dos, p.os, sizeof p.os), p.dq = dq, memcpy(p.dqs, p.qs, sizeof p.qs);
         double dk[6], dv[2];
         p.dk = dk, memcpy(p.dks, p.ks, sizeof p.ks), p.dv = dv, memcpy(p.dvs, p.vs, sizeof p.vs);
-        CHECK(attn_ref_bwd(&p) == 0, "oracle out of memory");
+        oracle_bwd(&p);
         for (int d = 0; d < 3; d++) {
             double g = 0.0;
             for (int j = 0; j < 2; j++) g += w[j] * (v[j] - want) * scales[t] * k[j][d];
@@ -378,6 +400,6 @@ static void test_oracle_scale(void) {
 
 int main(void) {
     test_oracle_scale();
-    CHECK_EACH_VARIANT(attn_kernels_for, test_variant);
+    CHECK_EACH_VARIANT(attention_kernels_for, test_variant);
     return check_report("test_attention");
 }

@@ -43,25 +43,34 @@ static int64_t layout(int lay, int64_t b, int64_t h, int64_t n, int64_t d, int64
     return b * h * n * d;
 }
 
+/* the driver under a plan made at this run's thread count, as the glue makes it, with a workspace of
+ * exactly the plan's size between guard words */
+static void run_fwd(const attention_decode_kernels *k, const attention_decode_problem *p) {
+    const attention_decode_plan plan = attention_decode_plan_make(p, opf_num_threads());
+    float *ws = check_ws_alloc(attention_decode_workspace(&plan));
+    attention_decode_fwd(k, &plan, p, ws);
+    check_ws_free(ws, "attention_decode_fwd");
+}
+
 static void set_threads(int n) {
     char buf[16];
     snprintf(buf, sizeof buf, "%d", n);
     setenv("OPFORGE_NUM_THREADS", buf, 1);
 }
 
-static void run(const decode_kernels *k, cfg c) {
-    decode_problem p = {.b = c.b,
-                        .h = c.h,
-                        .hkv = c.hkv,
-                        .n = c.n,
-                        .s_max = c.s,
-                        .d_qk = c.d,
-                        .d_v = c.dv,
-                        .dt = c.dt,
-                        .causal = c.causal,
-                        .scale = c.d > 0 ? 1.0 / sqrt((double)c.d) : 1.0,
-                        .lens_i64 = c.lens_i64,
-                        .lens_stride = c.lens_i64 ? 1 : 3}; /* int32 lengths read with a stride */
+static void run(const attention_decode_kernels *k, cfg c) {
+    attention_decode_problem p = {.b = c.b,
+                                  .h = c.h,
+                                  .hkv = c.hkv,
+                                  .n = c.n,
+                                  .s_max = c.s,
+                                  .d_qk = c.d,
+                                  .d_v = c.dv,
+                                  .dt = c.dt,
+                                  .causal = c.causal,
+                                  .scale = c.d > 0 ? 1.0 / sqrt((double)c.d) : 1.0,
+                                  .lens_i64 = c.lens_i64,
+                                  .lens_stride = c.lens_i64 ? 1 : 3}; /* int32 lengths read with a stride */
     const int64_t s_buf = c.s + 5;
     const int64_t nq = layout(c.layout, c.b, c.h, c.n, c.d, c.n, p.qs);
     const int64_t nk = layout(c.layout, c.b, c.hkv, c.s, c.d, s_buf, p.ks);
@@ -81,15 +90,15 @@ static void run(const decode_kernels *k, cfg c) {
     const size_t ob = (size_t)(no > 0 ? no : 1) * opf_dtype_size(c.dt);
     void *out = malloc(ob), *want = malloc(ob), *again = malloc(ob);
     memset(out, 0x7f, ob); /* NaN-ish garbage: every element must be written */
-    decode_problem w = p;
+    attention_decode_problem w = p;
     w.out = want;
-    CHECK(decode_ref_fwd(&w) == 0, "oracle out of memory");
+    double *scratch = malloc(sizeof(double) * (size_t)attention_decode_ref_doubles(&w));
+    attention_decode_ref_fwd(&w, scratch);
+    free(scratch);
 
     set_threads(2);
-    float *ws = check_ws_alloc(decode_workspace(&p));
     p.out = out;
-    decode_fwd(k, &p, ws);
-    check_ws_free(ws, "decode_fwd");
+    run_fwd(k, &p);
 
     double err = 0.0, mag = 0.1; /* errors of values below 0.1 count as absolute */
     int64_t worst = -1;
@@ -112,11 +121,9 @@ static void run(const decode_kernels *k, cfg c) {
     const int runs[3] = {1, 4, 2}; /* the chunk plan ignores the thread count: the same bits */
     for (int r = 0; r < 3; r++) {
         set_threads(runs[r]);
-        float *ws2 = check_ws_alloc(decode_workspace(&p));
         memset(again, 0x55, ob);
         p.out = again;
-        decode_fwd(k, &p, ws2);
-        check_ws_free(ws2, "decode_fwd");
+        run_fwd(k, &p);
         CHECK(memcmp(again, out, (size_t)no * opf_dtype_size(c.dt)) == 0,
               "%s b=%lld h=%lld n=%lld s=%lld causal=%d: %d threads differ from 2 threads", k->name, (long long)c.b,
               (long long)c.h, (long long)c.n, (long long)c.s, c.causal, runs[r]);
@@ -125,7 +132,7 @@ static void run(const decode_kernels *k, cfg c) {
     free(q), free(kk), free(v), free(out), free(want), free(again);
 }
 
-static void test_variant(const decode_kernels *k) {
+static void test_variant(const attention_decode_kernels *k) {
     const opf_dtype dts[3] = {OPF_F32, OPF_BF16, OPF_F16};
     /* b, h, hkv, n, s, d, dv */
     const int64_t shapes[][7] = {
@@ -182,31 +189,32 @@ static void test_variant(const decode_kernels *k) {
 static void test_chunk_plan(void) {
     /* the plan follows max(seq_lens), B and Hkv, never the threads: a long cache of one group is split */
     int64_t lens[2] = {32768, 100};
-    decode_problem p = {.b = 1,
-                        .h = 32,
-                        .hkv = 8,
-                        .n = 1,
-                        .s_max = 32768,
-                        .d_qk = 128,
-                        .d_v = 128,
-                        .lens = lens,
-                        .lens_i64 = 1,
-                        .lens_stride = 1};
-    const int64_t chunk = decode_chunk(&p);
-    CHECK(chunk % DECODE_BK == 0 && 8 * ((32768 + chunk - 1) / chunk) >= 64, "chunk %lld for B=1 Hkv=8 S=32768",
-          (long long)chunk);
+    attention_decode_problem p = {.b = 1,
+                                  .h = 32,
+                                  .hkv = 8,
+                                  .n = 1,
+                                  .s_max = 32768,
+                                  .d_qk = 128,
+                                  .d_v = 128,
+                                  .lens = lens,
+                                  .lens_i64 = 1,
+                                  .lens_stride = 1};
+    const int64_t chunk = attention_decode_chunk(&p);
+    CHECK(chunk % ATTENTION_DECODE_BK == 0 && 8 * ((32768 + chunk - 1) / chunk) >= 64,
+          "chunk %lld for B=1 Hkv=8 S=32768", (long long)chunk);
     set_threads(1);
-    const int64_t c1 = decode_chunk(&p);
+    const int64_t c1 = attention_decode_chunk(&p);
     set_threads(4);
-    CHECK(decode_chunk(&p) == c1, "the chunk plan changed with the thread count");
+    CHECK(attention_decode_chunk(&p) == c1, "the chunk plan changed with the thread count");
     unsetenv("OPFORGE_NUM_THREADS");
     p.b = 2;
     lens[0] = 50;
-    CHECK(decode_chunk(&p) >= 64, "short caches keep a minimum chunk, got %lld", (long long)decode_chunk(&p));
+    CHECK(attention_decode_chunk(&p) >= 64, "short caches keep a minimum chunk, got %lld",
+          (long long)attention_decode_chunk(&p));
 }
 
 int main(void) {
     test_chunk_plan();
-    CHECK_EACH_VARIANT(decode_kernels_for, test_variant);
+    CHECK_EACH_VARIANT(attention_decode_kernels_for, test_variant);
     return check_report("test_attention_decode");
 }

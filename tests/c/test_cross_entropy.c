@@ -6,7 +6,7 @@
  * ignored (ignore_index), -inf logits (the target's too: loss inf) and a row
  * of -inf only (NaN, as torch), and logits at every other element (the
  * strided path). Checks: per-row losses, the reduced loss, lse, dlogits
- * (ignored rows exactly 0), ce_check_target naming the first bad row, and the
+ * (ignored rows exactly 0), cross_entropy_check_target naming the first bad row, and the
  * reduction workspace between guard words. Tolerance per dtype as
  * test_softmax.c.
  */
@@ -31,14 +31,14 @@ static int close_to(opf_dtype dt, double g, double w, double atol) {
     return fabs(g - w) <= rtol(dt) * fabs(w) + atol;
 }
 
-typedef struct ce_case {
+typedef struct cross_entropy_case {
     opf_dtype dt;
     int64_t rows, C, xs;
     int weight, reduction;
     double eps, cap;
-} ce_case;
+} cross_entropy_case;
 
-static void run_case(const ce_kernels *k, ce_case c) {
+static void run_case(const cross_entropy_kernels *k, cross_entropy_case c) {
     const size_t es = opf_dtype_size(c.dt);
     const int64_t n = c.rows * c.C;
     char *x = calloc((size_t)(n * c.xs), es), *w = calloc((size_t)c.C, es), *gl = calloc((size_t)c.rows, es);
@@ -62,36 +62,36 @@ static void run_case(const ce_kernels *k, ce_case c) {
         for (int64_t j = 0; j < c.C; j++) opf_store_elem(x, (6 * c.C + j) * c.xs, c.dt, -INFINITY);
     opf_store_elem(g, 0, c.dt, 0.75);
     int64_t lead[1] = {c.rows}, xst[2] = {c.C * c.xs, c.xs}, tst[1] = {1};
-    ce_problem p = {.dt = c.dt,
-                    .rows = c.rows,
-                    .classes = c.C,
-                    .lead_ndim = 1,
-                    .lead_sizes = lead,
-                    .logits = x,
-                    .logits_strides = xst,
-                    .target = t,
-                    .target_strides = tst,
-                    .weight = c.weight ? w : NULL,
-                    .weight_stride = 1,
-                    .ignore_index = IGNORE,
-                    .label_smoothing = c.eps,
-                    .softcap = c.cap,
-                    .reduction = c.reduction,
-                    .grad_losses = gl,
-                    .grad_losses_strides = tst,
-                    .grad_loss = g};
+    cross_entropy_problem p = {.dt = c.dt,
+                               .rows = c.rows,
+                               .classes = c.C,
+                               .lead_ndim = 1,
+                               .lead_sizes = lead,
+                               .logits = x,
+                               .logits_strides = xst,
+                               .target = t,
+                               .target_strides = tst,
+                               .weight = c.weight ? w : NULL,
+                               .weight_stride = 1,
+                               .ignore_index = IGNORE,
+                               .label_smoothing = c.eps,
+                               .softcap = c.cap,
+                               .reduction = c.reduction,
+                               .grad_losses = gl,
+                               .grad_losses_strides = tst,
+                               .grad_loss = g};
     int64_t value = 0;
-    CHECK(ce_check_target(&p, &value) == -1, "valid targets refused");
-    float *ws = check_ws_alloc(ce_fwd_workspace(&p));
+    CHECK(cross_entropy_check_target(&p, &value) == -1, "valid targets refused");
+    float *ws = check_ws_alloc(cross_entropy_fwd_workspace(&p));
     p.losses = losses_r, p.loss = loss_r, p.lse = lse_r;
-    ce_fwd(&ce_kernels_ref, &p, ws);
+    cross_entropy_fwd(&cross_entropy_kernels_ref, &p, ws);
     p.dlogits = dx_r, p.lse_saved = lse_r, p.lse_dt = OPF_F64;
-    ce_bwd(&ce_kernels_ref, &p);
+    cross_entropy_bwd(&cross_entropy_kernels_ref, &p);
     p.losses = losses, p.loss = loss, p.lse = lse;
-    ce_fwd(k, &p, ws);
+    cross_entropy_fwd(k, &p, ws);
     p.dlogits = dx, p.lse_saved = lse;
-    ce_bwd(k, &p);
-    check_ws_free(ws, "ce_fwd");
+    cross_entropy_bwd(k, &p);
+    check_ws_free(ws, "cross_entropy_fwd");
 
     char what[160];
     snprintf(what, sizeof what, "%s %s rows=%lld C=%lld xs=%lld weight=%d eps=%g cap=%g reduction=%d", k->name,
@@ -123,33 +123,33 @@ static void run_case(const ce_kernels *k, ce_case c) {
 /* the target of row 2 out of range: named with its row; ignore_index accepted */
 static void check_targets(void) {
     int64_t t[4] = {0, IGNORE, 9, 1}, lead[1] = {4}, st[1] = {1}, value = 0;
-    ce_problem p = {.rows = 4,
-                    .classes = 9,
-                    .lead_ndim = 1,
-                    .lead_sizes = lead,
-                    .target = t,
-                    .target_strides = st,
-                    .ignore_index = IGNORE};
-    CHECK(ce_check_target(&p, &value) == 2 && value == 9, "target 9 of 9 classes at row 2 not found");
+    cross_entropy_problem p = {.rows = 4,
+                               .classes = 9,
+                               .lead_ndim = 1,
+                               .lead_sizes = lead,
+                               .target = t,
+                               .target_strides = st,
+                               .ignore_index = IGNORE};
+    CHECK(cross_entropy_check_target(&p, &value) == 2 && value == 9, "target 9 of 9 classes at row 2 not found");
     t[2] = -1;
-    CHECK(ce_check_target(&p, &value) == 2 && value == -1, "target -1 at row 2 not found");
+    CHECK(cross_entropy_check_target(&p, &value) == 2 && value == -1, "target -1 at row 2 not found");
     t[2] = 8;
-    CHECK(ce_check_target(&p, &value) == -1, "valid targets refused");
+    CHECK(cross_entropy_check_target(&p, &value) == -1, "valid targets refused");
 }
 
-static void test_variant(const ce_kernels *k) {
+static void test_variant(const cross_entropy_kernels *k) {
     for (int dt = 0; dt < OPF_DTYPE_COUNT; dt++)
         for (size_t a = 0; a < sizeof CS / sizeof *CS; a++)
             for (size_t b = 0; b < sizeof ROWS / sizeof *ROWS; b++)
                 for (int opt = 0; opt < 24; opt++) {
-                    ce_case c = {.dt = (opf_dtype)dt,
-                                 .rows = ROWS[b],
-                                 .C = CS[a],
-                                 .xs = 1,
-                                 .weight = opt & 1,
-                                 .eps = opt & 2 ? 0.1 : 0.0,
-                                 .cap = opt & 4 ? 30.0 : 0.0,
-                                 .reduction = opt / 8};
+                    cross_entropy_case c = {.dt = (opf_dtype)dt,
+                                            .rows = ROWS[b],
+                                            .C = CS[a],
+                                            .xs = 1,
+                                            .weight = opt & 1,
+                                            .eps = opt & 2 ? 0.1 : 0.0,
+                                            .cap = opt & 4 ? 30.0 : 0.0,
+                                            .reduction = opt / 8};
                     if (CS[a] == 32000 && opt % 7 != 0) continue; /* corners only at the largest C */
                     run_case(k, c);
                     if (opt == 23 || (CS[a] <= 123 && opt == 6)) c.xs = 2, run_case(k, c);
@@ -158,6 +158,6 @@ static void test_variant(const ce_kernels *k) {
 
 int main(void) {
     check_targets();
-    CHECK_EACH_VARIANT(ce_kernels_for, test_variant);
+    CHECK_EACH_VARIANT(cross_entropy_kernels_for, test_variant);
     return check_report("test_cross_entropy");
 }

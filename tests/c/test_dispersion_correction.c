@@ -67,8 +67,8 @@ static void compare(const char *what, const char *isa, opf_dtype dt, const void 
           bad >= 0 ? load(dt, want, bad * stride) : 0.0, maxerr);
 }
 
-static void test_variant(opf_isa isa, const dc_kernels *k) {
-    const dc_kernels *ref = &dc_kernels_ref;
+static void test_variant(opf_isa isa, const dispersion_correction_kernels *k) {
+    const dispersion_correction_kernels *ref = &dispersion_correction_kernels_ref;
     const char *name = opf_isa_name(isa);
     enum { N = 4097 * 3 };
     static char x[N * 8], dy[N * 8], want[N * 8], got[N * 8];
@@ -97,7 +97,7 @@ static void test_variant(opf_isa isa, const dc_kernels *k) {
 
 /* Runs long enough for the streaming (non-temporal) stores, from a misaligned
  * start so the scalar head runs too. */
-static void test_long_runs(opf_isa isa, const dc_kernels *k) {
+static void test_long_runs(opf_isa isa, const dispersion_correction_kernels *k) {
     const int64_t n = ((int64_t)9 << 20) / 2 + 37; /* > 8 MiB of 16-bit output */
     char *x = malloc((size_t)(n + 1) * 8), *want = malloc((size_t)(n + 1) * 8), *got = malloc((size_t)(n + 1) * 8);
     for (int dt = 0; dt < OPF_DTYPE_COUNT; dt++) {
@@ -105,7 +105,7 @@ static void test_long_runs(opf_isa isa, const dc_kernels *k) {
         if (m > n) m = n;
         fill(dt, x, m + 1, 3);
         char *xs = x + DT_SIZE[dt], *ws = want + DT_SIZE[dt], *gs = got + DT_SIZE[dt];
-        dc_kernels_ref.fwd[dt](ws, xs, m, 1, 1, ALPHA);
+        dispersion_correction_kernels_ref.fwd[dt](ws, xs, m, 1, 1, ALPHA);
         k->fwd[dt](gs, xs, m, 1, 1, ALPHA);
         compare("fwd long", opf_isa_name(isa), dt, gs, ws, m, 1);
     }
@@ -115,7 +115,7 @@ static void test_long_runs(opf_isa isa, const dc_kernels *k) {
 /* The whole-tensor driver on a view, against the reference element by element. */
 static void test_driver_view(opf_isa isa, opf_dtype dt, int ndim, const int64_t *sizes, const int64_t *x_strides,
                              const int64_t *dy_strides) {
-    const dc_kernels *k = dc_kernels_for(isa);
+    const dispersion_correction_kernels *k = dispersion_correction_kernels_for(isa);
     int64_t y_strides[OPF_MAX_DIMS], numel = 1, span = 1;
     for (int d = 0; d < ndim; d++) {
         numel *= sizes[d];
@@ -129,10 +129,10 @@ static void test_driver_view(opf_isa isa, opf_dtype dt, int ndim, const int64_t 
     opf_nd nd;
     const int64_t *fs[] = {y_strides, x_strides};
     opf_nd_init(&nd, ndim, sizes, 2, fs);
-    dc_fwd(k, dt, &nd, y, x, ALPHA);
+    dispersion_correction_fwd(k, dt, &nd, y, x, ALPHA);
     const int64_t *bs[] = {y_strides, dy_strides, x_strides};
     opf_nd_init(&nd, ndim, sizes, 3, bs);
-    dc_bwd(k, dt, &nd, dx, dy, x, ALPHA);
+    dispersion_correction_bwd(k, dt, &nd, dx, dy, x, ALPHA);
     int64_t bad = 0;
     char want[8];
     for (int64_t flat = 0; flat < numel; flat++) {
@@ -144,11 +144,11 @@ static void test_driver_view(opf_isa isa, opf_dtype dt, int ndim, const int64_t 
             yo += i * y_strides[d];
             go += i * dy_strides[d];
         }
-        dc_kernels_ref.fwd[dt](want, x + xo * DT_SIZE[dt], 1, 1, 1, ALPHA);
+        dispersion_correction_kernels_ref.fwd[dt](want, x + xo * DT_SIZE[dt], 1, 1, 1, ALPHA);
         if (!same(dt, y + yo * DT_SIZE[dt], want, 0) && bad++ == 0)
             CHECK(0, "driver fwd %s %s: element %lld got %g want %g", opf_isa_name(isa), DT_NAME[dt], (long long)flat,
                   load(dt, y, yo), load(dt, want, 0));
-        dc_kernels_ref.bwd[dt](want, dy + go * DT_SIZE[dt], x + xo * DT_SIZE[dt], 1, 1, 1, 1, ALPHA);
+        dispersion_correction_kernels_ref.bwd[dt](want, dy + go * DT_SIZE[dt], x + xo * DT_SIZE[dt], 1, 1, 1, 1, ALPHA);
         if (!same(dt, dx + yo * DT_SIZE[dt], want, 0) && bad++ == 0)
             CHECK(0, "driver bwd %s %s: element %lld got %g want %g", opf_isa_name(isa), DT_NAME[dt], (long long)flat,
                   load(dt, dx, yo), load(dt, want, 0));
@@ -179,8 +179,8 @@ int main(void) {
     int tested = 0;
     for (int isa = 0; isa < OPF_ISA_COUNT; isa++) {
         if (!check_use_isa(isa)) continue;
-        const dc_kernels *k = dc_kernels_for((opf_isa)isa);
-        CHECK(isa == OPF_ISA_REF || k != &dc_kernels_ref, "%s variant missing from this build",
+        const dispersion_correction_kernels *k = dispersion_correction_kernels_for((opf_isa)isa);
+        CHECK(isa == OPF_ISA_REF || k != &dispersion_correction_kernels_ref, "%s variant missing from this build",
               opf_isa_name((opf_isa)isa));
         test_variant((opf_isa)isa, k);
         test_long_runs((opf_isa)isa, k);

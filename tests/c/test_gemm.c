@@ -19,6 +19,11 @@ typedef struct shape {
     int64_t m, n, k;
 } shape;
 
+/* a product's plan at this run's thread count, as the glue makes it */
+static gemm_plan plan_of(const gemm_kernels *kern, int64_t m, int64_t n, int64_t k, opf_dtype ta, opf_dtype tb) {
+    return gemm_plan_make(kern, m, n, k, ta, tb, opf_num_threads());
+}
+
 static float *rand_buf(int64_t n, unsigned long long seed) {
     float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof *p);
     for (int64_t i = 0; i < n; i++) p[i] = (float)(check_uniform(&seed) * 2.0 - 1.0);
@@ -43,10 +48,10 @@ static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, i
     gemm_epilogue ep_ref = ep;
     ep_ref.preact = preact ? pre_want : NULL;
     gemm_ref_f32(s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, want, s.n, &ep_ref);
-    int64_t wsn = gemm_workspace_floats(kern, s.m, s.n, s.k);
+    const gemm_plan plan = plan_of(kern, s.m, s.n, s.k, OPF_F32, OPF_F32);
+    int64_t wsn = gemm_workspace(&plan);
     float *ws = check_ws_alloc(wsn);
-    CHECK(gemm_f32(kern, s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, c, s.n, &ep, ws, wsn) == 0, "%s: workspace refused",
-          kern->name);
+    CHECK(gemm_run(&plan, a, rsa, csa, b, rsb, csb, c, s.n, &ep, ws, wsn) == 0, "%s: workspace refused", kern->name);
     check_ws_free(ws, kern->name);
     int64_t bad = 0, first = -1;
     double maxerr = 0;
@@ -115,7 +120,7 @@ static void test_act_grad_special(const act_kernels *k) {
  * split, each thread summing its own), float32 and 16-bit: against g' from
  * the scalar derivative and sums in double of g' as stored */
 static void test_act_grad_rows(const act_kernels *k) {
-    const cvt_kernels *cvt = cvt_kernels_for(opf_isa_current());
+    const convert_kernels *cvt = convert_kernels_for(opf_isa_current());
     const opf_dtype dts[] = {OPF_F32, OPF_BF16, OPF_F16};
     const int64_t shapes[][2] = {{5, 3}, {37, 100}, {19, 1500}};
     unsigned long long seed = 11;
@@ -136,7 +141,7 @@ static void test_act_grad_rows(const act_kernels *k) {
                         want[i * n + c] =
                             opf_load_elem(g, i * rsg + c, dt) * act_grad_f64(act, opf_load_elem(pre, i * rsp + c, dt));
                 char *out = in_place ? pre : sep;
-                act_grad_rows(k, cvt, dt, out, rsp, g, rsg, pre, rsp, m, n, act, sums ? db : NULL);
+                act_grad_rows(k, cvt, dt, out, rsp, g, rsg, pre, rsp, m, n, act, sums ? db : NULL, opf_num_threads());
                 const double tol = dt == OPF_F32 ? 4e-6 : dt == OPF_BF16 ? 8e-3 : 1e-3;
                 int64_t bad = 0, bad_sums = 0;
                 for (int64_t i = 0; i < m; i++)
@@ -163,24 +168,26 @@ static void test_act_grad_rows(const act_kernels *k) {
 static void test_half_operands(const gemm_kernels *k) {
     const int64_t m = 37, n = 45, kd = 300;
     float *a = rand_buf(m * kd, 11), *b = rand_buf(kd * n, 12), *want = malloc(sizeof(float) * m * n);
-    const int64_t wsn = gemm_workspace_floats(k, m, n, kd);
-    float *got = malloc(sizeof(float) * m * n), *ws = check_ws_alloc(wsn);
+    float *got = malloc(sizeof(float) * m * n);
     uint16_t *ah = malloc(2 * (size_t)(m * kd)), *bh = malloc(2 * (size_t)(kd * n));
     for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
-        cvt_store_f32(k->cvt, ah, dt, a, m * kd);
-        cvt_store_f32(k->cvt, bh, dt, b, kd * n);
+        const gemm_plan plan = plan_of(k, m, n, kd, dt, dt);
+        const int64_t wsn = gemm_workspace(&plan);
+        float *ws = check_ws_alloc(wsn);
+        convert_store_f32(k->cvt, ah, dt, a, m * kd);
+        convert_store_f32(k->cvt, bh, dt, b, kd * n);
         float *ar = malloc(sizeof(float) * m * kd), *br = malloc(sizeof(float) * kd * n);
-        cvt_load_f32(k->cvt, ar, ah, dt, m * kd, 1);
-        cvt_load_f32(k->cvt, br, bh, dt, kd * n, 1);
+        convert_load_f32(k->cvt, ar, ah, dt, m * kd, 1);
+        convert_load_f32(k->cvt, br, bh, dt, kd * n, 1);
         gemm_epilogue ep = {0};
         gemm_ref_f32(m, n, kd, ar, kd, 1, br, 1, kd, want, n, &ep); /* B read transposed */
-        CHECK(gemm_f32x(k, m, n, kd, ah, dt, kd, 1, bh, dt, 1, kd, got, n, &ep, ws, wsn) == 0, "workspace refused");
+        CHECK(gemm_run(&plan, ah, kd, 1, bh, 1, kd, got, n, &ep, ws, wsn) == 0, "workspace refused");
+        check_ws_free(ws, "half operands");
         double worst = 0;
         for (int64_t i = 0; i < m * n; i++) worst = fmax(worst, fabs((double)got[i] - want[i]));
         CHECK(worst < 1e-4, "%s %s operands: max error %g", k->name, dt == OPF_BF16 ? "bf16" : "f16", worst);
         free(ar), free(br);
     }
-    check_ws_free(ws, "half operands");
     free(a), free(b), free(want), free(got), free(ah), free(bh);
 }
 
@@ -195,16 +202,17 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
     float *got = calloc((size_t)(s.m * s.n + 1), sizeof(float)), *pre = calloc((size_t)(s.m * s.n + 1), sizeof(float));
     float *pre_want = calloc((size_t)(s.m * s.n + 1), sizeof(float));
     uint16_t *ah = malloc(2 * (size_t)na + 2), *bh = malloc(2 * (size_t)nb + 2);
-    cvt_store_f32(k->cvt, ah, OPF_BF16, a, na);
-    cvt_store_f32(k->cvt, bh, OPF_BF16, b, nb);
+    convert_store_f32(k->cvt, ah, OPF_BF16, a, na);
+    convert_store_f32(k->cvt, bh, OPF_BF16, b, nb);
     float *ar = malloc(sizeof(float) * (size_t)(na + 1)), *br = malloc(sizeof(float) * (size_t)(nb + 1));
-    cvt_load_f32(k->cvt, ar, ah, OPF_BF16, na, 1); /* what the pair kernel multiplies */
-    cvt_load_f32(k->cvt, br, bh, OPF_BF16, nb, 1);
+    convert_load_f32(k->cvt, ar, ah, OPF_BF16, na, 1); /* what the pair kernel multiplies */
+    convert_load_f32(k->cvt, br, bh, OPF_BF16, nb, 1);
     int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
     gemm_epilogue ep = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .preact = pre, .rsp = s.n}, ep_ref = ep;
     ep_ref.preact = pre_want;
     gemm_ref_f32(s.m, s.n, s.k, ar, rsa, csa, br, rsb, csb, want, s.n, &ep_ref);
-    const int64_t wsn = gemm_workspace_floats(k, s.m, s.n, s.k);
+    const gemm_plan plan = plan_of(k, s.m, s.n, s.k, da, db);
+    const int64_t wsn = gemm_workspace(&plan);
     float *ws = check_ws_alloc(wsn);
     /* both bfloat16: results written as bfloat16 by the epilogue, read back */
     const int out16 = da == OPF_BF16 && db == OPF_BF16;
@@ -216,14 +224,14 @@ static void run_pairs(const gemm_kernels *k, shape s, int ta, int tb, opf_dtype 
             got = NULL;
         }
     }
-    CHECK(gemm_f32x(k, s.m, s.n, s.k, da == OPF_BF16 ? (void *)ah : a, da, rsa, csa, db == OPF_BF16 ? (void *)bh : b,
-                    db, rsb, csb, got, s.n, &ep, ws, wsn) == 0,
+    CHECK(gemm_run(&plan, da == OPF_BF16 ? (void *)ah : a, rsa, csa, db == OPF_BF16 ? (void *)bh : b, rsb, csb, got,
+                   s.n, &ep, ws, wsn) == 0,
           "workspace refused");
     check_ws_free(ws, k->name);
     if (out16) {
         if (!got) got = malloc(sizeof(float) * (size_t)(s.m * s.n + 1));
-        cvt_load_f32(k->cvt, got, got16, OPF_BF16, s.m * s.n, 1);
-        cvt_load_f32(k->cvt, pre, pre16, OPF_BF16, s.m * s.n, 1);
+        convert_load_f32(k->cvt, got, got16, OPF_BF16, s.m * s.n, 1);
+        convert_load_f32(k->cvt, pre, pre16, OPF_BF16, s.m * s.n, 1);
     }
     const double atol = 4e-7 * (double)s.k + 1e-5, rel = out16 ? 1.0 / 128 : 1e-5;
     int64_t bad = 0;
@@ -270,7 +278,8 @@ static void test_out16(const gemm_kernels *k) {
             uint16_t *out = malloc(2 * (size_t)(s.m * s.n)), *pre = malloc(2 * (size_t)(s.m * s.n));
             const int act = ACT_GELU, one = s.k <= gemm_slice_depth(k, OPF_F32, OPF_F32);
             float *c = one ? NULL : malloc(sizeof(float) * (size_t)(s.m * s.n));
-            const int64_t wsn = gemm_workspace_floats(k, s.m, s.n, s.k);
+            const gemm_plan plan = plan_of(k, s.m, s.n, s.k, OPF_F32, OPF_F32);
+            const int64_t wsn = gemm_workspace(&plan);
             float *ws = check_ws_alloc(wsn);
             gemm_epilogue ref = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .preact = pre_want, .rsp = s.n};
             gemm_ref_f32(s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, want, s.n, &ref);
@@ -281,7 +290,7 @@ static void test_out16(const gemm_kernels *k) {
                                 .out16 = out,
                                 .pre16 = pre,
                                 .out_dt = dt};
-            CHECK(gemm_f32(k, s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, c, s.n, &ep, ws, wsn) == 0, "workspace refused");
+            CHECK(gemm_run(&plan, a, s.k, 1, b, 1, s.k, c, s.n, &ep, ws, wsn) == 0, "workspace refused");
             check_ws_free(ws, k->name);
             const double rel = dt == OPF_BF16 ? 1.0 / 128 : 1.0 / 1024, atol = 4e-7 * (double)s.k + 1e-5;
             int64_t bad = 0;
@@ -322,7 +331,7 @@ static void test_pairs_portable(void) {
 }
 
 /* the vector conversions against the scalar ones, bit for bit (NaN: any NaN) */
-static void test_conversions(const cvt_kernels *k) {
+static void test_conversions(const convert_kernels *k) {
     enum { N = 65536 + 5 };
     static uint16_t h[N], got16[N], want16[N];
     static float got[N], want[N], f[N];
@@ -335,20 +344,21 @@ static void test_conversions(const cvt_kernels *k) {
     for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
         int bad = 0;
         k->to_f32(got, h, dt, N);
-        cvt_kernels_ref.to_f32(want, h, dt, N);
+        convert_kernels_ref.to_f32(want, h, dt, N);
         for (int i = 0; i < N; i++) bad += !(isnan(got[i]) ? isnan(want[i]) : memcmp(&got[i], &want[i], 4) == 0);
         k->from_f32(got16, f, dt, N);
-        cvt_kernels_ref.from_f32(want16, f, dt, N);
+        convert_kernels_ref.from_f32(want16, f, dt, N);
         for (int i = 0; i < N; i++) bad += !(isnan(f[i]) || got16[i] == want16[i]);
         CHECK(bad == 0, "%s %s conversions: %d mismatches", k->name, dt == OPF_BF16 ? "bf16" : "f16", bad);
     }
 }
 
-/* The workspace a plan needs against the one gemm_workspace_floats sizes: every row count from 1 past the
+/* The workspace a plan carves against the one gemm_workspace reports: every row count from 1 past the
  * point where each worker packs its own blocks of A (the plans switch there, and the need is not monotonic
  * in M), at 1, 2 and 3 threads, float32 / bfloat16 / float16 operands, each run in a workspace of exactly
- * the size reported, between guard words; and when the thread count changes between sizing and running,
- * the product still fits (or is refused) without a write outside. */
+ * the size reported, between guard words; a plan made for one thread count runs whatever the pool's
+ * count is then (the plan, not the pool, says how the work is split); and a workspace smaller than the
+ * plan's is refused without a write. */
 static void test_workspace_plans(const gemm_kernels *k) {
     const char *saved = getenv("OPFORGE_NUM_THREADS");
     char saved_copy[32] = "";
@@ -365,21 +375,22 @@ static void test_workspace_plans(const gemm_kernels *k) {
         for (opf_dtype dt = OPF_F32; dt <= OPF_F16; dt = dt == OPF_F32 ? OPF_BF16 : dt + 1) {
             const void *ap = a, *bp = b;
             if (dt != OPF_F32) {
-                cvt_store_f32(k->cvt, ah, dt, a, mmax * kd);
-                cvt_store_f32(k->cvt, bh, dt, b, kd * n);
+                convert_store_f32(k->cvt, ah, dt, a, mmax * kd);
+                convert_store_f32(k->cvt, bh, dt, b, kd * n);
                 ap = ah, bp = bh;
             }
             int64_t bad = 0, refused = 0, first_bad = -1;
             for (int64_t m = 1; m <= mmax; m++) {
-                int64_t wsn = gemm_workspace_floats(k, m, n, kd);
+                const gemm_plan plan = plan_of(k, m, n, kd, dt, dt);
+                int64_t wsn = gemm_workspace(&plan);
                 float *ws = check_ws_alloc(wsn);
-                refused += gemm_f32x(k, m, n, kd, ap, dt, kd, 1, bp, dt, n, 1, got, n, &ep, ws, wsn) != 0;
+                refused += gemm_run(&plan, ap, kd, 1, bp, n, 1, got, n, &ep, ws, wsn) != 0;
                 check_ws_free(ws, k->name);
                 if (m == mmax || m % 37 == 0) { /* values too, now and then */
                     float *ar = malloc(sizeof(float) * (size_t)(m * kd)),
                           *br = malloc(sizeof(float) * (size_t)(kd * n));
-                    cvt_load_f32(k->cvt, ar, ap, dt, m * kd, 1);
-                    cvt_load_f32(k->cvt, br, bp, dt, kd * n, 1);
+                    convert_load_f32(k->cvt, ar, ap, dt, m * kd, 1);
+                    convert_load_f32(k->cvt, br, bp, dt, kd * n, 1);
                     gemm_ref_f32(m, n, kd, ar, kd, 1, br, n, 1, want, n, &ep);
                     for (int64_t i = 0; i < m * n; i++)
                         if (!(fabs((double)got[i] - want[i]) <= 1e-2 + 1e-2 * fabs(want[i])) && first_bad < 0)
@@ -393,23 +404,27 @@ static void test_workspace_plans(const gemm_kernels *k) {
                   threads, (long long)refused, (long long)first_bad);
         }
     }
-    /* sized at one thread count, run at another: fits through the one-worker plan, or is refused */
+    /* planned at one thread count, run while the pool has another; too small a workspace: refused */
     for (int64_t m = 1; m <= mmax; m += 7) {
         for (int pair = 0; pair < 2; pair++) {
-            setenv("OPFORGE_NUM_THREADS", pair ? "3" : "1", 1);
-            int64_t wsn = gemm_workspace_floats(k, m, n, kd);
+            const gemm_plan plan = gemm_plan_make(k, m, n, kd, OPF_F32, OPF_F32, pair ? 3 : 1);
             setenv("OPFORGE_NUM_THREADS", pair ? "1" : "3", 1);
+            const int64_t wsn = gemm_workspace(&plan);
             float *ws = check_ws_alloc(wsn);
-            int rc = gemm_f32(k, m, n, kd, a, kd, 1, b, n, 1, got, n, &ep, ws, wsn);
+            int rc = gemm_run(&plan, a, kd, 1, b, n, 1, got, n, &ep, ws, wsn);
             check_ws_free(ws, "thread count changed");
-            CHECK(rc == 0, "%s m=%lld: sized at %d threads, refused at %d", k->name, (long long)m, pair ? 3 : 1,
-                  pair ? 1 : 3);
+            gemm_ref_f32(m, n, kd, a, kd, 1, b, n, 1, want, n, &ep);
+            int64_t off = 0;
+            for (int64_t i = 0; i < m * n; i++) off += !(fabs((double)got[i] - want[i]) <= 1e-4 + 1e-4 * fabs(want[i]));
+            CHECK(rc == 0 && off == 0, "%s m=%lld: planned for %d threads, run on %d: rc %d, %lld values off", k->name,
+                  (long long)m, pair ? 3 : 1, pair ? 1 : 3, rc, (long long)off);
         }
-        /* too small a workspace: refused, or run by a plan that fits; nothing written outside */
-        int64_t wsn = gemm_workspace_floats(k, m, n, kd);
-        float *ws = check_ws_alloc(wsn / 2);
-        (void)gemm_f32(k, m, n, kd, a, kd, 1, b, n, 1, got, n, &ep, ws, wsn / 2);
-        check_ws_free(ws, "half the workspace");
+        const gemm_plan plan = plan_of(k, m, n, kd, OPF_F32, OPF_F32);
+        const int64_t wsn = gemm_workspace(&plan);
+        float *ws = check_ws_alloc(wsn - 1);
+        CHECK(gemm_run(&plan, a, kd, 1, b, n, 1, got, n, &ep, ws, wsn - 1) == -1,
+              "%s m=%lld: a workspace one float short was not refused", k->name, (long long)m);
+        check_ws_free(ws, "one float short");
     }
     if (saved)
         setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
@@ -425,11 +440,12 @@ static void test_epilogue_special(const gemm_kernels *k) {
     float a[M], b[N], c[M * N];
     for (int i = 0; i < M; i++) a[i] = SPECIAL[i % NSPECIAL];
     for (int j = 0; j < N; j++) b[j] = 1.0f;
-    const int64_t wsn = gemm_workspace_floats(k, M, N, 1);
+    const gemm_plan plan = plan_of(k, M, N, 1, OPF_F32, OPF_F32);
+    const int64_t wsn = gemm_workspace(&plan);
     for (int act = 1; act < ACT_COUNT; act++) {
         float *ws = check_ws_alloc(wsn);
         gemm_epilogue ep = {.act = act};
-        CHECK(gemm_f32(k, M, N, 1, a, 1, 1, b, N, 1, c, N, &ep, ws, wsn) == 0, "%s: workspace refused", k->name);
+        CHECK(gemm_run(&plan, a, 1, 1, b, N, 1, c, N, &ep, ws, wsn) == 0, "%s: workspace refused", k->name);
         check_ws_free(ws, k->name);
         int64_t bad = 0, first = -1;
         for (int64_t e = 0; e < M * N; e++)
@@ -459,13 +475,13 @@ static void test_log_names_what_ran(const gemm_kernels *k) {
     for (size_t t = 0; t < sizeof types / sizeof *types; t++) {
         const opf_dtype ta = types[t][0], tb = types[t][1];
         const int pairs = k->ukernel_pairs && (ta == OPF_BF16 || tb == OPF_BF16) && ta != OPF_F16 && tb != OPF_F16;
-        const int64_t wsn = gemm_workspace_floats(k, M, N, KD);
-        float *ws = check_ws_alloc(wsn);
         gemm_epilogue ep = {0};
         double t0 = opf_now_us();
-        const gemm_kernels *picked = gemm_kernels_for(k->isa);
-        CHECK(gemm_f32x(picked, M, N, KD, ta == OPF_F32 ? (void *)a : a16, ta, KD, 1, tb == OPF_F32 ? (void *)b : b16,
-                        tb, N, 1, c, N, &ep, ws, wsn) == 0,
+        const gemm_plan plan = plan_of(gemm_kernels_for(k->isa), M, N, KD, ta, tb);
+        const int64_t wsn = gemm_workspace(&plan);
+        float *ws = check_ws_alloc(wsn);
+        CHECK(gemm_run(&plan, ta == OPF_F32 ? (void *)a : a16, KD, 1, tb == OPF_F32 ? (void *)b : b16, N, 1, c, N, &ep,
+                       ws, wsn) == 0,
               "%s: workspace refused", k->name);
         check_ws_free(ws, k->name);
         int isa = opf_log_take_picks(t0, names, sizeof names);
@@ -545,7 +561,7 @@ int main(void) {
     return check_report("test_gemm (AMX emulated)");
 #else
     CHECK_EACH_VARIANT(act_kernels_for, test_act_variant);
-    CHECK_EACH_VARIANT(cvt_kernels_for, test_conversions);
+    CHECK_EACH_VARIANT(convert_kernels_for, test_conversions);
     CHECK_EACH_VARIANT(gemm_kernels_for, test_variant);
     return check_report("test_gemm");
 #endif

@@ -22,7 +22,7 @@
 enum { X_CONTIGUOUS, X_TRANSPOSED, X_MATRICES, X_MERGING, X_LAYOUTS };
 
 typedef struct cfg {
-    int64_t rows, kdim, n; /* rows of one matrix of x: m = rows, or 3 rows for the 3-d layouts */
+    int64_t rows, k, n; /* rows of one matrix of x: m = rows, or 3 rows for the 3-d layouts */
     int layout, bias, act;
     opf_dtype dt;
     int save;         /* the forward stores preact; without, the backward recomputes it */
@@ -72,9 +72,9 @@ static void compare(const char *what, const cfg *c, const char *variant, const v
     CHECK(worst < 0 || err / mag <= tol,
           "%s %s: rows=%lld K=%lld N=%lld layout=%d bias=%d act=%d dt=%d save=%d: index %lld got %g want %g, "
           "max error %g of %g",
-          variant, what, (long long)c->rows, (long long)c->kdim, (long long)c->n, c->layout, c->bias, c->act,
-          (int)c->dt, c->save, (long long)worst, worst < 0 ? 0.0 : opf_load_elem(got, worst, c->dt),
-          worst < 0 ? 0.0 : want[worst], err, mag);
+          variant, what, (long long)c->rows, (long long)c->k, (long long)c->n, c->layout, c->bias, c->act, (int)c->dt,
+          c->save, (long long)worst, worst < 0 ? 0.0 : opf_load_elem(got, worst, c->dt), worst < 0 ? 0.0 : want[worst],
+          err, mag);
 }
 
 /* the leading dims and strides of an x-like (..., cols) array in the layout; returns the elements it spans */
@@ -96,23 +96,22 @@ static int64_t layout_of(int layout, int64_t rows, int64_t cols, int64_t *ndim, 
 }
 
 static void run(const gemm_kernels *gemm, cfg c) {
-    const int64_t m = c.layout >= X_MATRICES ? 3 * c.rows : c.rows, kdim = c.kdim, n = c.n;
+    const int64_t m = c.layout >= X_MATRICES ? 3 * c.rows : c.rows, k = c.k, n = c.n;
     const char *name = gemm->name;
     int64_t xsizes[3], xstrides[3], gsizes[3], gstrides[3], xdim, gdim;
-    int64_t xcount = layout_of(c.layout, c.rows, kdim, &xdim, xsizes, xstrides);
+    int64_t xcount = layout_of(c.layout, c.rows, k, &xdim, xsizes, xstrides);
     /* grad: transposed with a transposed x, else contiguous */
     int64_t gcount = layout_of(c.layout == X_TRANSPOSED   ? X_TRANSPOSED
                                : c.layout == X_CONTIGUOUS ? X_CONTIGUOUS
                                                           : X_MERGING,
                                c.rows, n, &gdim, gsizes, gstrides);
     const int64_t bias_stride = c.layout == X_MATRICES ? 3 : 1;
-    arr x = arr_rand(xcount, c.dt, 1 + (unsigned long long)(m * 31 + kdim), 1.0);
-    arr w = arr_rand(n * kdim, c.dt, 2 + (unsigned long long)n, 1.0 / sqrt((double)(kdim > 0 ? kdim : 1)));
+    arr x = arr_rand(xcount, c.dt, 1 + (unsigned long long)(m * 31 + k), 1.0);
+    arr w = arr_rand(n * k, c.dt, 2 + (unsigned long long)n, 1.0 / sqrt((double)(k > 0 ? k : 1)));
     arr b = arr_rand(n * bias_stride, c.dt, 3, 0.5), grad = arr_rand(gcount, c.dt, 4, 1.0);
     arr out = arr_empty(m * n, c.dt), pre = arr_empty(m * n, c.dt);
-    linear_problem p = {.m = m,
-                        .in_features = kdim,
-                        .out_features = n,
+    linear_problem p = {.n = n,
+                        .k = k,
                         .dt = c.dt,
                         .act = c.act,
                         .x = {x.lo, xdim, xsizes, xstrides},
@@ -124,15 +123,18 @@ static void run(const gemm_kernels *gemm, cfg c) {
     if (c.layout == X_TRANSPOSED)
         p.weight_strides[0] = 1, p.weight_strides[1] = n;
     else
-        p.weight_strides[0] = kdim, p.weight_strides[1] = 1;
+        p.weight_strides[0] = k, p.weight_strides[1] = 1;
     /* the reference: the same views over the float64 copies, preact always stored */
     linear_problem r = p;
     r.dt = OPF_F64, r.x.data = x.hi, r.weight = w.hi, r.bias = c.bias ? b.hi : NULL, r.out = out.hi, r.preact = pre.hi;
-    CHECK(linear_fwd(gemm, &r, NULL, linear_fwd_workspace(gemm, &r)) == 0, "float64 forward refused");
+    const int64_t threads = opf_num_threads(); /* each plan's, as the glue reads it */
+    const linear_fwd_plan ref_plan = linear_fwd_plan_make(gemm, &r, threads);
+    CHECK(linear_fwd_workspace(&ref_plan) == 0 && linear_fwd(&ref_plan, &r, NULL, 0) == 0, "float64 forward refused");
 
-    int64_t wsn = linear_fwd_workspace(gemm, &p);
+    const linear_fwd_plan fwd = linear_fwd_plan_make(gemm, &p, threads);
+    int64_t wsn = linear_fwd_workspace(&fwd);
     float *ws = check_ws_alloc(wsn);
-    int rc = linear_fwd(gemm, &p, ws, wsn);
+    int rc = linear_fwd(&fwd, &p, ws, wsn);
     check_ws_free(ws, "forward");
     CHECK(rc == 0, "%s forward refused its workspace of %lld floats", name, (long long)wsn);
     compare("out", &c, name, out.lo, out.hi, m * n);
@@ -143,13 +145,14 @@ static void run(const gemm_kernels *gemm, cfg c) {
     }
 
     /* backward: the reference from its float64 preact, then each strategy this problem has */
-    arr dx = arr_empty(m * kdim, c.dt), dw = arr_empty(n * kdim, c.dt), db = arr_empty(n, c.dt);
+    arr dx = arr_empty(m * k, c.dt), dw = arr_empty(n * k, c.dt), db = arr_empty(n, c.dt);
     r.grad = (linear_view){grad.hi, gdim, gsizes, gstrides};
     r.saved_preact = (linear_view){c.act ? pre.hi : NULL, 2, (int64_t[]){m, n}, (int64_t[]){n, 1}};
     r.dx = dx.hi, r.dweight = dw.hi, r.dbias = c.bias ? db.hi : NULL;
-    wsn = linear_bwd_workspace(gemm, &r, LINEAR_BWD_CHUNKED);
+    const linear_bwd_plan ref_bwd = linear_bwd_plan_make(gemm, &r, 0, threads);
+    wsn = linear_bwd_workspace(&ref_bwd);
     ws = check_ws_alloc(wsn);
-    CHECK(linear_bwd(gemm, &r, LINEAR_BWD_CHUNKED, ws, wsn) == 0, "float64 backward refused");
+    CHECK(linear_bwd(&ref_bwd, &r, ws, wsn) == 0, "float64 backward refused");
     check_ws_free(ws, "float64 backward");
 
     void *donated = malloc((size_t)(m * n > 0 ? m * n : 1) * opf_dtype_size(c.dt));
@@ -160,24 +163,25 @@ static void run(const gemm_kernels *gemm, cfg c) {
         q.saved_preact = (linear_view){p.preact ? donated : NULL, 2, (int64_t[]){m, n}, (int64_t[]){n, 1}};
         q.dx = dx.lo, q.dweight = dw.lo, q.dbias = c.bias ? db.lo : NULL;
         const size_t es = opf_dtype_size(c.dt); /* NaN in every output: one the strategy leaves unwritten shows */
-        memset(dx.lo, 0xff, (size_t)(m * kdim) * es), memset(dw.lo, 0xff, (size_t)(n * kdim) * es);
+        memset(dx.lo, 0xff, (size_t)(m * k) * es), memset(dw.lo, 0xff, (size_t)(n * k) * es);
         memset(db.lo, 0xff, (size_t)n * es);
-        linear_bwd_strategy s = linear_bwd_plan(&q, in_place);
+        const linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &q, in_place, threads);
+        const linear_bwd_strategy s = bwd.strategy;
         if (in_place && s != LINEAR_BWD_IN_PLACE) break; /* only the chunked strategy applies */
         in_place_runs += in_place;
         CHECK(s == (in_place ? LINEAR_BWD_IN_PLACE : LINEAR_BWD_CHUNKED), "%s: strategy %d without a donated preact",
               name, (int)s);
-        wsn = linear_bwd_workspace(gemm, &q, s);
+        wsn = linear_bwd_workspace(&bwd);
         ws = check_ws_alloc(wsn);
-        rc = linear_bwd(gemm, &q, s, ws, wsn);
+        rc = linear_bwd(&bwd, &q, ws, wsn);
         check_ws_free(ws, in_place ? "backward in place" : c.act && !p.preact ? "backward recomputing" : "backward");
         CHECK(rc == 0, "%s backward %d refused its workspace of %lld floats", name, (int)s, (long long)wsn);
         const char *tag = in_place ? "in place" : c.act && !p.preact ? "recomputed" : "chunked";
         char what[64];
         snprintf(what, sizeof what, "dx (%s)", tag);
-        compare(what, &c, name, dx.lo, dx.hi, m * kdim);
+        compare(what, &c, name, dx.lo, dx.hi, m * k);
         snprintf(what, sizeof what, "dweight (%s)", tag);
-        compare(what, &c, name, dw.lo, dw.hi, n * kdim);
+        compare(what, &c, name, dw.lo, dw.hi, n * k);
         snprintf(what, sizeof what, "dbias (%s)", tag);
         if (c.bias) compare(what, &c, name, db.lo, db.hi, n);
     }
@@ -186,9 +190,10 @@ static void run(const gemm_kernels *gemm, cfg c) {
     q.grad = (linear_view){grad.lo, gdim, gsizes, gstrides};
     q.saved_preact = (linear_view){NULL, 2, (int64_t[]){m, n}, (int64_t[]){n, 1}};
     q.dx = dx.lo, q.dweight = dw.lo, q.dbias = c.bias ? db.lo : NULL;
-    wsn = linear_bwd_workspace(gemm, &q, LINEAR_BWD_CHUNKED) - 1;
+    const linear_bwd_plan chunked = linear_bwd_plan_make(gemm, &q, 0, threads);
+    wsn = linear_bwd_workspace(&chunked) - 1;
     ws = check_ws_alloc(wsn);
-    rc = linear_bwd(gemm, &q, LINEAR_BWD_CHUNKED, ws, wsn);
+    rc = linear_bwd(&chunked, &q, ws, wsn);
     check_ws_free(ws, "backward, one float short");
     CHECK(rc == LINEAR_ERR_WORKSPACE, "%s: a backward workspace one float short was not refused (%d)", name, rc);
 
@@ -247,8 +252,8 @@ static void test_variant(const gemm_kernels *gemm) {
     /* 16-bit results over several K slices: the forward's float32 C in row chunks, the last one short */
     set_threads(2);
     for (size_t d = 1; d < 3; d++) {
-        const int64_t n = ((int64_t)2 << 20) / 64, kdim = gemm_slice_depth(gemm, dtypes[d], dtypes[d]) + 3;
-        run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, kdim, n, X_CONTIGUOUS, 1, ACT_SILU, dtypes[d], 1, 1});
+        const int64_t n = ((int64_t)2 << 20) / 64, k = gemm_slice_depth(gemm, dtypes[d], dtypes[d]) + 3;
+        run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, k, n, X_CONTIGUOUS, 1, ACT_SILU, dtypes[d], 1, 1});
     }
     if (saved)
         setenv("OPFORGE_NUM_THREADS", saved_copy, 1);

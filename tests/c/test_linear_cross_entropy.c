@@ -9,7 +9,7 @@
  * 16-row blocks, so that both sweeps cross token and vocab block boundaries;
  * strided hidden and weight; the same bits at 1 and 2 threads; non-finite
  * logits (a -inf bias, a NaN hidden row) and one class. Every workspace sits
- * between guard words, sized exactly as lce_workspace says.
+ * between guard words, sized exactly as linear_cross_entropy_workspace says.
  */
 #define _POSIX_C_SOURCE 200809L /* setenv: the thread count per test */
 #include <math.h>
@@ -61,7 +61,7 @@ static double tol_of(opf_dtype dt) { return dt == OPF_F32 ? 2e-4 : dt == OPF_F16
  * only up to float32 rounding, which a sum reduction adds up over the rows */
 static void compare(const char *what, const cfg *c, const char *variant, const void *got, opf_dtype gdt,
                     const double *want, int64_t count) {
-    double err = 0.0, mag = 1e-3 * (c->reduction == LCE_SUM ? (double)c->t : 1.0);
+    double err = 0.0, mag = 1e-3 * (c->reduction == LINEAR_CROSS_ENTROPY_SUM ? (double)c->t : 1.0);
     int64_t worst = -1;
     for (int64_t i = 0; i < count; i++)
         if (isfinite(want[i])) mag = fmax(mag, fabs(want[i]));
@@ -85,17 +85,20 @@ static void set_threads(int threads) {
     setenv("OPFORGE_NUM_THREADS", env, 1);
 }
 
-/* runs lce_run with a guarded workspace of exactly lce_workspace floats */
-static int run(const lce_kernels *kern, const gemm_kernels *gemm, const lce_problem *p, const char *what) {
-    int64_t floats = lce_workspace(gemm, p);
+/* runs linear_cross_entropy_run under a plan at this run's thread count, with a guarded workspace of exactly linear_cross_entropy_workspace
+ * floats */
+static int run(const linear_cross_entropy_kernels *kern, const gemm_kernels *gemm,
+               const linear_cross_entropy_problem *p, const char *what) {
+    const linear_cross_entropy_plan plan = linear_cross_entropy_plan_make(gemm, p, opf_num_threads());
+    int64_t floats = linear_cross_entropy_workspace(&plan);
     float *ws = check_ws_alloc(floats);
-    int rc = lce_run(kern, gemm, p, ws, floats);
+    int rc = linear_cross_entropy_run(kern, &plan, p, ws, floats);
     check_ws_free(ws, what);
-    CHECK(rc == 0, "%s: lce_run returned %d", what, rc);
+    CHECK(rc == 0, "%s: linear_cross_entropy_run returned %d", what, rc);
     return rc;
 }
 
-static void test_case(const lce_kernels *kern, const cfg *c) {
+static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     const int64_t t = c->t, h = c->h, v = c->v, hs = c->extras ? 2 : 1; /* strided: every other column */
     const opf_dtype dt = c->dt;
@@ -113,27 +116,28 @@ static void test_case(const lce_kernels *kern, const cfg *c) {
     void *gsc = malloc(8);
     opf_store_elem(gsc, 0, dt, gscalar);
     double gsc_hi = opf_load_elem(gsc, 0, dt);
-    lce_problem p = {.t = t,
-                     .h = h,
-                     .v = v,
-                     .dt = dt,
-                     .hidden = hid.lo,
-                     .hidden_strides = {h * hs, hs},
-                     /* weight read transposed when extras: (V,H) at element v + k V of an (H,V) array */
-                     .weight = w.lo,
-                     .weight_strides = {c->extras ? 1 : h, c->extras ? v : 1},
-                     .target = target,
-                     .target_stride = 1,
-                     .bias = c->bias ? b.lo : NULL,
-                     .bias_stride = 1,
-                     .ignore_index = -100,
-                     .label_smoothing = c->extras ? 0.1 : 0.0,
-                     .softcap = c->extras ? 2.5 : 0.0,
-                     .reduction = c->reduction,
-                     .block_floats = c->block_floats};
-    lce_problem ref = p;
+    linear_cross_entropy_problem p = {
+        .t = t,
+        .h = h,
+        .v = v,
+        .dt = dt,
+        .hidden = hid.lo,
+        .hidden_strides = {h * hs, hs},
+        /* weight read transposed when extras: (V,H) at element v + k V of an (H,V) array */
+        .weight = w.lo,
+        .weight_strides = {c->extras ? 1 : h, c->extras ? v : 1},
+        .target = target,
+        .target_stride = 1,
+        .bias = c->bias ? b.lo : NULL,
+        .bias_stride = 1,
+        .ignore_index = -100,
+        .label_smoothing = c->extras ? 0.1 : 0.0,
+        .softcap = c->extras ? 2.5 : 0.0,
+        .reduction = c->reduction,
+        .block_floats = c->block_floats};
+    linear_cross_entropy_problem ref = p;
     ref.dt = OPF_F64, ref.hidden = hid.hi, ref.weight = w.hi, ref.bias = c->bias ? b.hi : NULL;
-    const int64_t nloss = c->reduction == LCE_NONE ? t : 1;
+    const int64_t nloss = c->reduction == LINEAR_CROSS_ENTROPY_NONE ? t : 1;
     arr loss = arr_empty(nloss, dt), lref = arr_empty(nloss, OPF_F64);
     float *lse = malloc((size_t)(t + 1) * sizeof(float)), *lse_ref = malloc((size_t)(t + 1) * sizeof(float));
     arr dh = arr_empty(t * h, dt), dw = arr_empty(v * h, dt), db = arr_empty(v, dt);
@@ -142,14 +146,14 @@ static void test_case(const lce_kernels *kern, const cfg *c) {
     const char *name = kern->name;
 
     /* forward: loss and lse; mean / sum with the gradients of the same call */
-    const int fused = c->reduction != LCE_NONE;
+    const int fused = c->reduction != LINEAR_CROSS_ENTROPY_NONE;
     p.loss = loss.lo, p.lse = lse, ref.loss = lref.hi, ref.lse = lse_ref;
     if (fused) {
         p.dhidden = dh.lo, p.dweight = dw.lo, p.dbias = c->bias ? db.lo : NULL;
         ref.dhidden = rdh.hi, ref.dweight = rdw.hi, ref.dbias = c->bias ? rdb.hi : NULL;
     }
     double *row = malloc((size_t)(v + 1) * sizeof(double));
-    lce_ref_f64(&ref, row);
+    linear_cross_entropy_ref_f64(&ref, row);
     if (run(kern, gemm, &p, "forward") == 0) {
         compare("loss", c, name, loss.lo, dt, lref.hi, nloss);
         for (int64_t i = 0; i < t; i++) lse_hi[i] = lse_ref[i];
@@ -160,7 +164,7 @@ static void test_case(const lce_kernels *kern, const cfg *c) {
             if (c->bias) compare("dbias (forward)", c, name, db.lo, dt, rdb.hi, v);
             /* the scaling backward: grad * the forward's gradients */
             arr sdh = arr_empty(t * h, dt);
-            lce_scale(gemm->cvt, dt, sdh.lo, dh.lo, t * h, gsc);
+            linear_cross_entropy_scale(gemm->cvt, dt, sdh.lo, dh.lo, t * h, gsc);
             for (int64_t i = 0; i < t * h; i++) sdh.hi[i] = rdh.hi[i] * gsc_hi;
             compare("dhidden (scaled)", c, name, sdh.lo, dt, sdh.hi, t * h);
             arr_free(&sdh);
@@ -168,16 +172,17 @@ static void test_case(const lce_kernels *kern, const cfg *c) {
     }
 
     /* backward from lse: a scalar gradient (mean, sum) or the per-token one (none) */
-    lce_problem bp = p, br = ref;
+    linear_cross_entropy_problem bp = p, br = ref;
     bp.lse_given = br.lse_given = 1;
     bp.lse = lse, br.lse = lse_ref;
-    bp.grad = c->reduction == LCE_NONE ? gtok.lo : gsc, bp.grad_stride = 1;
-    br.grad = c->reduction == LCE_NONE ? (const void *)gtok.hi : (const void *)&gsc_hi, br.grad_stride = 1;
+    bp.grad = c->reduction == LINEAR_CROSS_ENTROPY_NONE ? gtok.lo : gsc, bp.grad_stride = 1;
+    br.grad = c->reduction == LINEAR_CROSS_ENTROPY_NONE ? (const void *)gtok.hi : (const void *)&gsc_hi,
+    br.grad_stride = 1;
     bp.dhidden = dh.lo, bp.dweight = dw.lo, bp.dbias = c->bias ? db.lo : NULL;
     br.dhidden = rdh.hi, br.dweight = rdw.hi, br.dbias = c->bias ? rdb.hi : NULL;
     memset(dh.lo, 0xff, (size_t)(t * h > 0 ? t * h : 1) * opf_dtype_size(dt)); /* NaN: all must be rewritten */
     memset(dw.lo, 0xff, (size_t)(v * h > 0 ? v * h : 1) * opf_dtype_size(dt));
-    lce_ref_f64(&br, row);
+    linear_cross_entropy_ref_f64(&br, row);
     free(row);
     if (run(kern, gemm, &bp, "backward") == 0) {
         compare("dhidden", c, name, dh.lo, dt, rdh.hi, t * h);
@@ -204,7 +209,7 @@ static void test_case(const lce_kernels *kern, const cfg *c) {
     free(target), free(gsc), free(lse), free(lse_ref), free(lse_hi);
 }
 
-static void test_variant(const lce_kernels *kern) {
+static void test_variant(const linear_cross_entropy_kernels *kern) {
     static const int64_t ts[] = {1, 7, 37}, hs[] = {1, 7, 123}, vs[] = {1, 7, 123, 4097};
     static const opf_dtype dts[] = {OPF_F32, OPF_BF16, OPF_F16};
     for (int ti = 0; ti < 3; ti++)
@@ -233,29 +238,32 @@ static void test_short_workspace(void) {
     arr hid = arr_rand(7 * 5, OPF_F32, 1, 1.0), w = arr_rand(9 * 5, OPF_F32, 2, 1.0);
     int64_t target[7] = {0, 1, 2, 3, 4, 5, 8};
     float loss, lse[7];
-    lce_problem p = {.t = 7,
-                     .h = 5,
-                     .v = 9,
-                     .dt = OPF_F32,
-                     .hidden = hid.lo,
-                     .hidden_strides = {5, 1},
-                     .weight = w.lo,
-                     .weight_strides = {5, 1},
-                     .target = target,
-                     .target_stride = 1,
-                     .ignore_index = -100,
-                     .reduction = LCE_MEAN,
-                     .loss = &loss,
-                     .lse = lse};
-    int64_t floats = lce_workspace(gemm, &p);
+    linear_cross_entropy_problem p = {.t = 7,
+                                      .h = 5,
+                                      .v = 9,
+                                      .dt = OPF_F32,
+                                      .hidden = hid.lo,
+                                      .hidden_strides = {5, 1},
+                                      .weight = w.lo,
+                                      .weight_strides = {5, 1},
+                                      .target = target,
+                                      .target_stride = 1,
+                                      .ignore_index = -100,
+                                      .reduction = LINEAR_CROSS_ENTROPY_MEAN,
+                                      .loss = &loss,
+                                      .lse = lse};
+    const linear_cross_entropy_plan plan = linear_cross_entropy_plan_make(gemm, &p, opf_num_threads());
+    int64_t floats = linear_cross_entropy_workspace(&plan);
     float *ws = check_ws_alloc(floats - 1);
-    CHECK(lce_run(lce_kernels_for(opf_isa_current()), gemm, &p, ws, floats - 1) == LCE_ERR_WORKSPACE,
+    CHECK(linear_cross_entropy_run(linear_cross_entropy_kernels_for(opf_isa_current()), &plan, &p, ws, floats - 1) ==
+              LINEAR_CROSS_ENTROPY_ERR_WORKSPACE,
           "a short workspace must be refused");
     check_ws_free(ws, "short workspace");
     target[3] = 9;
-    CHECK(lce_bad_target(&p) == 3, "target 9 of 9 classes at 3 must be found, got %lld", (long long)lce_bad_target(&p));
+    CHECK(linear_cross_entropy_bad_target(&p) == 3, "target 9 of 9 classes at 3 must be found, got %lld",
+          (long long)linear_cross_entropy_bad_target(&p));
     target[3] = -100;
-    CHECK(lce_bad_target(&p) == -1, "ignore_index is a valid target");
+    CHECK(linear_cross_entropy_bad_target(&p) == -1, "ignore_index is a valid target");
     arr_free(&hid), arr_free(&w);
 }
 
@@ -271,7 +279,7 @@ static int64_t count_finite(const double *a, int64_t count) {
  * either way; a NaN in hidden row 1 makes the loss of token 1, all of dhidden's row 1 and all of dweight
  * NaN (the vector exp clamped NaN to a finite value: a made-up row 1 and NaN in the target's weight rows
  * only). The loss and the backward from lse, both reductions, against the float64 reference. */
-static void test_nonfinite_case(const lce_kernels *kern, int reduction, int smoothing, int nan_row) {
+static void test_nonfinite_case(const linear_cross_entropy_kernels *kern, int reduction, int smoothing, int nan_row) {
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     enum { T = 6, H = 16, V = 40 };
     const cfg c = {.t = T, .h = H, .v = V, .dt = OPF_F32, .reduction = reduction, .bias = 1, .extras = smoothing};
@@ -281,35 +289,35 @@ static void test_nonfinite_case(const lce_kernels *kern, int reduction, int smoo
     else
         ((float *)b.lo)[7] = -INFINITY, b.hi[7] = -INFINITY;
     int64_t target[T] = {0, 1, 2, 3, 4, 0};
-    const int64_t nloss = reduction == LCE_NONE ? T : 1;
+    const int64_t nloss = reduction == LINEAR_CROSS_ENTROPY_NONE ? T : 1;
     arr loss = arr_empty(nloss, OPF_F32), lref = arr_empty(nloss, OPF_F64), ones = arr_empty(T, OPF_F32);
     arr dh = arr_empty(T * H, OPF_F32), dw = arr_empty(V * H, OPF_F32), db = arr_empty(V, OPF_F32);
     arr rdh = arr_empty(T * H, OPF_F64), rdw = arr_empty(V * H, OPF_F64), rdb = arr_empty(V, OPF_F64);
     for (int64_t i = 0; i < T; i++) ((float *)ones.lo)[i] = 1.0f, ones.hi[i] = 1.0;
     float lse[T], lse_ref[T];
     double row[V];
-    lce_problem p = {.t = T,
-                     .h = H,
-                     .v = V,
-                     .dt = OPF_F32,
-                     .hidden = hid.lo,
-                     .hidden_strides = {H, 1},
-                     .weight = w.lo,
-                     .weight_strides = {H, 1},
-                     .target = target,
-                     .target_stride = 1,
-                     .bias = b.lo,
-                     .bias_stride = 1,
-                     .ignore_index = -100,
-                     .label_smoothing = smoothing ? 0.1 : 0.0,
-                     .reduction = reduction,
-                     .loss = loss.lo,
-                     .lse = lse};
-    lce_problem ref = p;
+    linear_cross_entropy_problem p = {.t = T,
+                                      .h = H,
+                                      .v = V,
+                                      .dt = OPF_F32,
+                                      .hidden = hid.lo,
+                                      .hidden_strides = {H, 1},
+                                      .weight = w.lo,
+                                      .weight_strides = {H, 1},
+                                      .target = target,
+                                      .target_stride = 1,
+                                      .bias = b.lo,
+                                      .bias_stride = 1,
+                                      .ignore_index = -100,
+                                      .label_smoothing = smoothing ? 0.1 : 0.0,
+                                      .reduction = reduction,
+                                      .loss = loss.lo,
+                                      .lse = lse};
+    linear_cross_entropy_problem ref = p;
     ref.dt = OPF_F64, ref.hidden = hid.hi, ref.weight = w.hi, ref.bias = b.hi, ref.loss = lref.hi, ref.lse = lse_ref;
-    lce_ref_f64(&ref, row);
+    linear_cross_entropy_ref_f64(&ref, row);
     /* the reference's own loss: what torch gives */
-    const int64_t want_finite = nan_row ? (reduction == LCE_NONE ? T - 1 : 0) : smoothing ? 0 : nloss;
+    const int64_t want_finite = nan_row ? (reduction == LINEAR_CROSS_ENTROPY_NONE ? T - 1 : 0) : smoothing ? 0 : nloss;
     CHECK(count_finite(lref.hi, nloss) == want_finite && (nan_row || !smoothing || lref.hi[0] == INFINITY),
           "reference: reduction=%d smoothing=%d nan_row=%d: %lld finite losses of %lld, want %lld (loss[0] %g)",
           reduction, smoothing, nan_row, (long long)count_finite(lref.hi, nloss), (long long)nloss,
@@ -320,7 +328,7 @@ static void test_nonfinite_case(const lce_kernels *kern, int reduction, int smoo
     p.grad = ones.lo, ref.grad = ones.hi, p.grad_stride = ref.grad_stride = 1; /* 1 per token, or the one of mean */
     p.dhidden = dh.lo, p.dweight = dw.lo, p.dbias = db.lo;
     ref.dhidden = rdh.hi, ref.dweight = rdw.hi, ref.dbias = rdb.hi;
-    lce_ref_f64(&ref, row);
+    linear_cross_entropy_ref_f64(&ref, row);
     CHECK(count_finite(rdh.hi, T * H) == T * H - (nan_row ? H : 0) &&
               count_finite(rdw.hi, V * H) == (nan_row ? 0 : V * H),
           "reference: reduction=%d smoothing=%d nan_row=%d: %lld finite of dhidden, %lld of dweight", reduction,
@@ -337,33 +345,33 @@ static void test_nonfinite_case(const lce_kernels *kern, int reduction, int smoo
 /* One class (V = 1) with label smoothing, with and without softcap: every log-probability is log 1 = 0, so
  * the loss is exactly 0 (as torch's), not the rounding left by lse - (1 - eps) z_y - eps z, nor that of a
  * target z capped by another tanh than the lse's */
-static void test_one_class(const lce_kernels *kern, double softcap) {
+static void test_one_class(const linear_cross_entropy_kernels *kern, double softcap) {
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     enum { T = 7, H = 5 };
     arr hid = arr_rand(T * H, OPF_F32, 7, 3.0), w = arr_rand(H, OPF_F32, 8, 1.0), loss = arr_empty(T, OPF_F32);
     int64_t target[T] = {0};
     float lse[T];
     double lref[T], row[1];
-    lce_problem p = {.t = T,
-                     .h = H,
-                     .v = 1,
-                     .dt = OPF_F32,
-                     .hidden = hid.lo,
-                     .hidden_strides = {H, 1},
-                     .weight = w.lo,
-                     .weight_strides = {H, 1},
-                     .target = target,
-                     .target_stride = 1,
-                     .ignore_index = -100,
-                     .label_smoothing = 0.1,
-                     .softcap = softcap,
-                     .reduction = LCE_NONE,
-                     .loss = loss.lo,
-                     .lse = lse};
-    lce_problem ref = p;
+    linear_cross_entropy_problem p = {.t = T,
+                                      .h = H,
+                                      .v = 1,
+                                      .dt = OPF_F32,
+                                      .hidden = hid.lo,
+                                      .hidden_strides = {H, 1},
+                                      .weight = w.lo,
+                                      .weight_strides = {H, 1},
+                                      .target = target,
+                                      .target_stride = 1,
+                                      .ignore_index = -100,
+                                      .label_smoothing = 0.1,
+                                      .softcap = softcap,
+                                      .reduction = LINEAR_CROSS_ENTROPY_NONE,
+                                      .loss = loss.lo,
+                                      .lse = lse};
+    linear_cross_entropy_problem ref = p;
     float lse_ref[T];
     ref.dt = OPF_F64, ref.hidden = hid.hi, ref.weight = w.hi, ref.loss = lref, ref.lse = lse_ref;
-    lce_ref_f64(&ref, row);
+    linear_cross_entropy_ref_f64(&ref, row);
     if (run(kern, gemm, &p, "one class") == 0)
         for (int64_t t = 0; t < T; t++)
             CHECK(((float *)loss.lo)[t] == 0.0f && lref[t] == 0.0,
@@ -372,8 +380,8 @@ static void test_one_class(const lce_kernels *kern, double softcap) {
     arr_free(&hid), arr_free(&w), arr_free(&loss);
 }
 
-static void test_nonfinite(const lce_kernels *kern) {
-    for (int reduction = LCE_NONE; reduction <= LCE_MEAN; reduction++)
+static void test_nonfinite(const linear_cross_entropy_kernels *kern) {
+    for (int reduction = LINEAR_CROSS_ENTROPY_NONE; reduction <= LINEAR_CROSS_ENTROPY_MEAN; reduction++)
         for (int smoothing = 0; smoothing < 2; smoothing++)
             for (int nan_row = 0; nan_row < 2; nan_row++) test_nonfinite_case(kern, reduction, smoothing, nan_row);
     test_one_class(kern, 0.0);
@@ -386,9 +394,33 @@ static void test_nonfinite(const lce_kernels *kern) {
         test_nonfinite(k); \
     } while (0)
 
+/* The Python layer decides one block as tokens * vocab <= LINEAR_CROSS_ENTROPY_BLOCK_FLOATS on sizes that may be
+ * symbolic: the kernel's layout must agree, on both sides of the line and at the extremes. */
+static void test_one_block_rule(void) {
+    const int64_t b = LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
+    const int64_t sizes[] = {1, 2, 15, 16, 17, 2047, 2048, 2049, 4096, 65536, 262144, 262145, b / 3, b - 1, b, b + 1};
+    const int n = (int)(sizeof sizes / sizeof *sizes);
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < n; j++) {
+            int64_t t = sizes[i], v = sizes[j];
+            CHECK(linear_cross_entropy_one_block(t, v) == (t * v <= b),
+                  "linear_cross_entropy_one_block(%lld, %lld) = %d, but t * v <= %lld is %d", (long long)t,
+                  (long long)v, linear_cross_entropy_one_block(t, v), (long long)b, t * v <= b);
+        }
+        for (int64_t v = b / sizes[i] - 2; v <= b / sizes[i] + 2; v++) {
+            int64_t t = sizes[i];
+            if (v < 1) continue;
+            CHECK(linear_cross_entropy_one_block(t, v) == (t * v <= b),
+                  "linear_cross_entropy_one_block(%lld, %lld) = %d at the line", (long long)t, (long long)v,
+                  linear_cross_entropy_one_block(t, v));
+        }
+    }
+}
+
 int main(void) {
     set_threads(2);
-    CHECK_EACH_VARIANT(lce_kernels_for, TEST_ALL);
+    CHECK_EACH_VARIANT(linear_cross_entropy_kernels_for, TEST_ALL);
     test_short_workspace();
+    test_one_block_rule();
     return check_report("test_linear_cross_entropy");
 }

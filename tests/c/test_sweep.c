@@ -5,7 +5,7 @@
  * operands, 16-bit results), linear forward and both backward strategies, matmul's product, linear +
  * cross-entropy (one logits block, and blocks of 16 floats), cross-entropy, softmax and log_softmax,
  * the norms, the gated linear units, rope, dispersion_correction, and the threaded helpers under them
- * (act_grad_rows, colsum_f32, the conversions, lce_scale). Each dim 0 in turn, 1 and small odd sizes;
+ * (act_grad_rows, colsum_f32, the conversions, linear_cross_entropy_scale). Each dim 0 in turn, 1 and small odd sizes;
  * grouped-query head counts down to 0; M, N and K each 0 and 1.
  *
  * Why: a plan over threads (workers per task count, split-K, decode chunks, GEMM plans, row chunks,
@@ -78,6 +78,9 @@ static void *arr_grid(int64_t n, opf_dtype dt, unsigned long long seed, double s
 }
 
 static float *ws_new(int64_t floats) { return check_ws_alloc(floats); }
+
+/* the thread count a driver's plan is made for, read once per call as the glue reads it */
+static int64_t threads_now(void) { return opf_num_threads(); }
 static void ws_free(float *ws, const char *what) { arr_free(ws, what); }
 
 /* ---- a case's results --------------------------------------------------------------------------------- */
@@ -184,23 +187,23 @@ static void strides4(int transposed, int64_t h, int64_t n, int64_t d, int64_t *s
 
 /* ---- attention ------------------------------------------------------------------------------------------ */
 
-typedef struct attn_cfg {
+typedef struct attention_cfg {
     int64_t b, h, hkv, n, s, d, dv;
     int causal, mask, transposed; /* mask: bool (N, S) broadcast, key 0 always kept (no row fully masked) */
-} attn_cfg;
+} attention_cfg;
 
 static void go_attn(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
-    const attn_cfg *c = cv;
-    attn_problem p = {.b = c->b,
-                      .h = c->h,
-                      .hkv = c->hkv,
-                      .n = c->n,
-                      .s = c->s,
-                      .d_qk = c->d,
-                      .d_v = c->dv,
-                      .dt = dt,
-                      .causal = c->causal,
-                      .scale = c->d > 0 ? 1.0 / sqrt((double)c->d) : 0.3};
+    const attention_cfg *c = cv;
+    attention_problem p = {.b = c->b,
+                           .h = c->h,
+                           .hkv = c->hkv,
+                           .n = c->n,
+                           .s = c->s,
+                           .d_qk = c->d,
+                           .d_v = c->dv,
+                           .dt = dt,
+                           .causal = c->causal,
+                           .scale = c->d > 0 ? 1.0 / sqrt((double)c->d) : 0.3};
     strides4(c->transposed, c->h, c->n, c->d, p.qs), strides4(c->transposed, c->hkv, c->s, c->d, p.ks);
     strides4(c->transposed, c->hkv, c->s, c->dv, p.vs), strides4(0, c->h, c->n, c->dv, p.os);
     memcpy(p.dos, p.os, sizeof p.os), memcpy(p.dqs, p.qs, sizeof p.qs);
@@ -213,23 +216,23 @@ static void go_attn(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     if (c->mask) {
         unsigned long long seed = 5;
         for (int64_t i = 0; i < c->n * c->s; i++) mask[i] = i % c->s == 0 || check_uniform(&seed) < 0.6;
-        p.mask = mask, p.mask_kind = ATTN_MASK_BOOL;
+        p.mask = mask, p.mask_kind = ATTENTION_MASK_BOOL;
         p.ms[0] = p.ms[1] = 0, p.ms[2] = c->s, p.ms[3] = 1;
     }
     p.q = q, p.k = k, p.v = v, p.dout = dout;
     p.out = out_new(o, "out", no, dt);
     p.lse = out_new(o, "lse", c->b * c->h * c->n, OPF_F32);
     p.dq = out_new(o, "dq", nq, dt), p.dk = out_new(o, "dk", nk, dt), p.dv = out_new(o, "dv", nv, dt);
-    if (dt == OPF_F64) {
-        CHECK(attn_ref_fwd(&p) == 0 && attn_ref_bwd(&p) == 0, "%s: oracle out of memory", ctx);
-    } else {
-        const attn_kernels *kern = attn_kernels_for(isa);
-        float *ws = ws_new(attn_fwd_workspace(&p));
-        attn_fwd(kern, &p, ws);
-        ws_free(ws, "attn_fwd workspace");
-        ws = ws_new(attn_bwd_workspace(&p));
-        attn_bwd(kern, &p, ws);
-        ws_free(ws, "attn_bwd workspace");
+    { /* float64: the drivers' oracle path */
+        const attention_kernels *kern = attention_kernels_for(isa);
+        const attention_fwd_plan fwd = attention_fwd_plan_make(&p, threads_now());
+        float *ws = ws_new(attention_fwd_workspace(&fwd));
+        attention_fwd(kern, &fwd, &p, ws);
+        ws_free(ws, "attention_fwd workspace");
+        const attention_bwd_plan bwd = attention_bwd_plan_make(&p, threads_now());
+        ws = ws_new(attention_bwd_workspace(&bwd));
+        attention_bwd(kern, &bwd, &p, ws);
+        ws_free(ws, "attention_bwd workspace");
     }
     if (c->s == 0) { /* no key: zeros, lse -inf, zero gradients, whatever the oracle says */
         for (int64_t i = 0; i < no; i++)
@@ -256,7 +259,7 @@ static void sweep_attention(opf_isa isa) {
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         for (int variant = 0; variant < 3; variant++) {
             const int64_t *s = shapes[i];
-            attn_cfg c = {s[0], s[1], s[2], s[3], s[4], s[5], s[6], variant == 1, variant == 2, (int)(i % 2)};
+            attention_cfg c = {s[0], s[1], s[2], s[3], s[4], s[5], s[6], variant == 1, variant == 2, (int)(i % 2)};
             char desc[160];
             snprintf(desc, sizeof desc,
                      "attention B=%lld H=%lld Hkv=%lld N=%lld S=%lld D=%lld Dv=%lld causal=%d "
@@ -270,26 +273,27 @@ static void sweep_attention(opf_isa isa) {
 
 /* ---- decoding attention ------------------------------------------------------------------------------ */
 
-typedef struct decode_cfg {
+typedef struct attention_decode_cfg {
     int64_t b, h, hkv, n, s, d, dv;
     int64_t lens[4];
     int causal, lens_i64, lse, cache_view; /* cache_view: k a slice of a (B, S + 3, Hkv, D) buffer */
-} decode_cfg;
+} attention_decode_cfg;
 
 static void go_decode(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
-    const decode_cfg *c = cv;
-    decode_problem p = {.b = c->b,
-                        .h = c->h,
-                        .hkv = c->hkv,
-                        .n = c->n,
-                        .s_max = c->s,
-                        .d_qk = c->d,
-                        .d_v = c->dv,
-                        .dt = dt,
-                        .causal = c->causal ? DECODE_CAUSAL_BOTTOM_RIGHT : DECODE_CAUSAL_NONE,
-                        .scale = c->d > 0 ? 1.0 / sqrt((double)c->d) : 0.3,
-                        .lens_i64 = c->lens_i64,
-                        .lens_stride = 1};
+    const attention_decode_cfg *c = cv;
+    attention_decode_problem p = {.b = c->b,
+                                  .h = c->h,
+                                  .hkv = c->hkv,
+                                  .n = c->n,
+                                  .s_max = c->s,
+                                  .d_qk = c->d,
+                                  .d_v = c->dv,
+                                  .dt = dt,
+                                  .causal =
+                                      c->causal ? ATTENTION_DECODE_CAUSAL_BOTTOM_RIGHT : ATTENTION_DECODE_CAUSAL_NONE,
+                                  .scale = c->d > 0 ? 1.0 / sqrt((double)c->d) : 0.3,
+                                  .lens_i64 = c->lens_i64,
+                                  .lens_stride = 1};
     const int64_t s_buf = c->cache_view ? c->s + 3 : c->s;
     strides4(0, c->h, c->n, c->d, p.qs), strides4(c->cache_view, c->hkv, s_buf, c->d, p.ks);
     strides4(0, c->hkv, c->s, c->dv, p.vs), strides4(0, c->h, c->n, c->dv, p.os);
@@ -306,12 +310,11 @@ static void go_decode(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     p.q = q, p.k = k, p.v = v, p.lens = lens;
     p.out = out_new(o, "out", no, dt);
     if (c->lse) p.lse = out_new(o, "lse", c->b * c->h * c->n, OPF_F32);
-    if (dt == OPF_F64) {
-        CHECK(decode_ref_fwd(&p) == 0, "%s: oracle out of memory", ctx);
-    } else {
-        float *ws = ws_new(decode_workspace(&p));
-        decode_fwd(decode_kernels_for(isa), &p, ws);
-        ws_free(ws, "decode_fwd workspace");
+    { /* float64: the driver's oracle path */
+        const attention_decode_plan plan = attention_decode_plan_make(&p, threads_now());
+        float *ws = ws_new(attention_decode_workspace(&plan));
+        attention_decode_fwd(attention_decode_kernels_for(isa), &plan, &p, ws);
+        ws_free(ws, "attention_decode_fwd workspace");
     }
     arr_free(q, "q"), arr_free(k, "k_cache"), arr_free(v, "v_cache"), arr_free(lens, "seq_lens");
 }
@@ -330,18 +333,18 @@ static void sweep_decode(opf_isa isa) {
                  {2, 8, 2, 2, 700, 16, 16, {700, 650}}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         for (int causal = 0; causal < 2; causal++) {
-            decode_cfg c = {cases[i].b,
-                            cases[i].h,
-                            cases[i].hkv,
-                            cases[i].n,
-                            cases[i].s,
-                            cases[i].d,
-                            cases[i].dv,
-                            {0},
-                            causal,
-                            (int)(i % 2),
-                            (int)((i + (size_t)causal) % 2),
-                            (int)(i % 3 == 0)};
+            attention_decode_cfg c = {cases[i].b,
+                                      cases[i].h,
+                                      cases[i].hkv,
+                                      cases[i].n,
+                                      cases[i].s,
+                                      cases[i].d,
+                                      cases[i].dv,
+                                      {0},
+                                      causal,
+                                      (int)(i % 2),
+                                      (int)((i + (size_t)causal) % 2),
+                                      (int)(i % 3 == 0)};
             memcpy(c.lens, cases[i].lens, sizeof c.lens);
             char desc[160];
             snprintf(desc, sizeof desc,
@@ -355,8 +358,8 @@ static void sweep_decode(opf_isa isa) {
 
 /* ---- GEMM ------------------------------------------------------------------------------------------------ */
 
-/* mode 0: gemm_f32, C = gelu(A B + 0.5 C + bias[j]) and its pre-activation; 1: gemm_f32x on operands of
- * dt, B transposed, C = silu(A B + bias[i]); 2: gemm_f32x with 16-bit results (out16, pre16) of dt,
+/* mode 0: float32 operands, C = gelu(A B + 0.5 C + bias[j]) and its pre-activation; 1: operands of dt,
+ * B transposed, C = silu(A B + bias[i]); 2: operands of dt with 16-bit results (out16, pre16) of dt,
  * relu(A B + bias[j]), no float32 C (K fits one slice) */
 typedef struct gemm_cfg {
     int64_t m, n, k;
@@ -365,12 +368,12 @@ typedef struct gemm_cfg {
 
 static void go_gemm(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     const gemm_cfg *c = cv;
-    const int64_t m = c->m, n = c->n, kd = c->k;
+    const int64_t m = c->m, n = c->n, k = c->k;
     const opf_dtype in_dt = dt == OPF_F64 ? OPF_F64 : c->mode == 0 ? OPF_F32 : dt;
-    void *a = arr_grid(m * kd, in_dt, 1, 1.0, 0.0), *b = arr_grid(kd * n, in_dt, 2, 1.0, 0.0);
+    void *a = arr_grid(m * k, in_dt, 1, 1.0, 0.0), *b = arr_grid(k * n, in_dt, 2, 1.0, 0.0);
     const int64_t nb = c->mode == 1 ? m : n;
     void *bias = arr_grid(nb, dt == OPF_F64 ? OPF_F64 : OPF_F32, 3, 1.0, 0.0);
-    const int64_t rsb = c->mode == 1 ? 1 : n, csb = c->mode == 1 ? kd : 1;
+    const int64_t rsb = c->mode == 1 ? 1 : n, csb = c->mode == 1 ? k : 1;
     const act_kind act = c->mode == 0 ? ACT_GELU : c->mode == 1 ? ACT_SILU : ACT_RELU;
     const gemm_bias_kind bk = c->mode == 1 ? GEMM_BIAS_COL : GEMM_BIAS_ROW;
     const double beta = c->mode == 0 ? 0.5 : 0.0;
@@ -385,7 +388,7 @@ static void go_gemm(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
                                        : c->mode == 2 ? dt
                                                       : OPF_F32);
     if (dt == OPF_F64) {
-        gemm_ref_f64(m, n, kd, a, kd, 1, b, rsb, csb, cc, n, beta, bias, 1, bk, act, pre, n);
+        gemm_ref_f64(m, n, k, a, k, 1, b, rsb, csb, cc, n, beta, bias, 1, bk, act, pre, n);
     } else {
         const gemm_kernels *kern = gemm_kernels_for(isa);
         gemm_epilogue ep = {.beta = (float)beta, .bias = bias, .bias_kind = bk, .act = act};
@@ -394,13 +397,13 @@ static void go_gemm(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
         if (c->mode == 2) {
             out16 = out_new(o, "out16", m * n, dt);
             ep.out16 = out16, ep.pre16 = pre, ep.rsp = n, ep.out_dt = dt;
-            CHECK(kd <= gemm_slice_depth(kern, dt, dt), "%s: K = %lld is past one slice", ctx, (long long)kd);
+            CHECK(k <= gemm_slice_depth(kern, dt, dt), "%s: K = %lld is past one slice", ctx, (long long)k);
         }
-        const int64_t wsn = gemm_workspace_floats(kern, m, n, kd);
+        const opf_dtype ab_dt = c->mode == 0 ? OPF_F32 : in_dt;
+        const gemm_plan plan = gemm_plan_make(kern, m, n, k, ab_dt, ab_dt, threads_now());
+        const int64_t wsn = gemm_workspace(&plan);
         float *ws = ws_new(wsn);
-        const int rc = c->mode == 0
-                           ? gemm_f32(kern, m, n, kd, a, kd, 1, b, rsb, csb, cc, n, &ep, ws, wsn)
-                           : gemm_f32x(kern, m, n, kd, a, in_dt, kd, 1, b, in_dt, rsb, csb, cc, n, &ep, ws, wsn);
+        const int rc = gemm_run(&plan, a, k, 1, b, rsb, csb, cc, n, &ep, ws, wsn);
         ws_free(ws, "gemm workspace");
         CHECK(rc == 0, "%s: the GEMM refused its workspace of %lld floats", ctx, (long long)wsn);
         if (c->mode == 2) { /* results in out16 then pre16, as the oracle's c then preact */
@@ -435,41 +438,41 @@ typedef struct linear_cfg {
 
 static void go_linear(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     const linear_cfg *c = cv;
-    const int64_t m = c->lead[0] * c->lead[1], kd = c->k, n = c->n;
+    const int64_t m = c->lead[0] * c->lead[1], k = c->k, n = c->n;
     const gemm_kernels *gemm = gemm_kernels_for(dt == OPF_F64 ? OPF_ISA_REF : isa);
-    int64_t xsizes[3] = {c->lead[0], c->lead[1], kd}, xstrides[3] = {c->lead[1] * kd, kd, 1};
+    int64_t xsizes[3] = {c->lead[0], c->lead[1], k}, xstrides[3] = {c->lead[1] * k, k, 1};
     int64_t gsizes[2] = {m, n}, gstrides[2] = {n, 1};
-    void *x = arr_grid(m * kd, dt, 1, 1.0, 0.0), *w = arr_grid(n * kd, dt, 2, 1.0, 0.0);
+    void *x = arr_grid(m * k, dt, 1, 1.0, 0.0), *w = arr_grid(n * k, dt, 2, 1.0, 0.0);
     void *b = arr_grid(n, dt, 3, 1.0, 0.0), *g = arr_grid(m * n, dt, 4, 1.0, 0.0);
-    linear_problem p = {.m = m,
-                        .in_features = kd,
-                        .out_features = n,
+    linear_problem p = {.n = n,
+                        .k = k,
                         .dt = dt,
                         .act = c->act,
                         .x = {x, 3, xsizes, xstrides},
                         .weight = w,
-                        .weight_strides = {kd, 1},
+                        .weight_strides = {k, 1},
                         .bias = c->bias ? b : NULL,
                         .bias_stride = 1};
     p.out = out_new(o, "out", m * n, dt);
     const int stored = c->act && c->save; /* else the backward recomputes it */
     p.preact = stored ? out_new(o, "preact", m * n, dt) : NULL;
-    int64_t wsn = linear_fwd_workspace(gemm, &p);
+    const linear_fwd_plan fwd = linear_fwd_plan_make(gemm, &p, threads_now());
+    int64_t wsn = linear_fwd_workspace(&fwd);
     float *ws = ws_new(wsn);
-    CHECK(linear_fwd(gemm, &p, ws, wsn) == 0, "%s: linear_fwd refused its workspace of %lld floats", ctx,
+    CHECK(linear_fwd(&fwd, &p, ws, wsn) == 0, "%s: linear_fwd refused its workspace of %lld floats", ctx,
           (long long)wsn);
     ws_free(ws, "linear_fwd workspace");
     void *donated = arr_new(m * n, opf_dtype_size(dt));
     if (stored) memcpy(donated, p.preact, (size_t)(m * n) * opf_dtype_size(dt));
     p.grad = (linear_view){g, 2, gsizes, gstrides};
     p.saved_preact = (linear_view){stored ? donated : NULL, 2, gsizes, gstrides};
-    p.dx = out_new(o, "dx", m * kd, dt), p.dweight = out_new(o, "dweight", n * kd, dt);
+    p.dx = out_new(o, "dx", m * k, dt), p.dweight = out_new(o, "dweight", n * k, dt);
     p.dbias = c->bias ? out_new(o, "dbias", n, dt) : NULL;
-    const linear_bwd_strategy s = linear_bwd_plan(&p, c->donate && dt != OPF_F64);
-    wsn = linear_bwd_workspace(gemm, &p, s);
+    const linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &p, c->donate && dt != OPF_F64, threads_now());
+    wsn = linear_bwd_workspace(&bwd);
     ws = ws_new(wsn);
-    CHECK(linear_bwd(gemm, &p, s, ws, wsn) == 0, "%s: linear_bwd (strategy %d) refused its workspace of %lld floats",
-          ctx, (int)s, (long long)wsn);
+    CHECK(linear_bwd(&bwd, &p, ws, wsn) == 0, "%s: linear_bwd (strategy %d) refused its workspace of %lld floats", ctx,
+          (int)bwd.strategy, (long long)wsn);
     ws_free(ws, "linear_bwd workspace");
     arr_free(donated, "donated preact");
     arr_free(x, "x"), arr_free(w, "weight"), arr_free(b, "bias"), arr_free(g, "grad");
@@ -509,24 +512,31 @@ typedef struct matmul_cfg {
     int64_t m, n, k;
 } matmul_cfg;
 
-/* matmul's product (linear_gemm under its plan), B transposed */
+/* matmul forward and backward, B transposed, batched (2 matrices; a's second one sliced from a padded
+ * buffer) */
 static void go_matmul(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     const matmul_cfg *c = cv;
-    void *a = arr_grid(c->m * c->k, dt, 1, 1.0, 0.0), *b = arr_grid(c->k * c->n, dt, 2, 1.0, 0.0);
-    void *out = out_new(o, "out", c->m * c->n, dt);
-    if (dt == OPF_F64) {
-        gemm_ref_f64(c->m, c->n, c->k, a, c->k, 1, b, 1, c->k, out, c->n, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL,
-                     0);
-    } else {
-        const gemm_kernels *gemm = gemm_kernels_for(isa);
-        const linear_gemm_plan plan = linear_gemm_plan_for(gemm, dt, c->m, c->n, c->k);
-        float *ws = ws_new(plan.ws_floats);
-        CHECK(linear_gemm(gemm, &plan, c->m, c->n, c->k, a, c->k, 1, b, 1, c->k, out, NULL, dt, NULL, ACT_NONE, ws) ==
-                  0,
-              "%s: linear_gemm refused its plan's workspace", ctx);
-        ws_free(ws, "linear_gemm workspace");
-    }
-    arr_free(a, "a"), arr_free(b, "b");
+    const int64_t batch = 2, m = c->m, n = c->n, k = c->k, a_stride = (m + 1) * k;
+    void *a = arr_grid(batch * a_stride, dt, 1, 1.0, 0.0), *b = arr_grid(batch * k * n, dt, 2, 1.0, 0.0);
+    void *g = arr_grid(batch * m * n, dt, 3, 1.0, 0.0);
+    const int64_t a_sizes[3] = {batch, m, k}, a_strides[3] = {a_stride, k, 1};
+    const int64_t b_sizes[3] = {batch, k, n}, b_strides[3] = {k * n, 1, k};
+    const int64_t g_sizes[3] = {batch, m, n}, g_strides[3] = {m * n, n, 1};
+    const linear_view av = {a, 3, a_sizes, a_strides}, bv = {b, 3, b_sizes, b_strides}, gv = {g, 3, g_sizes, g_strides};
+    const gemm_kernels *gemm = gemm_kernels_for(dt == OPF_F64 ? OPF_ISA_REF : isa);
+    void *out = out_new(o, "out", batch * m * n, dt);
+    const matmul_fwd_plan fwd = matmul_fwd_plan_make(gemm, dt, batch, m, n, k, threads_now());
+    float *ws = ws_new(matmul_fwd_workspace(&fwd));
+    CHECK(matmul_fwd(&fwd, out, &av, &bv, ws, matmul_fwd_workspace(&fwd)) == 0,
+          "%s: matmul_fwd refused its plan's workspace", ctx);
+    ws_free(ws, "matmul_fwd workspace");
+    void *da = out_new(o, "da", batch * m * k, dt), *db = out_new(o, "db", batch * k * n, dt);
+    const matmul_bwd_plan bwd = matmul_bwd_plan_make(gemm, dt, batch, m, n, k, threads_now());
+    ws = ws_new(matmul_bwd_workspace(&bwd));
+    CHECK(matmul_bwd(&bwd, da, db, &gv, &av, &bv, ws, matmul_bwd_workspace(&bwd)) == 0,
+          "%s: matmul_bwd refused its plan's workspace", ctx);
+    ws_free(ws, "matmul_bwd workspace");
+    arr_free(a, "a"), arr_free(b, "b"), arr_free(g, "grad");
 }
 
 static void sweep_matmul(opf_isa isa) {
@@ -540,18 +550,18 @@ static void sweep_matmul(opf_isa isa) {
 
 /* ---- linear + cross-entropy ----------------------------------------------------------------------------- */
 
-typedef struct lce_cfg {
+typedef struct linear_cross_entropy_cfg {
     int64_t t, h, v;
     int reduction, bias, extras; /* extras: label smoothing 0.1, softcap 2, every third target ignored */
     int64_t block_floats;        /* 0: one block (the default); 16: blocks of a few tokens and vocab rows */
-} lce_cfg;
+} linear_cross_entropy_cfg;
 
 static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
-    const lce_cfg *c = cv;
+    const linear_cross_entropy_cfg *c = cv;
     const int64_t t = c->t, h = c->h, v = c->v;
     const opf_isa kisa = dt == OPF_F64 ? OPF_ISA_REF : isa;
     const gemm_kernels *gemm = gemm_kernels_for(kisa);
-    const lce_kernels *kern = lce_kernels_for(kisa);
+    const linear_cross_entropy_kernels *kern = linear_cross_entropy_kernels_for(kisa);
     void *hid = arr_grid(t * h, dt, 1, 1.0, 0.0), *w = arr_grid(v * h, dt, 2, 1.0, 0.0);
     void *bias = arr_grid(v, dt, 3, 1.0, 0.0), *gtok = arr_grid(t, dt, 4, 1.0, 0.0);
     void *gsc = arr_new(1, opf_dtype_size(dt));
@@ -560,25 +570,25 @@ static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     unsigned long long seed = 7;
     for (int64_t i = 0; i < t; i++)
         target[i] = v == 0 || (c->extras && i % 3 == 1) ? -100 : (int64_t)(check_uniform(&seed) * (double)v);
-    lce_problem p = {.t = t,
-                     .h = h,
-                     .v = v,
-                     .dt = dt,
-                     .hidden = hid,
-                     .hidden_strides = {h, 1},
-                     .weight = w,
-                     .weight_strides = {h, 1},
-                     .target = target,
-                     .target_stride = 1,
-                     .bias = c->bias ? bias : NULL,
-                     .bias_stride = 1,
-                     .ignore_index = -100,
-                     .label_smoothing = c->extras ? 0.1 : 0.0,
-                     .softcap = c->extras ? 2.0 : 0.0,
-                     .reduction = c->reduction,
-                     .block_floats = c->block_floats};
-    CHECK(lce_bad_target(&p) == -1, "%s: valid targets refused", ctx);
-    const int fused = c->reduction != LCE_NONE;
+    linear_cross_entropy_problem p = {.t = t,
+                                      .h = h,
+                                      .v = v,
+                                      .dt = dt,
+                                      .hidden = hid,
+                                      .hidden_strides = {h, 1},
+                                      .weight = w,
+                                      .weight_strides = {h, 1},
+                                      .target = target,
+                                      .target_stride = 1,
+                                      .bias = c->bias ? bias : NULL,
+                                      .bias_stride = 1,
+                                      .ignore_index = -100,
+                                      .label_smoothing = c->extras ? 0.1 : 0.0,
+                                      .softcap = c->extras ? 2.0 : 0.0,
+                                      .reduction = c->reduction,
+                                      .block_floats = c->block_floats};
+    CHECK(linear_cross_entropy_bad_target(&p) == -1, "%s: valid targets refused", ctx);
+    const int fused = c->reduction != LINEAR_CROSS_ENTROPY_NONE;
     p.loss = out_new(o, "loss", fused ? 1 : t, dt);
     p.lse = out_new(o, "lse", t, OPF_F32);
     void *dh = NULL;
@@ -587,23 +597,25 @@ static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
         p.dweight = out_new(o, "dweight (forward)", v * h, dt);
         p.dbias = c->bias ? out_new(o, "dbias (forward)", v, dt) : NULL;
     }
-    int64_t floats = lce_workspace(gemm, &p);
+    const linear_cross_entropy_plan fwd = linear_cross_entropy_plan_make(gemm, &p, threads_now());
+    int64_t floats = linear_cross_entropy_workspace(&fwd);
     float *ws = ws_new(floats);
-    CHECK(lce_run(kern, gemm, &p, ws, floats) == 0, "%s: lce_run (forward) refused %lld floats", ctx,
-          (long long)floats);
+    CHECK(linear_cross_entropy_run(kern, &fwd, &p, ws, floats) == 0,
+          "%s: linear_cross_entropy_run (forward) refused %lld floats", ctx, (long long)floats);
     ws_free(ws, "lce forward workspace");
     if (fused) /* the backward of a forward that made the gradients */
-        lce_scale(gemm->cvt, dt, out_new(o, "dhidden (scaled)", t * h, dt), dh, t * h, gsc);
+        linear_cross_entropy_scale(gemm->cvt, dt, out_new(o, "dhidden (scaled)", t * h, dt), dh, t * h, gsc);
     /* the backward from lse: a scalar gradient (mean, sum), the per-token one (none) */
-    lce_problem b = p;
+    linear_cross_entropy_problem b = p;
     b.lse_given = 1, b.loss = NULL;
     b.grad = fused ? gsc : gtok, b.grad_stride = 1;
     b.dhidden = out_new(o, "dhidden", t * h, dt), b.dweight = out_new(o, "dweight", v * h, dt);
     b.dbias = c->bias ? out_new(o, "dbias", v, dt) : NULL;
-    floats = lce_workspace(gemm, &b);
+    const linear_cross_entropy_plan bwd = linear_cross_entropy_plan_make(gemm, &b, threads_now());
+    floats = linear_cross_entropy_workspace(&bwd);
     ws = ws_new(floats);
-    CHECK(lce_run(kern, gemm, &b, ws, floats) == 0, "%s: lce_run (backward) refused %lld floats", ctx,
-          (long long)floats);
+    CHECK(linear_cross_entropy_run(kern, &bwd, &b, ws, floats) == 0,
+          "%s: linear_cross_entropy_run (backward) refused %lld floats", ctx, (long long)floats);
     ws_free(ws, "lce backward workspace");
     arr_free(hid, "hidden"), arr_free(w, "weight"), arr_free(bias, "bias"), arr_free(gtok, "grad (per token)");
     arr_free(gsc, "grad"), arr_free(target, "target");
@@ -614,12 +626,15 @@ static void sweep_lce(opf_isa isa) {
      * thousands of threads) */
     static const int64_t shapes[][3] = {{0, 4, 5}, {3, 0, 5}, {3, 4, 0},  {1, 4, 5},  {3, 1, 5},  {3, 4, 1},
                                         {1, 1, 1}, {0, 0, 0}, {7, 9, 11}, {17, 3, 5}, {5, 2, 33}, {64, 32, 300}};
-    static const int variants[][3] = {{LCE_MEAN, 0, 0}, {LCE_SUM, 1, 1}, {LCE_NONE, 1, 0}, {LCE_MEAN, 1, 1}};
+    static const int variants[][3] = {{LINEAR_CROSS_ENTROPY_MEAN, 0, 0},
+                                      {LINEAR_CROSS_ENTROPY_SUM, 1, 1},
+                                      {LINEAR_CROSS_ENTROPY_NONE, 1, 0},
+                                      {LINEAR_CROSS_ENTROPY_MEAN, 1, 1}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         for (size_t vi = 0; vi < sizeof variants / sizeof *variants; vi++)
             for (int blocks = 0; blocks < (shapes[i][0] * shapes[i][2] <= 200 ? 2 : 1); blocks++) {
-                lce_cfg c = {shapes[i][0],    shapes[i][1],    shapes[i][2],   variants[vi][0],
-                             variants[vi][1], variants[vi][2], blocks ? 16 : 0};
+                linear_cross_entropy_cfg c = {shapes[i][0],    shapes[i][1],    shapes[i][2],   variants[vi][0],
+                                              variants[vi][1], variants[vi][2], blocks ? 16 : 0};
                 char desc[160];
                 snprintf(desc, sizeof desc,
                          "linear_cross_entropy T=%lld H=%lld V=%lld reduction=%d bias=%d "
@@ -632,15 +647,15 @@ static void sweep_lce(opf_isa isa) {
 
 /* ---- cross-entropy --------------------------------------------------------------------------------------- */
 
-typedef struct ce_cfg {
+typedef struct cross_entropy_cfg {
     int lead_ndim;
     int64_t lead[2], c;
     int weight, reduction, extras; /* extras: label smoothing 0.2, softcap 3 */
     int ignored;                   /* 1: some targets ignored; 2: all */
-} ce_cfg;
+} cross_entropy_cfg;
 
 static void go_ce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
-    const ce_cfg *c = cv;
+    const cross_entropy_cfg *c = cv;
     const int64_t rows = c->lead_ndim == 2 ? c->lead[0] * c->lead[1] : c->lead[0], C = c->c;
     void *x = arr_grid(rows * C, dt, 1, 3.0, 0.0), *w = arr_grid(C, dt, 2, 0.5, 1.0);
     void *gl = arr_grid(rows, dt, 3, 1.0, 0.0), *g = arr_new(1, opf_dtype_size(dt));
@@ -656,35 +671,35 @@ static void go_ce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
         xst[0] = c->lead[1] * C, xst[1] = C, xst[2] = 1, tst[0] = c->lead[1], tst[1] = 1;
     else
         xst[0] = C, xst[1] = 1, tst[0] = 1;
-    ce_problem p = {.dt = dt,
-                    .rows = rows,
-                    .classes = C,
-                    .lead_ndim = c->lead_ndim,
-                    .lead_sizes = c->lead,
-                    .logits = x,
-                    .logits_strides = xst,
-                    .target = target,
-                    .target_strides = tst,
-                    .weight = c->weight ? w : NULL,
-                    .weight_stride = 1,
-                    .ignore_index = -100,
-                    .label_smoothing = c->extras ? 0.2 : 0.0,
-                    .softcap = c->extras ? 3.0 : 0.0,
-                    .reduction = c->reduction,
-                    .grad_losses = gl,
-                    .grad_losses_strides = tst,
-                    .grad_loss = g};
+    cross_entropy_problem p = {.dt = dt,
+                               .rows = rows,
+                               .classes = C,
+                               .lead_ndim = c->lead_ndim,
+                               .lead_sizes = c->lead,
+                               .logits = x,
+                               .logits_strides = xst,
+                               .target = target,
+                               .target_strides = tst,
+                               .weight = c->weight ? w : NULL,
+                               .weight_stride = 1,
+                               .ignore_index = -100,
+                               .label_smoothing = c->extras ? 0.2 : 0.0,
+                               .softcap = c->extras ? 3.0 : 0.0,
+                               .reduction = c->reduction,
+                               .grad_losses = gl,
+                               .grad_losses_strides = tst,
+                               .grad_loss = g};
     int64_t bad_value = 0;
-    CHECK(ce_check_target(&p, &bad_value) == -1, "%s: valid targets refused", ctx);
-    const ce_kernels *kern = ce_kernels_for(dt == OPF_F64 ? OPF_ISA_REF : isa);
+    CHECK(cross_entropy_check_target(&p, &bad_value) == -1, "%s: valid targets refused", ctx);
+    const cross_entropy_kernels *kern = cross_entropy_kernels_for(dt == OPF_F64 ? OPF_ISA_REF : isa);
     p.losses = out_new(o, "losses", rows, dt), p.loss = out_new(o, "loss", 1, dt);
     p.lse = out_new(o, "lse", rows, OPF_F64);
-    float *ws = ws_new(ce_fwd_workspace(&p));
-    ce_fwd(kern, &p, ws);
-    ws_free(ws, "ce_fwd workspace");
+    float *ws = ws_new(cross_entropy_fwd_workspace(&p));
+    cross_entropy_fwd(kern, &p, ws);
+    ws_free(ws, "cross_entropy_fwd workspace");
     p.lse_saved = p.lse, p.lse_dt = OPF_F64;
     p.dlogits = out_new(o, "dlogits", rows * C, dt);
-    ce_bwd(kern, &p);
+    cross_entropy_bwd(kern, &p);
     arr_free(x, "logits"), arr_free(w, "weight"), arr_free(gl, "grad_losses"), arr_free(g, "grad_loss");
     arr_free(target, "target");
 }
@@ -696,12 +711,15 @@ static void sweep_ce(opf_isa isa) {
                                         {1, 1, 0, 5, 0},    {1, 7, 0, 1, 1}, {1, 3, 0, 2, 1}, {1, 7, 0, 17, 1},
                                         {2, 2, 0, 4, 0},    {2, 2, 3, 5, 1}, {1, 5, 0, 3, 2}, {1, 33, 0, 3, 1},
                                         {1, 300, 0, 257, 1}};
-    static const int variants[][3] = {
-        {CE_REDUCTION_MEAN, 0, 0}, {CE_REDUCTION_SUM, 1, 1}, {CE_REDUCTION_NONE, 1, 0}, {CE_REDUCTION_MEAN, 1, 1}};
+    static const int variants[][3] = {{CROSS_ENTROPY_REDUCTION_MEAN, 0, 0},
+                                      {CROSS_ENTROPY_REDUCTION_SUM, 1, 1},
+                                      {CROSS_ENTROPY_REDUCTION_NONE, 1, 0},
+                                      {CROSS_ENTROPY_REDUCTION_MEAN, 1, 1}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         for (size_t v = 0; v < sizeof variants / sizeof *variants; v++) {
             const int64_t *s = shapes[i];
-            ce_cfg c = {(int)s[0], {s[1], s[2]}, s[3], variants[v][1], variants[v][0], variants[v][2], (int)s[4]};
+            cross_entropy_cfg c = {(int)s[0],      {s[1], s[2]},   s[3],     variants[v][1],
+                                   variants[v][0], variants[v][2], (int)s[4]};
             char desc[160];
             snprintf(desc, sizeof desc,
                      "cross_entropy lead=%s(%lld, %lld) C=%lld weight=%d reduction=%d extras=%d "
@@ -885,14 +903,14 @@ static void go_dc(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     int64_t cst[3], st[3];
     const int64_t n = elementwise_strides(c, cst, st);
     void *x = arr_grid(n, dt, 1, 0.5, 1.0), *g = arr_grid(n, dt, 2, 1.0, 0.0); /* x in [0.5, 1.5]: no sqrt of < 0 */
-    const dc_kernels *kern = dc_kernels_for(dt == OPF_F64 ? OPF_ISA_REF : isa);
+    const dispersion_correction_kernels *kern = dispersion_correction_kernels_for(dt == OPF_F64 ? OPF_ISA_REF : isa);
     opf_nd nd;
     opf_nd_init(&nd, c->ndim, c->sizes, 2, (const int64_t *const[]){cst, st});
     void *y = out_new(o, "y", n, dt);
-    dc_fwd(kern, dt, &nd, y, x, 0.7);
+    dispersion_correction_fwd(kern, dt, &nd, y, x, 0.7);
     opf_nd_init(&nd, c->ndim, c->sizes, 3, (const int64_t *const[]){cst, cst, st});
     void *dx = out_new(o, "dx", n, dt);
-    dc_bwd(kern, dt, &nd, dx, g, x, 0.7);
+    dispersion_correction_bwd(kern, dt, &nd, dx, g, x, 0.7);
     arr_free(x, "x"), arr_free(g, "grad");
 }
 
@@ -994,7 +1012,7 @@ typedef struct helpers_cfg {
 } helpers_cfg;
 
 /* g' = g gelu'(pre) with its column sums (act_grad_rows), column sums onto 0.5 (colsum_f32), and g to float32
- * and back (cvt_load_f32, cvt_store_f32); the oracle in double, as these take no float64 */
+ * and back (convert_load_f32, convert_store_f32); the oracle in double, as these take no float64 */
 static void go_helpers(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     const int64_t m = ((const helpers_cfg *)cv)->m, n = ((const helpers_cfg *)cv)->n;
     const opf_dtype acc = dt == OPF_F64 ? OPF_F64 : OPF_F32;
@@ -1013,11 +1031,11 @@ static void go_helpers(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
         }
         memcpy(f, g, (size_t)(m * n) * sizeof(double)), memcpy(back, g, (size_t)(m * n) * sizeof(double));
     } else {
-        const cvt_kernels *cvt = cvt_kernels_for(isa);
-        act_grad_rows(act_kernels_for(isa), cvt, dt, out, n, g, n, pre, n, m, n, ACT_GELU, db);
+        const convert_kernels *cvt = convert_kernels_for(isa);
+        act_grad_rows(act_kernels_for(isa), cvt, dt, out, n, g, n, pre, n, m, n, ACT_GELU, db, threads_now());
         colsum_f32(cvt, cs, g, dt, n, m, n, 1);
-        cvt_load_f32(cvt, f, g, dt, m * n, 1);
-        cvt_store_f32(cvt, back, dt, f, m * n);
+        convert_load_f32(cvt, f, g, dt, m * n, 1);
+        convert_store_f32(cvt, back, dt, f, m * n);
     }
     arr_free(g, "g"), arr_free(pre, "pre");
 }

@@ -7,6 +7,7 @@ threads, a few queries (N <= 4, the flash-decoding driver) with every mask kind,
 opcheck, no leak on failing calls, torch.compile, autocast, nn.MultiheadAttention, bad input."""
 
 import ctypes
+import math
 import os
 
 import pytest
@@ -14,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
 
 ATTN = torch.ops.opforge.attention.default
 
@@ -644,3 +648,284 @@ def test_meta_and_fake_calls_check_what_the_kernel_checks():
     out, lse = A(q, k[:, :2], v[:, :2], None, True, None)
     real, _ = A(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 6), None, True, None)
     assert (out.shape, out.stride(), lse.shape) == (real.shape, real.stride(), (1, 2, 3))
+
+
+# ---- what the generic tests run of this op (tests/python/discover.py) ------------------------------------
+
+# fuzz.py: random shapes near where the plans change, masks, grouped-query heads, layouts, dtypes, ISAs and
+# threads, against float64 torch
+
+ATTN_MARKS = (1, 8, 16, 32, 63, 64, 65, 128, 192, 256, 512, 1024)  # 64-row query and key blocks
+HEAD_DIMS = (1, 7, 8, 16, 31, 32, 33, 40, 64, 80, 96, 128, 129, 256)
+FWD_DECODE_MAX_N = 4  # attention.c: the forward of this few queries runs attention_decode's driver
+
+
+def _fuzz_draw(rng, c):
+    c["dims"] = rng.choice((4, 4, 4, 3))
+    c["b"] = rng.choice((1, 1, 2, 3))
+    if c["dims"] == 4:
+        c["hkv"] = rng.choice((1, 1, 2, 3))
+        c["h"] = c["hkv"] * rng.choice((1, 1, 2, 4))
+    else:
+        c["h"] = c["hkv"] = 1
+    c["n"] = fuzz.dim(rng, 1536, ATTN_MARKS, zero=0.01)
+    c["s"] = c["n"] if rng.random() < 0.4 else fuzz.dim(rng, 1536, ATTN_MARKS, zero=0.01)
+    c["d"] = rng.choice(HEAD_DIMS) if rng.random() < 0.7 else rng.randint(1, 160)
+    c["dv"] = c["d"] if rng.random() < 0.7 else rng.choice(HEAD_DIMS)
+    c["causal"] = rng.random() < 0.4
+    c["mask"] = rng.choice((None, None, "bool", "float", "float-inf"))
+    if c["mask"]:
+        # a shape broadcastable to (B, H, N, S): right-aligned, 1 where broadcast, 1 to 4 dims
+        full = [c["b"], c["h"], c["n"], c["s"]] if c["dims"] == 4 else [c["b"], c["n"], c["s"]]
+        nd = rng.randint(1, len(full))
+        c["mask_shape"] = [1 if rng.random() < 0.3 else s for s in full[len(full) - nd:]]
+        c["mask_keep"] = rng.choice((0.9, 0.5, 0.05))  # share of True, or of finite scores
+        c["mask_layout"] = fuzz.layout(rng, c["mask_shape"], p_plain=0.7)
+    c["scale"] = None if rng.random() < 0.6 else rng.choice((0.3, 1.0, round(rng.uniform(0.01, 2.0), 4), -0.5))
+    c["grad"] = rng.random() < 0.5
+    qkv = [("q", c["h"], c["n"], c["d"]), ("k", c["hkv"], c["s"], c["d"]), ("v", c["hkv"], c["s"], c["dv"])]
+    for name, h, length, d in qkv:
+        shape = [c["b"], h, length, d] if c["dims"] == 4 else [c["b"], length, d]
+        c[name + "_layout"] = fuzz.layout(rng, shape)
+    area = c["b"] * c["h"] * c["n"] * c["s"]
+    flops = 2.0 * area * (c["d"] + c["dv"]) * (3.5 if c["grad"] else 1)
+    return fuzz.seconds(c, flops, 3 * flops, area * (45 if c["grad"] else 15))
+
+
+def _fuzz_describe(c):
+    mask = f" mask={c['mask']}{tuple(c['mask_shape'])}{fuzz.layout_str(c['mask_layout'])} keep={c['mask_keep']}" \
+        if c["mask"] else ""
+    lay = "".join(f" {t}{fuzz.layout_str(c[t + '_layout'])}" for t in "qkv" if c[t + "_layout"])
+    return (f"{c['dims']}-d B={c['b']} H={c['h']} Hkv={c['hkv']} N={c['n']} S={c['s']} D={c['d']} "
+            f"Dv={c['dv']} causal={c['causal']} scale={c['scale']}{mask}{lay} grad={c['grad']}")
+
+
+def attention_reference(q, k, v, mask, causal, scale, g, dt, r_pv=0.0, r_p=0.0, r_ds=0.0, r_out=0.0):
+    """SDPA in float64 with error bounds: (out, out_bound, grads {q,k,v: (want, bound)} or None).
+
+    Scores s = q k^T scale + mask are off by es <= u c(D) |q||k|^T |scale| (+ a rounding of the masked
+    sum); softmax turns that into a relative error of each weight p_ij of es_ij + sum_j p_ij es_ij, plus
+    the exp and the row sum's roundings. The backward (dv = p^T g, dp = g v^T, ds = p (dp - rowsum(g o)),
+    dq = ds k scale, dk = ds^T q scale) carries those errors through each product. The kernel's own
+    roundings (the rounded table of FUZZ), relative: r_pv of P before the forward's P V, r_p of P before the backward's
+    P^T dO, r_ds of dS before dS K and dS^T Q, r_out of the saved out that delta reads."""
+    u = fuzz.U_ACC[dt]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    n, s_len, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    qk = q @ k.transpose(-2, -1)
+    s = qk * scale
+    es = fuzz.sum_err(u, d, q.abs() @ k.abs().transpose(-2, -1), qk) * abs(scale)
+    keep = torch.ones((), dtype=torch.bool)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            s = s + mask
+            es = es + u * s.abs().nan_to_num(0.0, 0.0, 0.0)
+    if causal:
+        keep = keep & torch.ones(n, s_len, dtype=torch.bool).tril()
+    s = s.masked_fill(~keep, -math.inf)
+    mx = s.amax(-1, keepdim=True) if s_len else torch.zeros(*s.shape[:-1], 1, dtype=s.dtype)
+    mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
+    e = (s - mx).exp()
+    total = e.sum(-1, keepdim=True)
+    p = e / torch.where(total == 0, torch.ones_like(total), total)
+    es = torch.where(p > 0, es, torch.zeros_like(es))
+    rel = es + (p * es).sum(-1, keepdim=True) + u * (fuzz.C_FN + fuzz.c_sum(s_len) + 0.5 * s_len)  # exp, the row sum
+    dp_abs = p * rel  # |error| of each weight
+    out = p @ v
+    pv_abs = p @ v.abs()
+    out_err = dp_abs @ v.abs() + fuzz.sum_err(u, s_len, pv_abs, out) + r_pv * pv_abs
+    out_bound = out_err + fuzz.out_tol(out, dt)
+    if g is None:
+        return out, out_bound, None
+    gv = g @ v.transpose(-2, -1)
+    egv = fuzz.sum_err(u, dv, g.abs() @ v.abs().transpose(-2, -1), gv)
+    dd = (g * out).sum(-1, keepdim=True)
+    out_saved = out_err + r_out * out.abs() + (fuzz.A16[dt] if r_out else 0.0)
+    edd = (g.abs() * out_saved).sum(-1, keepdim=True) + fuzz.sum_err(u, dv, (g.abs() * out.abs()).sum(-1, keepdim=True), dd)
+    ds = p * (gv - dd)
+    eds = dp_abs * (gv - dd).abs() + p * (egv + edd) + 4 * u * ds.abs()
+    a_scale = abs(scale)
+
+    def group(t):  # grouped-query heads: the gradient of a K/V head sums its query heads'
+        return t.reshape(t.shape[0], t.shape[1] // rep, rep, *t.shape[2:]).sum(2) if rep > 1 else t
+
+    dq = ds @ k
+    dsk_abs = ds.abs() @ k.abs()
+    dq_b = (eds @ k.abs() + fuzz.sum_err(u, s_len, dsk_abs, dq) + r_ds * dsk_abs) * a_scale
+    dq = dq * scale
+    dk = ds.transpose(-2, -1) @ q
+    dsq_abs = ds.abs().transpose(-2, -1) @ q.abs()
+    dk_b = group((eds.transpose(-2, -1) @ q.abs() + fuzz.sum_err(u, n, dsq_abs, dk) + r_ds * dsq_abs) * a_scale)
+    dk = group(dk * scale)
+    dvv = p.transpose(-2, -1) @ g
+    pg_abs = p.transpose(-2, -1) @ g.abs()
+    dv_b = group(dp_abs.transpose(-2, -1) @ g.abs() + fuzz.sum_err(u, n, pg_abs, dvv) + r_p * pg_abs)
+    dvv = group(dvv)
+    return out, out_bound, {"q": (dq, dq_b), "k": (dk, dk_b), "v": (dvv, dv_b)}
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    four = c["dims"] == 4
+    shapes = {"q": (c["h"], c["n"], c["d"]), "k": (c["hkv"], c["s"], c["d"]), "v": (c["hkv"], c["s"], c["dv"])}
+    inputs = {}
+    for name, (h, length, d) in shapes.items():
+        shape = [c["b"], h, length, d] if four else [c["b"], length, d]
+        base, view = fuzz.make(gen, shape, dtype, c[name + "_layout"])
+        base.requires_grad_(c["grad"])
+        inputs[name] = view(base)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    mask = None
+    if c["mask"]:
+        mbase, mview = fuzz.make(gen, c["mask_shape"], torch.float64, c["mask_layout"])
+        if c["mask"] == "bool":
+            mbase = torch.rand(mbase.shape, generator=gen, dtype=torch.float64) < c["mask_keep"]
+        elif c["mask"] == "float-inf":
+            drop = torch.rand(mbase.shape, generator=gen, dtype=torch.float64) >= c["mask_keep"]
+            mbase = mbase.masked_fill(drop, -math.inf)
+        mbase = mbase if mbase.dtype == torch.bool else mbase.to(dtype)
+        mask = mview(mbase)
+    out_shape = list(q.shape[:-1]) + [c["dv"]]
+    g = fuzz.random_tensor(gen, out_shape, dtype)
+
+    def forward_backward():
+        out = opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=c["causal"],
+                                                   scale=c["scale"], enable_gqa=c["h"] != c["hkv"])
+        grads = torch.autograd.grad(out, (q, k, v), g) if c["grad"] else None
+        return out, grads
+
+    if c["grad"]:
+        out, grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            out, grads = call(forward_backward)
+
+    def four_d(t):
+        return t if four else t.unsqueeze(1)
+
+    # float64 keeps the scale in double; the float32 kernels round it once (its default 1 / sqrt(D) too)
+    scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["d"]) if c["d"] else 1.0
+    if c["dtype"] != "float64":
+        scale = float(torch.tensor(scale, dtype=torch.float32))
+    m64 = None
+    if mask is not None:  # a 3-d mask goes with 3-d inputs (B, N, S); fewer dims broadcast as they are
+        m64 = mask if mask.dtype == torch.bool else mask.double()
+        m64 = m64.unsqueeze(1) if not four and mask.dim() == 3 else m64
+    fwd = "attention_decode" if 1 <= c["n"] <= FWD_DECODE_MAX_N else "attention"
+    want, bound, gwant = attention_reference(four_d(q.detach().double()), four_d(k.detach().double()),
+                                             four_d(v.detach().double()), m64, c["causal"], scale,
+                                             four_d(g.double()) if c["grad"] else None, dt,
+                                             r_pv=fuzz.rounding(c, "P", fwd), r_p=fuzz.rounding(c, "P"),
+                                             r_ds=fuzz.rounding(c, "dS"), r_out=fuzz.rounding(c, "out"))
+
+    def back(t):
+        return t if four else t.squeeze(1)
+
+    checks = [fuzz.Check("out", out, back(want), back(bound), dtype)]
+    if c["grad"]:
+        for name, got in zip("qkv", grads):
+            ref, err = gwant[name]
+            checks.append(fuzz.Check(f"d{name}", got, back(ref), back(err) + fuzz.out_tol(back(ref), dt), dtype))
+    return checks
+
+
+FUZZ = {
+    "attention": fuzz.Op(_fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.2, order=3, seeded=True, rounded={
+        # attention.c: delta = rowsum(dO o out) reads the saved 16-bit out (rows_in); S, P, dP, dS float32
+        # (mm: attention_ref.c, attention_avx2.c, attention_avx512.c)
+        ("*", "*"): ("out",),
+        # mm_bf16 = mm_avx512bf16 (attention_avx512.c) packs both operands of each product as bfloat16 pairs
+        # (pack_a, pack_b: to nearest even): Q, K, V, dO exact; P before P V (forward) and P^T dO, dS before
+        # dS K and dS^T Q; float32 softmax (l sums the unrounded P), sums and dQ, dK, dV
+        ("avx512_bf16", "bfloat16"): ("out", "P", "dS"),
+    }),
+}
+
+
+# test_export.py: the op's part of the exported model
+
+
+def _export(g, hidden, vocab, max_len, heads=2):
+    def run(x, target, qkv):
+        b, n, _ = x.shape
+        q, k, v = (x @ qkv.T).view(b, n, 3, heads, hidden // heads).permute(2, 0, 3, 1, 4)
+        return (opforge.scaled_dot_product_attention(q, k, v, is_causal=True),)
+
+    return {"qkv": torch.randn(3 * hidden, hidden, generator=g) / hidden**0.5}, run
+
+
+EXPORT = {"attention": _export}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "scaled_dot_product_attention": training.Case(
+        ("attention",),
+        lambda dt, big: [training.randn(2, 4, 300 if big else 13, 32, dtype=dt) for _ in range(1)]
+        + [training.randn(2, 2, 300 if big else 13, 32, dtype=dt) for _ in range(2)],
+        (0, 1, 2),
+        lambda q, k, v: opforge.scaled_dot_product_attention(q, k, v, is_causal=True),
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        autocast="lower"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads (the references written out: torch's CPU flash
+# kernel itself divides by zero on empty heads, queries or keys)
+
+
+def attention64(q, k, v, keep, causal, scale):
+    """softmax(q k^T scale, masked) v per head, K/V heads repeated for grouped-query attention (no
+    head at all: none to repeat), rows with no key zeros; for float64 inputs."""
+    h, hkv = q.shape[1], k.shape[1]
+    if h == 0:
+        k, v = k[:, :0], v[:, :0]
+    elif hkv != h:
+        k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)
+    return torch.exp(scores - lse).nan_to_num(0.0) @ v
+
+
+# (B, H, Hkv, N, S, D, Dv); N <= 4 runs the flash-decoding driver, a lone query block over >= 2 key blocks splits
+SWEEP_SHAPES = [(0, 2, 2, 5, 7, 8, 8), (2, 0, 0, 5, 7, 8, 8), (2, 0, 2, 5, 7, 8, 8), (2, 0, 0, 1, 7, 8, 8),
+             (2, 0, 2, 1, 7, 8, 8), (2, 2, 2, 0, 7, 8, 8), (2, 4, 2, 5, 0, 8, 8), (2, 2, 1, 1, 0, 8, 8),
+             (2, 4, 2, 0, 0, 8, 8), (1, 2, 2, 5, 7, 0, 8), (1, 2, 2, 2, 7, 0, 3), (1, 2, 2, 5, 7, 8, 0),
+             (1, 1, 1, 1, 1, 1, 1), (1, 3, 1, 2, 3, 5, 3), (2, 4, 2, 5, 17, 7, 5), (1, 1, 1, 3, 70, 8, 8),
+             (1, 1, 1, 7, 130, 8, 8), (1, 6, 3, 4, 9, 4, 4), (3, 1, 1, 17, 5, 3, 2), (2, 4, 2, 130, 130, 16, 16)]
+
+
+def _sweep_cases():
+    cases = []
+    for b, h, hkv, n, s, d, dv in SWEEP_SHAPES:
+        for kind in ("plain", "causal", "mask"):
+            scale = 0.3 if d == 0 or kind == "mask" else None
+
+            def make(dt, b=b, h=h, hkv=hkv, n=n, s=s, d=d, dv=dv, kind=kind):
+                mask = None
+                if kind == "mask":  # every row keeps key 0: no row fully masked (its gradient is torch's NaN)
+                    mask = torch.rand(n, s, generator=torch.Generator().manual_seed(4)) > 0.5
+                    mask[:, :1] = True
+                return (thread_sweep.randn((b, h, n, d), 1).to(dt), thread_sweep.randn((b, hkv, s, d), 2).to(dt),
+                        thread_sweep.randn((b, hkv, s, dv), 3).to(dt), mask)
+
+            def fn(q, k, v, mask, kind=kind, scale=scale):
+                return (opforge.scaled_dot_product_attention(q, k, v, mask, is_causal=kind == "causal", scale=scale,
+                                                             enable_gqa=True),)
+
+            def ref(q, k, v, mask, kind=kind, scale=scale):
+                return (attention64(q, k, v, mask, kind == "causal", scale),)
+
+            cases.append(thread_sweep.Case(f"attention B={b} H={h} Hkv={hkv} N={n} S={s} D={d} Dv={dv} {kind}", make,
+                                           fn, ref, grads=(0, 1, 2)))
+    return cases
+
+
+SWEEP = {"attention": _sweep_cases}

@@ -4,12 +4,18 @@ S_max (int32 and int64), caches as strided views of a larger buffer, bitwise the
 threads, every ISA, a greedy decoding loop against full attention, opcheck, torch.compile (static and
 dynamic), autocast, no derivative, empty shapes, meta calls and each error message."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
+from test_attention import HEAD_DIMS, attention64, attention_reference
 
 DEC = torch.ops.opforge.attention_decode.default
 SDPA = F.scaled_dot_product_attention
@@ -284,3 +290,141 @@ def test_profiler_name():
     with torch.profiler.profile() as prof:
         opforge.attention_decode(q, k, v, torch.tensor([10]))
     assert any(e.name == "opforge::attention_decode" for e in prof.events())
+
+
+# ---- what the generic tests run of this op (tests/python/discover.py) ------------------------------------
+
+# fuzz.py: random caches and lengths near the blocks and chunks, layouts, dtypes, ISAs and threads, against
+# float64 torch
+
+DECODE_MARKS = (1, 7, 63, 64, 65, 255, 256, 257, 512, 1024, 4097)  # 64-key blocks, 256-key chunks
+
+
+def _fuzz_draw(rng, c):
+    c["b"] = rng.choice((1, 1, 2, 3, 5)) if rng.random() > 0.02 else 0
+    c["hkv"] = rng.choice((1, 1, 2, 3, 8))
+    c["h"] = c["hkv"] * rng.choice((1, 2, 4, 8))
+    c["n"] = rng.choice((1, 1, 1, 2, 4, 16, rng.randint(1, 16)))
+    c["s"] = fuzz.dim(rng, 8192, DECODE_MARKS, zero=0.02)
+    # each row's length: 0, full, or anywhere (near a chunk or block edge now and then)
+    c["lens"] = [rng.choice((0, c["s"], rng.randint(0, c["s"]), min(c["s"], max(0, fuzz.near(rng, rng.choice(DECODE_MARKS))))))
+                 for _ in range(c["b"])]
+    c["lens_dtype"] = rng.choice(("int32", "int64"))
+    c["d"] = rng.choice(HEAD_DIMS) if rng.random() < 0.7 else rng.randint(1, 160)
+    c["dv"] = c["d"] if rng.random() < 0.7 else rng.choice(HEAD_DIMS)
+    c["causal"] = rng.random() < 0.4
+    c["scale"] = None if rng.random() < 0.6 else rng.choice((0.3, 1.0, round(rng.uniform(0.01, 2.0), 4), -0.5))
+    c["q_layout"] = fuzz.layout(rng, [c["b"], c["h"], c["n"], c["d"]])
+    c["k_layout"] = fuzz.layout(rng, [c["b"], c["hkv"], c["s"], c["d"]])
+    c["v_layout"] = fuzz.layout(rng, [c["b"], c["hkv"], c["s"], c["dv"]])
+    area = c["b"] * c["h"] * c["n"] * c["s"]
+    flops = 2.0 * area * (c["d"] + c["dv"])
+    return fuzz.seconds(c, flops, 3 * flops, area * 15 + c["b"] * c["hkv"] * c["s"] * (c["d"] + c["dv"]) * 3)
+
+
+def _fuzz_describe(c):
+    lay = "".join(f" {t}{fuzz.layout_str(c[t + '_layout'])}" for t in "qkv" if c[t + "_layout"])
+    return (f"B={c['b']} H={c['h']} Hkv={c['hkv']} N={c['n']} S_max={c['s']} D={c['d']} Dv={c['dv']} "
+            f"seq_lens={c['lens']} ({c['lens_dtype']}) causal={c['causal']} scale={c['scale']}{lay}")
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    shapes = {"q": (c["h"], c["n"], c["d"]), "k": (c["hkv"], c["s"], c["d"]), "v": (c["hkv"], c["s"], c["dv"])}
+    t = {}
+    for name, (h, length, d) in shapes.items():
+        base, view = fuzz.make(gen, [c["b"], h, length, d], dtype, c[name + "_layout"])
+        t[name] = view(base)
+    lens = torch.tensor(c["lens"], dtype=getattr(torch, c["lens_dtype"])).reshape(c["b"])
+    with torch.no_grad():
+        out = call(lambda: opforge.attention_decode(t["q"], t["k"], t["v"], lens, c["scale"], c["causal"]))
+    # keys j < lim: seq_lens[b], less N - 1 - i for query i under the bottom-right causal mask
+    lim = lens.to(torch.int64).view(-1, 1, 1, 1)
+    if c["causal"]:
+        lim = lim - c["n"] + 1 + torch.arange(c["n"]).view(1, 1, -1, 1)
+    keep = torch.arange(c["s"]).view(1, 1, 1, -1) < lim
+    scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["d"]) if c["d"] else 1.0
+    if c["dtype"] != "float64":
+        scale = float(torch.tensor(scale, dtype=torch.float32))
+    want, bound, _ = attention_reference(t["q"].double(), t["k"].double(), t["v"].double(), keep, False, scale,
+                                         None, dt)
+    return [fuzz.Check("out", out, want, bound, dtype)]
+
+
+FUZZ = {
+    # attention_decode.c, and attention's forward of N <= FWD_DECODE_MAX_N queries: P V in float32
+    "attention_decode": fuzz.Op(_fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.1, order=11,
+                                rounded={("*", "*"): ()}),
+}
+
+
+# test_export.py: the op's part of the exported model
+
+
+def _export(g, hidden, vocab, max_len, heads=2):
+    def run(x, target, qkv):
+        b, n, _ = x.shape
+        q, k, v = (x @ qkv.T).view(b, n, 3, heads, hidden // heads).permute(2, 0, 3, 1, 4)
+        # the last query again, as a decoding step sees it: k and v as a cache of n keys per row
+        return (opforge.attention_decode(q[:, :, -1:], k, v, (target >= 0).sum(1)),)
+
+    return {"qkv": torch.randn(3 * hidden, hidden, generator=g) / hidden**0.5}, run
+
+
+EXPORT = {"attention_decode": _export}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "attention_decode": training.Case(  # forward only (inference): a full cache, so the twin is plain SDPA
+        ("attention_decode",),
+        lambda dt, big: [training.randn(2, 4, 3, 32, dtype=dt)]
+        + [training.randn(2, 2, 2000 if big else 13, 32, dtype=dt) for _ in range(2)]
+        + [torch.full((2,), 2000 if big else 13, dtype=torch.int64)],
+        (),
+        lambda q, k, v, n: opforge.attention_decode(q, k, v, n),
+        lambda q, k, v, n: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        autocast="lower"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads
+
+
+# (B, H, Hkv, N, S_max, D, Dv, seq_lens)
+SWEEP_SHAPES = [(0, 4, 2, 1, 9, 8, 8, []), (2, 0, 0, 1, 9, 8, 8, [9, 3]), (2, 0, 2, 1, 9, 8, 8, [9, 3]),
+          (2, 4, 2, 1, 0, 8, 8, [0, 0]), (2, 4, 2, 0, 9, 8, 8, [9, 3]), (1, 2, 2, 1, 5, 0, 4, [5]),
+          (1, 2, 2, 1, 5, 4, 0, [5]), (1, 1, 1, 1, 1, 1, 1, [1]), (3, 4, 2, 1, 11, 8, 6, [11, 0, 5]),
+          (2, 6, 2, 3, 70, 5, 7, [70, 3]), (2, 3, 3, 16, 17, 8, 8, [17, 16]), (1, 2, 1, 2, 130, 8, 8, [130]),
+          (2, 4, 1, 5, 7, 3, 3, [2, 7]), (2, 8, 2, 2, 700, 16, 16, [700, 650])]
+
+
+def _sweep_cases():
+    cases = []
+    for i, (b, h, hkv, n, s, d, dv, lens) in enumerate(SWEEP_SHAPES):
+        for causal in (False, True):
+            scale = 0.3 if d == 0 else None
+
+            def make(dt, b=b, h=h, hkv=hkv, n=n, s=s, d=d, dv=dv, lens=lens, i=i):
+                seq = torch.tensor(lens, dtype=torch.int64 if i % 2 else torch.int32)
+                # the cache as a slice of a longer (B, S_buf, Hkv, D) buffer, read in place
+                k = thread_sweep.randn((b, s + 3, hkv, d), 2).transpose(1, 2)[:, :, :s]
+                return (thread_sweep.randn((b, h, n, d), 1).to(dt), k.to(dt), thread_sweep.randn((b, hkv, s, dv), 3).to(dt),
+                        seq)
+
+            def fn(q, k, v, seq, causal=causal, scale=scale):
+                return (opforge.attention_decode(q, k, v, seq, scale, causal),)
+
+            def ref(q, k, v, seq, causal=causal, scale=scale):
+                n, s = q.shape[2], k.shape[2]
+                limit = seq.to(torch.int64).view(-1, 1, 1, 1)
+                if causal:
+                    limit = limit - n + 1 + torch.arange(n).view(1, 1, n, 1)
+                return (attention64(q, k, v, torch.arange(s) < limit, False, scale),)
+
+            cases.append(thread_sweep.Case(f"attention_decode B={b} H={h} Hkv={hkv} N={n} S_max={s} D={d} Dv={dv} "
+                                           f"lens={lens} causal={causal}", make, fn, ref))
+    return cases
+
+
+SWEEP = {"attention_decode": _sweep_cases}

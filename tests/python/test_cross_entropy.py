@@ -5,13 +5,17 @@ opcheck, torch.compile, autocast, thread counts, ISAs, edge cases and every
 error."""
 
 import itertools
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
 from opforge import functional as OF
 
 CE = torch.ops.opforge.cross_entropy.default
@@ -277,7 +281,7 @@ def test_nn_module_is_a_drop_in():
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]), label_smoothing=1.5),
          r"argument 'label_smoothing' must be in \[0, 1\], got 1.5"),
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]), reduction="avg"),
-         r"\[opforge.cross_entropy\] argument 'reduction' must be one of 'none', 'mean', 'sum', got 'avg'"),
+         r"\[opforge::cross_entropy\] argument 'reduction' must be one of 'none', 'mean', 'sum', got 'avg'"),
         (lambda: CE(torch.randn(3, 5), torch.tensor([0, 1, 2]), None, -100, 0.0, 7, None),
          r"argument 'reduction' must be 0 \(none\), 1 \(mean\) or 2 \(sum\), got 7"),
         (lambda: OF.cross_entropy(torch.tensor(1.0), torch.tensor(0)),
@@ -289,3 +293,172 @@ def test_nn_module_is_a_drop_in():
 def test_bad_input(call, pattern):
     with pytest.raises(RuntimeError, match=pattern):
         call()
+
+
+# ---- what the generic tests run of this op (tests/python/discover.py) ------------------------------------
+
+# fuzz.py: random rows and classes near the vector widths and lane chunks, weights, smoothing, softcap,
+# reductions, ignored rows, -inf logits, layouts, dtypes, ISAs and threads, against float64 torch
+
+CE_MARKS = (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 123, 4097, 32000)  # vectors, lane chunks, vocab
+
+
+def _fuzz_draw(rng, c):
+    nlead = rng.choices((0, 1, 2), (0.1, 0.7, 0.2))[0]
+    lead = [fuzz.dim(rng, 64 if nlead == 2 else 300, CE_MARKS[:13], zero=0.02) for _ in range(nlead)]
+    classes = max(1, fuzz.dim(rng, 32000, CE_MARKS, zero=0.0))
+    while math.prod(lead) * classes > 1_500_000:
+        lead[lead.index(max(lead))] //= 2
+    c["shape"] = lead + [classes]
+    c["layout"] = fuzz.layout(rng, c["shape"], expand=False)
+    c["weight"] = rng.random() < 0.4
+    c["smoothing"] = rng.choice((0.0, 0.0, 0.1, 1.0, round(rng.uniform(0, 1), 3)))
+    c["softcap"] = rng.choice((None, None, 30.0, 1.5))
+    c["reduction"] = rng.choice(("mean", "sum", "none"))
+    c["ignore"] = rng.choice((0.0, 0.0, 0.3, 1.0))  # share of rows whose target is ignore_index
+    c["specials"] = rng.random() < 0.2
+    c["grad"] = rng.random() < 0.7
+    return fuzz.seconds(c, 0, 0, math.prod(c["shape"]) * 60)
+
+
+def _fuzz_describe(c):
+    return (f"logits={tuple(c['shape'])}{fuzz.layout_str(c['layout'])} weight={c['weight']} "
+            f"smoothing={c['smoothing']} softcap={c['softcap']} reduction={c['reduction']} ignore={c['ignore']} "
+            f"specials={c['specials']} grad={c['grad']}")
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    base, view = fuzz.make(gen, c["shape"], dtype, c["layout"], scale=3.0)
+    classes = c["shape"][-1]
+    if c["specials"] and base.numel():
+        idx = torch.randint(0, base.numel(), (min(base.numel(), 32),), generator=gen)
+        base.view(-1)[idx] = -math.inf
+    base.requires_grad_(c["grad"])
+    x = view(base)
+    lead = c["shape"][:-1]
+    t = torch.randint(0, classes, lead, generator=gen)
+    t[torch.rand(lead, generator=gen) < c["ignore"]] = -100
+    w = (torch.rand(classes, generator=gen, dtype=torch.float64) + 0.25).to(dtype) if c["weight"] else None
+    cap, eps, red = c["softcap"], c["smoothing"], c["reduction"]
+    loss_shape = lead if red == "none" else []
+    g = fuzz.random_tensor(gen, loss_shape, dtype)
+
+    def forward_backward():
+        loss = opforge.functional.cross_entropy(x, t, w, label_smoothing=eps, reduction=red, softcap=cap)
+        return loss, (torch.autograd.grad(loss, x, g)[0] if c["grad"] else None)
+
+    if c["grad"]:
+        loss, dx = call(forward_backward)
+    else:
+        with torch.no_grad():
+            loss, dx = call(forward_backward)
+    x64 = x.detach().double().requires_grad_()
+    w64 = None if w is None else w.double()
+    with torch.enable_grad():
+        z = x64 if cap is None else cap * torch.tanh(x64 / cap)
+        flat, tf = z.reshape(-1, classes), t.reshape(-1)
+        want = F.cross_entropy(flat, tf, w64, label_smoothing=eps, reduction=red)
+        want = want.reshape(lead) if red == "none" else want
+        gwant = torch.autograd.grad(want, x64, g.double())[0] if c["grad"] else None
+    if gwant is not None:  # ignored rows get 0 (cross_entropy.h); torch's log_softmax backward turns an
+        gwant = gwant.masked_fill((t == -100)[..., None], 0.0)  # ignored row of -inf into NaN (0 * NaN)
+    u = fuzz.U_ACC[dt]
+    zd = z.detach().reshape(-1, classes)
+    keep = tf != -100
+    wt = torch.ones_like(tf, dtype=torch.float64) if w64 is None else w64[tf.clamp_min(0)]
+    wc = float(classes) if w64 is None else float(w64.sum())
+    lse = torch.logsumexp(zd, -1)
+    # a row's terms: w_t (|lse| + |z_t|) and the smoothing sum's (eps/C) sum_j w_j (|lse| + |z_j|)
+    zt = zd.gather(1, tf.clamp_min(0)[:, None])[:, 0]
+    wj = torch.ones(classes, dtype=torch.float64) if w64 is None else w64
+    smooth = (wj * zd.abs().nan_to_num(0.0, 0.0, 0.0)).sum(-1) + wc * lse.abs()
+    terms = (wt * (lse.abs() + zt.abs()) + eps / classes * smooth).nan_to_num(0.0, 0.0, 0.0) * keep
+    row_b = (fuzz.C_FN * u * (1 + (0 if cap is None else cap)) + fuzz.c_sum(classes) * u) * terms
+    if red == "none":
+        lb = row_b.reshape(lead) + fuzz.out_tol(want.detach(), dt)
+    else:
+        total_w = float((wt * keep).sum())
+        lb = (row_b.sum() + fuzz.c_sum(max(1, tf.numel())) * u * terms.sum()) / (total_w if red == "mean" and total_w else 1.0)
+        lb = lb + fuzz.out_tol(want.detach(), dt)
+    checks = [fuzz.Check("loss", loss, want.detach(), lb, dtype)]
+    if c["grad"]:
+        scale = g.double().abs().reshape(-1) if red == "none" else torch.full((tf.numel(),), abs(float(g)))
+        if red == "mean":
+            total_w = float((wt * keep).sum())
+            scale = scale / (total_w if total_w else 1.0)
+        p = torch.softmax(zd, -1).nan_to_num(0.0, 0.0, 0.0)
+        a = (scale * ((1 - eps) * wt + eps / classes * wc))[:, None]
+        err_p = fuzz.C_FN * u * (1 + zd.abs().nan_to_num(0.0, 0.0, 0.0) + lse.abs().nan_to_num(0.0, 0.0, 0.0)[:, None])
+        gb = a * p * err_p + (scale * (1 + wt))[:, None] * fuzz.C_FN * u * (eps / classes + (1 - eps))
+        checks.append(fuzz.Check("dlogits", dx, gwant, (4 * gb).reshape(gwant.shape) + fuzz.out_tol(gwant, dt), dtype))
+    return checks
+
+
+FUZZ = {
+    # cross_entropy.c (lse saved in float64): float32 from the 16-bit inputs to the rounded results
+    "cross_entropy": fuzz.Op(_fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.15, order=9,
+                             rounded={("*", "*"): ()}),
+}
+
+
+# test_export.py: the op's part of the exported model; its target is the model's as given, so a target out
+# of range is this op's to refuse
+
+
+def _export(g, hidden, vocab, max_len):
+    def run(x, target, head):
+        return (OF.cross_entropy((x @ head.T).reshape(-1, vocab), target.reshape(-1)),)
+
+    return {"head": torch.randn(vocab, hidden, generator=g) / hidden**0.5}, run
+
+
+EXPORT = {"cross_entropy": _export}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "cross_entropy": training.Case(
+        ("cross_entropy",),
+        lambda dt, big: [training.randn(3000 if big else 37, 50, dtype=dt), training.target(3000 if big else 37, 50)],
+        (0,),
+        OF.cross_entropy,
+        F.cross_entropy,
+        autocast="fp32"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads
+
+
+def _sweep_cases():
+    cases = []
+    # (lead dims of logits, C, ignore some targets); C = 0 only with every target ignored
+    shapes = [((0,), 5, False), ((3,), 0, True), ((0,), 0, False), ((1,), 1, False), ((1,), 5, False),
+              ((7,), 1, True), ((3,), 2, True), ((7,), 17, True), ((), 5, False), ((2, 0), 4, False),
+              ((2, 3), 5, True), ((5,), 3, "all"), ((300,), 257, True)]
+    variants = [("mean", False, 0.0, None), ("sum", True, 0.1, None), ("none", True, 0.0, 2.0),
+                ("mean", True, 0.2, 4.0)]
+    for lead, c, ignored in shapes:
+        for red, weighted, ls, cap in variants:
+            ls = ls if c else 0.0  # no class: torch's smoothing term is 0 * (eps / 0) = NaN, opforge's 0
+            def make(dt, lead=lead, c=c, ignored=ignored, weighted=weighted):
+                t = torch.full(lead, -100) if ignored == "all" else thread_sweep.targets(lead, c, 2, ignored)
+                w = (thread_sweep.randn((c,), 3).abs() + 0.5).to(dt) if weighted else None
+                return ((thread_sweep.randn((*lead, c), 1) * 2).to(dt), t, w)
+
+            def fn(x, t, w, red=red, ls=ls, cap=cap):
+                return (opforge.cross_entropy(x, t, w, label_smoothing=ls, reduction=red, softcap=cap),)
+
+            def ref(x, t, w, red=red, ls=ls, cap=cap):
+                z = x if cap is None else cap * torch.tanh(x / cap)  # as refs.cross_entropy, whose reshape(-1, 0) fails
+                loss = F.cross_entropy(z.reshape(t.numel(), z.shape[-1]), t.reshape(-1), w, ignore_index=-100,
+                                       reduction=red, label_smoothing=ls)
+                return (loss.reshape(t.shape) if red == "none" else loss,)
+
+            cases.append(thread_sweep.Case(f"cross_entropy logits={(*lead, c)} ignored={ignored} {red} "
+                                           f"weight={weighted} smoothing={ls} softcap={cap}", make, fn, ref, grads=(0,)))
+    return cases
+
+
+SWEEP = {"cross_entropy": _sweep_cases}

@@ -1,6 +1,7 @@
 """dispersion_correction against PyTorch: values per dtype, shapes, strides,
 gradients, opcheck, torch.compile, autocast, bad input, logging, ISA, threads."""
 
+import math
 import os
 import subprocess
 import sys
@@ -9,7 +10,11 @@ import pytest
 import torch
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
+from opforge import references as refs
 from opforge.testing import DTYPES, assert_close
 from opforge.testing import dispersion_correction as reference
 
@@ -350,3 +355,117 @@ def test_more_than_2_31_elements():
     y = opforge.dispersion_correction(x, 0.5)
     assert y[0].item() == 4.0 and y[(1 << 31) + 1].item() == 4.0
     assert y[-3:].tolist() == [7.5, 12.0, 0.625]
+
+
+# ---- what the generic tests run of this op (tests/python/discover.py) ------------------------------------
+
+# fuzz.py: random shapes near where the plan changes, layouts, specials, dtypes, ISAs and threads, against
+# float64 torch
+
+DC_MARKS = (7, 8, 15, 16, 17, 31, 32, 33, 64, 4097, 32767, 32768, 32769, 65536, 100000)  # vectors, the 32768 grain
+EDGE_VALUES = (0.0, -0.0, -1.0, math.inf, -math.inf, math.nan, 1e-40, 1e-6, 65000.0)
+
+
+def _fuzz_draw(rng, c):
+    nd = rng.choices((0, 1, 2, 3, 4), (0.05, 0.3, 0.35, 0.2, 0.1))[0]
+    shape = []
+    for _ in range(nd):
+        shape.append(fuzz.dim(rng, 1 << 17 if nd == 1 else 1536 if nd == 2 else 96, DC_MARKS, zero=0.03))
+    while math.prod(shape) > 4_000_000:
+        shape[shape.index(max(shape))] //= 2
+    c["shape"] = shape
+    c["layout"] = fuzz.layout(rng, shape)
+    c["alpha"] = rng.choice((0.8, 0.0, -1.5, 1e-3, round(rng.uniform(-3, 3), 5)))
+    c["specials"] = rng.random() < 0.3  # 0, -0, negatives, inf, nan, subnormals among the inputs
+    c["grad"] = rng.random() < 0.5
+    return fuzz.seconds(c, 0, 0, math.prod(shape) * 30)
+
+
+def _fuzz_describe(c):
+    return (f"x={tuple(c['shape'])}{fuzz.layout_str(c['layout'])} alpha={c['alpha']} specials={c['specials']} "
+            f"grad={c['grad']}")
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    base, view = fuzz.make(gen, c["shape"], dtype, c["layout"], fill="rand")
+    if c["specials"] and base.numel():
+        idx = torch.randint(0, base.numel(), (min(base.numel(), 32),), generator=gen)
+        pick = torch.randint(0, len(EDGE_VALUES), idx.shape, generator=gen)
+        base.view(-1)[idx] = torch.tensor(EDGE_VALUES, dtype=torch.float64)[pick].to(dtype)
+    base.requires_grad_(c["grad"])
+    x = view(base)
+    alpha = c["alpha"]
+    g = fuzz.random_tensor(gen, c["shape"], dtype)
+
+    def forward_backward():
+        y = opforge.dispersion_correction(x, alpha)
+        return y, (torch.autograd.grad(y, x, g)[0] if c["grad"] else None)
+
+    if c["grad"]:
+        y, dx = call(forward_backward)
+    else:
+        with torch.no_grad():
+            y, dx = call(forward_backward)
+    # alpha is rounded to the compute type: float32 for all but float64
+    a = alpha if dtype == torch.float64 else float(torch.tensor(alpha, dtype=torch.float32))
+    u = fuzz.U_ACC[dt]
+    x64 = x.detach().double()
+    root = x64.sqrt()
+    want = x64 * a + root
+    terms = (x64 * a).abs() + root.abs()
+    checks = [fuzz.Check("out", y, want, 4 * u * terms.nan_to_num(0.0, 0.0, 0.0) + fuzz.out_tol(want, dt), dtype)]
+    if c["grad"]:
+        g64 = g.double()
+        gwant = g64 * a + g64 / (2 * root)
+        gterms = (g64 * a).abs() + (g64 / (2 * root)).abs()
+        checks.append(fuzz.Check("dx", dx, gwant, 4 * u * gterms.nan_to_num(0.0, 0.0, 0.0) + fuzz.out_tol(gwant, dt), dtype))
+    return checks
+
+
+FUZZ = {
+    # dispersion_correction.h: float32 from the 16-bit inputs to the rounded results
+    "dispersion_correction": fuzz.Op(_fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.1, order=4, seeded=True,
+                                     rounded={("*", "*"): ()}),
+}
+
+
+# test_export.py: the op's part of the exported model
+
+
+def _export(g, hidden, vocab, max_len):
+    # sqrt inside: fed probabilities, not raw values
+    return {}, lambda x, target: (opforge.dispersion_correction(torch.softmax(x, -1), 0.5),)
+
+
+EXPORT = {"dispersion_correction": _export}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "dispersion_correction": training.Case(
+        ("dispersion_correction",),
+        lambda dt, big: [training.randn(*((600, 257) if big else (9, 37)), dtype=dt, lo=0.1)],
+        (0,),
+        lambda x: opforge.dispersion_correction(x, 0.7),
+        lambda x: x * 0.7 + torch.sqrt(x),
+        autocast="promote"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads
+
+
+def _sweep_cases():
+    cases = []
+    for shape in thread_sweep.ELEMENTWISE + ["t"]:
+        def make(dt, shape=shape):
+            if shape == "t":  # transposed: strided, read in place
+                return ((torch.rand(5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.25).to(dt).t(), 0.7)
+            return ((torch.rand(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.25).to(dt), 0.7)
+        cases.append(thread_sweep.Case(f"dispersion_correction {shape}", make, lambda x, a: (opforge.dispersion_correction(x, a),),
+                          lambda x, a: (refs.dispersion_correction(x, a),), grads=(0,)))
+    return cases
+
+
+SWEEP = {"dispersion_correction": _sweep_cases}

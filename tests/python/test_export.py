@@ -1,7 +1,10 @@
 """torch.export and AOTInductor with opforge ops.
 
-One small model uses every forward op (FORWARD_OPS; a test keeps the list
-complete as ops land). It is
+One small model runs every forward op: each op's test module gives its part in its EXPORT table
+(tests/python/discover.py), op -> make(g, hidden, vocab, max_len) -> (tensors, fn): the part's tensors
+(a dict, the model's buffers, made from the generator g) and fn(x, target, **tensors) -> a tuple of
+outputs, for x (B, N, hidden) float32 and target (B, N) int64 class indices in [0, vocab), B <= 8,
+2 <= N <= max_len. A test fails when the library has an op no part covers. The model is
 exported once, compiled once with opforge's C shims and once without (two
 AOTInductor compiles, about a minute each on a 2-core machine), and each
 package is loaded and run in a fresh Python process.
@@ -9,66 +12,49 @@ package is loaded and run in a fresh Python process.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import discover
 import opforge
-import opforge.functional as F
 from opforge.aoti import c_parameters
 
 pytestmark = pytest.mark.slow  # the full tier: AOTInductor compiles C++ (tens of seconds)
 
-H, D, HIDDEN, VOCAB = 2, 8, 16, 16
+HIDDEN, VOCAB, MAX_LEN = 16, 16, 64
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class Model(torch.nn.Module):
-    def __init__(self, max_len: int = 64):
+class Part(torch.nn.Module):
+    """One op's part of the model (EXPORT[op] in its test module): its tensors as buffers, and its call."""
+
+    def __init__(self, make, g: torch.Generator):
         super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.norm = torch.nn.Parameter(1 + 0.1 * torch.randn(HIDDEN, generator=g))
-        self.up = torch.nn.Parameter(torch.randn(2 * HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5)
-        self.qkv = torch.nn.Parameter(torch.randn(3 * HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5)
-        self.head = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5)
-        self.mix = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN)
-        self.ln_w = torch.nn.Parameter(1 + 0.1 * torch.randn(HIDDEN, generator=g))
-        self.ln_b = torch.nn.Parameter(0.1 * torch.randn(HIDDEN, generator=g))
-        pos = torch.arange(max_len, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, D, 2) / D)
-        self.register_buffer("cos", torch.cat([pos.cos(), pos.cos()], -1))
-        self.register_buffer("sin", torch.cat([pos.sin(), pos.sin()], -1))
+        tensors, self.fn = make(g, HIDDEN, VOCAB, MAX_LEN)
+        for name, t in tensors.items():
+            self.register_buffer(name, t)
 
     def forward(self, x, target):
-        b, n, _ = x.shape
-        h = F.rms_norm(x, self.norm)
-        q, k, v = F.linear(h, self.qkv).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)
-        q, k = F.rope(q, k, self.cos[:n], self.sin[:n])
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, HIDDEN)
-        # the last query again, as a decoding step sees it: k and v as a cache of n keys per row
-        last = F.attention_decode(q[:, :, -1:], k, v, (target >= 0).sum(1))
-        m, s = F.add_rms_norm(a + last.transpose(1, 2).reshape(b, 1, HIDDEN), h, self.norm)
-        h = F.layer_norm(s + F.swiglu(F.linear(m, self.up, None, activation="gelu")), self.ln_w, self.ln_b)
-        p = F.softmax(h)
-        h = h + F.dispersion_correction(p, 0.5)  # sqrt inside: fed probabilities, not raw values
-        h = h + F.matmul(h.reshape(b * n, HIDDEN), self.mix).view(b, n, HIDDEN)
-        logits = F.linear(h, self.head)
-        flat, t = h.reshape(-1, HIDDEN), target.reshape(-1)
-        safe = t.clamp(0, VOCAB - 1)  # an out-of-range target is cross_entropy's to refuse (tests below)
-        return (logits, F.log_softmax(logits), F.cross_entropy(logits.reshape(-1, VOCAB), t),
-                F.linear_cross_entropy(flat, self.head, safe),
-                F.linear_cross_entropy(flat, self.head, safe, reduction="none"))
+        return tuple(self.fn(x, target, **dict(self.named_buffers())))
 
 
-FORWARD_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "linear", "matmul", "rope", "attention", "attention_decode",
-               "glu", "softmax", "log_softmax", "dispersion_correction", "cross_entropy", "linear_cross_entropy",
-               "linear_cross_entropy_none")
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.parts = torch.nn.ModuleDict({op: Part(make, g) for op, make in discover.entries("EXPORT").items()})
+
+    def forward(self, x, target):
+        return tuple(out for part in self.parts.values() for out in part(x, target))
 
 
 def test_the_model_covers_every_forward_op():
-    backward = {n for d in opforge.library.ops if d.backward for n in (d.backward, d.backward + "_")}
-    assert set(FORWARD_OPS) == {d.name for d in opforge.library.ops if d.name not in backward}
+    msg = discover.coverage("EXPORT", discover.entries("EXPORT"))
+    assert msg is None, msg
 
 
 def inputs(b=2, n=5, seed=1):
@@ -77,7 +63,7 @@ def inputs(b=2, n=5, seed=1):
 
 
 def dynamic_shapes():
-    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=64)
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=MAX_LEN)
     return {"x": {0: batch, 1: seq}, "target": {0: batch, 1: seq}}
 
 
@@ -105,7 +91,7 @@ def assert_close_all(got, want):
 def test_export_graph_holds_the_opforge_ops(exported):
     targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
     ns = opforge.namespace
-    for op in FORWARD_OPS:
+    for op in discover.forward_ops():
         assert f"{ns}.{op}.default" in targets, (op, sorted(targets))
 
 
@@ -117,11 +103,25 @@ def test_exported_program_matches_eager(model, exported, shape):
 
 
 def test_export_refuses_what_eager_refuses(model):
-    """The fake kernels run the C checks on meta tensors: a bad shape fails at export, with the op's message."""
-    bad = torch.nn.Module()
-    bad.forward = lambda x: F.rms_norm(x, torch.ones(HIDDEN + 1))
-    with pytest.raises(Exception, match=r"rms_norm\] argument 'weight' must have shape \[16\]"):
-        torch.export.export(bad, (torch.randn(2, HIDDEN),))
+    """The fake kernels run the C checks on meta tensors: a bad shape fails at export, with the op's message.
+    x is one feature wider than the parts' parameters: each part whose op refuses that in eager (with its own
+    message, not torch's) is refused so at export too."""
+    x, target = inputs()
+    x = torch.cat([x, x[..., :1]], -1)
+    refused = []
+    for op, part in model.parts.items():
+        try:
+            with torch.no_grad():
+                part(x, target)
+            continue
+        except Exception as e:  # noqa: BLE001
+            message = str(e).splitlines()[0] if str(e) else ""
+            if not message.startswith(f"[{opforge.namespace}::{op}] argument"):
+                continue  # torch's own check came first (a projection, a reshape)
+        with pytest.raises(Exception, match=re.escape(message)):
+            torch.export.export(part, (x, target))
+        refused.append(op)
+    assert refused, "no part's op refused x one feature wider than its parameters"
 
 
 def test_exported_program_saved_and_loaded(model, exported, tmp_path):
@@ -134,22 +134,51 @@ def test_exported_program_saved_and_loaded(model, exported, tmp_path):
 
 def test_torch_is_pointed_at_opforges_python_module():
     """torch_library_set_python_module: torch knows which module registers the fake kernels."""
-    stub = torch._C._dispatch_pystub(f"{opforge.namespace}::rms_norm", "")
-    assert stub is not None and stub[0] == "opforge._lib", stub
+    for op in discover.forward_ops():
+        stub = torch._C._dispatch_pystub(f"{opforge.namespace}::{op}", "")
+        assert stub is not None and stub[0] == "opforge._lib", (op, stub)
+
+
+LOAD_SAVED = r"""
+import json, sys, torch
+path, data, out, library = sys.argv[1:5]
+torch.ops.load_library(library)
+program = torch.export.load(path).module()
+with torch.no_grad():
+    torch.save([list(program(*args)) for args in torch.load(data)], out)
+print(json.dumps({"opforge_imported": "opforge" in sys.modules}))
+"""
+
+
+def test_saved_program_runs_in_a_process_that_only_loads_the_library(model, exported, tmp_path):
+    """torch.export.load needs the ops registered, not opforge's Python: loading libopforge.so does it."""
+    path, data, out = tmp_path / "model.pt2", tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.export.save(exported, path)
+    cases = [inputs(2, 7, seed=3), inputs(3, 4, seed=4)]
+    torch.save(cases, data)
+    proc = subprocess.run([sys.executable, "-c", LOAD_SAVED, str(path), str(data), str(out), opforge.library_path()],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"opforge_imported": False}
+    with torch.no_grad():
+        for outs, args in zip(torch.load(out), cases):
+            assert_close_all(outs, model(*args))
 
 
 def test_loading_a_saved_program_without_opforge_says_what_to_import(exported, tmp_path):
     """An ExportedProgram names its ops; nothing loads libopforge.so in a process that only calls
     torch.export.load, so the ops are unknown there: the program cannot load without `import opforge`
-    (the library registers the ops; the AOTInductor package with shims needs neither, see below)."""
+    or torch.ops.load_library on the library (the AOTInductor package with shims needs neither, see
+    below)."""
     path = tmp_path / "model.pt2"
     torch.export.save(exported, path)
     code = f"import torch\ntorch.export.load({str(path)!r})\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    # torch's message names the op, hence the module: "failed to resolve torch.ops.opforge.rms_norm.default
+    # torch's message names an op, hence the module: "failed to resolve torch.ops.opforge.rms_norm.default
     # ... Please import the custom op to register it before deserializing"
-    assert f"failed to resolve torch.ops.{opforge.namespace}.rms_norm.default" in proc.stderr, proc.stderr[-2000:]
+    named = re.search(rf"failed to resolve torch\.ops\.{opforge.namespace}\.(\w+)\.default", proc.stderr)
+    assert named and named[1] in discover.forward_ops(), proc.stderr[-2000:]
     assert "import the custom op" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -182,18 +211,23 @@ def test_shim_drift_is_refused(monkeypatch):
     import opforge.aoti as aoti
 
     real = aoti._shims
-    monkeypatch.setattr(aoti, "_shims", lambda lib: {**real(lib), "softmax": ("AtenTensorHandle x, double dim", 1)})
-    with pytest.raises(RuntimeError, match=r"softmax\] its C shim takes .*update OPF_AOTI_OPS"):
+    op = discover.forward_ops()[0]
+    monkeypatch.setattr(aoti, "_shims", lambda lib: {**real(lib), op: ("AtenTensorHandle x, double nonsense", 1)})
+    with pytest.raises(RuntimeError, match=rf"{op}\] its C shim takes .*update OPF_AOTI_OPS"):
         aoti.aoti_config()
 
 
 # ---- AOTInductor ----------------------------------------------------------------------------------
 
+# how the fresh process gets the ops: "import" (import opforge), "load" (torch.ops.load_library on
+# libopforge.so alone, which registers the schemas and CPU kernels as the library loads) or "none"
 RUN = r"""
 import json, sys, torch
-package, data, out, import_opforge = sys.argv[1:5]
-if import_opforge == "1":
+package, data, out, how, library = sys.argv[1:6]
+if how == "import":
     import opforge
+elif how == "load":
+    torch.ops.load_library(library)
 runner = torch._inductor.aoti_load_package(package)
 cases, bad = torch.load(data)
 torch.save([list(runner(*args)) for args in cases], out)
@@ -206,7 +240,7 @@ print(json.dumps({"opforge_imported": "opforge" in sys.modules, "error": error})
 """
 
 
-def run_fresh(package, cases, tmp_path, import_opforge):
+def run_fresh(package, cases, tmp_path, how):
     """Loads the package in a new Python process and runs it on each case, then on the first case
     with a target out of range: (outputs per case, report with the error message)."""
     data, out = tmp_path / "in.pt", tmp_path / "out.pt"
@@ -215,7 +249,7 @@ def run_fresh(package, cases, tmp_path, import_opforge):
     bad[0, 0] = VOCAB + 3
     torch.save([cases, (x, bad)], data)
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    proc = subprocess.run([sys.executable, "-c", RUN, str(package), str(data), str(out), str(int(import_opforge))],
+    proc = subprocess.run([sys.executable, "-c", RUN, str(package), str(data), str(out), how, opforge.library_path()],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out), json.loads(proc.stdout.strip().splitlines()[-1])
@@ -249,7 +283,7 @@ def wrapper_source(package) -> str:
 
 def test_compiled_code_calls_the_c_shims(shim_package):
     src = wrapper_source(shim_package)
-    for op in FORWARD_OPS:
+    for op in discover.forward_ops():
         assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{op}(" in src, op
         assert f'__asm__("{opforge.namespace}_aoti_cpu_{op}")' in src, op
     assert "aoti_torch_proxy_executor_call_function(" not in src
@@ -257,26 +291,32 @@ def test_compiled_code_calls_the_c_shims(shim_package):
 
 def test_compiled_code_without_shims_uses_the_proxy_executor(proxy_package):
     src = wrapper_source(proxy_package)
-    assert "aoti_torch_cpu_rms_norm(" not in src
+    for op in discover.forward_ops():
+        assert f"aoti_torch_cpu_{op}(" not in src, op
     assert "aoti_torch_proxy_executor_call_function(" in src
 
 
 def test_shim_package_runs_in_a_fresh_process_without_opforge(model, shim_package, tmp_path):
     """The compiled model calls the C directly: the fresh process never imports opforge."""
     cases = [inputs(2, 5, seed=7), inputs(3, 9, seed=8), inputs(1, 2, seed=9)]
-    got, report = run_fresh(shim_package, cases, tmp_path, import_opforge=False)
+    got, report = run_fresh(shim_package, cases, tmp_path, "none")
     assert report["opforge_imported"] is False
     with torch.no_grad():
         for outs, args in zip(got, cases):
             assert_close_all(outs, model(*args))
     # an op error inside the compiled model: a RuntimeError carrying the op's message, not a crash
-    assert report["error"] and "cross_entropy] argument 'target' must hold class indices" in report["error"]
+    assert report["error"] and re.search(rf"{opforge.namespace}::\w+\] argument 'target' must hold class indices",
+                                         report["error"]), report["error"]
 
 
-def test_proxy_package_runs_in_a_fresh_process_with_opforge(model, proxy_package, tmp_path):
-    """Without the shims the package calls the ops through the dispatcher: the process imports opforge."""
+@pytest.mark.parametrize("how", ["load", "import"])
+def test_proxy_package_runs_in_a_fresh_process_that_loads_the_library(model, proxy_package, tmp_path, how):
+    """Without the shims the package calls the ops through the dispatcher: torch.ops.load_library on
+    libopforge.so is enough (it registers the ops as it loads, as a C++ extension does), and so is
+    import opforge."""
     cases = [inputs(2, 6, seed=10), inputs(4, 3, seed=11)]
-    got, report = run_fresh(proxy_package, cases, tmp_path, import_opforge=True)
+    got, report = run_fresh(proxy_package, cases, tmp_path, how)
+    assert report["opforge_imported"] is (how == "import")
     with torch.no_grad():
         for outs, args in zip(got, cases):
             assert_close_all(outs, model(*args))

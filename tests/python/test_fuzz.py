@@ -5,10 +5,9 @@ asked."""
 
 import pytest
 
+import discover
 import fuzz
 import opforge
-
-pytestmark = pytest.mark.slow  # the full tier: random cases on fixed seeds
 
 # Cases are drawn per seed and per the CPU's ISA list. On AVX2 machines the
 # first cases of these seeds include 16-bit GEMMs over row chunks and linear's
@@ -16,6 +15,14 @@ pytestmark = pytest.mark.slow  # the full tier: random cases on fixed seeds
 RUNS = {578: 70, 629: 70}
 
 
+def test_every_forward_op_has_a_fuzz_description():
+    """Each op's test module describes it in its FUZZ table (fuzz.Op): one the library has and none covers is
+    never drawn."""
+    msg = discover.coverage("FUZZ", [name for op in fuzz.descriptions().values() for name in op.covers])
+    assert msg is None, msg
+
+
+@pytest.mark.slow  # the full tier: random cases on fixed seeds
 @pytest.mark.parametrize("seed", list(RUNS))
 def test_fuzz(seed):
     report = fuzz.run(seed, cases=RUNS[seed], jobs=2, log=lambda *_: None)
@@ -27,6 +34,7 @@ def test_fuzz(seed):
 # Case 55 of seed 629 as a CPU with AMX draws it: bfloat16 attention, B=3 N=S=679, on the avx512_bf16
 # variant (AMX runs it too), which rounds P to bfloat16 before P V; the bound left that rounding out
 # and 12,044 of 260,736 outputs exceeded it (error / bound 4.7, now 0.19).
+@pytest.mark.slow
 @pytest.mark.skipif("avx512_bf16" not in opforge.supported_isas(), reason="needs AVX512-BF16")
 def test_fuzz_attention_bfloat16_pairs():
     sel = fuzz.Selection(isas=("ref", "avx2", "avx512", "avx512_bf16", "amx"), isa="avx512_bf16")

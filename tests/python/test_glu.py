@@ -8,6 +8,7 @@ gelu_tanh's derivative is a difference of O(1) terms); bfloat16 / float16
 those of opforge.testing (one rounding of a float32 result), the gradients
 GRAD_TOLERANCE_FACTOR times looser."""
 
+import math
 import subprocess
 import sys
 
@@ -16,7 +17,10 @@ import torch
 import torch.nn.functional as TF
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
 from opforge import functional as F
 from opforge.references import glu as reference
 from opforge.testing import DTYPES, GRAD_TOLERANCE_FACTOR, assert_close, tolerance
@@ -176,6 +180,9 @@ def test_autocast_follows_the_widest_input_as_eager(dtype):
     torch.testing.assert_close(y, z)
     y.sum().backward()
     assert gate.grad.dtype == dtype and up.grad.dtype == torch.float32
+    # float64 is left alone, as torch's autocast leaves it
+    with torch.autocast("cpu", dtype=dtype):
+        assert F.swiglu(gate.detach().double(), up.detach().double()).dtype == torch.float64
 
 
 def test_same_bits_on_one_and_two_threads():
@@ -287,9 +294,9 @@ def test_rejects_non_float_dtypes(dtype):
         (lambda: OP(torch.rand(3), torch.rand(3), 1),
          r"\[opforge::glu\] argument 'act' must be 2 \(gelu\), 3 \(gelu_tanh\) or 4 \(silu\), got 1"),
         (lambda: F.swiglu(torch.rand(3, 7)),
-         r"\[opforge.swiglu\] argument 'gate' given alone must be packed \(..., 2F\) .*got last size 7"),
+         r"\[opforge::swiglu\] argument 'gate' given alone must be packed \(..., 2F\) .*got last size 7"),
         (lambda: F.geglu(torch.rand(3, 8), approximate="fast"),
-         r"\[opforge.geglu\] argument 'approximate' must be 'none' or 'tanh', got 'fast'"),
+         r"\[opforge::geglu\] argument 'approximate' must be 'none' or 'tanh', got 'fast'"),
         (lambda: BWD(torch.rand(3, 4), torch.rand(3, 4), torch.rand(3, 4).double(), 4),
          r"\[opforge::glu_backward\] argument 'up' must have the dtype of 'gate' \(float32\), got float64"),
         (lambda: BWD(torch.rand(4), torch.rand(3), torch.rand(3), 4),
@@ -306,3 +313,150 @@ def test_errors_name_op_argument_expected_and_got(call, pattern):
 def test_compile_refuses_what_eager_refuses():
     with pytest.raises(Exception, match=r"argument 'up' must have the shape of 'gate'"):
         torch.compile(lambda a, b: F.swiglu(a, b), fullgraph=True)(torch.rand(3, 4), torch.rand(3, 5))
+
+
+# ---- what the generic tests run of this op (tests/python/discover.py) ------------------------------------
+
+# fuzz.py: random shapes near the vector widths and the elementwise grain, the packed form, layouts, dtypes,
+# ISAs and threads, against float64 torch
+
+GLU_MARKS = (1, 7, 8, 15, 16, 17, 33, 123, 1408, 4097, 5632)  # vector widths, Llama MLP sizes
+GLU_ROW_MARKS = (7, 8, 15, 16, 17, 31, 32, 33, 64, 4097, 32767, 32768, 32769, 65536, 100000)  # the 32768 grain
+
+
+def _fuzz_draw(rng, c):
+    c["act"] = rng.choice(("silu", "gelu", "gelu_tanh"))
+    c["packed"] = rng.random() < 0.3  # one (..., 2F) tensor split by chunk: two strided views
+    nd = rng.choices((1, 2, 3), (0.2, 0.5, 0.3))[0]
+    shape = [fuzz.dim(rng, 64 if nd == 3 else 2048, GLU_ROW_MARKS, zero=0.03) for _ in range(nd - 1)]
+    shape.append(fuzz.dim(rng, 6000, GLU_MARKS, zero=0.03))
+    while math.prod(shape) > 2_000_000:
+        shape[shape.index(max(shape))] //= 2
+    c["shape"] = shape
+    full = shape[:-1] + [2 * shape[-1]]
+    c["gate_layout"] = fuzz.layout(rng, full if c["packed"] else shape)
+    c["up_layout"] = None if c["packed"] else fuzz.layout(rng, shape)
+    c["grad"] = rng.random() < 0.5
+    return fuzz.seconds(c, 0, 0, math.prod(shape) * 60)
+
+
+def _fuzz_describe(c):
+    up = "packed" if c["packed"] else f"up{fuzz.layout_str(c['up_layout'])}"
+    return f"act={c['act']} shape={tuple(c['shape'])} gate{fuzz.layout_str(c['gate_layout'])} {up} grad={c['grad']}"
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    shape = c["shape"]
+    if c["packed"]:
+        base, view = fuzz.make(gen, shape[:-1] + [2 * shape[-1]], dtype, c["gate_layout"], scale=3.0)
+        base.requires_grad_(c["grad"])
+        x = view(base)
+        gate, up = x.chunk(2, -1)
+        args, wrt = (x,), (x,)
+    else:
+        gbase, gview = fuzz.make(gen, shape, dtype, c["gate_layout"], scale=3.0)
+        ubase, uview = fuzz.make(gen, shape, dtype, c["up_layout"])
+        gbase.requires_grad_(c["grad"])
+        ubase.requires_grad_(c["grad"])
+        gate, up = gview(gbase), uview(ubase)
+        args, wrt = (gate, up), (gate, up)
+    g = fuzz.random_tensor(gen, shape, dtype)
+    fn = {"silu": opforge.functional.swiglu, "gelu": opforge.functional.geglu,
+          "gelu_tanh": lambda *a: opforge.functional.geglu(*a, approximate="tanh")}[c["act"]]
+
+    def forward_backward():
+        out = fn(*args)
+        return out, (torch.autograd.grad(out, wrt, g) if c["grad"] else None)
+
+    if c["grad"]:
+        out, grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            out, grads = call(forward_backward)
+    x64, u64, g64 = gate.detach().double(), up.detach().double(), g.double()
+    with torch.enable_grad():
+        xr = x64.clone().requires_grad_()
+        a = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+             "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[c["act"]](xr)
+        (da,) = torch.autograd.grad(a, xr, torch.ones_like(a))
+    a = a.detach()
+    u = fuzz.U_ACC[dt]
+    # the vector exp / erf / tanh: a few float32 ulps of |act| + |x| (erf's error is absolute); the
+    # derivative of gelu_tanh is a difference of O(1 + |x|) terms
+    want = a * u64
+    checks = [fuzz.Check("out", out, want, 16 * u * (a.abs() + x64.abs()) * u64.abs() + fuzz.out_tol(want, dt), dtype)]
+    if c["grad"]:
+        dgate, dup = g64 * u64 * da, g64 * a
+        bound_g = 64 * u * (g64 * u64).abs() * (1 + x64.abs()) + fuzz.out_tol(dgate, dt)
+        bound_u = 16 * u * g64.abs() * (a.abs() + x64.abs()) + fuzz.out_tol(dup, dt)
+        if c["packed"]:
+            checks.append(fuzz.Check("dx", grads[0], torch.cat((dgate, dup), -1), torch.cat((bound_g, bound_u), -1), dtype))
+        else:
+            checks += [fuzz.Check("dgate", grads[0], dgate, bound_g, dtype), fuzz.Check("dup", grads[1], dup, bound_u, dtype)]
+    return checks
+
+
+FUZZ = {
+    # glu.h: float32 from the 16-bit inputs to the rounded results (act recomputed from gate)
+    "glu": fuzz.Op(_fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.15, order=5, rounded={("*", "*"): ()}),
+}
+
+
+# test_export.py: the op's part of the exported model
+
+
+def _export(g, hidden, vocab, max_len):
+    # packed: gate and up are the halves of one (..., 2F) projection
+    return {"w": torch.randn(2 * hidden, hidden, generator=g) / hidden**0.5}, \
+        lambda x, target, w: (F.swiglu(x @ w.T),)
+
+
+EXPORT = {"glu": _export}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "swiglu": training.Case(
+        ("glu",),
+        lambda dt, big: [training.randn(600 if big else 6, 9, 40, dtype=dt),
+                         training.randn(600 if big else 6, 9, 40, dtype=dt)],
+        (0, 1),
+        F.swiglu,
+        lambda g, u: TF.silu(g) * u,
+        autocast="promote"),
+    "geglu": training.Case(
+        ("glu",),
+        lambda dt, big: [training.randn(600 if big else 6, 9, 40, dtype=dt),
+                         training.randn(600 if big else 6, 9, 40, dtype=dt)],
+        (0, 1),
+        F.geglu,
+        lambda g, u: TF.gelu(g) * u,
+        autocast="promote"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads
+
+
+def _sweep_cases():
+    cases = []
+    names = list(ACTS)
+    for i, shape in enumerate(thread_sweep.ELEMENTWISE):
+        name = names[i % 3]
+        fn, code = ACTS[name]
+        cases.append(thread_sweep.Case(f"{name} {shape}",
+                                       lambda dt, s=shape: ((thread_sweep.randn(s, 1) * 3).to(dt),
+                                                            thread_sweep.randn(s, 2).to(dt)),
+                                       lambda g, u, fn=fn: (fn(g, u),), lambda g, u, code=code: (reference(g, u, code),),
+                                       grads=(0, 1)))
+    for i, shape in enumerate([(0, 4), (3, 0), (2, 6), (1, 2), (2, 0, 10)]):  # packed (..., 2F): two views
+        name = names[i % 3]
+        fn, code = ACTS[name]
+        cases.append(thread_sweep.Case(f"{name} packed {shape}", lambda dt, s=shape: ((thread_sweep.randn(s, 3) * 3).to(dt),),
+                                       lambda x, fn=fn: (fn(x, None),),
+                                       lambda x, code=code: (reference(*x.chunk(2, -1), code),), grads=(0,)))
+    return cases
+
+
+SWEEP = {"glu": _sweep_cases}

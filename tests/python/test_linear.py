@@ -1,6 +1,7 @@
 """linear (+ bias + activation) and matmul against PyTorch: values, strides,
 gradients, gradcheck, opcheck, torch.compile, autocast, nn.Linear, bad input."""
 
+import math
 import os
 import re
 import subprocess
@@ -11,7 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
+from opforge import references as refs
 
 LINEAR = torch.ops.opforge.linear.default
 MATMUL = torch.ops.opforge.matmul.default
@@ -566,3 +571,318 @@ def test_fake_outputs_have_the_kernels_shapes_and_strides():
         fake = LINEAR(mode.from_tensor(x), mode.from_tensor(w), None, 2, True)
     for r, f in zip(real, fake):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+
+
+# ---- what the generic tests run of matmul and linear (tests/python/discover.py) ---------------------------
+
+# fuzz.py: random shapes near where the plans change (csrc/kernels/gemm*.c, csrc/torch/linear.c), layouts,
+# activations and backward paths, dtypes, ISAs and threads, against float64 torch
+
+# GEMM: register blocks MR x NR (ref 4x4, AVX2 6x16, AVX-512 12x32, AMX 32x32), row blocks MC (64, 120,
+# 128; split into a multiple of the threads, and packed per worker from two blocks a thread), K slices
+# KC (256, 384, 1024; 2048 bfloat16 pairs), column panels NC (1024, 3072)
+GEMM_MARKS = (4, 6, 12, 16, 32, 48, 64, 96, 120, 128, 240, 256, 360, 384, 480, 512, 768, 1024, 1152, 1536, 2048, 3072)
+# linear and 16-bit GEMMs over several K slices work in row chunks of ~8 MiB of float32: 2**21 / N rows, >= 64
+CHUNK_FLOATS = 1 << 21
+K_SLICES = (256, 384, 1024, 2048)
+# bounds on |act'| and |act''| (gelu' <= 1.13, silu' <= 1.1; gelu'' <= 0.8, silu'' <= 0.5)
+ACT_L1, ACT_L2 = 1.25, 1.0
+
+
+def _chunk_rows(n: int) -> int:
+    return max(64, CHUNK_FLOATS // n) if n > 0 else 1
+
+
+def _gemm_dims(rng, hi: int, wide: int, big: bool) -> tuple[int, int, int]:
+    """(rows, columns, depth) of a product. Some (most of the big cases) are one or two row chunks of
+    linear's backward and the 16-bit GEMMs (2**21 / n rows) and a last chunk of any size, with a depth
+    just over a K slice: the last chunk's plan differs from the others', and a 16-bit result keeps
+    float32 partial sums over the slices."""
+    if rng.random() < (0.75 if big else 0.1):
+        n = fuzz.log_uniform(rng, CHUNK_FLOATS // (2 * hi), wide) if rng.random() < 0.5 else \
+            fuzz.near(rng, rng.choice([m for m in GEMM_MARKS if CHUNK_FLOATS // (2 * hi) <= m <= wide]))
+        chunk = _chunk_rows(n)
+        last = rng.randint(-2, 2) if rng.random() < 0.3 else max(fuzz.dim(rng, chunk - 1, GEMM_MARKS, zero=0.0), 1)
+        m = max(1, chunk * rng.choice((1, 1, 2)) + last)
+        k = rng.choice(K_SLICES) + rng.randint(1, 48) if rng.random() < 0.8 else fuzz.dim(rng, 2200, GEMM_MARKS)
+        return m, n, k
+    return fuzz.dim(rng, hi, GEMM_MARKS), fuzz.dim(rng, wide if rng.random() < 0.1 else hi, GEMM_MARKS), fuzz.dim(rng, 2200, GEMM_MARKS)
+
+
+def _fuzz_draw_matmul(rng, c):
+    c["batch"] = rng.choice((0, 0, 1, 2, rng.randint(1, 6)))  # 0: 2-d
+    hi = 1536
+    m, n, k = _gemm_dims(rng, hi, 8192, c["big"])
+    c["m"], c["k"], c["n"] = m, k, n
+    lead = [c["batch"]] if c["batch"] else []
+    c["a_layout"] = fuzz.layout(rng, lead + [m, k])
+    c["b_layout"] = fuzz.layout(rng, lead + [k, n])
+    b = max(c["batch"], 1)
+    flops = 2.0 * b * m * n * k
+    return fuzz.seconds(c, flops, 2 * flops, b * (10 * m * n + 3 * m * k + 3 * k * n))
+
+
+def _fuzz_draw_linear(rng, c):
+    c["act"] = rng.choice(list(ACTS))
+    c["bias"] = rng.random() < 0.7
+    c["mode"] = rng.choice(("inference", "raw", "backward", "backward", "retain"))
+    c["recompute"] = rng.random() < 0.4
+    if c["mode"] in ("backward", "retain"):
+        c["grads"] = rng.choice(("xwb", "xwb", "x", "wb", "w"))
+    hi = 1536
+    rows, n, k = _gemm_dims(rng, hi, 4096, c["big"])
+    nlead = rng.choices((0, 1, 2, 3), (0.05, 0.6, 0.25, 0.1))[0]
+    lead = [rng.choice((1, 2, 3, rng.randint(1, 9))) for _ in range(max(nlead - 1, 0))] + [rows] * (nlead > 0)
+    c["x_shape"], c["n"] = lead + [k], n
+    c["x_layout"] = fuzz.layout(rng, c["x_shape"])
+    c["w_layout"] = fuzz.layout(rng, [n, k])
+    # float64 takes a contiguous bias only (a documented limit)
+    c["b_layout"] = fuzz.layout(rng, [n]) if c["bias"] and c["dtype"] != "float64" else None
+    c["w_scale"] = rng.choice((1.0, 1.0 / math.sqrt(max(k, 1))))
+    m = math.prod(lead)
+    bwd = c["mode"] in ("backward", "retain")
+    gemms = 1 + bwd * (3 + c["recompute"]) * (1 + (c["mode"] == "retain"))
+    flops = 2.0 * m * n * k
+    return fuzz.seconds(c, gemms * flops, (6 if bwd else 2) * flops, (40 if bwd else 12) * m * n + 4 * (m + n) * k)
+
+
+def _fuzz_check_matmul(c, gen, dtype, dt, call):
+    lead = [c["batch"]] if c["batch"] else []
+    (ab, av), (bb, bv) = fuzz.inputs(gen, [(lead + [c["m"], c["k"]], dtype, c["a_layout"], "randn", 1.0),
+                                           (lead + [c["k"], c["n"]], dtype, c["b_layout"], "randn", 1.0)])
+    a, b = av(ab), bv(bb)
+    out = call(lambda: opforge.matmul(a, b))
+    a64, b64 = a.double(), b.double()
+    want = a64 @ b64
+    bound = fuzz.sum_err(fuzz.U_ACC[dt], c["k"], a64.abs() @ b64.abs(), want) + fuzz.out_tol(want, dt)
+    return [fuzz.Check("out", out, want, bound, dtype)]
+
+
+def _act_grad(act: str, pre: torch.Tensor) -> torch.Tensor:
+    p = pre.detach().clone().requires_grad_()
+    ACTS[act](p).backward(torch.ones_like(p))
+    return p.grad if p.grad is not None else torch.ones_like(p)
+
+
+def _fuzz_check_linear(c, gen, dtype, dt, call):
+    k, n, act = c["x_shape"][-1], c["n"], c["act"]
+    grads = c.get("grads", "")
+    specs = [(c["x_shape"], dtype, c["x_layout"], "randn", 1.0), ([n, k], dtype, c["w_layout"], "randn", c["w_scale"])]
+    if c["bias"]:
+        specs.append(([n], dtype, c["b_layout"], "randn", 1.0))
+    inputs = fuzz.inputs(gen, specs)
+    for (base, _), name in zip(inputs, "xwb"):
+        base.requires_grad_(name in grads)
+    x, w, b = [view(base) for base, view in inputs] + [None] * (3 - len(inputs))
+    out_shape = list(c["x_shape"][:-1]) + [n]
+    g = fuzz.random_tensor(gen, out_shape, dtype)
+    u = fuzz.U_ACC[dt]
+    r_pre, r_gp = fuzz.rounding(c, "preact"), fuzz.rounding(c, "g'")
+
+    # references in float64 over the rows (M, K)
+    m = math.prod(c["x_shape"][:-1])
+    x64, w64 = x.detach().double().reshape(m, k), w.detach().double()
+    b64 = b.detach().double() if b is not None else torch.zeros(n, dtype=torch.float64)
+    pre = x64 @ w64.T + b64
+    pre_err = fuzz.sum_err(u, k + 1, x64.abs() @ w64.abs().T + b64.abs(), pre)
+    out_want = ACTS[act](pre)
+    fn_err = 0.0 if act in ("none", "relu") else fuzz.C_FN * u
+    out_bound = (ACT_L1 if act != "none" else 1.0) * pre_err + fn_err * pre.abs() + fuzz.out_tol(out_want, dt)
+    checks = []
+    shape_out = lambda t: t.reshape(out_shape)  # noqa: E731
+
+    if c["mode"] == "inference":
+        with torch.no_grad():
+            out = call(lambda: opforge.linear(x, w, b, act, recompute=c["recompute"]))
+        return [fuzz.Check("out", out, shape_out(out_want), shape_out(out_bound), dtype)]
+    if c["mode"] == "raw":
+        code = opforge.functional.ACTIVATIONS[act]
+        save = c["recompute"]  # reused as save_preact
+        with torch.no_grad():
+            out, pre_got = call(lambda: torch.ops.opforge.linear(x, w, b, code, save))
+        checks.append(fuzz.Check("out", out, shape_out(out_want), shape_out(out_bound), dtype))
+        if code and save:
+            checks.append(fuzz.Check("preact", pre_got, shape_out(pre), shape_out(pre_err + fuzz.out_tol(pre, dt)), dtype))
+        elif pre_got.numel() != 0:
+            checks.append(fuzz.Check("preact (empty)", pre_got, torch.zeros(0, dtype=torch.float64),
+                                     torch.zeros(0, dtype=torch.float64), dtype))
+        return checks
+
+    views = [t for t, name in ((x, "x"), (w, "w"), (b, "b")) if t is not None and name in grads]
+    names = [name for t, name in ((x, "x"), (w, "w"), (b, "b")) if t is not None and name in grads]
+
+    def forward_backward():
+        y = opforge.linear(x, w, b, act, recompute=c["recompute"])
+        first = torch.autograd.grad(y, views, g, retain_graph=c["mode"] == "retain")
+        second = torch.autograd.grad(y, views, g) if c["mode"] == "retain" else None
+        return y, first, second
+
+    y, first, second = call(forward_backward)
+    checks.append(fuzz.Check("out", y, shape_out(out_want), shape_out(out_bound), dtype))
+    # g' = g * act'(pre), from a pre-activation off by pre_err (and rounded where it is kept), and
+    # rounded itself where the backward rounds it (FUZZ's rounded); without an activation g' is g
+    g64 = g.double().reshape(m, n)
+    d1 = _act_grad(act, pre)
+    gp = g64 * d1
+    pre_off = pre_err + r_pre * pre.abs() + (fuzz.A16[dt] if r_pre else 0.0)
+    if act == "none":
+        gp_err = torch.zeros_like(gp)
+    else:
+        gp_err = g64.abs() * (ACT_L2 * pre_off + fuzz.C_FN * u) + (u + r_gp) * gp.abs() + (fuzz.A16[dt] if r_gp else 0.0)
+        if act == "relu":  # act' jumps at 0: a pre-activation within its error of 0 may go either way
+            gp_err = torch.where(pre.abs() <= pre_off, g64.abs(), gp_err)
+    # errors carried from g' and made by the sums (over n for dx, over the m rows for dweight and dbias)
+    dx, dw, db = gp @ w64, gp.T @ x64, gp.sum(0)
+    want = {
+        "x": (dx, (gp_err + u * fuzz.c_sum(n) * gp.abs()) @ w64.abs() + u * 0.5 * n * dx.abs()),
+        "w": (dw, (gp_err + u * fuzz.c_sum(m) * gp.abs()).T @ x64.abs() + u * 0.5 * m * dw.abs()),
+        "b": (db, (gp_err + u * fuzz.c_sum(m) * gp.abs()).sum(0) + u * 0.5 * m * db.abs()),
+    }
+    for name, got, view in zip(names, first, views):
+        ref, err = want[name]
+        ref, err = ref.reshape(view.shape), err.reshape(view.shape)
+        checks.append(fuzz.Check(f"d{name}", got, ref, err + fuzz.out_tol(ref, dt), dtype))
+    # a retained graph's second backward (the first must leave the kept pre-activation as it was); not
+    # bit for bit the first: it may take the in-place path, whose 16-bit g' is rounded to 16 bits
+    for name, got, view in zip(names, second or (), views):
+        ref, err = want[name]
+        ref, err = ref.reshape(view.shape), err.reshape(view.shape)
+        checks.append(fuzz.Check(f"d{name} (second backward)", got, ref, err + fuzz.out_tol(ref, dt), dtype))
+    return checks
+
+
+def _fuzz_describe_matmul(c):
+    lead = f"{c['batch']}," if c["batch"] else ""
+    return (f"a=({lead}{c['m']},{c['k']}){fuzz.layout_str(c['a_layout'])} "
+            f"b=({lead}{c['k']},{c['n']}){fuzz.layout_str(c['b_layout'])}")
+
+
+def _fuzz_describe_linear(c):
+    x = ",".join(map(str, c["x_shape"]))
+    bias = f"({c['n']}){fuzz.layout_str(c['b_layout'])}" if c["bias"] else "None"
+    grads = f" grads={c['grads']}" if "grads" in c else ""
+    w = f"({c['n']},{c['x_shape'][-1]}){fuzz.layout_str(c['w_layout'])}"
+    return (f"x=({x}){fuzz.layout_str(c['x_layout'])} w={w} b={bias} act={c['act']} "
+            f"recompute={c['recompute']} mode={c['mode']}{grads}")
+
+
+# the GEMM ops have the most plans (blocks, threads, slices, chunks, paths of the backward): the most cases
+FUZZ = {
+    # gemm_run (gemm.c): float32 sums, over K slices too; the pair variants multiply two bfloat16
+    # operands as they are
+    "matmul": fuzz.Op(_fuzz_draw_matmul, _fuzz_check_matmul, _fuzz_describe_matmul, weight=0.25, order=1,
+                      seeded=True, family="gemm", rounded={("*", "*"): ()}),
+    # linear (linear.c): the pre-activation as the forward keeps it (saved, or recomputed and rounded
+    # as stored: gather_grad_f32); g' = grad act'(preact) rounded on the in-place backward (every
+    # variant: bwd_in_place stores it over the donated preact) and, on the chunked one, by the pair
+    # variants, which round a float32 operand beside a bfloat16 one (gemm.h gemm_run: dx = g' W,
+    # dweight = g'^T x); dbias sums g' as the path holds it
+    "linear": fuzz.Op(_fuzz_draw_linear, _fuzz_check_linear, _fuzz_describe_linear, weight=0.45, order=2,
+                      seeded=True, family="gemm", rounded={("*", "*"): ("preact", "g'")}),
+}
+
+
+# test_export.py: the ops' parts of the exported model
+
+
+def _export_linear(g, hidden, vocab, max_len):
+    w, b = torch.randn(2 * hidden, hidden, generator=g) / hidden**0.5, 0.1 * torch.randn(2 * hidden, generator=g)
+    head = torch.randn(vocab, hidden, generator=g) / hidden**0.5
+    return {"w": w, "b": b, "head": head}, lambda x, target, w, b, head: (
+        opforge.linear(x, w, b, activation="gelu"), opforge.linear(x, head))
+
+
+def _export_matmul(g, hidden, vocab, max_len):
+    def run(x, target, mix):
+        b, n, _ = x.shape
+        return (opforge.matmul(x.reshape(b * n, hidden), mix).view(b, n, hidden),)
+
+    return {"mix": torch.randn(hidden, hidden, generator=g) / hidden}, run
+
+
+EXPORT = {"linear": _export_linear, "matmul": _export_matmul}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "matmul": training.Case(
+        ("matmul",),
+        lambda dt, big: [training.randn(3, 300 if big else 17, 64, dtype=dt),
+                         training.randn(3, 64, 200 if big else 11, dtype=dt)],
+        (0, 1),
+        opforge.matmul,
+        torch.matmul,
+        autocast="lower"),
+    "linear": training.Case(
+        ("linear",),
+        lambda dt, big: [training.randn(1200 if big else 4, 9, 24, dtype=dt),
+                         training.randn(96 if big else 40, 24, dtype=dt)],
+        (0, 1),
+        opforge.linear,
+        F.linear,
+        autocast="lower"),
+    "linear_bias_gelu": training.Case(
+        ("linear",),
+        lambda dt, big: [training.randn(1200 if big else 4, 9, 24, dtype=dt),
+                         training.randn(96 if big else 40, 24, dtype=dt), training.randn(96 if big else 40, dtype=dt)],
+        (0, 1, 2),
+        lambda x, w, b: opforge.linear(x, w, b, "gelu"),
+        lambda x, w, b: F.gelu(F.linear(x, w, b)),
+        autocast="lower"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads; GEMMs with M, N and K each 0 and 1
+
+
+# (M, K, N)
+MKN = [(0, 5, 3), (5, 0, 3), (5, 3, 0), (1, 5, 3), (5, 1, 3), (5, 3, 1), (1, 1, 1), (0, 0, 0), (7, 17, 5),
+       (2, 3, 2), (17, 7, 3), (37, 64, 600)]  # the last splits over threads
+
+
+def _sweep_matmul():
+    cases = []
+    for m, k, n in MKN:
+        cases.append(thread_sweep.Case(f"matmul M={m} K={k} N={n}",
+                                       lambda dt, m=m, k=k, n=n: (thread_sweep.grid((m, k), 1).to(dt),
+                                                                  thread_sweep.grid((k, n), 2).to(dt)),
+                                       lambda a, b: (opforge.matmul(a, b),), lambda a, b: (a @ b,), grads=(0, 1)))
+    for bt, m, k, n in [(0, 3, 4, 5), (1, 3, 4, 5), (3, 0, 4, 5), (3, 2, 0, 5), (3, 2, 4, 0), (3, 1, 1, 1),
+                        (2, 5, 3, 7)]:
+        cases.append(thread_sweep.Case(f"matmul B={bt} M={m} K={k} N={n}",
+                                       lambda dt, bt=bt, m=m, k=k, n=n: (thread_sweep.grid((bt, m, k), 3).to(dt),
+                                                                         thread_sweep.grid((bt, k, n), 4).to(dt)),
+                                       lambda a, b: (opforge.matmul(a, b),), lambda a, b: (a @ b,), grads=(0, 1)))
+    cases.append(thread_sweep.Case("matmul transposed a",
+                                   lambda dt: (thread_sweep.grid((7, 5), 5).to(dt).t(), thread_sweep.grid((7, 3), 6).to(dt)),
+                                   lambda a, b: (opforge.matmul(a, b),), lambda a, b: (a @ b,), grads=(0, 1)))
+    return cases
+
+
+# (activation, bias, recompute, retain_graph): stored pre-activation donated to the backward (in place),
+# kept (retained graph), recomputed, and no activation
+LINEAR_VARIANTS = [("gelu", True, False, False), ("silu", False, False, True), ("gelu_tanh", True, True, False),
+                   ("none", True, False, False), ("relu", False, False, False)]
+
+
+def _sweep_linear():
+    cases = []
+    shapes = [((m,), k, n) for m, k, n in MKN] + [((2, 0), 5, 3), ((2, 3), 17, 7), ((0, 3), 4, 2)]
+    for lead, k, n in shapes:
+        for act, bias, recompute, retain in LINEAR_VARIANTS:
+            code = list(ACTS).index(act)
+
+            def make(dt, lead=lead, k=k, n=n, bias=bias):
+                return (thread_sweep.grid((*lead, k), 1).to(dt), thread_sweep.grid((n, k), 2).to(dt),
+                        thread_sweep.grid((n,), 3).to(dt) if bias else None)
+
+            cases.append(thread_sweep.Case(
+                f"linear x={(*lead, k)} N={n} {act} bias={bias} recompute={recompute} retain={retain}",
+                make, lambda x, w, b, a=act, r=recompute: (opforge.linear(x, w, b, a, r),),
+                lambda x, w, b, c=code: refs.linear(x, w, b, c), grads=(0, 1, 2) if bias else (0, 1),
+                retain_graph=retain))
+    return cases
+
+
+SWEEP = {"matmul": _sweep_matmul, "linear": _sweep_linear}

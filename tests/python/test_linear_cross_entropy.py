@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
+from opforge import references as refs
 from opforge.functional import linear_cross_entropy
+from opforge.functional.linear_cross_entropy import one_block
 
 LCE = torch.ops.opforge.linear_cross_entropy.default
 LCE_NONE = torch.ops.opforge.linear_cross_entropy_none.default
@@ -456,3 +461,235 @@ def test_log_names_the_row_code_that_ran():
     assert len(lines) == len(want), r.stderr
     wrong = [f"want {w!r} in {line}" for w, line in zip(want, lines) if w not in line]
     assert not wrong, "\n".join(wrong)
+
+
+# ---- what the generic tests run of linear_cross_entropy (tests/python/discover.py) -------------------------
+
+# fuzz.py: random tokens and vocabularies near the logits blocks, hidden sizes, reductions, ignored targets,
+# smoothing, softcap, layouts, dtypes, ISAs and threads, against float64 torch
+
+LCE_MARKS = (1, 7, 16, 64, 2047, 2048, 2049, 4097)  # 2048 x 2048 logits blocks
+GEMM_PAIRS = ("avx512bf16_12x32", "amx_32x32")  # gemm.h: ukernel_pairs, which multiply bfloat16 pairs
+
+
+def _fuzz_draw(rng, c):
+    c["t"] = fuzz.dim(rng, 4200, LCE_MARKS, zero=0.03)
+    c["h"] = rng.choice((1, 7, 16, 64, rng.randint(1, 300)))
+    c["v"] = fuzz.dim(rng, 4200, LCE_MARKS, zero=0.0)
+    c["reduction"] = rng.choice(("mean", "sum", "none"))
+    c["bias"] = rng.random() < 0.5
+    c["ignore"] = rng.choice((0.0, 0.0, 0.3, 1.0))  # share of ignored targets
+    c["label_smoothing"] = rng.choice((0.0, 0.0, 0.1, 1.0))
+    c["softcap"] = rng.choice((None, None, 30.0, 2.0))
+    c["grad"] = rng.random() < 0.7
+    c["h_layout"] = fuzz.layout(rng, [c["t"], c["h"]], expand=False)
+    c["w_layout"] = fuzz.layout(rng, [c["v"], c["h"]], expand=False)
+    flops = 2.0 * c["t"] * c["h"] * c["v"]
+    return fuzz.seconds(c, flops * (4 if c["grad"] else 1), flops * (3 if c["grad"] else 1), 30 * c["t"] * c["v"])
+
+
+def _fuzz_describe(c):
+    return (f"T={c['t']} H={c['h']} V={c['v']} hidden{fuzz.layout_str(c['h_layout'])} "
+            f"weight{fuzz.layout_str(c['w_layout'])} reduction={c['reduction']} bias={c['bias']} "
+            f"ignore={c['ignore']} label_smoothing={c['label_smoothing']} softcap={c['softcap']} grad={c['grad']}")
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    """Bounds, as for linear and cross_entropy: the logits u = hidden weight^T + bias are off by a sum's
+    error eu, z (capped) by ez; the float32 lse by the weights' sum_v p_v ez_v and the exp's and sums'
+    roundings; each du = s (p - eps / V - (1 - eps) [v = y]) (1 - (z / c)^2) by p's relative error, the
+    few float32 operations, and its rounding where the variant rounds it (FUZZ's rounded); the gradients are
+    sums of du times 16-bit operands, rounded once (or twice: its "grads")."""
+    t, h, v = c["t"], c["h"], c["v"]
+    specs = [([t, h], dtype, c["h_layout"], "randn", 1.0),
+             ([v, h], dtype, c["w_layout"], "randn", 2 / max(h, 1) ** 0.5)]
+    if c["bias"]:
+        specs.append(([v], dtype, None, "randn", 1.0))
+    inputs = fuzz.inputs(gen, specs)
+    for base, _ in inputs:
+        base.requires_grad_(c["grad"])
+    hid, w, b = [view(base) for base, view in inputs] + [None] * (3 - len(inputs))
+    y = torch.randint(0, max(v, 1), (t,), generator=gen)
+    y[torch.rand(t, generator=gen) < c["ignore"]] = -100
+    kw = dict(ignore_index=-100, label_smoothing=c["label_smoothing"], reduction=c["reduction"], softcap=c["softcap"])
+    g = fuzz.random_tensor(gen, [t] if c["reduction"] == "none" else [], dtype)
+    leaves = [x for x in (hid, w, b) if x is not None]
+
+    def forward_backward():
+        loss = opforge.functional.linear_cross_entropy(hid, w, y, b, **kw)
+        return loss, (torch.autograd.grad(loss, leaves, g) if c["grad"] else ())
+
+    if c["grad"]:
+        loss, grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            loss, grads = call(forward_backward)
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    z = F.linear(refs[0], refs[1], refs[2] if b is not None else None)
+    cap, eps, red = c["softcap"], c["label_smoothing"], c["reduction"]
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    want = F.cross_entropy(z, y, **{k: kw[k] for k in ("ignore_index", "label_smoothing", "reduction")})
+
+    u = fuzz.U_ACC[dt]
+    h64, w64 = refs[0].detach(), refs[1].detach()
+    b64 = refs[2].detach() if b is not None else torch.zeros(v, dtype=torch.float64)
+    logits = h64 @ w64.T + b64
+    eu = fuzz.sum_err(u, h + 1, h64.abs() @ w64.abs().T + b64.abs(), logits)
+    z = z.detach()
+    dcap = 1 - (z / cap) ** 2 if cap is not None else torch.ones_like(z)
+    ez = eu * dcap + (fuzz.C_FN * u * z.abs() if cap is not None else 0.0)  # tanhf, and the scaling around it
+    keep = y != -100  # (V >= 1: _draw_lce)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    p = (z - lse).exp()
+    dist = (z - z.amax(-1, keepdim=True)).abs()  # the exp's argument, rounded relative to it
+    # the float32 lse (an online max and sum over the vocab blocks, log, the add), as lse_update computes it
+    e_lse = (p * (ez + u * dist)).sum(-1, keepdim=True) + u * (fuzz.C_FN + fuzz.c_sum(v) + 0.5 * v) \
+        + u * (fuzz.C_FN + 1) * lse.abs()
+    yc = y.clamp_min(0)[:, None]
+    # loss_t = lse - (1 - eps) z_y - eps / V sum_v z_v, in double from float32 lse, z_y and sum z
+    e_loss = e_lse[:, 0] + (1 - eps) * ez.gather(1, yc)[:, 0]
+    if eps:
+        e_loss = e_loss + eps / v * (ez.sum(-1) + fuzz.sum_err(u, v, z.abs().sum(-1), z.sum(-1)))
+    e_loss = torch.where(keep, e_loss, torch.zeros_like(e_loss))
+    count = int(keep.sum())
+    lb = e_loss if red == "none" else e_loss.sum() / (count if red == "mean" and count else 1)
+    checks = [fuzz.Check("loss", loss, want.detach(), lb + fuzz.out_tol(want.detach(), dt), dtype)]
+    if not c["grad"]:
+        return checks
+    gwant = torch.autograd.grad(want, refs, g.double())
+    # s_t: the gradient of token t's loss (0 where ignored); du as the kernels make it (grad_rows)
+    base = 1.0 / count if red == "mean" and count else 1.0
+    s_t = torch.where(keep, base * g.double().expand(t), torch.zeros(t, dtype=torch.float64))[:, None]
+    onehot = torch.zeros_like(z).scatter_(1, yc, 1.0) * keep[:, None]
+    graw = s_t * (p - eps / v - (1 - eps) * onehot)
+    du = graw * dcap
+    e_p = p * (ez + e_lse + u * (fuzz.C_FN + (z - lse).abs()))
+    e_graw = s_t.abs() * (e_p + 2 * u * (p + eps / v + (1 - eps) * onehot))
+    e_du = e_graw * dcap.abs()
+    if cap is not None:  # 1 - (z / c)^2 from the float32 z: z's error, and the few roundings of its own
+        e_du = e_du + graw.abs() * (2 * z.abs() * ez / cap**2 + 4 * u * (1 + 2 * (z / cap) ** 2))
+    e_du16 = e_du + fuzz.rounding_err(c, "du", du)  # the operand of the dhidden and dweight products
+    dh, dw, db = du @ w64, du.T @ h64, du.sum(0)
+    bounds = {
+        "dhidden": e_du16 @ w64.abs() + fuzz.sum_err(u, v, du.abs() @ w64.abs(), dh),
+        "dweight": e_du16.T @ h64.abs() + fuzz.sum_err(u, t, du.abs().T @ h64.abs(), dw),
+        "dbias": e_du.sum(0) + fuzz.sum_err(u, t, du.abs().sum(0), db),
+    }
+    # reduction mean or sum over one block (one_block): the forward rounds the gradients of a unit g, the backward
+    # scales them by g and rounds again (_out_tol's): the first rounding, scaled, adds U16 |ref| + A16 |g|
+    r_twice = fuzz.rounding(c, "grads") if red != "none" and one_block(t, v) else 0.0
+    for name, got, ref in zip(("dhidden", "dweight", "dbias"), grads, gwant):
+        again = r_twice * ref.abs() + (fuzz.A16[dt] * abs(float(g)) if r_twice else 0.0)
+        checks.append(fuzz.Check(name, got, ref, bounds[name] + again + fuzz.out_tol(ref, dt), dtype))
+    return checks
+
+
+FUZZ = {
+    "linear_cross_entropy": fuzz.Op(
+        _fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.1, order=10, family="gemm",
+        covers=("linear_cross_entropy", "linear_cross_entropy_none"), rounded={
+            # linear_cross_entropy.c run_f32: logits, lse and du in float32, gradients summed in float32 and
+            # rounded once; with reduction mean or sum over one block (one_block) the forward makes them
+            # (rounded) and the backward scales them by the incoming gradient and rounds again (lce_scale)
+            ("*", "*"): ("grads",),
+            # ... and the pair variants round du beside the bfloat16 weight and hidden (dhidden = du W,
+            # dweight = du^T hidden; dbias sums the float32 du)
+            **{(v, "bfloat16"): ("grads", "du") for v in GEMM_PAIRS},
+        }),
+}
+
+
+# test_export.py: the ops' parts of the exported model (targets clamped: one out of range is
+# cross_entropy's to refuse)
+
+
+def _export(reduction):
+    def make(g, hidden, vocab, max_len):
+        def run(x, target, head):
+            safe = target.reshape(-1).clamp(0, vocab - 1)
+            return (linear_cross_entropy(x.reshape(-1, hidden), head, safe, reduction=reduction),)
+
+        return {"head": torch.randn(vocab, hidden, generator=g) / hidden**0.5}, run
+
+    return make
+
+
+EXPORT = {"linear_cross_entropy": _export("mean"), "linear_cross_entropy_none": _export("none")}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "linear_cross_entropy": training.Case(
+        ("linear_cross_entropy",),
+        # big: 2100 x 2100 logits, more than one block (one_block): the backward recomputes them
+        lambda dt, big: [training.randn(2100 if big else 37, 16, dtype=dt),
+                         0.3 * training.randn(2100 if big else 50, 16, dtype=dt),
+                         training.target(2100 if big else 37, 2100 if big else 50),
+                         0.1 * training.randn(2100 if big else 50, dtype=dt)],
+        (0, 1, 3),
+        linear_cross_entropy,
+        lambda h, w, t, b: F.cross_entropy(F.linear(h, w, b), t),
+        autocast="fp32"),
+    "linear_cross_entropy_one_block": training.Case(
+        ("linear_cross_entropy",),
+        # one block of logits: the forward makes the gradients, the backward scales them
+        lambda dt, big: [training.randn(700 if big else 37, 24, dtype=dt),
+                         0.3 * training.randn(1100 if big else 50, 24, dtype=dt),
+                         training.target(700 if big else 37, 1100 if big else 50)],
+        (0, 1),
+        linear_cross_entropy,
+        lambda h, w, t: F.cross_entropy(F.linear(h, w), t),
+        autocast="fp32"),
+    "linear_cross_entropy_none": training.Case(
+        ("linear_cross_entropy_none",),
+        lambda dt, big: [training.randn(700 if big else 37, 24, dtype=dt),
+                         0.3 * training.randn(1100 if big else 50, 24, dtype=dt),
+                         training.target(700 if big else 37, 1100 if big else 50)],
+        (0, 1),
+        lambda h, w, t: linear_cross_entropy(h, w, t, reduction="none"),
+        lambda h, w, t: F.cross_entropy(F.linear(h, w), t, reduction="none"),
+        autocast="fp32"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads; GEMMs with T, H and V each 0 and 1
+
+
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _sweep_cases():
+    cases = []
+    # (T lead dims, H, V); V = 0 only with every target ignored
+    shapes = [((0,), 4, 5), ((3,), 0, 5), ((3,), 4, 0), ((1,), 4, 5), ((3,), 1, 5), ((3,), 4, 1), ((1,), 1, 1),
+              ((0,), 0, 0), ((7,), 9, 11), ((2, 0), 3, 4), ((2, 3), 5, 7), ((64,), 32, 300)]
+    variants = [("mean", False, 0.0, None, True), ("sum", True, 0.1, 2.0, True), ("none", True, 0.0, None, True),
+                ("mean", True, 0.2, 4.0, False)]  # last: the op asked for no gradients in the forward
+    for lead, h, v in shapes:
+        for red, bias, ls, cap, cg in variants:
+            ls = ls if v else 0.0  # no class: torch's smoothing term is 0 * (eps / 0) = NaN, opforge's 0
+            def make(dt, lead=lead, h=h, v=v, bias=bias):
+                return (thread_sweep.grid((*lead, h), 1).to(dt), thread_sweep.grid((v, h), 2).to(dt),
+                        thread_sweep.targets(lead, v, 3, True), thread_sweep.grid((v,), 4).to(dt) if bias else None)
+
+            def fn(x, w, t, b, red=red, ls=ls, cap=cap, cg=cg):
+                if cg:
+                    return (opforge.linear_cross_entropy(x, w, t, b, label_smoothing=ls, reduction=red, softcap=cap),)
+                # the op itself, with compute_grad off: the backward recomputes the blocks from lse
+                return (opforge.ops.linear_cross_entropy(x.reshape(t.numel(), x.shape[-1]), w, t.reshape(-1), b, -100, ls,
+                                                         REDUCTIONS[red], cap, False)[0],)
+
+            def ref(x, w, t, b, red=red, ls=ls, cap=cap):
+                loss = refs._lce_loss(x.reshape(t.numel(), x.shape[-1]), w, t.reshape(-1), b, -100, ls,
+                                      REDUCTIONS[red], cap)
+                return (loss.reshape(t.shape) if red == "none" else loss,)
+
+            cases.append(thread_sweep.Case(f"linear_cross_entropy hidden={(*lead, h)} V={v} {red} bias={bias} "
+                                           f"smoothing={ls} softcap={cap} compute_grad={cg}", make, fn, ref,
+                                           grads=(0, 1, 3) if bias else (0, 1)))
+    return cases
+
+
+SWEEP = dict.fromkeys(("linear_cross_entropy", "linear_cross_entropy_none"), _sweep_cases)

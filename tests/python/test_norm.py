@@ -3,12 +3,17 @@ float64 (F.rms_norm / F.layer_norm formulas), strides, gradients incl. weight
 and bias, gradcheck, opcheck, torch.compile, autocast, thread-count
 determinism, every ISA, the nn modules, bad input."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
 from opforge import references as refs
 
 OPS = torch.ops.opforge
@@ -419,3 +424,227 @@ def test_add_rms_norm_autocast_promotes_mixed_dtypes_as_eager():
     assert s.dtype == y.dtype == torch.float32 == y_ref.dtype
     torch.testing.assert_close(s, s_ref)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- what the generic tests run of rms_norm, add_rms_norm and layer_norm (tests/python/discover.py) -------
+
+# fuzz.py: random rows and hidden sizes near where the plans change, weight, bias, offset, a far mean,
+# layouts, dtypes, ISAs and threads, against float64 torch
+
+# hidden sizes around the 8-lane vectors and their 32-wide unrolled loops; rows around the backward's row
+# blocks (32 rows, up to 256 blocks) and the forward's grain (16384 / H rows a task)
+NORM_HIDDEN = (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 123, 128, 1000, 4096, 4097)
+NORM_ROWS = (1, 3, 31, 32, 33, 37, 64, 257, 8193)
+
+
+def _fuzz_draw(rng, c):
+    c["kind"] = rng.choice(("rms", "rms", "add", "add", "layer"))
+    h = rng.choice(NORM_HIDDEN) if rng.random() < 0.6 else fuzz.dim(rng, 4200, NORM_HIDDEN, zero=0.01)
+    rows = fuzz.near(rng, rng.choice(NORM_ROWS)) if rng.random() < 0.5 else fuzz.dim(rng, 2000, NORM_ROWS, zero=0.02)
+    rows = max(rows, 0)
+    while rows * h > 600_000:
+        rows //= 2
+    nlead = rng.choices((0, 1, 2), (0.1, 0.6, 0.3))[0]
+    if nlead == 0:
+        rows = 1
+    lead = [rows] if nlead == 1 else [rng.choice((1, 2, 3)), rows] if nlead == 2 else []
+    c["shape"] = lead + [h]
+    c["x_layout"] = fuzz.layout(rng, c["shape"])
+    c["r_layout"] = fuzz.layout(rng, c["shape"]) if c["kind"] == "add" else None
+    c["weight"] = rng.random() < 0.75
+    c["bias"] = c["kind"] == "layer" and rng.random() < 0.6
+    c["offset"] = c["kind"] != "layer" and c["weight"] and rng.random() < 0.3
+    c["eps"] = rng.choice((1e-6, 1e-5, 0.1))
+    c["shift"] = rng.choice((0.0, 0.0, 3.0))  # a mean far from 0 (layer_norm's variance of x - mean)
+    c["grad"] = rng.random() < 0.6
+    return fuzz.seconds(c, 0, 0, math.prod(c["shape"]) * (60 if c["grad"] else 20))
+
+
+def _fuzz_describe(c):
+    extra = (f" residual{fuzz.layout_str(c['r_layout'])}" if c["kind"] == "add" else "") + (
+        " weight" if c["weight"] else "") + (" bias" if c["bias"] else "") + (" offset" if c["offset"] else "")
+    return (f"{c['kind']} x={tuple(c['shape'])}{fuzz.layout_str(c['x_layout'])}{extra} eps={c['eps']} "
+            f"shift={c['shift']} grad={c['grad']}")
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    """Bounds: a row's sums (of squares, of x, of g w xh) carry u (c(H) + H / 2) relative errors into rstd, mean and the
+    backward's mean(g w xh); each output is a few products of those (u each) and one rounding to its type;
+    the weight and bias gradients add a sum over the rows (u c(R))."""
+    shape, h = c["shape"], c["shape"][-1]
+    specs = [(shape, dtype, c["x_layout"], "randn", 1.0)]
+    if c["kind"] == "add":
+        specs.append((shape, dtype, c["r_layout"], "randn", 1.0))
+    ins = fuzz.inputs(gen, specs)
+    if c["shift"]:
+        ins[0] = (ins[0][0].add_(c["shift"]), ins[0][1])
+    xb = ins[0][0].requires_grad_(c["grad"])
+    x = ins[0][1](xb)
+    r = ins[1][1](ins[1][0].requires_grad_(c["grad"])) if c["kind"] == "add" else None
+    w = (fuzz.random_tensor(gen, [h], dtype, scale=0.5) + (0 if c["offset"] else 1)).requires_grad_(c["grad"]) \
+        if c["weight"] else None
+    b = fuzz.random_tensor(gen, [h], dtype).requires_grad_(c["grad"]) if c["bias"] else None
+    g, gs = fuzz.random_tensor(gen, shape, dtype), fuzz.random_tensor(gen, shape, dtype)
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    names = [n for n, t in zip(("dx", "dresidual", "dweight", "dbias"), (x, r, w, b)) if t is not None]
+
+    def forward_backward():
+        if c["kind"] == "rms":
+            outs = (opforge.rms_norm(x, w, c["eps"], c["offset"]),)
+        elif c["kind"] == "add":
+            outs = opforge.add_rms_norm(x, r, w, c["eps"], c["offset"])
+        else:
+            outs = (opforge.layer_norm(x, w, b, c["eps"]),)
+        grads = torch.autograd.grad(outs, leaves, (g, gs)[:len(outs)]) if c["grad"] else None
+        return outs, grads
+
+    if c["grad"]:
+        outs, grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            outs, grads = call(forward_backward)
+
+    u, n = fuzz.U_ACC[dt], max(h, 1)
+    cu = u * (fuzz.c_sum(n) + 0.5 * n + 16)  # sums of one sign (squares; x broadcast along a row) drift like n / 2
+    # y and the backward start from s as the kernel keeps it: x + residual rounded to x's dtype (FUZZ's rounded)
+    src = (x.detach().double() + r.detach().double()).to(dtype) if c["kind"] == "add" else x.detach()
+    s64 = src.double()
+    w64 = w.detach().double() if w is not None else torch.ones(h, dtype=torch.float64)
+    we = 1 + w64 if c["offset"] else w64
+    eps = c["eps"] if dtype == torch.float64 else float(torch.tensor(c["eps"], dtype=torch.float32))
+    mu = s64.mean(-1, keepdim=True) if c["kind"] == "layer" else torch.zeros_like(s64[..., :1])
+    d = s64 - mu
+    rstd = ((d * d).mean(-1, keepdim=True) + eps).rsqrt()
+    xh = d * rstd
+    # |error of xh|: rstd's relative error, and the mean's absolute one times rstd; the mean's error also
+    # enters the variance (a row of equal values: x - mean is all rounding, eps alone bounds rstd)
+    mean_err = cu * s64.abs().mean(-1, keepdim=True) * (c["kind"] == "layer")
+    rstd_rel = cu + (mean_err * rstd) ** 2
+    xh_err = rstd_rel * xh.abs() + rstd * mean_err
+    y = xh * we + (b.detach().double() if b is not None else 0)
+    checks = [fuzz.Check("out", outs[0], y, xh_err * we.abs() + cu * y.abs() + fuzz.out_tol(y, dt), dtype)]
+    if c["kind"] == "add":
+        checks.append(fuzz.Check("sum", outs[1], s64, torch.zeros_like(s64), dtype))
+    if not c["grad"]:
+        return checks
+    g64, gs64 = g.double(), gs.double()
+    gw = g64 * we
+    rows_dims = tuple(range(len(shape) - 1))
+    m_gwx = (gw * xh).mean(-1, keepdim=True)
+    m_gw = gw.mean(-1, keepdim=True) if c["kind"] == "layer" else torch.zeros_like(m_gwx)
+    dx = rstd * (gw - m_gw - xh * m_gwx)
+    scale = rstd * (gw.abs() + gw.abs().mean(-1, keepdim=True) + (xh.abs() + xh_err) * (gw * xh).abs().mean(-1, keepdim=True))
+    dx_b = (cu + rstd_rel) * scale + rstd * xh_err * m_gwx.abs() + rstd * (gw.abs() * xh_err).mean(-1, keepdim=True) * xh.abs()
+    want = {"dx": (dx + (gs64 if c["kind"] == "add" else 0), dx_b)}
+    if c["kind"] == "add":
+        want["dresidual"] = want["dx"]
+    rows = max(math.prod(shape[:-1]), 1)
+    gxh = (g64 * xh).sum(rows_dims) if rows_dims else g64 * xh
+    gxh_abs = (g64.abs() * (xh.abs() + xh_err)).sum(rows_dims) if rows_dims else g64.abs() * (xh.abs() + xh_err)
+    want["dweight"] = (gxh, u * fuzz.c_sum(rows) * gxh_abs + (g64.abs() * xh_err).sum(rows_dims) if rows_dims
+                       else (g64.abs() * xh_err) + u * gxh_abs)
+    gsum = g64.sum(rows_dims) if rows_dims else g64
+    want["dbias"] = (gsum, u * fuzz.c_sum(rows) * (g64.abs().sum(rows_dims) if rows_dims else g64.abs()))
+    for name, got in zip(names, grads):
+        ref, err = want[name]
+        checks.append(fuzz.Check(name, got, ref, err + fuzz.out_tol(ref, dt), dtype))
+    return checks
+
+
+FUZZ = {
+    # norm.h: add_rms_norm's s = x + residual rounded to x's dtype, y computed from it; rstd, mean saved
+    # in float32, dweight and dbias summed in float32 and rounded once
+    "norm": fuzz.Op(_fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.2, order=7,
+                    covers=("rms_norm", "add_rms_norm", "layer_norm"), rounded={("*", "*"): ("s",)}),
+}
+
+
+# test_export.py: the ops' parts of the exported model
+
+
+def _export_rms_norm(g, hidden, vocab, max_len):
+    return {"w": 1 + 0.1 * torch.randn(hidden, generator=g)}, lambda x, target, w: (opforge.rms_norm(x, w),)
+
+
+def _export_add_rms_norm(g, hidden, vocab, max_len):
+    return {"w": 1 + 0.1 * torch.randn(hidden, generator=g)}, \
+        lambda x, target, w: opforge.add_rms_norm(x, x.flip(-1), w)
+
+
+def _export_layer_norm(g, hidden, vocab, max_len):
+    w, b = 1 + 0.1 * torch.randn(hidden, generator=g), 0.1 * torch.randn(hidden, generator=g)
+    return {"w": w, "b": b}, lambda x, target, w, b: (opforge.layer_norm(x, w, b),)
+
+
+EXPORT = {"rms_norm": _export_rms_norm, "add_rms_norm": _export_add_rms_norm, "layer_norm": _export_layer_norm}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "rms_norm": training.Case(
+        ("rms_norm",),
+        lambda dt, big: [training.randn(2000 if big else 5, 7, 48, dtype=dt), 1 + 0.1 * training.randn(48, dtype=dt)],
+        (0, 1),
+        lambda x, w: opforge.rms_norm(x, w, 1e-6),
+        lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+        autocast="follow"),
+    "add_rms_norm": training.Case(
+        ("add_rms_norm",),
+        lambda dt, big: [training.randn(2000 if big else 5, 7, 48, dtype=dt),
+                         training.randn(2000 if big else 5, 7, 48, dtype=dt), 1 + 0.1 * training.randn(48, dtype=dt)],
+        (0, 1, 2),
+        lambda x, r, w: opforge.add_rms_norm(x, r, w, 1e-6),
+        lambda x, r, w: (F.rms_norm(x + r, (x.shape[-1],), w, 1e-6), x + r),
+        autocast="follow"),
+    "layer_norm": training.Case(
+        ("layer_norm",),
+        lambda dt, big: [training.randn(2000 if big else 5, 7, 48, dtype=dt), 1 + 0.1 * training.randn(48, dtype=dt),
+                         0.1 * training.randn(48, dtype=dt)],
+        (0, 1, 2),
+        lambda x, w, b: opforge.layer_norm(x, w, b, 1e-5),
+        lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+        autocast="follow"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads
+
+
+SWEEP_SHAPES = [(0, 5), (5, 0), (0, 0), (1, 1), (1, 7), (3, 1), (7,), (2, 3, 7), (3, 0, 5), (17, 3), "t", (70, 257)]
+
+
+def _norm_x(shape, seed):
+    return thread_sweep.randn((17, 5), seed).t() if shape == "t" else thread_sweep.randn(shape, seed)
+
+
+def _hidden(shape):
+    return 17 if shape == "t" else shape[-1]
+
+
+def _sweep_cases():
+    cases = []
+    for i, shape in enumerate(SWEEP_SHAPES):
+        h = _hidden(shape)
+        weighted, offset = i % 3 != 1, i % 4 == 3
+
+        def make(dt, shape=shape, h=h, weighted=weighted):
+            w = thread_sweep.randn((h,), 2).to(dt) if weighted else None
+            return (_norm_x(shape, 1).to(dt), w, _norm_x(shape, 3).to(dt),
+                    thread_sweep.randn((h,), 4).to(dt) if weighted else None)
+
+        gw = (1,) if weighted else ()
+        cases.append(thread_sweep.Case(f"rms_norm {shape} weight={weighted} offset={offset}", make,
+                                       lambda x, w, r, b, o=offset: (opforge.rms_norm(x, w, 1e-6, o),),
+                                       lambda x, w, r, b, o=offset: refs.rms_norm(x, w, 1e-6, o), grads=(0, *gw)))
+        cases.append(thread_sweep.Case(f"add_rms_norm {shape} weight={weighted} offset={offset}", make,
+                                       lambda x, w, r, b, o=offset: opforge.add_rms_norm(x, r, w, 1e-5, o),
+                                       lambda x, w, r, b, o=offset: refs.add_rms_norm(x, r, w, 1e-5, o), grads=(0, 2, *gw)))
+        gb = (1, 3) if weighted else ()
+        cases.append(thread_sweep.Case(f"layer_norm {shape} weight/bias={weighted}", make,
+                                       lambda x, w, r, b: (opforge.layer_norm(x, w, b, 1e-5),),
+                                       lambda x, w, r, b: refs.layer_norm(x, w, b, 1e-5), grads=(0, *gb)))
+    return cases
+
+
+SWEEP = dict.fromkeys(("rms_norm", "add_rms_norm", "layer_norm"), _sweep_cases)

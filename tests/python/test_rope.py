@@ -16,8 +16,12 @@ import pytest
 import torch
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
 from opforge import functional as F
+from opforge import references as refs
 from opforge.testing import DTYPES, GRAD_TOLERANCE_FACTOR, assert_close, tolerance
 
 OP = torch.ops.opforge.rope.default
@@ -363,7 +367,7 @@ def _args(**over):
         (dict(position_ids=torch.zeros(2, 7, dtype=torch.int64), cos=torch.rand(1, 7, 16), sin=torch.rand(1, 7, 16)),
          r"\[opforge::rope\] argument 'cos' must be a 2-d table \(positions, rotary_dim\) when position_ids is given"),
         (dict(cos=torch.rand(7, 16, requires_grad=True)),
-         r"\[opforge.rope\] arguments 'cos' and 'sin' must not require grad"),
+         r"\[opforge::rope\] arguments 'cos' and 'sin' must not require grad"),
     ],
 )
 def test_errors_name_op_argument_expected_and_got(over, pattern):
@@ -378,3 +382,169 @@ def test_out_of_range_position_writes_nothing_and_compile_refuses_it():
         torch.compile(lambda **kw: F.rope(**kw), fullgraph=True)(**a)
     with pytest.raises(RuntimeError, match=r"\[opforge::rope_backward\] argument 'grad_k' must have the head_dim"):
         BWD(torch.rand(2, 4, 7, 16), torch.rand(2, 2, 7, 8), a["cos"], a["sin"], None, False)
+
+
+# ---- what the generic tests run of this op (tests/python/discover.py) ------------------------------------
+
+# fuzz.py: random heads, lengths and rotary dims, cos / sin layouts and position ids, layouts, dtypes, ISAs and
+# threads, against float64 torch
+
+ROPE_LENGTHS = (1, 8, 16, 32, 63, 64, 65, 128, 192, 256, 512, 1024)  # around the 64-row blocks of attention
+HEAD_DIMS = (1, 7, 8, 16, 31, 32, 33, 40, 64, 80, 96, 128, 129, 256)
+
+
+def _fuzz_draw(rng, c):
+    c["b"] = rng.choice((1, 1, 2, 3))
+    c["hq"] = rng.choice((1, 2, 4, 5, 8))
+    c["hk"] = rng.choice((1, c["hq"], max(1, c["hq"] // 2)))
+    c["n"] = fuzz.dim(rng, 1024, ROPE_LENGTHS, zero=0.02)
+    c["d"] = rng.choice(HEAD_DIMS) if rng.random() < 0.7 else rng.randint(1, 160)
+    c["r"] = c["d"] - c["d"] % 2 if rng.random() < 0.6 else 2 * rng.randint(0, c["d"] // 2)
+    c["interleaved"] = rng.random() < 0.3
+    c["cos"] = rng.choice(("2d", "3d", "3d-batch", "4d", "table"))
+    c["q_layout"] = fuzz.layout(rng, [c["b"], c["hq"], c["n"], c["d"]])
+    c["k_layout"] = fuzz.layout(rng, [c["b"], c["hk"], c["n"], c["d"]])
+    c["grad"] = rng.random() < 0.5
+    return fuzz.seconds(c, 0, 0, c["b"] * (c["hq"] + c["hk"]) * c["n"] * c["d"] * 40)
+
+
+def _fuzz_describe(c):
+    return (f"B={c['b']} Hq={c['hq']} Hk={c['hk']} N={c['n']} D={c['d']} R={c['r']} "
+            f"interleaved={c['interleaved']} cos={c['cos']} q{fuzz.layout_str(c['q_layout'])} "
+            f"k{fuzz.layout_str(c['k_layout'])} grad={c['grad']}")
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    b, n, d, r = c["b"], c["n"], c["d"], c["r"]
+    qbase, qview = fuzz.make(gen, [b, c["hq"], n, d], dtype, c["q_layout"])
+    kbase, kview = fuzz.make(gen, [b, c["hk"], n, d], dtype, c["k_layout"])
+    for t in (qbase, kbase):
+        t.requires_grad_(c["grad"])
+    q, k = qview(qbase), kview(kbase)
+    rows = n + 5 if c["cos"] == "table" else n
+    theta = torch.rand(b if c["cos"] == "3d-batch" else 1, rows, r, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = theta.cos().to(dtype), theta.sin().to(dtype)
+    pos = None
+    if c["cos"] == "table":
+        cos, sin = cos[0], sin[0]
+        pos = torch.randint(0, rows, (_rng_batch(gen, b), n), generator=gen)
+    elif c["cos"] == "2d":
+        cos, sin = cos[0], sin[0]
+    elif c["cos"] == "4d":
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    gq, gk = fuzz.random_tensor(gen, q.shape, dtype), fuzz.random_tensor(gen, k.shape, dtype)
+
+    def forward_backward():
+        oq, ok = opforge.functional.rope(q, k, cos, sin, pos, c["interleaved"])
+        return (oq, ok), (torch.autograd.grad((oq, ok), (q, k), (gq, gk)) if c["grad"] else None)
+
+    if c["grad"]:
+        (oq, ok), grads = call(forward_backward)
+    else:
+        with torch.no_grad():
+            (oq, ok), grads = call(forward_backward)
+    c64, s64 = cos.double(), sin.double()
+    q64, k64 = q.detach().double(), k.detach().double()
+    u = fuzz.U_ACC[dt]
+    # two products and a sum in the compute precision: within 2u of |x cos| + |rot(x) sin| <= 2 max|x|
+    # (|cos|, |sin| <= 1 here)
+    wq, wk = refs.rope(q64, k64, c64, s64, pos, c["interleaved"])
+    scale_q = q64.abs().amax(-1, keepdim=True) * 2
+    scale_k = k64.abs().amax(-1, keepdim=True) * 2
+    checks = [fuzz.Check("q_out", oq, wq, 2 * u * scale_q + fuzz.out_tol(wq, dt), dtype),
+              fuzz.Check("k_out", ok, wk, 2 * u * scale_k + fuzz.out_tol(wk, dt), dtype)]
+    if c["grad"]:
+        dq, dk = refs.rope_backward(gq.double(), gk.double(), c64, s64, pos, c["interleaved"])
+        sq, sk = gq.double().abs().amax(-1, keepdim=True) * 2, gk.double().abs().amax(-1, keepdim=True) * 2
+        checks += [fuzz.Check("dq", grads[0], dq, 2 * u * sq + fuzz.out_tol(dq, dt), dtype),
+                   fuzz.Check("dk", grads[1], dk, 2 * u * sk + fuzz.out_tol(dk, dt), dtype)]
+    return checks
+
+
+def _rng_batch(gen: torch.Generator, b: int) -> int:
+    """Position ids of one row (broadcast over the batch) or of every sequence."""
+    return 1 if int(torch.randint(0, 2, (1,), generator=gen)) else b
+
+
+FUZZ = {
+    # rope.h: float32 from the 16-bit inputs to the rounded results
+    "rope": fuzz.Op(_fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.15, order=6, rounded={("*", "*"): ()}),
+}
+
+
+# test_export.py: the op's part of the exported model
+
+
+def _export(g, hidden, vocab, max_len, heads=2):
+    d = hidden // heads
+    pos = torch.arange(max_len, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+    tensors = {"cos": torch.cat([pos.cos(), pos.cos()], -1), "sin": torch.cat([pos.sin(), pos.sin()], -1),
+               "qk": torch.randn(2 * hidden, hidden, generator=g) / hidden**0.5}
+
+    def run(x, target, cos, sin, qk):
+        b, n, _ = x.shape
+        q, k = (x @ qk.T).view(b, n, 2, heads, d).permute(2, 0, 3, 1, 4)
+        return F.rope(q, k, cos[:n], sin[:n])
+
+    return tensors, run
+
+
+EXPORT = {"rope": _export}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+
+def _hf_rope(q, k, cos, sin):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+TRAINING = {
+    "rope": training.Case(
+        ("rope",),
+        lambda dt, big: [training.randn(4 if big else 2, 4, 300 if big else 11, 16, dtype=dt),
+                         training.randn(4 if big else 2, 2, 300 if big else 11, 16, dtype=dt),
+                         *(f(torch.randn(300 if big else 11, 8).repeat(1, 2)).to(dt) for f in (torch.cos, torch.sin))],
+        (0, 1),
+        F.rope,
+        _hf_rope,
+        autocast="promote"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads
+
+
+# (B, Hq, Hk, N, D, R, cos layout): "nr" (N, R), "bnr" (B, N, R), "b1nr" (B, 1, N, R), "pos" a table of 5
+# rows picked by position_ids (B, N), "pos1" a table of one row and position_ids (1, N)
+SWEEP_SHAPES = [(0, 2, 1, 3, 4, 4, "nr"), (1, 0, 0, 3, 4, 4, "nr"), (1, 2, 0, 3, 4, 4, "bnr"), (1, 0, 2, 3, 4, 4, "pos"),
+        (1, 2, 1, 0, 4, 4, "pos"), (1, 2, 1, 0, 4, 4, "b1nr"), (1, 2, 1, 3, 0, 0, "nr"), (1, 2, 1, 3, 5, 0, "nr"),
+        (1, 1, 1, 1, 2, 2, "nr"), (1, 1, 1, 1, 2, 2, "pos1"), (2, 3, 1, 5, 7, 4, "bnr"), (2, 4, 2, 7, 10, 6, "pos"),
+        (3, 2, 2, 17, 6, 6, "b1nr"), (2, 1, 3, 3, 9, 8, "pos1"), (2, 4, 2, 100, 32, 32, "pos")]
+
+
+def _sweep_cases():
+    cases = []
+    for b, hq, hk, n, d, r, lay in SWEEP_SHAPES:
+        for inter in (False, True):
+            def make(dt, b=b, hq=hq, hk=hk, n=n, d=d, r=r, lay=lay, inter=inter):
+                q, k = thread_sweep.randn((b, hq, n, d), 1).to(dt), thread_sweep.randn((b, hk, n, d), 2).to(dt)
+                rows = {"pos": 5, "pos1": 1}.get(lay, n)
+                cos, sin = refs.rope_cos_sin(rows, r, interleaved=inter)
+                pos = None
+                if lay == "bnr":
+                    cos, sin = cos.expand(b, n, r) * 1, sin.expand(b, n, r) * 1
+                elif lay == "b1nr":
+                    cos, sin = cos.expand(b, 1, n, r) * 1, sin.expand(b, 1, n, r) * 1
+                elif lay == "pos":
+                    pos = torch.randint(0, 5, (b, n), generator=torch.Generator().manual_seed(3))
+                elif lay == "pos1":
+                    pos = torch.zeros(1, n, dtype=torch.int64)
+                return q, k, cos.to(dt), sin.to(dt), pos, inter
+
+            cases.append(thread_sweep.Case(f"rope B={b} Hq={hq} Hk={hk} N={n} D={d} R={r} {lay} interleaved={inter}",
+                                           make, opforge.rope, refs.rope, grads=(0, 1)))
+    return cases
+
+
+SWEEP = {"rope": _sweep_cases}

@@ -2,12 +2,17 @@
 strided layouts, gradients, gradcheck, -inf / +inf / NaN rows, opcheck,
 torch.compile, autocast, thread counts, ISAs, bad input."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.library import opcheck
 
+import fuzz
 import opforge
+import thread_sweep
+import training
 from opforge import functional as OF
 
 SOFTMAX = torch.ops.opforge.softmax.default
@@ -228,3 +233,152 @@ def test_empty_and_zero_dim():
 def test_bad_input(call, pattern):
     with pytest.raises(RuntimeError, match=pattern):
         call()
+
+
+# ---- what the generic tests run of softmax and log_softmax (tests/python/discover.py) ---------------------
+
+# fuzz.py: random shapes near the vector widths and lane chunks, any dim, -inf entries and lines, layouts,
+# dtypes, ISAs and threads, against float64 torch
+
+SM_MARKS = (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 123, 4097, 32000)  # vectors, lane chunks, vocab
+
+
+def _fuzz_draw(rng, c):
+    nd = rng.choices((1, 2, 3), (0.2, 0.55, 0.25))[0]
+    c["dim"] = rng.randrange(-nd, nd)
+    shape = [fuzz.dim(rng, 96 if nd == 3 else 300, SM_MARKS, zero=0.02) for _ in range(nd)]
+    shape[c["dim"]] = fuzz.dim(rng, 32000, SM_MARKS, zero=0.02)
+    while math.prod(shape) > 2_000_000:
+        others = [d for d in range(nd) if d != c["dim"] % nd and shape[d] > 1]
+        d = max(others, key=lambda d: shape[d]) if others else c["dim"]
+        shape[d] //= 2
+    c["shape"] = shape
+    c["layout"] = fuzz.layout(rng, shape)
+    c["log"] = rng.random() < 0.5
+    c["specials"] = rng.random() < 0.3  # -inf entries, and now and then a line of -inf only
+    c["grad"] = rng.random() < 0.6
+    return fuzz.seconds(c, 0, 0, math.prod(shape) * 40)
+
+
+def _fuzz_describe(c):
+    return (f"{'log_softmax' if c['log'] else 'softmax'} x={tuple(c['shape'])}{fuzz.layout_str(c['layout'])} "
+            f"dim={c['dim']} specials={c['specials']} grad={c['grad']}")
+
+
+def _fuzz_check(c, gen, dtype, dt, call):
+    base, view = fuzz.make(gen, c["shape"], dtype, c["layout"], scale=3.0)
+    dim = c["dim"]
+    if c["specials"] and base.numel():
+        idx = torch.randint(0, base.numel(), (min(base.numel(), 64),), generator=gen)
+        base.view(-1)[idx] = -math.inf
+        lay = c["layout"]
+        if base.dim() and (lay is None or not lay["expand"]) and torch.rand((), generator=gen) < 0.3:
+            line = tuple(slice(None) if d == dim % base.dim() else 0 for d in range(base.dim()))
+            view(base)[line] = -math.inf  # a line of -inf only: NaN, as torch
+    base.requires_grad_(c["grad"])
+    x = view(base)
+    fn = opforge.functional.log_softmax if c["log"] else opforge.functional.softmax
+    g = fuzz.random_tensor(gen, c["shape"], dtype)
+
+    def forward_backward():
+        y = fn(x, dim)
+        return y, (torch.autograd.grad(y, x, g)[0] if c["grad"] else None)
+
+    if c["grad"]:
+        y, dx = call(forward_backward)
+    else:
+        with torch.no_grad():
+            y, dx = call(forward_backward)
+    x64 = x.detach().double()
+    n = x64.shape[dim] if x64.dim() else 1
+    u = fuzz.U_ACC[dt]
+    sm = F.softmax(x64, dim)
+    mx = x64.amax(dim, keepdim=True) if x64.numel() else x64
+    d = (x64 - mx).abs().nan_to_num(0.0, 0.0, 0.0)  # the exp's argument: its rounding is relative to it
+    if c["log"]:
+        want = F.log_softmax(x64, dim)
+        bound = fuzz.C_FN * u * (d + mx.abs().nan_to_num(0.0, 0.0, 0.0) + 1.0) + fuzz.c_sum(n) * u + fuzz.out_tol(want, dt)
+    else:
+        want = sm
+        bound = (fuzz.C_FN * u * (1.0 + d) + fuzz.c_sum(n) * u) * sm + fuzz.out_tol(want, dt)
+    checks = [fuzz.Check("out", y, want, bound.nan_to_num(0.0, 0.0, 0.0), dtype)]
+    if c["grad"]:
+        g64 = g.double()
+        x64r = x64.clone().requires_grad_()
+        with torch.enable_grad():
+            (gwant,) = torch.autograd.grad((F.log_softmax if c["log"] else F.softmax)(x64r, dim), x64r, g64)
+        ga = g64.abs()
+        # the backward reads y as saved: its forward error, and its rounding where FUZZ's rounded says so
+        # (relative, or half a float16 subnormal's spacing)
+        y_rnd = fuzz.rounding_err(c, "y", want)
+        if c["log"]:  # dx = dy - exp(y) sum(dy)
+            gsum = ga.sum(dim, keepdim=True)
+            err_y = fuzz.C_FN * u * (d + mx.abs().nan_to_num(0.0, 0.0, 0.0) + 1.0)
+            gb = 4 * (sm * gsum * (err_y + fuzz.c_sum(n) * u) + fuzz.C_FN * u * ga) + sm * gsum * y_rnd.expm1()
+        else:  # dx = y (dy - sum(dy y))
+            def carried(ey):
+                return ey * (ga + (ga * sm).sum(dim, keepdim=True)) + sm * (ga * ey).sum(dim, keepdim=True)
+
+            gb = 4 * (carried(sm * fuzz.C_FN * u * (1.0 + d)) + fuzz.c_sum(n) * u * sm * (ga * sm).sum(dim, keepdim=True)) \
+                + carried(y_rnd)
+        checks.append(fuzz.Check("dx", dx, gwant, gb.nan_to_num(0.0, 0.0, 0.0) + fuzz.out_tol(gwant, dt), dtype))
+    return checks
+
+
+FUZZ = {
+    # softmax.c: the backward reads the saved 16-bit y (softmax.h)
+    "softmax": fuzz.Op(_fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.15, order=8,
+                       covers=("softmax", "log_softmax"), rounded={("*", "*"): ("y",)}),
+}
+
+
+# test_export.py: the ops' parts of the exported model
+
+EXPORT = {
+    "softmax": lambda g, hidden, vocab, max_len: ({}, lambda x, target: (OF.softmax(x),)),
+    "log_softmax": lambda g, hidden, vocab, max_len: ({}, lambda x, target: (OF.log_softmax(x),)),
+}
+
+
+# test_training.py: autocast, checkpointing and determinism
+
+TRAINING = {
+    "softmax": training.Case(
+        ("softmax",),
+        lambda dt, big: [training.randn(700 if big else 6, 9, 33, dtype=dt)],
+        (0,),
+        OF.softmax,
+        lambda x: F.softmax(x, -1),
+        autocast="none"),
+    "log_softmax": training.Case(
+        ("log_softmax",),
+        lambda dt, big: [training.randn(700 if big else 6, 9, 33, dtype=dt)],
+        (0,),
+        OF.log_softmax,
+        lambda x: F.log_softmax(x, -1),
+        autocast="none"),
+}
+
+
+# test_thread_sweep.py: empty and tiny shapes at 1-64 threads
+
+
+SWEEP_SHAPES = [((), 0), ((0,), 0), ((1,), 0), ((17,), -1), ((5, 0), -1), ((5, 0), 0), ((0, 5), -1), ((0, 5), 0),
+           ((3, 7), -1), ((3, 7), 0), ((2, 3, 5), 1), ((2, 0, 3), 2), ((1, 1, 1), 1), ("t", 0), ((64, 520), -1),
+           ((520, 64), 0)]
+
+
+def _sweep_cases():
+    cases = []
+    for log in (False, True):
+        op, ref = (opforge.log_softmax, F.log_softmax) if log else (opforge.softmax, F.softmax)
+        for shape, dim in SWEEP_SHAPES:
+            def make(dt, shape=shape, dim=dim):
+                x = thread_sweep.randn((7, 5), 4).t() if shape == "t" else thread_sweep.randn(shape, 4)
+                return ((x * 2).to(dt), dim)
+            cases.append(thread_sweep.Case(f"{op.__name__} {shape} dim={dim}", make, lambda x, d, op=op: (op(x, d),),
+                                           lambda x, d, ref=ref: (ref(x, d),), grads=(0,)))
+    return cases
+
+
+SWEEP = dict.fromkeys(("softmax", "log_softmax"), _sweep_cases)

@@ -1,223 +1,60 @@
 """Training with opforge's ops: autocast (bfloat16 and float16, GradScaler), activation checkpointing,
 whole-model torch.compile, and determinism.
 
-One table, CASES, holds every op as a user calls it -- an input builder and the torch function it stands
-for -- and each section runs it: the autocast tests compare the dtypes (and values) of every op with its
-torch twin's under torch.autocast, the checkpoint tests recompute every op, the determinism tests run
-every op's forward and backward at 1 and 2 threads. test_every_op_has_a_case fails when an op lands
-without a row here.
+Every op as a user calls it -- an input builder and the torch function it stands for -- is a
+training.Case in the TRAINING table of the op's test module (tests/python/discover.py), and each
+section runs every case: the autocast tests compare the dtypes (and values) of every op with its torch
+twin's under torch.autocast, the checkpoint tests recompute every op, the determinism tests run every
+op's forward and backward at 1 and 2 threads. test_every_op_has_a_case_and_a_policy fails when the
+library has an op no case runs.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as TF
 from torch.utils.checkpoint import checkpoint
 
+import discover
 import opforge
 from opforge import _lib
-from opforge import functional as OF
 from opforge.models import GPT, GPTConfig
-from opforge.models.gpt import Block, rotate_half
+from opforge.models.gpt import Block
 
-LOWER, FP32, PROMOTE, NONE = _lib.AUTOCAST_LOWER, _lib.AUTOCAST_FP32, _lib.AUTOCAST_PROMOTE, _lib.AUTOCAST_NONE
+NONE = _lib.AUTOCAST_NONE
 
+# ---- the cases --------------------------------------------------------------------------------------
 
-# ---- the table --------------------------------------------------------------------------------------
+CASES = discover.entries("TRAINING")
 
-
-@dataclass(frozen=True)
-class Case:
-    ops: tuple[str, ...]  # the registered forward ops the call runs
-    make: Callable  # (dtype, big) -> argument list; big: sizes that span several row blocks and threads
-    grads: tuple[int, ...]  # the arguments that get gradients
-    opforge: Callable
-    torch: Callable
-
-
-def _randn(*shape, dtype, lo=None):
-    t = torch.randn(shape, dtype=torch.float32)
-    if lo is not None:
-        t = t.abs() + lo
-    return t.to(dtype)
-
-
-def _target(n, classes, ignored=3):
-    t = torch.randint(0, classes, (n,))
-    t[:ignored] = -100
-    return t
-
-
-def _hf_rope(q, k, cos, sin):
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-CASES = {
-    "dispersion_correction": Case(
-        ("dispersion_correction",),
-        lambda dt, big: [_randn(*((600, 257) if big else (9, 37)), dtype=dt, lo=0.1)],
-        (0,),
-        lambda x: OF.dispersion_correction(x, 0.7),
-        lambda x: x * 0.7 + torch.sqrt(x)),
-    "matmul": Case(
-        ("matmul",),
-        lambda dt, big: [_randn(3, 300 if big else 17, 64, dtype=dt), _randn(3, 64, 200 if big else 11, dtype=dt)],
-        (0, 1),
-        OF.matmul,
-        torch.matmul),
-    "linear": Case(
-        ("linear",),
-        lambda dt, big: [_randn(1200 if big else 4, 9, 24, dtype=dt), _randn(96 if big else 40, 24, dtype=dt)],
-        (0, 1),
-        OF.linear,
-        TF.linear),
-    "linear_bias_gelu": Case(
-        ("linear",),
-        lambda dt, big: [_randn(1200 if big else 4, 9, 24, dtype=dt), _randn(96 if big else 40, 24, dtype=dt),
-                         _randn(96 if big else 40, dtype=dt)],
-        (0, 1, 2),
-        lambda x, w, b: OF.linear(x, w, b, "gelu"),
-        lambda x, w, b: TF.gelu(TF.linear(x, w, b))),
-    "scaled_dot_product_attention": Case(
-        ("attention",),
-        lambda dt, big: [_randn(2, 4, 300 if big else 13, 32, dtype=dt) for _ in range(1)]
-        + [_randn(2, 2, 300 if big else 13, 32, dtype=dt) for _ in range(2)],
-        (0, 1, 2),
-        lambda q, k, v: OF.scaled_dot_product_attention(q, k, v, is_causal=True),
-        lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
-    "attention_decode": Case(  # forward only (inference): a full cache, so the twin is plain SDPA
-        ("attention_decode",),
-        lambda dt, big: [_randn(2, 4, 3, 32, dtype=dt)] + [_randn(2, 2, 2000 if big else 13, 32, dtype=dt)
-                                                             for _ in range(2)]
-        + [torch.full((2,), 2000 if big else 13, dtype=torch.int64)],
-        (),
-        lambda q, k, v, n: OF.attention_decode(q, k, v, n),
-        lambda q, k, v, n: TF.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
-    "rms_norm": Case(
-        ("rms_norm",),
-        lambda dt, big: [_randn(2000 if big else 5, 7, 48, dtype=dt), 1 + 0.1 * _randn(48, dtype=dt)],
-        (0, 1),
-        lambda x, w: OF.rms_norm(x, w, 1e-6),
-        lambda x, w: TF.rms_norm(x, (x.shape[-1],), w, 1e-6)),
-    "add_rms_norm": Case(
-        ("add_rms_norm",),
-        lambda dt, big: [_randn(2000 if big else 5, 7, 48, dtype=dt), _randn(2000 if big else 5, 7, 48, dtype=dt),
-                         1 + 0.1 * _randn(48, dtype=dt)],
-        (0, 1, 2),
-        lambda x, r, w: OF.add_rms_norm(x, r, w, 1e-6),
-        lambda x, r, w: (TF.rms_norm(x + r, (x.shape[-1],), w, 1e-6), x + r)),
-    "layer_norm": Case(
-        ("layer_norm",),
-        lambda dt, big: [_randn(2000 if big else 5, 7, 48, dtype=dt), 1 + 0.1 * _randn(48, dtype=dt),
-                         0.1 * _randn(48, dtype=dt)],
-        (0, 1, 2),
-        lambda x, w, b: OF.layer_norm(x, w, b, 1e-5),
-        lambda x, w, b: TF.layer_norm(x, (x.shape[-1],), w, b, 1e-5)),
-    "swiglu": Case(
-        ("glu",),
-        lambda dt, big: [_randn(600 if big else 6, 9, 40, dtype=dt), _randn(600 if big else 6, 9, 40, dtype=dt)],
-        (0, 1),
-        OF.swiglu,
-        lambda g, u: TF.silu(g) * u),
-    "geglu": Case(
-        ("glu",),
-        lambda dt, big: [_randn(600 if big else 6, 9, 40, dtype=dt), _randn(600 if big else 6, 9, 40, dtype=dt)],
-        (0, 1),
-        OF.geglu,
-        lambda g, u: TF.gelu(g) * u),
-    "rope": Case(
-        ("rope",),
-        lambda dt, big: [_randn(4 if big else 2, 4, 300 if big else 11, 16, dtype=dt),
-                         _randn(4 if big else 2, 2, 300 if big else 11, 16, dtype=dt),
-                         *(f(torch.randn(300 if big else 11, 8).repeat(1, 2)).to(dt) for f in (torch.cos, torch.sin))],
-        (0, 1),
-        OF.rope,
-        _hf_rope),
-    "softmax": Case(
-        ("softmax",),
-        lambda dt, big: [_randn(700 if big else 6, 9, 33, dtype=dt)],
-        (0,),
-        OF.softmax,
-        lambda x: TF.softmax(x, -1)),
-    "log_softmax": Case(
-        ("log_softmax",),
-        lambda dt, big: [_randn(700 if big else 6, 9, 33, dtype=dt)],
-        (0,),
-        OF.log_softmax,
-        lambda x: TF.log_softmax(x, -1)),
-    "cross_entropy": Case(
-        ("cross_entropy",),
-        lambda dt, big: [_randn(3000 if big else 37, 50, dtype=dt), _target(3000 if big else 37, 50)],
-        (0,),
-        OF.cross_entropy,
-        TF.cross_entropy),
-    "linear_cross_entropy": Case(
-        ("linear_cross_entropy",),
-        # big: 2100 x 2100 logits, more than one block (LCE_BLOCK_FLOATS): the backward recomputes them
-        lambda dt, big: [_randn(2100 if big else 37, 16, dtype=dt), 0.3 * _randn(2100 if big else 50, 16, dtype=dt),
-                         _target(2100 if big else 37, 2100 if big else 50), 0.1 * _randn(2100 if big else 50, dtype=dt)],
-        (0, 1, 3),
-        OF.linear_cross_entropy,
-        lambda h, w, t, b: TF.cross_entropy(TF.linear(h, w, b), t)),
-    "linear_cross_entropy_one_block": Case(
-        ("linear_cross_entropy",),
-        # one block of logits: the forward makes the gradients, the backward scales them
-        lambda dt, big: [_randn(700 if big else 37, 24, dtype=dt), 0.3 * _randn(1100 if big else 50, 24, dtype=dt),
-                         _target(700 if big else 37, 1100 if big else 50)],
-        (0, 1),
-        OF.linear_cross_entropy,
-        lambda h, w, t: TF.cross_entropy(TF.linear(h, w), t)),
-    "linear_cross_entropy_none": Case(
-        ("linear_cross_entropy_none",),
-        lambda dt, big: [_randn(700 if big else 37, 24, dtype=dt), 0.3 * _randn(1100 if big else 50, 24, dtype=dt),
-                         _target(700 if big else 37, 1100 if big else 50)],
-        (0, 1),
-        lambda h, w, t: OF.linear_cross_entropy(h, w, t, reduction="none"),
-        lambda h, w, t: TF.cross_entropy(TF.linear(h, w), t, reduction="none")),
-}
-
-# Each forward op's autocast policy (its descriptor's .autocast, plus what its Python wrapper adapts) and
-# the torch function whose dtype it returns under torch.autocast("cpu", bfloat16 / float16):
+# Each forward op's autocast policy (its descriptor's .autocast, plus what its Python wrapper adapts; a
+# case states its ops' policy) and the torch function whose dtype it returns under
+# torch.autocast("cpu", bfloat16 / float16):
 #   lower    floating inputs cast to the autocast dtype   F.linear, torch.matmul, F.scaled_dot_product_attention
 #   fp32     floating inputs cast to float32               F.cross_entropy (torch's CPU fp32 list)
 #   promote  cast to the widest floating input             eager elementwise ops (x * a + sqrt(x), silu(g) * u,
 #                                                          q * cos + rotate_half(q) * sin): on no autocast list
-#   none     the dtype given (the norms' wrappers cast     F.softmax, F.log_softmax, F.rms_norm, F.layer_norm:
-#            float32 parameters to a 16-bit x's dtype)     on no CPU autocast list
-POLICY = {
-    "dispersion_correction": PROMOTE,
-    "matmul": LOWER,
-    "linear": LOWER,
-    "attention": LOWER,
-    "attention_decode": LOWER,
-    "rms_norm": NONE,
-    "add_rms_norm": NONE,
-    "layer_norm": NONE,
-    "glu": PROMOTE,
-    "rope": PROMOTE,
-    "softmax": NONE,
-    "log_softmax": NONE,
-    "cross_entropy": FP32,
-    "linear_cross_entropy": FP32,
-    "linear_cross_entropy_none": FP32,
-}
+#   none     the dtype given                               F.softmax, F.log_softmax: on no CPU autocast list
+#   follow   float32 parameters cast to a 16-bit first     F.rms_norm, F.layer_norm
+#            input's dtype
 
 
 def _forward_ops():
-    backward = {n for d in opforge.library.ops if d.backward for n in (d.backward, d.backward + "_")}
-    return {d.name: d for d in opforge.library.ops if d.name not in backward}
+    forward = set(discover.forward_ops())
+    return {d.name: d for d in opforge.library.ops if d.name in forward}
 
 
 def test_every_op_has_a_case_and_a_policy():
+    msg = discover.coverage("TRAINING", {name for case in CASES.values() for name in case.ops})
+    assert msg is None, msg
     ops = _forward_ops()
-    covered = {name for case in CASES.values() for name in case.ops}
-    assert covered == set(ops), f"ops without a case in CASES: {sorted(set(ops) - covered)}"
-    assert {name: d.autocast for name, d in ops.items()} == POLICY
+    for label, case in CASES.items():
+        want = getattr(_lib, f"AUTOCAST_{case.autocast.upper()}")
+        for name in case.ops:
+            assert ops[name].autocast == want, \
+                f"{label}: {name}'s descriptor has autocast {ops[name].autocast}, the case says {case.autocast} ({want})"
 
 
 def _outs(y):
@@ -268,27 +105,6 @@ def test_autocast_dtype_and_gradients_as_torch(name, given, amp):
     for i in case.grads:
         assert mine[i].grad.dtype == mine[i].dtype, f"{name}: gradient of argument {i} in {mine[i].grad.dtype}"
         _assert_near(mine[i].grad, theirs[i].grad, 2 * tol, f"{name} gradient of argument {i}")
-
-
-@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_autocast_promote_follows_the_widest_input_as_eager(amp):
-    # a 16-bit projection output beside float32 tables: eager's elementwise ops promote to float32
-    q, k = _randn(2, 4, 11, 16, dtype=amp), _randn(2, 2, 11, 16, dtype=amp)
-    cos, sin = (f(torch.randn(11, 8)).repeat(1, 2) for f in (torch.cos, torch.sin))
-    gate, up = _randn(5, 24, dtype=amp), torch.randn(5, 24)
-    x = _randn(5, 24, dtype=amp, lo=0.1)
-    with torch.autocast("cpu", dtype=amp):
-        oq, ok = OF.rope(q, k, cos, sin)
-        y = OF.swiglu(gate, up)
-        z = OF.dispersion_correction(x, 0.5)
-    assert oq.dtype == ok.dtype == _hf_rope(q, k, cos, sin)[0].dtype == torch.float32
-    torch.testing.assert_close(oq, _hf_rope(q.float(), k.float(), cos, sin)[0], atol=1e-5, rtol=1e-5)
-    assert y.dtype == (TF.silu(gate) * up).dtype == torch.float32
-    torch.testing.assert_close(y, TF.silu(gate.float()) * up, atol=1e-5, rtol=1e-5)
-    assert z.dtype == amp  # a 16-bit input alone stays 16-bit
-    # float64 is left alone, as torch's autocast leaves it
-    with torch.autocast("cpu", dtype=amp):
-        assert OF.swiglu(gate.double(), up.double()).dtype == torch.float64
 
 
 def test_autocast_kernels_registered_for_cpu_and_cuda():

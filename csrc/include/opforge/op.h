@@ -31,8 +31,12 @@ typedef enum opf_autocast {
     OPF_AUTOCAST_NONE = 0, /* run in the dtype the inputs have */
     OPF_AUTOCAST_LOWER,    /* cast floating inputs to the autocast dtype (fp16/bf16) */
     OPF_AUTOCAST_FP32,     /* cast floating inputs to float32 */
-    OPF_AUTOCAST_PROMOTE   /* cast floating inputs to the widest of their dtypes (eager's type promotion: an
+    OPF_AUTOCAST_PROMOTE,  /* cast floating inputs to the widest of their dtypes (eager's type promotion: an
                               elementwise op on a 16-bit and a float32 tensor runs in float32) */
+    OPF_AUTOCAST_FOLLOW    /* parameters follow the input: with a 16-bit first tensor argument, float32
+                              Tensor? arguments (weight, bias) are cast to its dtype, as eager's norms run in
+                              their input's dtype beside float32 parameters; their gradients come back in
+                              float32 through the cast */
 } opf_autocast;
 
 /* The op's name is the schema's up to its '(': it is written once, there. */

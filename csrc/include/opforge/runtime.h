@@ -51,7 +51,7 @@ int opf_runtime_init(char *err, size_t errlen);
 
 /* ---- kernel variants ---------------------------------------------------------- */
 
-/* Every variant table of a kernel family (gemm_kernels, attn_kernels, ...)
+/* Every variant table of a kernel family (gemm_kernels, attention_kernels, ...)
  * begins with these two members, so that one function chooses among any
  * family's tables and one listing names them all. */
 #define OPF_VARIANT_HEAD                                                  \

@@ -1,0 +1,94 @@
+"""``linear_cross_entropy``: an LM head and its cross-entropy without the (tokens, vocab) logits."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .._lib import op_function
+from .._runtime import library, namespace, ops
+from .cross_entropy import REDUCTIONS
+
+__all__ = ["linear_cross_entropy"]
+
+library.dll.opforge_linear_cross_entropy_block_floats.restype = ctypes.c_int64
+BLOCK_FLOATS = library.dll.opforge_linear_cross_entropy_block_floats()  # the kernel's logits block, read from C
+
+
+def one_block(tokens, vocab) -> bool:
+    """Whether the (tokens, vocab) logits are the kernel's one logits block (tokens * vocab <= its
+    BLOCK_FLOATS, as csrc/kernels/linear_cross_entropy.h states), which the forward then reuses for the
+    gradients. Sizes may be symbolic (a compiled graph guards on the comparison)."""
+    return tokens * vocab <= BLOCK_FLOATS
+
+
+@op_function(ops.linear_cross_entropy.default)
+def _linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap,
+                          compute_grad):
+    """(loss, lse, dhidden, dweight, dbias) for reduction mean / sum: see linear_cross_entropy."""
+
+
+@op_function(ops.linear_cross_entropy_none.default)
+def _linear_cross_entropy_none(hidden, weight, target, bias, ignore_index, label_smoothing, softcap):
+    """(loss per token, lse) for reduction none: see linear_cross_entropy."""
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: torch.Tensor | None = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+                         reduction: str = "mean", softcap: float | None = None) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` (an LM head and its loss) without
+    the (tokens, vocab) logits: they are made a block of about 2048 tokens x 2048 vocab rows at a time on
+    opforge's GEMM, folded into an online log-sum-exp per token, and dropped.
+
+    Args:
+        hidden: (..., H); its leading dims are flattened to T tokens (``reshape``: a copy only when they
+            cannot be merged as a view), then read in place through its strides.
+        weight: (V, H) as ``nn.Linear`` / an LM head stores it, any strides.
+        target: (...) int64 class indices in [0, V), or ignore_index; the leading dims of hidden.
+        bias: (V,) or None.
+        ignore_index: targets equal to it add nothing (and are left out of the mean's count).
+        label_smoothing: in [0, 1], as ``F.cross_entropy``'s.
+        reduction: "mean" (over the tokens not ignored; NaN when all are, as torch), "sum" or "none"
+            (the loss of each token, shaped like target, 0 where ignored).
+        softcap: Gemma-2's logit soft-capping, ``softcap * tanh(logits / softcap)`` before the softmax;
+            None for none.
+
+    With reduction "mean" or "sum", a gradient needed (grad mode on and an input requiring grad) and the
+    logits fitting one block (:func:`one_block`: about 4M floats), the call also makes the gradients of hidden, weight and bias from that block, and the
+    backward only scales them by the incoming gradient.
+    Larger problems keep only each token's log-sum-exp (T floats) for the backward, which recomputes the
+    blocks: the gradients' second sweep must recompute every block wherever it runs, so running it in the
+    forward would save no work, and would hold dweight and dhidden from forward to backward and copy them
+    there (twice their size at the peak). With "none" the per-token gradients are known only in the
+    backward, which recomputes the blocks from the saved log-sum-exp. float32; bfloat16 and float16 (the GEMM's 16-bit paths, float32 accumulation,
+    gradients accumulated in float32 and rounded once; the loss is computed in float32 and returned in the
+    input dtype); float64 a reference loop (for gradcheck). Deterministic: the same bits on any thread
+    count. Under ``torch.autocast`` the op runs in float32 (policy fp32) and returns a float32 loss, the
+    dtype of torch's ``F.cross_entropy(F.linear(...))`` under autocast (torch rounds its logits to the
+    autocast dtype, opforge keeps them float32). A 16-bit loss would overflow GradScaler's scaled float16
+    gradient (65536 is past float16's range) and skip the step.
+    """
+    code = REDUCTIONS.get(reduction)
+    if code is None:
+        raise RuntimeError(
+            f"[{namespace}::linear_cross_entropy] argument 'reduction' must be one of "
+            f"{', '.join(map(repr, REDUCTIONS))}, got {reduction!r}"
+        )
+    if hidden.dim() < 1:
+        raise RuntimeError(f"[{namespace}::linear_cross_entropy] argument 'hidden' must have at least 1 dim "
+                           "(..., hidden), got a 0-d tensor")
+    lead = hidden.shape[:-1]
+    if tuple(target.shape) != tuple(lead):
+        raise RuntimeError(
+            f"[{namespace}::linear_cross_entropy] argument 'target' must have the leading dims of 'hidden' "
+            f"{list(lead)}, got {list(target.shape)}"
+        )
+    h2, t1 = hidden.reshape(target.numel(), hidden.shape[-1]), target.reshape(-1)
+    if reduction == "none":
+        return _linear_cross_entropy_none(h2, weight, t1, bias, ignore_index, float(label_smoothing), softcap)[0].view(
+            lead)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    compute_grad = needs_grad and one_block(h2.shape[0], weight.shape[0])
+    return _linear_cross_entropy(h2, weight, t1, bias, ignore_index, float(label_smoothing), code, softcap,
+                                 compute_grad)[0]
