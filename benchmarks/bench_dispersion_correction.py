@@ -18,7 +18,7 @@ import torch
 import opforge
 from opforge.benchmark import RESULTS, compare, plot, write_results
 from opforge.testing import assert_close
-from opforge.testing import dispersion_correction as reference
+from opforge.references.dispersion_correction import dispersion_correction as reference
 
 ALPHA = 0.8
 

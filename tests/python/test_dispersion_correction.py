@@ -16,7 +16,7 @@ import thread_sweep
 import training
 from opforge import references as refs
 from opforge.testing import DTYPES, assert_close
-from opforge.testing import dispersion_correction as reference
+from opforge.references.dispersion_correction import dispersion_correction as reference
 
 OP = torch.ops.opforge.dispersion_correction.default
 BWD = torch.ops.opforge.dispersion_correction_backward.default
