@@ -17,8 +17,8 @@ import torch
 
 import opforge
 from opforge.benchmark import RESULTS, compare, plot, write_results
-from opforge.testing import assert_close
 from opforge.references.dispersion_correction import dispersion_correction as reference
+from opforge.testing import assert_close
 
 ALPHA = 0.8
 

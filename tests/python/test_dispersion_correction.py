@@ -15,8 +15,8 @@ import opforge
 import thread_sweep
 import training
 from opforge import references as refs
-from opforge.testing import DTYPES, assert_close
 from opforge.references.dispersion_correction import dispersion_correction as reference
+from opforge.testing import DTYPES, assert_close
 
 OP = torch.ops.opforge.dispersion_correction.default
 BWD = torch.ops.opforge.dispersion_correction_backward.default
