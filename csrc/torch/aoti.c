@@ -18,7 +18,7 @@
  * (OPF_NAMESPACE, a build parameter), so that two builds under different
  * namespaces cannot collide; the declaration that python/opforge/aoti.py
  * generates from the schema binds inductor's name to it with an asm label:
- *   AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, ...) __asm__("opforge_aoti_cpu_rms_norm")
+ *   AOTITorchError aoti_torch_cpu_<op>(AtenTensorHandle x, ...) __asm__("opforge_aoti_cpu_<op>")
  *
  * Errors. The boxed kernel raises with aoti_torch_check, which throws a C++
  * exception (c10::Error). C cannot catch it, and torch's C ABI has no entry
@@ -41,9 +41,6 @@
 #include "aoti.h"
 
 #define OPF_AOTI_FAILURE 1
-
-int opf_init_once(char *err, size_t errlen);                   /* glue.c */
-const opf_op_desc *opforge_op_table(char *err, size_t errlen); /* ops.c */
 
 /* ---- arguments: the shim's C values as a boxed stack ------------------------- */
 
@@ -158,21 +155,13 @@ static void release(opf_aoti_args *a) {
 
 /* ---- the call --------------------------------------------------------------- */
 
-static OpfBoxedKernel find_kernel(const char *op) {
-    char err[256];
-    const opf_op_desc *table = opforge_op_table(err, sizeof err);
-    size_t len = strlen(op);
-    for (const opf_op_desc *d = table; d && d->schema; d++)
-        if (strncmp(d->schema, op, len) == 0 && d->schema[len] == '(') return d->cpu;
-    return NULL;
-}
-
 AOTITorchError opf_aoti_run(opf_aoti_site *site, opf_aoti_args *a, AtenTensorHandle **rets, int nout) {
     OpfBoxedKernel kernel = __atomic_load_n(&site->kernel, __ATOMIC_ACQUIRE);
     if (kernel == NULL && !a->failed) {
         char err[512];
         if (opf_init_once(err, sizeof err) == 0) {
-            kernel = find_kernel(site->op);
+            const opf_op_desc *desc = opf_find_op(site->op);
+            kernel = desc ? desc->cpu : NULL;
             __atomic_store_n(&site->kernel, kernel, __ATOMIC_RELEASE);
         } else {
             opf_log(OPF_LOG_ERROR, "%s: %s", site->op, err);

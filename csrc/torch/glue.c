@@ -161,6 +161,13 @@ opf_dtype opf_check_float(const char *op, const char *arg, const opf_tensor *t) 
              opf_dtype_name(t->dtype));
 }
 
+/* Appends item i of count to the list in buf, as the errors list what they accept: "a", "a or b",
+ * "a, b or c" (cut at len). */
+static void list_item(char *buf, size_t len, int i, int count, const char *item) {
+    size_t used = strlen(buf);
+    if (used + 1 < len) snprintf(buf + used, len - used, "%s%s", i == 0 ? "" : i + 1 == count ? " or " : ", ", item);
+}
+
 opf_dtype opf_check_dtype(const char *op, const char *arg, const opf_tensor *t, unsigned accepted) {
     accepted &= OPF_DTYPES_FLOAT;
     for (int i = 0; i < OPF_DTYPE_COUNT; i++)
@@ -169,13 +176,8 @@ opf_dtype opf_check_dtype(const char *op, const char *arg, const opf_tensor *t, 
     /* "float32", "float32 or float16", "float32, bfloat16 or float16": the set, in opf_dtype order */
     char names[96] = "";
     int count = 0, total = __builtin_popcount(accepted);
-    for (int i = 0; i < OPF_DTYPE_COUNT; i++) {
-        if (!(accepted & OPF_DTYPE_BIT(i))) continue;
-        size_t used = strlen(names);
-        const char *sep = count == 0 ? "" : count == total - 1 ? " or " : ", ";
-        snprintf(names + used, sizeof names - used, "%s%s", sep, opf_dtype_name(dtypes[i].code));
-        count++;
-    }
+    for (int i = 0; i < OPF_DTYPE_COUNT; i++)
+        if (accepted & OPF_DTYPE_BIT(i)) list_item(names, sizeof names, count++, total, opf_dtype_name(dtypes[i].code));
     opf_fail(op, "argument '%s' must be %s, got %s", arg, count ? names : "(no dtype: the accepted set is empty)",
              opf_dtype_name(t->dtype));
 }
@@ -190,12 +192,11 @@ static const char *device_name(int32_t type) {
 int64_t opf_check_enum(const char *op, const char *arg, const opf_enum_desc *e, int64_t value) {
     for (int i = 0; i < e->count; i++)
         if (e->values[i].code == value) return value;
-    char list[512];
-    size_t n = 0;
-    for (int i = 0; i < e->count && n < sizeof list; i++) {
-        const char *sep = i == 0 ? "" : i + 1 == e->count ? " or " : ", ";
-        n += (size_t)snprintf(list + n, sizeof list - n, "%s%lld (%s)", sep, (long long)e->values[i].code,
-                              e->values[i].name);
+    char list[512] = "";
+    for (int i = 0; i < e->count; i++) {
+        char item[96];
+        snprintf(item, sizeof item, "%lld (%s)", (long long)e->values[i].code, e->values[i].name);
+        list_item(list, sizeof list, i, e->count, item);
     }
     opf_fail(op, "argument '%s' must be %s, got %lld", arg, list, (long long)value);
 }

@@ -33,12 +33,15 @@ OPF_EXPORT const opf_op_desc *opforge_op_table(char *err, size_t errlen) {
     return table;
 }
 
-/* ---- registration at load --------------------------------------------------------- */
+const opf_op_desc *opf_find_op(const char *name) {
+    const size_t len = strlen(name);
+    for (const opf_op_desc *const *group = __start_opf_ops; group < __stop_opf_ops; group++)
+        for (const opf_op_desc *op = *group; op->schema; op++)
+            if (strncmp(op->schema, name, len) == 0 && op->schema[len] == '(') return op;
+    return NULL;
+}
 
-int opforge_register(const char *ns, const opf_op_desc *ops, char *err, size_t errlen); /* glue.c */
-int opf_init_once(char *err, size_t errlen);                                            /* glue.c */
-int opforge_set_python_module(const char *ns, const char *module, const char *context, char *err,
-                              size_t errlen); /* glue.c */
+/* ---- registration at load --------------------------------------------------------- */
 
 /* The Python module that adds the fake kernels, autograd and autocast: torch
  * names it when a traced program meets an op without its fake kernel. */

@@ -55,6 +55,21 @@ typedef struct opf_enum_desc {
         OPF_REG_CAT(opf_enum_values_, enum_name)};                                                   \
     OPF_REG_ENTRY(opf_enums, const opf_enum_desc *) = &OPF_REG_CAT(opf_enum_, enum_name)
 
+/* ---- the generic wiring's own calls (ops.c, glue.c), for the other generic files ---- */
+
+/* Every op of the library as one table ended by OPF_OP_END (a copy in static storage), or NULL with a
+ * message in err. */
+const opf_op_desc *opforge_op_table(char *err, size_t errlen);
+/* The descriptor of the op named name (its schema up to '('), read from the op files' tables in place;
+ * NULL when there is none. */
+const opf_op_desc *opf_find_op(const char *name);
+/* Defines the ops of a table ended by OPF_OP_END under namespace ns and registers their kernels. */
+int opforge_register(const char *ns, const opf_op_desc *ops, char *err, size_t errlen);
+/* Names the Python module that registers the fake and autograd kernels of ns, for its next opforge_register. */
+int opforge_set_python_module(const char *ns, const char *module, const char *context, char *err, size_t errlen);
+/* The runtime's initialisation, once per process (entry points reached without the Python layer). */
+int opf_init_once(char *err, size_t errlen);
+
 /* `value` when it is a code of the enum e, or a RuntimeError naming op, argument and every accepted code with its name:
  * "[opforge::cross_entropy] argument 'reduction' must be 0 (none), 1 (mean) or
  * 2 (sum), got 5". The codes are what the schema's int argument takes. */

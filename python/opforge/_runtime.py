@@ -46,6 +46,16 @@ def enum(name: str) -> dict[str, int]:
     return out
 
 
+def enum_code(values: dict[str, int], op: str, arg: str, name, also: str = "") -> int:
+    """The code of name in values (an enum()), or the op's RuntimeError listing the accepted names (and
+    ``also``, a further accepted form the caller maps itself, e.g. " or None")."""
+    code = values.get(name)
+    if code is None:
+        raise RuntimeError(f"[{namespace}::{op}] argument '{arg}' must be one of {', '.join(map(repr, values))}{also}, "
+                           f"got {name!r}")
+    return code
+
+
 def enums() -> list[str]:
     """The enums the library defines."""
     names, i = [], 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._lib import op_function
-from .._runtime import enum, namespace, ops
+from .._runtime import enum, enum_code, ops
 
 __all__ = ["REDUCTIONS", "cross_entropy"]
 
@@ -50,12 +50,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     bits on any thread count. Under ``torch.autocast`` the op runs in float32
     (policy fp32), as torch's autocast runs F.cross_entropy.
     """
-    code = REDUCTIONS.get(reduction)
-    if code is None:
-        raise RuntimeError(
-            f"[{namespace}::cross_entropy] argument 'reduction' must be one of {', '.join(map(repr, REDUCTIONS))}, "
-            f"got {reduction!r}"
-        )
+    code = enum_code(REDUCTIONS, "cross_entropy", "reduction", reduction)
     losses, loss, _ = _cross_entropy(logits, target, weight, int(ignore_index), float(label_smoothing), code,
                                      None if softcap is None else float(softcap))
     return losses if reduction == "none" else loss

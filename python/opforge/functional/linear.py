@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._lib import op_function
-from .._runtime import enum, namespace, ops
+from .._runtime import enum, enum_code, ops
 
 __all__ = ["ACTIVATIONS", "linear", "matmul"]
 
@@ -14,13 +14,7 @@ ACTIVATIONS = enum("activation")
 
 
 def _activation_code(activation) -> int:
-    code = ACTIVATIONS.get("none" if activation is None else activation)
-    if code is None:
-        raise RuntimeError(
-            f"[{namespace}::linear] argument 'activation' must be one of {', '.join(map(repr, ACTIVATIONS))} or None, "
-            f"got {activation!r}"
-        )
-    return code
+    return enum_code(ACTIVATIONS, "linear", "activation", "none" if activation is None else activation, " or None")
 
 
 @op_function(ops.linear.default)

@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from .._lib import op_function
-from .._runtime import library, namespace, ops
+from .._runtime import enum_code, library, namespace, ops
 from .cross_entropy import REDUCTIONS
 
 __all__ = ["linear_cross_entropy"]
@@ -69,12 +69,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     autocast dtype, opforge keeps them float32). A 16-bit loss would overflow GradScaler's scaled float16
     gradient (65536 is past float16's range) and skip the step.
     """
-    code = REDUCTIONS.get(reduction)
-    if code is None:
-        raise RuntimeError(
-            f"[{namespace}::linear_cross_entropy] argument 'reduction' must be one of "
-            f"{', '.join(map(repr, REDUCTIONS))}, got {reduction!r}"
-        )
+    code = enum_code(REDUCTIONS, "linear_cross_entropy", "reduction", reduction)
     if hidden.dim() < 1:
         raise RuntimeError(f"[{namespace}::linear_cross_entropy] argument 'hidden' must have at least 1 dim "
                            "(..., hidden), got a 0-d tensor")
