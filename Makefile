@@ -6,6 +6,10 @@
 #               sweep, the AVX-512 variants over SIMDe on CPUs without them, every Python test
 #               (torch.compile on inductor, AOTInductor, HF models, distributed, fuzz on fixed seeds)
 #               and a short `make sanitize`
+#   make cuda   the CUDA library (python/opforge/libopforge_cuda.so) with nvcc; `make build` builds it too
+#               where nvcc is found (OPFORGE_CUDA=0 leaves it out)
+#   make gpu-check  on a machine with a GPU: builds with that machine's python3 and torch, runs the CUDA
+#               tests and benchmarks, prints the table (CSV and markdown to $$OUT when set)
 #   make bench  the full benchmarks (CSV, markdown, PNG under benchmarks/results/)
 #   make lint   clang-format (C) and ruff (Python) checks; make format applies them
 #   OPFORGE_NAMESPACE=acme_ops_1a2b make clean build
@@ -18,9 +22,11 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 LIB    := python/opforge/libopforge.so
+CUDA_LIB := python/opforge/libopforge_cuda.so
 CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
 TORCH_INCLUDE = $(shell $(PY) -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 
+.PHONY: cuda ctest-cuda gpu-check
 .PHONY: all setup build demo test test-full ctest ctest-full ctest-emulated ctest-threads abi-check pytest pytest-full test-other-torch bench bench-smoke fuzz sanitize lint format clean
 
 all: build
@@ -37,6 +43,23 @@ $(LIB): $(VENV)/.installed $(CSRC) setup.py python/opforge/_build.py
 	$(PY) setup.py -q build_ext --inplace
 
 build: $(LIB)
+
+# The CUDA library: nvcc for the .cu files (sm_80 and sm_90 SASS, sm_90 PTX), the C compiler for the glue.
+cuda: $(VENV)/.installed $(CSRC) $(wildcard csrc/cuda/*.cu csrc/include/opforge/*.cuh) setup.py python/opforge/_build.py
+	OPFORGE_CUDA=1 $(PY) setup.py -q build_ext --inplace
+
+# The CUDA kernels' C tests, on the CPU: each tests/cuda/test_<op>.c with csrc/cuda/<op>.cu compiled as
+# C++ over tests/emu/cuda_emu.h (a fiber per GPU thread), against the C reference kernels.
+CUDA_CTESTS := $(patsubst tests/cuda/%.c,build/ctest-cuda/%,$(sort $(wildcard tests/cuda/test_*.c)))
+build/ctest-cuda/test_%: tests/cuda/test_%.c csrc/cuda/%.cu tests/c/check.h tests/emu/cuda_emu.h $(CSRC) $(wildcard csrc/cuda/*.h csrc/include/opforge/*.cuh) python/opforge/_build.py | $(VENV)/.installed
+	$(PY) python/opforge/_build.py $@ $< csrc/cuda/$*.cu $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include
+
+ctest-cuda: $(CUDA_CTESTS)
+	@for t in $(CUDA_CTESTS); do echo "./$$t"; ./$$t || exit 1; done
+
+# One script for a machine with a GPU (python3 and torch as they are there: no venv, no downloads).
+gpu-check:
+	bash tests/gpu/gpu_check.sh
 
 demo: build
 	$(PY) examples/dispersion_correction.py
@@ -81,7 +104,7 @@ ctest-emulated: $(EMU_CTESTS)
 	@for t in $(EMU_CTESTS); do echo "./$$t (AVX-512 emulated)"; ./$$t || exit 1; done
 
 # the native C tests (every variant this CPU runs, the AMX model, attention split)
-ctest: $(CTESTS)
+ctest: $(CTESTS) ctest-cuda
 	@for t in $(CTESTS); do echo "./$$t"; ./$$t || exit 1; done
 
 # The standalone runtime's pthread pool at thread counts a 2-core machine never has: every kernel
@@ -105,7 +128,8 @@ endif
 # torch's C++ headers and ours in one C++ file: a drifted signature fails here.
 abi-check: $(VENV)/.installed
 	g++ -std=c++17 -fsyntax-only -I$(TORCH_INCLUDE) -Icsrc/include tests/abi/abi_drift.cpp
-	@echo "abi-check: csrc/include/opforge/shim.h matches torch's headers"
+	g++ -std=c++17 -fsyntax-only -DUSE_CUDA -I$(TORCH_INCLUDE) -Icsrc/include tests/abi/abi_drift.cpp
+	@echo "abi-check: csrc/include/opforge/shim.h matches torch's headers (with and without their CUDA declarations)"
 
 # the fast tier: the tests not marked slow, torch.compile on aot_eager (tests/python/conftest.py);
 # one pytest worker per core (at most 8), a file's tests in one worker (its module fixtures built once)
@@ -198,7 +222,7 @@ bench-smoke: build
 # lint rules and import order from pyproject.toml; no Python formatter.
 CLANG_FORMAT ?= $(VENV)/bin/clang-format
 RUFF         := $(VENV)/bin/ruff
-C_FORMATTED  := $(shell find csrc tests/c examples -name '*.c' -o -name '*.h' | sort)
+C_FORMATTED  := $(shell find csrc tests/c tests/cuda examples -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | sort)
 PY_LINTED    := python tests benchmarks examples
 
 lint: $(VENV)/.installed
@@ -210,4 +234,4 @@ format: $(VENV)/.installed
 	$(RUFF) check --select I --fix $(PY_LINTED)
 
 clean:
-	rm -rf build $(LIB) python/*.egg-info
+	rm -rf build $(LIB) $(CUDA_LIB) python/*.egg-info

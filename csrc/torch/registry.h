@@ -55,6 +55,16 @@ typedef struct opf_enum_desc {
         OPF_REG_CAT(opf_enum_values_, enum_name)};                                                   \
     OPF_REG_ENTRY(opf_enums, const opf_enum_desc *) = &OPF_REG_CAT(opf_enum_, enum_name)
 
+/* A CUDA kernel of one of the ops above, in a csrc/cuda/<op>.c of libopforge_cuda.so (csrc/cuda/ops.c
+ * registers them on torch's CUDA key when that library loads): OPF_REGISTER_CUDA(rms_norm, rms_norm_cuda). */
+typedef struct opf_cuda_kernel {
+    const char *name; /* the op's name, as its schema states it */
+    OpfBoxedKernel fn;
+} opf_cuda_kernel;
+#define OPF_REGISTER_CUDA(op, kernel)                                               \
+    static const opf_cuda_kernel OPF_REG_CAT(opf_cuda_kernel_, op) = {#op, kernel}; \
+    OPF_REG_ENTRY(opf_cuda_kernels, const opf_cuda_kernel *) = &OPF_REG_CAT(opf_cuda_kernel_, op)
+
 /* ---- the generic wiring's own calls (ops.c, glue.c), for the other generic files ---- */
 
 /* Every op of the library as one table ended by OPF_OP_END (a copy in static storage), or NULL with a

@@ -5,8 +5,8 @@
     opforge.ops.dispersion_correction(x, 0.8)          # the same op, under the namespace built in
 """
 
-from ._runtime import (cpu_features, get_isa, isa_best, kernel_variants, library, library_path, namespace, ops, set_isa,
-                       set_log_file, set_log_level, supported_isas)
+from ._runtime import (cpu_features, cuda_library_path, cuda_status, get_isa, isa_best, kernel_variants, library,
+                       library_path, namespace, ops, set_isa, set_log_file, set_log_level, supported_isas)
 from . import functional, nn
 from .aoti import aoti_config
 from .build import BuildError, load, load_library
@@ -23,6 +23,8 @@ __all__ = [
     "aoti_config",
     "BuildError",
     "cpu_features",
+    "cuda_library_path",
+    "cuda_status",
     "functional",
     "get_isa",
     "isa_best",

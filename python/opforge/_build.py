@@ -301,6 +301,140 @@ def build_library(
     return output
 
 
+# ---- CUDA --------------------------------------------------------------------------------------
+
+# SASS for A100-class (sm_80) and Hopper (sm_90) GPUs, and sm_90 PTX that the driver compiles for newer ones
+CUDA_ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+              "-gencode", "arch=compute_90,code=compute_90"]
+# no C++ runtime: no exceptions or thread-safe statics in the host code nvcc generates (the library links
+# no libstdc++)
+NVCCFLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-fno-math-errno", "-Xcompiler",
+             "-fno-exceptions", "-Xcompiler", "-fno-threadsafe-statics", "-Xcompiler", "-fno-rtti", "-Xptxas", "-O3",
+             "--expt-relaxed-constexpr"]
+# the emulated build of a .cu (C tests on machines without a GPU): C++ on the CPU, over tests/emu/cuda_emu.h
+EMULATE_CUDA = ["-x", "c++", "-std=c++17", "-O1", "-fPIC", "-DOPF_CUDA_EMULATE", "-Wall", "-Wno-unused-function",
+                "-Wno-unused-variable", "-Wno-unknown-pragmas"]
+
+
+def nvcc() -> str | None:
+    """nvcc: $NVCC, $CUDA_HOME/bin/nvcc, the PATH's, or /usr/local/cuda's; None without one."""
+    for cand in (os.environ.get("NVCC"),
+                 os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
+                 shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.exists(cand):
+            return cand
+    return None
+
+
+def cuda_home() -> str:
+    """The CUDA toolkit nvcc belongs to (its include/ and lib64/)."""
+    found = nvcc()
+    if found is None:
+        raise BuildError("no nvcc found: install the CUDA toolkit, put nvcc on the PATH or set CUDA_HOME")
+    for cand in (os.environ.get("CUDA_HOME"), os.path.dirname(os.path.dirname(os.path.realpath(found))),
+                 "/usr/local/cuda"):
+        if cand and os.path.exists(os.path.join(cand, "include", "cuda_runtime_api.h")):
+            return cand
+    # nvcc may be a wrapper script (/usr/local/bin/nvcc): ask it where its headers are
+    out = subprocess.run([found, "--dryrun", "-x", "cu", "-c", "/dev/null"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True).stdout
+    m = re.search(r"TOP=(\S+)", out)
+    if m and os.path.exists(os.path.join(m.group(1), "include", "cuda_runtime_api.h")):
+        return m.group(1)
+    raise BuildError(f"could not find the CUDA headers of {found}: set CUDA_HOME")
+
+
+def compile_cuda_objects(sources: list[str], include_dirs: list[str], build_dir: str, emulate: bool = False,
+                         verbose: bool = False) -> list[str]:
+    """Compiles .cu files: with nvcc for the GPU, or (emulate) with the C++ compiler for the CPU
+    emulation the C tests run. Cached in build_dir by a digest of the command, as compile_objects."""
+    build_dir = os.path.abspath(build_dir)
+    os.makedirs(build_dir, exist_ok=True)
+    incs = [f"-I{os.path.abspath(d)}" for d in include_dirs]
+    if emulate:
+        cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+        if cxx is None:
+            raise BuildError("the emulated CUDA tests need a C++ compiler (apt-get install g++)")
+        base = [cxx, *EMULATE_CUDA, f"-I{os.path.abspath(EMU_INCLUDE)}"]
+    else:
+        found = nvcc()
+        if found is None:
+            raise BuildError("no nvcc found: install the CUDA toolkit, put nvcc on the PATH or set CUDA_HOME")
+        base = [found, *NVCCFLAGS, *CUDA_ARCHS]
+    jobs = []
+    for src in (os.path.abspath(s) for s in sources):
+        digest = hashlib.sha1(" ".join([*base, *incs, src]).encode()).hexdigest()[:10]
+        parent = os.path.basename(os.path.dirname(src))
+        obj = os.path.join(build_dir, f"{parent}_{os.path.basename(src)[:-3]}{'-emu' if emulate else ''}-{digest}.o")
+        jobs.append([*base, *incs, "-c", src, "-o", obj, "-MMD", "-MF", obj[:-2] + ".d"])
+    if verbose:
+        for cmd in jobs:
+            print(" ".join(cmd))
+
+    def run(cmd):
+        if _up_to_date(cmd):
+            return ""
+        try:
+            _show(_run(cmd))
+        except BuildError as e:
+            return str(e)
+        with open(cmd[-4] + ".cmd", "w") as f:
+            f.write(" ".join(cmd))
+        return ""
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        errors = "".join(pool.map(run, jobs))
+    if errors:
+        raise BuildError(errors)
+    return [cmd[-4] for cmd in jobs]
+
+
+CUDA_LIBRARY = "libopforge_cuda.so"
+
+
+def build_cuda_library(c_sources: list[str], cu_sources: list[str], output: str, include_dirs: list[str],
+                       build_dir: str, extra_cflags: list[str] | None = None, verbose: bool = False,
+                       runtime_dir: str | None = None, link_dir: str | None = None) -> str:
+    """Links a library of CUDA ops: the .cu files through nvcc, the C glue through the C compiler
+    (with the CUDA headers), the CUDA runtime statically (so that no libcudart path of the build
+    machine is needed where it runs), opforge's own library (its glue helpers, runtime and op table)
+    and libtorch_cpu. libtorch_cuda is not linked: the glue looks its one symbol up at run time.
+    runtime_dir: where libopforge.so is at link time (and, for a user library built where it runs,
+    at run time); opforge's own CUDA library finds it beside itself ($ORIGIN), link_dir at link time."""
+    home = cuda_home()
+    objs, warnings = compile_objects(c_sources, [*include_dirs, os.path.join(home, "include")], build_dir,
+                                     extra_cflags, verbose) if c_sources else ([], "")
+    objs += compile_cuda_objects(cu_sources, include_dirs, build_dir, verbose=verbose)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    lib = torch_lib_dir()
+    rdir = runtime_dir or link_dir or PACKAGE_DIR
+    if runtime_dir is None:  # opforge's own: shipped beside libopforge.so
+        where = [f"-Wl,-soname,{CUDA_LIBRARY}", "-Wl,-rpath,$ORIGIN", "-Wl,-rpath,$ORIGIN/../torch/lib"]
+    else:
+        where = [f"-Wl,-rpath,{rdir}", f"-Wl,-rpath,{lib}"]
+    lib64 = next((d for d in (os.path.join(home, "lib64"), os.path.join(home, "lib"))
+                  if os.path.exists(os.path.join(d, "libcudart_static.a"))), os.path.join(home, "lib64"))
+    link = [compiler(), "-shared", *objs, *where, f"-L{rdir}", f"-l:{RUNTIME_LIBRARY}", f"-L{lib}", f"-L{lib64}",
+            "-Wl,-z,now", "-Wl,-z,defs", "-ltorch_cpu", "-lcudart_static", "-ldl", "-lrt", "-lpthread", "-lm",
+            "-o", output]
+    if verbose:
+        print(" ".join(link))
+    _show(warnings + _run(link, warnings))
+    return output
+
+
+def build_emulated_cuda_test(sources: list[str], cu_sources: list[str], output: str, include_dirs: list[str],
+                             build_dir: str) -> str:
+    """A C test of CUDA kernels on the CPU: the C sources as build_test_binary compiles them, the .cu
+    files over tests/emu/cuda_emu.h, linked with the C++ compiler."""
+    objs, warnings = compile_objects(sources, include_dirs, build_dir)
+    objs += compile_cuda_objects(cu_sources, include_dirs, build_dir, emulate=True)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or "c++"
+    _show(warnings + _run([cxx, *objs, "-lpthread", "-lm", "-o", output], warnings))
+    return output
+
+
 def build_test_binary(
     sources: list[str], output: str, include_dirs: list[str], build_dir: str, defines: list[str] | None = None
 ) -> str:
@@ -324,4 +458,8 @@ if __name__ == "__main__":
     p.add_argument("-D", dest="defines", action="append", default=[])
     p.add_argument("--objects", default="build/obj", help="the object cache (shared with the library's build)")
     a = p.parse_args()
-    build_test_binary(a.sources, a.output, a.include, a.objects, a.defines)
+    cu = [s for s in a.sources if s.endswith(".cu")]
+    if cu:  # a C test of CUDA kernels: on the CPU, over the emulation
+        build_emulated_cuda_test([s for s in a.sources if not s.endswith(".cu")], cu, a.output, a.include, a.objects)
+    else:
+        build_test_binary(a.sources, a.output, a.include, a.objects, a.defines)

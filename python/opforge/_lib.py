@@ -38,6 +38,7 @@ class _Desc(ctypes.Structure):
         ("autocast", ctypes.c_int),
         ("flops", ctypes.c_char_p),
         ("meta", ctypes.c_int),
+        ("autocast_cuda", ctypes.c_int),
     ]
 
 
@@ -56,6 +57,11 @@ class OpDescriptor:
     autocast: int
     flops: str | None = None
     meta: bool = False
+    autocast_cuda: int = AUTOCAST_NONE  # the policy under CUDA autocast where it differs (NONE: autocast's)
+
+    def autocast_on(self, device: str) -> int:
+        """The autocast policy on a device type."""
+        return self.autocast_cuda if device == "cuda" and self.autocast_cuda else self.autocast
 
 
 def _torch_version() -> tuple[int, int]:
@@ -167,6 +173,7 @@ class OpLibrary:
             autocast=d.autocast,
             flops=_str(d.flops),
             meta=bool(d.meta),
+            autocast_cuda=d.autocast_cuda,
         )
 
 
@@ -425,16 +432,19 @@ def _wire_autocast(desc: OpDescriptor) -> None:
     op = op_overload(desc)
     optional = [str(a.type) == "Optional[Tensor]" for a in op._schema.arguments]
     for device in ("cpu", "cuda"):
+        policy = desc.autocast_on(device)
+        if policy == AUTOCAST_NONE:
+            continue
         key_name = _private.autocast_key_name(device)
 
-        def run(*args, device=device, key_name=key_name):
-            if desc.autocast == AUTOCAST_FOLLOW:
+        def run(*args, device=device, key_name=key_name, policy=policy):
+            if policy == AUTOCAST_FOLLOW:
                 with _private.autocast_excluded(device, key_name):
                     return op(*_follow(args, optional, device))
-            if desc.autocast == AUTOCAST_PROMOTE:
+            if policy == AUTOCAST_PROMOTE:
                 dtype = _widest(args, device)
             else:
-                dtype = torch.get_autocast_dtype(device) if desc.autocast == AUTOCAST_LOWER else torch.float32
+                dtype = torch.get_autocast_dtype(device) if policy == AUTOCAST_LOWER else torch.float32
             with _private.autocast_excluded(device, key_name):
                 return op(*_cast(args, device, dtype)) if dtype is not None else op(*args)
 
@@ -483,7 +493,7 @@ def wire(desc: OpDescriptor, is_backward: bool = False) -> None:
         # call it with the autograd keys live, where a Python kernel would
         # cost microseconds per call; the generic backward never records it.
         _wire_not_differentiable(desc)
-    if desc.autocast != AUTOCAST_NONE:
+    if desc.autocast != AUTOCAST_NONE or desc.autocast_cuda != AUTOCAST_NONE:
         _wire_autocast(desc)
 
 

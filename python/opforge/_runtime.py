@@ -28,6 +28,50 @@ _dll.opforge_kernel_variant.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.PO
     ctypes.POINTER(ctypes.c_int)]
 
 
+# ---- the CUDA kernels ------------------------------------------------------------------
+
+CUDA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libopforge_cuda.so")
+
+
+def _load_cuda() -> tuple[ctypes.CDLL | None, str]:
+    """libopforge_cuda.so, loaded where torch has CUDA and a GPU: its constructor registers the ops'
+    CUDA kernels (same namespace, same schemas; fake, autograd and autocast are the CPU library's).
+    Elsewhere nothing is loaded, and the reason is kept for cuda_status()."""
+    if not os.path.exists(CUDA_PATH):
+        return None, ("the CUDA library was not built (no nvcc at install: install the CUDA toolkit and "
+                      "reinstall, or `make cuda`)")
+    if torch.version.cuda is None:
+        return None, f"this torch ({torch.__version__}) is a CPU build"
+    if not torch.cuda.is_available():
+        return None, "torch finds no GPU"
+    try:
+        dll = ctypes.CDLL(CUDA_PATH)
+    except OSError as e:
+        raise ImportError(f"cannot load opforge's CUDA library {CUDA_PATH}: {e}") from e
+    err = ctypes.create_string_buffer(1024)
+    if dll.opforge_cuda_registered(err, ctypes.c_size_t(1024)) != 0:
+        raise ImportError(f"opforge's CUDA library {CUDA_PATH}: {err.value.decode()}")
+    dll.opforge_cuda_kernel_at.restype = ctypes.c_char_p
+    dll.opforge_cuda_kernel_at.argtypes = [ctypes.c_int]
+    return dll, "loaded"
+
+
+_cuda_dll, _cuda_reason = _load_cuda()
+
+
+def cuda_status() -> dict:
+    """Whether opforge's ops have CUDA kernels in this process: ``loaded``, ``reason`` (why not),
+    ``path`` and the ``ops`` with a CUDA kernel."""
+    ops_ = []
+    if _cuda_dll is not None:
+        i = 0
+        while (name := _cuda_dll.opforge_cuda_kernel_at(i)) is not None:
+            ops_.append(name.decode())
+            i += 1
+    return {"loaded": _cuda_dll is not None, "reason": _cuda_reason, "path": CUDA_PATH, "ops": ops_,
+            "runtime": _cuda_dll.opforge_cuda_runtime_version() if _cuda_dll is not None else None}
+
+
 _dll.opforge_enum_value.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
                                     ctypes.POINTER(ctypes.c_int64)]
 _dll.opforge_enum_at.restype = ctypes.c_char_p
@@ -63,6 +107,12 @@ def enums() -> list[str]:
         names.append(name.decode())
         i += 1
     return names
+
+
+def cuda_library_path() -> str | None:
+    """The path of opforge's CUDA library (the ops' CUDA kernels), None where it was not built. A
+    deployed program loads it after :func:`library_path`'s."""
+    return CUDA_PATH if os.path.exists(CUDA_PATH) else None
 
 
 def library_path() -> str:

@@ -14,6 +14,14 @@
                   "stable ABI drift: " #name " no longer matches csrc/include/opforge/shim.h");
 OPF_SHIM_FUNCTIONS(OPF_SAME_SIGNATURE)
 OPF_SHIM_WEAK_FUNCTIONS(OPF_SAME_SIGNATURE)
+OPF_SHIM_CUDA_FUNCTIONS(OPF_SAME_SIGNATURE)
+#ifdef USE_CUDA  // the declarations torch's headers give a CUDA build (make abi-check compiles this file both ways)
+#define OPF_SAME_LOOKUP(ret, name, params)                                                                     \
+    static_assert(std::is_same<decltype(&::name), name##_fn>::value,                                         \
+                  "stable ABI drift: " #name " no longer matches csrc/include/opforge/shim.h");
+OPF_SHIM_CUDA_LOOKUP(OPF_SAME_LOOKUP)
+static_assert(std::is_same<DeviceGuardHandle, ::DeviceGuardOpaque*>::value, "DeviceGuardHandle changed");
+#endif
 
 static_assert(std::is_same<StableIValue, uint64_t>::value, "StableIValue is no longer uint64_t");
 static_assert(std::is_same<AOTITorchError, int32_t>::value, "AOTITorchError changed");

@@ -95,6 +95,9 @@ typedef struct opf_op_desc {
      * torch.export refuse what eager refuses, with the same message, and
      * the outputs' shapes and strides come from the C that makes them. */
     int meta;
+    /* The policy under CUDA autocast where it differs from `autocast` (0: the same): torch's CUDA
+     * autocast runs softmax, log_softmax and layer_norm in float32, its CPU autocast does not. */
+    int autocast_cuda;
 } opf_op_desc;
 
 /* The entry that ends every op table: the tables state no counts. */

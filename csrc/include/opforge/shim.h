@@ -23,6 +23,7 @@ extern "C" {
 
 typedef struct AtenTensorOpaque *AtenTensorHandle;
 typedef struct TorchLibraryOpaque *TorchLibraryHandle;
+typedef struct DeviceGuardOpaque *DeviceGuardHandle;
 typedef int32_t AOTITorchError;
 typedef uint64_t StableIValue;
 typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
@@ -90,6 +91,16 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(AOTITorchError, torch_get_num_threads, (uint32_t * out_num_threads))                                         \
     X(void, aoti_torch_check, (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
+/* The CUDA glue's (opforge/cuda.h), from libtorch_cpu (2.10). */
+#define OPF_SHIM_CUDA_FUNCTIONS(X)                                                                           \
+    X(AOTITorchError, aoti_torch_create_device_guard, (int32_t device_index, DeviceGuardHandle * ret_guard)) \
+    X(AOTITorchError, aoti_torch_delete_device_guard, (DeviceGuardHandle guard))
+
+/* From libtorch_cuda, which only a CUDA build of torch has: looked up by name at run time (dlsym), so
+ * that nothing links it; declared in torch's headers under USE_CUDA, where the drift check compares it. */
+#define OPF_SHIM_CUDA_LOOKUP(X) \
+    X(AOTITorchError, aoti_torch_get_current_cuda_stream, (int32_t device_index, void **ret_stream))
+
 /* Present from torch 2.12 / 2.13 only: declared weak so that older releases still load. */
 #define OPF_SHIM_WEAK_FUNCTIONS(X)                                          \
     X(int32_t, aoti_torch_dtype_float8_e8m0fnu, (void))                     \
@@ -104,12 +115,16 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
 
 #define OPF_SHIM_DECLARE(ret, name, params) ret name params;
 OPF_SHIM_FUNCTIONS(OPF_SHIM_DECLARE)
+OPF_SHIM_CUDA_FUNCTIONS(OPF_SHIM_DECLARE)
 #ifndef __cplusplus
 #define OPF_SHIM_DECLARE_WEAK(ret, name, params) __attribute__((weak)) ret name params;
 OPF_SHIM_WEAK_FUNCTIONS(OPF_SHIM_DECLARE_WEAK)
 #undef OPF_SHIM_DECLARE_WEAK
 #endif
 #undef OPF_SHIM_DECLARE
+#define OPF_SHIM_TYPEDEF(ret, name, params) typedef ret(*name##_fn) params;
+OPF_SHIM_CUDA_LOOKUP(OPF_SHIM_TYPEDEF)
+#undef OPF_SHIM_TYPEDEF
 
 #ifdef __cplusplus
 }
