@@ -23,11 +23,12 @@ import sys
 
 
 def new(name: str, directory: str | None = None, inputs: str | None = None, scalars: str | None = None,
-        reduce: str | None = None) -> str:
+        reduce: str | None = None, cuda: bool = False) -> str:
     """Writes a working op project NAME into DIR/NAME; returns its path."""
     from opforge import scaffold
 
     sig = scaffold.Signature.parse(name, inputs, scalars, reduce)
+    sig.cuda = cuda
     dest = scaffold.new(sig, directory)
     print(f"created {dest}: {name}({sig.schema_args()}) -> Tensor"
           f"{' (last dim reduced, shape rule [' + sig.inputs[0] + '[:-1]])' if sig.reduce else ''}\n"
@@ -135,6 +136,18 @@ def _failed(cmd: str, e: Exception) -> SystemExit:
                       "--shape NAME=D0,D1 per argument, or --inputs FILE.py:FUNCTION returning the argument tuple)")
 
 
+def _device(name: str) -> str | None:
+    """--device: None for the CPU; cuda only where the op's CUDA kernels can run."""
+    if name == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"opforge: --device {name}: torch finds no GPU here"
+                         + ("" if torch.version.cuda else f" (torch {torch.__version__} is a CPU build)"))
+    return name
+
+
 def check(args) -> int:
     import opforge.testing as ot
 
@@ -142,7 +155,7 @@ def check(args) -> int:
     given = _given_inputs(op, args)
     try:
         report = ot.check(op, ref, inputs=(lambda dt: [given(dt)]) if given else None, dtypes=_dtypes(args.dtypes),
-                          grad=not args.no_grad, atol=args.atol, rtol=args.rtol)
+                          grad=not args.no_grad, atol=args.atol, rtol=args.rtol, device=_device(args.device))
     except (RuntimeError, ValueError, TypeError) as e:
         raise _failed("check", e) from None
     print(report)
@@ -164,11 +177,11 @@ def bench(args) -> int:
         sizes, make_inputs = [int(s) for s in args.sizes.split(",")], None
         if args.smoke:
             sizes = sizes[:1]
-    stem = f"bench_{args.op.replace('::', '_')}_{args.dtype}"
+    stem = f"bench_{args.op.replace('::', '_')}_{args.dtype}" + ("_cuda" if args.device == "cuda" else "")
     timing = dict(reps=2, target_s=0.002) if args.smoke else {}
     try:
         rows = ob.bench(op, ref, sizes=sizes, dtype=dtype, make_inputs=make_inputs, backward=not args.no_backward,
-                        atol=args.atol, rtol=args.rtol, **timing)
+                        atol=args.atol, rtol=args.rtol, device=_device(args.device), **timing)
     except (RuntimeError, ValueError, TypeError, AssertionError) as e:
         raise _failed("bench", e) from None
     table = ob.write_results(stem, rows, out_dir=args.out)
@@ -328,6 +341,7 @@ def main(argv=None) -> int:
     n.add_argument("--scalars", metavar="NAME:TYPE,...", help="scalar arguments; TYPE float (default), int or bool")
     n.add_argument("--reduce", choices=["last"], help="the output drops the inputs' last dim (a row-wise reduction)")
     n.add_argument("--dir", default=None, help="parent folder (default: here)")
+    n.add_argument("--cuda", action="store_true", help="CUDA kernels too: NAME.cu beside the C ones (built with nvcc)")
     for cmd in ("check", "bench"):
         c = sub.add_parser(cmd, help=f"{cmd} an op against a PyTorch reference")
         c.add_argument("op", help="dispersion_correction, or NS::NAME of a user op")
@@ -338,6 +352,8 @@ def main(argv=None) -> int:
         c.add_argument("--inputs", metavar="FILE.py:FUNCTION", help="a function returning the argument tuple")
         c.add_argument("--atol", type=float, help="a looser absolute tolerance (default: per dtype; never tightens one)")
         c.add_argument("--rtol", type=float, help="a looser relative tolerance (e.g. 1e-5 for a float32 reduction)")
+        c.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="where the op runs (cuda: its CUDA kernel; the reference stays on the CPU in float64)")
         if cmd == "check":
             c.add_argument("--dtypes", nargs="+", default=["float64", "float32", "bfloat16", "float16"])
             c.add_argument("--no-grad", action="store_true", help="skip the gradient comparison")
@@ -351,7 +367,7 @@ def main(argv=None) -> int:
             c.add_argument("--out", default=os.path.join(os.getcwd(), "results"))
     a = p.parse_args(argv)
     if a.cmd == "new":
-        new(a.name, a.dir, a.inputs, a.scalars, a.reduce)
+        new(a.name, a.dir, a.inputs, a.scalars, a.reduce, a.cuda)
         return 0
     return {"info": info, "check": check, "bench": bench}[a.cmd](a)
 

@@ -111,6 +111,17 @@ def peak_memory(fn: Callable[[], object]) -> int:
     return max(0, max(e["args"]["Total Allocated"] for e in events) - base)
 
 
+def cuda_peak_memory(fn: Callable[[], object]) -> int:
+    """Peak bytes torch's CUDA allocator held during one call of fn, above what it held before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return max(0, torch.cuda.max_memory_allocated() - base)
+
+
 # Kineto logs every profiler start and stop ("USDT: ... profiler_start") to
 # fd 2 from C++; its KINETO_LOG_LEVEL is read once, when torch loads, so only
 # redirecting the descriptor silences it. Other lines are passed on.
@@ -160,6 +171,7 @@ def bench(
     target_s: float = 0.05,
     atol: float | None = None,
     rtol: float | None = None,
+    device: str | None = None,
 ) -> list[dict]:
     """Speed and peak memory of op against the eager reference and against
     torch.compile of it, per size: forward (and forward+backward) medians with
@@ -167,9 +179,15 @@ def bench(
     warning on stderr where a variant's max/min exceeds NOISE.
     make_inputs(n, dtype) builds the argument tuple; by default every Tensor
     argument is n positive values, floats 0.8. op must match the reference
-    before it is timed, within opforge.testing.tolerance(dtype, atol, rtol)."""
+    before it is timed, within opforge.testing.tolerance(dtype, atol, rtol).
+    device "cuda": every variant runs on the GPU (inputs made as on the CPU, copied there with their
+    layouts), each timed call followed by a synchronisation, peak memory from torch.cuda's counters."""
     from ._lib import op_function
-    from .testing import _as_overload, _is_float_tensor, _to64, _tuple, assert_close
+    from .testing import _as_overload, _is_float_tensor, _to64, _tuple, assert_close, to_device
+
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    memory = cuda_peak_memory if on_gpu else peak_memory
 
     op = _as_overload(op)
     make_inputs = make_inputs or (lambda n, dt: _default_inputs(op, n, dt))
@@ -181,14 +199,15 @@ def bench(
     rows, warnings = [], []
     progress = Progress(len(sizes), f"bench {op}")
     for n in sizes:
-        args = make_inputs(n, dtype)
-        for o, w in zip(_tuple(op(*args)), _tuple(reference(*[_to64(a) for a in args]))):
-            assert_close(o, w, dtype, f"{op} n={n}", atol=atol, rtol=rtol)  # correct before timed
-        timed = compare({k: (lambda f=f: f(*args)) for k, f in variants.items()}, reps=reps, target_s=target_s,
-                        stat=_spread)
+        cpu_args = make_inputs(n, dtype)
+        args = tuple(to_device(a, device) for a in cpu_args)
+        for o, w in zip(_tuple(op(*args)), _tuple(reference(*[_to64(a) for a in cpu_args]))):
+            assert_close(o.cpu(), w, dtype, f"{op} n={n}", atol=atol, rtol=rtol)  # correct before timed
+        timed = compare({k: (lambda f=f: (f(*args), sync())) for k, f in variants.items()}, reps=reps,
+                        target_s=target_s, stat=_spread)
         noisy = _noisy(timed, f"size {n} forward")
         fwd = {k: median for k, (_, median, _) in timed.items()}
-        mem = {k: peak_memory(lambda f=f: f(*args)) for k, f in variants.items()}
+        mem = {k: memory(lambda f=f: f(*args)) for k, f in variants.items()}
         row = {"size": n, "dtype": str(dtype).split(".")[1], "op_fwd_us": fwd["op"] * 1e6,
                "op_fwd_min_us": timed["op"][0] * 1e6, "op_fwd_max_us": timed["op"][2] * 1e6,
                "fwd_vs_eager": fwd["eager"] / fwd["op"], "fwd_vs_compile": fwd["compile"] / fwd["op"],
@@ -201,11 +220,11 @@ def bench(
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
                 return outs
 
-            timed = compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=target_s,
-                            stat=_spread)
+            timed = compare({k: (lambda f=f: (step(f), sync())) for k, f in variants.items()}, reps=reps,
+                            target_s=target_s, stat=_spread)
             noisy += _noisy(timed, f"size {n} forward+backward")
             both = {k: median for k, (_, median, _) in timed.items()}
-            mem = {k: peak_memory(lambda f=f: step(f)) for k, f in variants.items()}
+            mem = {k: memory(lambda f=f: step(f)) for k, f in variants.items()}
             row.update({"op_fwdbwd_us": both["op"] * 1e6, "op_fwdbwd_min_us": timed["op"][0] * 1e6,
                         "op_fwdbwd_max_us": timed["op"][2] * 1e6, "fwdbwd_vs_eager": both["eager"] / both["op"],
                         "fwdbwd_vs_compile": both["compile"] / both["op"],

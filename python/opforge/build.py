@@ -28,10 +28,15 @@ from ._build import BuildError
 from ._lib import OpLibrary
 from ._runtime import library as _runtime
 
-__all__ = ["BuildError", "BuildExtension", "CExtension", "cache_dir", "load", "load_library"]
+__all__ = ["BuildError", "BuildExtension", "CExtension", "cache_dir", "have_nvcc", "load", "load_library"]
 
 _loaded: dict[str, tuple[str, OpLibrary]] = {}  # namespace -> (build key, library)
 _lock = threading.Lock()
+
+
+def have_nvcc() -> bool:
+    """Whether .cu sources can be built here (nvcc on the PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin)."""
+    return _build.nvcc() is not None
 
 
 def cache_dir() -> str:
@@ -48,11 +53,36 @@ def _compiler_id() -> str:
     return f"{cc} {out[0] if out else ''}"
 
 
+@functools.lru_cache(maxsize=None)
+def _nvcc_id() -> str:
+    nvcc = _build.nvcc()
+    if nvcc is None:
+        return ""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.splitlines()
+    return f"{nvcc} {out[-1] if out else ''} {' '.join(_build.NVCCFLAGS + _build.CUDA_ARCHS)}"
+
+
+def _link(sources: list[str], output: str, include_dirs: list[str], build_dir: str, extra_cflags: list[str],
+          verbose: bool) -> None:
+    """A user op library: C files only, or C and CUDA (.cu) files, which nvcc compiles and whose glue
+    (opforge/cuda.h) the library links with the CUDA runtime."""
+    cu = [s for s in sources if s.endswith(".cu")]
+    if not cu:
+        _build.build_library(sources, output, include_dirs=include_dirs, build_dir=build_dir,
+                             extra_cflags=extra_cflags, verbose=verbose, link_runtime=True)
+        return
+    _build.build_cuda_library([s for s in sources if s.endswith(".c")], cu, output, include_dirs=include_dirs,
+                              build_dir=build_dir, extra_cflags=["-DOPF_WITH_CUDA", *extra_cflags],
+                              verbose=verbose, runtime_dir=_build.PACKAGE_DIR)
+
+
 def _build_key(name: str, sources: list[str], extra_cflags: list[str]) -> str:
     from . import __version__
 
     h = hashlib.sha256()
     parts = [name, __version__, torch.__version__, _compiler_id(), " ".join(_build.CFLAGS), " ".join(extra_cflags)]
+    if any(s.endswith(".cu") for s in sources):
+        parts.append(_nvcc_id())
     for part in parts:
         h.update(part.encode() + b"\0")
     headers = os.path.join(_build.include_dir(), "opforge")
@@ -68,6 +98,10 @@ def load(name: str, sources: list[str] | str, extra_cflags: list[str] | None = N
     ``torch.ops.<name>.*`` with autograd, fake kernels and autocast wired from
     their descriptors.
 
+    ``.cu`` files are CUDA kernels (C-style CUDA, opforge/cuda_kernel.cuh), compiled with nvcc; the
+    C sources are then built with ``-DOPF_WITH_CUDA`` (so that a descriptor can name its ``.cuda``
+    kernel only when its .cu file is built) and the library links the CUDA runtime statically.
+
     The library is cached under ``cache_dir()``, keyed by the sources, the
     flags, the compiler, torch's and opforge's versions and opforge's headers:
     a second call (in this process or another) does not compile. Files named
@@ -81,8 +115,11 @@ def load(name: str, sources: list[str] | str, extra_cflags: list[str] | None = N
     for s in sources:
         if not os.path.isfile(s):
             raise FileNotFoundError(f"[opforge.load] source file {s} does not exist")
-        if not s.endswith(".c"):
-            raise ValueError(f"[opforge.load] sources must be C files (.c), got {s}")
+        if not s.endswith((".c", ".cu")):
+            raise ValueError(f"[opforge.load] sources must be C files (.c) or CUDA C files (.cu), got {s}")
+    if any(s.endswith(".cu") for s in sources) and _build.nvcc() is None:
+        raise BuildError("[opforge.load] .cu sources need nvcc (the CUDA toolkit): none found on the PATH, "
+                         "in $CUDA_HOME/bin or /usr/local/cuda/bin")
     flags = list(extra_cflags or [])
     with _lock:
         key = _build_key(name, sources, flags)
@@ -100,15 +137,8 @@ def load(name: str, sources: list[str] | str, extra_cflags: list[str] | None = N
             os.makedirs(cache_dir(), exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f".build-{name}-") as tmp:
                 tmp_lib = os.path.join(tmp, f"lib{name}.so")
-                _build.build_library(
-                    sources,
-                    tmp_lib,
-                    include_dirs=[_build.include_dir()] + sorted({os.path.dirname(s) for s in sources}),
-                    build_dir=os.path.join(tmp, "obj"),
-                    extra_cflags=flags,
-                    verbose=verbose,
-                    link_runtime=True,
-                )
+                _link(sources, tmp_lib, [_build.include_dir()] + sorted({os.path.dirname(s) for s in sources}),
+                      os.path.join(tmp, "obj"), flags, verbose)
                 os.makedirs(out_dir, exist_ok=True)
                 os.replace(tmp_lib, path)  # atomic: a concurrent loader sees all or nothing
         elif verbose:
@@ -155,12 +185,6 @@ class BuildExtension(build_ext):
     def build_extension(self, ext):
         if not isinstance(ext, CExtension):
             return super().build_extension(ext)
-        _build.build_library(
-            [os.path.abspath(s) for s in ext.sources],
-            self.get_ext_fullpath(ext.name),
-            include_dirs=[_build.include_dir()] + list(ext.include_dirs or []),
-            build_dir=os.path.join(self.build_temp, ext.name),
-            extra_cflags=ext.extra_cflags,
-            verbose=self.verbose > 1,
-            link_runtime=True,
-        )
+        _link([os.path.abspath(s) for s in ext.sources], self.get_ext_fullpath(ext.name),
+              [_build.include_dir()] + list(ext.include_dirs or []), os.path.join(self.build_temp, ext.name),
+              ext.extra_cflags, self.verbose > 1)

@@ -13,6 +13,12 @@ in ``NAME.c`` (scalar reference) and ``NAME_avx2.c`` (the AVX2 variant);
 ``reference.py`` holds the PyTorch reference. The C around them (argument
 checks, output allocation, bfloat16/float16 through float32 copies, strided
 iteration, the descriptors) follows the signature and needs no edit.
+
+``--cuda`` adds ``NAME.cu``: the same placeholder as CUDA kernels (between the
+same markers; a thread per element, or a block per row with ``--reduce``) and
+their launchers, and the CUDA glue in ``NAME.c`` (built when ``opforge.load``
+is given the .cu file, which defines ``OPF_WITH_CUDA``): the op then runs on
+tensors on a GPU too, with the same schema, autograd and fake kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ BEGIN, END = "/* >>> kernels", "/* <<< kernels */"
 
 class Signature:
     """The op's inputs (tensor names), scalars ((name, type)) and kind."""
+
+    cuda: bool = False  # NAME.cu and the CUDA glue too (opforge new --cuda)
 
     def __init__(self, name: str, inputs: list[str], scalars: list[tuple[str, str]], reduce: bool):
         self.name, self.inputs, self.scalars, self.reduce = name, inputs, scalars, reduce
@@ -397,6 +405,7 @@ static int64_t col_stride(const opf_tensor *t) {{ return t->ndim ? t->strides[t-
         grad_back=grad_back, grad_returns=grad_returns, grad_returns_meta=grad_returns_meta, schema=schema, bwd_schema=bwd_schema, shape_fwd=shape_fwd,
         shape_bwd=shape_bwd, bwd_args=bwd_args, grads=",".join(ins), flops=flops, in_list=in_list,
         bwd_flops=f"{3 * N + 1}*numel({first})", nin_fwd_tensors=N + 1, nin_bwd_tensors=2 * N + 1,
+        NAME=name.upper(), cuda_glue=_cuda_glue(sig),
     )
 
 
@@ -507,11 +516,13 @@ ${grad_allocs}    if (opf_is_meta(&g)) {
 ${copies}${grad_f32}${iterate_bwd}${grad_back}    opf_log_call(OP, t0, ${nin_bwd_tensors}, (opf_tensor[]){${tensors_bwd}});
 ${grad_returns}}
 
+${cuda_glue}
 /* ---- descriptors: the Python layer wires the fake kernel, autograd and autocast from these -- */
 
 OPF_OP_TABLE(
     {.schema = "${schema}",
      .cpu = ${name}_cpu,
+     .cuda = ${NAME}_CUDA,               /* the CUDA kernel (NAME.cu, opforge new --cuda), NULL without */
      .shape = "${shape_fwd}",            /* the output's shape and dtype (csrc/include/opforge/op.h) */
      .backward = "${name}_backward",
      .backward_args = "${bwd_args}",     /* what the backward is called with: grad of output 0, inputs, scalars */
@@ -521,10 +532,303 @@ OPF_OP_TABLE(
      .meta = 1},                         /* the glue takes meta tensors: compile refuses what eager refuses */
     {.schema = "${bwd_schema}",
      .cpu = ${name}_backward_cpu,
+     .cuda = ${NAME}_BACKWARD_CUDA,
      .shape = "${shape_bwd}",
      .flops = "${bwd_flops}",
      .meta = 1})
 """
+
+
+# ---- CUDA (opforge new --cuda) -----------------------------------------------------------------------
+
+
+def _cuda_glue(sig: Signature) -> str:
+    """The CUDA glue in NAME.c: built only with NAME.cu (OPF_WITH_CUDA); else the descriptors' .cuda
+    slots are NULL."""
+    name, ins, N, first, up = sig.name, sig.inputs, len(sig.inputs), sig.inputs[0], sig.name.upper()
+    off = f"#define {up}_CUDA NULL\n#define {up}_BACKWARD_CUDA NULL\n"
+    if not sig.cuda:
+        return f"""/* No CUDA kernels (opforge new --cuda writes them). */
+{off.replace(chr(92) + 'n', chr(10))}"""
+    take = "".join(f"    OPF_ARG_TENSOR({x}, stack, {k});\n" for k, x in enumerate(ins))
+    take_bwd = "    OPF_ARG_TENSOR(grad, stack, 0);\n" + "".join(
+        f"    OPF_ARG_TENSOR({x}, stack, {k + 1});\n" for k, x in enumerate(ins))
+    unpack = "".join(f"    const {SCALAR_TYPES[t][1]} {s} = {SCALAR_TYPES[t][2]}(stack[{N + k}]);\n"
+                     for k, (s, t) in enumerate(sig.scalars))
+    unpack_bwd = "".join(f"    const {SCALAR_TYPES[t][1]} {s} = {SCALAR_TYPES[t][2]}(stack[{N + 1 + k}]);\n"
+                         for k, (s, t) in enumerate(sig.scalars))
+    info = "".join(f"    const opf_tensor {x} = opf_tensor_info(OP, \"{x}\", {x}_h);\n" for x in ins)
+    checks = "".join(f"    opf_check_cuda(op, \"{x}\", {x}, \"{first}\", {first});\n"
+                     f"    opf_check_same_dtype(op, \"{x}\", {x}, \"{first}\", {first});\n"
+                     f"    opf_check_same_shape(op, \"{x}\", {x}, \"{first}\", {first});\n" for x in ins[1:])
+    check_params = ", ".join(f"const opf_tensor *{x}" for x in ins)
+    check_args = ", ".join(f"&{x}" for x in ins)
+    sa = sig.c_scalar_args()
+    sp = sig.c_scalar_params()
+    grad_allocs = "".join(f"    OPF_OWNED AtenTensorHandle d{x}_h = opf_empty_like(OP, &{x});\n"
+                          f"    const opf_tensor d{x} = opf_tensor_info(OP, \"d{x}\", d{x}_h);\n" for x in ins)
+    grad_returns = "".join(f"    OPF_RETURN(stack, {k}, d{x}_h);\n" for k, x in enumerate(ins))
+    in_data = ", ".join(f"{x}.data" for x in ins)
+    dx_data = ", ".join(f"d{x}.data" for x in ins)
+    tensors_fwd = ", ".join(ins + ["y"])
+    tensors_bwd = ", ".join(["g"] + ins + ["d" + x for x in ins])
+    if not sig.reduce:
+        out_alloc = f"    OPF_OWNED AtenTensorHandle y_h = opf_empty_like(OP, &{first});\n"
+        grad_check = f"    opf_check_same_shape(OP, \"grad\", &g, \"{first}\", &{first});\n"
+        walk_fwd = (f"    opf_cuda_nd nd; /* the elementwise walk: operand 0 the output */\n"
+                    f"    opf_cuda_nd_init(OP, &nd, (int){first}.ndim, {first}.sizes, {N + 1},\n"
+                    f"                     (const int64_t *[]){{y.strides, {', '.join(f'{x}.strides' for x in ins)}}});\n")
+        walk_bwd = (f"    opf_cuda_nd nd;\n"
+                    f"    opf_cuda_nd_init(OP, &nd, (int){first}.ndim, {first}.sizes, {2 * N + 1},\n"
+                    f"                     (const int64_t *[]){{{', '.join(f'd{x}.strides' for x in ins)}, g.strides, "
+                    f"{', '.join(f'{x}.strides' for x in ins)}}});\n")
+        call_fwd = f"{name}_cuda_fwd(dt, y.data, (const void *const[]){{{in_data}}}, &nd{sa}, call.stream)"
+        call_bwd = (f"{name}_cuda_bwd(dt, (void *const[]){{{dx_data}}}, g.data, (const void *const[]){{{in_data}}}, "
+                    f"&nd{sa}, call.stream)")
+        decl = (f"unsigned {name}_cuda_fwd(opf_dtype dt, void *y, const void *const *in, const opf_cuda_nd *nd{sp},\n"
+                f"                         void *stream);\n"
+                f"unsigned {name}_cuda_bwd(opf_dtype dt, void *const *dx, const void *g, const void *const *in,\n"
+                f"                         const opf_cuda_nd *nd{sp}, void *stream);\n")
+    else:
+        out_alloc = (f"    const int lead = {first}.ndim ? (int){first}.ndim - 1 : 0;\n"
+                     f"    OPF_OWNED AtenTensorHandle y_h = opf_empty(OP, lead, {first}.sizes, {first}.dtype, &{first});\n")
+        grad_check = f"""    const int lead = {first}.ndim ? (int){first}.ndim - 1 : 0;
+    if (g.ndim != lead || (lead && memcmp(g.sizes, {first}.sizes, sizeof(int64_t) * (size_t)lead))) {{
+        char want[256], got[256];
+        opf_shape_str(want, sizeof want, &{first});
+        opf_shape_str(got, sizeof got, &g);
+        opf_fail(OP, "argument 'grad' must have the shape of '{first}' %s without its last dim, got %s", want, got);
+    }}
+""".replace(chr(10), chr(92) + "n")
+        cs = lambda t: f"{t}.ndim ? {t}.strides[{t}.ndim - 1] : 1"  # noqa: E731
+        walk_fwd = (f"    const int64_t cols = {first}.ndim ? {first}.sizes[lead] : 1;\n"
+                    f"    opf_cuda_nd nd; /* the rows: the leading dims' walk, operand 0 the output */\n"
+                    f"    opf_cuda_nd_init(OP, &nd, lead, {first}.sizes, {N + 1},\n"
+                    f"                     (const int64_t *[]){{y.strides, {', '.join(f'{x}.strides' for x in ins)}}});\n"
+                    f"    const int64_t cs[] = {{{', '.join(cs(x) for x in ins)}}}; /* each input's step along a row */\n")
+        walk_bwd = (f"    const int64_t cols = {first}.ndim ? {first}.sizes[lead] : 1;\n"
+                    f"    opf_cuda_nd nd;\n"
+                    f"    opf_cuda_nd_init(OP, &nd, lead, {first}.sizes, {2 * N + 1},\n"
+                    f"                     (const int64_t *[]){{{', '.join(f'd{x}.strides' for x in ins)}, g.strides, "
+                    f"{', '.join(f'{x}.strides' for x in ins)}}});\n"
+                    f"    const int64_t cs[] = {{{', '.join(cs('d' + x) for x in ins)}, {', '.join(cs(x) for x in ins)}}};\n")
+        call_fwd = f"{name}_cuda_fwd(dt, y.data, (const void *const[]){{{in_data}}}, &nd, cols, cs{sa}, call.stream)"
+        call_bwd = (f"{name}_cuda_bwd(dt, (void *const[]){{{dx_data}}}, g.data, (const void *const[]){{{in_data}}}, "
+                    f"&nd, cols, cs{sa}, call.stream)")
+        decl = (f"unsigned {name}_cuda_fwd(opf_dtype dt, void *y, const void *const *in, const opf_cuda_nd *nd, int64_t cols,\n"
+                f"                         const int64_t *cs{sp}, void *stream);\n"
+                f"unsigned {name}_cuda_bwd(opf_dtype dt, void *const *dx, const void *g, const void *const *in,\n"
+                f"                         const opf_cuda_nd *nd, int64_t cols, const int64_t *cs{sp}, void *stream);\n")
+    text = f"""/* ---- CUDA: the glue of {name}.cu's kernels (built when opforge.load is given {name}.cu) ----------- */
+
+#ifdef OPF_WITH_CUDA
+#include <opforge/cuda.h>
+
+/* {name}.cu's launchers: they return the blocks they launched (0: nothing to do). */
+{decl}
+/* Every input on x's GPU, float32, bfloat16 or float16, all of one dtype and shape. */
+static opf_dtype check_cuda_inputs(const char *op, {check_params}) {{
+    const opf_dtype dt = opf_check_dtype(op, "{first}", {first}, ACCEPTED);
+{checks}    return dt;
+}}
+
+static void {name}_cuda(StableIValue *stack, uint64_t nin, uint64_t nout) {{
+    static const char OP[] = "{name}::{name}";
+{take}{unpack}{info}    OPF_CUDA_CALL(call, OP, &{first}, "{first}"); /* {first}'s GPU current, torch's stream there */
+    const opf_dtype dt = check_cuda_inputs(OP, {check_args});
+{out_alloc}    const opf_tensor y = opf_tensor_info(OP, "y", y_h);
+{walk_fwd}    const unsigned grid = {call_fwd};
+    opf_cuda_done(&call, NULL, "{name}_fwd", grid, 256, {N + 1}, (opf_tensor[]){{{tensors_fwd}}});
+    OPF_RETURN(stack, 0, y_h);
+}}
+
+static void {name}_backward_cuda(StableIValue *stack, uint64_t nin, uint64_t nout) {{
+    static const char OP[] = "{name}::{name}_backward";
+{take_bwd}{unpack_bwd}    const opf_tensor g = opf_tensor_info(OP, "grad", grad_h);
+{info}    OPF_CUDA_CALL(call, OP, &{first}, "{first}");
+    const opf_dtype dt = check_cuda_inputs(OP, {check_args});
+    opf_check_cuda(OP, "grad", &g, "{first}", &{first});
+    opf_check_same_dtype(OP, "grad", &g, "{first}", &{first});
+{grad_check}{grad_allocs}{walk_bwd}    const unsigned grid = {call_bwd};
+    opf_cuda_done(&call, NULL, "{name}_bwd", grid, 256, {2 * N + 1}, (opf_tensor[]){{{tensors_bwd}}});
+{grad_returns}}}
+
+#define {up}_CUDA {name}_cuda
+#define {up}_BACKWARD_CUDA {name}_backward_cuda
+#else
+{off}#endif
+"""
+    return text.replace(chr(92) + "n", chr(10))
+
+
+def _cuda_file(sig: Signature) -> str:
+    """NAME.cu: the placeholder's CUDA kernels and their launchers."""
+    name, ins, N = sig.name, sig.inputs, len(sig.inputs)
+    scale = sig.scale()
+    sp = sig.c_scalar_params()
+    sa = sig.c_scalar_args()
+    loads = "".join(f"        const float {x}_i = opf_to_acc(in{k}[opf_cuda_offset(nd, {k + 1}, i)]);\n"
+                    for k, x in enumerate(ins))
+    squares = " + ".join(f"{x}_i * {x}_i" for x in ins)
+    in_params = ", ".join(f"const T *__restrict__ in{k}" for k in range(N))
+    in_casts = ", ".join(f"(const T *)in[{k}]" for k in range(N))
+    dx_params = ", ".join(f"T *__restrict__ d{k}" for k in range(N))
+    dx_casts = ", ".join(f"(T *)dx[{k}]" for k in range(N))
+    s2 = f"2.0f{' * (' + scale + ')' if scale else ''}"
+    if not sig.reduce:
+        kernels = f"""/* >>> kernels: the computation, one thread per element (a grid-stride loop). Edit these two, the ones in
+ * {name}.c and {name}_avx2.c, and reference.py. */
+
+/* placeholder: y = {(scale + ' * ') if scale else ''}({squares.replace('_i', '')}) */
+template <class T>
+__global__ void __launch_bounds__(THREADS) fwd_kernel(T *__restrict__ y, {in_params}, opf_cuda_nd nd{sp}) {{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nd.numel; i += (int64_t)gridDim.x * blockDim.x) {{
+{loads}        y[opf_cuda_offset(nd, 0, i)] = opf_from_acc<T>({(scale + ' * ') if scale else ''}({squares}));
+    }}
+}}
+
+/* placeholder: d<input> = 2{(' * ' + scale) if scale else ''} * <input> * dy; operands: the gradients, dy, the inputs */
+template <class T>
+__global__ void __launch_bounds__(THREADS) bwd_kernel({dx_params}, const T *__restrict__ g, {in_params}, opf_cuda_nd nd{sp}) {{
+    const float s2 = {s2};
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nd.numel; i += (int64_t)gridDim.x * blockDim.x) {{
+        const float dy = opf_to_acc(g[opf_cuda_offset(nd, {N}, i)]);
+{''.join(f'        d{k}[opf_cuda_offset(nd, {k}, i)] = opf_from_acc<T>(s2 * opf_to_acc(in{k}[opf_cuda_offset(nd, {N + 1 + k}, i)]) * dy);' + chr(92) + 'n' for k in range(N))}    }}
+}}
+/* <<< kernels */
+
+template <class T>
+static unsigned fwd_launch(void *y, const void *const *in, const opf_cuda_nd *nd{sp}, cudaStream_t s) {{
+    const unsigned grid = opf_cuda_blocks(nd->numel, THREADS, MAX_BLOCKS);
+    OPF_LAUNCH(fwd_kernel<T>, grid, THREADS, 0, s, (T *)y, {in_casts}, *nd{sa});
+    return grid;
+}}
+
+template <class T>
+static unsigned bwd_launch(void *const *dx, const void *g, const void *const *in, const opf_cuda_nd *nd{sp}, cudaStream_t s) {{
+    const unsigned grid = opf_cuda_blocks(nd->numel, THREADS, MAX_BLOCKS);
+    OPF_LAUNCH(bwd_kernel<T>, grid, THREADS, 0, s, {dx_casts}, (const T *)g, {in_casts}, *nd{sa});
+    return grid;
+}}
+
+extern "C" unsigned {name}_cuda_fwd(opf_dtype dt, void *y, const void *const *in, const opf_cuda_nd *nd{sp}, void *stream) {{
+    if (nd->numel == 0) return 0;
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (dt) {{
+    case OPF_F32: return fwd_launch<float>(y, in, nd{sa}, s);
+    case OPF_BF16: return fwd_launch<__nv_bfloat16>(y, in, nd{sa}, s);
+    case OPF_F16: return fwd_launch<__half>(y, in, nd{sa}, s);
+    default: return 0;
+    }}
+}}
+
+extern "C" unsigned {name}_cuda_bwd(opf_dtype dt, void *const *dx, const void *g, const void *const *in, const opf_cuda_nd *nd{sp},
+                                 void *stream) {{
+    if (nd->numel == 0) return 0;
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (dt) {{
+    case OPF_F32: return bwd_launch<float>(dx, g, in, nd{sa}, s);
+    case OPF_BF16: return bwd_launch<__nv_bfloat16>(dx, g, in, nd{sa}, s);
+    case OPF_F16: return bwd_launch<__half>(dx, g, in, nd{sa}, s);
+    default: return 0;
+    }}
+}}
+"""
+        what = "one thread per element over any strides (the glue passes the merged walk)"
+    else:
+        rloads = "".join(f"            const float {x}_i = opf_to_acc(in{k}[b{k} + j * cs.s[{k}]]);\n"
+                         for k, x in enumerate(ins))
+        bases_fwd = "".join(f"        const int64_t b{k} = opf_cuda_offset(nd, {k + 1}, r);\n" for k in range(N))
+        kernels = f"""/* >>> kernels: the computation, one block per row (a grid-stride loop over rows), the row's elements
+ * spread over the block's threads and their float32 partial sums added by opf_block_sum. Edit these
+ * two, the ones in {name}.c and {name}_avx2.c, and reference.py. */
+
+/* placeholder: y = {(scale + ' * ') if scale else ''}sum over the row of ({squares.replace('_i', '')}) */
+template <class T>
+__global__ void __launch_bounds__(THREADS) fwd_kernel(T *__restrict__ y, {in_params}, opf_cuda_nd nd, int64_t cols,
+                                                      Strides cs{sp}) {{
+    __shared__ float scratch[32];
+    for (int64_t r = blockIdx.x; r < nd.numel; r += gridDim.x) {{
+{bases_fwd}        float acc = 0.0f;
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {{
+{rloads}            acc += {squares};
+        }}
+        acc = opf_block_sum(acc, scratch);
+        if (threadIdx.x == 0) y[opf_cuda_offset(nd, 0, r)] = opf_from_acc<T>({('(' + scale + ') * acc') if scale else 'acc'});
+    }}
+}}
+
+/* placeholder: d<input> = 2{(' * ' + scale) if scale else ''} * dy * <input>; operands: the gradients, dy, the inputs */
+template <class T>
+__global__ void __launch_bounds__(THREADS) bwd_kernel({dx_params}, const T *__restrict__ g, {in_params}, opf_cuda_nd nd,
+                                                      int64_t cols, Strides cs{sp}) {{
+    for (int64_t r = blockIdx.x; r < nd.numel; r += gridDim.x) {{
+        const float gr = {s2} * opf_to_acc(g[opf_cuda_offset(nd, {N}, r)]);
+{''.join(f'        const int64_t db{k} = opf_cuda_offset(nd, {k}, r), b{k} = opf_cuda_offset(nd, {N + 1 + k}, r);' + chr(92) + 'n' for k in range(N))}        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {{
+{''.join(f'            d{k}[db{k} + j * cs.s[{k}]] = opf_from_acc<T>(gr * opf_to_acc(in{k}[b{k} + j * cs.s[{N + k}]]));' + chr(92) + 'n' for k in range(N))}        }}
+    }}
+}}
+/* <<< kernels */
+
+template <class T>
+static unsigned fwd_launch(void *y, const void *const *in, const opf_cuda_nd *nd, int64_t cols, const int64_t *cs{sp},
+                           cudaStream_t s) {{
+    Strides st;
+    for (int k = 0; k < {N}; k++) st.s[k] = cs[k];
+    const unsigned grid = opf_cuda_blocks(nd->numel, 1, MAX_BLOCKS);
+    OPF_LAUNCH(fwd_kernel<T>, grid, THREADS, 0, s, (T *)y, {in_casts}, *nd, cols, st{sa});
+    return grid;
+}}
+
+template <class T>
+static unsigned bwd_launch(void *const *dx, const void *g, const void *const *in, const opf_cuda_nd *nd, int64_t cols,
+                           const int64_t *cs{sp}, cudaStream_t s) {{
+    Strides st;
+    for (int k = 0; k < {2 * N}; k++) st.s[k] = cs[k];
+    const unsigned grid = opf_cuda_blocks(nd->numel, 1, MAX_BLOCKS);
+    OPF_LAUNCH(bwd_kernel<T>, grid, THREADS, 0, s, {dx_casts}, (const T *)g, {in_casts}, *nd, cols, st{sa});
+    return grid;
+}}
+
+extern "C" unsigned {name}_cuda_fwd(opf_dtype dt, void *y, const void *const *in, const opf_cuda_nd *nd, int64_t cols,
+                                 const int64_t *cs{sp}, void *stream) {{
+    if (nd->numel == 0) return 0;
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (dt) {{
+    case OPF_F32: return fwd_launch<float>(y, in, nd, cols, cs{sa}, s);
+    case OPF_BF16: return fwd_launch<__nv_bfloat16>(y, in, nd, cols, cs{sa}, s);
+    case OPF_F16: return fwd_launch<__half>(y, in, nd, cols, cs{sa}, s);
+    default: return 0;
+    }}
+}}
+
+extern "C" unsigned {name}_cuda_bwd(opf_dtype dt, void *const *dx, const void *g, const void *const *in, const opf_cuda_nd *nd,
+                                 int64_t cols, const int64_t *cs{sp}, void *stream) {{
+    if (nd->numel == 0) return 0;
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (dt) {{
+    case OPF_F32: return bwd_launch<float>(dx, g, in, nd, cols, cs{sa}, s);
+    case OPF_BF16: return bwd_launch<__nv_bfloat16>(dx, g, in, nd, cols, cs{sa}, s);
+    case OPF_F16: return bwd_launch<__half>(dx, g, in, nd, cols, cs{sa}, s);
+    default: return 0;
+    }}
+}}
+"""
+        what = "one block per row of the last dim, any strides"
+    strides_struct = "/* each operand's step along a row, passed by value */\ntypedef struct Strides {\n    int64_t s[8];\n} Strides;\n\n" if sig.reduce else ""
+    return (f"""/*
+ * {name} on the GPU: C-style CUDA kernels ({what}) and their extern "C" launchers, which the CUDA glue in
+ * {name}.c calls with torch's current stream. float32 compute; bfloat16 and float16 read and written
+ * directly (no float32 copies). Built by
+ *     opforge.load("{name}", ["{name}.c", "{name}_avx2.c", "{name}.cu"])
+ * with nvcc; the kernels' logic can be tested on a CPU with opforge's CUDA emulation (-DOPF_CUDA_EMULATE).
+ */
+#include <opforge/cuda_kernel.cuh>
+
+#define THREADS 256
+#define MAX_BLOCKS 8192 /* the grid-stride loops cover the rest */
+
+""" + strides_struct + kernels).replace(chr(92) + "n", chr(10))
 
 
 def _c_file(sig: Signature, kernels: dict[str, str]) -> str:
@@ -642,6 +946,8 @@ def files(sig: Signature) -> dict[str, str]:
     k = _kernels(sig)
     out = {f"{sig.name}.c": _c_file(sig, k), f"{sig.name}.h": _header(sig, k), f"{sig.name}_avx2.c": _avx2_file(sig, k),
            "reference.py": _reference(sig)}
+    if sig.cuda:
+        out[f"{sig.name}.cu"] = _cuda_file(sig)
     for template, target in TEMPLATES.items():
         with open(os.path.join(_templates(), template)) as f:
             out[target.replace("{name}", sig.name)] = _substitute(f.read(), sig)

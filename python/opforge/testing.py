@@ -239,6 +239,7 @@ def check(
     grad: bool = True,
     atol: float | None = None,
     rtol: float | None = None,
+    device: str | None = None,
 ) -> CheckReport:
     """Runs op and reference on the same inputs in every dtype and compares op
     against the reference evaluated in float64.
@@ -249,7 +250,9 @@ def check(
     op's schema (sample_inputs). Gradients are compared on inputs without edge
     values (a finite, positive range), and not for a Reference without grad.
     A reference returning fewer outputs than the op is compared on those.
-    atol/rtol loosen TOLERANCES (every dtype, where looser than its own) where given."""
+    atol/rtol loosen TOLERANCES (every dtype, where looser than its own) where given.
+    device: where the op runs ("cuda": its CUDA kernel, on inputs of the same layouts copied there);
+    the reference runs on the CPU in float64 either way."""
     op = _as_overload(op)
     if isinstance(reference, Reference):
         inputs = reference.inputs if inputs is None else inputs
@@ -263,10 +266,10 @@ def check(
         samples = _cast_samples(inputs, op, dtype, edges=True)
         try:
             for args in samples:
-                out = op(*args)
+                out = op(*[to_device(a, device) for a in args])
                 want = reference(*[_to64(a) for a in args])
                 for o, w in zip(_tuple(out), _tuple(want)):
-                    _compare(o, w, dtype, acc, tol)
+                    _compare(o.cpu() if isinstance(o, torch.Tensor) else o, w, dtype, acc, tol)
         except RuntimeError as e:
             r.supported, r.error = False, str(e).splitlines()[0]
             report.results.append(r)
@@ -277,23 +280,26 @@ def check(
         r.share_rel_5e3 = acc["rel_5e3"] / max(acc["n"], 1)
         r.special_mismatches, r.out_of_tolerance = acc["special"], acc["bad"]
         if grad:
-            _check_grads(op, reference, _cast_samples(inputs, op, dtype, edges=False), dtype, r)
+            _check_grads(op, reference, _cast_samples(inputs, op, dtype, edges=False), dtype, r, device)
         report.results.append(r)
     return report
 
 
-def _check_grads(op, reference, samples, dtype, r: DtypeResult) -> None:
+def _check_grads(op, reference, samples, dtype, r: DtypeResult, device=None) -> None:
     tol = dict(atol=r.atol, rtol=r.rtol)
     r.grad_max_abs = r.grad_max_rel = 0.0
     for args in samples:
-        args = tuple(a.detach().clone().requires_grad_() if _is_float_tensor(a) else a for a in args)
         ref_args = tuple(_to64(a).detach().requires_grad_() if _is_float_tensor(a) else a for a in args)
+        args = tuple(to_device(a, device).detach().clone().requires_grad_() if _is_float_tensor(a)
+                     else to_device(a, device) for a in args)
         wants = _tuple(reference(*ref_args))
         outs = _tuple(op(*args))[: len(wants)]
         g = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) for o in outs]
         leaves = [a for a in args if _is_float_tensor(a)]
         ref_leaves = [a for a in ref_args if _is_float_tensor(a)]
-        got = torch.autograd.grad(outs, leaves, [x.to(dtype) for x in g], allow_unused=True)
+        got = torch.autograd.grad(outs, leaves, [x.to(dtype).to(o.device) for x, o in zip(g, outs)],
+                                  allow_unused=True)
+        got = [a.cpu() if a is not None else None for a in got]
         want = torch.autograd.grad(wants, ref_leaves, g, allow_unused=True)
         for a, b in zip(got, want):
             if a is None or b is None:
@@ -304,6 +310,19 @@ def _check_grads(op, reference, samples, dtype, r: DtypeResult) -> None:
             r.grad_max_rel = max(r.grad_max_rel, (err / scale).max().item() if err.numel() else 0.0)
             f = GRAD_TOLERANCE_FACTOR
             r.grad_out_of_tolerance += int((err > f * (tol["atol"] + tol["rtol"] * b.abs())).sum())
+
+
+def to_device(a, device: str | torch.device | None):
+    """a on device with its sizes, strides and storage offset (a strided view stays that view there,
+    so the device's kernel meets the layout the CPU's did); non-tensors and device None as they are."""
+    if device is None or not isinstance(a, torch.Tensor) or a.device == torch.device(device):
+        return a
+    off = a.storage_offset()
+    span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())) if a.numel() else 0
+    there = torch.empty(off + span, dtype=a.dtype, device=device)
+    if span:
+        there[off:].copy_(torch.as_strided(a.detach(), (span,), (1,), off))
+    return there.as_strided(a.shape, a.stride(), off)
 
 
 def _is_float_tensor(a) -> bool:

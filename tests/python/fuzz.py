@@ -84,6 +84,8 @@ import torch  # noqa: E402
 
 import opforge  # noqa: E402
 
+import device_mirror  # noqa: E402  (beside this file: on the path when run as a script, and under pytest)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DTYPE_WEIGHTS = {"float32": 0.45, "bfloat16": 0.2, "float16": 0.2, "float64": 0.15}
 
@@ -286,13 +288,15 @@ class Selection:
     dtypes: tuple | None = None
     isas: tuple | None = None
     isa: str | None = None
+    device: str = "cpu"  # where the ops run (device_mirror.py): "cuda" runs the CUDA kernels
 
     def args(self) -> list:
         """The command-line options that select the same cases."""
         out = []
         for flag, names in (("--ops", self.ops), ("--dtypes", self.dtypes), ("--isas", self.isas)):
             out += [flag, ",".join(names)] if names else []
-        return out + (["--isa", self.isa] if self.isa else [])
+        return out + (["--isa", self.isa] if self.isa else []) + (["--device", self.device]
+                                                                  if self.device != "cpu" else [])
 
 
 def draw(seed: int, index: int, sel: Selection = Selection()) -> dict:
@@ -322,6 +326,8 @@ def draw(seed: int, index: int, sel: Selection = Selection()) -> dict:
         if cost <= budget:
             c["estimate_s"] = round(cost, 4)
             c["isa"] = sel.isa or c["isa"]
+            if sel.device != "cpu":
+                c["device"] = sel.device
             return c
     raise RuntimeError(f"fuzz: no case of {op} within {budget} s after 500 draws (seed {seed}, case {index})")
 
@@ -454,7 +460,11 @@ def run_case(c: dict) -> Outcome:
         torch.set_num_threads(c["threads"])
         t0 = time.perf_counter()
         try:
-            return fn()
+            with device_mirror.on_device(c.get("device", "cpu")) as mode:
+                out = fn()
+            if mode is not None and mode.calls == 0:
+                raise RuntimeError(f"no op of the case ran on {c['device']}")
+            return out
         except Exception as e:  # noqa: BLE001
             raise OpError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         finally:
@@ -732,6 +742,8 @@ def main(argv=None) -> int:
     p.add_argument("--isas", help="the ISAs cases are drawn from (default: this CPU's, "
                    + ",".join(opforge.supported_isas()) + "): another CPU's list draws its cases, one forces it")
     p.add_argument("--isa", help="run every case under this ISA whatever it drew (one of this CPU's)")
+    p.add_argument("--device", default="cpu", help="run the ops on this device (cuda: their CUDA kernels, "
+                   "against the same float64 references on the CPU)")
     p.add_argument("--no-malloc-check", action="store_true", help="children without glibc's heap checks")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -740,7 +752,7 @@ def main(argv=None) -> int:
     p.add_argument("--stop", type=int, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    sel = Selection(*(tuple(v.split(",")) if v else None for v in (a.ops, a.dtypes, a.isas)), a.isa)
+    sel = Selection(*(tuple(v.split(",")) if v else None for v in (a.ops, a.dtypes, a.isas)), a.isa, a.device)
     for flag, names, known in (("--ops", sel.ops, descriptions()), ("--dtypes", sel.dtypes, DTYPES)):
         for name in names or ():
             if name not in known:

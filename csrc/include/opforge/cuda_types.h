@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 
+#include "opforge/half.h"
 #include "opforge/runtime.h"
 
 #define OPF_CUDA_MAX_DIMS 8
@@ -18,15 +19,15 @@ typedef struct opf_cuda_nd {
     int ndim, nops, flat;
     int64_t numel;
     int64_t size[OPF_CUDA_MAX_DIMS]; /* innermost last */
-    int64_t stride[4][OPF_CUDA_MAX_DIMS];
+    int64_t stride[OPF_MAX_OPERANDS][OPF_CUDA_MAX_DIMS];
 } opf_cuda_nd;
 
 /* The merged walk of an elementwise op's operands (opf_nd_init: dims of size 1 dropped, neighbours
- * contiguous in every operand merged), or -1 when more than OPF_CUDA_MAX_DIMS dims or 4 operands remain. */
+ * contiguous in every operand merged), or -1 when more than OPF_CUDA_MAX_DIMS dims remain or there are more than OPF_MAX_OPERANDS operands. */
 static inline int opf_cuda_nd_make(opf_cuda_nd *out, int ndim, const int64_t *sizes, int nops,
                                    const int64_t *const *strides) {
     opf_nd nd;
-    if (nops > 4) return -1;
+    if (nops > OPF_MAX_OPERANDS) return -1;
     opf_nd_init(&nd, ndim, sizes, nops, strides);
     if (nd.ndim > OPF_CUDA_MAX_DIMS) return -1;
     out->ndim = nd.ndim;

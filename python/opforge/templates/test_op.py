@@ -178,3 +178,47 @@ def test_log_line_names_the_kernel_that_ran():
         lines = [line for line in r.stderr.splitlines() if op in line and "[opforge info]" in line]
         assert len(lines) == 1 and f"kernels={name}:{variant} " in lines[0], r.stderr
         assert any(op.strip() + " layout:" in line for line in r.stderr.splitlines()), r.stderr
+
+
+# ---- on the GPU (opforge new --cuda): the same checks on the op's CUDA kernels -------------------------
+
+CUDA_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key("{name}::{name}", "CUDA")
+gpu = pytest.mark.skipif(not (CUDA_KERNEL and torch.cuda.is_available()),
+                         reason="no GPU here" if CUDA_KERNEL else "no CUDA kernel: the project has no {name}.cu "
+                         "(opforge new --cuda) or nvcc could not build it")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_cuda_values(shape, dtype):
+    xs = inputs(shape, dtype)
+    y = {name}(*args([x.cuda() for x in xs]))
+    assert y.device.type == "cuda" and y.dtype == dtype
+    torch.testing.assert_close(y.cpu().double(), want(xs), **tol(dtype, xs))
+
+
+@gpu
+@pytest.mark.parametrize("view", ["transposed", "strided", "broadcast"])
+def test_cuda_strided_inputs(view):
+    def make(base):
+        return {"transposed": base.t(), "strided": base[:, ::3], "broadcast": base[:1].expand(5, 30)}[view]
+
+    xs = [make(torch.randn(20, 30, generator=torch.Generator().manual_seed(k))) for k in range(len(INPUTS))]
+    got = {name}(*args([make(torch.randn(20, 30, generator=torch.Generator().manual_seed(k)).cuda())
+                        for k in range(len(INPUTS))]))
+    torch.testing.assert_close(got.cpu().double(), want(xs), **tol(torch.float32, xs))
+
+
+@gpu
+def test_cuda_gradients_and_opcheck():
+    xs = [x.cuda().requires_grad_() for x in inputs((33, 17))]
+    xr = [x.detach().cpu().double().requires_grad_() for x in xs]
+    dy = torch.randn(({name}(*args(xs))).shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    {name}(*args(xs)).backward(dy.float().cuda())
+    reference(*args(xr)).backward(dy)
+    for x, r in zip(xs, xr):
+        torch.testing.assert_close(x.grad.cpu().double(), r.grad, **tol(torch.float32, xs))
+    opcheck(torch.ops.{name}.{name}.default, args([x.detach().clone().requires_grad_() for x in xs]))
+    f = torch.compile(lambda *a: {name}(*a).sin(), fullgraph=True)
+    torch.testing.assert_close(f(*args(xs)), {name}(*args(xs)).sin())
