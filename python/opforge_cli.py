@@ -314,11 +314,19 @@ def info(args) -> int:
         lines.append("amx         " + ("bfloat16 GEMMs on AMX-BF16 tiles" if "amx" in opforge.supported_isas() else
                                       f"present but not usable: {why}; bfloat16 GEMMs run on AVX512-BF16"))
     lines.append(f"threads     {torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)")
-    lines.append(f"cuda        {'available: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not available (CPU kernels only)'}")
+    cuda = opforge.cuda_status()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if cuda["loaded"]:
+        rt = cuda["runtime"]
+        lines.append(f"cuda        {gpu}: opforge's CUDA kernels loaded ({len(cuda['ops'])} ops, built with CUDA "
+                     f"{rt // 1000}.{rt % 1000 // 10}; {cuda['path']})")
+    else:
+        lines.append(f"cuda        {'GPU ' + gpu + ', but ' if gpu else ''}CPU kernels only: {cuda['reason']}")
     lines.append(f"cache       {opforge.build.cache_dir()}")
     lines.append("ops")
     for d in opforge.library.ops:
-        lines.append(f"  {d.namespace}::{d.name:<34} {', '.join(d.devices)}{', autograd' if d.backward else ''}")
+        devices = [*d.devices, *(["cuda"] if d.name in cuda["ops"] and "cuda" not in d.devices else [])]
+        lines.append(f"  {d.namespace}::{d.name:<34} {', '.join(devices)}{', autograd' if d.backward else ''}")
     lines.append(f"kernels     variants (needed ISA); * runs at isa {opforge.get_isa()}")
     for family, variants in opforge.kernel_variants().items():
         lines.append(f"  {family:<22} " + ", ".join(f"{'*' if cur else ''}{name} ({isa})" for name, isa, cur in variants))

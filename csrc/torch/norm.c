@@ -321,6 +321,7 @@ static const opf_op_desc opf_norm_ops[] = {
         .backward_args = "grad0,x,weight,bias,out1,out2,eps",
         .backward_grads = "x,weight,bias",
         .autocast = OPF_AUTOCAST_FOLLOW, /* F.rms_norm / F.layer_norm run in x's dtype beside float32 weights */
+        .autocast_cuda = OPF_AUTOCAST_FP32, /* torch's CUDA autocast runs layer_norm in float32 */
         .flops = "6*numel(x)",
         .meta = 1,
     },

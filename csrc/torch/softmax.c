@@ -110,7 +110,8 @@ static void log_softmax_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t
     softmax_backward_impl(stack, LSMB, 1);
 }
 
-/* torch's CPU autocast lists neither softmax nor log_softmax: they run in the dtype they are given */
+/* torch's CPU autocast lists neither softmax nor log_softmax: they run in the dtype they are given; its CUDA
+ * autocast runs both in float32 */
 static const opf_op_desc opf_softmax_ops[] = {
     {
         .schema = "softmax(Tensor x, int dim) -> Tensor",
@@ -120,6 +121,7 @@ static const opf_op_desc opf_softmax_ops[] = {
         .backward_args = "grad0,out0,dim",
         .backward_grads = "x",
         .autocast = OPF_AUTOCAST_NONE,
+        .autocast_cuda = OPF_AUTOCAST_FP32,
         .flops = "5*numel(x)",
         .meta = 1,
     },
@@ -131,6 +133,7 @@ static const opf_op_desc opf_softmax_ops[] = {
         .backward_args = "grad0,out0,dim",
         .backward_grads = "x",
         .autocast = OPF_AUTOCAST_NONE,
+        .autocast_cuda = OPF_AUTOCAST_FP32,
         .flops = "5*numel(x)",
         .meta = 1,
     },
