@@ -26,9 +26,11 @@ def op_files(root: str, stem: str) -> list[str]:
     """The files of a standard op, relative to root: CONTRIBUTING.md's list."""
     kernels = sorted(f"csrc/kernels/{f}" for f in os.listdir(os.path.join(root, "csrc/kernels"))
                      if f.split(".")[0] == stem or f.startswith(stem + "_avx"))
+    cuda = [f for f in (f"csrc/cuda/{stem}.cu", f"csrc/cuda/{stem}.h", f"csrc/cuda/{stem}.c",
+                        f"tests/cuda/test_{stem}.c") if os.path.isfile(os.path.join(root, f))]
     return kernels + [f"csrc/torch/{stem}.c", f"tests/c/test_{stem}.c", f"tests/python/test_{stem}.py",
                       f"benchmarks/bench_{stem}.py", f"python/opforge/functional/{stem}.py",
-                      f"python/opforge/references/{stem}.py"]
+                      f"python/opforge/references/{stem}.py"] + cuda
 
 
 def source_files(root: str) -> list[str]:
@@ -118,6 +120,24 @@ def test_the_new_ops_c_test_builds_and_passes(tree):
     test = subprocess.run([os.path.join(dest, "build", "ctest", f"test_{NEW}")], cwd=dest, env=env,
                           capture_output=True, text=True, timeout=600)
     assert test.returncode == 0 and " 0 failures" in test.stdout, test.stdout[-2000:] + test.stderr[-2000:]
+
+
+def test_the_new_ops_cuda_kernels_are_built_tested_and_registered(tree):
+    """Its CUDA kernels' C test (on the CPU, over the emulation) passes through the Makefile's wildcard, and,
+    where nvcc built the CUDA library, that library registers the new op's CUDA kernels."""
+    dest, env = tree
+    proc = subprocess.run(["make", f"build/ctest-cuda/test_{NEW}"], cwd=dest, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    test = subprocess.run([os.path.join(dest, "build", "ctest-cuda", f"test_{NEW}")], capture_output=True, text=True,
+                          timeout=600)
+    assert test.returncode == 0 and " 0 failures" in test.stdout, test.stdout[-2000:] + test.stderr[-2000:]
+    if not os.path.exists(os.path.join(dest, "python", "opforge", "libopforge_cuda.so")):
+        pytest.skip("no nvcc here: the CUDA library was not built")
+    code = ("import ctypes, torch, opforge; ctypes.CDLL(opforge.cuda_library_path()); "
+            f"print(torch._C._dispatch_has_kernel_for_dispatch_key('opforge::{NEW}', 'CUDA'), "
+            f"torch._C._dispatch_has_kernel_for_dispatch_key('opforge::{NEW}_backward', 'CUDA'))")
+    assert run(tree, "-c", code).split() == ["True", "True"]
 
 
 def test_the_new_ops_python_test_and_the_coverage_tests_pass(tree):
