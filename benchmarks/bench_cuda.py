@@ -20,6 +20,7 @@ import os
 import re
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import opforge  # noqa: E402
 
 _flush = None
+DEVICE = "cuda"
 
 
 def flush_l2():
     global _flush
+    if DEVICE != "cuda":
+        return
     if _flush is None:
         _flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     _flush.zero_()
@@ -58,6 +62,10 @@ def interleaved(fns: dict, reps: int) -> dict:
 
 def _one(fn) -> float:
     flush_l2()
+    if DEVICE != "cuda":  # the script's own smoke test on a CPU (--device cpu): wall time
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     fn()
@@ -68,6 +76,9 @@ def _one(fn) -> float:
 
 def peak_mib(fn) -> float:
     """Memory fn allocates above what is allocated before it (MiB)."""
+    if DEVICE != "cuda":
+        fn()
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -158,19 +169,29 @@ def main(argv=None):
     p.add_argument("--out", help="where cuda.csv and cuda.md go (default benchmarks/results/<gpu>/)")
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer runs, no torch.compile")
+    p.add_argument("--device", default="cuda", help="cpu: the script's own smoke test (tiny shapes, wall time)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a quick run: --quick on a GPU; without one, the CPU smoke test of the script itself")
     a = p.parse_args(argv)
-    if not opforge.cuda_status()["loaded"]:
-        sys.exit(f"bench_cuda: no CUDA kernels: {opforge.cuda_status()['reason']}")
-    gpu = torch.cuda.get_device_name()
-    reps = 5 if a.quick else a.reps
-    compile_ = (lambda f: f) if a.quick else (lambda f: torch.compile(f))
+    global DEVICE
+    if a.smoke:
+        a.quick = True
+        if not opforge.cuda_status()["loaded"]:
+            a.device = "cpu"
+    DEVICE = dev = a.device
+    if dev == "cuda" and not opforge.cuda_status()["loaded"]:  # make bench on a machine without a GPU
+        print(f"bench_cuda: skipped: no CUDA kernels in this process ({opforge.cuda_status()['reason']})")
+        return
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke test)"
+    tiny = dev != "cuda"
+    reps = 2 if tiny else 5 if a.quick else a.reps
+    compile_ = (lambda f: f) if a.quick or tiny else (lambda f: torch.compile(f))
     bf16 = torch.bfloat16
-    dev = "cuda"
     print(f"bench_cuda: {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"opforge CUDA runtime {opforge.cuda_status()['runtime']}")
 
     # the ceiling: a clone's bandwidth (read + write) at 1 GiB
-    n = (1 << 26) if a.quick else (1 << 28)
+    n = (1 << 16) if tiny else (1 << 26) if a.quick else (1 << 28)
     big = torch.rand(n, device=dev)
     clone_ms = gpu_ms(lambda: big.clone(), reps)
     clone_gbs = 2 * big.numel() * 4 / (clone_ms * 1e-3) / 1e9
@@ -178,11 +199,12 @@ def main(argv=None):
     table = Table(clone_gbs)
 
     # dispersion_correction: >= 90% of clone at >= 16M, >= 3x eager, >= 1.0x compile
-    for numel, dtype in (((1 << 24), torch.float32), ((1 << 24), bf16), (n, torch.float32)):
+    mid = (1 << 14) if tiny else (1 << 24)
+    for numel, dtype in ((mid, torch.float32), (mid, bf16), (n, torch.float32)):
         x = torch.rand(numel, device=dev, dtype=dtype) + 0.01
         eager = lambda x=x: x * 0.8 + torch.sqrt(x)  # noqa: E731
         fns = {"opforge": lambda x=x: opforge.dispersion_correction(x, 0.8), "eager x*a+sqrt(x)": eager}
-        if numel <= (1 << 24):
+        if numel <= mid:
             compiled = compile_(lambda x: x * 0.8 + torch.sqrt(x))
             fns["compile(eager)"] = lambda f=compiled, x=x: f(x)
         fns["clone"] = lambda x=x: x.clone()
@@ -190,7 +212,7 @@ def main(argv=None):
         table.add("dispersion_correction fwd", f"{numel}", dtype, times, bytes_moved=2 * x.numel() * x.element_size(),
                   target=">=0.9 of clone, >=3x eager, >=1x compile")
 
-    rows, hidden = (2048, 4096) if a.quick else (8192, 4096)
+    rows, hidden = (16, 256) if tiny else (2048, 4096) if a.quick else (8192, 4096)
     # rms_norm: fwd+bwd >= 1.0x F.rms_norm; HF composite eager and compiled for reference
     x = torch.randn(rows, hidden, device=dev, dtype=bf16, requires_grad=True)
     w = (1 + 0.1 * torch.randn(hidden, device=dev, dtype=bf16)).requires_grad_()
@@ -225,7 +247,7 @@ def main(argv=None):
     table.add("layer_norm fwd+bwd", f"{rows}x{hidden}", bf16, times, target=">=1x F.layer_norm")
 
     # swiglu: fwd+bwd >= 1.4x eager
-    inter = 11008
+    inter = 512 if tiny else 11008
     g = torch.randn(rows, inter, device=dev, dtype=bf16, requires_grad=True)
     u = torch.randn(rows, inter, device=dev, dtype=bf16, requires_grad=True)
     times = interleaved({"opforge": fwd_bwd(opforge.swiglu, g, u),
@@ -233,26 +255,27 @@ def main(argv=None):
     table.add("swiglu fwd+bwd", f"{rows}x{inter}", bf16, times, bytes_moved=7 * g.numel() * 2, target=">=1.4x eager")
 
     # rope: fwd+bwd >= 2x eager (Llama layout: (B, N, H, D) viewed as (B, H, N, D))
-    B, N, H, D = (2, 1024, 32, 128) if a.quick else (8, 2048, 32, 128)
+    B, N, H, D = (1, 16, 4, 32) if tiny else (2, 1024, 32, 128) if a.quick else (8, 2048, 32, 128)
     q = torch.randn(B, N, H, D, device=dev, dtype=bf16).transpose(1, 2).requires_grad_()
-    k = torch.randn(B, N, 8, D, device=dev, dtype=bf16).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, N, max(H // 4, 1), D, device=dev, dtype=bf16).transpose(1, 2).requires_grad_()
     pos = torch.arange(N, device=dev, dtype=torch.float32)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
     emb = torch.cat([torch.outer(pos, inv)] * 2, dim=-1)
     cos, sin = emb.cos().to(bf16)[None, None], emb.sin().to(bf16)[None, None]
     times = interleaved({"opforge": fwd_bwd(lambda q, k: opforge.rope(q, k, cos, sin), q, k),
                          "eager rotate_half": fwd_bwd(lambda q, k: eager_rope(q, k, cos, sin), q, k)}, reps)
-    table.add("rope fwd+bwd", f"B{B} N{N} H{H}/8 D{D}", bf16, times, target=">=2x eager")
+    table.add("rope fwd+bwd", f"B{B} N{N} H{H}/{k.shape[1]} D{D}", bf16, times, target=">=2x eager")
 
     # softmax: fwd+bwd against torch.softmax
-    xs = torch.randn(rows, 32000, device=dev, dtype=bf16, requires_grad=True)
+    classes = 1000 if tiny else 32000
+    xs = torch.randn(rows, classes, device=dev, dtype=bf16, requires_grad=True)
     times = interleaved({"opforge": fwd_bwd(lambda x: opforge.softmax(x, -1), xs),
                          "torch.softmax": fwd_bwd(lambda x: torch.softmax(x, -1), xs)}, reps)
-    table.add("softmax fwd+bwd", f"{rows}x32000", bf16, times, bytes_moved=5 * xs.numel() * 2)
+    table.add("softmax fwd+bwd", f"{rows}x{classes}", bf16, times, bytes_moved=5 * xs.numel() * 2)
     del xs
 
     # cross_entropy at vocab 128256: >= 2x F.cross_entropy fwd+bwd, >= 3x less peak memory
-    tokens, vocab = (2048, 128256) if a.quick else (8192, 128256)
+    tokens, vocab = (16, 1000) if tiny else (2048, 128256) if a.quick else (8192, 128256)
     logits = torch.randn(tokens, vocab, device=dev, dtype=bf16, requires_grad=True)
     target = torch.randint(0, vocab, (tokens,), device=dev)
     ours = fwd_bwd(lambda lg: opforge.cross_entropy(lg, target), logits)

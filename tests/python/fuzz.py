@@ -82,9 +82,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-import opforge  # noqa: E402
-
 import device_mirror  # noqa: E402  (beside this file: on the path when run as a script, and under pytest)
+import opforge  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DTYPE_WEIGHTS = {"float32": 0.45, "bfloat16": 0.2, "float16": 0.2, "float64": 0.15}

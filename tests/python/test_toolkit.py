@@ -185,6 +185,7 @@ def test_info_command():
         ("bench_gemm.py", ["gemm.md", "gemm.csv"]),
         ("bench_linear.py", ["linear_gelu.md", "linear_gelu.csv"]),
         ("bench_linear_cross_entropy.py", ["linear_cross_entropy.md", "linear_cross_entropy.csv"]),
+        ("bench_cuda.py", ["cuda.md", "cuda.csv"]),  # without a GPU: the script's own smoke test on the CPU
     ],
 )
 def test_benchmark_scripts_smoke(tmp_path, script, outputs):
