@@ -29,6 +29,6 @@ OPFORGE_GPU_CASES=${OPFORGE_GPU_CASES:-40} $PY -m pytest -q -p no:cacheprovider 
 log "CUDA tests: exit $rc in $(( $(date +%s) - t0 )) s (log: pytest_cuda.log)"
 
 t0=$(date +%s)
-$PY benchmarks/bench_cuda.py --out "$OUT_DIR" ${GPU_CHECK_QUICK:+--quick} 2>&1 | tee "$OUT_DIR/bench_cuda.log" | tail -40
+$PY benchmarks/bench_cuda.py --out "$OUT_DIR" --reps ${GPU_CHECK_REPS:-15} ${GPU_CHECK_QUICK:+--quick} 2>&1 | tee "$OUT_DIR/bench_cuda.log" | tail -40
 log "benchmarks in $(( $(date +%s) - t0 )) s"
 exit $rc
