@@ -9,7 +9,8 @@
  *   OPF_LAUNCH(kernel, grid, block, shared_bytes, stream, args...)
  *       kernel<<<grid, block, shared_bytes, stream>>>(args...) on the GPU;
  *       with -DOPF_CUDA_EMULATE (tests/emu/cuda_emu.h), the same kernel run
- *       on the CPU, a fiber per thread.
+ *       on the CPU, a fiber per thread. A template with several arguments needs a name first
+ *       (the commas would split the macro's arguments): auto k = kern<T, 4>; OPF_LAUNCH(k, ...).
  *   OPF_DYNAMIC_SHARED(type, name)   extern __shared__ type name[]
  *   opf_ld(p, i) / opf_st(p, i, v)   element i of a float/double/bf16/fp16 array, as the
  *                                    compute type (float; double for double)
