@@ -3,7 +3,8 @@
  * .cu file as C++ with -DOPF_CUDA_EMULATE and check its kernels against the C
  * references on machines without a GPU (every machine but the lent one).
  *
- * Each thread of a block is a fiber (ucontext) with its own stack; the blocks
+ * Each thread of a block is a fiber with its own stack (started with ucontext, switched with
+ * _setjmp/_longjmp, which save no signal mask: no system call per switch); the blocks
  * of a grid run one after the other. A fiber runs until it waits at a
  * barrier: __syncthreads() waits for every live thread of the block, a warp
  * operation (__shfl_*_sync, __syncwarp) for every live thread of its warp of
@@ -25,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <functional>
@@ -121,8 +123,9 @@ constexpr int WARP = 32;
 constexpr size_t STACK = 64 * 1024;
 
 struct Fiber {
-    ucontext_t ctx;
-    int state;
+    ucontext_t ctx; /* its first start */
+    jmp_buf env;    /* where it waits */
+    int state, started;
     uint3 tid;
 };
 
@@ -131,6 +134,7 @@ struct Launch {
     char *stacks = nullptr;
     int nthreads = 0, current = 0;
     ucontext_t scheduler;
+    jmp_buf scheduler_env;
     const std::function<void()> *body = nullptr;
     const char *name = "";
     /* the warp exchange: each lane's value, read by its partner after a warp barrier */
@@ -146,14 +150,14 @@ inline void wait(int state) {
     Launch &l = launch();
     Fiber &f = l.fibers[l.current];
     f.state = state;
-    swapcontext(&f.ctx, &l.scheduler);
+    if (!_setjmp(f.env)) _longjmp(l.scheduler_env, 1);
 }
 
 inline void fiber_main() {
     Launch &l = launch();
     (*l.body)();
     l.fibers[l.current].state = DONE;
-    /* uc_link returns to the scheduler */
+    _longjmp(l.scheduler_env, 1); /* never returns: the scheduler goes on from where it resumed this fiber */
 }
 
 }  // namespace opf_emu
@@ -237,10 +241,11 @@ inline void run(dim3 grid, dim3 block, size_t dyn_smem, void *&dyn_smem_ptr, con
                     f.tid = uint3{(unsigned)t % block.x, (unsigned)t / block.x % block.y,
                                   (unsigned)t / (block.x * block.y)};
                     f.state = RUNNING;
+                    f.started = 0;
                     getcontext(&f.ctx);
                     f.ctx.uc_stack.ss_sp = l.stacks + STACK * (size_t)t;
                     f.ctx.uc_stack.ss_size = STACK;
-                    f.ctx.uc_link = &l.scheduler;
+                    f.ctx.uc_link = nullptr;
                     makecontext(&f.ctx, (void (*)())fiber_main, 0);
                 }
                 for (;;) {
@@ -249,7 +254,12 @@ inline void run(dim3 grid, dim3 block, size_t dyn_smem, void *&dyn_smem_ptr, con
                         if (l.fibers[t].state != RUNNING) continue;
                         l.current = t;
                         threadIdx = l.fibers[t].tid;
-                        swapcontext(&l.scheduler, &l.fibers[t].ctx);
+                        Fiber &f = l.fibers[t];
+                        if (!_setjmp(l.scheduler_env)) {
+                            if (f.started) _longjmp(f.env, 1);
+                            f.started = 1;
+                            swapcontext(&l.scheduler, &f.ctx); /* runs until its first wait or its end */
+                        }
                     }
                     /* nobody runs: release a warp whose live lanes all wait at a warp barrier, else the
                      * block when every live thread waits at __syncthreads */
@@ -259,6 +269,15 @@ inline void run(dim3 grid, dim3 block, size_t dyn_smem, void *&dyn_smem_ptr, con
                         for (int t = w * WARP; t < n && t < (w + 1) * WARP; t++) {
                             alive += l.fibers[t].state != DONE;
                             waiting += l.fibers[t].state == AT_WARP_BARRIER;
+                        }
+                        const int lanes = (w + 1) * WARP <= n ? WARP : n - w * WARP;
+                        if (alive && waiting == alive && alive != lanes) {
+                            /* a full-mask shuffle or __syncwarp with lanes that returned: undefined in CUDA */
+                            fprintf(stderr,
+                                    "cuda_emu: %s, block (%u, %u, %u): warp %d: %d lanes at a warp operation after "
+                                    "%d returned\n",
+                                    name, bx, by, bz, w, alive, lanes - alive);
+                            abort();
                         }
                         if (alive && waiting == alive) {
                             for (int t = w * WARP; t < n && t < (w + 1) * WARP; t++) l.fibers[t].state = RUNNING;
@@ -273,6 +292,15 @@ inline void run(dim3 grid, dim3 block, size_t dyn_smem, void *&dyn_smem_ptr, con
                     }
                     if (live == 0) break;
                     if (at_block == live) {
+                        /* CUDA leaves a barrier after some threads returned undefined (what they would have
+                         * written before it, e.g. a warp's partial sum, is missing): refused here */
+                        if (live != n) {
+                            fprintf(stderr,
+                                    "cuda_emu: %s, block (%u, %u, %u): %d threads wait at __syncthreads after %d "
+                                    "returned: a barrier reached by part of a block\n",
+                                    name, bx, by, bz, at_block, n - live);
+                            abort();
+                        }
                         for (int t = 0; t < n; t++)
                             if (l.fibers[t].state == AT_BLOCK_BARRIER) l.fibers[t].state = RUNNING;
                         continue;
