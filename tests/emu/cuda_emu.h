@@ -79,8 +79,11 @@ static inline __half __float2half_rn(float f) { return __half{opf_f32_to_f16(f)}
 
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 static inline double rsqrt(double x) { return 1.0 / sqrt(x); }
-static inline float __expf(float x) { return expf(x); }
-static inline float __logf(float x) { return logf(x); }
+/* glibc's <math.h> has functions named __expf and __logf of its own: the CUDA intrinsics are macros here */
+static inline float opf_emu_expf(float x) { return expf(x); }
+static inline float opf_emu_logf(float x) { return logf(x); }
+#define __expf opf_emu_expf
+#define __logf opf_emu_logf
 static inline float __fdividef(float a, float b) { return a / b; }
 static inline float __frcp_rn(float x) { return 1.0f / x; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
