@@ -20,6 +20,19 @@ static struct {
 } status;
 
 __attribute__((constructor)) static void register_cuda_at_load(void) {
+    /* the runtime linked in needs a driver of its major release or newer (minor-version compatibility);
+     * with an older one every launch would fail, so nothing is registered and the reason is kept. No
+     * driver at all (a machine without a GPU) registers: nothing dispatches to the CUDA key there. */
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) == cudaSuccess && driver > 0 && driver / 1000 < CUDART_VERSION / 1000) {
+        snprintf(status.err, sizeof status.err,
+                 "the CUDA library was built with CUDA %d.%d, whose runtime needs a driver for CUDA %d.x or newer; "
+                 "this driver supports CUDA %d.%d: rebuild it with an older CUDA toolkit or update the driver",
+                 CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10, CUDART_VERSION / 1000, driver / 1000,
+                 driver % 1000 / 10);
+        status.rc = -2;
+        return;
+    }
     for (const opf_cuda_kernel *const *k = __start_opf_cuda_kernels; k < __stop_opf_cuda_kernels; k++)
         if (opf_find_op((*k)->name) == NULL) {
             snprintf(status.err, sizeof status.err, "the CUDA kernel of '%s' has no op of that name in opforge's table",
@@ -42,7 +55,8 @@ __attribute__((constructor)) static void register_cuda_at_load(void) {
         }
 }
 
-/* 0 when the CUDA kernels registered as the library was loaded, else -1 and why. */
+/* 0 when the CUDA kernels registered as the library was loaded, else -1 (an error) or -2 (a driver too old for
+ * the runtime linked in: nothing registered) and why. */
 OPF_EXPORT int opforge_cuda_registered(char *err, size_t errlen) {
     if (status.rc) snprintf(err, errlen, "%s", status.err);
     return status.rc;

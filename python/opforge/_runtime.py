@@ -49,7 +49,10 @@ def _load_cuda() -> tuple[ctypes.CDLL | None, str]:
     except OSError as e:
         raise ImportError(f"cannot load opforge's CUDA library {CUDA_PATH}: {e}") from e
     err = ctypes.create_string_buffer(1024)
-    if dll.opforge_cuda_registered(err, ctypes.c_size_t(1024)) != 0:
+    rc = dll.opforge_cuda_registered(err, ctypes.c_size_t(1024))
+    if rc == -2:  # a driver too old for the runtime linked in: it registered nothing, and says why
+        return None, err.value.decode()
+    if rc != 0:
         raise ImportError(f"opforge's CUDA library {CUDA_PATH}: {err.value.decode()}")
     dll.opforge_cuda_kernel_at.restype = ctypes.c_char_p
     dll.opforge_cuda_kernel_at.argtypes = [ctypes.c_int]

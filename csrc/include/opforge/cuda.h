@@ -37,10 +37,14 @@ typedef struct opf_cuda_call {
     double t0_us;
 } opf_cuda_call;
 
-static inline void opf_cuda_call_release(opf_cuda_call *c) {
+static inline void opf_cuda_call_release_events(opf_cuda_call *c) {
     if (c->start) cudaEventDestroy(c->start);
     if (c->stop) cudaEventDestroy(c->stop);
     c->start = c->stop = NULL;
+}
+
+static inline void opf_cuda_call_release(opf_cuda_call *c) {
+    opf_cuda_call_release_events(c);
     if (c->guard) aoti_torch_delete_device_guard(c->guard);
     c->guard = NULL;
 }
@@ -94,7 +98,9 @@ static inline void opf_cuda_nd_init(const char *op, opf_cuda_nd *out, int ndim, 
                  OPF_CUDA_MAX_DIMS);
 }
 
-/* Checks t, makes its device current for the call and takes torch's stream there. */
+/* Checks t, makes its device current for the call and takes torch's stream there. The runtime's
+ * last error is cleared first, so that opf_cuda_done reports this call's launches only (an earlier
+ * asynchronous fault can still surface here: the message says so). */
 static inline void opf_cuda_begin(opf_cuda_call *c, const char *op, const opf_tensor *t, const char *arg) {
     opf_check_cuda(op, arg, t, arg, t);
     c->op = op;
@@ -103,12 +109,19 @@ static inline void opf_cuda_begin(opf_cuda_call *c, const char *op, const opf_te
     if (aoti_torch_create_device_guard(c->device, &c->guard) != OPF_AOTI_SUCCESS)
         opf_fail(op, "could not make cuda:%d the current device", c->device);
     c->stream = opf_cuda_current_stream(op, c->device);
+    (void)cudaGetLastError();
     if (opf_log_enabled(OPF_LOG_INFO)) {
         c->t0_us = opf_now_us();
-        if (cudaEventCreate(&c->start) == cudaSuccess && cudaEventCreate(&c->stop) == cudaSuccess)
-            cudaEventRecord(c->start, (cudaStream_t)c->stream);
-        else
-            c->start = c->stop = NULL;
+        /* no events inside a CUDA graph capture: waiting for one there would break the capture */
+        enum cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        if (cudaStreamIsCapturing((cudaStream_t)c->stream, &capturing) == cudaSuccess &&
+            capturing == cudaStreamCaptureStatusNone && cudaEventCreate(&c->start) == cudaSuccess) {
+            if (cudaEventCreate(&c->stop) != cudaSuccess ||
+                cudaEventRecord(c->start, (cudaStream_t)c->stream) != cudaSuccess) {
+                opf_cuda_call_release_events(c);
+            }
+        }
+        (void)cudaGetLastError(); /* a failed event call is not the kernel's error */
     }
 }
 
@@ -125,13 +138,15 @@ static inline void opf_cuda_done(opf_cuda_call *c, const char *launch_error, con
     cudaError_t e = cudaGetLastError();
     if (launch_error == NULL && e != cudaSuccess) launch_error = cudaGetErrorString(e);
     if (launch_error)
-        opf_fail(c->op, "CUDA kernel %s (grid %lld, block %d) failed on cuda:%d: %s", kernel, (long long)grid, block,
-                 c->device, launch_error);
+        opf_fail(c->op,
+                 "CUDA kernel %s (grid %lld, block %d) on cuda:%d, or an earlier kernel on that device, failed: %s",
+                 kernel, (long long)grid, block, c->device, launch_error);
     if (!opf_log_enabled(OPF_LOG_INFO)) return;
-    float ms = -1.0f;
+    float ms = -1.0f; /* -1: not timed (inside a graph capture) */
     if (c->start && cudaEventRecord(c->stop, (cudaStream_t)c->stream) == cudaSuccess &&
         cudaEventSynchronize(c->stop) == cudaSuccess)
         cudaEventElapsedTime(&ms, c->start, c->stop);
+    (void)cudaGetLastError();
     char args[512];
     size_t len = 0;
     args[0] = '\0';
@@ -141,8 +156,13 @@ static inline void opf_cuda_done(opf_cuda_call *c, const char *launch_error, con
         len += (size_t)snprintf(args + len, sizeof args - len, "%s%s%s", i ? " " : "", opf_dtype_name(tensors[i].dtype),
                                 shape);
     }
-    opf_log(OPF_LOG_INFO, "%s %s device=cuda:%d kernel=%s grid=%lld block=%d %.1fus (gpu) %.1fus (call)", c->op, args,
-            c->device, kernel, (long long)grid, block, ms >= 0 ? ms * 1000.0 : -1.0, opf_now_us() - c->t0_us);
+    char gpu[48];
+    if (ms >= 0)
+        snprintf(gpu, sizeof gpu, "%.1fus (gpu)", ms * 1000.0);
+    else
+        snprintf(gpu, sizeof gpu, "(captured in a CUDA graph: not timed)");
+    opf_log(OPF_LOG_INFO, "%s %s device=cuda:%d kernel=%s grid=%lld block=%d %s %.1fus (call)", c->op, args, c->device,
+            kernel, (long long)grid, block, gpu, opf_now_us() - c->t0_us);
 }
 
 #endif
