@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
+import math
 import os
 import random
 import re
@@ -38,18 +40,23 @@ def _calibrate(fn: Callable[[], object], target_s: float) -> int:
 
 
 def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float = 0.05,
-            stat: Callable[[list[float]], Any] = statistics.median) -> dict[str, Any]:
+            stat: Callable[[list[float]], Any] = statistics.median, into: dict | None = None,
+            warm: bool = True) -> dict[str, Any]:
     """Median seconds per call of each fn (or another `stat` of its samples,
     such as min), sampled round-robin so that drift in machine load hits every
     variant alike. The order changes every round (a fixed shuffle): with calls
     of a large op, whatever one variant leaves behind (freed memory, cold
     caches, busy threads) would otherwise always fall on the variant that
-    follows it."""
-    for fn in fns.values():  # warm-up (and compile)
-        fn()
-        fn()
+    follows it. into: a dict of sample lists to add to (measure() takes more rounds into it); warm: False
+    when the variants ran already."""
+    if warm:
+        for fn in fns.values():  # warm-up (and compile)
+            fn()
+            fn()
     calls = {name: _calibrate(fn, target_s) for name, fn in fns.items()}
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[str, list[float]] = into if into is not None else {}
+    for name in fns:
+        samples.setdefault(name, [])
     order, shuffle = list(fns), random.Random(0)
     for _ in range(reps):
         for name in order:
@@ -60,6 +67,69 @@ def compare(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float
             samples[name].append((time.perf_counter() - t0) / n)
         shuffle.shuffle(order)
     return {name: stat(s) for name, s in samples.items()}
+
+
+# A variant's timing is trusted when the middle half of its samples lies within this factor (third quartile
+# / first quartile); measure() takes more rounds until every variant's does, within its time budget.
+SPREAD_BOUND = 1.25
+# A ratio past this (either way) is not printed: on these ops it means one side's time is not the op's work
+# (seen: eager x * a + sqrt(x) on 16K floats at 0.04 to 7.8 ms a call on a VM, fresh memory's page faults).
+MAX_RATIO = 100.0
+
+
+@dataclasses.dataclass
+class Timing:
+    """Seconds per call of one variant: the median, the quartiles and how many samples they come from."""
+
+    median: float
+    q1: float
+    q3: float
+    samples: int
+
+    @property
+    def spread(self) -> float:
+        return self.q3 / self.q1 if self.q1 > 0 else math.inf
+
+    @property
+    def reliable(self) -> bool:
+        return self.spread <= SPREAD_BOUND
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], statistics.median(xs), q[2]
+
+
+def measure(fns: dict[str, Callable[[], object]], reps: int = 7, target_s: float = 0.05,
+            budget_s: float | None = None) -> dict[str, Timing]:
+    """compare()'s interleaved rounds, then more rounds while any variant's spread (the middle half of its
+    samples, q3/q1) is above SPREAD_BOUND, until `budget_s` seconds of sampling (default: 4x what the first
+    rounds took). A variant still over the bound then is reported as such (Timing.reliable), for the
+    caller to say so instead of printing a ratio from it."""
+    samples: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    compare(fns, reps=reps, target_s=target_s, stat=lambda s: s, into=samples)
+    first = time.perf_counter() - t0
+    deadline = time.perf_counter() + (budget_s if budget_s is not None else 4 * first)
+    while time.perf_counter() < deadline:
+        if all(_quartiles(s)[2] <= SPREAD_BOUND * _quartiles(s)[0] for s in samples.values()):
+            break
+        compare(fns, reps=1, target_s=target_s, stat=lambda s: s, into=samples, warm=False)
+    return {k: Timing(_quartiles(s)[1], _quartiles(s)[0], _quartiles(s)[2], len(s)) for k, s in samples.items()}
+
+
+def ratio_text(base: Timing, ours: Timing, bound: float = MAX_RATIO) -> str:
+    """base / ours as a reader may take it: "2.31x (2.20-2.43)" (the ratio of medians, and of the
+    quartiles' extremes); "unreliable (...)" when either side's spread is past SPREAD_BOUND; "not shown"
+    past `bound` either way."""
+    worst = max(base.spread, ours.spread)
+    if not (base.reliable and ours.reliable):
+        return f"unreliable (timings spread {worst:.2g}x: a busy machine; re-run)"
+    r = base.median / ours.median
+    if r > bound or r < 1 / bound:
+        return (f"not shown ({r:.3g}x is past {bound:.0f}x: one side's time is then dominated by something other "
+                f"than the op, such as page faults on fresh memory or a busy CPU, not by its arithmetic)")
+    return f"{r:.2f}x ({base.q1 / ours.q3:.2f}-{base.q3 / ours.q1:.2f})"
 
 
 def fma_probe(seconds: float = 0.02) -> tuple[Callable[[], float] | None, float]:
@@ -175,8 +245,9 @@ def bench(
 ) -> list[dict]:
     """Speed and peak memory of op against the eager reference and against
     torch.compile of it, per size: forward (and forward+backward) medians with
-    the op's min and max, ratios of medians (>1: op faster / leaner); a
-    warning on stderr where a variant's max/min exceeds NOISE.
+    the op's spread (q3/q1), ratios of medians (>1: op faster / leaner). Rounds are added until every
+    variant's spread is within SPREAD_BOUND (measure()); a ratio from a variant still past it, or past
+    MAX_RATIO, is NaN, with a warning on stderr saying why.
     make_inputs(n, dtype) builds the argument tuple; by default every Tensor
     argument is n positive values, floats 0.8. op must match the reference
     before it is timed, within opforge.testing.tolerance(dtype, atol, rtol).
@@ -203,14 +274,13 @@ def bench(
         args = tuple(to_device(a, device) for a in cpu_args)
         for o, w in zip(_tuple(op(*args)), _tuple(reference(*[_to64(a) for a in cpu_args]))):
             assert_close(o.cpu(), w, dtype, f"{op} n={n}", atol=atol, rtol=rtol)  # correct before timed
-        timed = compare({k: (lambda f=f: (f(*args), sync())) for k, f in variants.items()}, reps=reps,
-                        target_s=target_s, stat=_spread)
+        timed = measure({k: (lambda f=f: (f(*args), sync())) for k, f in variants.items()}, reps=reps,
+                        target_s=target_s)
         noisy = _noisy(timed, f"size {n} forward")
-        fwd = {k: median for k, (_, median, _) in timed.items()}
         mem = {k: memory(lambda f=f: f(*args)) for k, f in variants.items()}
-        row = {"size": n, "dtype": str(dtype).split(".")[1], "op_fwd_us": fwd["op"] * 1e6,
-               "op_fwd_min_us": timed["op"][0] * 1e6, "op_fwd_max_us": timed["op"][2] * 1e6,
-               "fwd_vs_eager": fwd["eager"] / fwd["op"], "fwd_vs_compile": fwd["compile"] / fwd["op"],
+        row = {"size": n, "dtype": str(dtype).split(".")[1], "op_fwd_us": timed["op"].median * 1e6,
+               "op_fwd_spread": timed["op"].spread,
+               "fwd_vs_eager": _ratio(timed["eager"], timed["op"]), "fwd_vs_compile": _ratio(timed["compile"], timed["op"]),
                "fwd_peak_mem_vs_eager": mem["eager"] / max(mem["op"], 1)}
         if backward:
             grad_args = [tuple(a.detach().requires_grad_() if _is_float_tensor(a) else a for a in args)]
@@ -220,14 +290,13 @@ def bench(
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
                 return outs
 
-            timed = compare({k: (lambda f=f: (step(f), sync())) for k, f in variants.items()}, reps=reps,
-                            target_s=target_s, stat=_spread)
+            timed = measure({k: (lambda f=f: (step(f), sync())) for k, f in variants.items()}, reps=reps,
+                            target_s=target_s)
             noisy += _noisy(timed, f"size {n} forward+backward")
-            both = {k: median for k, (_, median, _) in timed.items()}
             mem = {k: memory(lambda f=f: step(f)) for k, f in variants.items()}
-            row.update({"op_fwdbwd_us": both["op"] * 1e6, "op_fwdbwd_min_us": timed["op"][0] * 1e6,
-                        "op_fwdbwd_max_us": timed["op"][2] * 1e6, "fwdbwd_vs_eager": both["eager"] / both["op"],
-                        "fwdbwd_vs_compile": both["compile"] / both["op"],
+            row.update({"op_fwdbwd_us": timed["op"].median * 1e6, "op_fwdbwd_spread": timed["op"].spread,
+                        "fwdbwd_vs_eager": _ratio(timed["eager"], timed["op"]),
+                        "fwdbwd_vs_compile": _ratio(timed["compile"], timed["op"]),
                         "peak_mem_vs_eager": mem["eager"] / max(mem["op"], 1),
                         "peak_mem_vs_compile": mem["compile"] / max(mem["op"], 1)})
         rows.append(row)
@@ -238,18 +307,23 @@ def bench(
     return rows
 
 
-# max/min of one variant's samples above which its median is not to be trusted
-NOISE = 1.5
+def _ratio(base: Timing, ours: Timing) -> float:
+    """base / ours, or NaN where ratio_text would not print it (a spread past SPREAD_BOUND, a ratio past
+    MAX_RATIO): the table and the plot leave it out, and the warnings say why."""
+    r = base.median / ours.median
+    ok = base.reliable and ours.reliable and 1 / MAX_RATIO <= r <= MAX_RATIO
+    return r if ok else math.nan
 
 
-def _spread(samples: list[float]) -> tuple[float, float, float]:
-    return min(samples), statistics.median(samples), max(samples)
-
-
-def _noisy(timed: dict[str, tuple[float, float, float]], what: str) -> list[str]:
-    return [f"{what}: {name} timings spread {hi / lo:.3g}x (min {lo * 1e6:.4g} us, median {mid * 1e6:.4g} us, "
-            f"max {hi * 1e6:.4g} us): the machine was busy; close other work and re-run"
-            for name, (lo, mid, hi) in timed.items() if hi > NOISE * lo]
+def _noisy(timed: dict[str, Timing], what: str) -> list[str]:
+    out = [f"{what}: {name} timings spread {t.spread:.3g}x (quartiles {t.q1 * 1e6:.4g}-{t.q3 * 1e6:.4g} us over "
+           f"{t.samples} samples) even after more rounds: its ratios are left out (nan); close other work and re-run"
+           for name, t in timed.items() if not t.reliable]
+    op = timed["op"]
+    out += [f"{what}: {name} / op = {t.median / op.median:.3g}x is past {MAX_RATIO:.0f}x: left out (nan): one "
+            "side's time is then not the op's work (page faults on fresh memory, a busy CPU)" for name, t in timed.items() if name != "op" and t.reliable and op.reliable
+            and not 1 / MAX_RATIO <= t.median / op.median <= MAX_RATIO]
+    return out
 
 
 def _default_inputs(op, n: int, dtype: torch.dtype) -> tuple:
