@@ -24,6 +24,7 @@ PY     := $(VENV)/bin/python
 LIB    := python/opforge/libopforge.so
 CUDA_LIB := python/opforge/libopforge_cuda.so
 CSRC   := $(shell find csrc -name '*.c' -o -name '*.h')
+CUSRC  := $(shell find csrc -name '*.cu' -o -name '*.cuh')
 TORCH_INCLUDE = $(shell $(PY) -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 
 .PHONY: cuda ctest-cuda gpu-check
@@ -39,19 +40,19 @@ $(VENV)/.installed: requirements-dev.txt
 
 setup: $(VENV)/.installed
 
-$(LIB): $(VENV)/.installed $(CSRC) setup.py python/opforge/_build.py
+$(LIB): $(VENV)/.installed $(CSRC) $(CUSRC) setup.py python/opforge/_build.py
 	$(PY) setup.py -q build_ext --inplace
 
 build: $(LIB)
 
 # The CUDA library: nvcc for the .cu files (sm_80 and sm_90 SASS, sm_90 PTX), the C compiler for the glue.
-cuda: $(VENV)/.installed $(CSRC) $(wildcard csrc/cuda/*.cu csrc/include/opforge/*.cuh) setup.py python/opforge/_build.py
+cuda: $(VENV)/.installed $(CSRC) $(CUSRC) setup.py python/opforge/_build.py
 	OPFORGE_CUDA=1 $(PY) setup.py -q build_ext --inplace
 
 # The CUDA kernels' C tests, on the CPU: each tests/cuda/test_<op>.c with csrc/cuda/<op>.cu compiled as
 # C++ over tests/emu/cuda_emu.h (a fiber per GPU thread), against the C reference kernels.
 CUDA_CTESTS := $(patsubst tests/cuda/%.c,build/ctest-cuda/%,$(sort $(wildcard tests/cuda/test_*.c)))
-build/ctest-cuda/test_%: tests/cuda/test_%.c csrc/cuda/%.cu tests/c/check.h tests/emu/cuda_emu.h $(CSRC) $(wildcard csrc/cuda/*.h csrc/include/opforge/*.cuh) python/opforge/_build.py | $(VENV)/.installed
+build/ctest-cuda/test_%: tests/cuda/test_%.c csrc/cuda/%.cu tests/c/check.h tests/emu/cuda_emu.h $(CSRC) $(CUSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(PY) python/opforge/_build.py $@ $< csrc/cuda/$*.cu $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include
 
 ctest-cuda: $(CUDA_CTESTS)

@@ -25,6 +25,7 @@
 
 #include "cross_entropy.h"
 #include "opforge/cuda_kernel.cuh"
+#include "rows.cuh"
 
 #define CE_WARP_MAX 2048   /* classes up to which a warp takes a row */
 #define CE_WIDE 32768      /* classes from which a block has 512 threads (else 256) */
@@ -34,100 +35,19 @@
 #define CE_FINISH_THREADS 256
 #define CE_MEAN 1 /* CROSS_ENTROPY_REDUCTION_MEAN */
 
-/* 16 bytes of a row as they are in memory (4 floats, 2 doubles, 8 halves), in 32-bit words so that
- * two halves share a register; ce_io<T> reads and writes element i as the compute type. */
-struct alignas(16) ce_raw {
-    uint32_t w[4];
-};
-__device__ __forceinline__ float ce_u2f(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-__device__ __forceinline__ uint32_t ce_f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-template <class T> struct ce_io;
-template <> struct ce_io<float> {
-    static const int V = 4;
-    static __device__ __forceinline__ float get(const ce_raw &r, int i) { return ce_u2f(r.w[i]); }
-    static __device__ __forceinline__ void set(ce_raw &r, int i, float v) { r.w[i] = ce_f2u(v); }
-};
-template <> struct ce_io<double> {
-    static const int V = 2;
-    static __device__ __forceinline__ double get(const ce_raw &r, int i) {
-        double d;
-        memcpy(&d, &r.w[2 * i], 8);
-        return d;
-    }
-    static __device__ __forceinline__ void set(ce_raw &r, int i, double v) { memcpy(&r.w[2 * i], &v, 8); }
-};
-template <class H> __device__ __forceinline__ uint32_t ce_half_bits(H h) {
-    uint16_t b;
-    memcpy(&b, &h, 2);
-    return b;
-}
-template <class H> __device__ __forceinline__ H ce_bits_half(uint32_t u) {
-    const uint16_t b = (uint16_t)u;
-    H h;
-    memcpy(&h, &b, 2);
-    return h;
-}
-template <class H> __device__ __forceinline__ void ce_set_half(ce_raw &r, int i, H h) {
-    const uint32_t b = ce_half_bits(h), w = r.w[i >> 1];
-    r.w[i >> 1] = (i & 1) ? (w & 0xffffu) | (b << 16) : (w & 0xffff0000u) | b;
-}
-template <> struct ce_io<__nv_bfloat16> {
-    static const int V = 8;
-    static __device__ __forceinline__ float get(const ce_raw &r, int i) {
-        const uint32_t w = r.w[i >> 1];
-        return ce_u2f((i & 1) ? (w & 0xffff0000u) : (w << 16));
-    }
-    static __device__ __forceinline__ void set(ce_raw &r, int i, float v) { ce_set_half(r, i, __float2bfloat16_rn(v)); }
-};
-template <> struct ce_io<__half> {
-    static const int V = 8;
-    static __device__ __forceinline__ float get(const ce_raw &r, int i) {
-        const uint32_t w = r.w[i >> 1];
-        return __half2float(ce_bits_half<__half>((i & 1) ? w >> 16 : w));
-    }
-    static __device__ __forceinline__ void set(ce_raw &r, int i, float v) { ce_set_half(r, i, __float2half_rn(v)); }
-};
-
-template <class A> __device__ __forceinline__ A ce_max(A a, A b) { return (a > b || a != a) ? a : b; }
-/* exp as the hardware's base-2 exponential of v log2(e): relative error a few 1e-7 near the max */
-__device__ __forceinline__ float ce_exp(float v) { return exp2f(v * 1.4426950408889634f); }
-__device__ __forceinline__ double ce_exp(double v) { return exp(v); }
 __device__ __forceinline__ float ce_tanh(float v) { return tanhf(v); }
 __device__ __forceinline__ double ce_tanh(double v) { return tanh(v); }
 
-/* Online max m and sum s of exp(z - m): -inf entries add nothing, +inf or NaN make s NaN (as the
- * reference's sum of exp(z - max)). */
-template <class A> __device__ __forceinline__ void ce_online1(A &m, A &s, A v) {
-    if (v > m) {
-        s = s * ce_exp(m - v) + (v - v + (A)1); /* v - v: NaN for +inf */
-        m = v;
-    } else if (m != (A)-INFINITY || v != v) {
-        s += ce_exp(v - m);
-    }
-}
-/* the same over K values at once: one rescale per batch */
+/* row_online1 (rows.cuh) over K values at once: one rescale per batch */
 template <int K, class A> __device__ __forceinline__ void ce_online(A &m, A &s, const A *z) {
     A pm = z[0];
 #pragma unroll
-    for (int k = 1; k < K; k++) pm = ce_max(pm, z[k]);
-    const A mn = ce_max(m, pm);
+    for (int k = 1; k < K; k++) pm = row_max(pm, z[k]);
+    const A mn = row_max(m, pm);
     if (mn == (A)-INFINITY) return;
-    if (mn != m) s *= ce_exp(m - mn);
+    if (mn != m) s *= row_exp(m - mn);
 #pragma unroll
-    for (int k = 0; k < K; k++) s += ce_exp(z[k] - mn);
-    m = mn;
-}
-template <class A> __device__ __forceinline__ void ce_merge(A &m, A &s, A m2, A s2) {
-    const A mn = ce_max(m, m2);
-    s = (m == mn ? s : s * ce_exp(m - mn)) + (m2 == mn ? s2 : s2 * ce_exp(m2 - mn));
+    for (int k = 0; k < K; k++) s += row_exp(z[k] - mn);
     m = mn;
 }
 /* (m, s, and t summed) over the row's group: its warp, or the block (scratch: 96 values) */
@@ -135,7 +55,7 @@ template <bool WARP, class A> __device__ __forceinline__ void ce_group_reduce(A 
     for (int k = 16; k > 0; k >>= 1) {
         A m2 = __shfl_xor_sync(0xffffffffu, m, k), s2 = __shfl_xor_sync(0xffffffffu, s, k);
         t += __shfl_xor_sync(0xffffffffu, t, k);
-        ce_merge(m, s, m2, s2);
+        row_merge(m, s, m2, s2);
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (WARP || warps == 1) return;
@@ -147,43 +67,9 @@ template <bool WARP, class A> __device__ __forceinline__ void ce_group_reduce(A 
     for (int k = 16; k > 0; k >>= 1) {
         A m2 = __shfl_xor_sync(0xffffffffu, m, k), s2 = __shfl_xor_sync(0xffffffffu, s, k);
         t += __shfl_xor_sync(0xffffffffu, t, k);
-        ce_merge(m, s, m2, s2);
+        row_merge(m, s, m2, s2);
     }
     __syncthreads();
-}
-
-/* The first row of this group, the step between its rows, the thread's rank in the group and the
- * group's size: a warp per row (WARP), or a block. */
-template <bool WARP> __device__ __forceinline__ void ce_first_row(int64_t &row, int64_t &step, int &tid, int &G) {
-    if constexpr (WARP) {
-        row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-        step = (int64_t)gridDim.x * (blockDim.x >> 5);
-        tid = threadIdx.x & 31;
-        G = 32;
-    } else {
-        row = blockIdx.x;
-        step = gridDim.x;
-        tid = threadIdx.x;
-        G = blockDim.x;
-    }
-}
-
-/* A row's classes [0, head) and [tail0, C) one by one and npk packs in between, when it has stride 1
- * and (backward) its gradient row lies as far from a 16-byte boundary; else none in packs. */
-struct ce_span {
-    bool vec;
-    int64_t head, npk, tail0;
-};
-template <class T> __device__ __forceinline__ ce_span ce_span_of(const T *x, const T *dx, int64_t C, int64_t cs) {
-    const int V = ce_io<T>::V;
-    ce_span sp;
-    const uintptr_t off = (uintptr_t)x & 15;
-    sp.vec = cs == 1 && ((uintptr_t)dx & 15) == off;
-    sp.head = sp.vec ? (int64_t)(((16 - off) & 15) / sizeof(T)) : 0;
-    if (sp.head > C) sp.head = C;
-    sp.npk = sp.vec ? (C - sp.head) / V : 0;
-    sp.tail0 = sp.head + sp.npk * V;
-    return sp;
 }
 
 /* what the kernels share: the problem's scalars */
@@ -213,22 +99,22 @@ template <class T> __device__ __forceinline__ typename opf_acc<T>::type ce_w(con
 template <class T, bool EXTRA, class A>
 __device__ __forceinline__ void ce_row_fwd(const T *xr, const T *w, const ce_geom &g, bool smooth, int tid, int G, A &m,
                                            A &s, A &t) {
-    const int V = ce_io<T>::V, U = 4;
+    const int V = row_io<T>::V, U = 4;
     const A cap = (A)g.cap;
     m = (A)-INFINITY, s = 0, t = 0;
-    const ce_span sp = ce_span_of(xr, xr, g.C, g.cs);
+    const row_span sp = row_span_of(xr, xr, xr, g.C, g.cs == 1);
 #define CE_ONE(j, xv)                                      \
     do {                                                   \
         const A z_ = ce_z<EXTRA>((A)(xv), cap);            \
         if (EXTRA && smooth) t += ce_w(w, g.ws, (j)) * z_; \
-        ce_online1(m, s, z_);                              \
+        row_online1(m, s, z_);                             \
     } while (0)
     if (sp.vec) {
         if (tid < sp.head) CE_ONE(tid, opf_to_acc(xr[tid]));
-        const ce_raw *xp = (const ce_raw *)(xr + sp.head);
+        const row_pack *xp = (const row_pack *)(xr + sp.head);
         int64_t q = tid;
         for (; q + (U - 1) * (int64_t)G < sp.npk; q += U * (int64_t)G) {
-            ce_raw pk[U];
+            row_pack pk[U];
 #pragma unroll
             for (int u = 0; u < U; u++) pk[u] = xp[q + u * (int64_t)G];
             A z[U * V];
@@ -236,17 +122,17 @@ __device__ __forceinline__ void ce_row_fwd(const T *xr, const T *w, const ce_geo
             for (int u = 0; u < U; u++)
 #pragma unroll
                 for (int v = 0; v < V; v++) {
-                    z[u * V + v] = ce_z<EXTRA>(ce_io<T>::get(pk[u], v), cap);
+                    z[u * V + v] = ce_z<EXTRA>(row_io<T>::get(pk[u], v), cap);
                     if (EXTRA && smooth) t += ce_w(w, g.ws, sp.head + (q + u * (int64_t)G) * V + v) * z[u * V + v];
                 }
             ce_online<U * V>(m, s, z);
         }
         for (; q < sp.npk; q += G) {
-            const ce_raw pk = xp[q];
+            const row_pack pk = xp[q];
             A z[V];
 #pragma unroll
             for (int v = 0; v < V; v++) {
-                z[v] = ce_z<EXTRA>(ce_io<T>::get(pk, v), cap);
+                z[v] = ce_z<EXTRA>(row_io<T>::get(pk, v), cap);
                 if (EXTRA && smooth) t += ce_w(w, g.ws, sp.head + q * V + v) * z[v];
             }
             ce_online<V>(m, s, z);
@@ -268,7 +154,7 @@ __global__ void __launch_bounds__(WARP ? 32 * CE_WARP_ROWS : 512)
     __shared__ double warp_sums[2][CE_WARP_ROWS];
     int64_t row, step;
     int tid, G;
-    ce_first_row<WARP>(row, step, tid, G);
+    row_group_first<WARP>(row, step, tid, G);
     const double C = (double)g.C, eps = g.eps, wc = prep ? prep[1] : C;
     const bool smooth = eps > 0;
     double lsum = 0, wsum = 0; /* the group's leader's, in its rows' order */
@@ -354,7 +240,7 @@ __global__ void __launch_bounds__(CE_PREP_THREADS)
 template <bool EXTRA, class T, class A>
 __device__ __forceinline__ A ce_grad(A xv, int64_t j, int64_t t, A a, A b, A ct, A lse, A cap, const T *w, int64_t ws) {
     const A z = ce_z<EXTRA>(xv, cap);
-    A gv = a * ce_exp(z - lse) - (j == t ? ct : (A)0);
+    A gv = a * row_exp(z - lse) - (j == t ? ct : (A)0);
     if constexpr (EXTRA) {
         gv -= b * ce_w(w, ws, j);
         if (cap > (A)0) gv *= (A)1 - (z / cap) * (z / cap);
@@ -368,10 +254,10 @@ __global__ void __launch_bounds__(WARP ? 32 * CE_WARP_ROWS : 512)
                 const T *__restrict__ w, const T *__restrict__ grad_losses, const T *__restrict__ grad_loss,
                 const void *__restrict__ lse_saved, int lse_f32, const double *__restrict__ prep, ce_geom g) {
     typedef typename opf_acc<T>::type A;
-    const int V = ce_io<T>::V, U = 4;
+    const int V = row_io<T>::V, U = 4;
     int64_t row, step;
     int tid, G;
-    ce_first_row<WARP>(row, step, tid, G);
+    row_group_first<WARP>(row, step, tid, G);
     const double C = (double)g.C, eps = g.eps;
     const double coef = prep ? prep[0] : (double)opf_to_acc(grad_loss[0]), wc = prep ? prep[1] : C;
     const A cap = (A)g.cap;
@@ -394,30 +280,30 @@ __global__ void __launch_bounds__(WARP ? 32 * CE_WARP_ROWS : 512)
         const A af = (A)a, bf = (A)b, cf = (A)ct;
         const T *xr = x + opf_cuda_offset(g.rows, 1, row);
         T *dr = dx + row * g.C;
-        const ce_span sp = ce_span_of(xr, (const T *)dr, g.C, g.cs);
+        const row_span sp = row_span_of(xr, (const T *)dr, (const T *)dr, g.C, g.cs == 1);
 #define CE_GRAD(j, xv) (zero ? (A)0 : ce_grad<EXTRA>((A)(xv), (j), t, af, bf, cf, lse, cap, w, g.ws))
         if (sp.vec) {
             if (tid < sp.head) dr[tid] = opf_from_acc<T>(CE_GRAD(tid, opf_to_acc(xr[tid])));
-            const ce_raw *xp = (const ce_raw *)(xr + sp.head);
-            ce_raw *dp = (ce_raw *)(dr + sp.head);
+            const row_pack *xp = (const row_pack *)(xr + sp.head);
+            row_pack *dp = (row_pack *)(dr + sp.head);
             int64_t q = tid;
             for (; q + (U - 1) * (int64_t)G < sp.npk; q += U * (int64_t)G) {
-                ce_raw pk[U];
+                row_pack pk[U];
 #pragma unroll
                 for (int u = 0; u < U; u++) pk[u] = xp[q + u * (int64_t)G];
 #pragma unroll
                 for (int u = 0; u < U; u++) {
                     const int64_t j0 = sp.head + (q + u * (int64_t)G) * V;
 #pragma unroll
-                    for (int v = 0; v < V; v++) ce_io<T>::set(pk[u], v, CE_GRAD(j0 + v, ce_io<T>::get(pk[u], v)));
+                    for (int v = 0; v < V; v++) row_io<T>::set(pk[u], v, CE_GRAD(j0 + v, row_io<T>::get(pk[u], v)));
                     dp[q + u * (int64_t)G] = pk[u];
                 }
             }
             for (; q < sp.npk; q += G) {
-                ce_raw pk = xp[q];
+                row_pack pk = xp[q];
                 const int64_t j0 = sp.head + q * V;
 #pragma unroll
-                for (int v = 0; v < V; v++) ce_io<T>::set(pk, v, CE_GRAD(j0 + v, ce_io<T>::get(pk, v)));
+                for (int v = 0; v < V; v++) row_io<T>::set(pk, v, CE_GRAD(j0 + v, row_io<T>::get(pk, v)));
                 dp[q] = pk;
             }
             const int64_t j = sp.tail0 + tid;

@@ -2,8 +2,9 @@
  * CUDA glue of softmax, log_softmax and their backwards: check, guard, stream,
  * allocate through torch, launch (csrc/cuda/softmax.cu). The schemas, fake
  * kernels and autograd are the CPU ops' (csrc/torch/softmax.c), and so are the
- * checks, the outputs' layouts (opf_empty_like: x's strides when x is dense,
- * else contiguous) and the walk: no copies, every operand read in place
+ * checks (the CPU glue's functions, csrc/torch/softmax.h, with opf_check_cuda
+ * for the device), the outputs' layouts (opf_empty_like: x's strides when x is
+ * dense, else contiguous) and the walk: no copies, every operand read in place
  * through its strides, along dim when it has stride 1 everywhere, else across
  * a dim that has.
  */
@@ -11,21 +12,13 @@
 
 #include "../torch/namespace.h"
 #include "../torch/registry.h"
+#include "../torch/softmax.h"
 #include "opforge/cuda.h"
 
 static const char SM[] = OPF_QUALNAME("softmax");
 static const char LSM[] = OPF_QUALNAME("log_softmax");
 static const char SMB[] = OPF_QUALNAME("softmax_backward");
 static const char LSMB[] = OPF_QUALNAME("log_softmax_backward");
-
-/* dim wrapped into [0, ndim); a 0-d tensor is taken as one element along dim 0 or -1, as torch does */
-static int wrap_dim(const char *op, int64_t dim, int64_t ndim) {
-    int64_t n = ndim > 0 ? ndim : 1;
-    if (dim < -n || dim >= n)
-        opf_fail(op, "argument 'dim' must be in [%lld, %lld] for a %lld-d tensor, got %lld", (long long)-n,
-                 (long long)(n - 1), (long long)ndim, (long long)dim);
-    return (int)(dim < 0 ? dim + n : dim);
-}
 
 /* the lines of a problem; a 0-d tensor as one element of a 1-d one (as the CPU glue) */
 static void plan(const char *op, softmax_cuda_lines *l, const opf_tensor *ref, int dim, int nops,
@@ -44,17 +37,16 @@ static void plan(const char *op, softmax_cuda_lines *l, const opf_tensor *ref, i
 /* softmax(Tensor x, int dim) -> Tensor, log_softmax(Tensor x, int dim) -> Tensor */
 static void softmax_impl(StableIValue *stack, const char *op, int log) {
     OPF_ARG_TENSOR(x, stack, 0);
-    opf_tensor x = opf_tensor_info(op, "x", x_h);
-    OPF_CUDA_CALL(call, op, &x, "x");
-    opf_dtype dt = opf_check_float(op, "x", &x);
-    int dim = wrap_dim(op, opf_arg_int(stack[1]), x.ndim);
+    const softmax_args a = softmax_check(op, opf_check_cuda, x_h, opf_arg_int(stack[1]));
+    const opf_tensor x = a.x;
+    OPF_CUDA_CALL(call, op, &x, "x"); /* x's GPU current before anything is allocated */
 
     OPF_OWNED AtenTensorHandle y_h = opf_empty_like(op, &x);
     opf_tensor y = opf_tensor_info(op, "out", y_h);
     softmax_cuda_lines l;
     const int64_t *strides[] = {y.strides, x.strides};
-    plan(op, &l, &x, dim, 2, strides);
-    softmax_cuda_launch r = softmax_cuda_fwd(dt, y.data, x.data, &l, log, call.stream);
+    plan(op, &l, &x, a.dim, 2, strides);
+    softmax_cuda_launch r = softmax_cuda_fwd(a.dt, y.data, x.data, &l, log, call.stream);
     opf_cuda_done(&call, NULL, r.kernel, r.grid, (int)r.block, 2, (opf_tensor[]){x, y});
     OPF_RETURN(stack, 0, y_h);
 }
@@ -63,21 +55,16 @@ static void softmax_impl(StableIValue *stack, const char *op, int log) {
 static void softmax_backward_impl(StableIValue *stack, const char *op, int log) {
     OPF_ARG_TENSOR(grad, stack, 0);
     OPF_ARG_TENSOR(y, stack, 1);
-    opf_tensor g = opf_tensor_info(op, "grad", grad_h);
-    opf_tensor y = opf_tensor_info(op, "y", y_h);
-    OPF_CUDA_CALL(call, op, &y, "y");
-    opf_check_cuda(op, "grad", &g, "y", &y);
-    opf_dtype dt = opf_check_float(op, "y", &y);
-    opf_check_same_dtype(op, "grad", &g, "y", &y);
-    opf_check_same_shape(op, "grad", &g, "y", &y);
-    int dim = wrap_dim(op, opf_arg_int(stack[2]), y.ndim);
+    const softmax_backward_args a = softmax_backward_check(op, opf_check_cuda, grad_h, y_h, opf_arg_int(stack[2]));
+    const opf_tensor g = a.grad, y = a.y;
+    OPF_CUDA_CALL(call, op, &y, "y"); /* y's GPU current before anything is allocated */
 
     OPF_OWNED AtenTensorHandle dx_h = opf_empty_like(op, &y);
     opf_tensor dx = opf_tensor_info(op, "out", dx_h);
     softmax_cuda_lines l;
     const int64_t *strides[] = {dx.strides, g.strides, y.strides};
-    plan(op, &l, &y, dim, 3, strides);
-    softmax_cuda_launch r = softmax_cuda_bwd(dt, dx.data, g.data, y.data, &l, log, call.stream);
+    plan(op, &l, &y, a.dim, 3, strides);
+    softmax_cuda_launch r = softmax_cuda_bwd(a.dt, dx.data, g.data, y.data, &l, log, call.stream);
     opf_cuda_done(&call, NULL, r.kernel, r.grid, (int)r.block, 3, (opf_tensor[]){g, y, dx});
     OPF_RETURN(stack, 0, dx_h);
 }

@@ -23,89 +23,22 @@
 #include <string.h>
 
 #include "opforge/cuda_kernel.cuh"
+#include "rows.cuh"
 #include "softmax.h"
 
 #define SM_WARP_ROWS 8 /* rows (warps) per block of the warp paths */
 #define SM_LOOP_THREADS 512
 #define SM_MAX_BLOCKS 4096 /* the rest by grid-stride loops */
 
-/* 16 bytes of a row as they are in memory (4 floats, 2 doubles, 8 halves), in 32-bit words so that
- * two halves share a register; sm_io<T> reads and writes element i as the compute type. */
-struct alignas(16) sm_raw {
-    uint32_t w[4];
-};
-__device__ __forceinline__ float sm_u2f(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-__device__ __forceinline__ uint32_t sm_f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-template <class T> struct sm_io;
-template <> struct sm_io<float> {
-    static const int V = 4;
-    static __device__ __forceinline__ float get(const sm_raw &r, int i) { return sm_u2f(r.w[i]); }
-    static __device__ __forceinline__ void set(sm_raw &r, int i, float v) { r.w[i] = sm_f2u(v); }
-};
-template <> struct sm_io<double> {
-    static const int V = 2;
-    static __device__ __forceinline__ double get(const sm_raw &r, int i) {
-        double d;
-        memcpy(&d, &r.w[2 * i], 8);
-        return d;
-    }
-    static __device__ __forceinline__ void set(sm_raw &r, int i, double v) { memcpy(&r.w[2 * i], &v, 8); }
-};
-template <class H> __device__ __forceinline__ uint32_t sm_half_bits(H h) {
-    uint16_t b;
-    memcpy(&b, &h, 2);
-    return b;
-}
-template <class H> __device__ __forceinline__ H sm_bits_half(uint32_t u) {
-    const uint16_t b = (uint16_t)u;
-    H h;
-    memcpy(&h, &b, 2);
-    return h;
-}
-template <class H> __device__ __forceinline__ void sm_set_half(sm_raw &r, int i, H h) {
-    const uint32_t b = sm_half_bits(h), w = r.w[i >> 1];
-    r.w[i >> 1] = (i & 1) ? (w & 0xffffu) | (b << 16) : (w & 0xffff0000u) | b;
-}
-template <> struct sm_io<__nv_bfloat16> {
-    static const int V = 8;
-    static __device__ __forceinline__ float get(const sm_raw &r, int i) {
-        const uint32_t w = r.w[i >> 1];
-        return sm_u2f((i & 1) ? (w & 0xffff0000u) : (w << 16));
-    }
-    static __device__ __forceinline__ void set(sm_raw &r, int i, float v) { sm_set_half(r, i, __float2bfloat16_rn(v)); }
-};
-template <> struct sm_io<__half> {
-    static const int V = 8;
-    static __device__ __forceinline__ float get(const sm_raw &r, int i) {
-        const uint32_t w = r.w[i >> 1];
-        return __half2float(sm_bits_half<__half>((i & 1) ? w >> 16 : w));
-    }
-    static __device__ __forceinline__ void set(sm_raw &r, int i, float v) { sm_set_half(r, i, __float2half_rn(v)); }
-};
-
 /* packs per thread of a row held in registers: 16 elements, what 64 registers hold next to the rest
  * (float64 takes the two-pass kernels: its exponential alone needs most of them) */
-template <class T> struct sm_np { static const int value = 16 / sm_io<T>::V; };
+template <class T> struct sm_np { static const int value = 16 / row_io<T>::V; };
 
-/* the max that keeps a NaN (the row then turns NaN, as the reference's) */
-template <class A> __device__ __forceinline__ A sm_max(A a, A b) { return (a > b || a != a) ? a : b; }
-/* exp as the hardware's base-2 exponential of v log2(e): relative error a few 1e-7 where the result
- * matters (near the row's max) */
-__device__ __forceinline__ float sm_exp(float v) { return exp2f(v * 1.4426950408889634f); }
-__device__ __forceinline__ double sm_exp(double v) { return exp(v); }
 __device__ __forceinline__ float sm_log(float v) { return logf(v); }
 __device__ __forceinline__ double sm_log(double v) { return log(v); }
 
 template <class A> __device__ __forceinline__ A sm_warp_max(A v) {
-    for (int m = 16; m > 0; m >>= 1) v = sm_max(v, __shfl_xor_sync(0xffffffffu, v, m));
+    for (int m = 16; m > 0; m >>= 1) v = row_max(v, __shfl_xor_sync(0xffffffffu, v, m));
     return v;
 }
 template <class A> __device__ __forceinline__ A sm_block_max(A v, A *scratch) {
@@ -133,44 +66,28 @@ template <bool WARP, class A> __device__ __forceinline__ A sm_group_sum(A v, A *
         return opf_block_sum(v, scratch);
 }
 
-/* Online max m and sum s of exp(v - m). -inf entries add nothing (a row of -inf only keeps s = 0
- * and m = -inf, and its outputs come out NaN from x - m, as the reference's); a +inf makes s NaN
- * (inf - inf), a NaN too. */
-template <class A> __device__ __forceinline__ void sm_online1(A &m, A &s, A v) {
-    if (v > m) {
-        s = s * sm_exp(m - v) + (v - v + (A)1); /* v - v: NaN for +inf */
-        m = v;
-    } else if (m != (A)-INFINITY || v != v) {
-        s += sm_exp(v - m);
-    }
-}
-/* the same over K packs at once: one rescale per batch */
-template <class T, int K, class A> __device__ __forceinline__ void sm_online(A &m, A &s, const sm_raw *pk) {
-    const int V = sm_io<T>::V;
-    A pm = sm_io<T>::get(pk[0], 0);
+/* row_online1 (rows.cuh) over K packs at once: one rescale per batch. A row of -inf only keeps s = 0
+ * and m = -inf, and its outputs come out NaN from x - m, as the reference's. */
+template <class T, int K, class A> __device__ __forceinline__ void sm_online(A &m, A &s, const row_pack *pk) {
+    const int V = row_io<T>::V;
+    A pm = row_io<T>::get(pk[0], 0);
 #pragma unroll
     for (int k = 0; k < K; k++)
 #pragma unroll
-        for (int v = 0; v < V; v++) pm = sm_max(pm, sm_io<T>::get(pk[k], v));
-    const A mn = sm_max(m, pm);
+        for (int v = 0; v < V; v++) pm = row_max(pm, row_io<T>::get(pk[k], v));
+    const A mn = row_max(m, pm);
     if (mn == (A)-INFINITY) return;
-    if (mn != m) s *= sm_exp(m - mn);
+    if (mn != m) s *= row_exp(m - mn);
 #pragma unroll
     for (int k = 0; k < K; k++)
 #pragma unroll
-        for (int v = 0; v < V; v++) s += sm_exp(sm_io<T>::get(pk[k], v) - mn);
-    m = mn;
-}
-/* (m, s) and (m2, s2) of two parts as the pair of the whole */
-template <class A> __device__ __forceinline__ void sm_merge(A &m, A &s, A m2, A s2) {
-    const A mn = sm_max(m, m2);
-    s = (m == mn ? s : s * sm_exp(m - mn)) + (m2 == mn ? s2 : s2 * sm_exp(m2 - mn));
+        for (int v = 0; v < V; v++) s += row_exp(row_io<T>::get(pk[k], v) - mn);
     m = mn;
 }
 template <class A> __device__ __forceinline__ void sm_warp_merge(A &m, A &s) {
     for (int k = 16; k > 0; k >>= 1) {
         A m2 = __shfl_xor_sync(0xffffffffu, m, k), s2 = __shfl_xor_sync(0xffffffffu, s, k);
-        sm_merge(m, s, m2, s2);
+        row_merge(m, s, m2, s2);
     }
 }
 /* the pair of the group (every thread of it gets it); scratch: 64 values */
@@ -186,75 +103,39 @@ template <bool WARP, class A> __device__ __forceinline__ void sm_group_merge(A &
     __syncthreads();
 }
 
-/* The first line of this group, the step between its lines, the thread's rank in the group and the
- * group's size: a warp per line (WARP), or a block. */
-template <bool WARP> __device__ __forceinline__ void sm_first_line(int64_t &line, int64_t &step, int &tid, int &G) {
-    if constexpr (WARP) {
-        line = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-        step = (int64_t)gridDim.x * (blockDim.x >> 5);
-        tid = threadIdx.x & 31;
-        G = 32;
-    } else {
-        line = blockIdx.x;
-        step = gridDim.x;
-        tid = threadIdx.x;
-        G = blockDim.x;
-    }
-}
-
-/* A row's elements [0, head) and [tail0, n) one by one and npk packs in between, when its operands
- * have stride 1 and lie equally far from a 16-byte boundary (vec); else none in packs. */
-struct sm_span {
-    bool vec;
-    int64_t head, npk, tail0;
-};
-
-template <class T>
-__device__ __forceinline__ sm_span sm_span_of(const T *a, const T *b, const T *c, int64_t n, bool unit) {
-    const int V = sm_io<T>::V;
-    sm_span sp;
-    const uintptr_t off = (uintptr_t)a & 15;
-    sp.vec = unit && ((uintptr_t)b & 15) == off && ((uintptr_t)c & 15) == off;
-    sp.head = sp.vec ? (int64_t)(((16 - off) & 15) / sizeof(T)) : 0;
-    if (sp.head > n) sp.head = n;
-    sp.npk = sp.vec ? (n - sp.head) / V : 0;
-    sp.tail0 = sp.head + sp.npk * V;
-    return sp;
-}
-
 /* ---- one line in two passes (any length, any strides) ------------------------------ */
 
 template <class T, bool WARP, class A>
-__device__ __forceinline__ void sm_fwd_line(T *yr, const T *xr, int64_t n, int64_t ys, int64_t xs, const sm_span &sp,
+__device__ __forceinline__ void sm_fwd_line(T *yr, const T *xr, int64_t n, int64_t ys, int64_t xs, const row_span &sp,
                                             int is_log, int tid, int G, A *scratch) {
-    const int V = sm_io<T>::V;
+    const int V = row_io<T>::V;
     A m = (A)-INFINITY, s = 0;
     if (sp.vec) {
-        if (tid < sp.head) sm_online1(m, s, opf_to_acc(xr[tid]));
-        const sm_raw *xp = (const sm_raw *)(xr + sp.head);
+        if (tid < sp.head) row_online1(m, s, opf_to_acc(xr[tid]));
+        const row_pack *xp = (const row_pack *)(xr + sp.head);
         int64_t q = tid;
         for (; q + 3 * (int64_t)G < sp.npk; q += 4 * (int64_t)G) {
-            sm_raw pk[4];
+            row_pack pk[4];
 #pragma unroll
             for (int u = 0; u < 4; u++) pk[u] = xp[q + u * (int64_t)G];
             sm_online<T, 4>(m, s, pk);
         }
         for (; q < sp.npk; q += G) sm_online<T, 1>(m, s, &xp[q]);
-        if (sp.tail0 + tid < n) sm_online1(m, s, opf_to_acc(xr[sp.tail0 + tid]));
+        if (sp.tail0 + tid < n) row_online1(m, s, opf_to_acc(xr[sp.tail0 + tid]));
     } else {
-        for (int64_t e = tid; e < n; e += G) sm_online1(m, s, opf_to_acc(xr[e * xs]));
+        for (int64_t e = tid; e < n; e += G) row_online1(m, s, opf_to_acc(xr[e * xs]));
     }
     sm_group_merge<WARP>(m, s, scratch);
     const A ls = m + sm_log(s), inv = (A)1 / s;
-#define SM_FWD_OUT(v) (is_log ? (v)-ls : sm_exp((v)-m) * inv)
+#define SM_FWD_OUT(v) (is_log ? (v)-ls : row_exp((v)-m) * inv)
     if (sp.vec) {
         if (tid < sp.head) yr[tid] = opf_from_acc<T>(SM_FWD_OUT(opf_to_acc(xr[tid])));
-        const sm_raw *xp = (const sm_raw *)(xr + sp.head);
-        sm_raw *yp = (sm_raw *)(yr + sp.head);
+        const row_pack *xp = (const row_pack *)(xr + sp.head);
+        row_pack *yp = (row_pack *)(yr + sp.head);
         for (int64_t q = tid; q < sp.npk; q += G) {
-            sm_raw pk = xp[q];
+            row_pack pk = xp[q];
 #pragma unroll
-            for (int v = 0; v < V; v++) sm_io<T>::set(pk, v, SM_FWD_OUT(sm_io<T>::get(pk, v)));
+            for (int v = 0; v < V; v++) row_io<T>::set(pk, v, SM_FWD_OUT(row_io<T>::get(pk, v)));
             yp[q] = pk;
         }
         const int64_t e = sp.tail0 + tid;
@@ -266,20 +147,20 @@ __device__ __forceinline__ void sm_fwd_line(T *yr, const T *xr, int64_t n, int64
 }
 
 #define SM_BWD_TERM(gv, ov) (is_log ? (gv) : (gv) * (ov))
-#define SM_BWD_OUT(gv, ov) (is_log ? (gv)-sm_exp(ov) * s : (ov) * ((gv)-s))
+#define SM_BWD_OUT(gv, ov) (is_log ? (gv)-row_exp(ov) * s : (ov) * ((gv)-s))
 
 template <class T, bool WARP, class A>
 __device__ __forceinline__ void sm_bwd_line(T *dxr, const T *dyr, const T *yr, int64_t n, int64_t dxs, int64_t dys,
-                                            int64_t ys, const sm_span &sp, int is_log, int tid, int G, A *scratch) {
-    const int V = sm_io<T>::V;
+                                            int64_t ys, const row_span &sp, int is_log, int tid, int G, A *scratch) {
+    const int V = row_io<T>::V;
     A s = 0;
     if (sp.vec) {
         if (tid < sp.head) s += SM_BWD_TERM(opf_to_acc(dyr[tid]), opf_to_acc(yr[tid]));
-        const sm_raw *gp = (const sm_raw *)(dyr + sp.head), *op = (const sm_raw *)(yr + sp.head);
+        const row_pack *gp = (const row_pack *)(dyr + sp.head), *op = (const row_pack *)(yr + sp.head);
         for (int64_t q = tid; q < sp.npk; q += G) {
-            const sm_raw gk = gp[q], ok = op[q];
+            const row_pack gk = gp[q], ok = op[q];
 #pragma unroll
-            for (int v = 0; v < V; v++) s += SM_BWD_TERM(sm_io<T>::get(gk, v), sm_io<T>::get(ok, v));
+            for (int v = 0; v < V; v++) s += SM_BWD_TERM(row_io<T>::get(gk, v), row_io<T>::get(ok, v));
         }
         const int64_t e = sp.tail0 + tid;
         if (e < n) s += SM_BWD_TERM(opf_to_acc(dyr[e]), opf_to_acc(yr[e]));
@@ -289,13 +170,13 @@ __device__ __forceinline__ void sm_bwd_line(T *dxr, const T *dyr, const T *yr, i
     s = sm_group_sum<WARP>(s, scratch);
     if (sp.vec) {
         if (tid < sp.head) dxr[tid] = opf_from_acc<T>(SM_BWD_OUT(opf_to_acc(dyr[tid]), opf_to_acc(yr[tid])));
-        const sm_raw *gp = (const sm_raw *)(dyr + sp.head), *op = (const sm_raw *)(yr + sp.head);
-        sm_raw *dp = (sm_raw *)(dxr + sp.head);
+        const row_pack *gp = (const row_pack *)(dyr + sp.head), *op = (const row_pack *)(yr + sp.head);
+        row_pack *dp = (row_pack *)(dxr + sp.head);
         for (int64_t q = tid; q < sp.npk; q += G) {
-            sm_raw gk = gp[q];
-            const sm_raw ok = op[q];
+            row_pack gk = gp[q];
+            const row_pack ok = op[q];
 #pragma unroll
-            for (int v = 0; v < V; v++) sm_io<T>::set(gk, v, SM_BWD_OUT(sm_io<T>::get(gk, v), sm_io<T>::get(ok, v)));
+            for (int v = 0; v < V; v++) row_io<T>::set(gk, v, SM_BWD_OUT(row_io<T>::get(gk, v), row_io<T>::get(ok, v)));
             dp[q] = gk;
         }
         const int64_t e = sp.tail0 + tid;
@@ -313,11 +194,11 @@ __global__ void __launch_bounds__(SM_LOOP_THREADS)
     __shared__ A scratch[64];
     int64_t line, step;
     int tid, G;
-    sm_first_line<WARP>(line, step, tid, G);
+    row_group_first<WARP>(line, step, tid, G);
     for (; line < L.outer.numel; line += step) {
         const T *xr = x + opf_cuda_offset(L.outer, 1, line);
         T *yr = y + opf_cuda_offset(L.outer, 0, line);
-        const sm_span sp = sm_span_of(xr, (const T *)yr, (const T *)yr, L.n, L.nstride[0] == 1 && L.nstride[1] == 1);
+        const row_span sp = row_span_of(xr, (const T *)yr, (const T *)yr, L.n, L.nstride[0] == 1 && L.nstride[1] == 1);
         sm_fwd_line<T, WARP>(yr, xr, L.n, L.nstride[0], L.nstride[1], sp, is_log, tid, G, scratch);
     }
 }
@@ -330,12 +211,12 @@ __global__ void __launch_bounds__(SM_LOOP_THREADS)
     __shared__ A scratch[32];
     int64_t line, step;
     int tid, G;
-    sm_first_line<WARP>(line, step, tid, G);
+    row_group_first<WARP>(line, step, tid, G);
     for (; line < L.outer.numel; line += step) {
         T *dxr = dx + opf_cuda_offset(L.outer, 0, line);
         const T *dyr = dy + opf_cuda_offset(L.outer, 1, line), *yr = y + opf_cuda_offset(L.outer, 2, line);
-        const sm_span sp =
-            sm_span_of(dyr, yr, (const T *)dxr, L.n, L.nstride[0] == 1 && L.nstride[1] == 1 && L.nstride[2] == 1);
+        const row_span sp =
+            row_span_of(dyr, yr, (const T *)dxr, L.n, L.nstride[0] == 1 && L.nstride[1] == 1 && L.nstride[2] == 1);
         sm_bwd_line<T, WARP>(dxr, dyr, yr, L.n, L.nstride[0], L.nstride[1], L.nstride[2], sp, is_log, tid, G, scratch);
     }
 }
@@ -345,10 +226,10 @@ __global__ void __launch_bounds__(SM_LOOP_THREADS)
 /* A row's span in a thread's registers: the head element tid (< V, so tid < G covers it), packs
  * tid + k*G, the tail element tail0 + tid; missing ones get `fill`. */
 template <class T, int NP, class A>
-__device__ __forceinline__ void sm_load(sm_raw (&r)[NP], A &hv, A &tv, const T *p, int64_t n, const sm_span &sp,
+__device__ __forceinline__ void sm_load(row_pack (&r)[NP], A &hv, A &tv, const T *p, int64_t n, const row_span &sp,
                                         int tid, int G, A fill) {
-    const int V = sm_io<T>::V;
-    const sm_raw *pp = (const sm_raw *)(p + sp.head);
+    const int V = row_io<T>::V;
+    const row_pack *pp = (const row_pack *)(p + sp.head);
     const int npk = (int)sp.npk;
 #pragma unroll
     for (int k = 0; k < NP; k++) {
@@ -357,16 +238,16 @@ __device__ __forceinline__ void sm_load(sm_raw (&r)[NP], A &hv, A &tv, const T *
             r[k] = pp[q];
         else
 #pragma unroll
-            for (int v = 0; v < V; v++) sm_io<T>::set(r[k], v, fill);
+            for (int v = 0; v < V; v++) row_io<T>::set(r[k], v, fill);
     }
     hv = tid < sp.head ? opf_to_acc(p[tid]) : fill;
     tv = sp.tail0 + tid < n ? opf_to_acc(p[sp.tail0 + tid]) : fill;
 }
 
 template <class T, int NP, class A>
-__device__ __forceinline__ void sm_store(T *p, const sm_raw (&r)[NP], A hv, A tv, int64_t n, const sm_span &sp, int tid,
-                                         int G) {
-    sm_raw *pp = (sm_raw *)(p + sp.head);
+__device__ __forceinline__ void sm_store(T *p, const row_pack (&r)[NP], A hv, A tv, int64_t n, const row_span &sp,
+                                         int tid, int G) {
+    row_pack *pp = (row_pack *)(p + sp.head);
     const int npk = (int)sp.npk;
 #pragma unroll
     for (int k = 0; k < NP; k++) {
@@ -381,50 +262,50 @@ template <class T, int NP, bool WARP>
 __global__ void __launch_bounds__(WARP ? 32 * SM_WARP_ROWS : 1024, WARP ? 4 : 1)
     sm_fwd_regs(T *__restrict__ y, const T *__restrict__ x, softmax_cuda_lines L, int is_log) {
     typedef typename opf_acc<T>::type A;
-    const int V = sm_io<T>::V;
+    const int V = row_io<T>::V;
     __shared__ A scratch[64];
     int64_t line, step;
     int tid, G;
-    sm_first_line<WARP>(line, step, tid, G);
+    row_group_first<WARP>(line, step, tid, G);
     const int64_t n = L.n;
     for (; line < L.outer.numel; line += step) {
         const T *xr = x + opf_cuda_offset(L.outer, 1, line);
         T *yr = y + opf_cuda_offset(L.outer, 0, line);
-        const sm_span sp = sm_span_of(xr, (const T *)yr, (const T *)yr, n, true);
+        const row_span sp = row_span_of(xr, (const T *)yr, (const T *)yr, n, true);
         if (!sp.vec || sp.npk > (int64_t)NP * G) { /* operands apart from each other's 16-byte phase */
             sm_fwd_line<T, WARP>(yr, xr, n, 1, 1, sp, is_log, tid, G, scratch);
             continue;
         }
-        sm_raw r[NP];
+        row_pack r[NP];
         A hv, tv;
         sm_load<T, NP>(r, hv, tv, xr, n, sp, tid, G, (A)-INFINITY);
-        A m = sm_max(hv, tv);
+        A m = row_max(hv, tv);
 #pragma unroll
         for (int k = 0; k < NP; k++)
 #pragma unroll
-            for (int v = 0; v < V; v++) m = sm_max(m, sm_io<T>::get(r[k], v));
+            for (int v = 0; v < V; v++) m = row_max(m, row_io<T>::get(r[k], v));
         m = sm_group_max<WARP>(m, scratch);
         /* the fill (-inf) adds exp(-inf) = 0 */
-        A s = sm_exp(hv - m) + sm_exp(tv - m);
+        A s = row_exp(hv - m) + row_exp(tv - m);
 #pragma unroll
         for (int k = 0; k < NP; k++)
 #pragma unroll
-            for (int v = 0; v < V; v++) s += sm_exp(sm_io<T>::get(r[k], v) - m);
+            for (int v = 0; v < V; v++) s += row_exp(row_io<T>::get(r[k], v) - m);
         s = sm_group_sum<WARP>(s, scratch);
         if (is_log) {
             const A ls = m + sm_log(s);
 #pragma unroll
             for (int k = 0; k < NP; k++)
 #pragma unroll
-                for (int v = 0; v < V; v++) sm_io<T>::set(r[k], v, sm_io<T>::get(r[k], v) - ls);
+                for (int v = 0; v < V; v++) row_io<T>::set(r[k], v, row_io<T>::get(r[k], v) - ls);
             hv -= ls, tv -= ls;
         } else {
             const A inv = (A)1 / s;
 #pragma unroll
             for (int k = 0; k < NP; k++)
 #pragma unroll
-                for (int v = 0; v < V; v++) sm_io<T>::set(r[k], v, sm_exp(sm_io<T>::get(r[k], v) - m) * inv);
-            hv = sm_exp(hv - m) * inv, tv = sm_exp(tv - m) * inv;
+                for (int v = 0; v < V; v++) row_io<T>::set(r[k], v, row_exp(row_io<T>::get(r[k], v) - m) * inv);
+            hv = row_exp(hv - m) * inv, tv = row_exp(tv - m) * inv;
         }
         sm_store<T, NP>(yr, r, hv, tv, n, sp, tid, G);
     }
@@ -435,21 +316,21 @@ __global__ void __launch_bounds__(WARP ? 32 * SM_WARP_ROWS : 1024, WARP ? 4 : 1)
     sm_bwd_regs(T *__restrict__ dx, const T *__restrict__ dy, const T *__restrict__ y, softmax_cuda_lines L,
                 int is_log) {
     typedef typename opf_acc<T>::type A;
-    const int V = sm_io<T>::V;
+    const int V = row_io<T>::V;
     __shared__ A scratch[32];
     int64_t line, step;
     int tid, G;
-    sm_first_line<WARP>(line, step, tid, G);
+    row_group_first<WARP>(line, step, tid, G);
     const int64_t n = L.n;
     for (; line < L.outer.numel; line += step) {
         T *dxr = dx + opf_cuda_offset(L.outer, 0, line);
         const T *dyr = dy + opf_cuda_offset(L.outer, 1, line), *yr = y + opf_cuda_offset(L.outer, 2, line);
-        const sm_span sp = sm_span_of(dyr, yr, (const T *)dxr, n, true);
+        const row_span sp = row_span_of(dyr, yr, (const T *)dxr, n, true);
         if (!sp.vec || sp.npk > (int64_t)NP * G) {
             sm_bwd_line<T, WARP>(dxr, dyr, yr, n, 1, 1, 1, sp, is_log, tid, G, scratch);
             continue;
         }
-        sm_raw g[NP], o[NP];
+        row_pack g[NP], o[NP];
         A gh, gt, oh, ot;
         sm_load<T, NP>(g, gh, gt, dyr, n, sp, tid, G, (A)0);
         sm_load<T, NP>(o, oh, ot, yr, n, sp, tid, G, (A)0);
@@ -457,13 +338,13 @@ __global__ void __launch_bounds__(WARP ? 32 * SM_WARP_ROWS : 1024, WARP ? 4 : 1)
 #pragma unroll
         for (int k = 0; k < NP; k++)
 #pragma unroll
-            for (int v = 0; v < V; v++) s += SM_BWD_TERM(sm_io<T>::get(g[k], v), sm_io<T>::get(o[k], v));
+            for (int v = 0; v < V; v++) s += SM_BWD_TERM(row_io<T>::get(g[k], v), row_io<T>::get(o[k], v));
         s = sm_group_sum<WARP>(s, scratch);
 #pragma unroll
         for (int k = 0; k < NP; k++)
 #pragma unroll
             for (int v = 0; v < V; v++)
-                sm_io<T>::set(g[k], v, SM_BWD_OUT(sm_io<T>::get(g[k], v), sm_io<T>::get(o[k], v)));
+                row_io<T>::set(g[k], v, SM_BWD_OUT(row_io<T>::get(g[k], v), row_io<T>::get(o[k], v)));
         gh = SM_BWD_OUT(gh, oh), gt = SM_BWD_OUT(gt, ot);
         sm_store<T, NP>(dxr, g, gh, gt, n, sp, tid, G);
     }
@@ -485,17 +366,17 @@ __global__ void __launch_bounds__(256)
         T *yr = y + opf_cuda_offset(L.outer, 0, o) + l;
         A m = (A)-INFINITY, s = 0;
         if (live)
-            for (int64_t k = ly; k < n; k += segs) sm_online1(m, s, opf_to_acc(xr[k * L.nstride[1]]));
+            for (int64_t k = ly; k < n; k += segs) row_online1(m, s, opf_to_acc(xr[k * L.nstride[1]]));
         part_m[threadIdx.x] = m, part_s[threadIdx.x] = s;
         __syncthreads();
         m = part_m[lx], s = part_s[lx];
-        for (int j = 1; j < segs; j++) sm_merge(m, s, part_m[j * 32 + lx], part_s[j * 32 + lx]);
+        for (int j = 1; j < segs; j++) row_merge(m, s, part_m[j * 32 + lx], part_s[j * 32 + lx]);
         __syncthreads();
         const A ls = m + sm_log(s), inv = (A)1 / s;
         if (live)
             for (int64_t k = ly; k < n; k += segs) {
                 const A v = opf_to_acc(xr[k * L.nstride[1]]);
-                yr[k * L.nstride[0]] = opf_from_acc<T>(is_log ? v - ls : sm_exp(v - m) * inv);
+                yr[k * L.nstride[0]] = opf_from_acc<T>(is_log ? v - ls : row_exp(v - m) * inv);
             }
     }
 }
@@ -587,7 +468,7 @@ static void sm_fwd_launch(T *y, const T *x, const softmax_cuda_lines *l, int is_
         kernels[SM_WARP4] = sm_fwd_regs<T, NP, true>;
         kernels[SM_BLOCK] = sm_fwd_regs<T, NP, false>;
     }
-    const int path = sm_path(l, 2, sm_io<T>::V, sizeof(T) < 8, &r->block);
+    const int path = sm_path(l, 2, row_io<T>::V, sizeof(T) < 8, &r->block);
     const fn k = kernels[path];
     r->grid = sm_grid(l, path);
     r->kernel = SM_FWD_NAMES[path];
@@ -607,7 +488,7 @@ static void sm_bwd_launch(T *dx, const T *dy, const T *y, const softmax_cuda_lin
         kernels[SM_WARP4] = sm_bwd_regs<T, NP, true>;
         kernels[SM_BLOCK] = sm_bwd_regs<T, NP, false>;
     }
-    const int path = sm_path(l, 3, sm_io<T>::V, sizeof(T) < 8, &r->block);
+    const int path = sm_path(l, 3, row_io<T>::V, sizeof(T) < 8, &r->block);
     const fn k = kernels[path];
     r->grid = sm_grid(l, path);
     r->kernel = SM_BWD_NAMES[path];

@@ -9,8 +9,11 @@
  *     contiguous (..., C), from the logits and lse alone
  * Check, allocate, call; the arithmetic is csrc/kernels/cross_entropy.c. The
  * targets are checked (in range or ignore_index) before anything is computed.
- * Operands of any strides are read in place.
+ * Operands of any strides are read in place. The checks and the forward's
+ * outputs are shared with the CUDA glue (cross_entropy.h).
  */
+#include "cross_entropy.h"
+
 #include "../kernels/cross_entropy.h"
 #include "aoti.h"
 #include "namespace.h"
@@ -23,27 +26,24 @@ static const char CEB[] = OPF_QUALNAME("cross_entropy_backward");
 OPF_REGISTER_ENUM(reduction, {"none", CROSS_ENTROPY_REDUCTION_NONE}, {"mean", CROSS_ENTROPY_REDUCTION_MEAN},
                   {"sum", CROSS_ENTROPY_REDUCTION_SUM});
 
-typedef struct cross_entropy_args {
-    opf_tensor logits, target, weight;
-    cross_entropy_problem p;
-} cross_entropy_args;
-
-static cross_entropy_args check_ce(const char *op, AtenTensorHandle x_h, AtenTensorHandle t_h, AtenTensorHandle w_h,
-                                   StableIValue *opts) {
-    cross_entropy_args a = {.logits = opf_tensor_info(op, "logits", x_h), .target = opf_tensor_info(op, "target", t_h)};
+cross_entropy_args cross_entropy_check(const char *op, __typeof__(opf_check_device) *check_device, AtenTensorHandle x_h,
+                                       AtenTensorHandle t_h, AtenTensorHandle w_h, StableIValue *opts) {
+    cross_entropy_args a = {.logits = opf_tensor_info(op, "logits", x_h)};
+    a.target = opf_tensor_info(op, "target", t_h);
     const opf_tensor *x = &a.logits, *t = &a.target;
-    opf_check_device(op, "logits", x, "logits", x);
+    check_device(op, "logits", x, "logits", x);
     opf_dtype dt = opf_check_float(op, "logits", x);
-    opf_check_device(op, "target", t, "logits", x);
+    check_device(op, "target", t, "logits", x);
     if (t->dtype != aoti_torch_dtype_int64())
         opf_fail(op, "argument 'target' must be int64 class indices, got %s", opf_dtype_name(t->dtype));
     if (x->ndim < 1) opf_fail(op, "argument 'logits' must have at least 1 dim (..., C), got a 0-d tensor");
     opf_tensor lead = {.ndim = x->ndim - 1, .sizes = x->sizes};
     opf_check_same_shape(op, "target", t, "logits without its last (class) dim", &lead);
     const int64_t C = x->sizes[x->ndim - 1];
+    a.has_weight = w_h != NULL;
     if (w_h) {
         a.weight = opf_tensor_info(op, "weight", w_h);
-        opf_check_device(op, "weight", &a.weight, "logits", x);
+        check_device(op, "weight", &a.weight, "logits", x);
         opf_check_same_dtype(op, "weight", &a.weight, "logits", x);
         opf_tensor want = {.ndim = 1, .sizes = &C};
         opf_check_same_shape(op, "weight", &a.weight, "(C,), C the last dim of logits", &want);
@@ -73,7 +73,8 @@ static cross_entropy_args check_ce(const char *op, AtenTensorHandle x_h, AtenTen
                                   .label_smoothing = eps,
                                   .softcap = has_cap ? cap : 0,
                                   .reduction = (int)reduction};
-    if (!opf_is_meta(x)) {
+    /* only targets in host memory are read here (not meta ones, nor a GPU's: see cross_entropy.h) */
+    if (x->device_type == aoti_torch_device_type_cpu()) {
         int64_t value = 0, row = cross_entropy_check_target(&a.p, &value);
         if (row >= 0)
             opf_fail(
@@ -84,17 +85,54 @@ static cross_entropy_args check_ce(const char *op, AtenTensorHandle x_h, AtenTen
     return a;
 }
 
+cross_entropy_args cross_entropy_backward_check(const char *op, __typeof__(opf_check_device) *check_device,
+                                                AtenTensorHandle gl_h, AtenTensorHandle g_h, AtenTensorHandle x_h,
+                                                AtenTensorHandle t_h, AtenTensorHandle w_h, AtenTensorHandle lse_h,
+                                                StableIValue *opts) {
+    cross_entropy_args a = cross_entropy_check(op, check_device, x_h, t_h, w_h, opts);
+    const opf_tensor *x = &a.logits;
+    a.grad_losses = opf_tensor_info(op, "grad_losses", gl_h);
+    a.grad_loss = opf_tensor_info(op, "grad_loss", g_h);
+    a.lse = opf_tensor_info(op, "lse", lse_h);
+    const opf_tensor *gls = &a.grad_losses, *gs = &a.grad_loss, *lse = &a.lse;
+    check_device(op, "grad_losses", gls, "logits", x);
+    check_device(op, "grad_loss", gs, "logits", x);
+    check_device(op, "lse", lse, "logits", x);
+    opf_check_same_dtype(op, "grad_losses", gls, "logits", x);
+    opf_check_same_dtype(op, "grad_loss", gs, "logits", x);
+    opf_check_same_shape(op, "grad_losses", gls, "target", &a.target);
+    opf_tensor scalar = {.ndim = 0};
+    opf_check_same_shape(op, "grad_loss", gs, "a 0-d loss", &scalar);
+    opf_check_same_shape(op, "lse", lse, "target", &a.target);
+    if (lse->dtype != aoti_torch_dtype_float64() && lse->dtype != aoti_torch_dtype_float32())
+        opf_fail(op, "argument 'lse' must be float64 (as the forward makes it) or float32, got %s",
+                 opf_dtype_name(lse->dtype));
+    /* an empty lse (a leading dim 0) has any strides: nothing of it is read */
+    for (int64_t d = lse->ndim - 1, step = 1; d >= 0 && lse->numel > 0; step *= lse->sizes[d], d--)
+        if (lse->sizes[d] > 1 && lse->strides[d] != step)
+            opf_fail(op, "argument 'lse' must be contiguous (the tensor the forward made)");
+    return a;
+}
+
+void cross_entropy_alloc(const char *op, const opf_tensor *x, AtenTensorHandle *losses_h, AtenTensorHandle *loss_h,
+                         AtenTensorHandle *lse_h) {
+    *losses_h = opf_empty(op, x->ndim - 1, x->sizes, x->dtype, x);
+    *loss_h = opf_empty(op, 0, NULL, x->dtype, x);
+    *lse_h = opf_empty(op, x->ndim - 1, x->sizes, aoti_torch_dtype_float64(), x);
+}
+
 static void cross_entropy_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     (void)nin, (void)nout;
     OPF_ARG_TENSOR(x, stack, 0);
     OPF_ARG_TENSOR(t, stack, 1);
     OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[2]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    cross_entropy_args a = check_ce(CE, x_h, t_h, w_h, stack + 3);
+    cross_entropy_args a = cross_entropy_check(CE, opf_check_device, x_h, t_h, w_h, stack + 3);
     const opf_tensor *x = &a.logits;
-    OPF_OWNED AtenTensorHandle losses_h = opf_empty(CE, x->ndim - 1, x->sizes, x->dtype, x);
-    OPF_OWNED AtenTensorHandle loss_h = opf_empty(CE, 0, NULL, x->dtype, x);
-    OPF_OWNED AtenTensorHandle lse_h = opf_empty(CE, x->ndim - 1, x->sizes, aoti_torch_dtype_float64(), x);
+    OPF_OWNED AtenTensorHandle losses_h = NULL;
+    OPF_OWNED AtenTensorHandle loss_h = NULL;
+    OPF_OWNED AtenTensorHandle lse_h = NULL;
+    cross_entropy_alloc(CE, x, &losses_h, &loss_h, &lse_h);
     if (!opf_is_meta(x)) {
         opf_tensor losses = opf_tensor_info(CE, "losses", losses_h), loss = opf_tensor_info(CE, "loss", loss_h);
         opf_tensor lse = opf_tensor_info(CE, "lse", lse_h);
@@ -119,32 +157,15 @@ static void cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64
     OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[4]);
     OPF_ARG_TENSOR(lse, stack, 5);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    cross_entropy_args a = check_ce(CEB, x_h, t_h, w_h, stack + 6);
-    const opf_tensor *x = &a.logits;
-    opf_tensor gls = opf_tensor_info(CEB, "grad_losses", gl_h), gs = opf_tensor_info(CEB, "grad_loss", g_h);
-    opf_tensor lse = opf_tensor_info(CEB, "lse", lse_h);
-    opf_check_device(CEB, "grad_losses", &gls, "logits", x);
-    opf_check_device(CEB, "grad_loss", &gs, "logits", x);
-    opf_check_device(CEB, "lse", &lse, "logits", x);
-    opf_check_same_dtype(CEB, "grad_losses", &gls, "logits", x);
-    opf_check_same_dtype(CEB, "grad_loss", &gs, "logits", x);
-    opf_check_same_shape(CEB, "grad_losses", &gls, "target", &a.target);
-    opf_tensor scalar = {.ndim = 0};
-    opf_check_same_shape(CEB, "grad_loss", &gs, "a 0-d loss", &scalar);
-    opf_check_same_shape(CEB, "lse", &lse, "target", &a.target);
-    if (lse.dtype != aoti_torch_dtype_float64() && lse.dtype != aoti_torch_dtype_float32())
-        opf_fail(CEB, "argument 'lse' must be float64 (as the forward makes it) or float32, got %s",
-                 opf_dtype_name(lse.dtype));
-    /* an empty lse (a leading dim 0) has any strides: nothing of it is read */
-    for (int64_t d = lse.ndim - 1, step = 1; d >= 0 && lse.numel > 0; step *= lse.sizes[d], d--)
-        if (lse.sizes[d] > 1 && lse.strides[d] != step)
-            opf_fail(CEB, "argument 'lse' must be contiguous (the tensor the forward made)");
+    cross_entropy_args a =
+        cross_entropy_backward_check(CEB, opf_check_device, gl_h, g_h, x_h, t_h, w_h, lse_h, stack + 6);
+    const opf_tensor *x = &a.logits, *gls = &a.grad_losses, *gs = &a.grad_loss, *lse = &a.lse;
     OPF_OWNED AtenTensorHandle dx_h = opf_empty(CEB, x->ndim, x->sizes, x->dtype, x);
     if (!opf_is_meta(x)) {
         opf_tensor dx = opf_tensor_info(CEB, "dlogits", dx_h);
-        a.p.grad_losses = gls.data, a.p.grad_losses_strides = gls.strides, a.p.grad_loss = gs.data;
-        a.p.lse_saved = lse.data, a.p.dlogits = dx.data;
-        a.p.lse_dt = lse.dtype == aoti_torch_dtype_float32() ? OPF_F32 : OPF_F64;
+        a.p.grad_losses = gls->data, a.p.grad_losses_strides = gls->strides, a.p.grad_loss = gs->data;
+        a.p.lse_saved = lse->data, a.p.dlogits = dx.data;
+        a.p.lse_dt = lse->dtype == aoti_torch_dtype_float32() ? OPF_F32 : OPF_F64;
         cross_entropy_bwd(cross_entropy_kernels_for(opf_isa_current()), &a.p);
         opf_log_call(CEB, t0, 3, (opf_tensor[]){*x, a.target, dx});
     }

@@ -4,12 +4,14 @@
  * choice of row / strided-axis paths are csrc/kernels/softmax.c. No copies:
  * every operand is read in place through its strides. The output takes x's
  * strides when x is dense (contiguous, transposed, permuted), else it is
- * contiguous; the gradient takes y's the same way.
+ * contiguous; the gradient takes y's the same way. The checks are shared with
+ * the CUDA glue (softmax.h).
  */
 #include "../kernels/softmax.h"
 #include "aoti.h"
 #include "namespace.h"
 #include "opforge/op.h"
+#include "softmax.h"
 
 static const char SM[] = OPF_QUALNAME("softmax");
 static const char LSM[] = OPF_QUALNAME("log_softmax");
@@ -35,22 +37,44 @@ static void run(const opf_tensor *ref, softmax_problem *p, int fwd) {
         softmax_bwd(k, p);
 }
 
+softmax_args softmax_check(const char *op, __typeof__(opf_check_device) *check_device, AtenTensorHandle x_h,
+                           int64_t dim) {
+    softmax_args a = {.x = opf_tensor_info(op, "x", x_h)};
+    check_device(op, "x", &a.x, "x", &a.x);
+    a.dt = opf_check_float(op, "x", &a.x);
+    a.dim = wrap_dim(op, dim, a.x.ndim);
+    return a;
+}
+
+softmax_backward_args softmax_backward_check(const char *op, __typeof__(opf_check_device) *check_device,
+                                             AtenTensorHandle grad_h, AtenTensorHandle y_h, int64_t dim) {
+    softmax_backward_args a;
+    a.grad = opf_tensor_info(op, "grad", grad_h);
+    a.y = opf_tensor_info(op, "y", y_h);
+    const opf_tensor *g = &a.grad, *y = &a.y;
+    check_device(op, "y", y, "y", y);
+    check_device(op, "grad", g, "y", y);
+    a.dt = opf_check_float(op, "y", y);
+    opf_check_same_dtype(op, "grad", g, "y", y);
+    opf_check_same_shape(op, "grad", g, "y", y);
+    a.dim = wrap_dim(op, dim, y->ndim);
+    return a;
+}
+
 /* softmax(Tensor x, int dim) -> Tensor, log_softmax(Tensor x, int dim) -> Tensor */
 static void softmax_impl(StableIValue *stack, const char *op, int log) {
     OPF_ARG_TENSOR(x, stack, 0);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor x = opf_tensor_info(op, "x", x_h);
-    opf_check_device(op, "x", &x, "x", &x);
-    opf_dtype dt = opf_check_float(op, "x", &x);
-    int dim = wrap_dim(op, opf_arg_int(stack[1]), x.ndim);
+    const softmax_args a = softmax_check(op, opf_check_device, x_h, opf_arg_int(stack[1]));
+    const opf_tensor x = a.x;
 
     OPF_OWNED AtenTensorHandle y_h = opf_empty_like(op, &x);
     opf_tensor y = opf_tensor_info(op, "out", y_h);
     if (!opf_is_meta(&x)) {
-        softmax_problem p = {.dt = dt,
+        softmax_problem p = {.dt = a.dt,
                              .log = log,
                              .ndim = (int)x.ndim,
-                             .dim = dim,
+                             .dim = a.dim,
                              .sizes = x.sizes,
                              .out = y.data,
                              .in = x.data,
@@ -66,22 +90,16 @@ static void softmax_backward_impl(StableIValue *stack, const char *op, int log) 
     OPF_ARG_TENSOR(grad, stack, 0);
     OPF_ARG_TENSOR(y, stack, 1);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor g = opf_tensor_info(op, "grad", grad_h);
-    opf_tensor y = opf_tensor_info(op, "y", y_h);
-    opf_check_device(op, "y", &y, "y", &y);
-    opf_check_device(op, "grad", &g, "y", &y);
-    opf_dtype dt = opf_check_float(op, "y", &y);
-    opf_check_same_dtype(op, "grad", &g, "y", &y);
-    opf_check_same_shape(op, "grad", &g, "y", &y);
-    int dim = wrap_dim(op, opf_arg_int(stack[2]), y.ndim);
+    const softmax_backward_args a = softmax_backward_check(op, opf_check_device, grad_h, y_h, opf_arg_int(stack[2]));
+    const opf_tensor g = a.grad, y = a.y;
 
     OPF_OWNED AtenTensorHandle dx_h = opf_empty_like(op, &y);
     opf_tensor dx = opf_tensor_info(op, "out", dx_h);
     if (!opf_is_meta(&y)) {
-        softmax_problem p = {.dt = dt,
+        softmax_problem p = {.dt = a.dt,
                              .log = log,
                              .ndim = (int)y.ndim,
-                             .dim = dim,
+                             .dim = a.dim,
                              .sizes = y.sizes,
                              .out = dx.data,
                              .in = g.data,
