@@ -8,7 +8,10 @@
  * that these kernels read in place. No copies: any strides are read in place.
  * out, dgate and dup take gate's strides when gate is dense, else they are
  * contiguous. Check, allocate, call; the arithmetic is in csrc/kernels/glu*.
+ * The checks and the allocation (glu_prepare, glu.h) serve the CUDA glue too.
  */
+#include "glu.h"
+
 #include "../kernels/glu.h"
 #include "aoti.h"
 #include "namespace.h"
@@ -19,18 +22,35 @@ static const char BWD[] = OPF_QUALNAME("glu_backward");
 
 OPF_REGISTER_ENUM(glu_activation, {"gelu", ACT_GELU}, {"gelu_tanh", ACT_GELU_TANH}, {"silu", ACT_SILU});
 
-static act_kind check_act(const char *op, int64_t act) {
+act_kind glu_check_act(const char *op, int64_t act) {
     return (act_kind)opf_check_enum(op, "act", &opf_enum_glu_activation, act);
 }
 
-/* gate and up: float, one device, dtype and shape */
-static opf_dtype check_gate_up(const char *op, const opf_tensor *gate, const opf_tensor *up) {
-    opf_check_device(op, "gate", gate, "gate", gate);
-    opf_check_device(op, "up", up, "gate", gate);
-    opf_dtype dt = opf_check_float(op, "gate", gate);
-    opf_check_same_dtype(op, "up", up, "gate", gate);
-    opf_check_same_shape(op, "up", up, "gate", gate);
-    return dt;
+glu_args glu_prepare(const char *op, __typeof__(opf_check_device) *check_device, AtenTensorHandle grad_h,
+                     AtenTensorHandle gate_h, AtenTensorHandle up_h, AtenTensorHandle *out_h, AtenTensorHandle *dup_h) {
+    glu_args a = {0};
+    if (grad_h) a.grad = opf_tensor_info(op, "grad", grad_h);
+    a.gate = opf_tensor_info(op, "gate", gate_h), a.up = opf_tensor_info(op, "up", up_h);
+    /* gate and up: float, one device, dtype and shape */
+    check_device(op, "gate", &a.gate, "gate", &a.gate);
+    check_device(op, "up", &a.up, "gate", &a.gate);
+    a.dt = opf_check_float(op, "gate", &a.gate);
+    opf_check_same_dtype(op, "up", &a.up, "gate", &a.gate);
+    opf_check_same_shape(op, "up", &a.up, "gate", &a.gate);
+    if (grad_h) {
+        check_device(op, "grad", &a.grad, "gate", &a.gate);
+        opf_check_same_dtype(op, "grad", &a.grad, "gate", &a.gate);
+        opf_check_same_shape(op, "grad", &a.grad, "gate", &a.gate);
+    }
+
+    /* like gate: in the backward, one set of strides for the two outputs */
+    *out_h = opf_empty_like(op, &a.gate);
+    a.out = opf_tensor_info(op, grad_h ? "dgate" : "out", *out_h);
+    if (grad_h) {
+        *dup_h = opf_empty_like(op, &a.gate);
+        a.dup = opf_tensor_info(op, "dup", *dup_h);
+    }
+    return a;
 }
 
 /* glu(Tensor gate, Tensor up, int act) -> Tensor */
@@ -39,23 +59,20 @@ static void glu_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(gate, stack, 0);
     OPF_ARG_TENSOR(up, stack, 1);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    act_kind act = check_act(FWD, opf_arg_int(stack[2]));
-    opf_tensor gate = opf_tensor_info(FWD, "gate", gate_h), up = opf_tensor_info(FWD, "up", up_h);
-    opf_dtype dt = check_gate_up(FWD, &gate, &up);
-
-    OPF_OWNED AtenTensorHandle out_h = opf_empty_like(FWD, &gate);
-    opf_tensor out = opf_tensor_info(FWD, "out", out_h);
-    if (opf_is_meta(&gate)) {
+    act_kind act = glu_check_act(FWD, opf_arg_int(stack[2]));
+    OPF_OWNED AtenTensorHandle out_h = NULL;
+    const glu_args a = glu_prepare(FWD, opf_check_device, NULL, gate_h, up_h, &out_h, NULL);
+    if (opf_is_meta(&a.gate)) {
         OPF_RETURN(stack, 0, out_h);
         return;
     }
     opf_nd nd;
-    const int64_t *strides[] = {out.strides, gate.strides, up.strides};
-    opf_nd_init(&nd, (int)gate.ndim, gate.sizes, 3, strides);
+    const int64_t *strides[] = {a.out.strides, a.gate.strides, a.up.strides};
+    opf_nd_init(&nd, (int)a.gate.ndim, a.gate.sizes, 3, strides);
     opf_nd_log(FWD, &nd, GLU_GRAIN);
-    glu_fwd(glu_kernels_for(opf_isa_current()), dt, &nd, out.data, gate.data, up.data, act);
+    glu_fwd(glu_kernels_for(opf_isa_current()), a.dt, &nd, a.out.data, a.gate.data, a.up.data, act);
 
-    opf_log_call(FWD, t0, 3, (opf_tensor[]){gate, up, out});
+    opf_log_call(FWD, t0, 3, (opf_tensor[]){a.gate, a.up, a.out});
     OPF_RETURN(stack, 0, out_h);
 }
 
@@ -66,25 +83,18 @@ static void glu_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(gate, stack, 1);
     OPF_ARG_TENSOR(up, stack, 2);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    act_kind act = check_act(BWD, opf_arg_int(stack[3]));
-    opf_tensor g = opf_tensor_info(BWD, "grad", grad_h);
-    opf_tensor gate = opf_tensor_info(BWD, "gate", gate_h), up = opf_tensor_info(BWD, "up", up_h);
-    opf_dtype dt = check_gate_up(BWD, &gate, &up);
-    opf_check_device(BWD, "grad", &g, "gate", &gate);
-    opf_check_same_dtype(BWD, "grad", &g, "gate", &gate);
-    opf_check_same_shape(BWD, "grad", &g, "gate", &gate);
-
-    /* both like gate: one set of strides for the two outputs */
-    OPF_OWNED AtenTensorHandle dgate_h = opf_empty_like(BWD, &gate);
-    OPF_OWNED AtenTensorHandle dup_h = opf_empty_like(BWD, &gate);
-    opf_tensor dgate = opf_tensor_info(BWD, "dgate", dgate_h), dup = opf_tensor_info(BWD, "dup", dup_h);
-    if (!opf_is_meta(&gate)) {
+    act_kind act = glu_check_act(BWD, opf_arg_int(stack[3]));
+    OPF_OWNED AtenTensorHandle dgate_h = NULL;
+    OPF_OWNED AtenTensorHandle dup_h = NULL;
+    const glu_args a = glu_prepare(BWD, opf_check_device, grad_h, gate_h, up_h, &dgate_h, &dup_h);
+    if (!opf_is_meta(&a.gate)) {
         opf_nd nd;
-        const int64_t *strides[] = {dgate.strides, g.strides, gate.strides, up.strides};
-        opf_nd_init(&nd, (int)gate.ndim, gate.sizes, 4, strides);
+        const int64_t *strides[] = {a.out.strides, a.grad.strides, a.gate.strides, a.up.strides};
+        opf_nd_init(&nd, (int)a.gate.ndim, a.gate.sizes, 4, strides);
         opf_nd_log(BWD, &nd, GLU_GRAIN);
-        glu_bwd(glu_kernels_for(opf_isa_current()), dt, &nd, dgate.data, dup.data, g.data, gate.data, up.data, act);
-        opf_log_call(BWD, t0, 4, (opf_tensor[]){g, gate, up, dgate});
+        glu_bwd(glu_kernels_for(opf_isa_current()), a.dt, &nd, a.out.data, a.dup.data, a.grad.data, a.gate.data,
+                a.up.data, act);
+        opf_log_call(BWD, t0, 4, (opf_tensor[]){a.grad, a.gate, a.up, a.out});
     }
     OPF_RETURN(stack, 0, dgate_h);
     OPF_RETURN(stack, 1, dup_h);

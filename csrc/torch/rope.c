@@ -10,8 +10,11 @@
  * place; the outputs take the strides of q and k (of grad_q and grad_k) when
  * those are dense, so the usual (B, N, H, D) projection viewed as
  * (B, H, N, D) stays in that layout. Check, allocate, call; the arithmetic is
- * in csrc/kernels/rope*.
+ * in csrc/kernels/rope*. The checks and the allocation (rope_prepare, rope.h)
+ * serve the CUDA glue too.
  */
+#include "rope.h"
+
 #include "../kernels/rope.h"
 #include "aoti.h"
 #include "namespace.h"
@@ -20,15 +23,9 @@
 static const char FWD[] = OPF_QUALNAME("rope");
 static const char BWD[] = OPF_QUALNAME("rope_backward");
 
-typedef struct rope_args {
-    const char *op, *qname, *kname;
-    opf_tensor q, k, cos, sin, pos;
-    int has_pos;
-    rope_problem p;
-} rope_args;
-
-static void check_head(const rope_args *a, const char *arg, const opf_tensor *t) {
-    opf_check_device(a->op, arg, t, a->qname, &a->q);
+static void check_head(const rope_args *a, __typeof__(opf_check_device) *check_device, const char *arg,
+                       const opf_tensor *t) {
+    check_device(a->op, arg, t, a->qname, &a->q);
     opf_check_float(a->op, arg, t);
     if (t != &a->q) opf_check_same_dtype(a->op, arg, t, a->qname, &a->q);
     if (t->ndim != 4)
@@ -37,8 +34,9 @@ static void check_head(const rope_args *a, const char *arg, const opf_tensor *t)
 }
 
 /* cos or sin: the strides (batch, position, rotary) of an accepted layout; returns R */
-static int64_t check_table(const rope_args *a, const char *arg, const opf_tensor *t, int64_t st[3]) {
-    opf_check_device(a->op, arg, t, a->qname, &a->q);
+static int64_t check_table(const rope_args *a, __typeof__(opf_check_device) *check_device, const char *arg,
+                           const opf_tensor *t, int64_t st[3]) {
+    check_device(a->op, arg, t, a->qname, &a->q);
     opf_check_same_dtype(a->op, arg, t, a->qname, &a->q);
     char got[128];
     opf_shape_str(got, sizeof got, t);
@@ -66,9 +64,10 @@ static int64_t check_table(const rope_args *a, const char *arg, const opf_tensor
     return sz[nd - 1];
 }
 
-static rope_args check_rope(const char *op, const char *qname, const char *kname, AtenTensorHandle q_h,
-                            AtenTensorHandle k_h, AtenTensorHandle cos_h, AtenTensorHandle sin_h,
-                            AtenTensorHandle pos_h, int interleaved, int inverse) {
+rope_args rope_prepare(const char *op, const char *qname, const char *kname, __typeof__(opf_check_device) *check_device,
+                       AtenTensorHandle q_h, AtenTensorHandle k_h, AtenTensorHandle cos_h, AtenTensorHandle sin_h,
+                       AtenTensorHandle pos_h, int interleaved, int inverse, AtenTensorHandle *oq_h,
+                       AtenTensorHandle *ok_h) {
     rope_args a = {.op = op,
                    .qname = qname,
                    .kname = kname,
@@ -77,8 +76,8 @@ static rope_args check_rope(const char *op, const char *qname, const char *kname
                    .cos = opf_tensor_info(op, "cos", cos_h),
                    .sin = opf_tensor_info(op, "sin", sin_h),
                    .has_pos = pos_h != NULL};
-    check_head(&a, qname, &a.q);
-    check_head(&a, kname, &a.k);
+    check_head(&a, check_device, qname, &a.q);
+    check_head(&a, check_device, kname, &a.k);
     const int64_t *qs = a.q.sizes, *ks = a.k.sizes;
     if (ks[0] != qs[0])
         opf_fail(op, "argument '%s' must have the batch size of '%s' (%lld), got %lld", kname, qname, (long long)qs[0],
@@ -90,8 +89,8 @@ static rope_args check_rope(const char *op, const char *qname, const char *kname
         opf_fail(op, "argument '%s' must have the head_dim of '%s' (%lld), got %lld", kname, qname, (long long)qs[3],
                  (long long)ks[3]);
     int64_t cst[3], sst[3];
-    const int64_t r = check_table(&a, "cos", &a.cos, cst);
-    check_table(&a, "sin", &a.sin, sst);
+    const int64_t r = check_table(&a, check_device, "cos", &a.cos, cst);
+    check_table(&a, check_device, "sin", &a.sin, sst);
     opf_check_same_shape(op, "sin", &a.sin, "cos", &a.cos);
     if (r > qs[3])
         opf_fail(op,
@@ -120,7 +119,7 @@ static rope_args check_rope(const char *op, const char *qname, const char *kname
     for (int d = 0; d < 4; d++) a.p.qs[d] = a.q.strides[d], a.p.ks[d] = a.k.strides[d];
     if (pos_h) {
         a.pos = opf_tensor_info(op, "position_ids", pos_h);
-        opf_check_device(op, "position_ids", &a.pos, qname, &a.q);
+        check_device(op, "position_ids", &a.pos, qname, &a.q);
         if (a.pos.dtype != aoti_torch_dtype_int64())
             opf_fail(op, "argument 'position_ids' must be an int64 tensor, got %s", opf_dtype_name(a.pos.dtype));
         char got[128];
@@ -131,13 +130,21 @@ static rope_args check_rope(const char *op, const char *qname, const char *kname
         a.p.pos = a.pos.data;
         a.p.pb = a.pos.sizes[0] == 1 ? 0 : a.pos.strides[0];
         a.p.pn = a.pos.strides[1];
-        int64_t bad = 0, at = opf_is_meta(&a.pos)
+        /* on the CPU only: meta tensors hold no ids, and reading ids on the GPU would synchronise the stream
+         * (and break CUDA graph capture), so the CUDA kernel checks each id as it reads it instead */
+        int64_t bad = 0, at = a.pos.device_type != aoti_torch_device_type_cpu()
                                   ? -1
                                   : rope_check_positions(a.p.pos, a.p.b, a.p.n, a.p.pb, a.p.pn, a.cos.sizes[0], &bad);
         if (at >= 0)
             opf_fail(op, "argument 'position_ids' must lie in [0, %lld) (the rows of 'cos'), got %lld at [%lld, %lld]",
                      (long long)a.cos.sizes[0], (long long)bad, (long long)(at / qs[2]), (long long)(at % qs[2]));
     }
+
+    *oq_h = opf_empty_like(op, &a.q);
+    *ok_h = opf_empty_like(op, &a.k);
+    a.oq = opf_tensor_info(op, "q_out", *oq_h), a.ok = opf_tensor_info(op, "k_out", *ok_h);
+    a.p.oq = a.oq.data, a.p.ok = a.ok.data;
+    for (int d = 0; d < 4; d++) a.p.oqs[d] = a.oq.strides[d], a.p.oks[d] = a.ok.strides[d];
     return a;
 }
 
@@ -151,15 +158,13 @@ static void rope_call(const char *op, const char *qname, const char *kname, Stab
     OPF_OWNED AtenTensorHandle pos_h = opf_arg_optional_tensor(stack[4]);
     const int interleaved = opf_arg_bool(stack[5]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    rope_args a = check_rope(op, qname, kname, q_h, k_h, cos_h, sin_h, pos_h, interleaved, inverse);
-    OPF_OWNED AtenTensorHandle oq_h = opf_empty_like(op, &a.q);
-    OPF_OWNED AtenTensorHandle ok_h = opf_empty_like(op, &a.k);
-    opf_tensor oq = opf_tensor_info(op, "q_out", oq_h), ok = opf_tensor_info(op, "k_out", ok_h);
-    a.p.oq = oq.data, a.p.ok = ok.data;
-    for (int d = 0; d < 4; d++) a.p.oqs[d] = oq.strides[d], a.p.oks[d] = ok.strides[d];
+    OPF_OWNED AtenTensorHandle oq_h = NULL;
+    OPF_OWNED AtenTensorHandle ok_h = NULL;
+    const rope_args a = rope_prepare(op, qname, kname, opf_check_device, q_h, k_h, cos_h, sin_h, pos_h, interleaved,
+                                     inverse, &oq_h, &ok_h);
     if (!opf_is_meta(&a.q)) {
         rope_run(rope_kernels_for(opf_isa_current()), &a.p);
-        opf_log_call(op, t0, 4, (opf_tensor[]){a.q, a.k, a.cos, oq});
+        opf_log_call(op, t0, 4, (opf_tensor[]){a.q, a.k, a.cos, a.oq});
     }
     OPF_RETURN(stack, 0, oq_h);
     OPF_RETURN(stack, 1, ok_h);

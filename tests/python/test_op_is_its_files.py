@@ -26,11 +26,13 @@ def op_files(root: str, stem: str) -> list[str]:
     """The files of a standard op, relative to root: CONTRIBUTING.md's list."""
     kernels = sorted(f"csrc/kernels/{f}" for f in os.listdir(os.path.join(root, "csrc/kernels"))
                      if f.split(".")[0] == stem or f.startswith(stem + "_avx"))
+    # the CPU glue's header: what it shares with the CUDA glue (the checks and the allocation), where it has one
+    header = [f for f in (f"csrc/torch/{stem}.h",) if os.path.isfile(os.path.join(root, f))]
     cuda = [f for f in (f"csrc/cuda/{stem}.cu", f"csrc/cuda/{stem}.h", f"csrc/cuda/{stem}.c",
                         f"tests/cuda/test_{stem}.c") if os.path.isfile(os.path.join(root, f))]
     return kernels + [f"csrc/torch/{stem}.c", f"tests/c/test_{stem}.c", f"tests/python/test_{stem}.py",
                       f"benchmarks/bench_{stem}.py", f"python/opforge/functional/{stem}.py",
-                      f"python/opforge/references/{stem}.py"] + cuda
+                      f"python/opforge/references/{stem}.py"] + header + cuda
 
 
 def source_files(root: str) -> list[str]:
