@@ -10,12 +10,13 @@
  * short rows, up to 1024 threads) owns a row; thread t of the group holds
  * packs t, t + tpr, ... (NP of them) in registers, so the forward reads x
  * once and writes y once, and the backward reads x and grad once and writes
- * dx once. Several groups share a block when a row needs fewer threads than
- * the block has. Every other layout (strided, transposed, misaligned, odd
- * sizes, leading dims that do not merge) and rows too long for registers
- * (more than 1024 threads x 4 packs; 512 x 4 in the backward) take the
- * generic kernels (_any): element by element, one pass over the row in global
- * memory per sum.
+ * dx once (the backward at 4 packs per thread, a block per row, reads the
+ * weights from shared memory: registers would spill). Several groups share
+ * a block when a row needs fewer threads than the block has. Every other
+ * layout (strided, transposed, misaligned, odd sizes, leading dims that do
+ * not merge) and rows too long for registers (more than 1024 threads x 4
+ * packs; 512 x 4 in the backward) take the generic kernels (_any): element
+ * by element, one pass over the row in global memory per sum.
  *
  * Weight and bias gradients are deterministic: when they are wanted the
  * backward runs at most NORM_CUDA_BWD_SLOTS blocks, each over a fixed chunk
@@ -36,7 +37,74 @@
 /* the column sums of the slots: 32 columns x 8 slot strides per block */
 #define NRM_REDUCE_THREADS 256
 
+/* A 16-byte pack of a row: 4 floats, 2 doubles, or 8 16-bit values held as four 32-bit words of two
+ * each (the first in the low half): held as eight values of their own they would take eight
+ * registers, not four (and the backward at 4 packs per thread spilled). Its elements are read with
+ * nrm_get, and a pack is made from values with nrm_put. */
 template <class T> struct alignas(16) nrm_pack { T v[16 / sizeof(T)]; };
+template <> struct alignas(16) nrm_pack<__nv_bfloat16> { unsigned u[4]; };
+template <> struct alignas(16) nrm_pack<__half> { unsigned u[4]; };
+
+/* A word's two 16-bit values as floats, and two floats rounded (to nearest even) into a word. */
+#ifdef OPF_CUDA_EMULATE
+__device__ __forceinline__ float2 nrm_unpack2(unsigned w, __nv_bfloat16 *) {
+    return make_float2(opf_bf16_to_f32((uint16_t)w), opf_bf16_to_f32((uint16_t)(w >> 16)));
+}
+__device__ __forceinline__ float2 nrm_unpack2(unsigned w, __half *) {
+    return make_float2(opf_f16_to_f32((uint16_t)w), opf_f16_to_f32((uint16_t)(w >> 16)));
+}
+__device__ __forceinline__ unsigned nrm_pack2(float lo, float hi, __nv_bfloat16 *) {
+    return opf_f32_to_bf16(lo) | (unsigned)opf_f32_to_bf16(hi) << 16;
+}
+__device__ __forceinline__ unsigned nrm_pack2(float lo, float hi, __half *) {
+    return opf_f32_to_f16(lo) | (unsigned)opf_f32_to_f16(hi) << 16;
+}
+#else
+__device__ __forceinline__ float2 nrm_unpack2(unsigned w, __nv_bfloat16 *) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+__device__ __forceinline__ float2 nrm_unpack2(unsigned w, __half *) { return __half22float2(*(const __half2 *)&w); }
+__device__ __forceinline__ unsigned nrm_pack2(float lo, float hi, __nv_bfloat16 *) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *(const unsigned *)&h;
+}
+__device__ __forceinline__ unsigned nrm_pack2(float lo, float hi, __half *) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *(const unsigned *)&h;
+}
+#endif
+
+/* Element k of a pack in the compute type; the pack of e[0 .. V), each rounded to T. */
+template <class T> __device__ __forceinline__ typename opf_acc<T>::type nrm_get(const nrm_pack<T> &p, int k) {
+    return opf_to_acc(p.v[k]);
+}
+template <class T>
+__device__ __forceinline__ nrm_pack<T> nrm_put(const typename opf_acc<T>::type (&e)[16 / sizeof(T)]) {
+    nrm_pack<T> o;
+#pragma unroll
+    for (int k = 0; k < 16 / (int)sizeof(T); k++) o.v[k] = opf_from_acc<T>(e[k]);
+    return o;
+}
+template <class T> __device__ __forceinline__ float nrm_get16(const nrm_pack<T> &p, int k) {
+    const float2 f = nrm_unpack2(p.u[k >> 1], (T *)0);
+    return k & 1 ? f.y : f.x;
+}
+template <class T> __device__ __forceinline__ nrm_pack<T> nrm_put16(const float (&e)[8]) {
+    nrm_pack<T> o;
+#pragma unroll
+    for (int i = 0; i < 4; i++) o.u[i] = nrm_pack2(e[2 * i], e[2 * i + 1], (T *)0);
+    return o;
+}
+template <> __device__ __forceinline__ float nrm_get(const nrm_pack<__nv_bfloat16> &p, int k) {
+    return nrm_get16(p, k);
+}
+template <> __device__ __forceinline__ float nrm_get(const nrm_pack<__half> &p, int k) { return nrm_get16(p, k); }
+template <> __device__ __forceinline__ nrm_pack<__nv_bfloat16> nrm_put<__nv_bfloat16>(const float (&e)[8]) {
+    return nrm_put16<__nv_bfloat16>(e);
+}
+template <> __device__ __forceinline__ nrm_pack<__half> nrm_put<__half>(const float (&e)[8]) {
+    return nrm_put16<__half>(e);
+}
 
 /* Row r of row input k: the fast kernels' lead is one dim. */
 template <class T> __device__ __forceinline__ const T *nrm_row1(const norm_cuda_args &a, int k, int64_t r) {
@@ -124,8 +192,10 @@ __global__ void __launch_bounds__(NORM_CUDA_MAX_THREADS) nrm_fwd_vec(norm_cuda_a
                     const int p = j * tpr + t;
                     if (p >= P) continue;
                     const nrm_pack<T> q = nrm_ld(res, p);
+                    A e[V];
 #pragma unroll
-                    for (int k = 0; k < V; k++) v[j].v[k] = opf_from_acc<T>(opf_to_acc(v[j].v[k]) + opf_to_acc(q.v[k]));
+                    for (int k = 0; k < V; k++) e[k] = nrm_get(v[j], k) + nrm_get(q, k);
+                    v[j] = nrm_put<T>(e);
                     nrm_st(s, p, v[j]);
                 }
             }
@@ -134,7 +204,7 @@ __global__ void __launch_bounds__(NORM_CUDA_MAX_THREADS) nrm_fwd_vec(norm_cuda_a
                 if (j * tpr + t >= P) continue;
 #pragma unroll
                 for (int k = 0; k < V; k++) {
-                    const A e = opf_to_acc(v[j].v[k]);
+                    const A e = nrm_get(v[j], k);
                     s1 += LAYER ? e : e * e;
                 }
             }
@@ -150,7 +220,7 @@ __global__ void __launch_bounds__(NORM_CUDA_MAX_THREADS) nrm_fwd_vec(norm_cuda_a
                     if (j * tpr + t >= P) continue;
 #pragma unroll
                     for (int k = 0; k < V; k++) {
-                        const A d = opf_to_acc(v[j].v[k]) - mu;
+                        const A d = nrm_get(v[j], k) - mu;
                         s2 += d * d;
                     }
                 }
@@ -167,17 +237,17 @@ __global__ void __launch_bounds__(NORM_CUDA_MAX_THREADS) nrm_fwd_vec(norm_cuda_a
         for (int j = 0; j < NP; j++) {
             const int p = j * tpr + t;
             if (p >= P) continue;
-            nrm_pack<T> wp, bp, o;
+            nrm_pack<T> wp, bp;
             if (w) wp = nrm_ld(w, p);
             if (b) bp = nrm_ld(b, p);
+            A e[V];
 #pragma unroll
             for (int k = 0; k < V; k++) {
-                A e = (opf_to_acc(v[j].v[k]) - mu) * rs;
-                if (w) e *= nrm_w(opf_to_acc(wp.v[k]), offset);
-                if (b) e += opf_to_acc(bp.v[k]);
-                o.v[k] = opf_from_acc<T>(e);
+                e[k] = (nrm_get(v[j], k) - mu) * rs;
+                if (w) e[k] *= nrm_w(nrm_get(wp, k), offset);
+                if (b) e[k] += nrm_get(bp, k);
             }
-            nrm_st(y, p, o);
+            nrm_st(y, p, nrm_put<T>(e));
         }
     }
 }
@@ -272,7 +342,7 @@ __device__ __forceinline__ void nrm_bwd_load(const norm_cuda_args &a, int64_t r,
 }
 
 /* The block's slot of partial sums: its groups' column sums added in group order (buf: V values per
- * thread of shared memory). Every thread of the block calls it. */
+ * thread of shared memory, unused with one group per block). Every thread of the block calls it. */
 template <class A, int NP, int V>
 __device__ __forceinline__ void nrm_write_partial(A *dst, const A (&acc)[NP][V], A *buf, int tpr, int P) {
     const int rpb = blockDim.x / tpr, grp = threadIdx.x / tpr, t = threadIdx.x % tpr;
@@ -302,14 +372,24 @@ __device__ __forceinline__ void nrm_write_partial(A *dst, const A (&acc)[NP][V],
 /* The fast backward (layouts as the fast forward's): rows [blockIdx.x * chunk, + chunk), a group of
  * tpr threads per row, NP packs per thread in registers; with NP <= 2 the group's next row is
  * loaded while the current one is reduced. LAYER: layer_norm's backward; else rms_norm's,
- * add_rms_norm's when in[2] (grad_sum) is given (out2: dresidual = dx). */
+ * add_rms_norm's when in[2] (grad_sum) is given (out2: dresidual = dx).
+ *
+ * At NP = 4 the block is one group of NORM_CUDA_BWD_THREADS threads (nrm_config), which have 128
+ * registers each: a thread's packs of grad and x and its weight and bias partial sums take 96 of them
+ * at 16 bits (layer_norm), too many to hold its weights' packs as well (16 more: that spilled), so
+ * the block reads the weights from shared memory there; and with one group per block the partial
+ * sums need no buffer. */
 template <class T, int NP, bool LAYER>
-__global__ void __launch_bounds__(NORM_CUDA_BWD_THREADS) nrm_bwd_vec(norm_cuda_args a, int tpr, int64_t chunk) {
+__global__ void __launch_bounds__(NORM_CUDA_BWD_THREADS) nrm_bwd_vec(norm_cuda_args a, int group, int64_t chunk) {
     typedef typename opf_acc<T>::type A;
     const int V = 16 / sizeof(T);
-    const bool F64 = sizeof(T) == 8, PREFETCH = NP <= 2;
+    const bool F64 = sizeof(T) == 8, PREFETCH = NP <= 2, WSHARED = NP == 4;
+    /* the group's threads: at NP = 4 known here, so that the packs' offsets in a row are constants
+     * (fewer registers for addresses) */
+    const int tpr = NP == 4 ? NORM_CUDA_BWD_THREADS : group;
     __shared__ A scratch[64];
-    __shared__ A buf[NORM_CUDA_BWD_THREADS * (16 / sizeof(T))];
+    __shared__ A buf[WSHARED ? 1 : NORM_CUDA_BWD_THREADS * (16 / sizeof(T))];
+    __shared__ nrm_pack<T> wsh[WSHARED ? NRM_BWD_MAX_PACKS : 1];
     const int rpb = blockDim.x / tpr, grp = threadIdx.x / tpr, t = threadIdx.x % tpr;
     const int64_t n = a.hidden;
     const int P = (int)(n / V);
@@ -318,21 +398,23 @@ __global__ void __launch_bounds__(NORM_CUDA_BWD_THREADS) nrm_bwd_vec(norm_cuda_a
     const bool want_dw = a.dw != NULL, want_db = LAYER && a.db != NULL, has_gs = !LAYER && a.in[2] != NULL;
     const int offset = LAYER ? 0 : a.offset;
     /* this thread's columns are the same in every row: their weights (ones without a weight, w' = 1
-     * then), kept as stored, and their partial sums */
+     * then), kept as stored (in wsh at NP = 4), and their partial sums */
     const int woff = w ? offset : 0;
     nrm_pack<T> wp[NP];
     A dwa[NP][V], dba[NP][V];
 #pragma unroll
     for (int j = 0; j < NP; j++) {
         const int p = j * tpr + t;
-        if (w && p < P)
-            wp[j] = nrm_ld(w, p);
-        else
+        A one[V];
 #pragma unroll
-            for (int k = 0; k < V; k++) wp[j].v[k] = opf_from_acc<T>((A)1);
-#pragma unroll
-        for (int k = 0; k < V; k++) dwa[j][k] = dba[j][k] = 0;
+        for (int k = 0; k < V; k++) dwa[j][k] = dba[j][k] = 0, one[k] = 1;
+        const nrm_pack<T> wj = w && p < P ? nrm_ld(w, p) : nrm_put<T>(one);
+        if (!WSHARED)
+            wp[j] = wj;
+        else if (p < P)
+            wsh[p] = wj;
     }
+    if (WSHARED) __syncthreads();
     nrm_bwd_row<T, NP> cur, nxt;
     cur.mean = cur.rstd = 0.0f;
     if (PREFETCH && r0 + grp < r1) nrm_bwd_load<T, NP, LAYER>(a, r0 + grp, tpr, t, P, has_gs, cur);
@@ -353,7 +435,7 @@ __global__ void __launch_bounds__(NORM_CUDA_BWD_THREADS) nrm_bwd_vec(norm_cuda_a
                     if (j * tpr + t >= P) continue;
 #pragma unroll
                     for (int k = 0; k < V; k++) {
-                        const A e = opf_to_acc(cur.x[j].v[k]);
+                        const A e = nrm_get(cur.x[j], k);
                         s1 += LAYER ? e : e * e;
                     }
                 }
@@ -367,7 +449,7 @@ __global__ void __launch_bounds__(NORM_CUDA_BWD_THREADS) nrm_bwd_vec(norm_cuda_a
                         if (j * tpr + t >= P) continue;
 #pragma unroll
                         for (int k = 0; k < V; k++) {
-                            const A d = opf_to_acc(cur.x[j].v[k]) - mu;
+                            const A d = nrm_get(cur.x[j], k) - mu;
                             s2 += d * d;
                         }
                     }
@@ -383,11 +465,13 @@ __global__ void __launch_bounds__(NORM_CUDA_BWD_THREADS) nrm_bwd_vec(norm_cuda_a
         if (active)
 #pragma unroll
             for (int j = 0; j < NP; j++) {
-                if (j * tpr + t >= P) continue;
+                const int p = j * tpr + t;
+                if (p >= P) continue;
+                const nrm_pack<T> &wj = WSHARED ? wsh[p] : wp[j];
 #pragma unroll
                 for (int k = 0; k < V; k++) {
-                    const A gw = opf_to_acc(cur.g[j].v[k]) * nrm_w(opf_to_acc(wp[j].v[k]), woff);
-                    const A xh = (opf_to_acc(cur.x[j].v[k]) - mu) * rs;
+                    const A gw = nrm_get(cur.g[j], k) * nrm_w(nrm_get(wj, k), woff);
+                    const A xh = (nrm_get(cur.x[j], k) - mu) * rs;
                     sa += gw;
                     sb += gw * xh;
                 }
@@ -403,17 +487,18 @@ __global__ void __launch_bounds__(NORM_CUDA_BWD_THREADS) nrm_bwd_vec(norm_cuda_a
             for (int j = 0; j < NP; j++) {
                 const int p = j * tpr + t;
                 if (p >= P) continue;
-                nrm_pack<T> o;
+                const nrm_pack<T> &wj = WSHARED ? wsh[p] : wp[j];
+                A d[V];
 #pragma unroll
                 for (int k = 0; k < V; k++) {
-                    const A gi = opf_to_acc(cur.g[j].v[k]), xh = (opf_to_acc(cur.x[j].v[k]) - mu) * rs;
-                    const A gw = gi * nrm_w(opf_to_acc(wp[j].v[k]), woff);
-                    A d = LAYER ? rs * (gw - ca - xh * cb) : rs * (gw - xh * cb);
-                    if (has_gs) d += opf_to_acc(cur.gs[j].v[k]);
-                    o.v[k] = opf_from_acc<T>(d);
+                    const A gi = nrm_get(cur.g[j], k), xh = (nrm_get(cur.x[j], k) - mu) * rs;
+                    const A gw = gi * nrm_w(nrm_get(wj, k), woff);
+                    d[k] = LAYER ? rs * (gw - ca - xh * cb) : rs * (gw - xh * cb);
+                    if (has_gs) d[k] += nrm_get(cur.gs[j], k);
                     dwa[j][k] += gi * xh;
                     dba[j][k] += gi;
                 }
+                const nrm_pack<T> o = nrm_put<T>(d);
                 nrm_st(dx, p, o);
                 if (dr) nrm_st(dr, p, o);
             }
@@ -575,7 +660,8 @@ static nrm_cfg nrm_config(const norm_cuda_args *a, int bwd) {
         c.np = 1, c.tpr = 32;
     else if (bwd ? P <= 1024 : P <= 64) /* the backward holds 2 rows (the next one loaded early) */
         c.np = 2, c.tpr = nrm_pow2_at_least((P + 1) / 2);
-    else /* more bytes in flight per thread, fewer threads per row */
+    else /* more bytes in flight per thread, fewer threads per row; in the backward (1024 < P <= 2048)
+            always NORM_CUDA_BWD_THREADS, what nrm_bwd_vec<T, 4, *> takes for granted */
         c.np = 4, c.tpr = nrm_pow2_at_least((P + 3) / 4);
     const int base = c.np == 0 ? NORM_CUDA_FWD_THREADS : bwd ? NORM_CUDA_BWD_THREADS : NORM_CUDA_FWD_THREADS;
     c.block = c.tpr > base ? c.tpr : base;

@@ -5,8 +5,12 @@
  *   layer_norm(x, weight?, bias?, eps)                        -> (y, mean (...) float32, rstd)
  * and their backward ops. rstd and mean are saved for the backward only. Inputs
  * of any strides are read in place (no copy); outputs are contiguous.
+ * The checks and the outputs' allocation (norm_prepare_*, norm.h) serve the
+ * CUDA glue too (csrc/cuda/norm.c), with its own device check.
  */
 #include <math.h>
+
+#include "norm.h"
 
 #include "../kernels/norm.h"
 #include "aoti.h"
@@ -20,9 +24,10 @@ static const char ADD_BWD[] = OPF_QUALNAME("add_rms_norm_backward");
 static const char LN[] = OPF_QUALNAME("layer_norm");
 static const char LN_BWD[] = OPF_QUALNAME("layer_norm_backward");
 
-/* x: a float tensor of at least one dim on cpu / meta; the shape of its rows. */
-static norm_shape check_x(const char *op, const char *arg, const opf_tensor *x, double eps, int offset) {
-    opf_check_device(op, arg, x, arg, x);
+/* x: a float tensor of at least one dim on the kernel's device; the shape of its rows. */
+static norm_shape check_x(const char *op, norm_check_device_fn check, const char *arg, const opf_tensor *x, double eps,
+                          int offset) {
+    check(op, arg, x, arg, x);
     norm_shape sh = {.dt = opf_check_float(op, arg, x), .eps = eps, .offset = offset};
     if (x->ndim < 1) opf_fail(op, "argument '%s' must have at least 1 dim (..., hidden), got a 0-dim tensor", arg);
     if (!(eps > 0.0) || !isfinite(eps)) opf_fail(op, "argument 'eps' must be a finite number > 0, got %g", eps);
@@ -34,15 +39,17 @@ static norm_shape check_x(const char *op, const char *arg, const opf_tensor *x, 
 }
 
 /* t has x's shape (and dtype, device) */
-static void check_like_x(const char *op, const char *arg, const opf_tensor *t, const char *xarg, const opf_tensor *x) {
-    opf_check_device(op, arg, t, xarg, x);
+static void check_like_x(const char *op, norm_check_device_fn check, const char *arg, const opf_tensor *t,
+                         const char *xarg, const opf_tensor *x) {
+    check(op, arg, t, xarg, x);
     opf_check_same_dtype(op, arg, t, xarg, x);
     opf_check_same_shape(op, arg, t, xarg, x);
 }
 
 /* weight / bias: 1-d of the hidden size of x, x's dtype */
-static void check_vec(const char *op, const char *arg, const opf_tensor *t, const char *xarg, const opf_tensor *x) {
-    opf_check_device(op, arg, t, xarg, x);
+static void check_vec(const char *op, norm_check_device_fn check, const char *arg, const opf_tensor *t,
+                      const char *xarg, const opf_tensor *x) {
+    check(op, arg, t, xarg, x);
     opf_check_same_dtype(op, arg, t, xarg, x);
     if (t->ndim != 1 || t->sizes[0] != x->sizes[x->ndim - 1]) {
         char got[128];
@@ -52,10 +59,23 @@ static void check_vec(const char *op, const char *arg, const opf_tensor *t, cons
     }
 }
 
+/* The weight and bias given (NULL: not given): their infos, checked against x. */
+static void check_vecs(const char *op, norm_check_device_fn check, AtenTensorHandle w_h, AtenTensorHandle b_h,
+                       const char *xarg, norm_call *c) {
+    if (w_h) {
+        c->w = opf_tensor_info(op, "weight", w_h);
+        check_vec(op, check, "weight", &c->w, xarg, &c->x);
+    }
+    if (b_h) {
+        c->b = opf_tensor_info(op, "bias", b_h);
+        check_vec(op, check, "bias", &c->b, xarg, &c->x);
+    }
+}
+
 /* rstd / mean as the forward returns them: float32, contiguous, x's leading shape */
-static void check_saved(const char *op, const char *arg, const opf_tensor *t, const char *xarg, const opf_tensor *x,
-                        const char *fwd) {
-    opf_check_device(op, arg, t, xarg, x);
+static void check_saved(const char *op, norm_check_device_fn check, const char *arg, const opf_tensor *t,
+                        const char *xarg, const opf_tensor *x, const char *fwd) {
+    check(op, arg, t, xarg, x);
     int ok = t->dtype == aoti_torch_dtype_float32() && t->ndim == x->ndim - 1;
     int64_t want = 1;
     /* strides matter only where there is an element to read (torch gives an empty tensor's dims strides of
@@ -74,6 +94,83 @@ static void check_saved(const char *op, const char *arg, const opf_tensor *t, co
     }
 }
 
+/* The next output of c: a new contiguous tensor on x's device, owned by c from here on. */
+static void new_out(const char *op, norm_call *c, int64_t ndim, const int64_t *sizes, int32_t dtype) {
+    AtenTensorHandle h = opf_empty(op, ndim, sizes, dtype, &c->x);
+    c->out_h[c->nout++] = h;
+}
+
+/* The outputs' infos, once all are allocated; names[i] names output i in a failure's message. */
+static void read_outs(const char *op, norm_call *c, const char *const *names) {
+    for (int i = 0; i < c->nout; i++) c->out[i] = opf_tensor_info(op, names[i], c->out_h[i]);
+}
+
+void norm_prepare_rms(const char *op, norm_check_device_fn check, AtenTensorHandle x_h, AtenTensorHandle res_h,
+                      AtenTensorHandle w_h, double eps, int offset, norm_call *c) {
+    c->x = opf_tensor_info(op, "x", x_h);
+    if (res_h) c->res = opf_tensor_info(op, "residual", res_h);
+    c->sh = check_x(op, check, "x", &c->x, eps, offset);
+    if (res_h) check_like_x(op, check, "residual", &c->res, "x", &c->x);
+    check_vecs(op, check, w_h, NULL, "x", c);
+    new_out(op, c, c->x.ndim, c->x.sizes, c->x.dtype);
+    if (res_h) new_out(op, c, c->x.ndim, c->x.sizes, c->x.dtype);
+    new_out(op, c, c->x.ndim - 1, c->x.sizes, aoti_torch_dtype_float32());
+    read_outs(op, c, res_h ? (const char *[]){"out", "sum", "rstd"} : (const char *[]){"out", "rstd"});
+}
+
+void norm_prepare_rms_bwd(const char *op, norm_check_device_fn check, AtenTensorHandle g_h, AtenTensorHandle gs_h,
+                          AtenTensorHandle x_h, AtenTensorHandle w_h, AtenTensorHandle rstd_h, double eps, int offset,
+                          norm_call *c) {
+    const int add = gs_h != NULL;
+    const char *xarg = add ? "sum" : "x";
+    c->x = opf_tensor_info(op, xarg, x_h);
+    c->grad = opf_tensor_info(op, "grad", g_h);
+    c->rstd = opf_tensor_info(op, "rstd", rstd_h);
+    c->sh = check_x(op, check, xarg, &c->x, eps, offset);
+    check_like_x(op, check, "grad", &c->grad, xarg, &c->x);
+    if (gs_h) {
+        c->grad_sum = opf_tensor_info(op, "grad_sum", gs_h);
+        check_like_x(op, check, "grad_sum", &c->grad_sum, xarg, &c->x);
+    }
+    check_vecs(op, check, w_h, NULL, xarg, c);
+    check_saved(op, check, "rstd", &c->rstd, xarg, &c->x, add ? ADD : RMS);
+    const int64_t zero = 0;
+    new_out(op, c, c->x.ndim, c->x.sizes, c->x.dtype);
+    if (add) new_out(op, c, c->x.ndim, c->x.sizes, c->x.dtype);
+    new_out(op, c, 1, w_h ? c->w.sizes : &zero, c->x.dtype);
+    read_outs(op, c, add ? (const char *[]){"dx", "dresidual", "dweight"} : (const char *[]){"dx", "dweight"});
+}
+
+void norm_prepare_ln(const char *op, norm_check_device_fn check, AtenTensorHandle x_h, AtenTensorHandle w_h,
+                     AtenTensorHandle b_h, double eps, norm_call *c) {
+    c->x = opf_tensor_info(op, "x", x_h);
+    c->sh = check_x(op, check, "x", &c->x, eps, 0);
+    check_vecs(op, check, w_h, b_h, "x", c);
+    new_out(op, c, c->x.ndim, c->x.sizes, c->x.dtype);
+    new_out(op, c, c->x.ndim - 1, c->x.sizes, aoti_torch_dtype_float32());
+    new_out(op, c, c->x.ndim - 1, c->x.sizes, aoti_torch_dtype_float32());
+    read_outs(op, c, (const char *[]){"out", "mean", "rstd"});
+}
+
+void norm_prepare_ln_bwd(const char *op, norm_check_device_fn check, AtenTensorHandle g_h, AtenTensorHandle x_h,
+                         AtenTensorHandle w_h, AtenTensorHandle b_h, AtenTensorHandle mean_h, AtenTensorHandle rstd_h,
+                         double eps, norm_call *c) {
+    c->x = opf_tensor_info(op, "x", x_h);
+    c->grad = opf_tensor_info(op, "grad", g_h);
+    c->mean = opf_tensor_info(op, "mean", mean_h);
+    c->rstd = opf_tensor_info(op, "rstd", rstd_h);
+    c->sh = check_x(op, check, "x", &c->x, eps, 0);
+    check_like_x(op, check, "grad", &c->grad, "x", &c->x);
+    check_vecs(op, check, w_h, b_h, "x", c);
+    check_saved(op, check, "mean", &c->mean, "x", &c->x, LN);
+    check_saved(op, check, "rstd", &c->rstd, "x", &c->x, LN);
+    const int64_t zero = 0;
+    new_out(op, c, c->x.ndim, c->x.sizes, c->x.dtype);
+    new_out(op, c, 1, w_h ? c->w.sizes : &zero, c->x.dtype);
+    new_out(op, c, 1, b_h ? c->b.sizes : &zero, c->x.dtype);
+    read_outs(op, c, (const char *[]){"dx", "dweight", "dbias"});
+}
+
 static norm_mat mat(const opf_tensor *t) {
     norm_mat m = {.data = t ? t->data : NULL};
     if (!t || !t->data) return m;
@@ -82,30 +179,21 @@ static norm_mat mat(const opf_tensor *t) {
     return m;
 }
 
-static const int64_t *lead_sizes(const opf_tensor *x) { return x->sizes; }
-
 /* rms_norm(Tensor x, Tensor? weight, float eps, bool offset) -> (Tensor, Tensor) */
 static void rms_norm_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     (void)nin, (void)nout;
     OPF_ARG_TENSOR(x, stack, 0);
     OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[1]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor x = opf_tensor_info(RMS, "x", x_h), w = {0};
-    norm_shape sh = check_x(RMS, "x", &x, opf_arg_double(stack[2]), opf_arg_bool(stack[3]));
-    if (w_h) {
-        w = opf_tensor_info(RMS, "weight", w_h);
-        check_vec(RMS, "weight", &w, "x", &x);
+    NORM_CALL_OWNED norm_call c = {0};
+    norm_prepare_rms(RMS, opf_check_device, x_h, NULL, w_h, opf_arg_double(stack[2]), opf_arg_bool(stack[3]), &c);
+    const opf_tensor *y = &c.out[0], *rstd = &c.out[1];
+    if (!opf_is_meta(&c.x)) {
+        norm_mat xm = mat(&c.x), wm = mat(w_h ? &c.w : NULL);
+        norm_rms_fwd(norm_kernels_for(opf_isa_current()), &c.sh, y->data, NULL, rstd->data, &xm, NULL, &wm);
     }
-    OPF_OWNED AtenTensorHandle y_h = opf_empty(RMS, x.ndim, x.sizes, x.dtype, &x);
-    OPF_OWNED AtenTensorHandle r_h = opf_empty(RMS, x.ndim - 1, lead_sizes(&x), aoti_torch_dtype_float32(), &x);
-    opf_tensor y = opf_tensor_info(RMS, "out", y_h), rstd = opf_tensor_info(RMS, "rstd", r_h);
-    if (!opf_is_meta(&x)) {
-        norm_mat xm = mat(&x), wm = mat(w_h ? &w : NULL);
-        norm_rms_fwd(norm_kernels_for(opf_isa_current()), &sh, y.data, NULL, rstd.data, &xm, NULL, &wm);
-    }
-    opf_log_call(RMS, t0, 2, (opf_tensor[]){x, y});
-    OPF_RETURN(stack, 0, y_h);
-    OPF_RETURN(stack, 1, r_h);
+    opf_log_call(RMS, t0, 2, (opf_tensor[]){c.x, *y});
+    norm_call_return(stack, &c);
 }
 
 /* add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps, bool offset) -> (Tensor, Tensor, Tensor) */
@@ -115,67 +203,37 @@ static void add_rms_norm_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(res, stack, 1);
     OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[2]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor x = opf_tensor_info(ADD, "x", x_h), res = opf_tensor_info(ADD, "residual", res_h), w = {0};
-    norm_shape sh = check_x(ADD, "x", &x, opf_arg_double(stack[3]), opf_arg_bool(stack[4]));
-    check_like_x(ADD, "residual", &res, "x", &x);
-    if (w_h) {
-        w = opf_tensor_info(ADD, "weight", w_h);
-        check_vec(ADD, "weight", &w, "x", &x);
+    NORM_CALL_OWNED norm_call c = {0};
+    norm_prepare_rms(ADD, opf_check_device, x_h, res_h, w_h, opf_arg_double(stack[3]), opf_arg_bool(stack[4]), &c);
+    const opf_tensor *y = &c.out[0], *s = &c.out[1], *rstd = &c.out[2];
+    if (!opf_is_meta(&c.x)) {
+        norm_mat xm = mat(&c.x), rm = mat(&c.res), wm = mat(w_h ? &c.w : NULL);
+        norm_rms_fwd(norm_kernels_for(opf_isa_current()), &c.sh, y->data, s->data, rstd->data, &xm, &rm, &wm);
     }
-    OPF_OWNED AtenTensorHandle y_h = opf_empty(ADD, x.ndim, x.sizes, x.dtype, &x);
-    OPF_OWNED AtenTensorHandle s_h = opf_empty(ADD, x.ndim, x.sizes, x.dtype, &x);
-    OPF_OWNED AtenTensorHandle r_h = opf_empty(ADD, x.ndim - 1, lead_sizes(&x), aoti_torch_dtype_float32(), &x);
-    opf_tensor y = opf_tensor_info(ADD, "out", y_h), s = opf_tensor_info(ADD, "sum", s_h),
-               rstd = opf_tensor_info(ADD, "rstd", r_h);
-    if (!opf_is_meta(&x)) {
-        norm_mat xm = mat(&x), rm = mat(&res), wm = mat(w_h ? &w : NULL);
-        norm_rms_fwd(norm_kernels_for(opf_isa_current()), &sh, y.data, s.data, rstd.data, &xm, &rm, &wm);
-    }
-    opf_log_call(ADD, t0, 3, (opf_tensor[]){x, res, y});
-    OPF_RETURN(stack, 0, y_h);
-    OPF_RETURN(stack, 1, s_h);
-    OPF_RETURN(stack, 2, r_h);
+    opf_log_call(ADD, t0, 3, (opf_tensor[]){c.x, c.res, *y});
+    norm_call_return(stack, &c);
 }
 
-/* The RMS backward of both ops: gs_h / dres NULL for rms_norm. Arguments from `first`: weight, rstd, eps,
- * offset. */
+/* The RMS backward of both ops: gs_h NULL for rms_norm. Arguments from `first`: weight, rstd, eps, offset. */
 static void rms_backward(const char *op, StableIValue *stack, int first, AtenTensorHandle g_h, AtenTensorHandle gs_h,
-                         AtenTensorHandle x_h, const char *xarg, int add) {
+                         AtenTensorHandle x_h) {
     OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[first]);
     OPF_ARG_TENSOR(rstd, stack, first + 1);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor x = opf_tensor_info(op, xarg, x_h), g = opf_tensor_info(op, "grad", g_h), gs = {0}, w = {0};
-    opf_tensor rstd = opf_tensor_info(op, "rstd", rstd_h);
-    norm_shape sh = check_x(op, xarg, &x, opf_arg_double(stack[first + 2]), opf_arg_bool(stack[first + 3]));
-    check_like_x(op, "grad", &g, xarg, &x);
-    if (gs_h) {
-        gs = opf_tensor_info(op, "grad_sum", gs_h);
-        check_like_x(op, "grad_sum", &gs, xarg, &x);
-    }
-    if (w_h) {
-        w = opf_tensor_info(op, "weight", w_h);
-        check_vec(op, "weight", &w, xarg, &x);
-    }
-    check_saved(op, "rstd", &rstd, xarg, &x, add ? ADD : RMS);
-    OPF_OWNED AtenTensorHandle dx_h = opf_empty(op, x.ndim, x.sizes, x.dtype, &x);
-    OPF_OWNED AtenTensorHandle dr_h = add ? opf_empty(op, x.ndim, x.sizes, x.dtype, &x) : NULL;
-    const int64_t zero = 0;
-    OPF_OWNED AtenTensorHandle dw_h =
-        w_h ? opf_empty(op, 1, w.sizes, x.dtype, &x) : opf_empty(op, 1, &zero, x.dtype, &x);
-    opf_tensor dx = opf_tensor_info(op, "dx", dx_h), dw = opf_tensor_info(op, "dweight", dw_h), dr = {0};
-    if (add) dr = opf_tensor_info(op, "dresidual", dr_h);
-    if (!opf_is_meta(&x)) {
+    NORM_CALL_OWNED norm_call c = {0};
+    norm_prepare_rms_bwd(op, opf_check_device, g_h, gs_h, x_h, w_h, rstd_h, opf_arg_double(stack[first + 2]),
+                         opf_arg_bool(stack[first + 3]), &c);
+    const int add = gs_h != NULL;
+    const opf_tensor *dx = &c.out[0], *dr = add ? &c.out[1] : NULL, *dw = &c.out[c.nout - 1];
+    if (!opf_is_meta(&c.x)) {
         float *ws = NULL;
-        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(op, norm_bwd_workspace(&sh, w_h != NULL, 0), &x, &ws);
-        norm_mat gm = mat(&g), gsm = mat(gs_h ? &gs : NULL), xm = mat(&x), wm = mat(w_h ? &w : NULL);
-        norm_rms_bwd(norm_kernels_for(opf_isa_current()), &sh, dx.data, add ? dr.data : NULL, w_h ? dw.data : NULL, &gm,
-                     &gsm, &xm, rstd.data, &wm, ws);
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(op, norm_bwd_workspace(&c.sh, w_h != NULL, 0), &c.x, &ws);
+        norm_mat gm = mat(&c.grad), gsm = mat(gs_h ? &c.grad_sum : NULL), xm = mat(&c.x), wm = mat(w_h ? &c.w : NULL);
+        norm_rms_bwd(norm_kernels_for(opf_isa_current()), &c.sh, dx->data, add ? dr->data : NULL, w_h ? dw->data : NULL,
+                     &gm, &gsm, &xm, c.rstd.data, &wm, ws);
     }
-    opf_log_call(op, t0, 3, (opf_tensor[]){g, x, dx});
-    int i = 0;
-    OPF_RETURN(stack, i++, dx_h);
-    if (add) OPF_RETURN(stack, i++, dr_h);
-    OPF_RETURN(stack, i, dw_h);
+    opf_log_call(op, t0, 3, (opf_tensor[]){c.grad, c.x, *dx});
+    norm_call_return(stack, &c);
 }
 
 /* rms_norm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor rstd, float eps, bool offset) -> (Tensor, Tensor) */
@@ -183,7 +241,7 @@ static void rms_norm_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t no
     (void)nin, (void)nout;
     OPF_ARG_TENSOR(g, stack, 0);
     OPF_ARG_TENSOR(x, stack, 1);
-    rms_backward(RMS_BWD, stack, 2, g_h, NULL, x_h, "x", 0);
+    rms_backward(RMS_BWD, stack, 2, g_h, NULL, x_h);
 }
 
 /* add_rms_norm_backward(Tensor grad, Tensor grad_sum, Tensor sum, Tensor? weight, Tensor rstd, float eps,
@@ -193,7 +251,7 @@ static void add_rms_norm_backward_cpu(StableIValue *stack, uint64_t nin, uint64_
     OPF_ARG_TENSOR(g, stack, 0);
     OPF_ARG_TENSOR(gs, stack, 1);
     OPF_ARG_TENSOR(s, stack, 2);
-    rms_backward(ADD_BWD, stack, 3, g_h, gs_h, s_h, "sum", 1);
+    rms_backward(ADD_BWD, stack, 3, g_h, gs_h, s_h);
 }
 
 /* layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor) */
@@ -203,29 +261,15 @@ static void layer_norm_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_OWNED AtenTensorHandle w_h = opf_arg_optional_tensor(stack[1]);
     OPF_OWNED AtenTensorHandle b_h = opf_arg_optional_tensor(stack[2]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor x = opf_tensor_info(LN, "x", x_h), w = {0}, b = {0};
-    norm_shape sh = check_x(LN, "x", &x, opf_arg_double(stack[3]), 0);
-    if (w_h) {
-        w = opf_tensor_info(LN, "weight", w_h);
-        check_vec(LN, "weight", &w, "x", &x);
+    NORM_CALL_OWNED norm_call c = {0};
+    norm_prepare_ln(LN, opf_check_device, x_h, w_h, b_h, opf_arg_double(stack[3]), &c);
+    const opf_tensor *y = &c.out[0], *mean = &c.out[1], *rstd = &c.out[2];
+    if (!opf_is_meta(&c.x)) {
+        norm_mat xm = mat(&c.x), wm = mat(w_h ? &c.w : NULL), bm = mat(b_h ? &c.b : NULL);
+        norm_ln_fwd(norm_kernels_for(opf_isa_current()), &c.sh, y->data, mean->data, rstd->data, &xm, &wm, &bm);
     }
-    if (b_h) {
-        b = opf_tensor_info(LN, "bias", b_h);
-        check_vec(LN, "bias", &b, "x", &x);
-    }
-    OPF_OWNED AtenTensorHandle y_h = opf_empty(LN, x.ndim, x.sizes, x.dtype, &x);
-    OPF_OWNED AtenTensorHandle m_h = opf_empty(LN, x.ndim - 1, lead_sizes(&x), aoti_torch_dtype_float32(), &x);
-    OPF_OWNED AtenTensorHandle r_h = opf_empty(LN, x.ndim - 1, lead_sizes(&x), aoti_torch_dtype_float32(), &x);
-    opf_tensor y = opf_tensor_info(LN, "out", y_h), mean = opf_tensor_info(LN, "mean", m_h),
-               rstd = opf_tensor_info(LN, "rstd", r_h);
-    if (!opf_is_meta(&x)) {
-        norm_mat xm = mat(&x), wm = mat(w_h ? &w : NULL), bm = mat(b_h ? &b : NULL);
-        norm_ln_fwd(norm_kernels_for(opf_isa_current()), &sh, y.data, mean.data, rstd.data, &xm, &wm, &bm);
-    }
-    opf_log_call(LN, t0, 2, (opf_tensor[]){x, y});
-    OPF_RETURN(stack, 0, y_h);
-    OPF_RETURN(stack, 1, m_h);
-    OPF_RETURN(stack, 2, r_h);
+    opf_log_call(LN, t0, 2, (opf_tensor[]){c.x, *y});
+    norm_call_return(stack, &c);
 }
 
 /* layer_norm_backward(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, float eps)
@@ -239,38 +283,19 @@ static void layer_norm_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t 
     OPF_ARG_TENSOR(mean, stack, 4);
     OPF_ARG_TENSOR(rstd, stack, 5);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    opf_tensor x = opf_tensor_info(LN_BWD, "x", x_h), g = opf_tensor_info(LN_BWD, "grad", g_h), w = {0}, b = {0};
-    opf_tensor mean = opf_tensor_info(LN_BWD, "mean", mean_h), rstd = opf_tensor_info(LN_BWD, "rstd", rstd_h);
-    norm_shape sh = check_x(LN_BWD, "x", &x, opf_arg_double(stack[6]), 0);
-    check_like_x(LN_BWD, "grad", &g, "x", &x);
-    if (w_h) {
-        w = opf_tensor_info(LN_BWD, "weight", w_h);
-        check_vec(LN_BWD, "weight", &w, "x", &x);
-    }
-    if (b_h) {
-        b = opf_tensor_info(LN_BWD, "bias", b_h);
-        check_vec(LN_BWD, "bias", &b, "x", &x);
-    }
-    check_saved(LN_BWD, "mean", &mean, "x", &x, LN);
-    check_saved(LN_BWD, "rstd", &rstd, "x", &x, LN);
-    const int64_t zero = 0;
-    OPF_OWNED AtenTensorHandle dx_h = opf_empty(LN_BWD, x.ndim, x.sizes, x.dtype, &x);
-    OPF_OWNED AtenTensorHandle dw_h = opf_empty(LN_BWD, 1, w_h ? w.sizes : &zero, x.dtype, &x);
-    OPF_OWNED AtenTensorHandle db_h = opf_empty(LN_BWD, 1, b_h ? b.sizes : &zero, x.dtype, &x);
-    opf_tensor dx = opf_tensor_info(LN_BWD, "dx", dx_h), dw = opf_tensor_info(LN_BWD, "dweight", dw_h),
-               db = opf_tensor_info(LN_BWD, "dbias", db_h);
-    if (!opf_is_meta(&x)) {
+    NORM_CALL_OWNED norm_call c = {0};
+    norm_prepare_ln_bwd(LN_BWD, opf_check_device, g_h, x_h, w_h, b_h, mean_h, rstd_h, opf_arg_double(stack[6]), &c);
+    const opf_tensor *dx = &c.out[0], *dw = &c.out[1], *db = &c.out[2];
+    if (!opf_is_meta(&c.x)) {
         float *ws = NULL;
         OPF_OWNED AtenTensorHandle ws_h =
-            opf_workspace(LN_BWD, norm_bwd_workspace(&sh, w_h != NULL, b_h != NULL), &x, &ws);
-        norm_mat gm = mat(&g), xm = mat(&x), wm = mat(w_h ? &w : NULL);
-        norm_ln_bwd(norm_kernels_for(opf_isa_current()), &sh, dx.data, w_h ? dw.data : NULL, b_h ? db.data : NULL, &gm,
-                    &xm, mean.data, rstd.data, &wm, ws);
+            opf_workspace(LN_BWD, norm_bwd_workspace(&c.sh, w_h != NULL, b_h != NULL), &c.x, &ws);
+        norm_mat gm = mat(&c.grad), xm = mat(&c.x), wm = mat(w_h ? &c.w : NULL);
+        norm_ln_bwd(norm_kernels_for(opf_isa_current()), &c.sh, dx->data, w_h ? dw->data : NULL, b_h ? db->data : NULL,
+                    &gm, &xm, c.mean.data, c.rstd.data, &wm, ws);
     }
-    opf_log_call(LN_BWD, t0, 3, (opf_tensor[]){g, x, dx});
-    OPF_RETURN(stack, 0, dx_h);
-    OPF_RETURN(stack, 1, dw_h);
-    OPF_RETURN(stack, 2, db_h);
+    opf_log_call(LN_BWD, t0, 3, (opf_tensor[]){c.grad, c.x, *dx});
+    norm_call_return(stack, &c);
 }
 
 static const opf_op_desc opf_norm_ops[] = {

@@ -4,7 +4,8 @@
  * against the C reference drivers (csrc/kernels/norm.h over
  * norm_kernels_ref): every dtype, weight / bias absent or given, the offset
  * flag, hidden sizes across the register paths (1, 2 and 4 packs per thread,
- * a warp or a block per row, the next row loaded early or not) and the
+ * a warp or a block per row, the next row loaded early or not, the
+ * backward's weights in registers or in shared memory) and the
  * generic path (odd sizes, rows too long for registers), strided layouts
  * (padded rows, a transposed x, leading dims that do not merge, a
  * misaligned start, a strided weight, a broadcast grad), no rows, no
@@ -330,15 +331,17 @@ int main(void) {
         const opf_dtype d = (opf_dtype)dt;
         const int64_t V = 16 / (int64_t)opf_dtype_size(d);
         /* hidden sizes around the register paths, in packs: 1 pack, a warp of 1 / 2 / 4 packs, 2 warps of 2
-         * packs, 4 packs per thread with 128 / 256 / 512 threads */
-        const int64_t fast[] = {V, 32 * V, 33 * V, 65 * V, 512 * V, 1025 * V};
+         * packs, 4 packs per thread with 128 / 256 / 512 threads (the backward's weights in shared memory:
+         * the fewest packs there and the most, 16384 16-bit values) */
+        const int64_t fast[] = {V, 32 * V, 33 * V, 65 * V, 512 * V, 1025 * V, 2048 * V};
         for (size_t i = 0; i < sizeof fast / sizeof *fast; i++) {
             const int64_t *lead = fast[i] <= 65 * V ? r37 : fast[i] <= 512 * V ? r5 : r2;
-            twice = i == 3 || i == 4;
+            twice = i == 3 || i == 4 || i == 6;
             run_case(d, 1, lead, fast[i], DENSE, 1, 1, 0);
             twice = 0;
             if (i % 2) run_case(d, 1, lead, fast[i], DENSE, 0, 0, 0);
         }
+        run_case(d, 1, r2, 2048 * V, DENSE, 1, 0, 1); /* offset, the weights in shared memory */
         if (d == OPF_F32 || d == OPF_BF16) {
             run_case(d, 1, r1, 2049 * V, DENSE, 1, 1, 0); /* a block of 1024 forward, the generic backward */
             if (d == OPF_F32) run_case(d, 1, r1, 4097 * V, DENSE, 1, 0, 0); /* the generic forward too */
