@@ -280,18 +280,22 @@ AtenTensorHandle opf_workspace(const char *op, int64_t floats, const opf_tensor 
     return h;
 }
 
+void opf_tensors_str(char *buf, size_t len, int n, const opf_tensor *tensors) {
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < n && used < len; i++) {
+        char shape[256];
+        opf_shape_str(shape, sizeof shape, &tensors[i]);
+        used +=
+            (size_t)snprintf(buf + used, len - used, "%s%s%s", i ? " " : "", opf_dtype_name(tensors[i].dtype), shape);
+    }
+}
+
 void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors) {
     if (!opf_log_enabled(OPF_LOG_INFO)) return;
     double us = opf_now_us() - t0_us;
     char args[768];
-    size_t len = 0;
-    args[0] = '\0';
-    for (int i = 0; i < n && len < sizeof args; i++) {
-        char shape[256];
-        opf_shape_str(shape, sizeof shape, &tensors[i]);
-        len += (size_t)snprintf(args + len, sizeof args - len, "%s%s%s", i ? " " : "", opf_dtype_name(tensors[i].dtype),
-                                shape);
-    }
+    opf_tensors_str(args, sizeof args, n, tensors);
     /* the variants this call picked (opf_variant_pick), not the machine's best ISA: a library
      * with an AVX2 variant only runs AVX2 on an AVX-512 CPU */
     char kernels[256];

@@ -148,14 +148,7 @@ static inline void opf_cuda_done(opf_cuda_call *c, const char *launch_error, con
         cudaEventElapsedTime(&ms, c->start, c->stop);
     (void)cudaGetLastError();
     char args[512];
-    size_t len = 0;
-    args[0] = '\0';
-    for (int i = 0; i < n && len < sizeof args; i++) {
-        char shape[128];
-        opf_shape_str(shape, sizeof shape, &tensors[i]);
-        len += (size_t)snprintf(args + len, sizeof args - len, "%s%s%s", i ? " " : "", opf_dtype_name(tensors[i].dtype),
-                                shape);
-    }
+    opf_tensors_str(args, sizeof args, n, tensors);
     char gpu[48];
     if (ms >= 0)
         snprintf(gpu, sizeof gpu, "%.1fus (gpu)", ms * 1000.0);

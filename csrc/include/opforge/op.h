@@ -187,6 +187,8 @@ void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, 
 const char *opf_dtype_name(int32_t torch_dtype);
 /* "[2, 3, 4]": the sizes of t, for error messages (truncated to len). */
 void opf_shape_str(char *buf, size_t len, const opf_tensor *t);
+/* "float32[2, 3] bfloat16[3]": the dtypes and sizes of n tensors, for log lines (truncated to len). */
+void opf_tensors_str(char *buf, size_t len, int n, const opf_tensor *tensors);
 
 /* New tensor with like's sizes and dtype, strides by opf_output_strides. */
 AtenTensorHandle opf_empty_like(const char *op, const opf_tensor *like);
