@@ -42,8 +42,8 @@ __device__ __forceinline__ double ce_tanh(double v) { return tanh(v); }
 template <int K, class A> __device__ __forceinline__ void ce_online(A &m, A &s, const A *z) {
     A pm = z[0];
 #pragma unroll
-    for (int k = 1; k < K; k++) pm = row_max(pm, z[k]);
-    const A mn = row_max(m, pm);
+    for (int k = 1; k < K; k++) pm = opf_max(pm, z[k]);
+    const A mn = opf_max(m, pm);
     if (mn == (A)-INFINITY) return;
     if (mn != m) s *= row_exp(m - mn);
 #pragma unroll

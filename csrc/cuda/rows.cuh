@@ -77,8 +77,6 @@ template <> struct row_io<__half> {
     static __device__ __forceinline__ void set(row_pack &r, int i, float v) { row_set_half(r, i, __float2half_rn(v)); }
 };
 
-/* the max that keeps a NaN (the row then turns NaN, as the reference's) */
-template <class A> __device__ __forceinline__ A row_max(A a, A b) { return (a > b || a != a) ? a : b; }
 /* exp as the hardware's base-2 exponential of v log2(e): relative error a few 1e-7 where the result
  * matters (near the row's max) */
 __device__ __forceinline__ float row_exp(float v) { return exp2f(v * 1.4426950408889634f); }
@@ -97,7 +95,7 @@ template <class A> __device__ __forceinline__ void row_online1(A &m, A &s, A v) 
 }
 /* (m, s) and (m2, s2) of two parts as the pair of the whole */
 template <class A> __device__ __forceinline__ void row_merge(A &m, A &s, A m2, A s2) {
-    const A mn = row_max(m, m2);
+    const A mn = opf_max(m, m2);
     s = (m == mn ? s : s * row_exp(m - mn)) + (m2 == mn ? s2 : s2 * row_exp(m2 - mn));
     m = mn;
 }

@@ -37,27 +37,12 @@ template <class T> struct sm_np { static const int value = 16 / row_io<T>::V; };
 __device__ __forceinline__ float sm_log(float v) { return logf(v); }
 __device__ __forceinline__ double sm_log(double v) { return log(v); }
 
-template <class A> __device__ __forceinline__ A sm_warp_max(A v) {
-    for (int m = 16; m > 0; m >>= 1) v = row_max(v, __shfl_xor_sync(0xffffffffu, v, m));
-    return v;
-}
-template <class A> __device__ __forceinline__ A sm_block_max(A v, A *scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    v = sm_warp_max(v);
-    if (warps == 1) return v;
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    A t = lane < warps ? scratch[lane] : scratch[0];
-    t = sm_warp_max(t);
-    __syncthreads();
-    return t;
-}
 /* reductions over the group of a line: its warp, or the whole block (scratch: 32 values) */
 template <bool WARP, class A> __device__ __forceinline__ A sm_group_max(A v, A *scratch) {
     if constexpr (WARP)
-        return sm_warp_max(v);
+        return opf_warp_max(v);
     else
-        return sm_block_max(v, scratch);
+        return opf_block_max(v, scratch);
 }
 template <bool WARP, class A> __device__ __forceinline__ A sm_group_sum(A v, A *scratch) {
     if constexpr (WARP)
@@ -74,8 +59,8 @@ template <class T, int K, class A> __device__ __forceinline__ void sm_online(A &
 #pragma unroll
     for (int k = 0; k < K; k++)
 #pragma unroll
-        for (int v = 0; v < V; v++) pm = row_max(pm, row_io<T>::get(pk[k], v));
-    const A mn = row_max(m, pm);
+        for (int v = 0; v < V; v++) pm = opf_max(pm, row_io<T>::get(pk[k], v));
+    const A mn = opf_max(m, pm);
     if (mn == (A)-INFINITY) return;
     if (mn != m) s *= row_exp(m - mn);
 #pragma unroll
@@ -279,11 +264,11 @@ __global__ void __launch_bounds__(WARP ? 32 * SM_WARP_ROWS : 1024, WARP ? 4 : 1)
         row_pack r[NP];
         A hv, tv;
         sm_load<T, NP>(r, hv, tv, xr, n, sp, tid, G, (A)-INFINITY);
-        A m = row_max(hv, tv);
+        A m = opf_max(hv, tv);
 #pragma unroll
         for (int k = 0; k < NP; k++)
 #pragma unroll
-            for (int v = 0; v < V; v++) m = row_max(m, row_io<T>::get(r[k], v));
+            for (int v = 0; v < V; v++) m = opf_max(m, row_io<T>::get(r[k], v));
         m = sm_group_max<WARP>(m, scratch);
         /* the fill (-inf) adds exp(-inf) = 0 */
         A s = row_exp(hv - m) + row_exp(tv - m);

@@ -182,7 +182,7 @@ opf_dtype opf_check_dtype(const char *op, const char *arg, const opf_tensor *t, 
              opf_dtype_name(t->dtype));
 }
 
-static const char *device_name(int32_t type) {
+const char *opf_device_name(int32_t type) {
     if (type == aoti_torch_device_type_cpu()) return "cpu";
     if (type == aoti_torch_device_type_cuda()) return "cuda";
     if (type == aoti_torch_device_type_meta()) return "meta";
@@ -204,7 +204,7 @@ int64_t opf_check_enum(const char *op, const char *arg, const opf_enum_desc *e, 
 void opf_check_cpu(const char *op, const char *arg, const opf_tensor *t) {
     if (t->device_type != aoti_torch_device_type_cpu())
         opf_fail(op, "argument '%s' must be on the cpu device (this kernel is the CPU one), got %s", arg,
-                 device_name(t->device_type));
+                 opf_device_name(t->device_type));
 }
 
 void opf_check_device(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
@@ -212,10 +212,10 @@ void opf_check_device(const char *op, const char *arg, const opf_tensor *t, cons
     const int32_t cpu = aoti_torch_device_type_cpu(), meta = aoti_torch_device_type_meta();
     if (t->device_type != cpu && t->device_type != meta)
         opf_fail(op, "argument '%s' must be on the cpu device (this kernel is the CPU one), got %s", arg,
-                 device_name(t->device_type));
+                 opf_device_name(t->device_type));
     if (t->device_type != ref->device_type)
         opf_fail(op, "argument '%s' must be on the device of '%s' (%s), got %s", arg, ref_arg,
-                 device_name(ref->device_type), device_name(t->device_type));
+                 opf_device_name(ref->device_type), opf_device_name(t->device_type));
 }
 
 int opf_is_meta(const opf_tensor *t) { return t->device_type == aoti_torch_device_type_meta(); }

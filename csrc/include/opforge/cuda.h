@@ -65,13 +65,6 @@ static inline void *opf_cuda_current_stream(const char *op, int32_t device) {
     return stream;
 }
 
-static inline const char *opf_device_name_of(int32_t type) {
-    if (type == aoti_torch_device_type_cuda()) return "cuda";
-    if (type == aoti_torch_device_type_cpu()) return "cpu";
-    if (type == aoti_torch_device_type_meta()) return "meta";
-    return "another device";
-}
-
 /* t on the GPU of ref (ref may be t itself), or a RuntimeError naming both. */
 static inline void opf_check_cuda(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
                                   const opf_tensor *ref) {
@@ -79,7 +72,7 @@ static inline void opf_check_cuda(const char *op, const char *arg, const opf_ten
     int32_t ti = 0, ri = 0;
     if (t->device_type != cuda)
         opf_fail(op, "argument '%s' must be on a cuda device (this kernel is the CUDA one), got %s", arg,
-                 opf_device_name_of(t->device_type));
+                 opf_device_name(t->device_type));
     if (ref->device_type != cuda) return; /* ref's own check names it */
     aoti_torch_get_device_index(t->h, &ti);
     aoti_torch_get_device_index(ref->h, &ri);

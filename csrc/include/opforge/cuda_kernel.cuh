@@ -14,7 +14,8 @@
  *   OPF_DYNAMIC_SHARED(type, name)   extern __shared__ type name[]
  *   opf_ld(p, i) / opf_st(p, i, v)   element i of a float/double/bf16/fp16 array, as the
  *                                    compute type (float; double for double)
- *   opf_warp_sum / opf_block_sum / opf_warp_max / opf_block_max   reductions of a block's threads
+ *   opf_warp_sum / opf_block_sum / opf_warp_max / opf_block_max   reductions of a block's threads (the
+ *                                    maxima keep NaN)
  */
 #ifndef OPFORGE_CUDA_KERNEL_CUH
 #define OPFORGE_CUDA_KERNEL_CUH
@@ -75,11 +76,12 @@ template <class A> __device__ __forceinline__ A opf_warp_sum(A v) {
     for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
     return v;
 }
+/* The larger of a and b, NaN when either is (a max that dropped a NaN would hide it from a row's result,
+ * where torch's max returns it). */
+template <class A> __device__ __forceinline__ A opf_max(A a, A b) { return (a > b || a != a) ? a : b; }
+
 template <class A> __device__ __forceinline__ A opf_warp_max(A v) {
-    for (int m = 16; m > 0; m >>= 1) {
-        A o = __shfl_xor_sync(0xffffffffu, v, m);
-        v = o > v ? o : v;
-    }
+    for (int m = 16; m > 0; m >>= 1) v = opf_max(v, __shfl_xor_sync(0xffffffffu, v, m));
     return v;
 }
 

@@ -185,6 +185,8 @@ void opf_check_same_shape(const char *op, const char *arg, const opf_tensor *t, 
 void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
                           const opf_tensor *ref);
 const char *opf_dtype_name(int32_t torch_dtype);
+/* "cpu", "cuda", "meta" or "another device": a device type's name, for error messages. */
+const char *opf_device_name(int32_t torch_device_type);
 /* "[2, 3, 4]": the sizes of t, for error messages (truncated to len). */
 void opf_shape_str(char *buf, size_t len, const opf_tensor *t);
 /* "float32[2, 3] bfloat16[3]": the dtypes and sizes of n tensors, for log lines (truncated to len). */
