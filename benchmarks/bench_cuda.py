@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import opforge  # noqa: E402
+import opforge.benchmark as ob  # noqa: E402
 
 _flush = None
 DEVICE = "cuda"
@@ -79,12 +80,7 @@ def peak_mib(fn) -> float:
     if DEVICE != "cuda":
         fn()
         return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ob.cuda_peak_memory(fn) / 2**20
 
 
 def fwd_bwd(f, *inputs):

@@ -211,6 +211,14 @@ def compile_objects(
         for cmd, _ in jobs:
             print(" ".join(cmd))
 
+    warnings = _compile_all([cmd for cmd, _ in jobs])
+    return [obj for _, obj in jobs], warnings
+
+
+def _compile_all(cmds: list[list[str]]) -> str:
+    """Runs the compile commands whose object is missing or stale (_up_to_date), in parallel; returns the
+    compilers' warnings, or raises a BuildError with every failure's messages and the warnings."""
+
     def run(cmd):
         if _up_to_date(cmd):
             return "", ""
@@ -223,12 +231,12 @@ def compile_objects(
         return "", out
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(lambda job: run(job[0]), jobs))
+        results = list(pool.map(run, cmds))
     errors = "".join(e for e, _ in results)
     warnings = "".join(w for _, w in results)
     if errors:
         raise BuildError(errors + warnings)
-    return [obj for _, obj in jobs], warnings
+    return warnings
 
 
 DEFAULT_NAMESPACE = "opforge"
@@ -345,9 +353,10 @@ def cuda_home() -> str:
 
 
 def compile_cuda_objects(sources: list[str], include_dirs: list[str], build_dir: str, emulate: bool = False,
-                         verbose: bool = False) -> list[str]:
+                         verbose: bool = False) -> tuple[list[str], str]:
     """Compiles .cu files: with nvcc for the GPU, or (emulate) with the C++ compiler for the CPU
-    emulation the C tests run. Cached in build_dir by a digest of the command, as compile_objects."""
+    emulation the C tests run. Cached in build_dir by a digest of the command, as compile_objects; returns
+    the objects and the compilers' warnings."""
     build_dir = os.path.abspath(build_dir)
     os.makedirs(build_dir, exist_ok=True)
     incs = [f"-I{os.path.abspath(d)}" for d in include_dirs]
@@ -370,23 +379,8 @@ def compile_cuda_objects(sources: list[str], include_dirs: list[str], build_dir:
     if verbose:
         for cmd in jobs:
             print(" ".join(cmd))
-
-    def run(cmd):
-        if _up_to_date(cmd):
-            return ""
-        try:
-            _show(_run(cmd))
-        except BuildError as e:
-            return str(e)
-        with open(cmd[-4] + ".cmd", "w") as f:
-            f.write(" ".join(cmd))
-        return ""
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        errors = "".join(pool.map(run, jobs))
-    if errors:
-        raise BuildError(errors)
-    return [cmd[-4] for cmd in jobs]
+    warnings = _compile_all(jobs)
+    return [cmd[-4] for cmd in jobs], warnings
 
 
 CUDA_LIBRARY = "libopforge_cuda.so"
@@ -404,7 +398,8 @@ def build_cuda_library(c_sources: list[str], cu_sources: list[str], output: str,
     home = cuda_home()
     objs, warnings = compile_objects(c_sources, [*include_dirs, os.path.join(home, "include")], build_dir,
                                      extra_cflags, verbose) if c_sources else ([], "")
-    objs += compile_cuda_objects(cu_sources, include_dirs, build_dir, verbose=verbose)
+    cu_objs, cu_warnings = compile_cuda_objects(cu_sources, include_dirs, build_dir, verbose=verbose)
+    objs, warnings = objs + cu_objs, warnings + cu_warnings
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     lib = torch_lib_dir()
     rdir = runtime_dir or link_dir or PACKAGE_DIR
@@ -428,7 +423,8 @@ def build_emulated_cuda_test(sources: list[str], cu_sources: list[str], output: 
     """A C test of CUDA kernels on the CPU: the C sources as build_test_binary compiles them, the .cu
     files over tests/emu/cuda_emu.h, linked with the C++ compiler."""
     objs, warnings = compile_objects(sources, include_dirs, build_dir)
-    objs += compile_cuda_objects(cu_sources, include_dirs, build_dir, emulate=True)
+    cu_objs, cu_warnings = compile_cuda_objects(cu_sources, include_dirs, build_dir, emulate=True)
+    objs, warnings = objs + cu_objs, warnings + cu_warnings
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     cxx = shutil.which(os.environ.get("CXX", "g++")) or "c++"
     _show(warnings + _run([cxx, *objs, "-lpthread", "-lm", "-o", output], warnings))

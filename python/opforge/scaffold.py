@@ -260,35 +260,62 @@ static void bwd_avx2({bwd_params}) {{
 # ---- the glue: checks, allocation, float32 copies of halves, iteration, descriptors ----------------------
 
 
+def _unboxing(sig: Signature) -> dict[str, str]:
+    """The C both glues of the op (CPU and CUDA) share: taking the stack's tensors and scalars, reading
+    the inputs, the shape checks of grad, the outputs' allocation and return."""
+    ins, N, first = sig.inputs, len(sig.inputs), sig.inputs[0]
+    out = {
+        "take": "".join(f"    OPF_ARG_TENSOR({x}, stack, {k});\n" for k, x in enumerate(ins)),
+        "take_bwd": "    OPF_ARG_TENSOR(grad, stack, 0);\n" + "".join(
+            f"    OPF_ARG_TENSOR({x}, stack, {k + 1});\n" for k, x in enumerate(ins)),
+        "unpack_scalars": "".join(f"    const {SCALAR_TYPES[t][1]} {s} = {SCALAR_TYPES[t][2]}(stack[{N + k}]);\n"
+                                  for k, (s, t) in enumerate(sig.scalars)),
+        "unpack_scalars_bwd": "".join(
+            f"    const {SCALAR_TYPES[t][1]} {s} = {SCALAR_TYPES[t][2]}(stack[{N + 1 + k}]);\n"
+            for k, (s, t) in enumerate(sig.scalars)),
+        "info": "".join(f"    const opf_tensor {x} = opf_tensor_info(OP, \"{x}\", {x}_h);\n" for x in ins),
+        "check_params": ", ".join(f"const opf_tensor *{x}" for x in ins),
+        "check_args": ", ".join(f"&{x}" for x in ins),
+        "grad_allocs": "".join(f"    OPF_OWNED AtenTensorHandle d{x}_h = opf_empty_like(OP, &{x});\n"
+                               f"    const opf_tensor d{x} = opf_tensor_info(OP, \"d{x}\", d{x}_h);\n" for x in ins),
+        "grad_returns": "".join(f"    OPF_RETURN(stack, {k}, d{x}_h);\n" for k, x in enumerate(ins)),
+    }
+    if not sig.reduce:
+        out["out_alloc"] = f"    OPF_OWNED AtenTensorHandle y_h = opf_empty_like(OP, &{first});\n"
+        out["grad_check"] = f"    opf_check_same_shape(OP, \"grad\", &g, \"{first}\", &{first});\n"
+    else:
+        out["out_alloc"] = (f"    /* y: {first}'s sizes without the last (the shape rule [{first}[:-1]]); a 0-d {first} is "
+                            "one row of one */\n"
+                            f"    const int lead = {first}.ndim ? (int){first}.ndim - 1 : 0;\n"
+                            f"    OPF_OWNED AtenTensorHandle y_h = opf_empty(OP, lead, {first}.sizes, {first}.dtype, "
+                            f"&{first});\n")
+        out["grad_check"] = f"""    const int lead = {first}.ndim ? (int){first}.ndim - 1 : 0;
+    if (g.ndim != lead || (lead && memcmp(g.sizes, {first}.sizes, sizeof(int64_t) * (size_t)lead))) {{
+        char want[256], got[256];
+        opf_shape_str(want, sizeof want, &{first});
+        opf_shape_str(got, sizeof got, &g);
+        opf_fail(OP, "argument 'grad' must have the shape of '{first}' %s without its last dim, got %s", want, got);
+    }}
+"""
+    return out
+
+
 def _glue(sig: Signature) -> str:
     name, ins, N = sig.name, sig.inputs, len(sig.inputs)
     first = ins[0]
     sa_job = sig.c_scalar_args("j->")
     scalar_fields = "".join(f"    {SCALAR_TYPES[t][1]} {s};\n" for s, t in sig.scalars)
     scalar_init = "".join(f", {s}" for s, _ in sig.scalars)
-    unpack_scalars = "".join(f"    const {SCALAR_TYPES[t][1]} {s} = {SCALAR_TYPES[t][2]}(stack[{N + k}]);\n"
-                             for k, (s, t) in enumerate(sig.scalars))
-    unpack_scalars_bwd = "".join(f"    const {SCALAR_TYPES[t][1]} {s} = {SCALAR_TYPES[t][2]}(stack[{N + 1 + k}]);\n"
-                                 for k, (s, t) in enumerate(sig.scalars))
-    take = "".join(f"    OPF_ARG_TENSOR({x}, stack, {k});\n" for k, x in enumerate(ins))
-    take_bwd = "    OPF_ARG_TENSOR(grad, stack, 0);\n" + "".join(
-        f"    OPF_ARG_TENSOR({x}, stack, {k + 1});\n" for k, x in enumerate(ins))
-    info = "".join(f"    opf_tensor {x} = opf_tensor_info(OP, \"{x}\", {x}_h);\n" for x in ins)
+    u = _unboxing(sig)
     checks = "".join(
-        f"    opf_check_device(op, \"{x}\", {x}, \"{first}\", {first});\n"
+        f"    check_device(op, \"{x}\", {x}, \"{first}\", {first});\n"
         f"    opf_check_same_dtype(op, \"{x}\", {x}, \"{first}\", {first});\n"
         f"    opf_check_same_shape(op, \"{x}\", {x}, \"{first}\", {first});\n" for x in ins[1:])
-    check_params = ", ".join(f"const opf_tensor *{x}" for x in ins)
-    check_args = ", ".join(f"&{x}" for x in ins)
     copies = "".join(f"    OPF_OWNED AtenTensorHandle {x}32_h = NULL;\n"
                      f"    const opf_tensor {x}32 = float32_in(OP, &{x}, dt, &{x}32_h);\n" for x in ins)
-    grad_allocs = "".join(
-        f"    OPF_OWNED AtenTensorHandle d{x}_h = opf_empty_like(OP, &{x});\n"
-        f"    const opf_tensor d{x} = opf_tensor_info(OP, \"d{x}\", d{x}_h);\n" for x in ins)
     grad_f32 = "".join(f"    OPF_OWNED AtenTensorHandle d{x}32_h = NULL;\n"
                        f"    const opf_tensor d{x}32 = float32_out(OP, &d{x}, dt, &d{x}32_h);\n" for x in ins)
     grad_back = "".join(f"    float32_into(&d{x}, &d{x}32, dt);\n" for x in ins)
-    grad_returns = "".join(f"    OPF_RETURN(stack, {k}, d{x}_h);\n" for k, x in enumerate(ins))
     grad_returns_meta = "    ".join(f"    OPF_RETURN(stack, {k}, d{x}_h);\n" for k, x in enumerate(ins))
     in_list = ", ".join(ins)
     tensors_fwd = ", ".join(ins + ["y"])
@@ -297,8 +324,6 @@ def _glue(sig: Signature) -> str:
     job_out_bwd = ", ".join(f"d{x}32.data" for x in ins)
 
     if not sig.reduce:
-        out_alloc = f"    OPF_OWNED AtenTensorHandle y_h = opf_empty_like(OP, &{first});\n"
-        grad_check = f"    opf_check_same_shape(OP, \"grad\", &g, \"{first}\", &{first});\n"
         fwd_strides = ", ".join(["y32.strides"] + [f"{x}32.strides" for x in ins])
         bwd_strides = ", ".join([f"d{x}32.strides" for x in ins] + ["g32.strides"] + [f"{x}32.strides" for x in ins])
         iterate_fwd = f"""    opf_nd nd;
@@ -332,18 +357,6 @@ static void bwd_run(void *ctx, const int64_t *off, const int64_t *st, int64_t n)
         grain = "#define GRAIN 32768 /* elements per parallel chunk at least: thread hand-offs cost microseconds */\n"
         cols = ""
     else:
-        out_alloc = (f"    /* y: {first}'s sizes without the last (the shape rule [{first}[:-1]]); a 0-d {first} is one "
-                     "row of one */\n"
-                     f"    const int lead = {first}.ndim ? (int){first}.ndim - 1 : 0;\n"
-                     f"    OPF_OWNED AtenTensorHandle y_h = opf_empty(OP, lead, {first}.sizes, {first}.dtype, &{first});\n")
-        grad_check = f"""    const int lead = {first}.ndim ? (int){first}.ndim - 1 : 0;
-    if (g.ndim != lead || (lead && memcmp(g.sizes, {first}.sizes, sizeof(int64_t) * (size_t)lead))) {{
-        char want[256], got[256];
-        opf_shape_str(want, sizeof want, &{first});
-        opf_shape_str(got, sizeof got, &g);
-        opf_fail(OP, "argument 'grad' must have the shape of '{first}' %s without its last dim, got %s", want, got);
-    }}
-"""
         fwd_strides = ", ".join(["y32.strides"] + [f"{x}32.strides" for x in ins])
         bwd_strides = ", ".join([f"d{x}32.strides" for x in ins] + ["g32.strides"] + [f"{x}32.strides" for x in ins])
         col = f"const int64_t cols = {first}.ndim ? {first}.sizes[lead] : 1;\n"
@@ -398,11 +411,9 @@ static int64_t col_stride(const opf_tensor *t) {{ return t->ndim ? t->strides[t-
     flops = f"{2 * N + 1}*numel({first})"
     return Template(_GLUE).substitute(
         name=name, layout=layout, grain=grain, cols=cols, scalar_fields=scalar_fields, runs=runs,
-        check_params=check_params, first=first, checks=checks, take=take, take_bwd=take_bwd, info=info,
-        unpack_scalars=unpack_scalars, unpack_scalars_bwd=unpack_scalars_bwd, check_args=check_args, copies=copies,
-        out_alloc=out_alloc, iterate_fwd=iterate_fwd, iterate_bwd=iterate_bwd, tensors_fwd=tensors_fwd,
-        tensors_bwd=tensors_bwd, grad_check=grad_check, grad_allocs=grad_allocs, grad_f32=grad_f32,
-        grad_back=grad_back, grad_returns=grad_returns, grad_returns_meta=grad_returns_meta, schema=schema, bwd_schema=bwd_schema, shape_fwd=shape_fwd,
+        first=first, checks=checks, copies=copies, iterate_fwd=iterate_fwd, iterate_bwd=iterate_bwd,
+        tensors_fwd=tensors_fwd, tensors_bwd=tensors_bwd, grad_f32=grad_f32, **u,
+        grad_back=grad_back, grad_returns_meta=grad_returns_meta, schema=schema, bwd_schema=bwd_schema, shape_fwd=shape_fwd,
         shape_bwd=shape_bwd, bwd_args=bwd_args, grads=",".join(ins), flops=flops, in_list=in_list,
         bwd_flops=f"{3 * N + 1}*numel({first})", nin_fwd_tensors=N + 1, nin_bwd_tensors=2 * N + 1,
         NAME=name.upper(), cuda_glue=_cuda_glue(sig),
@@ -473,10 +484,11 @@ typedef struct job {
 ${cols}${scalar_fields}} job;
 
 ${runs}
-/* Every input on the cpu device (or meta: the fake kernel runs this glue on meta stand-ins),
- * float32, bfloat16 or float16, all of one dtype and shape. */
-static opf_dtype check_inputs(const char *op, ${check_params}) {
-    opf_check_device(op, "${first}", ${first}, "${first}", ${first});
+/* Every input on the device check_device accepts (the CPU glue's: cpu, or meta: the fake kernel runs
+ * this glue on meta stand-ins; the CUDA glue's: the GPU of ${first}), float32, bfloat16 or float16, all
+ * of one dtype and shape. */
+static opf_dtype check_inputs(const char *op, __typeof__(opf_check_device) *check_device, ${check_params}) {
+    check_device(op, "${first}", ${first}, "${first}", ${first});
     const opf_dtype dt = opf_check_dtype(op, "${first}", ${first}, ACCEPTED);
 ${checks}    return dt;
 }
@@ -485,7 +497,7 @@ ${checks}    return dt;
 static void ${name}_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     static const char OP[] = "${name}::${name}";
 ${take}    const double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-${unpack_scalars}${info}    const opf_dtype dt = check_inputs(OP, ${check_args});
+${unpack_scalars}${info}    const opf_dtype dt = check_inputs(OP, opf_check_device, ${check_args});
 
 ${out_alloc}    const opf_tensor y = opf_tensor_info(OP, "y", y_h);
     if (opf_is_meta(&y)) { /* checked and allocated: all a fake kernel needs */
@@ -504,7 +516,7 @@ static void ${name}_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nou
     static const char OP[] = "${name}::${name}_backward";
 ${take_bwd}    const double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
 ${unpack_scalars_bwd}    const opf_tensor g = opf_tensor_info(OP, "grad", grad_h);
-${info}    const opf_dtype dt = check_inputs(OP, ${check_args});
+${info}    const opf_dtype dt = check_inputs(OP, opf_check_device, ${check_args});
     opf_check_device(OP, "grad", &g, "${first}", &${first});
     opf_check_same_dtype(OP, "grad", &g, "${first}", &${first});
 ${grad_check}
@@ -550,31 +562,17 @@ def _cuda_glue(sig: Signature) -> str:
     if not sig.cuda:
         return f"""/* No CUDA kernels (opforge new --cuda writes them). */
 {off.replace(chr(92) + 'n', chr(10))}"""
-    take = "".join(f"    OPF_ARG_TENSOR({x}, stack, {k});\n" for k, x in enumerate(ins))
-    take_bwd = "    OPF_ARG_TENSOR(grad, stack, 0);\n" + "".join(
-        f"    OPF_ARG_TENSOR({x}, stack, {k + 1});\n" for k, x in enumerate(ins))
-    unpack = "".join(f"    const {SCALAR_TYPES[t][1]} {s} = {SCALAR_TYPES[t][2]}(stack[{N + k}]);\n"
-                     for k, (s, t) in enumerate(sig.scalars))
-    unpack_bwd = "".join(f"    const {SCALAR_TYPES[t][1]} {s} = {SCALAR_TYPES[t][2]}(stack[{N + 1 + k}]);\n"
-                         for k, (s, t) in enumerate(sig.scalars))
-    info = "".join(f"    const opf_tensor {x} = opf_tensor_info(OP, \"{x}\", {x}_h);\n" for x in ins)
-    checks = "".join(f"    opf_check_cuda(op, \"{x}\", {x}, \"{first}\", {first});\n"
-                     f"    opf_check_same_dtype(op, \"{x}\", {x}, \"{first}\", {first});\n"
-                     f"    opf_check_same_shape(op, \"{x}\", {x}, \"{first}\", {first});\n" for x in ins[1:])
-    check_params = ", ".join(f"const opf_tensor *{x}" for x in ins)
-    check_args = ", ".join(f"&{x}" for x in ins)
+    u = _unboxing(sig)
+    take, take_bwd, info, check_args = u["take"], u["take_bwd"], u["info"], u["check_args"]
+    unpack, unpack_bwd = u["unpack_scalars"], u["unpack_scalars_bwd"]
+    grad_allocs, grad_returns, out_alloc, grad_check = u["grad_allocs"], u["grad_returns"], u["out_alloc"], u["grad_check"]
     sa = sig.c_scalar_args()
     sp = sig.c_scalar_params()
-    grad_allocs = "".join(f"    OPF_OWNED AtenTensorHandle d{x}_h = opf_empty_like(OP, &{x});\n"
-                          f"    const opf_tensor d{x} = opf_tensor_info(OP, \"d{x}\", d{x}_h);\n" for x in ins)
-    grad_returns = "".join(f"    OPF_RETURN(stack, {k}, d{x}_h);\n" for k, x in enumerate(ins))
     in_data = ", ".join(f"{x}.data" for x in ins)
     dx_data = ", ".join(f"d{x}.data" for x in ins)
     tensors_fwd = ", ".join(ins + ["y"])
     tensors_bwd = ", ".join(["g"] + ins + ["d" + x for x in ins])
     if not sig.reduce:
-        out_alloc = f"    OPF_OWNED AtenTensorHandle y_h = opf_empty_like(OP, &{first});\n"
-        grad_check = f"    opf_check_same_shape(OP, \"grad\", &g, \"{first}\", &{first});\n"
         walk_fwd = (f"    opf_cuda_nd nd; /* the elementwise walk: operand 0 the output */\n"
                     f"    opf_cuda_nd_init(OP, &nd, (int){first}.ndim, {first}.sizes, {N + 1},\n"
                     f"                     (const int64_t *[]){{y.strides, {', '.join(f'{x}.strides' for x in ins)}}});\n")
@@ -590,16 +588,6 @@ def _cuda_glue(sig: Signature) -> str:
                 f"unsigned {name}_cuda_bwd(opf_dtype dt, void *const *dx, const void *g, const void *const *in,\n"
                 f"                         const opf_cuda_nd *nd{sp}, void *stream);\n")
     else:
-        out_alloc = (f"    const int lead = {first}.ndim ? (int){first}.ndim - 1 : 0;\n"
-                     f"    OPF_OWNED AtenTensorHandle y_h = opf_empty(OP, lead, {first}.sizes, {first}.dtype, &{first});\n")
-        grad_check = f"""    const int lead = {first}.ndim ? (int){first}.ndim - 1 : 0;
-    if (g.ndim != lead || (lead && memcmp(g.sizes, {first}.sizes, sizeof(int64_t) * (size_t)lead))) {{
-        char want[256], got[256];
-        opf_shape_str(want, sizeof want, &{first});
-        opf_shape_str(got, sizeof got, &g);
-        opf_fail(OP, "argument 'grad' must have the shape of '{first}' %s without its last dim, got %s", want, got);
-    }}
-""".replace(chr(10), chr(92) + "n")
         cs = lambda t: f"{t}.ndim ? {t}.strides[{t}.ndim - 1] : 1"  # noqa: E731
         walk_fwd = (f"    const int64_t cols = {first}.ndim ? {first}.sizes[lead] : 1;\n"
                     f"    opf_cuda_nd nd; /* the rows: the leading dims' walk, operand 0 the output */\n"
@@ -626,16 +614,10 @@ def _cuda_glue(sig: Signature) -> str:
 
 /* {name}.cu's launchers: they return the blocks they launched (0: nothing to do). */
 {decl}
-/* Every input on x's GPU, float32, bfloat16 or float16, all of one dtype and shape. */
-static opf_dtype check_cuda_inputs(const char *op, {check_params}) {{
-    const opf_dtype dt = opf_check_dtype(op, "{first}", {first}, ACCEPTED);
-{checks}    return dt;
-}}
-
 static void {name}_cuda(StableIValue *stack, uint64_t nin, uint64_t nout) {{
     static const char OP[] = "{name}::{name}";
 {take}{unpack}{info}    OPF_CUDA_CALL(call, OP, &{first}, "{first}"); /* {first}'s GPU current, torch's stream there */
-    const opf_dtype dt = check_cuda_inputs(OP, {check_args});
+    const opf_dtype dt = check_inputs(OP, opf_check_cuda, {check_args});
 {out_alloc}    const opf_tensor y = opf_tensor_info(OP, "y", y_h);
 {walk_fwd}    const unsigned grid = {call_fwd};
     opf_cuda_done(&call, NULL, "{name}_fwd", grid, 256, {N + 1}, (opf_tensor[]){{{tensors_fwd}}});
@@ -646,7 +628,7 @@ static void {name}_backward_cuda(StableIValue *stack, uint64_t nin, uint64_t nou
     static const char OP[] = "{name}::{name}_backward";
 {take_bwd}{unpack_bwd}    const opf_tensor g = opf_tensor_info(OP, "grad", grad_h);
 {info}    OPF_CUDA_CALL(call, OP, &{first}, "{first}");
-    const opf_dtype dt = check_cuda_inputs(OP, {check_args});
+    const opf_dtype dt = check_inputs(OP, opf_check_cuda, {check_args});
     opf_check_cuda(OP, "grad", &g, "{first}", &{first});
     opf_check_same_dtype(OP, "grad", &g, "{first}", &{first});
 {grad_check}{grad_allocs}{walk_bwd}    const unsigned grid = {call_bwd};

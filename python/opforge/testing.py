@@ -317,6 +317,12 @@ def to_device(a, device: str | torch.device | None):
     so the device's kernel meets the layout the CPU's did); non-tensors and device None as they are."""
     if device is None or not isinstance(a, torch.Tensor) or a.device == torch.device(device):
         return a
+    return copy_with_layout(a, device)
+
+
+def copy_with_layout(a: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A copy of a on device with a's sizes, strides and storage offset: the storage a reaches is copied
+    from its offset on, and viewed there as a views it."""
     off = a.storage_offset()
     span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())) if a.numel() else 0
     there = torch.empty(off + span, dtype=a.dtype, device=device)

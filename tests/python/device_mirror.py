@@ -16,13 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import opforge
-
-
-def _span(t: torch.Tensor) -> int:
-    """Elements of storage the view reaches, from its storage offset."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+from opforge.testing import copy_with_layout
 
 
 class _ToDevice(torch.autograd.Function):
@@ -31,11 +25,7 @@ class _ToDevice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, device):
         ctx.src = t.device
-        off, span = t.storage_offset(), _span(t)
-        flat = torch.as_strided(t, (span,), (1,), off) if span else t.new_empty(0)
-        there = torch.empty(off + span, dtype=t.dtype, device=device)
-        there[off:].copy_(flat)
-        return there.as_strided(t.shape, t.stride(), off)
+        return copy_with_layout(t, device)
 
     @staticmethod
     def backward(ctx, g):
