@@ -4,6 +4,7 @@ fail, such as an unsupported OPFORGE_ISA).
 
     opforge info                       environment, ABI, CPU, ISA per op, diagnosis
     opforge new NAME [--inputs a,b] [--scalars alpha:float] [--reduce last] [--dir DIR]
+    opforge new "SCHEMA" [--enum ARG=a,b] [--dims T=B,D,L] [--shape RULE] [--backward A,B] [--dir DIR]
                                        scaffold a working C op project of that signature
     opforge info --load FILE.c ...     a user op library: ops, schemas, shape rules, variants, autocast
     opforge check OP [...]             precision against a PyTorch reference (msProbe-style)
@@ -23,16 +24,40 @@ import sys
 
 
 def new(name: str, directory: str | None = None, inputs: str | None = None, scalars: str | None = None,
-        reduce: str | None = None, cuda: bool = False) -> str:
-    """Writes a working op project NAME into DIR/NAME; returns its path."""
+        reduce: str | None = None, cuda: bool = False, schema_options: dict | None = None) -> str:
+    """Writes a working op project NAME into DIR/NAME; returns its path. NAME may be a whole schema
+    ("causal_conv1d(Tensor x, Tensor? bias=None, str activation='none') -> Tensor"): see scaffold_schema."""
     from opforge import scaffold
 
+    if "(" in name:
+        return _new_from_schema(name, directory, inputs, scalars, reduce, cuda, **(schema_options or {}))
+    extra = [f"--{k}" for k, v in (schema_options or {}).items() if v]
+    if extra:
+        raise SystemExit(f"opforge new: {', '.join(extra)} go with a schema: opforge new \"{name}(Tensor x, ...) -> "
+                         "Tensor\" ...")
     sig = scaffold.Signature.parse(name, inputs, scalars, reduce)
     sig.cuda = cuda
     dest = scaffold.new(sig, directory)
     print(f"created {dest}: {name}({sig.schema_args()}) -> Tensor"
           f"{' (last dim reduced, shape rule [' + sig.inputs[0] + '[:-1]])' if sig.reduce else ''}\n"
           f"  cd {dest} && pytest")
+    return dest
+
+
+def _new_from_schema(schema: str, directory, inputs, scalars, reduce, cuda, enum=None, dims=None, shape=None,
+                     backward=None) -> str:
+    from opforge import scaffold_schema
+
+    given = [flag for flag, v in (("--inputs", inputs), ("--scalars", scalars), ("--reduce", reduce),
+                                  ("--cuda", cuda)) if v]
+    if given:
+        raise SystemExit(f"opforge new: {', '.join(given)} go with a NAME, not a schema: the schema says what "
+                         "they would (a schema's op runs on the CPU; --cuda writes elementwise ops only)")
+    sig = scaffold_schema.SchemaSig.parse(schema, enum, dims, shape, backward)
+    dest = scaffold_schema.new(sig, directory)
+    print(f"created {dest}: {sig.schema()}\n"
+          f"  rows of {sig.main} ({'one value' if sig.reduce else 'a row'} out per row); gradients of "
+          f"{', '.join(sig.grads) or 'none'}\n  cd {dest} && pytest")
     return dest
 
 
@@ -102,8 +127,6 @@ def _shapes(op, specs: list[str] | None) -> dict[str, tuple[int, ...]]:
 def _given_inputs(op, args):
     """A function dtype -> argument tuple from --inputs or --shape; None for
     neither (the schema's default inputs)."""
-    import torch
-
     import opforge.testing as ot
 
     if args.inputs and args.shape:
@@ -118,15 +141,66 @@ def _given_inputs(op, args):
     if not args.shape:
         return None
     shapes = _shapes(op, args.shape)
-    names = [a.name for a in op._schema.arguments]
+    return lambda dtype: ot.shaped_args(op, shapes, dtype)
 
-    def generated(dtype):
-        def make(i):
-            shape = shapes.get(names[i], (1024,))
-            g = torch.Generator().manual_seed(i)
-            return (torch.rand(shape, generator=g, dtype=torch.float64) + 0.01).to(dtype)
-        return ot.schema_args(op, make)
-    return generated
+
+def _scalars(op, specs: list[str] | None) -> dict:
+    """--arg NAME=VALUE per scalar argument, parsed by its schema type (float, int, bool, str; none for an
+    optional one)."""
+    import opforge.testing as ot
+
+    types = ot.scalar_arguments(op)
+    values = {}
+    for spec in specs or []:
+        name, sep, text = spec.partition("=")
+        if not sep or name not in types:
+            raise SystemExit(f"opforge: --arg must be NAME=VALUE with NAME a scalar argument of {op._schema.name} "
+                             f"(its scalar arguments: {', '.join(f'{n}: {t}' for n, t in types.items()) or 'none'}), "
+                             f"got {spec!r}")
+        ty = types[name].rstrip("?")
+        words = {"true": True, "1": True, "false": False, "0": False}
+        try:
+            if types[name].endswith("?") and text.lower() == "none":
+                values[name] = None
+            elif ty == "bool":
+                values[name] = words[text.lower()]
+            else:
+                values[name] = {"float": float, "int": int, "SymInt": int, "str": str}[ty](text)
+        except (KeyError, ValueError):
+            raise SystemExit(f"opforge: --arg {spec}: '{name}' is {types[name]}"
+                             + (" (true or false)" if ty == "bool" else "") + f", got {text!r}") from None
+    try:
+        return ot._checked_scalars(op, values)  # an enum's value is one of its values
+    except ValueError as e:
+        raise SystemExit(f"opforge: --arg: {e}") from None
+
+
+def _tolerances(specs: list[str] | None, option: str):
+    """--atol/--rtol: VALUE for every dtype, DTYPE=VALUE for one (repeatable; the per-dtype ones win):
+    a float, {dtype: float}, or None."""
+    import torch
+
+    import opforge.testing as ot
+
+    every, per = None, {}
+    for spec in specs or []:
+        name, _, text = spec.rpartition("=")
+        dtype = getattr(torch, name, None) if name else None
+        if name and dtype not in ot.DTYPES:
+            raise SystemExit(f"opforge: {option} {spec}: no dtype {name!r} "
+                             f"(one of {', '.join(str(d).split('.')[1] for d in ot.DTYPES)})")
+        try:
+            value = float(text)
+        except ValueError:
+            raise SystemExit(f"opforge: {option} must be VALUE or DTYPE=VALUE (e.g. bfloat16=0.05), "
+                             f"got {spec!r}") from None
+        if name:
+            per[dtype] = value
+        else:
+            every = value
+    if not per:
+        return every
+    return {d: per.get(d, every) for d in ot.DTYPES if per.get(d, every) is not None}
 
 
 def _failed(cmd: str, e: Exception) -> SystemExit:
@@ -152,10 +226,13 @@ def check(args) -> int:
     import opforge.testing as ot
 
     op, ref = _resolve(args.op, args.load, args.reference)
-    given = _given_inputs(op, args)
+    given = _given_inputs(op, args)  # --shape: generated in the check, which sweeps the bool and enum arguments
+    scalars = _scalars(op, args.arg)
     try:
-        report = ot.check(op, ref, inputs=(lambda dt: [given(dt)]) if given else None, dtypes=_dtypes(args.dtypes),
-                          grad=not args.no_grad, atol=args.atol, rtol=args.rtol, device=_device(args.device))
+        report = ot.check(op, ref, inputs=(lambda dt: [given(dt)]) if args.inputs else None,
+                          dtypes=_dtypes(args.dtypes), grad=not args.no_grad, atol=_tolerances(args.atol, "--atol"),
+                          rtol=_tolerances(args.rtol, "--rtol"), device=_device(args.device), scalars=scalars,
+                          shapes=_shapes(op, args.shape) if args.shape else None)
     except (RuntimeError, ValueError, TypeError) as e:
         raise _failed("check", e) from None
     print(report)
@@ -181,7 +258,8 @@ def bench(args) -> int:
     timing = dict(reps=2, target_s=0.002) if args.smoke else {}
     try:
         rows = ob.bench(op, ref, sizes=sizes, dtype=dtype, make_inputs=make_inputs, backward=not args.no_backward,
-                        atol=args.atol, rtol=args.rtol, device=_device(args.device), **timing)
+                        atol=_tolerances(args.atol, "--atol"), rtol=_tolerances(args.rtol, "--rtol"),
+                        device=_device(args.device), **timing)
     except (RuntimeError, ValueError, TypeError, AssertionError) as e:
         raise _failed("bench", e) from None
     table = ob.write_results(stem, rows, out_dir=args.out)
@@ -344,12 +422,19 @@ def main(argv=None) -> int:
     i.add_argument("--load", nargs="+", metavar="FILE", help="C sources (or a built lib<ns>.so) of a user op library")
     i.add_argument("--ns", help="its namespace (default: the first file's name, without lib and the suffix)")
     n = sub.add_parser("new", help="scaffold a working op project")
-    n.add_argument("name")
+    n.add_argument("name", help="the op's name, or its whole schema in quotes (then --enum, --dims, --shape, "
+                   "--backward apply)")
     n.add_argument("--inputs", metavar="A,B", help="its tensor arguments (default: x)")
     n.add_argument("--scalars", metavar="NAME:TYPE,...", help="scalar arguments; TYPE float (default), int or bool")
     n.add_argument("--reduce", choices=["last"], help="the output drops the inputs' last dim (a row-wise reduction)")
     n.add_argument("--dir", default=None, help="parent folder (default: here)")
     n.add_argument("--cuda", action="store_true", help="CUDA kernels too: NAME.cu beside the C ones (built with nvcc)")
+    n.add_argument("--enum", action="append", metavar="ARG=a,b,c", help="a str argument's values (it arrives in C "
+                   "as the value's index)")
+    n.add_argument("--dims", action="append", metavar="TENSOR=B,D,L", help="a tensor's dims by name: the glue "
+                   "checks their number, and that a name seen twice is one size")
+    n.add_argument("--shape", metavar="RULE", help="the output's shape rule: like:MAIN (default) or [MAIN[:-1]]")
+    n.add_argument("--backward", metavar="A,B|none", help="the tensors that get gradients (default: every one)")
     for cmd in ("check", "bench"):
         c = sub.add_parser(cmd, help=f"{cmd} an op against a PyTorch reference")
         c.add_argument("op", help="dispersion_correction, or NS::NAME of a user op")
@@ -358,13 +443,19 @@ def main(argv=None) -> int:
         c.add_argument("--shape", action="append", metavar="NAME=D0,D1",
                        help="shape of Tensor argument NAME (repeat per argument; default: 1-d)")
         c.add_argument("--inputs", metavar="FILE.py:FUNCTION", help="a function returning the argument tuple")
-        c.add_argument("--atol", type=float, help="a looser absolute tolerance (default: per dtype; never tightens one)")
-        c.add_argument("--rtol", type=float, help="a looser relative tolerance (e.g. 1e-5 for a float32 reduction)")
+        c.add_argument("--atol", action="append", metavar="[DTYPE=]VALUE",
+                       help="a looser absolute tolerance (default: per dtype; never tightens one): VALUE for every "
+                       "dtype, DTYPE=VALUE for one (repeat: --atol bfloat16=0.05 --atol float32=1e-5)")
+        c.add_argument("--rtol", action="append", metavar="[DTYPE=]VALUE",
+                       help="a looser relative tolerance, as --atol (e.g. float32=1e-5 for a float32 reduction)")
         c.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                        help="where the op runs (cuda: its CUDA kernel; the reference stays on the CPU in float64)")
         if cmd == "check":
             c.add_argument("--dtypes", nargs="+", default=["float64", "float32", "bfloat16", "float16"])
             c.add_argument("--no-grad", action="store_true", help="skip the gradient comparison")
+            c.add_argument("--arg", action="append", metavar="NAME=VALUE",
+                           help="a scalar argument's value, instead of the generated one (repeat per argument); "
+                           "a bool or enum given is not swept")
         else:
             c.add_argument("--dtype", default="float32")
             c.add_argument("--sizes", default=f"{1 << 12},{1 << 16},{1 << 20},{1 << 22}",
@@ -375,7 +466,8 @@ def main(argv=None) -> int:
             c.add_argument("--out", default=os.path.join(os.getcwd(), "results"))
     a = p.parse_args(argv)
     if a.cmd == "new":
-        new(a.name, a.dir, a.inputs, a.scalars, a.reduce, a.cuda)
+        new(a.name, a.dir, a.inputs, a.scalars, a.reduce, a.cuda,
+            dict(enum=a.enum, dims=a.dims, shape=a.shape, backward=a.backward))
         return 0
     return {"info": info, "check": check, "bench": bench}[a.cmd](a)
 

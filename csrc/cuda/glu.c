@@ -2,7 +2,7 @@
  * CUDA glue of glu and glu_backward: check, guard, stream, allocate through
  * torch, launch (csrc/cuda/glu.cu). The schema, fake kernel, autograd and
  * autocast are the CPU op's (csrc/torch/glu.c), and so are the checks, the
- * messages and the outputs' layout, through the same functions (glu_check_act
+ * messages and the outputs' layout, through the same functions (glu_arg_act
  * and glu_prepare, csrc/torch/glu.h): out, dgate and dup take gate's strides
  * when gate is dense, else they are contiguous (opf_empty_like). Any strides
  * are read in place, the packed (..., 2F) form split by chunk included: the
@@ -19,12 +19,12 @@
 static const char FWD[] = OPF_QUALNAME("glu");
 static const char BWD[] = OPF_QUALNAME("glu_backward");
 
-/* glu(Tensor gate, Tensor up, int act) -> Tensor */
+/* glu(Tensor gate, Tensor up, str act) -> Tensor */
 static void glu_cuda(StableIValue *stack, uint64_t nin, uint64_t nout) {
     (void)nin, (void)nout;
     OPF_ARG_TENSOR(gate, stack, 0);
     OPF_ARG_TENSOR(up, stack, 1);
-    act_kind act = glu_check_act(FWD, opf_arg_int(stack[2]));
+    act_kind act = glu_arg_act(FWD, stack[2]);
     /* the guard on gate's GPU before anything is allocated; it checks gate's device first, as glu_prepare does */
     const opf_tensor gate = opf_tensor_info(FWD, "gate", gate_h);
     OPF_CUDA_CALL(call, FWD, &gate, "gate");
@@ -42,13 +42,13 @@ static void glu_cuda(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_RETURN(stack, 0, out_h);
 }
 
-/* glu_backward(Tensor grad, Tensor gate, Tensor up, int act) -> (Tensor, Tensor) */
+/* glu_backward(Tensor grad, Tensor gate, Tensor up, str act) -> (Tensor, Tensor) */
 static void glu_backward_cuda(StableIValue *stack, uint64_t nin, uint64_t nout) {
     (void)nin, (void)nout;
     OPF_ARG_TENSOR(grad, stack, 0);
     OPF_ARG_TENSOR(gate, stack, 1);
     OPF_ARG_TENSOR(up, stack, 2);
-    act_kind act = glu_check_act(BWD, opf_arg_int(stack[3]));
+    act_kind act = glu_arg_act(BWD, stack[3]);
     const opf_tensor gate = opf_tensor_info(BWD, "gate", gate_h);
     OPF_CUDA_CALL(call, BWD, &gate, "gate");
     OPF_OWNED AtenTensorHandle dgate_h = NULL;

@@ -23,6 +23,9 @@
 #include "opforge/runtime.h"
 
 typedef enum act_kind { ACT_NONE = 0, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_COUNT } act_kind;
+/* act_kind's values by name, in order: the value list of the linear ops' `str activation` (the
+ * index opf_arg_enum gives is the code). */
+#define ACT_NAMES "none|relu|gelu|gelu_tanh|silu"
 
 /* Scalar activation and its derivative (also the tail path of the ISA files). */
 float act_f32(act_kind act, float x);

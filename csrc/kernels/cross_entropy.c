@@ -164,8 +164,18 @@ static void cross_entropy_fwd_blocks(int64_t b0, int64_t b1, void *ctx) {
     }
 }
 
+/* The table the rows run: the pick, or the reference where the pick hands every row to it (reported for
+ * the log, once per call): float64, or logits or weight of a stride other than 1 along the classes. */
+static const cross_entropy_kernels *runs(const cross_entropy_kernels *k, const cross_entropy_problem *p) {
+    const char *why = p->dt == OPF_F64                             ? "float64"
+                      : p->logits_strides[p->lead_ndim] != 1       ? "class stride != 1"
+                      : p->weight != NULL && p->weight_stride != 1 ? "weight stride != 1"
+                                                                   : NULL;
+    return opf_variant_or_ref(&cross_entropy_variants, k, why);
+}
+
 void cross_entropy_fwd(const cross_entropy_kernels *k, const cross_entropy_problem *p, float *ws) {
-    cross_entropy_job j = {.k = k, .p = p, .wc = weight_total(p), .partials = (double *)ws};
+    cross_entropy_job j = {.k = runs(k, p), .p = p, .wc = weight_total(p), .partials = (double *)ws};
     int64_t blocks = (p->rows + CROSS_ENTROPY_BLOCK - 1) / CROSS_ENTROPY_BLOCK,
             per = CROSS_ENTROPY_BLOCK * (p->classes > 0 ? p->classes : 1);
     if (blocks > 0)
@@ -200,7 +210,7 @@ static void cross_entropy_bwd_rows(int64_t i0, int64_t i1, void *ctx) {
 }
 
 void cross_entropy_bwd(const cross_entropy_kernels *k, const cross_entropy_problem *p) {
-    cross_entropy_job j = {.k = k, .p = p, .wc = weight_total(p)};
+    cross_entropy_job j = {.k = runs(k, p), .p = p, .wc = weight_total(p)};
     double g = opf_load_elem(p->grad_loss, 0, p->dt);
     if (p->reduction == CROSS_ENTROPY_REDUCTION_MEAN && g != 0) {
         double w = 0; /* block by block, as the forward adds it up: the same W */

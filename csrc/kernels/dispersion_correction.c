@@ -82,15 +82,28 @@ static void dispersion_correction_segment(void *ctx, const int64_t *off, const i
                j->alpha);
 }
 
+/* The table the runs take: the pick, or the reference where the pick hands every run to it (reported for
+ * the log, once per call): an operand of an inner stride other than 1 (operand 1 of the backward is the
+ * gradient, stride 0 when it was broadcast, as the gradient of a sum is). */
+static const dispersion_correction_kernels *runs(const dispersion_correction_kernels *k, const opf_nd *nd) {
+    const char *why = NULL;
+    for (int op = 0; op < nd->nops && !why; op++) {
+        const int64_t s = nd->stride[op][nd->ndim - 1];
+        why = s == 1 ? NULL : s == 0 && op == 1 && nd->nops == 3 ? "stride-0 gradient" : "inner stride != 1";
+    }
+    return opf_variant_or_ref(&dispersion_correction_variants, k, why);
+}
+
 void dispersion_correction_fwd(const dispersion_correction_kernels *k, opf_dtype dt, const opf_nd *nd, void *y,
                                const void *x, double alpha) {
-    dispersion_correction_job j = {.fwd = k->fwd[dt], .es = opf_dtype_size(dt), .out = y, .in1 = x, .alpha = alpha};
+    dispersion_correction_job j = {
+        .fwd = runs(k, nd)->fwd[dt], .es = opf_dtype_size(dt), .out = y, .in1 = x, .alpha = alpha};
     opf_nd_parallel(nd, DISPERSION_CORRECTION_GRAIN, dispersion_correction_segment, &j);
 }
 
 void dispersion_correction_bwd(const dispersion_correction_kernels *k, opf_dtype dt, const opf_nd *nd, void *dx,
                                const void *dy, const void *x, double alpha) {
     dispersion_correction_job j = {
-        .bwd = k->bwd[dt], .es = opf_dtype_size(dt), .out = dx, .in1 = dy, .in2 = x, .alpha = alpha};
+        .bwd = runs(k, nd)->bwd[dt], .es = opf_dtype_size(dt), .out = dx, .in1 = dy, .in2 = x, .alpha = alpha};
     opf_nd_parallel(nd, DISPERSION_CORRECTION_GRAIN, dispersion_correction_segment, &j);
 }

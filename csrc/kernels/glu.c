@@ -59,6 +59,11 @@ typedef struct glu_job {
     act_kind act;
 } glu_job;
 
+/* The pick, or the reference for float64, which the picks hand to it (reported for the log, once per call). */
+static const glu_kernels *runs(const glu_kernels *k, opf_dtype dt) {
+    return opf_variant_or_ref(&glu_variants, k, dt == OPF_F64 ? "float64" : NULL);
+}
+
 static void glu_segment(void *ctx, const int64_t *off, const int64_t *st, int64_t n) {
     const glu_job *j = ctx;
     const size_t es = j->es;
@@ -71,13 +76,13 @@ static void glu_segment(void *ctx, const int64_t *off, const int64_t *st, int64_
 
 void glu_fwd(const glu_kernels *k, opf_dtype dt, const opf_nd *nd, void *out, const void *gate, const void *up,
              act_kind act) {
-    glu_job j = {.fwd = k->fwd[dt], .es = opf_dtype_size(dt), .out = out, .in1 = gate, .in2 = up, .act = act};
+    glu_job j = {.fwd = runs(k, dt)->fwd[dt], .es = opf_dtype_size(dt), .out = out, .in1 = gate, .in2 = up, .act = act};
     opf_nd_parallel(nd, GLU_GRAIN, glu_segment, &j);
 }
 
 void glu_bwd(const glu_kernels *k, opf_dtype dt, const opf_nd *nd, void *dgate, void *dup, const void *grad,
              const void *gate, const void *up, act_kind act) {
-    glu_job j = {.bwd = k->bwd[dt],
+    glu_job j = {.bwd = runs(k, dt)->bwd[dt],
                  .es = opf_dtype_size(dt),
                  .out = dgate,
                  .out2 = dup,

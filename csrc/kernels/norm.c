@@ -187,6 +187,17 @@ static void ln_fwd_range(int64_t begin, int64_t end, void *ctx) {
            vec(j->b), cs_of(j->b), h, sh->eps);
 }
 
+/* The table a job runs: its pick, or the reference where the pick would hand every row to it (reported
+ * for the log, once per call): float64 (the pick has no entry for the dtype: has_dt 0) or a hidden stride
+ * other than 1 in an operand. */
+static const norm_kernels *runs(const norm_job *j, int has_dt) {
+    const norm_mat *const ops[] = {j->x, j->res, j->g, j->gs, j->w, j->b};
+    const char *why = has_dt ? NULL : "float64";
+    for (size_t i = 0; i < sizeof ops / sizeof ops[0] && !why; i++)
+        if (ops[i] && ops[i]->data && ops[i]->cs != 1) why = "hidden stride != 1";
+    return opf_variant_or_ref(&norm_variants, j->k, why);
+}
+
 static int64_t fwd_grain(const norm_shape *sh) {
     return sh->hidden > 0 && sh->hidden < NORM_GRAIN ? NORM_GRAIN / sh->hidden : 1;
 }
@@ -195,6 +206,7 @@ void norm_rms_fwd(const norm_kernels *k, const norm_shape *sh, void *y, void *s,
                   const norm_mat *res, const norm_mat *w) {
     norm_job j = {
         .k = k, .sh = sh, .es = opf_dtype_size(sh->dt), .y = y, .s = s, .rstd = rstd, .x = x, .res = res, .w = w};
+    j.k = runs(&j, k->rms_fwd[sh->dt] != NULL);
     opf_parallel_for(0, sh->rows, fwd_grain(sh), rms_fwd_range, &j);
 }
 
@@ -202,6 +214,7 @@ void norm_ln_fwd(const norm_kernels *k, const norm_shape *sh, void *y, float *me
                  const norm_mat *w, const norm_mat *b) {
     norm_job j = {
         .k = k, .sh = sh, .es = opf_dtype_size(sh->dt), .y = y, .mean = mean, .rstd = rstd, .x = x, .w = w, .b = b};
+    j.k = runs(&j, k->ln_fwd[sh->dt] != NULL);
     opf_parallel_for(0, sh->rows, fwd_grain(sh), ln_fwd_range, &j);
 }
 
@@ -274,6 +287,7 @@ static void reduce_cols(int64_t begin, int64_t end, void *ctx) {
 
 static void run_bwd(norm_job *j) {
     const norm_shape *sh = j->sh;
+    j->k = runs(j, j->layer ? j->k->ln_bwd[sh->dt] != NULL : j->k->rms_bwd[sh->dt] != NULL);
     j->es = opf_dtype_size(sh->dt);
     j->acc = sh->dt == OPF_F64 ? 8 : 4;
     if (j->dw || j->db) {

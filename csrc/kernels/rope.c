@@ -107,8 +107,17 @@ static void rope_range(int64_t begin, int64_t end, void *ctx) {
     }
 }
 
+/* The table the rows run: the pick, or the reference where the pick hands rows to it (reported for the
+ * log, once per call): float64, or a head or table row of a stride other than 1. The reference then runs
+ * every row (not only the strided ones): every variant gives it the same bits. */
+static const rope_kernels *runs(const rope_kernels *k, const rope_problem *p) {
+    const int strided = (p->hq > 0 && (p->qs[3] != 1 || p->oqs[3] != 1)) ||
+                        (p->hk > 0 && (p->ks[3] != 1 || p->oks[3] != 1)) || p->cr != 1 || p->sr != 1;
+    return opf_variant_or_ref(&rope_variants, k, p->dt == OPF_F64 ? "float64" : strided ? "row stride != 1" : NULL);
+}
+
 void rope_run(const rope_kernels *k, const rope_problem *p) {
-    rope_job j = {.p = p, .row = k->row[p->dt], .es = opf_dtype_size(p->dt)};
+    rope_job j = {.p = p, .row = runs(k, p)->row[p->dt], .es = opf_dtype_size(p->dt)};
     const int64_t per = (p->hq + p->hk) * p->d; /* elements per position */
     opf_parallel_for(0, p->b * p->n, per > 0 ? 1 + 16384 / per : 1, rope_range, &j);
 }

@@ -125,6 +125,11 @@ static void sm_run(const softmax_kernels *k, const softmax_problem *p, int nops)
                 lane = d;
                 break;
             }
+    /* the reference where the pick would hand every line to it, reported for the log once per call */
+    j.k = opf_variant_or_ref(&softmax_variants, k,
+                             p->dt == OPF_F64                            ? "float64"
+                             : lane < 0 && !unit_in_all(p, nops, p->dim) ? "reduction stride != 1"
+                                                                         : NULL);
     if (lane >= 0) {
         j.lanes = p->sizes[lane];
         j.chunks = (j.lanes + SOFTMAX_LANES - 1) / SOFTMAX_LANES;

@@ -170,3 +170,15 @@ const void *opf_variant_pick(const opf_variants *vs, opf_isa isa) {
     if (best && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick(vs->family, best->name, best->isa);
     return best;
 }
+
+void opf_variant_fallback(const opf_variants *vs, const void *ran, const char *why) {
+    if (!opf_log_enabled(OPF_LOG_INFO)) return;
+    const opf_variant *r = ran, *picked = opf_variant_best(vs, opf_isa_current());
+    opf_log_note_fallback(vs->family, picked ? picked->name : NULL, r ? r->name : NULL, r ? r->isa : OPF_ISA_REF, why);
+}
+
+const void *opf_variant_or_ref(const opf_variants *vs, const void *picked, const char *why) {
+    if (!why || picked == vs->tables[0]) return picked;
+    opf_variant_fallback(vs, vs->tables[0], why);
+    return vs->tables[0];
+}

@@ -17,11 +17,21 @@ static FILE *log_file; /* NULL: stderr */
  * while another may switch the file, and a FILE must not be closed under a
  * writer. Held across fork so that the child inherits it unlocked. */
 static pthread_mutex_t sink_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Guards the records of kernels run (below), likewise held across fork. */
+static pthread_mutex_t record_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t sink_once = PTHREAD_ONCE_INIT;
 
 static void sink_acquire(void) { pthread_mutex_lock(&sink_lock); }
 static void sink_release(void) { pthread_mutex_unlock(&sink_lock); }
-static void sink_register_fork(void) { pthread_atfork(sink_acquire, sink_release, sink_release); }
+static void fork_acquire(void) {
+    sink_acquire();
+    pthread_mutex_lock(&record_lock);
+}
+static void fork_release(void) {
+    pthread_mutex_unlock(&record_lock);
+    sink_release();
+}
+static void sink_register_fork(void) { pthread_atfork(fork_acquire, fork_release, fork_release); }
 
 static void sink_enter(void) {
     pthread_once(&sink_once, sink_register_fork);
@@ -83,44 +93,106 @@ double opf_now_us(void) {
     return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
 }
 
-/* The picks of this thread's current call: a few per call (linear: GEMM and
- * activation), so a small ring; older entries are overwritten. */
+/* The kernels of a call, for its log line: a few per call (linear: GEMM and activation; a fallback), so a
+ * small ring; older entries are overwritten. A pick has ran == NULL; a fallback names the variant that ran
+ * instead of the one picked, and why. */
 #define OPF_MAX_PICKS 8
-static _Thread_local struct {
-    const char *family, *variant;
-    opf_isa isa;
-    double t_us;
-} picks[OPF_MAX_PICKS];
-static _Thread_local int npicks, next_pick; /* entries in use (at most OPF_MAX_PICKS); the slot to write */
+struct opf_log_record {
+    struct {
+        const char *family, *variant, *ran;
+        char why[48];
+        opf_isa isa; /* of the code that ran */
+        double t_us;
+    } e[OPF_MAX_PICKS];
+    int n, next; /* entries in use (at most OPF_MAX_PICKS); the slot to write */
+};
+
+/* Each thread notes into its own record, or, while it runs a chunk of another thread's
+ * opf_parallel_for, into that thread's (opf_log_record_use): a record may then have several writers,
+ * so notes and takes hold record_lock (at info level only, a few times per call). */
+static _Thread_local opf_log_record own;
+static _Thread_local opf_log_record *in_use;
+
+opf_log_record *opf_log_record_current(void) { return in_use ? in_use : &own; }
+
+opf_log_record *opf_log_record_use(opf_log_record *r) {
+    opf_log_record *before = opf_log_record_current();
+    in_use = r == &own ? NULL : r;
+    return before;
+}
+
+static void record_enter(void) {
+    pthread_once(&sink_once, sink_register_fork);
+    pthread_mutex_lock(&record_lock);
+}
+
+static int same(const char *a, const char *b) { return a == b || (a && b && strcmp(a, b) == 0); }
+
+/* The entry of r for (family, variant, ran, why), found or made, its time now. Under record_lock. */
+static void note(opf_log_record *r, const char *family, const char *variant, const char *ran, const char *why,
+                 opf_isa isa) {
+    int slot = -1;
+    for (int i = 0; i < r->n && slot < 0; i++) /* the same table again (every row block): once */
+        if (same(r->e[i].family, family) && same(r->e[i].variant, variant) && same(r->e[i].ran, ran) &&
+            (!ran || strncmp(r->e[i].why, why, sizeof r->e[i].why - 1) == 0))
+            slot = i;
+    if (slot < 0) {
+        slot = r->next;
+        r->next = (r->next + 1) % OPF_MAX_PICKS;
+        if (r->n < OPF_MAX_PICKS) r->n++;
+        r->e[slot].family = family;
+        r->e[slot].variant = variant;
+        r->e[slot].ran = ran;
+        snprintf(r->e[slot].why, sizeof r->e[slot].why, "%s", ran ? why : "");
+        r->e[slot].isa = isa;
+    }
+    r->e[slot].t_us = opf_now_us();
+}
 
 void opf_log_note_pick(const char *family, const char *variant, opf_isa isa) {
-    double now = opf_now_us();
-    for (int i = 0; i < npicks; i++) /* the same table again (every row block): once */
-        if (picks[i].family == family && picks[i].variant == variant) {
-            picks[i].t_us = now;
-            return;
-        }
-    int slot = next_pick;
-    next_pick = (next_pick + 1) % OPF_MAX_PICKS;
-    if (npicks < OPF_MAX_PICKS) npicks++;
-    picks[slot].family = family;
-    picks[slot].variant = variant;
-    picks[slot].isa = isa;
-    picks[slot].t_us = now;
+    record_enter();
+    note(opf_log_record_current(), family, variant, NULL, NULL, isa);
+    pthread_mutex_unlock(&record_lock);
+}
+
+void opf_log_note_fallback(const char *family, const char *picked, const char *ran, opf_isa isa, const char *why) {
+    record_enter();
+    opf_log_record *r = opf_log_record_current();
+    double latest = -1;
+    for (int i = 0; i < r->n; i++) /* the variant the call picked from the family: its latest pick */
+        if (!r->e[i].ran && same(r->e[i].family, family) && r->e[i].t_us > latest)
+            latest = r->e[i].t_us, picked = r->e[i].variant;
+    note(r, family, picked, ran ? ran : "?", why ? why : "", isa);
+    pthread_mutex_unlock(&record_lock);
+}
+
+/* Entry i is a pick that fell back in this call: its fallbacks name it and count instead. */
+static int fell_back(const opf_log_record *r, int i, double t0_us) {
+    for (int j = 0; j < r->n; j++)
+        if (r->e[j].ran && r->e[j].t_us >= t0_us && same(r->e[j].family, r->e[i].family) &&
+            same(r->e[j].variant, r->e[i].variant))
+            return 1;
+    return 0;
 }
 
 int opf_log_take_picks(double t0_us, char *buf, size_t len) {
     int best = -1;
     size_t used = 0;
     if (len) buf[0] = '\0';
-    for (int i = 0; i < npicks; i++) {
-        if (picks[i].t_us < t0_us) continue; /* an earlier call's, or one that logged nothing */
-        if (used < len)
-            used +=
-                (size_t)snprintf(buf + used, len - used, "%s%s:%s", used ? "," : "",
-                                 picks[i].family ? picks[i].family : "?", picks[i].variant ? picks[i].variant : "?");
-        if ((int)picks[i].isa > best) best = (int)picks[i].isa;
+    record_enter();
+    opf_log_record *r = opf_log_record_current();
+    for (int i = 0; i < r->n; i++) {
+        /* an earlier call's, or one that logged nothing; a pick that fell back is named by its fallback */
+        if (r->e[i].t_us < t0_us || (!r->e[i].ran && fell_back(r, i, t0_us))) continue;
+        const char *family = r->e[i].family ? r->e[i].family : "?", *variant = r->e[i].variant ? r->e[i].variant : "?";
+        if (used < len && r->e[i].ran)
+            used += (size_t)snprintf(buf + used, len - used, "%s%s:%s->%s (%s)", used ? "," : "", family, variant,
+                                     r->e[i].ran, r->e[i].why);
+        else if (used < len)
+            used += (size_t)snprintf(buf + used, len - used, "%s%s:%s", used ? "," : "", family, variant);
+        if ((int)r->e[i].isa > best) best = (int)r->e[i].isa;
     }
-    npicks = next_pick = 0;
+    r->n = r->next = 0;
+    pthread_mutex_unlock(&record_lock);
     return best;
 }

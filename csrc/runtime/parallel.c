@@ -65,10 +65,30 @@ static const opf_parallel_backend *backend = &pthread_backend;
 
 void opf_parallel_set_backend(const opf_parallel_backend *b) { backend = b ? b : &pthread_backend; }
 
+/* A chunk run for the thread that called opf_parallel_for, at info level: the kernels it picks or falls
+ * back to are noted into that thread's record, for its call's log line. */
+typedef struct logged_job {
+    opf_range_fn fn;
+    void *ctx;
+    opf_log_record *record;
+} logged_job;
+
+static void logged_chunk(int64_t begin, int64_t end, void *arg) {
+    const logged_job *j = arg;
+    opf_log_record *before = opf_log_record_use(j->record);
+    j->fn(begin, end, j->ctx);
+    opf_log_record_use(before);
+}
+
 void opf_parallel_for(int64_t begin, int64_t end, int64_t grain, opf_range_fn fn, void *ctx) {
     if (end <= begin) return;
     if (end - begin <= grain) {
         fn(begin, end, ctx); /* small: no pool round trip */
+        return;
+    }
+    if (opf_log_enabled(OPF_LOG_INFO)) {
+        logged_job j = {fn, ctx, opf_log_record_current()};
+        backend->parallel_for(begin, end, grain, logged_chunk, &j);
         return;
     }
     backend->parallel_for(begin, end, grain, fn, ctx);

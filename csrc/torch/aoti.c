@@ -11,6 +11,7 @@
  *   float  -> double                           float?  -> double *
  *   int    -> int64_t                          int?    -> int64_t *
  *   bool   -> int32_t                          bool?   -> int32_t *
+ *   str    -> const char * (borrowed)          str?    -> const char ** (NULL: None)
  * then one `AtenTensorHandle *retN` per output, which receives a new owning handle.
  *
  * Names. Inductor calls `aoti_torch_cpu_<op>`, the op's name without its
@@ -44,11 +45,15 @@
 
 /* ---- arguments: the shim's C values as a boxed stack ------------------------- */
 
-enum { SLOT_VALUE, SLOT_TENSOR, SLOT_BOX_TENSOR, SLOT_BOX_VALUE };
+/* What a slot owns: a plain value, a tensor handle, a string handle; SLOT_BOXED: that in a box. */
+enum { SLOT_VALUE, SLOT_TENSOR, SLOT_STRING, SLOT_BOXED = 4 };
+
+static void release_slot(StableIValue v, int kind);
 
 static void push(opf_aoti_args *a, StableIValue v, int kind) {
     if (a->n == OPF_AOTI_MAX_ARGS) {
         a->failed = 1;
+        release_slot(v, kind);
         return;
     }
     a->v[a->n] = v;
@@ -82,14 +87,27 @@ static AtenTensorHandle new_handle(opf_aoti_args *a, AtenTensorHandle t) {
     return h;
 }
 
+static void release_slot(StableIValue v, int kind) {
+    if (kind & SLOT_BOXED) {
+        StableIValue *box = (StableIValue *)(uintptr_t)v;
+        release_slot(*box, kind & ~SLOT_BOXED);
+        free_box(box);
+    } else if (kind == SLOT_TENSOR) {
+        aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)v);
+    } else if (kind == SLOT_STRING) {
+        torch_delete_string((StringHandle)(uintptr_t)v);
+    }
+}
+
+/* v (what kind says it is) in a new box, pushed as a `T?` value */
 static void push_boxed(opf_aoti_args *a, StableIValue v, int kind) {
     StableIValue *box = new_box(v);
     if (box == NULL) {
         a->failed = 1;
-        if (kind == SLOT_BOX_TENSOR) aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)v);
+        release_slot(v, kind);
         return;
     }
-    push(a, (StableIValue)(uintptr_t)box, kind);
+    push(a, (StableIValue)(uintptr_t)box, kind | SLOT_BOXED);
 }
 
 static StableIValue bits_of(double d) {
@@ -109,7 +127,7 @@ void opf_aoti_arg_optional_tensor(opf_aoti_args *a, AtenTensorHandle *t) {
         return;
     }
     AtenTensorHandle h = new_handle(a, *t);
-    if (h) push_boxed(a, (StableIValue)(uintptr_t)h, SLOT_BOX_TENSOR);
+    if (h) push_boxed(a, (StableIValue)(uintptr_t)h, SLOT_TENSOR);
 }
 
 void opf_aoti_arg_double(opf_aoti_args *a, double v) { push(a, bits_of(v), SLOT_VALUE); }
@@ -121,7 +139,7 @@ void opf_aoti_arg_optional_double(opf_aoti_args *a, double *v) {
         push(a, 0, SLOT_VALUE);
         return;
     }
-    push_boxed(a, bits_of(*v), SLOT_BOX_VALUE);
+    push_boxed(a, bits_of(*v), SLOT_VALUE);
 }
 
 void opf_aoti_arg_optional_int(opf_aoti_args *a, int64_t *v) {
@@ -129,7 +147,7 @@ void opf_aoti_arg_optional_int(opf_aoti_args *a, int64_t *v) {
         push(a, 0, SLOT_VALUE);
         return;
     }
-    push_boxed(a, (StableIValue)*v, SLOT_BOX_VALUE);
+    push_boxed(a, (StableIValue)*v, SLOT_VALUE);
 }
 
 void opf_aoti_arg_optional_bool(opf_aoti_args *a, int32_t *v) {
@@ -137,19 +155,32 @@ void opf_aoti_arg_optional_bool(opf_aoti_args *a, int32_t *v) {
         push(a, 0, SLOT_VALUE);
         return;
     }
-    push_boxed(a, *v != 0, SLOT_BOX_VALUE);
+    push_boxed(a, *v != 0, SLOT_VALUE);
+}
+
+/* The kernel owns (and frees) a `str` argument: a new string handle holding a copy of s. */
+static StringHandle new_string(opf_aoti_args *a, const char *s) {
+    StringHandle h = NULL;
+    if (s == NULL || torch_new_string_handle(s, strlen(s), &h) != OPF_AOTI_SUCCESS) a->failed = 1;
+    return h;
+}
+
+void opf_aoti_arg_str(opf_aoti_args *a, const char *v) {
+    StringHandle h = new_string(a, v);
+    if (h) push(a, (StableIValue)(uintptr_t)h, SLOT_STRING);
+}
+
+void opf_aoti_arg_optional_str(opf_aoti_args *a, const char **v) {
+    if (v == NULL) {
+        push(a, 0, SLOT_VALUE);
+        return;
+    }
+    StringHandle h = new_string(a, *v);
+    if (h) push_boxed(a, (StableIValue)(uintptr_t)h, SLOT_STRING);
 }
 
 static void release(opf_aoti_args *a) {
-    for (int i = 0; i < a->n; i++) {
-        StableIValue v = a->v[i];
-        if (a->kind[i] == SLOT_TENSOR) aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)v);
-        if (a->kind[i] == SLOT_BOX_TENSOR || a->kind[i] == SLOT_BOX_VALUE) {
-            StableIValue *box = (StableIValue *)(uintptr_t)v;
-            if (a->kind[i] == SLOT_BOX_TENSOR) aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)*box);
-            free_box(box);
-        }
-    }
+    for (int i = 0; i < a->n; i++) release_slot(a->v[i], a->kind[i]);
     a->n = 0;
 }
 

@@ -44,6 +44,8 @@ void opf_aoti_arg_int(opf_aoti_args *a, int64_t v);
 void opf_aoti_arg_optional_int(opf_aoti_args *a, int64_t *v);
 void opf_aoti_arg_bool(opf_aoti_args *a, int32_t v);
 void opf_aoti_arg_optional_bool(opf_aoti_args *a, int32_t *v);
+void opf_aoti_arg_str(opf_aoti_args *a, const char *v);
+void opf_aoti_arg_optional_str(opf_aoti_args *a, const char **v);
 AOTITorchError opf_aoti_run(opf_aoti_site *site, opf_aoti_args *a, AtenTensorHandle **rets, int nout);
 
 /* The C type of a parameter picks how it is boxed: the parameter list is the only per-op fact. */
@@ -56,7 +58,9 @@ AOTITorchError opf_aoti_run(opf_aoti_site *site, opf_aoti_args *a, AtenTensorHan
         int64_t: opf_aoti_arg_int,                                   \
         int64_t *: opf_aoti_arg_optional_int,                        \
         int32_t: opf_aoti_arg_bool,                                  \
-        int32_t *: opf_aoti_arg_optional_bool)(a, v)
+        int32_t *: opf_aoti_arg_optional_bool,                       \
+        const char *: opf_aoti_arg_str,                              \
+        const char **: opf_aoti_arg_optional_str)(a, v)
 
 #define OPF_UNPAREN(...) __VA_ARGS__
 #define OPF_CAT(a, b) OPF_CAT_(a, b)

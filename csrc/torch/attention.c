@@ -40,8 +40,7 @@ static void check_qkv(const char *op, const char *arg, const opf_tensor *t, cons
     opf_check_device(op, arg, t, "q", q);
     opf_check_float(op, arg, t);
     if (q != t) opf_check_same_dtype(op, arg, t, "q", q);
-    if (t->ndim != 4)
-        opf_fail(op, "argument '%s' must be 4-d (batch, heads, length, head_dim), got %lld-d", arg, (long long)t->ndim);
+    opf_check_dims(op, arg, t, 4, "(batch, heads, length, head_dim)");
 }
 
 /* mask strides over (b, h, n, s): right-aligned broadcasting, 0 where broadcast */
@@ -89,22 +88,17 @@ static attention_args check_attention(const char *op, AtenTensorHandle q_h, Aten
     check_qkv(op, "k", &a.k, &a.q);
     check_qkv(op, "v", &a.v, &a.q);
     const int64_t *qs = a.q.sizes, *ks = a.k.sizes, *vs = a.v.sizes;
-    if (ks[0] != qs[0] || vs[0] != qs[0])
-        opf_fail(op, "arguments 'k' and 'v' must have the batch size of 'q' (%lld), got %lld and %lld",
-                 (long long)qs[0], (long long)ks[0], (long long)vs[0]);
-    if (vs[1] != ks[1])
-        opf_fail(op, "argument 'v' must have the heads of 'k' (%lld), got %lld", (long long)ks[1], (long long)vs[1]);
+    opf_check_size(op, "k", &a.k, 0, "q", &a.q, 0); /* batch */
+    opf_check_size(op, "v", &a.v, 0, "q", &a.q, 0);
+    opf_check_size(op, "v", &a.v, 1, "k", &a.k, 1); /* heads */
     /* no query head (H = 0) needs no key/value head: an empty result, as torch's */
     if (ks[1] < 1 ? qs[1] != 0 : qs[1] % ks[1] != 0)
         opf_fail(op,
                  "argument 'k' must have a number of heads dividing the %lld heads of 'q' (grouped-query attention), "
                  "got %lld",
                  (long long)qs[1], (long long)ks[1]);
-    if (ks[3] != qs[3])
-        opf_fail(op, "argument 'k' must have the head_dim of 'q' (%lld), got %lld", (long long)qs[3], (long long)ks[3]);
-    if (vs[2] != ks[2])
-        opf_fail(op, "argument 'v' must have the key length of 'k' (%lld), got %lld", (long long)ks[2],
-                 (long long)vs[2]);
+    opf_check_size(op, "k", &a.k, 3, "q", &a.q, 3); /* head_dim */
+    opf_check_size(op, "v", &a.v, 2, "k", &a.k, 2); /* key length */
     a.p = (attention_problem){.b = qs[0],
                               .h = qs[1],
                               .hkv = ks[1],

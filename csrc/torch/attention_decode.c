@@ -21,8 +21,7 @@ static void check_4d(const char *arg, const opf_tensor *t, const opf_tensor *q, 
     opf_check_device(ATTENTION_DECODE, arg, t, "q", q);
     opf_check_float(ATTENTION_DECODE, arg, t);
     if (q != t) opf_check_same_dtype(ATTENTION_DECODE, arg, t, "q", q);
-    if (t->ndim != 4)
-        opf_fail(ATTENTION_DECODE, "argument '%s' must be 4-d %s, got %lld-d", arg, dims, (long long)t->ndim);
+    opf_check_dims(ATTENTION_DECODE, arg, t, 4, dims);
 }
 
 static void attention_decode_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
@@ -42,34 +41,22 @@ static void attention_decode_cpu(StableIValue *stack, uint64_t nin, uint64_t nou
     check_4d("k_cache", &kc, &q, "(batch, kv heads, max length, head_dim)");
     check_4d("v_cache", &vc, &q, "(batch, kv heads, max length, head_dim)");
     const int64_t *qs = q.sizes, *ks = kc.sizes, *vs = vc.sizes;
-    if (ks[0] != qs[0] || vs[0] != qs[0])
-        opf_fail(ATTENTION_DECODE,
-                 "arguments 'k_cache' and 'v_cache' must have the batch size of 'q' (%lld), got %lld and %lld",
-                 (long long)qs[0], (long long)ks[0], (long long)vs[0]);
-    if (vs[1] != ks[1])
-        opf_fail(ATTENTION_DECODE, "argument 'v_cache' must have the heads of 'k_cache' (%lld), got %lld",
-                 (long long)ks[1], (long long)vs[1]);
+    opf_check_size(ATTENTION_DECODE, "k_cache", &kc, 0, "q", &q, 0); /* batch */
+    opf_check_size(ATTENTION_DECODE, "v_cache", &vc, 0, "q", &q, 0);
+    opf_check_size(ATTENTION_DECODE, "v_cache", &vc, 1, "k_cache", &kc, 1); /* kv heads */
     if (ks[1] < 1 ? qs[1] != 0 : qs[1] % ks[1] != 0)
         opf_fail(ATTENTION_DECODE,
                  "argument 'k_cache' must have a number of heads dividing the %lld heads of 'q' (grouped-query "
                  "attention), got %lld",
                  (long long)qs[1], (long long)ks[1]);
-    if (ks[3] != qs[3])
-        opf_fail(ATTENTION_DECODE, "argument 'k_cache' must have the head_dim of 'q' (%lld), got %lld",
-                 (long long)qs[3], (long long)ks[3]);
-    if (vs[2] != ks[2])
-        opf_fail(ATTENTION_DECODE, "argument 'v_cache' must have the max length of 'k_cache' (%lld), got %lld",
-                 (long long)ks[2], (long long)vs[2]);
+    opf_check_size(ATTENTION_DECODE, "k_cache", &kc, 3, "q", &q, 3);        /* head_dim */
+    opf_check_size(ATTENTION_DECODE, "v_cache", &vc, 2, "k_cache", &kc, 2); /* max length */
     opf_check_device(ATTENTION_DECODE, "seq_lens", &sl, "q", &q);
     const int lens_i64 = sl.dtype == aoti_torch_dtype_int64();
     if (!lens_i64 && sl.dtype != aoti_torch_dtype_int32())
         opf_fail(ATTENTION_DECODE, "argument 'seq_lens' must be int32 or int64, got %s", opf_dtype_name(sl.dtype));
-    if (sl.ndim != 1 || sl.sizes[0] != qs[0]) {
-        char got[128];
-        opf_shape_str(got, sizeof got, &sl);
-        opf_fail(ATTENTION_DECODE, "argument 'seq_lens' must have shape [%lld] (one length per batch row), got %s",
-                 (long long)qs[0], got);
-    }
+    opf_check_dims(ATTENTION_DECODE, "seq_lens", &sl, 1, "(batch,)");
+    opf_check_size(ATTENTION_DECODE, "seq_lens", &sl, 0, "q", &q, 0);
     attention_decode_problem p = {.b = qs[0],
                                   .h = qs[1],
                                   .hkv = ks[1],

@@ -45,8 +45,8 @@ cross_entropy_args cross_entropy_check(const char *op, __typeof__(opf_check_devi
         a.weight = opf_tensor_info(op, "weight", w_h);
         check_device(op, "weight", &a.weight, "logits", x);
         opf_check_same_dtype(op, "weight", &a.weight, "logits", x);
-        opf_tensor want = {.ndim = 1, .sizes = &C};
-        opf_check_same_shape(op, "weight", &a.weight, "(C,), C the last dim of logits", &want);
+        opf_check_dims(op, "weight", &a.weight, 1, "(C,)");
+        opf_check_size(op, "weight", &a.weight, 0, "logits", x, -1);
     }
     int64_t ignore = opf_arg_int(opts[0]);
     double eps = opf_arg_double(opts[1]);

@@ -2,8 +2,8 @@
  * torch glue of the gated linear units:
  *   glu(gate (..., F), up (..., F), act) -> act(gate) * up
  *   glu_backward(grad, gate, up, act) -> (dgate, dup)
- * act is an act_kind code (2 = gelu, 3 = gelu_tanh, 4 = silu: geglu, geglu
- * with the tanh approximation, swiglu), mapped from names in functional.py.
+ * act is "gelu", "gelu_tanh" or "silu" (geglu, geglu with the tanh
+ * approximation, swiglu), read as an act_kind.
  * The packed (..., 2F) form is x.chunk(2, -1) in functional.py: two views
  * that these kernels read in place. No copies: any strides are read in place.
  * out, dgate and dup take gate's strides when gate is dense, else they are
@@ -20,10 +20,12 @@
 static const char FWD[] = OPF_QUALNAME("glu");
 static const char BWD[] = OPF_QUALNAME("glu_backward");
 
-OPF_REGISTER_ENUM(glu_activation, {"gelu", ACT_GELU}, {"gelu_tanh", ACT_GELU_TANH}, {"silu", ACT_SILU});
+/* the values of the schemas' `str act`, for .enums and opf_arg_enum */
+#define GLU_ACTS "gelu|gelu_tanh|silu"
 
-act_kind glu_check_act(const char *op, int64_t act) {
-    return (act_kind)opf_check_enum(op, "act", &opf_enum_glu_activation, act);
+act_kind glu_arg_act(const char *op, StableIValue act) {
+    static const act_kind kinds[] = {ACT_GELU, ACT_GELU_TANH, ACT_SILU}; /* GLU_ACTS' */
+    return kinds[opf_arg_enum(op, "act", act, GLU_ACTS)];
 }
 
 glu_args glu_prepare(const char *op, __typeof__(opf_check_device) *check_device, AtenTensorHandle grad_h,
@@ -53,13 +55,13 @@ glu_args glu_prepare(const char *op, __typeof__(opf_check_device) *check_device,
     return a;
 }
 
-/* glu(Tensor gate, Tensor up, int act) -> Tensor */
+/* glu(Tensor gate, Tensor up, str act) -> Tensor */
 static void glu_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     (void)nin, (void)nout;
     OPF_ARG_TENSOR(gate, stack, 0);
     OPF_ARG_TENSOR(up, stack, 1);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    act_kind act = glu_check_act(FWD, opf_arg_int(stack[2]));
+    act_kind act = glu_arg_act(FWD, stack[2]);
     OPF_OWNED AtenTensorHandle out_h = NULL;
     const glu_args a = glu_prepare(FWD, opf_check_device, NULL, gate_h, up_h, &out_h, NULL);
     if (opf_is_meta(&a.gate)) {
@@ -76,14 +78,14 @@ static void glu_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_RETURN(stack, 0, out_h);
 }
 
-/* glu_backward(Tensor grad, Tensor gate, Tensor up, int act) -> (Tensor, Tensor) */
+/* glu_backward(Tensor grad, Tensor gate, Tensor up, str act) -> (Tensor, Tensor) */
 static void glu_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     (void)nin, (void)nout;
     OPF_ARG_TENSOR(grad, stack, 0);
     OPF_ARG_TENSOR(gate, stack, 1);
     OPF_ARG_TENSOR(up, stack, 2);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    act_kind act = glu_check_act(BWD, opf_arg_int(stack[3]));
+    act_kind act = glu_arg_act(BWD, stack[3]);
     OPF_OWNED AtenTensorHandle dgate_h = NULL;
     OPF_OWNED AtenTensorHandle dup_h = NULL;
     const glu_args a = glu_prepare(BWD, opf_check_device, grad_h, gate_h, up_h, &dgate_h, &dup_h);
@@ -102,7 +104,7 @@ static void glu_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
 
 static const opf_op_desc opf_glu_ops[] = {
     {
-        .schema = "glu(Tensor gate, Tensor up, int act) -> Tensor",
+        .schema = "glu(Tensor gate, Tensor up, str act) -> Tensor",
         .cpu = glu_cpu,
         .shape = "like:gate",
         .backward = "glu_backward",
@@ -111,14 +113,16 @@ static const opf_op_desc opf_glu_ops[] = {
         .autocast = OPF_AUTOCAST_PROMOTE, /* as eager silu(gate) * up under autocast */
         .flops = "6*numel(gate)",
         .meta = 1,
+        .enums = "act: " GLU_ACTS,
     },
     {
-        .schema = "glu_backward(Tensor grad, Tensor gate, Tensor up, int act) -> (Tensor, Tensor)",
+        .schema = "glu_backward(Tensor grad, Tensor gate, Tensor up, str act) -> (Tensor, Tensor)",
         .cpu = glu_backward_cpu,
         .shape = "like:gate;like:gate",
         .autocast = OPF_AUTOCAST_NONE,
         .flops = "10*numel(gate)",
         .meta = 1,
+        .enums = "act: " GLU_ACTS,
     },
     OPF_OP_END,
 };
@@ -126,6 +130,6 @@ static const opf_op_desc opf_glu_ops[] = {
 OPF_REGISTER_OPS(opf_glu_ops);
 OPF_REGISTER_FAMILY(glu_variants);
 
-OPF_AOTI_SHIM(glu, 1, (AtenTensorHandle gate, AtenTensorHandle up, int64_t act), gate, up, act);
-OPF_AOTI_SHIM(glu_backward, 2, (AtenTensorHandle grad, AtenTensorHandle gate, AtenTensorHandle up, int64_t act), grad,
-              gate, up, act);
+OPF_AOTI_SHIM(glu, 1, (AtenTensorHandle gate, AtenTensorHandle up, const char *act), gate, up, act);
+OPF_AOTI_SHIM(glu_backward, 2, (AtenTensorHandle grad, AtenTensorHandle gate, AtenTensorHandle up, const char *act),
+              grad, gate, up, act);

@@ -1,6 +1,6 @@
 /*
  * What the CPU glue of glu and glu_backward (glu.c) shares with their CUDA
- * glue (csrc/cuda/glu.c): the check of act, every check of the tensors and
+ * glue (csrc/cuda/glu.c): the reading of act, every check of the tensors and
  * the outputs' allocation, so that both take and refuse the same arguments
  * with the same messages and give outputs of the same layout.
  */
@@ -12,9 +12,10 @@
 #include "../kernels/act.h"
 #include "opforge/op.h"
 
-/* act as an act_kind, or fails op naming the activations glu takes. The glue checks it before the
- * tensors (the CUDA glue before it takes its device guard). */
-act_kind glu_check_act(const char *op, int64_t act);
+/* The `str act` argument as an act_kind (torch's string freed), or fails op naming the activations glu
+ * takes. The glue reads it before it checks the tensors (the CUDA glue before it takes its device
+ * guard): a failure there would leave the string to no one. */
+act_kind glu_arg_act(const char *op, StableIValue act);
 
 /* The tensors of a call, checked, and its outputs. */
 typedef struct glu_args {

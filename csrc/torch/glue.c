@@ -136,6 +136,48 @@ double opf_arg_double(StableIValue v) {
 int64_t opf_arg_int(StableIValue v) { return (int64_t)v; }
 int opf_arg_bool(StableIValue v) { return (int)(v & 0xff); }
 
+/* The next value of a "none | silu | gelu" list from *p on, blanks around it left out, and its length;
+ * NULL past the last. */
+static const char *enum_next(const char **p, size_t *len) {
+    const char *s = *p;
+    if (s == NULL) return NULL;
+    const char *bar = strchr(s, '|'), *end = bar ? bar : s + strlen(s);
+    *p = bar ? bar + 1 : NULL;
+    while (s < end && *s == ' ') s++;
+    while (end > s && end[-1] == ' ') end--;
+    *len = (size_t)(end - s);
+    return s;
+}
+
+int opf_arg_enum(const char *op, const char *arg, StableIValue v, const char *values) {
+    StringHandle s = (StringHandle)(uintptr_t)v;
+    const char *data = NULL, *p = values, *name;
+    size_t len = 0, n;
+    if (torch_string_c_str(s, &data) != OPF_AOTI_SUCCESS || torch_string_length(s, &len) != OPF_AOTI_SUCCESS) {
+        torch_delete_string(s);
+        opf_fail(op, "internal error: could not read the string of argument '%s'", arg);
+    }
+    for (int i = 0; (name = enum_next(&p, &n)); i++) {
+        if (n == len && memcmp(name, data, len) == 0) {
+            torch_delete_string(s);
+            return i;
+        }
+    }
+    char given[256], expected[512] = "";
+    snprintf(given, sizeof given, "%.*s", (int)(len < sizeof given ? len : sizeof given - 1), data);
+    torch_delete_string(s); /* before the exception: nothing else would free it */
+    size_t used = 0;
+    p = values;
+    for (int i = 0; (name = enum_next(&p, &n)) && used < sizeof expected; i++)
+        used += (size_t)snprintf(expected + used, sizeof expected - used, "%s'%.*s'", i ? ", " : "", (int)n, name);
+    opf_fail(op, "argument '%s' must be one of %s, got '%s'", arg, expected, given);
+}
+
+int opf_arg_optional_enum(const char *op, const char *arg, StableIValue v, const char *values) {
+    StableIValue value;
+    return unbox_optional(v, &value) ? opf_arg_enum(op, arg, value, values) : -1;
+}
+
 opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h) {
     opf_tensor t = {.h = h};
     int64_t *sizes = NULL, *strides = NULL;
@@ -244,6 +286,46 @@ void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, 
     if (t->dtype != ref->dtype)
         opf_fail(op, "argument '%s' must have the dtype of '%s' (%s), got %s", arg, ref_arg, opf_dtype_name(ref->dtype),
                  opf_dtype_name(t->dtype));
+}
+
+void opf_check_dims(const char *op, const char *arg, const opf_tensor *t, int64_t ndim, const char *names) {
+    if (t->ndim == ndim) return;
+    char got[256];
+    opf_shape_str(got, sizeof got, t);
+    opf_fail(op, "argument '%s' must have %lld dim%s%s%s, got %lld: %s", arg, (long long)ndim, ndim == 1 ? "" : "s",
+             names ? " " : "", names ? names : "", (long long)t->ndim, got);
+}
+
+/* The index of size(dim) of t (a negative dim counts from the end), or a failure naming arg. */
+static int64_t dim_index(const char *op, const char *arg, const opf_tensor *t, int64_t dim) {
+    const int64_t d = dim < 0 ? dim + t->ndim : dim;
+    if (d >= 0 && d < t->ndim) return d;
+    /* the dims size(dim) needs; unsigned: no overflow at either end of int64 */
+    const unsigned long long need = dim < 0 ? (unsigned long long)-(dim + 1) + 1 : (unsigned long long)dim + 1;
+    char got[256];
+    opf_shape_str(got, sizeof got, t);
+    opf_fail(op, "argument '%s' must have at least %llu dim%s for size(%lld), got %lld: %s", arg, need,
+             need == 1 ? "" : "s", (long long)dim, (long long)t->ndim, got);
+}
+
+void opf_check_size(const char *op, const char *arg, const opf_tensor *t, int64_t dim, const char *ref_arg,
+                    const opf_tensor *ref, int64_t ref_dim) {
+    const int64_t want = ref->sizes[dim_index(op, ref_arg, ref, ref_dim)], size = t->sizes[dim_index(op, arg, t, dim)];
+    if (size == want) return;
+    char a[256], b[256];
+    opf_shape_str(a, sizeof a, t);
+    opf_shape_str(b, sizeof b, ref);
+    opf_fail(op, "argument '%s' must have size(%lld) == %s.size(%lld) = %lld, got %lld (%s: %s, %s: %s)", arg,
+             (long long)dim, ref_arg, (long long)ref_dim, (long long)want, (long long)size, arg, a, ref_arg, b);
+}
+
+void opf_check_size_is(const char *op, const char *arg, const opf_tensor *t, int64_t dim, int64_t size) {
+    const int64_t got = t->sizes[dim_index(op, arg, t, dim)];
+    if (got == size) return;
+    char shape[256];
+    opf_shape_str(shape, sizeof shape, t);
+    opf_fail(op, "argument '%s' must have size(%lld) == %lld, got %lld (%s)", arg, (long long)dim, (long long)size,
+             (long long)got, shape);
 }
 
 AtenTensorHandle opf_empty_strided(const char *op, int64_t ndim, const int64_t *sizes, const int64_t *strides,

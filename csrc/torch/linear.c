@@ -17,7 +17,8 @@
  * operands converted to float32 while packed, as float16 always does; both
  * accumulate in float32 and round once, in the GEMM's epilogue. float64 runs
  * the oracle (gradcheck). Operands of any strides are read in place; outputs are
- * contiguous. activation: 0 none, 1 relu, 2 gelu, 3 gelu_tanh, 4 silu.
+ * contiguous. activation: "none", "relu", "gelu", "gelu_tanh" or "silu" (ACT_NAMES), read as
+ * an act_kind.
  */
 #include <stdlib.h>
 
@@ -38,11 +39,10 @@ static opf_dtype check_operand(const char *op, const char *arg, const opf_tensor
     return opf_check_float(op, arg, t);
 }
 
-OPF_REGISTER_ENUM(activation, {"none", ACT_NONE}, {"relu", ACT_RELU}, {"gelu", ACT_GELU}, {"gelu_tanh", ACT_GELU_TANH},
-                  {"silu", ACT_SILU});
-
-static void check_activation(const char *op, int64_t act) {
-    opf_check_enum(op, "activation", &opf_enum_activation, act);
+/* The `str activation` argument as an act_kind (ACT_NAMES lists them in order). Read before anything
+ * is checked: a failure there would leave torch's string to no one. */
+static act_kind arg_activation(const char *op, StableIValue v) {
+    return (act_kind)opf_arg_enum(op, "activation", v, ACT_NAMES);
 }
 
 /* a kernel that refuses its workspace was given one sized for another problem: a bug of ours, which the
@@ -155,7 +155,7 @@ typedef struct linear_args {
 } linear_args;
 
 static linear_args check_linear(const char *op, AtenTensorHandle x_h, AtenTensorHandle w_h, AtenTensorHandle b_h,
-                                int64_t act) {
+                                act_kind act) {
     linear_args l = {
         .x = opf_tensor_info(op, "x", x_h), .w = opf_tensor_info(op, "weight", w_h), .has_bias = b_h != NULL};
     l.dt = check_operand(op, "x", &l.x, "x", &l.x);
@@ -199,8 +199,7 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(w, stack, 1);
     OPF_OWNED AtenTensorHandle bias_h = opf_arg_optional_tensor(stack[2]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    int64_t act = opf_arg_int(stack[3]);
-    check_activation(LINEAR, act);
+    act_kind act = arg_activation(LINEAR, stack[3]);
     const int save = act && opf_arg_bool(stack[4]); /* preact is made only for a backward */
     linear_args l = check_linear(LINEAR, x_h, w_h, bias_h, act);
     int64_t sizes[OPF_MAX_DIMS], empty = 0;
@@ -225,7 +224,7 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_RETURN(stack, 1, pre_h);
 }
 
-/* linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, int activation)
+/* linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, str activation)
  *   g' = grad * act'(preact)   (grad itself for "none"), gathered into (M, N)
  *   dx = g' weight             dweight = g'^T x             dbias = sum_rows g'
  * linear_backward_ is the same with preact overwritten by g' where it can be
@@ -237,8 +236,7 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
     OPF_OWNED AtenTensorHandle bias_h = opf_arg_optional_tensor(stack[3]);
     OPF_ARG_TENSOR(pre, stack, 4);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
-    int64_t act = opf_arg_int(stack[5]);
-    check_activation(LINEAR_BACKWARD, act);
+    act_kind act = arg_activation(LINEAR_BACKWARD, stack[5]);
     linear_args l = check_linear(LINEAR_BACKWARD, x_h, w_h, bias_h, act);
     opf_tensor g = opf_tensor_info(LINEAR_BACKWARD, "grad", grad_h),
                pre = opf_tensor_info(LINEAR_BACKWARD, "preact", pre_h);
@@ -302,7 +300,7 @@ static const opf_op_desc opf_linear_ops[] = {
         .meta = 1,
     },
     {
-        .schema = "linear(Tensor x, Tensor weight, Tensor? bias, int activation, bool save_preact=True) "
+        .schema = "linear(Tensor x, Tensor weight, Tensor? bias, str activation, bool save_preact=True) "
                   "-> (Tensor, Tensor)",
         .cpu = linear_cpu,
         .shape = "[x[:-1], weight[0]]; [x[:-1], weight[0]] if activation and save_preact",
@@ -312,22 +310,25 @@ static const opf_op_desc opf_linear_ops[] = {
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "2*numel(x)*size(weight,0)",
         .meta = 1,
+        .enums = "activation: " ACT_NAMES,
     },
     {
         .schema = "linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, "
-                  "int activation) -> (Tensor, Tensor, Tensor)",
+                  "str activation) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_backward_cpu,
         .shape = "[x[:]]; [weight[:]]; [bias[:]] dtype=x if bias",
         .flops = "4*numel(x)*size(weight,0)",
         .meta = 1,
+        .enums = "activation: " ACT_NAMES,
     },
     {
         .schema = "linear_backward_(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor(a!) preact, "
-                  "int activation) -> (Tensor, Tensor, Tensor)",
+                  "str activation) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_backward_inplace_cpu,
         .shape = "[x[:]]; [weight[:]]; [bias[:]] dtype=x if bias",
         .flops = "4*numel(x)*size(weight,0)",
         .meta = 1,
+        .enums = "activation: " ACT_NAMES,
     },
     OPF_OP_END,
 };
@@ -339,14 +340,14 @@ OPF_REGISTER_FAMILY(act_variants);
 OPF_AOTI_SHIM(matmul, 1, (AtenTensorHandle a, AtenTensorHandle b), a, b);
 OPF_AOTI_SHIM(matmul_backward, 2, (AtenTensorHandle grad, AtenTensorHandle a, AtenTensorHandle b), grad, a, b);
 OPF_AOTI_SHIM(linear, 2,
-              (AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *bias, int64_t activation,
+              (AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *bias, const char *activation,
                int32_t save_preact),
               x, weight, bias, activation, save_preact);
 OPF_AOTI_SHIM(linear_backward, 3,
               (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *bias,
-               AtenTensorHandle preact, int64_t activation),
+               AtenTensorHandle preact, const char *activation),
               grad, x, weight, bias, preact, activation);
 OPF_AOTI_SHIM(linear_backward_, 3,
               (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *bias,
-               AtenTensorHandle preact, int64_t activation),
+               AtenTensorHandle preact, const char *activation),
               grad, x, weight, bias, preact, activation);

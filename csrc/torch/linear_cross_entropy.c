@@ -56,29 +56,21 @@ static linear_cross_entropy_args check_lce(const char *op, AtenTensorHandle h_h,
     opf_check_float(op, "weight", &a.weight);
     opf_check_same_dtype(op, "weight", &a.weight, "hidden", &a.hidden);
     opf_check_device(op, "target", &a.target, "hidden", &a.hidden);
-    if (a.hidden.ndim != 2)
-        opf_fail(op, "argument 'hidden' must be 2-d (tokens, hidden), got %lld-d", (long long)a.hidden.ndim);
-    if (a.weight.ndim != 2)
-        opf_fail(op, "argument 'weight' must be 2-d (vocab, hidden), got %lld-d", (long long)a.weight.ndim);
+    opf_check_dims(op, "hidden", &a.hidden, 2, "(tokens, hidden)");
+    opf_check_dims(op, "weight", &a.weight, 2, "(vocab, hidden)");
     const int64_t t = a.hidden.sizes[0], h = a.hidden.sizes[1], v = a.weight.sizes[0];
-    if (a.weight.sizes[1] != h)
-        opf_fail(op, "argument 'weight' must have %lld columns (the hidden size, the last dim of 'hidden'), got %lld",
-                 (long long)h, (long long)a.weight.sizes[1]);
+    opf_check_size(op, "weight", &a.weight, 1, "hidden", &a.hidden, 1);
     if (a.target.dtype != aoti_torch_dtype_int64())
         opf_fail(op, "argument 'target' must be int64 (class indices), got %s", opf_dtype_name(a.target.dtype));
-    if (a.target.ndim != 1 || a.target.sizes[0] != t)
-        opf_fail(op, "argument 'target' must be 1-d with %lld elements (the tokens of 'hidden'), got %lld-d with %lld",
-                 (long long)t, (long long)a.target.ndim, (long long)a.target.numel);
+    opf_check_dims(op, "target", &a.target, 1, "(tokens,)");
+    opf_check_size(op, "target", &a.target, 0, "hidden", &a.hidden, 0);
     if (a.has_bias) {
         a.bias = opf_tensor_info(op, "bias", b_h);
         opf_check_device(op, "bias", &a.bias, "hidden", &a.hidden);
         opf_check_float(op, "bias", &a.bias);
         opf_check_same_dtype(op, "bias", &a.bias, "hidden", &a.hidden);
-        if (a.bias.ndim != 1 || a.bias.sizes[0] != v)
-            opf_fail(op,
-                     "argument 'bias' must be 1-d with %lld elements (the vocab, the rows of 'weight'), got %lld-d "
-                     "with %lld",
-                     (long long)v, (long long)a.bias.ndim, (long long)a.bias.numel);
+        opf_check_dims(op, "bias", &a.bias, 1, "(vocab,)");
+        opf_check_size(op, "bias", &a.bias, 0, "weight", &a.weight, 0);
     }
     if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
         opf_fail(op, "argument 'label_smoothing' must be in [0, 1], got %g", label_smoothing);

@@ -51,12 +51,8 @@ static void check_vec(const char *op, norm_check_device_fn check, const char *ar
                       const char *xarg, const opf_tensor *x) {
     check(op, arg, t, xarg, x);
     opf_check_same_dtype(op, arg, t, xarg, x);
-    if (t->ndim != 1 || t->sizes[0] != x->sizes[x->ndim - 1]) {
-        char got[128];
-        opf_shape_str(got, sizeof got, t);
-        opf_fail(op, "argument '%s' must have shape [%lld] (the last dim of '%s'), got %s", arg,
-                 (long long)x->sizes[x->ndim - 1], xarg, got);
-    }
+    opf_check_dims(op, arg, t, 1, "(hidden,)");
+    opf_check_size(op, arg, t, 0, xarg, x, -1);
 }
 
 /* The weight and bias given (NULL: not given): their infos, checked against x. */

@@ -28,9 +28,7 @@ static void check_head(const rope_args *a, __typeof__(opf_check_device) *check_d
     check_device(a->op, arg, t, a->qname, &a->q);
     opf_check_float(a->op, arg, t);
     if (t != &a->q) opf_check_same_dtype(a->op, arg, t, a->qname, &a->q);
-    if (t->ndim != 4)
-        opf_fail(a->op, "argument '%s' must be 4-d (batch, heads, length, head_dim), got %lld-d", arg,
-                 (long long)t->ndim);
+    opf_check_dims(a->op, arg, t, 4, "(batch, heads, length, head_dim)");
 }
 
 /* cos or sin: the strides (batch, position, rotary) of an accepted layout; returns R */
@@ -38,26 +36,23 @@ static int64_t check_table(const rope_args *a, __typeof__(opf_check_device) *che
                            const opf_tensor *t, int64_t st[3]) {
     check_device(a->op, arg, t, a->qname, &a->q);
     opf_check_same_dtype(a->op, arg, t, a->qname, &a->q);
-    char got[128];
-    opf_shape_str(got, sizeof got, t);
     const int64_t *sz = t->sizes, nd = t->ndim;
     if (a->has_pos) {
-        if (nd != 2)
-            opf_fail(a->op,
-                     "argument '%s' must be a 2-d table (positions, rotary_dim) when position_ids is given, got "
-                     "shape %s",
-                     arg, got);
+        opf_check_dims(a->op, arg, t, 2, "(positions, rotary_dim) when position_ids is given");
         st[0] = 0, st[1] = t->strides[0], st[2] = t->strides[1];
         return sz[1];
     }
     const int64_t bsz = a->q.sizes[0], n = a->q.sizes[2];
     const int layout = nd == 2 || nd == 3 || (nd == 4 && sz[1] == 1);
     const int64_t tb = layout && nd >= 3 ? sz[0] : 1, tn = layout ? sz[nd - 2] : -1;
-    if (!layout || (tb != 1 && tb != bsz) || tn != n)
+    if (!layout || (tb != 1 && tb != bsz) || tn != n) {
+        char got[128];
+        opf_shape_str(got, sizeof got, t);
         opf_fail(a->op,
                  "argument '%s' must have shape (N, R), (B or 1, N, R) or (B or 1, 1, N, R) with B = %lld and N = "
                  "%lld (the sizes of '%s'), got shape %s",
                  arg, (long long)bsz, (long long)n, a->qname, got);
+    }
     st[0] = nd >= 3 && tb != 1 ? t->strides[0] : 0;
     st[1] = t->strides[nd - 2];
     st[2] = t->strides[nd - 1];
@@ -79,15 +74,8 @@ rope_args rope_prepare(const char *op, const char *qname, const char *kname, __t
     check_head(&a, check_device, qname, &a.q);
     check_head(&a, check_device, kname, &a.k);
     const int64_t *qs = a.q.sizes, *ks = a.k.sizes;
-    if (ks[0] != qs[0])
-        opf_fail(op, "argument '%s' must have the batch size of '%s' (%lld), got %lld", kname, qname, (long long)qs[0],
-                 (long long)ks[0]);
-    if (ks[2] != qs[2])
-        opf_fail(op, "argument '%s' must have the sequence length of '%s' (%lld), got %lld", kname, qname,
-                 (long long)qs[2], (long long)ks[2]);
-    if (ks[3] != qs[3])
-        opf_fail(op, "argument '%s' must have the head_dim of '%s' (%lld), got %lld", kname, qname, (long long)qs[3],
-                 (long long)ks[3]);
+    for (int d = 0; d < 4; d++) /* batch, length, head_dim: any number of heads (grouped-query) */
+        if (d != 1) opf_check_size(op, kname, &a.k, d, qname, &a.q, d);
     int64_t cst[3], sst[3];
     const int64_t r = check_table(&a, check_device, "cos", &a.cos, cst);
     check_table(&a, check_device, "sin", &a.sin, sst);

@@ -7,7 +7,7 @@
 
 from ._runtime import (cpu_features, cuda_library_path, cuda_status, get_isa, isa_best, kernel_variants, library,
                        library_path, namespace, ops, set_isa, set_log_file, set_log_level, supported_isas)
-from . import functional, nn
+from . import functional, nn, optim
 from .aoti import aoti_config
 from .build import BuildError, load, load_library
 from .hf import patch_hf
@@ -35,6 +35,7 @@ __all__ = [
     "load_library",
     "namespace",
     "nn",
+    "optim",
     "ops",
     "patch",
     "patch_hf",

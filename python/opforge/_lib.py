@@ -39,6 +39,7 @@ class _Desc(ctypes.Structure):
         ("flops", ctypes.c_char_p),
         ("meta", ctypes.c_int),
         ("autocast_cuda", ctypes.c_int),
+        ("enums", ctypes.c_char_p),
     ]
 
 
@@ -58,10 +59,24 @@ class OpDescriptor:
     flops: str | None = None
     meta: bool = False
     autocast_cuda: int = AUTOCAST_NONE  # the policy under CUDA autocast where it differs (NONE: autocast's)
+    enums: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (argument, its values) per str argument with a fixed set
 
     def autocast_on(self, device: str) -> int:
         """The autocast policy on a device type."""
         return self.autocast_cuda if device == "cuda" and self.autocast_cuda else self.autocast
+
+    def enum_values(self, arg: str) -> tuple[str, ...] | None:
+        """The values the str argument ``arg`` takes, in the order whose index the C kernel gets; None
+        where the argument takes no fixed set."""
+        return dict(self.enums).get(arg)
+
+    def check_enum(self, arg: str, value) -> None:
+        """Raises the C kernel's RuntimeError (opf_arg_enum) for a value ``arg`` does not take."""
+        values = self.enum_values(arg)
+        if value is not None and values is not None and value not in values:
+            expected = ", ".join(f"'{v}'" for v in values)
+            raise RuntimeError(f"[{self.namespace}::{self.name}] argument '{arg}' must be one of {expected}, "
+                               f"got '{value}'")
 
 
 def _torch_version() -> tuple[int, int]:
@@ -161,12 +176,13 @@ class OpLibrary:
             parsed = torch._C.parse_schema(schema)
         except RuntimeError as e:
             raise RuntimeError(f"[{self.namespace}::{name}] cannot parse the schema '{schema}': {e}") from e
+        enums = _enums(f"{self.namespace}::{name}", parsed, _str(d.enums))
         return OpDescriptor(
             namespace=self.namespace,
             name=name,
             schema=schema,
             devices=tuple(dev for dev, fn in (("cpu", d.cpu), ("cuda", d.cuda)) if fn),
-            shape=compile_rules(f"{self.namespace}::{name}", parsed, _str(d.shape)),
+            shape=compile_rules(f"{self.namespace}::{name}", parsed, _str(d.shape), dict(enums)),
             backward=_str(d.backward),
             backward_args=_split(d.backward_args, ","),
             backward_grads=_split(d.backward_grads, ","),
@@ -174,7 +190,43 @@ class OpLibrary:
             flops=_str(d.flops),
             meta=bool(d.meta),
             autocast_cuda=d.autocast_cuda,
+            enums=enums,
         )
+
+    def descriptor(self, name: str) -> OpDescriptor:
+        """The descriptor of the op ``name`` (its schema's name, without the namespace)."""
+        for desc in self.ops:
+            if desc.name == name:
+                return desc
+        raise KeyError(f"op library '{self.namespace}' has no op '{name}'")
+
+
+def _enums(op: str, schema, text: str | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """A descriptor's .enums ("activation: none|silu; mode: a|b"), checked against the schema."""
+    args = {a.name: a for a in schema.arguments}
+    out: dict[str, tuple[str, ...]] = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(";"))):
+        arg, colon, values = (p.strip() for p in item.partition(":"))
+        values = tuple(v.strip() for v in values.split("|"))
+        if not colon:
+            why = "expected 'ARG: VALUE|VALUE|...'"
+        elif arg not in args:
+            why = f"the schema has no argument '{arg}' (it has {', '.join(args)})"
+        elif str(args[arg].type) not in ("str", "Optional[str]"):
+            why = f"argument '{arg}' is {args[arg].type}, not str"
+        elif arg in out:
+            why = f"argument '{arg}' is listed twice"
+        elif not all(v.isidentifier() for v in values):
+            why = "each value must be a non-empty identifier (letters, digits, '_')"
+        elif len(set(values)) != len(values):
+            why = "a value is listed twice"
+        elif args[arg].has_default_value() and args[arg].default_value not in (None, *values):
+            why = f"the schema's default '{args[arg].default_value}' of '{arg}' is not one of the values"
+        else:
+            out[arg] = values
+            continue
+        raise RuntimeError(f"[{op}] bad .enums entry '{item}': {why}")
+    return tuple(out.items())
 
 
 # ---- wiring ------------------------------------------------------------------
@@ -240,8 +292,12 @@ def _fake_from_kernel(op, args: tuple):
 def _wire_fake(desc: OpDescriptor, argnames: list[str]) -> None:
     rules = desc.shape
     op = op_overload(desc)
+    enums = [(argnames.index(arg), arg) for arg, _ in desc.enums]
 
     def fake(*args):
+        for i, arg in enums:  # as the kernel reads them, first; an argument left out takes its (checked) default
+            if i < len(args):
+                desc.check_enum(arg, args[i])
         _check_one_device(desc, argnames, args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if desc.meta and tensors and all(_concrete(t) for t in tensors) and _private.fake_mode_exit():

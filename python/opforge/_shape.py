@@ -66,6 +66,7 @@ class ShapeRule:
     dtype: int | torch.dtype | None = None
     perm: tuple[int, ...] | None = None
     when: tuple[int, ...] = ()
+    off: tuple = ()  # per `when` argument, the enum value that counts as false (its first), else None
 
     def __str__(self) -> str:
         return self.text
@@ -79,9 +80,11 @@ class ShapeRule:
         base = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if base is None:
             raise RuntimeError(f"[{self.op}] output {self.output} ('{self.text}'): no tensor argument to take the device from")
-        dtype = args[self.dtype].dtype if isinstance(self.dtype, int) else self.dtype
-        if not all(_given(args[i]) for i in self.when):
-            return base.new_empty((0,), dtype=dtype)
+        source = args[self.dtype] if isinstance(self.dtype, int) else None
+        dtype = self.dtype if source is None and not isinstance(self.dtype, int) else (source.dtype if source is not None
+                                                                                       else base.dtype)
+        if not all(_given(args[i], off) for i, off in zip(self.when, self.off)):
+            return base.new_empty((0,), dtype=dtype)  # dtype=ARG of an ARG left out: the first tensor's
         sizes = []
         for item in self.sizes:
             if item[0] == "int":
@@ -106,9 +109,10 @@ class ShapeRule:
         return out if self.perm is None else out.permute(self.perm)
 
 
-def _given(v) -> bool:
-    """An `if` argument holds: given, and a tensor or a true value (activation 0 is not)."""
-    return v is not None and (isinstance(v, torch.Tensor) or bool(v))
+def _given(v, off=None) -> bool:
+    """An `if` argument holds: given, and a tensor or a true value (activation 0 is not, nor an enum's
+    first value, the 0 its kernel sees: activation "none")."""
+    return v is not None and (isinstance(v, torch.Tensor) or (bool(v) and (off is None or v != off)))
 
 
 def _bad(op: str, output: int, text: str, why: str) -> RuntimeError:
@@ -129,18 +133,20 @@ def _closing(text: str) -> int:
     return -1
 
 
-def compile_rules(op: str, schema: torch._C.FunctionSchema, shape: str | None) -> tuple[ShapeRule, ...]:
-    """The ';'-separated rules of a descriptor, one per output of the schema, checked against it."""
+def compile_rules(op: str, schema: torch._C.FunctionSchema, shape: str | None,
+                  enums: dict[str, tuple[str, ...]] | None = None) -> tuple[ShapeRule, ...]:
+    """The ';'-separated rules of a descriptor, one per output of the schema, checked against it;
+    enums: the descriptor's, argument -> its values."""
     texts = [t.strip() for t in shape.split(";")] if shape else []
     if len(texts) != len(schema.returns):
         raise RuntimeError(
             f"[{op}] the descriptor's .shape has {len(texts)} rule(s) for the schema's {len(schema.returns)} "
             f"output(s): give one per output, ';'-separated. Valid forms: {'; '.join(FORMS)}"
         )
-    return tuple(_compile(op, schema, k, t) for k, t in enumerate(texts))
+    return tuple(_compile(op, schema, k, t, enums or {}) for k, t in enumerate(texts))
 
 
-def _compile(op: str, schema, output: int, text: str) -> ShapeRule:
+def _compile(op: str, schema, output: int, text: str, enums: dict[str, tuple[str, ...]]) -> ShapeRule:
     argnames = tuple(a.name for a in schema.arguments)
     defaults = tuple(a.default_value if a.has_default_value() else None for a in schema.arguments)
     # "Tensor" or "Tensor?" for the tensor arguments a rule may read, the schema's type otherwise
@@ -185,13 +191,14 @@ def _compile(op: str, schema, output: int, text: str) -> ShapeRule:
         dtype = DTYPES[options["dtype"]]
     elif options["dtype"]:
         dtype = arg(options["dtype"])
-        if types[options["dtype"]] != "Tensor":
-            raise _bad(op, output, text, f"dtype={options['dtype']}: an optional argument may be None")
+        if types[options["dtype"]] != "Tensor" and dtype not in when:
+            raise _bad(op, output, text, f"dtype={options['dtype']}: an optional argument may be None: "
+                                         f"take it under 'if {options['dtype']}'")
     else:
         dtype = next((s[1] for s in sizes if s[0] != "int"), None)
         if dtype is None:
             raise _bad(op, output, text, "no argument in the sizes to take the dtype from: give dtype=")
-        if types[argnames[dtype]] != "Tensor":
+        if types[argnames[dtype]] != "Tensor" and dtype not in when:
             raise _bad(op, output, text, f"the dtype would come from '{argnames[dtype]}', which may be None: give dtype=")
     perm = tuple(int(p) for p in options["perm"].split(",")) if options["perm"] else None
     if perm is not None:
@@ -199,4 +206,5 @@ def _compile(op: str, schema, output: int, text: str) -> ShapeRule:
             raise _bad(op, output, text, f"perm={options['perm']} is not a permutation of 0..{len(perm) - 1}")
         if all(s[0] != "slice" for s in sizes) and len(sizes) != len(perm):
             raise _bad(op, output, text, f"{len(sizes)} sizes for a permutation of {len(perm)}")
-    return ShapeRule(sizes=tuple(sizes), dtype=dtype, perm=perm, when=when, **common)
+    off = tuple(enums[argnames[i]][0] if argnames[i] in enums else None for i in when)
+    return ShapeRule(sizes=tuple(sizes), dtype=dtype, perm=perm, when=when, off=off, **common)

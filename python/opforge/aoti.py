@@ -37,7 +37,7 @@ def _c_type(t) -> str | None:
     """The C type inductor passes for a schema type (cpp_wrapper_cpu.py, c_type_for_prim_type)."""
     if isinstance(t, torch.OptionalType):
         inner = _c_type(t.getElementType())
-        return None if inner is None else inner + " *"
+        return None if inner is None else inner + ("*" if inner.endswith("*") else " *")
     if isinstance(t, torch.TensorType):
         return "AtenTensorHandle"
     if isinstance(t, torch.FloatType):
@@ -46,7 +46,9 @@ def _c_type(t) -> str | None:
         return "int64_t"
     if isinstance(t, torch.BoolType):
         return "int32_t"
-    return None  # lists, strings, devices...: no shim
+    if isinstance(t, torch.StringType):
+        return "const char *"  # a C string inductor writes as a literal; the shim copies it into a torch string
+    return None  # lists, devices...: no shim
 
 
 def c_parameters(schema) -> str | None:

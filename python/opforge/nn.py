@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
+from ._runtime import library
 from .functional.attention import _attention
-from .functional.linear import _activation_code
 
 
 class Linear(torch.nn.Linear):
@@ -22,7 +22,7 @@ class Linear(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none",
                  device=None, dtype=None, recompute: bool = False):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        _activation_code(activation)  # fail early on an unknown name
+        library.descriptor("linear").check_enum("activation", activation)  # fail early on an unknown name
         self.activation = activation
         self.recompute = recompute
 

@@ -40,6 +40,27 @@ MAX_INPUTS = 3  # the elementwise backward walks 2 * inputs + 1 operands togethe
 
 BEGIN, END = "/* >>> kernels", "/* <<< kernels */"
 
+# The C both scaffolds (this one and scaffold_schema) write to convert a tensor element by element.
+CONVERT_C = r"""typedef struct convert_job {
+    void *dst;
+    const void *src;
+    opf_dtype dst_dt, src_dt;
+} convert_job;
+
+static void convert_run(void *ctx, const int64_t *off, const int64_t *st, int64_t len) {
+    const convert_job *c = ctx;
+    for (int64_t i = 0; i < len; i++)
+        opf_store_elem(c->dst, off[0] + i * st[0], c->dst_dt, opf_load_elem(c->src, off[1] + i * st[1], c->src_dt));
+}
+
+/* dst = src, element by element, any strides and dtypes. */
+static void convert(const opf_tensor *dst, opf_dtype dst_dt, const opf_tensor *src, opf_dtype src_dt) {
+    opf_nd nd;
+    opf_nd_init(&nd, (int)src->ndim, src->sizes, 2, (const int64_t *[]){dst->strides, src->strides});
+    opf_nd_parallel(&nd, 32768, convert_run, &(convert_job){dst->data, src->data, dst_dt, src_dt});
+}
+"""
+
 
 class Signature:
     """The op's inputs (tensor names), scalars ((name, type)) and kind."""
@@ -416,7 +437,7 @@ static int64_t col_stride(const opf_tensor *t) {{ return t->ndim ? t->strides[t-
         grad_back=grad_back, grad_returns_meta=grad_returns_meta, schema=schema, bwd_schema=bwd_schema, shape_fwd=shape_fwd,
         shape_bwd=shape_bwd, bwd_args=bwd_args, grads=",".join(ins), flops=flops, in_list=in_list,
         bwd_flops=f"{3 * N + 1}*numel({first})", nin_fwd_tensors=N + 1, nin_bwd_tensors=2 * N + 1,
-        NAME=name.upper(), cuda_glue=_cuda_glue(sig),
+        NAME=name.upper(), cuda_glue=_cuda_glue(sig), convert=CONVERT_C,
     )
 
 
@@ -436,24 +457,7 @@ static const ${name}_kernels *kernels(void) { return opf_variant_pick(&variants,
 
 #define ACCEPTED (OPF_DTYPE_BIT(OPF_F32) | OPF_DTYPE_BIT(OPF_BF16) | OPF_DTYPE_BIT(OPF_F16))
 ${grain}
-typedef struct convert_job {
-    void *dst;
-    const void *src;
-    opf_dtype dst_dt, src_dt;
-} convert_job;
-
-static void convert_run(void *ctx, const int64_t *off, const int64_t *st, int64_t n) {
-    const convert_job *c = ctx;
-    for (int64_t i = 0; i < n; i++)
-        opf_store_elem(c->dst, off[0] + i * st[0], c->dst_dt, opf_load_elem(c->src, off[1] + i * st[1], c->src_dt));
-}
-
-static void convert(const opf_tensor *dst, opf_dtype dst_dt, const opf_tensor *src, opf_dtype src_dt) {
-    opf_nd nd;
-    opf_nd_init(&nd, (int)src->ndim, src->sizes, 2, (const int64_t *[]){dst->strides, src->strides});
-    opf_nd_parallel(&nd, 32768, convert_run, &(convert_job){dst->data, src->data, dst_dt, src_dt});
-}
-
+${convert}
 /* t itself when float32, else a float32 copy of it (owned by *h). */
 static opf_tensor float32_in(const char *op, const opf_tensor *t, opf_dtype dt, AtenTensorHandle *h) {
     if (dt == OPF_F32) return *t;

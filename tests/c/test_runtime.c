@@ -1,6 +1,9 @@
 /* Runtime: ISA selection errors, n-d coalescing and int64 offsets, dense
  * layouts, half conversions, parallel_for coverage. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "opforge/half.h"
@@ -145,9 +148,70 @@ static void test_variant_picks_for_the_log(void) {
     opf_log_set_level("warning", err, sizeof err);
 }
 
+/* A chunk of opf_parallel_for that falls back unless it is the first (which runs on the calling thread). */
+static void fall_back_off_the_caller(int64_t b, int64_t e, void *ctx) {
+    (void)e;
+    if (b > 0) opf_variant_fallback(ctx, &fam_ref, "in a worker");
+}
+
+/* A fallback names the pick and what ran instead, and counts with the ISA that ran; it is noted at info
+ * level only, once per call, and reaches the caller's line from a worker of opf_parallel_for. */
+static void test_variant_fallbacks_for_the_log(void) {
+    const opf_variants both = OPF_VARIANTS("fam", &fam_ref, &fam_avx2);
+    char buf[160], err[128];
+    opf_log_set_level("warning", err, sizeof err);
+    double t0 = opf_now_us();
+    opf_variant_fallback(&both, &fam_ref, "float64");
+    CHECK(opf_log_take_picks(t0, buf, sizeof buf) == -1 && buf[0] == 0, "a fallback noted below info level: %s", buf);
+    CHECK(opf_variant_or_ref(&both, &fam_avx2, NULL) == &fam_avx2 &&
+              opf_variant_or_ref(&both, &fam_avx2, "float64") == &fam_ref,
+          "opf_variant_or_ref runs the pick, or the reference where there is a reason");
+    opf_log_set_level("info", err, sizeof err);
+    t0 = opf_now_us();
+    opf_log_note_pick("other", "avx2", OPF_ISA_AVX2); /* another family's pick keeps its ISA */
+    opf_log_note_pick("fam", "avx2", OPF_ISA_AVX2);
+    opf_variant_fallback(&both, &fam_ref, "stride-0 gradient");
+    opf_variant_fallback(&both, &fam_ref, "stride-0 gradient"); /* every row block: named once */
+    int isa = opf_log_take_picks(t0, buf, sizeof buf);
+    CHECK(isa == OPF_ISA_AVX2 && strcmp(buf, "other:avx2,fam:avx2->ref (stride-0 gradient)") == 0,
+          "a fallback beside another family's pick: isa %d, '%s'", isa, buf);
+    t0 = opf_now_us();
+    opf_log_note_pick("fam", "avx2", OPF_ISA_AVX2);
+    opf_variant_fallback(&both, &fam_ref, "float64");
+    isa = opf_log_take_picks(t0, buf, sizeof buf);
+    CHECK(isa == OPF_ISA_REF && strcmp(buf, "fam:avx2->ref (float64)") == 0,
+          "the ISA of a call that fell back is the one that ran: isa %d, '%s'", isa, buf);
+    t0 = opf_now_us();
+    opf_variant_or_ref(&both, &fam_ref, "float64"); /* the reference picked: nothing fell back */
+    CHECK(opf_log_take_picks(t0, buf, sizeof buf) == -1 && buf[0] == 0, "the reference fell back to itself: %s", buf);
+    /* no pick noted (a table chosen with opf_variant_best): the pick named is the current ISA's best */
+    t0 = opf_now_us();
+    opf_variant_fallback(&both, &fam_ref, "why");
+    opf_log_take_picks(t0, buf, sizeof buf);
+    const char *want = opf_isa_current() >= OPF_ISA_AVX2 ? "fam:avx2->ref (why)" : "fam:ref->ref (why)";
+    CHECK(strcmp(buf, want) == 0, "a fallback without a pick: '%s', want '%s'", buf, want);
+    /* from workers: four chunks on four threads, three of them not the caller */
+    const char *threads = getenv("OPFORGE_NUM_THREADS");
+    char saved[32] = "";
+    if (threads) snprintf(saved, sizeof saved, "%s", threads);
+    setenv("OPFORGE_NUM_THREADS", "4", 1);
+    t0 = opf_now_us();
+    opf_log_note_pick("fam", "avx2", OPF_ISA_AVX2);
+    opf_parallel_for(0, 1000, 250, fall_back_off_the_caller, (void *)&both);
+    isa = opf_log_take_picks(t0, buf, sizeof buf);
+    CHECK(isa == OPF_ISA_REF && strcmp(buf, "fam:avx2->ref (in a worker)") == 0,
+          "a fallback noted by workers of opf_parallel_for: isa %d, '%s'", isa, buf);
+    if (threads)
+        setenv("OPFORGE_NUM_THREADS", saved, 1);
+    else
+        unsetenv("OPFORGE_NUM_THREADS");
+    opf_log_set_level("warning", err, sizeof err);
+}
+
 int main(void) {
     test_isa();
     test_variant_picks_for_the_log();
+    test_variant_fallbacks_for_the_log();
     test_nd();
     test_half();
     test_parallel();

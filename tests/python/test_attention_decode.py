@@ -251,7 +251,7 @@ def test_meta_calls_check_and_shape_as_the_kernel():
     out = DEC(q, k, v, torch.empty(2, dtype=torch.int64, device="meta"))
     real = DEC(*cache(b=2, h=4, hkv=2, n=3, s=9, d=8, dv=6), torch.tensor([9, 1]))
     assert (out.shape, out.stride(), out.dtype) == (real.shape, real.stride(), real.dtype)
-    with pytest.raises(RuntimeError, match=r"argument 'seq_lens' must have shape \[2\]"):
+    with pytest.raises(RuntimeError, match=r"argument 'seq_lens' must have size\(0\) == q.size\(0\) = 2, got 3"):
         DEC(q, k, v, torch.empty(3, dtype=torch.int64, device="meta"))
 
 
@@ -267,15 +267,15 @@ def _bad(q=None, k=None, v=None, lens=None, scale=None, causal=False, **kw):
         (_bad(lens=torch.tensor([11, 3])), r"\[opforge::attention_decode\] argument 'seq_lens' must be in \[0, 10\] \(the max length of 'k_cache'\), got 11 at 0"),
         (_bad(lens=torch.tensor([10, -1])), r"argument 'seq_lens' must be in \[0, 10\] .*got -1 at 1"),
         (_bad(lens=torch.tensor([10.0, 3.0])), r"argument 'seq_lens' must be int32 or int64, got float32"),
-        (_bad(lens=torch.tensor([10, 3, 3])), r"argument 'seq_lens' must have shape \[2\] \(one length per batch row\), got \[3\]"),
-        (_bad(lens=torch.tensor([[10, 3]])), r"argument 'seq_lens' must have shape \[2\] .*got \[1, 2\]"),
+        (_bad(lens=torch.tensor([10, 3, 3])), r"argument 'seq_lens' must have size\(0\) == q.size\(0\) = 2, got 3 \(seq_lens: \[3\], q: \[2, 4, 1, 8\]\)"),
+        (_bad(lens=torch.tensor([[10, 3]])), r"argument 'seq_lens' must have 1 dim \(batch,\), got 2: \[1, 2\]"),
         (_bad(k=torch.randn(2, 3, 10, 8), v=torch.randn(2, 3, 10, 8)), r"argument 'k_cache' must have a number of heads dividing the 4 heads of 'q' \(grouped-query attention\), got 3"),
-        (_bad(k=torch.randn(2, 2, 10, 6)), r"argument 'k_cache' must have the head_dim of 'q' \(8\), got 6"),
-        (_bad(v=torch.randn(2, 2, 12, 8)), r"argument 'v_cache' must have the max length of 'k_cache' \(10\), got 12"),
-        (_bad(v=torch.randn(2, 1, 10, 8)), r"argument 'v_cache' must have the heads of 'k_cache' \(2\), got 1"),
-        (_bad(k=torch.randn(3, 2, 10, 8), v=torch.randn(3, 2, 10, 8)), r"arguments 'k_cache' and 'v_cache' must have the batch size of 'q' \(2\), got 3 and 3"),
+        (_bad(k=torch.randn(2, 2, 10, 6)), r"argument 'k_cache' must have size\(3\) == q.size\(3\) = 8, got 6"),
+        (_bad(v=torch.randn(2, 2, 12, 8)), r"argument 'v_cache' must have size\(2\) == k_cache.size\(2\) = 10, got 12"),
+        (_bad(v=torch.randn(2, 1, 10, 8)), r"argument 'v_cache' must have size\(1\) == k_cache.size\(1\) = 2, got 1 \(v_cache: \[2, 1, 10, 8\], k_cache: \[2, 2, 10, 8\]\)"),
+        (_bad(k=torch.randn(3, 2, 10, 8), v=torch.randn(3, 2, 10, 8)), r"\[opforge::attention_decode\] argument 'k_cache' must have size\(0\) == q.size\(0\) = 2, got 3"),
         (_bad(k=torch.randn(2, 2, 10, 8).double()), r"argument 'k_cache' must have the dtype of 'q' \(float32\), got float64"),
-        (_bad(q=torch.randn(2, 4, 8)), r"argument 'q' must be 4-d \(batch, heads, new tokens, head_dim\), got 3-d"),
+        (_bad(q=torch.randn(2, 4, 8)), r"argument 'q' must have 4 dims \(batch, heads, new tokens, head_dim\), got 3: \[2, 4, 8\]"),
         (_bad(q=torch.ones(2, 4, 1, 8, dtype=torch.int32)), r"argument 'q' must be a floating-point tensor"),
         (_bad(scale=float("nan")), r"argument 'scale' must be a finite float32 number"),
     ],

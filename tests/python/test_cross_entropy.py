@@ -273,7 +273,10 @@ def test_nn_module_is_a_drop_in():
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1])),
          r"argument 'target' must have the shape of 'logits without its last \(class\) dim' \[3\], got \[2\]"),
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.rand(4)),
-         r"argument 'weight' must have the shape of .* \[5\], got \[4\]"),
+         r"\[opforge::cross_entropy\] argument 'weight' must have size\(0\) == logits.size\(-1\) = 5, got 4 "
+         r"\(weight: \[4\], logits: \[3, 5\]\)"),
+        (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.rand(1, 5)),
+         r"\[opforge::cross_entropy\] argument 'weight' must have 1 dim \(C,\), got 2: \[1, 5\]"),
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.rand(5).double()),
          r"argument 'weight' must have the dtype of 'logits' \(float32\), got float64"),
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]), softcap=0.0),

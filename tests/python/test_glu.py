@@ -27,8 +27,8 @@ from opforge.testing import DTYPES, GRAD_TOLERANCE_FACTOR, assert_close, toleran
 
 OP = torch.ops.opforge.glu.default
 BWD = torch.ops.opforge.glu_backward.default
-ACTS = {"swiglu": (lambda g, u: F.swiglu(g, u), 4), "geglu": (lambda g, u: F.geglu(g, u), 2),
-        "geglu_tanh": (lambda g, u: F.geglu(g, u, approximate="tanh"), 3)}
+ACTS = {"swiglu": (lambda g, u: F.swiglu(g, u), "silu"), "geglu": (lambda g, u: F.geglu(g, u), "gelu"),
+        "geglu_tanh": (lambda g, u: F.geglu(g, u, approximate="tanh"), "gelu_tanh")}
 SHAPES = [(1,), (7,), (123,), (4097,), (3, 123), (2, 3, 17), (0, 5), (5, 0)]
 
 
@@ -63,16 +63,16 @@ def test_packed_form_is_chunk(dtype, name):
     packed = getattr(F, name)(x)
     assert packed.shape == (3, 5, 123)
     torch.testing.assert_close(packed, getattr(F, name)(gate, up), rtol=0, atol=0)
-    act = 4 if name == "swiglu" else 2
+    act = "silu" if name == "swiglu" else "gelu"
     assert_close(packed, reference(gate.double(), up.double(), act), dtype, name, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_types_round_once(dtype):
     gate, up = inputs((4096,), dtype)
-    exact = reference(gate.double(), up.double(), 4)
+    exact = reference(gate.double(), up.double(), "silu")
     ours = (F.swiglu(gate, up).double() - exact).abs().max()
-    eager = (reference(gate, up, 4).double() - exact).abs().max()  # rounds after silu and after the product
+    eager = (reference(gate, up, "silu").double() - exact).abs().max()  # rounds after silu and after the product
     assert ours <= eager
 
 
@@ -92,7 +92,7 @@ def _views(dtype):
 def test_strided_inputs_read_in_place(name, dtype):
     gate, up = _views(dtype)[name]
     out = F.swiglu(gate, up)
-    assert_close(out, reference(gate.double(), up.double(), 4), dtype, name, **tol(dtype))
+    assert_close(out, reference(gate.double(), up.double(), "silu"), dtype, name, **tol(dtype))
     dense = torch.empty_like(gate).stride() == gate.stride()
     assert out.stride() == (gate.stride() if dense else torch.empty(gate.shape).stride())
 
@@ -136,7 +136,7 @@ def test_gradcheck_float64(name):
      (torch.rand(0, 3), torch.rand(0, 3))],
     ids=["contiguous", "transposed", "packed-views", "empty"],
 )
-@pytest.mark.parametrize("act", [2, 3, 4])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
 def test_opcheck(gate, up, act):
     opcheck(OP, (gate, up, act))
     opcheck(OP, (gate.clone().requires_grad_(), up.clone().requires_grad_(), act))
@@ -176,7 +176,7 @@ def test_autocast_follows_the_widest_input_as_eager(dtype):
         z = torch.compile(lambda a, b: F.swiglu(a, b), fullgraph=True)(gate, up)
         lo = F.swiglu(gate, up.to(dtype))
     assert y.dtype == z.dtype == (TF.silu(gate) * up).dtype == torch.float32 and lo.dtype == dtype
-    assert_close(y, reference(gate.detach().double(), up.detach().double(), 4), torch.float32, "autocast")
+    assert_close(y, reference(gate.detach().double(), up.detach().double(), "silu"), torch.float32, "autocast")
     torch.testing.assert_close(y, z)
     y.sum().backward()
     assert gate.grad.dtype == dtype and up.grad.dtype == torch.float32
@@ -212,7 +212,7 @@ def test_every_isa_matches_the_reference(dtype):
     try:
         for isa in opforge.supported_isas():
             opforge.set_isa(isa)
-            results[isa] = (OP(gate, up, 3), *BWD(grad, gate, up, 4), OP(gate.t(), up.t(), 2))
+            results[isa] = (OP(gate, up, "gelu_tanh"), *BWD(grad, gate, up, "silu"), OP(gate.t(), up.t(), "gelu"))
     finally:
         opforge.set_isa("auto")
     for isa, outs in results.items():
@@ -223,10 +223,10 @@ def test_every_isa_matches_the_reference(dtype):
 # gates at the edges of exp's range: infinities, magnitudes whose square overflows float32, exponents far
 # below the smallest float, NaN
 SPECIAL = [float("inf"), float("-inf"), -1e30, -1e25, 1e30, 1e25, -100.0, 100.0, -20.0, 20.0, -2.0, 0.5, float("nan")]
-TORCH_ACTS = {2: TF.gelu, 3: lambda t: TF.gelu(t, approximate="tanh"), 4: TF.silu}
+TORCH_ACTS = {"gelu": TF.gelu, "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh"), "silu": TF.silu}
 
 
-@pytest.mark.parametrize("act", list(TORCH_ACTS), ids=["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("act", list(TORCH_ACTS))
 def test_activations_at_infinite_and_huge_gates_on_every_isa(act):
     # the vector exp clamped its argument: gelu' at [inf, -inf, -1e30, -1e25] was [inf, -inf, -4.86e-9, -4.86e-14]
     # where torch (and the reference) give [nan, nan, 0, 0]. Against torch in float32 one element at a time
@@ -291,15 +291,15 @@ def test_rejects_non_float_dtypes(dtype):
          r"\[opforge::glu\] argument 'up' must have the shape of 'gate' \[3, 4\], got \[3, 5\]"),
         (lambda: F.swiglu(torch.rand(3), torch.rand(3, dtype=torch.float64)),
          r"\[opforge::glu\] argument 'up' must have the dtype of 'gate' \(float32\), got float64"),
-        (lambda: OP(torch.rand(3), torch.rand(3), 1),
-         r"\[opforge::glu\] argument 'act' must be 2 \(gelu\), 3 \(gelu_tanh\) or 4 \(silu\), got 1"),
+        (lambda: OP(torch.rand(3), torch.rand(3), "relu"),
+         r"\[opforge::glu\] argument 'act' must be one of 'gelu', 'gelu_tanh', 'silu', got 'relu'"),
         (lambda: F.swiglu(torch.rand(3, 7)),
          r"\[opforge::swiglu\] argument 'gate' given alone must be packed \(..., 2F\) .*got last size 7"),
         (lambda: F.geglu(torch.rand(3, 8), approximate="fast"),
          r"\[opforge::geglu\] argument 'approximate' must be 'none' or 'tanh', got 'fast'"),
-        (lambda: BWD(torch.rand(3, 4), torch.rand(3, 4), torch.rand(3, 4).double(), 4),
+        (lambda: BWD(torch.rand(3, 4), torch.rand(3, 4), torch.rand(3, 4).double(), "silu"),
          r"\[opforge::glu_backward\] argument 'up' must have the dtype of 'gate' \(float32\), got float64"),
-        (lambda: BWD(torch.rand(4), torch.rand(3), torch.rand(3), 4),
+        (lambda: BWD(torch.rand(4), torch.rand(3), torch.rand(3), "silu"),
          r"\[opforge::glu_backward\] argument 'grad' must have the shape of 'gate' \[3\], got \[4\]"),
         (lambda: F.swiglu(torch.rand(3), torch.empty(3, device="meta")),
          r"\[opforge::glu\] argument 'up' must be on the device of 'gate' \(cpu\), got meta"),

@@ -117,7 +117,6 @@ def _backward_ops(fn):
 
 @pytest.mark.parametrize("act", ["gelu", "silu"])
 def test_backward_overwrites_the_saved_preact_only_when_no_one_else_sees_it(act):
-    code = {"gelu": 2, "silu": 4}[act]
     x = torch.randn(2, 37, 33, requires_grad=True)
     w = (torch.randn(20, 33) / 4).requires_grad_()
     b = torch.randn(20, requires_grad=True)
@@ -143,12 +142,12 @@ def test_backward_overwrites_the_saved_preact_only_when_no_one_else_sees_it(act)
     for a, c in zip(first, take_grads()):
         assert torch.equal(a, c)
     # the caller holds preact (the raw op returns it), or a view of it: left as it was
-    out, pre = LINEAR(x, w, b, code)
+    out, pre = LINEAR(x, w, b, act)
     kept = pre.clone()
     assert _backward_ops(lambda: out.backward(g)) == {"opforge::linear_backward"}
     assert torch.equal(pre, kept)
     take_grads()
-    out, pre = LINEAR(x, w, b, code)
+    out, pre = LINEAR(x, w, b, act)
     view = pre[1]
     kept = view.clone()
     del pre
@@ -160,22 +159,22 @@ def test_backward_overwrites_the_saved_preact_only_when_no_one_else_sees_it(act)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_inference_keeps_no_preact(dtype):
     x, w, b = (torch.randn(*s, dtype=dtype) for s in ((5, 7, 33), (20, 33), (20,)))
-    out, pre = LINEAR(x, w, b, 2, False)
+    out, pre = LINEAR(x, w, b, "gelu", False)
     assert pre.numel() == 0
     torch.testing.assert_close(out.double(), reference(x, w, b, "gelu"), **TOL[dtype])
-    kept_out, kept_pre = LINEAR(x, w, b, 2)
+    kept_out, kept_pre = LINEAR(x, w, b, "gelu")
     assert torch.equal(out, kept_out) and kept_pre.shape == out.shape
     with torch.no_grad():
         torch.testing.assert_close(opforge.linear(x, w.requires_grad_(), b, "gelu"), out)
-    opcheck(LINEAR, (x, w.detach(), b, 2, False))
+    opcheck(LINEAR, (x, w.detach(), b, "gelu", False))
     # a backward given no pre-activation recomputes it (16-bit: rounded as the forward stores it): the same
     # gradients, bit for bit
     g = torch.randn_like(out)
-    for got, want in zip(torch.ops.opforge.linear_backward(g, x, w.detach(), b, pre, 2),
-                         torch.ops.opforge.linear_backward(g, x, w.detach(), b, kept_pre, 2)):
+    for got, want in zip(torch.ops.opforge.linear_backward(g, x, w.detach(), b, pre, "gelu"),
+                         torch.ops.opforge.linear_backward(g, x, w.detach(), b, kept_pre, "gelu")):
         assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match=r"opforge::linear_backward.*'preact'"):
-        torch.ops.opforge.linear_backward(g, x, w.detach(), b, kept_pre[:2], 2)
+        torch.ops.opforge.linear_backward(g, x, w.detach(), b, kept_pre[:2], "gelu")
 
 
 @pytest.mark.parametrize("dtype", list(GRAD_TOL))
@@ -219,11 +218,11 @@ def test_no_bias_gets_no_gradient_slot():
 @pytest.mark.parametrize(
     "args",
     [
-        (torch.randn(3, 5, 7), torch.randn(4, 7), torch.randn(4), 2),
-        (torch.randn(3, 7), torch.randn(4, 7), None, 0),
-        (torch.randn(5, 3, 7).transpose(0, 1), torch.randn(7, 4).t(), torch.randn(8)[::2], 4),
-        (torch.randn(7), torch.randn(4, 7), torch.randn(4), 1),
-        (torch.randn(3, 7).bfloat16(), torch.randn(4, 7).bfloat16(), torch.randn(4).bfloat16(), 3),
+        (torch.randn(3, 5, 7), torch.randn(4, 7), torch.randn(4), "gelu"),
+        (torch.randn(3, 7), torch.randn(4, 7), None, "none"),
+        (torch.randn(5, 3, 7).transpose(0, 1), torch.randn(7, 4).t(), torch.randn(8)[::2], "silu"),
+        (torch.randn(7), torch.randn(4, 7), torch.randn(4), "relu"),
+        (torch.randn(3, 7).bfloat16(), torch.randn(4, 7).bfloat16(), torch.randn(4).bfloat16(), "gelu_tanh"),
     ],
     ids=["3d-gelu", "no-bias", "strided-silu", "1d-relu", "bf16-gelu_tanh"],
 )
@@ -384,7 +383,8 @@ def test_nn_linear_is_a_drop_in():
         (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5, dtype=torch.float64)), r"argument 'weight' must have the dtype of 'x' \(float32\), got float64"),
         (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5), torch.randn(3)), r"argument 'bias' must have the shape of 'out_features' \[4\], got \[3\]"),
         (lambda: opforge.linear(torch.randn(3, 5), torch.randn(4, 5), None, "swish"), r"argument 'activation' must be one of"),
-        (lambda: LINEAR(torch.randn(3, 5), torch.randn(4, 5), None, 9), r"argument 'activation' must be 0 \(none\).*got 9"),
+        (lambda: LINEAR(torch.randn(3, 5), torch.randn(4, 5), None, "swish"),
+         r"\[opforge::linear\] argument 'activation' must be one of 'none', 'relu', 'gelu', 'gelu_tanh', 'silu', got 'swish'"),
         (lambda: opforge.linear(torch.ones(3, 5, dtype=torch.int64), torch.ones(4, 5, dtype=torch.int64)), r"argument 'x' must be a floating-point tensor"),
         (lambda: opforge.linear(torch.randn(3, 5).bfloat16(), torch.randn(4, 5)), r"argument 'weight' must have the dtype of 'x' \(bfloat16\), got float32"),
         (lambda: opforge.matmul(torch.randn(3, 5), torch.randn(6, 2)), r"\[opforge::matmul\] argument 'b' must have 5 rows .* got 6"),
@@ -531,10 +531,10 @@ def test_float64_bias_of_any_stride():
         (lambda m: MATMUL(torch.empty(2, 3, device=m), torch.empty(5, 4, device=m)), r"argument 'b' must have 3 rows"),
         (lambda m: MATMUL(torch.empty(2, 3, device=m, dtype=torch.int32), torch.empty(3, 4, device=m, dtype=torch.int32)),
          r"argument 'a' must be a floating-point tensor"),
-        (lambda m: LINEAR(torch.empty(3, 5, device=m), torch.empty(4, 6, device=m), None, 0), r"must have 5 columns"),
-        (lambda m: LINEAR(torch.empty(3, 5, device=m), torch.empty(4, 5, device=m), torch.empty(3, device=m), 0),
+        (lambda m: LINEAR(torch.empty(3, 5, device=m), torch.empty(4, 6, device=m), None, "none"), r"must have 5 columns"),
+        (lambda m: LINEAR(torch.empty(3, 5, device=m), torch.empty(4, 5, device=m), torch.empty(3, device=m), "none"),
          r"argument 'bias' must have the shape of 'out_features' \[4\], got \[3\]"),
-        (lambda m: LINEAR(torch.empty(3, 5), torch.empty(4, 5), torch.empty(4, device=m), 0),
+        (lambda m: LINEAR(torch.empty(3, 5), torch.empty(4, 5), torch.empty(4, device=m), "none"),
          r"argument 'bias' must be on the device of 'x' \(cpu\), got meta"),
         (lambda m: MATMUL(torch.empty(3, 5), torch.empty(5, 2, device=m)), r"argument 'b' must be on the device of 'a'"),
     ],
@@ -566,9 +566,9 @@ def test_fake_outputs_have_the_kernels_shapes_and_strides():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, w = torch.randn(4, 6, 5).transpose(0, 1), torch.randn(3, 5)
-    real = LINEAR(x, w, None, 2, True)
+    real = LINEAR(x, w, None, "gelu", True)
     with FakeTensorMode() as mode:
-        fake = LINEAR(mode.from_tensor(x), mode.from_tensor(w), None, 2, True)
+        fake = LINEAR(mode.from_tensor(x), mode.from_tensor(w), None, "gelu", True)
     for r, f in zip(real, fake):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
 
@@ -696,12 +696,11 @@ def _fuzz_check_linear(c, gen, dtype, dt, call):
             out = call(lambda: opforge.linear(x, w, b, act, recompute=c["recompute"]))
         return [fuzz.Check("out", out, shape_out(out_want), shape_out(out_bound), dtype)]
     if c["mode"] == "raw":
-        code = opforge.functional.ACTIVATIONS[act]
         save = c["recompute"]  # reused as save_preact
         with torch.no_grad():
-            out, pre_got = call(lambda: torch.ops.opforge.linear(x, w, b, code, save))
+            out, pre_got = call(lambda: torch.ops.opforge.linear(x, w, b, act, save))
         checks.append(fuzz.Check("out", out, shape_out(out_want), shape_out(out_bound), dtype))
-        if code and save:
+        if act != "none" and save:
             checks.append(fuzz.Check("preact", pre_got, shape_out(pre), shape_out(pre_err + fuzz.out_tol(pre, dt)), dtype))
         elif pre_got.numel() != 0:
             checks.append(fuzz.Check("preact (empty)", pre_got, torch.zeros(0, dtype=torch.float64),
@@ -871,7 +870,6 @@ def _sweep_linear():
     shapes = [((m,), k, n) for m, k, n in MKN] + [((2, 0), 5, 3), ((2, 3), 17, 7), ((0, 3), 4, 2)]
     for lead, k, n in shapes:
         for act, bias, recompute, retain in LINEAR_VARIANTS:
-            code = list(ACTS).index(act)
 
             def make(dt, lead=lead, k=k, n=n, bias=bias):
                 return (thread_sweep.grid((*lead, k), 1).to(dt), thread_sweep.grid((n, k), 2).to(dt),
@@ -880,7 +878,7 @@ def _sweep_linear():
             cases.append(thread_sweep.Case(
                 f"linear x={(*lead, k)} N={n} {act} bias={bias} recompute={recompute} retain={retain}",
                 make, lambda x, w, b, a=act, r=recompute: (opforge.linear(x, w, b, a, r),),
-                lambda x, w, b, c=code: refs.linear(x, w, b, c), grads=(0, 1, 2) if bias else (0, 1),
+                lambda x, w, b, a=act: refs.linear(x, w, b, a), grads=(0, 1, 2) if bias else (0, 1),
                 retain_graph=retain))
     return cases
 

@@ -292,10 +292,11 @@ F32 = dict(dtype=torch.float32)
                                       reduction="none"),
          r"\[opforge::linear_cross_entropy_none\] argument 'target' .* got -1 at position 1"),
         (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 6), torch.zeros(3, dtype=torch.int64)),
-         r"argument 'weight' must have 5 columns .* got 6"),
+         r"\[opforge::linear_cross_entropy\] argument 'weight' must have size\(1\) == hidden.size\(1\) = 5, got 6 "
+         r"\(weight: \[4, 6\], hidden: \[3, 5\]\)"),
         (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64),
                                       torch.randn(3)),
-         r"argument 'bias' must be 1-d with 4 elements .* got 1-d with 3"),
+         r"argument 'bias' must have size\(0\) == weight.size\(0\) = 4, got 3 \(bias: \[3\], weight: \[4, 5\]\)"),
         (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3)),
          r"argument 'target' must be int64 \(class indices\), got float32"),
         (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5, dtype=torch.float64),
@@ -320,7 +321,10 @@ F32 = dict(dtype=torch.float32)
          r"argument 'target' must have the leading dims of 'hidden' \[3\], got \[4\]"),
         (lambda: LCE(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(2, dtype=torch.int64), None, -100, 0.0, 1,
                      None, False),
-         r"argument 'target' must be 1-d with 3 elements"),
+         r"argument 'target' must have size\(0\) == hidden.size\(0\) = 3, got 2 \(target: \[2\], hidden: \[3, 5\]\)"),
+        (lambda: LCE(torch.randn(3, 5, 1), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64), None, -100, 0.0, 1,
+                     None, False),
+         r"argument 'hidden' must have 2 dims \(tokens, hidden\), got 3: \[3, 5, 1\]"),
     ],
 )
 def test_bad_input(call, pattern):
@@ -331,7 +335,7 @@ def test_bad_input(call, pattern):
 def test_errors_come_before_any_work_under_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(), pytest.raises(RuntimeError, match=r"argument 'weight' must have 5 columns"):
+    with FakeTensorMode(), pytest.raises(RuntimeError, match=r"argument 'weight' must have size\(1\) == hidden.size\(1\) = 5, got 6"):
         LCE(torch.empty(3, 5), torch.empty(4, 6), torch.zeros(3, dtype=torch.int64), None, -100, 0.0, 1, None, True)
 
 

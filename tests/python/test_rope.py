@@ -347,10 +347,11 @@ def _args(**over):
          r"\[opforge::rope\] argument 'cos' must have shape \(N, R\), \(B or 1, N, R\) or \(B or 1, 1, N, R\) with "
          r"B = 2 and N = 7 \(the sizes of 'q'\), got shape \[8, 16\]"),
         (dict(k=torch.rand(2, 2, 6, 16)),
-         r"\[opforge::rope\] argument 'k' must have the sequence length of 'q' \(7\), got 6"),
-        (dict(k=torch.rand(2, 2, 7, 8)), r"\[opforge::rope\] argument 'k' must have the head_dim of 'q' \(16\), got 8"),
-        (dict(k=torch.rand(3, 2, 7, 16)), r"\[opforge::rope\] argument 'k' must have the batch size of 'q' \(2\), got 3"),
-        (dict(q=torch.rand(4, 7, 16)), r"\[opforge::rope\] argument 'q' must be 4-d \(batch, heads, length, head_dim\), got 3-d"),
+         r"\[opforge::rope\] argument 'k' must have size\(2\) == q.size\(2\) = 7, got 6 \(k: \[2, 2, 6, 16\], "
+         r"q: \[2, 4, 7, 16\]\)"),
+        (dict(k=torch.rand(2, 2, 7, 8)), r"\[opforge::rope\] argument 'k' must have size\(3\) == q.size\(3\) = 16, got 8"),
+        (dict(k=torch.rand(3, 2, 7, 16)), r"\[opforge::rope\] argument 'k' must have size\(0\) == q.size\(0\) = 2, got 3"),
+        (dict(q=torch.rand(4, 7, 16)), r"\[opforge::rope\] argument 'q' must have 4 dims \(batch, heads, length, head_dim\), got 3: \[4, 7, 16\]"),
         (dict(q=torch.ones(2, 4, 7, 16, dtype=torch.int64)),
          r"\[opforge::rope\] argument 'q' must be a floating-point tensor .*got int64"),
         (dict(cos=torch.rand(7, 16, dtype=torch.float64)),
@@ -365,7 +366,8 @@ def _args(**over):
         (dict(position_ids=torch.zeros(2, 6, dtype=torch.int64)),
          r"\[opforge::rope\] argument 'position_ids' must have shape \(B or 1, N\) with B = 2 and N = 7, got \[2, 6\]"),
         (dict(position_ids=torch.zeros(2, 7, dtype=torch.int64), cos=torch.rand(1, 7, 16), sin=torch.rand(1, 7, 16)),
-         r"\[opforge::rope\] argument 'cos' must be a 2-d table \(positions, rotary_dim\) when position_ids is given"),
+         r"\[opforge::rope\] argument 'cos' must have 2 dims \(positions, rotary_dim\) when position_ids is given, "
+         r"got 3: \[1, 7, 16\]"),
         (dict(cos=torch.rand(7, 16, requires_grad=True)),
          r"\[opforge::rope\] arguments 'cos' and 'sin' must not require grad"),
     ],
@@ -380,7 +382,7 @@ def test_out_of_range_position_writes_nothing_and_compile_refuses_it():
     a = _args(position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 9]]))
     with pytest.raises(RuntimeError, match=r"argument 'position_ids' must lie in \[0, 7\)"):
         torch.compile(lambda **kw: F.rope(**kw), fullgraph=True)(**a)
-    with pytest.raises(RuntimeError, match=r"\[opforge::rope_backward\] argument 'grad_k' must have the head_dim"):
+    with pytest.raises(RuntimeError, match=r"\[opforge::rope_backward\] argument 'grad_k' must have size\(3\) == grad_q.size\(3\) = 16"):
         BWD(torch.rand(2, 4, 7, 16), torch.rand(2, 2, 7, 8), a["cos"], a["sin"], None, False)
 
 

@@ -92,6 +92,90 @@ def test_log_file_env_unopenable_names_variable_and_reason(tmp_path):
         r.stderr[-2000:]
 
 
+# ---- what the log says ran -----------------------------------------------------------------
+
+_FALLBACK = """
+    import torch, opforge
+    x = torch.rand(64, 4096, requires_grad=True)  # large enough that torch's intra-op pool runs the kernel
+    opforge.dispersion_correction(x, 0.5).sum().backward()  # the gradient of a sum: expanded, stride 0
+    opforge.rms_norm(torch.rand(8, 4).t(), None)  # hidden stride 8
+"""
+
+
+def test_log_names_a_fallback_and_the_isa_that_ran():
+    r = _run_python(_FALLBACK, OPFORGE_LOG_LEVEL="info")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = {op: [s for s in r.stderr.splitlines() if f"::{op} " in s]
+             for op in ("dispersion_correction", "dispersion_correction_backward", "rms_norm")}
+    assert all(len(found) == 1 for found in lines.values()), r.stderr[-2000:]
+    picked = {family: next(n for n, _, now in opforge.kernel_variants()[family] if now)
+              for family in ("dispersion_correction", "norm")}
+    fwd, bwd, norm = (found[0] for found in lines.values())
+    assert f"kernels=dispersion_correction:{picked['dispersion_correction']} " in fwd and "->" not in fwd, fwd
+    if picked["dispersion_correction"] == "ref":  # nothing to fall back from
+        assert "isa=ref kernels=dispersion_correction:ref " in bwd, bwd
+    else:  # the backward's vector variant handed the broadcast gradient to the reference: the line says so
+        assert (f"isa=ref kernels=dispersion_correction:{picked['dispersion_correction']}->ref (stride-0 gradient) "
+                in bwd), bwd
+    if picked["norm"] != "ref":
+        assert f"isa=ref kernels=norm:{picked['norm']}->ref (hidden stride != 1) " in norm, norm
+
+
+# ---- shape checks (opf_check_dims, opf_check_size, opf_check_size_is) ----------------------------
+
+
+def test_dims_message_names_op_argument_dims_and_shape():
+    q = torch.randn(4, 5, 8)
+    with pytest.raises(RuntimeError) as e:
+        opforge.ops.attention(q, q, q, None, False, None)
+    assert str(e.value).splitlines()[0] == ("[opforge::attention] argument 'q' must have 4 dims "
+                                            "(batch, heads, length, head_dim), got 3: [4, 5, 8]")
+
+
+def test_size_message_names_both_arguments_dims_and_shapes():
+    with pytest.raises(RuntimeError) as e:
+        opforge.rms_norm(torch.randn(3, 5), torch.randn(6))
+    assert str(e.value).splitlines()[0] == ("[opforge::rms_norm] argument 'weight' must have size(0) == x.size(-1) = 5, "
+                                            "got 6 (weight: [6], x: [3, 5])")
+
+
+# No built-in op checks a size against a fixed number, and none can be given a dim its checks lack (each
+# checks the dims first): a tiny op does.
+_SHAPED = r"""
+#include <opforge/op.h>
+
+static void shaped_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    static const char OP[] = "shaped::shaped";
+    OPF_ARG_TENSOR(x, stack, 0);
+    OPF_ARG_TENSOR(freqs, stack, 1);
+    opf_tensor x = opf_tensor_info(OP, "x", x_h), f = opf_tensor_info(OP, "freqs", freqs_h);
+    opf_check_size_is(OP, "freqs", &f, -1, 32);
+    opf_check_size(OP, "freqs", &f, -2, "x", &x, 1);
+    OPF_OWNED AtenTensorHandle y_h = opf_empty_like(OP, &x);
+    OPF_RETURN(stack, 0, y_h);
+}
+
+OPF_OP_TABLE({.schema = "shaped(Tensor x, Tensor freqs) -> Tensor", .cpu = shaped_cpu, .shape = "like:x"})
+"""
+
+
+@pytest.mark.parametrize("x, freqs, message", [
+    ((4, 8), (8, 16), "argument 'freqs' must have size(-1) == 32, got 16 ([8, 16])"),
+    ((4, 8), (6, 32), "argument 'freqs' must have size(-2) == x.size(1) = 8, got 6 (freqs: [6, 32], x: [4, 8])"),
+    ((4, 8), (), "argument 'freqs' must have at least 1 dim for size(-1), got 0: []"),
+    ((4, 8), (32,), "argument 'freqs' must have at least 2 dims for size(-2), got 1: [32]"),
+    ((4,), (8, 32), "argument 'x' must have at least 2 dims for size(1), got 1: [4]"),
+])
+def test_size_is_and_dims_a_tensor_lacks(tmp_path, monkeypatch, x, freqs, message):
+    monkeypatch.setenv("OPFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "shaped.c").write_text(_SHAPED)
+    lib = opforge.load("shaped", [str(tmp_path / "shaped.c")])
+    assert lib.shaped(torch.rand(4, 8), torch.rand(8, 32)).shape == (4, 8)
+    with pytest.raises(RuntimeError) as e:
+        lib.shaped(torch.rand(x), torch.rand(freqs))
+    assert str(e.value).splitlines()[0] == "[shaped::shaped] " + message
+
+
 # ---- dtype names in messages ------------------------------------------------------------
 
 _NAMED = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.uint16,

@@ -87,6 +87,18 @@ def test_absent_optional_tensor_gives_an_empty_output():
     assert out.shape == (0,) and out.dtype == torch.float64
 
 
+@pytest.mark.parametrize("text", ["[bias[:]] dtype=bias if bias", "[bias[:]] if bias"])
+def test_an_optional_tensor_gives_its_dtype_under_its_if(text):
+    # the gradient of a Tensor? parameter: its own dtype when given (a float32 bias beside float64 x),
+    # an empty tensor of the first tensor's dtype when not
+    x, w, b = torch.randn(4, 5, dtype=torch.float64), torch.randn(7, 5), torch.randn(7)
+    r = rule(text)
+    given = r.evaluate((x, w, b, 0))
+    assert given.shape == (7,) and given.dtype == torch.float32
+    out = r.evaluate((x, w, None, 0))
+    assert out.shape == (0,) and out.dtype == torch.float64
+
+
 def test_too_few_dims_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"\[ns::op\] argument 'x' must have at least 3 dimensions .* got 2"):
         rule("[x[2]]").evaluate((torch.randn(2, 3), torch.randn(7, 3), None, 0))
@@ -100,7 +112,7 @@ def test_fake_outputs_equal_the_kernels_outputs():
     samples = {
         "dispersion_correction": (x, 0.5),
         "matmul": (torch.randn(2, 4, 5), torch.randn(2, 5, 3)),
-        "linear": (x, w, b, 2, True),
+        "linear": (x, w, b, "gelu", True),
         "attention": (q, k, v, None, True, None),
     }
     ops = {d.name: d for d in opforge.library.ops}
@@ -153,7 +165,8 @@ def test_symbolic_sizes_stay_symbolic_and_add_no_guards():
         ("[x[0], x[1]] perm=0,1,2", "2 sizes for a permutation of 3"),
         ("[x[:]] when activation", "cannot read the options"),
         ("[bias[:]]", "'bias' may be None"),
-        ("[bias[:]] if bias", "the dtype would come from 'bias'"),
+        ("[bias[:]] dtype=bias", "'bias' may be None: read its sizes under 'if bias'"),
+        ("[x[:]] dtype=bias", "dtype=bias: an optional argument may be None"),
         ("[2, 3]", "give dtype="),
         ("like:x; like:x", "2 rule\\(s\\) for the schema's 1 output"),
         (None, "0 rule\\(s\\) for the schema's 1 output"),

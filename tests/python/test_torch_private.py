@@ -184,7 +184,7 @@ def test_fake_mode_exit_missing(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        out = torch.ops.opforge.linear(torch.empty(5, 7), torch.empty(3, 7), None, 0, False)[0]
+        out = torch.ops.opforge.linear(torch.empty(5, 7), torch.empty(3, 7), None, "none", False)[0]
     assert out.shape == (5, 3)
 
 
@@ -193,7 +193,7 @@ def test_lean_autograd_kernel_restores_dropped_defaults():
     # setup_context still sees every input, so the backward finds the saved pre-activation
     x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
-    out = torch.ops.opforge.linear(x, w, None, 1)[0]  # activation 1 (relu), save_preact omitted
+    out = torch.ops.opforge.linear(x, w, None, "relu")[0]  # save_preact omitted
     gx, gw = torch.autograd.grad(out.square().sum(), (x, w))
     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
     want = torch.autograd.grad(torch.relu(xr @ wr.T).square().sum(), (xr, wr))

@@ -122,3 +122,50 @@ def test_elementwise_walkthrough_squared_relu(tmp_path, shell):
         "assert y.dtype == torch.bfloat16\n"
         "torch.testing.assert_close(y.float(), torch.relu(x.detach().bfloat16().float()) ** 2, rtol=8e-3, atol=1e-3)\n")
     shell("python use.py", cwd=project)
+
+
+# ---- "Your second op": a schema's op (causal_conv1d) -------------------------------------------------------
+
+CAUSAL = os.path.join(ROOT, "examples", "causal_conv1d")
+
+
+def _second_section() -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    start = text.index("## Your second op")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_second_walkthrough_blocks_are_the_prepared_files():
+    blocks = _blocks(_second_section())
+    c_blocks = [body for lang, body in blocks if lang == "c"]
+    assert c_blocks[0].strip() in open(os.path.join(CAUSAL, "kernels.c")).read()  # the float pair, verbatim
+    python_blocks = [body for lang, body in blocks if lang == "python"]
+    assert python_blocks[0].strip() == open(os.path.join(CAUSAL, "reference.py")).read().strip()
+
+
+def test_readme_walkthrough_causal_conv1d(tmp_path, shell):
+    sh = [body for lang, body in _blocks(_second_section()) if lang == "sh"]
+    assert sh[0].startswith('opforge new "causal_conv1d(Tensor x, Tensor weight, Tensor? bias=None, str activation=')
+    shell(sh[0], cwd=tmp_path)  # scaffold from the schema, and its generated tests pass as generated
+    project = tmp_path / "causal_conv1d"
+    for prepared, target in (("kernels.c", "causal_conv1d.c"), ("kernels_avx2.c", "causal_conv1d_avx2.c"),
+                             ("kernels_avx512.c", "causal_conv1d_avx512.c")):
+        path = project / target
+        path.write_text(scaffold.splice(path.read_text(), open(os.path.join(CAUSAL, prepared)).read()))
+    shutil.copy(os.path.join(CAUSAL, "reference.py"), project / "reference.py")
+    out = shell(sh[1], cwd=project)  # the op's tests, check, the bench script
+    assert " passed" in out.stdout and "failed" not in out.stdout
+    assert "opforge check causal_conv1d::causal_conv1d: PASS" in out.stdout
+    assert "activation=silu: PASS" in out.stdout and "activation=none: PASS" in out.stdout
+    assert "fwdbwd_vs_compile" in out.stdout
+    # the stride-0 gradient of y.sum().backward(): copied to stride 1, the vector variant runs it (the log says so)
+    (project / "use.py").write_text(
+        "import torch, ops\n"
+        "x = torch.randn(2, 8, 64, requires_grad=True)\n"
+        "ops.causal_conv1d(x, torch.randn(8, 4), torch.randn(8), 'silu').sum().backward()\n")
+    out = shell("python use.py", cwd=project, OPFORGE_LOG_LEVEL="info")
+    best = __import__("opforge").supported_isas()[-1]
+    variant = "avx512" if "avx512" in best else "avx2" if best != "ref" else None
+    if variant:
+        assert re.search(rf"causal_conv1d::causal_conv1d_backward .* isa={variant} kernels=causal_conv1d:{variant} ",
+                         out.stderr), out.stderr

@@ -65,8 +65,9 @@ typedef struct opf_op_desc {
      *                    "[q[0], q[2], q[1], v[-1]] perm=0,2,1,3": allocated
      *                    (B, N, H, Dv), returned as (B, H, N, Dv)
      *     if ARG and ...  the output is empty, [0], unless every ARG is given
-     *                    and true (not None, not false, not 0); an argument
-     *                    left out takes its schema default.
+     *                    and true (not None, not false, not 0, not an enum's
+     *                    first value); an argument left out takes its
+     *                    schema default.
      *                    "[x[:-1], weight[0]] if activation and save_preact",
      *                    "[bias[:]] dtype=x if bias"
      *
@@ -98,6 +99,14 @@ typedef struct opf_op_desc {
     /* The policy under CUDA autocast where it differs from `autocast` (0: the same): torch's CUDA
      * autocast runs softmax, log_softmax and layer_norm in float32, its CPU autocast does not. */
     int autocast_cuda;
+    /* The values of the `str` (or `str?`) arguments that take a fixed set, ';'-separated:
+     * "activation: none|silu|gelu; mode: a|b". The kernel reads each with opf_arg_enum and the same
+     * list -- one #define for both: `#define GLU_ACTS "silu|gelu"`, `.enums = "act: " GLU_ACTS` --
+     * and gets the value's index; the fake kernel refuses an unknown value with the kernel's message.
+     * Checked at load: each names a str argument of the schema, values are distinct identifiers, and
+     * a schema default is one of them. In a shape rule's `if`, the first value counts as false (it is
+     * the 0 the kernel sees). NULL: none. */
+    const char *enums;
 } opf_op_desc;
 
 /* The entry that ends every op table: the tables state no counts. */
@@ -158,6 +167,14 @@ int opf_arg_optional_double(StableIValue v, double *out);
 double opf_arg_double(StableIValue v);
 int64_t opf_arg_int(StableIValue v);
 int opf_arg_bool(StableIValue v);
+/* A `str` argument with a fixed set of values ("none|silu|gelu", the descriptor's .enums list): the
+ * index of the value given, or fails "[ns::op] argument 'act' must be one of 'none', 'silu', 'gelu',
+ * got 'relu'". Frees torch's string on every path; read it right after OPF_ARG_TENSOR, before anything
+ * that may fail (which would leave the string to no one). Of several, a refused one leaves those after
+ * it unread: a few bytes, on an error path. */
+int opf_arg_enum(const char *op, const char *arg, StableIValue v, const char *values);
+/* The same for a `str?` argument: -1 for None. */
+int opf_arg_optional_enum(const char *op, const char *arg, StableIValue v, const char *values);
 
 /* Raises RuntimeError("[ns::op] <message>"); never returns. */
 void opf_fail(const char *op, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
@@ -184,6 +201,17 @@ void opf_check_same_shape(const char *op, const char *arg, const opf_tensor *t, 
                           const opf_tensor *ref);
 void opf_check_same_dtype(const char *op, const char *arg, const opf_tensor *t, const char *ref_arg,
                           const opf_tensor *ref);
+/* Shapes, with both sides in the message. A negative dim counts from the end; a dim the tensor lacks
+ * fails naming it ("must have at least 2 dims for size(-2), got 1: [5]"), for t and ref alike.
+ * t has exactly ndim dims; names (or NULL) says what they are:
+ *   "[ns::op] argument 'x' must have 3 dims (B, D, L), got 2: [4, 5]" */
+void opf_check_dims(const char *op, const char *arg, const opf_tensor *t, int64_t ndim, const char *names);
+/* t.size(dim) == ref.size(ref_dim):
+ *   "[ns::op] argument 'weight' must have size(0) == x.size(1) = 64, got 48 (weight: [48, 4], x: [2, 64, 100])" */
+void opf_check_size(const char *op, const char *arg, const opf_tensor *t, int64_t dim, const char *ref_arg,
+                    const opf_tensor *ref, int64_t ref_dim);
+/* t.size(dim) == size: "[ns::op] argument 'freqs' must have size(-1) == 32, got 16 ([8, 16])" */
+void opf_check_size_is(const char *op, const char *arg, const opf_tensor *t, int64_t dim, int64_t size);
 const char *opf_dtype_name(int32_t torch_dtype);
 /* "cpu", "cuda", "meta" or "another device": a device type's name, for error messages. */
 const char *opf_device_name(int32_t torch_device_type);
@@ -206,7 +234,8 @@ AtenTensorHandle opf_workspace(const char *op, int64_t floats, const opf_tensor 
 
 /* At OPFORGE_LOG_LEVEL=info: one line with the op, the tensors' shapes and
  * dtypes, the kernel variants the call picked through opf_variant_pick since
- * t0_us (family:variant, and the highest ISA among them), the thread count and
+ * t0_us (family:variant; family:picked->ran (why) for one that fell back,
+ * opf_variant_fallback; and the highest ISA that ran), the thread count and
  * the microseconds since t0_us. Take t0_us before picking the kernels. */
 void opf_log_call(const char *op, double t0_us, int n, const opf_tensor *tensors);
 

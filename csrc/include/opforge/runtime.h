@@ -87,6 +87,15 @@ typedef struct opf_variants {
 const void *opf_variant_pick(const opf_variants *vs, opf_isa isa);
 /* The same choice, not noted: for listings (opforge info), which run nothing. */
 const void *opf_variant_best(const opf_variants *vs, opf_isa isa);
+/* A kernel picked from vs ran `ran` (a table of vs, usually the reference) instead, for reason why
+ * ("stride-0 gradient"; copied, at most 47 characters): the call's log line names it
+ * family:picked->ran (why), and its ISA is the highest ISA that actually ran. Call it once per call
+ * where the choice is made (a driver, before its opf_parallel_for), not per row; from a worker of
+ * opf_parallel_for it reaches the caller's line too. Below info level it is one load and a return. */
+void opf_variant_fallback(const opf_variants *vs, const void *ran, const char *why);
+/* What a driver runs: picked, or where why is not NULL the reference (vs's first table), reported
+ * through opf_variant_fallback unless picked is the reference already. */
+const void *opf_variant_or_ref(const opf_variants *vs, const void *picked, const char *why);
 
 /* ---- parallel_for ------------------------------------------------------------ */
 
@@ -117,12 +126,22 @@ void opf_log(opf_log_level level, const char *fmt, ...) __attribute__((format(pr
 double opf_now_us(void);
 
 /* Kernel variants picked by this thread, for the call's log line: opf_variant_pick
- * notes each pick (at info level, with the time); opf_log_take_picks writes
- * those noted since t0_us as "family:variant,..." into buf, forgets every
- * noted pick, and returns the highest ISA among them, or -1 where the call
- * picked none (an op that chooses its kernels without a variant table). */
+ * notes each pick (at info level, with the time), opf_variant_fallback each
+ * fallback (the variant picked from the family, the default picked where the
+ * call noted no pick of it); opf_log_take_picks writes those noted since t0_us
+ * as "family:variant,..." into buf (a pick that fell back as
+ * "family:picked->ran (why)"), forgets every noted pick, and returns the
+ * highest ISA among those that ran, or -1 where the call picked none (an op
+ * that chooses its kernels without a variant table). */
 void opf_log_note_pick(const char *family, const char *variant, opf_isa isa);
+void opf_log_note_fallback(const char *family, const char *picked, const char *ran, opf_isa isa, const char *why);
 int opf_log_take_picks(double t0_us, char *buf, size_t len);
+/* Where this thread notes picks: its own record, or while it runs a chunk of another
+ * thread's opf_parallel_for (at info level), that thread's, so that what a worker
+ * notes reaches the caller's log line. opf_log_record_use returns the record used before. */
+typedef struct opf_log_record opf_log_record;
+opf_log_record *opf_log_record_current(void);
+opf_log_record *opf_log_record_use(opf_log_record *record);
 
 /* ---- strided n-d iteration for elementwise kernels -------------------------- */
 

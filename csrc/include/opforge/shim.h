@@ -7,7 +7,7 @@
  * headers and static_asserts that each entry has the identical signature, so
  * a torch release that changes one fails `make test` instead of crashing.
  *
- * Minimum torch: 2.10 (torch_library_impl, torch_parallel_for, torch_get_num_threads).
+ * Minimum torch: 2.10 (torch_library_impl, torch_parallel_for, torch_get_num_threads, the string and list handles).
  * torch_library_def_with_tags and two dtypes (2.12) are looked up as weak symbols.
  */
 #ifndef OPFORGE_SHIM_H
@@ -24,6 +24,8 @@ extern "C" {
 typedef struct AtenTensorOpaque *AtenTensorHandle;
 typedef struct TorchLibraryOpaque *TorchLibraryHandle;
 typedef struct DeviceGuardOpaque *DeviceGuardHandle;
+typedef struct StringOpaque *StringHandle;         /* a `str` argument's StableIValue: owned by the kernel */
+typedef struct StableListOpaque *StableListHandle; /* a `Tensor[]` argument's StableIValue: owned by the kernel */
 typedef int32_t AOTITorchError;
 typedef uint64_t StableIValue;
 typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
@@ -89,6 +91,15 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(AOTITorchError, torch_parallel_for,                                                                          \
       (int64_t begin, int64_t end, int64_t grain_size, ParallelFunc func, void *ctx))                              \
     X(AOTITorchError, torch_get_num_threads, (uint32_t * out_num_threads))                                         \
+    X(AOTITorchError, torch_new_string_handle, (const char *data, size_t length, StringHandle *handle))            \
+    X(AOTITorchError, torch_delete_string, (StringHandle handle))                                                  \
+    X(AOTITorchError, torch_string_length, (StringHandle handle, size_t * length))                                 \
+    X(AOTITorchError, torch_string_c_str, (StringHandle handle, const char **data))                                \
+    X(AOTITorchError, aoti_torch_library_init_fragment,                                                            \
+      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret_new_torch_lib))                    \
+    X(AOTITorchError, torch_list_size, (StableListHandle list_handle, size_t * size))                              \
+    X(AOTITorchError, torch_list_get_item, (StableListHandle list_handle, size_t index, StableIValue * element))   \
+    X(AOTITorchError, torch_delete_list, (StableListHandle list_handle))                                           \
     X(void, aoti_torch_check, (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
 /* The CUDA glue's (opforge/cuda.h), from libtorch_cpu (2.10). */

@@ -5,18 +5,18 @@ from __future__ import annotations
 import torch
 
 from .._lib import op_function
-from .._runtime import enum, namespace, ops
+from .._runtime import library, namespace, ops
 
 __all__ = ["GLU_ACTIVATIONS", "geglu", "swiglu"]
 
-# activation name -> the code the glu op takes, read from the library
-GLU_ACTIVATIONS = enum("glu_activation")
+# the names the glu op's `str act` takes, read from the library
+GLU_ACTIVATIONS = library.descriptor("glu").enum_values("act")
 GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
 @op_function(ops.glu.default)
 def _glu(gate, up, act):
-    """act(gate) * up, act an int code of GLU_ACTIVATIONS: see swiglu and geglu."""
+    """act(gate) * up, act one of GLU_ACTIVATIONS: see swiglu and geglu."""
 
 
 def _glu_halves(name: str, gate: torch.Tensor, up: torch.Tensor | None):
@@ -50,7 +50,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     makes it float32.
     """
     gate, up = _glu_halves("swiglu", gate, up)
-    return _glu(gate, up, GLU_ACTIVATIONS["silu"])
+    return _glu(gate, up, "silu")
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "none") -> torch.Tensor:
@@ -61,4 +61,4 @@ def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str =
     if act is None:
         raise RuntimeError(f"[{namespace}::geglu] argument 'approximate' must be 'none' or 'tanh', got {approximate!r}")
     gate, up = _glu_halves("geglu", gate, up)
-    return _glu(gate, up, GLU_ACTIVATIONS[act])
+    return _glu(gate, up, act)

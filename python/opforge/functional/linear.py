@@ -5,16 +5,12 @@ from __future__ import annotations
 import torch
 
 from .._lib import op_function
-from .._runtime import enum, enum_code, ops
+from .._runtime import library, ops
 
 __all__ = ["ACTIVATIONS", "linear", "matmul"]
 
-# activation name -> the code the linear ops take: csrc/kernels/act.h's act_kind, read from the library
-ACTIVATIONS = enum("activation")
-
-
-def _activation_code(activation) -> int:
-    return enum_code(ACTIVATIONS, "linear", "activation", "none" if activation is None else activation, " or None")
+# the names the linear ops' `str activation` takes, read from the library (csrc/kernels/act.h's ACT_NAMES)
+ACTIVATIONS = library.descriptor("linear").enum_values("activation")
 
 
 @op_function(ops.linear.default)
@@ -49,9 +45,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the graph is not retained. Under autocast the op runs in the autocast
     dtype (policy lower), as F.linear does.
     """
-    code = _activation_code(activation)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    return _linear(x, weight, bias, code, needs_grad and not recompute)[0]
+    return _linear(x, weight, bias, "none" if activation is None else activation, needs_grad and not recompute)[0]
 
 
 @op_function(ops.matmul.default)

@@ -1,5 +1,5 @@
 """What the references of every op share: the Reference record, the inputs' value generators, and the
-activations by the names the library gives their codes."""
+activations by the names the ops take."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .._runtime import enum
+from .._runtime import library
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ _ACTIVATION_FNS = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu,
                    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 
 
-def activations(kind: str) -> dict[int, Callable]:
-    """code -> torch function of the library's enum kind ("activation", "glu_activation"): an activation
-    the library adds fails here until it has a torch function."""
-    return {code: _ACTIVATION_FNS[name] for name, code in enum(kind).items()}
+def activations(op: str, arg: str) -> dict[str, Callable]:
+    """name -> torch function of each activation the op's str argument takes, in the library's order: an
+    activation the library adds fails here until it has a torch function."""
+    return {name: _ACTIVATION_FNS[name] for name in library.descriptor(op).enum_values(arg)}

@@ -8,15 +8,15 @@ from ._common import Reference, activations, randn
 
 __all__ = ["glu", "glu_backward"]
 
-GLU_ACTIVATIONS = activations("glu_activation")  # code of the op -> torch function
+GLU_ACTIVATIONS = activations("glu", "act")  # name -> torch function
 
 
-def glu(gate, up, act: int):
+def glu(gate, up, act: str):
     """act(gate) * up, the eager formula (silu for SwiGLU, gelu for GeGLU)."""
     return GLU_ACTIVATIONS[act](gate) * up
 
 
-def glu_backward(grad, gate, up, act: int):
+def glu_backward(grad, gate, up, act: str):
     """(dgate, dup) of glu, by autograd of the formula."""
     gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
     with torch.enable_grad():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._runtime import enum
 from ._common import Reference, activations, grid
 
 __all__ = ["linear", "linear_backward", "matmul", "matmul_backward"]
@@ -30,18 +29,17 @@ def _matmul_backward_inputs(dtype):
     return [(grid(*a.shape[:-1], b.shape[-1], seed=7), a, b) for a, b in _matmul_inputs(dtype)]
 
 
-ACTIVATIONS = activations("activation")  # code of the linear ops -> torch function
-_NONE = enum("activation")["none"]
+ACTIVATIONS = activations("linear", "activation")  # name -> torch function
 
 
-def linear(x, weight, bias, activation: int, save_preact: bool = True):
+def linear(x, weight, bias, activation: str, save_preact: bool = True):
     """(act(x weight^T + bias),): the pre-activation the op may keep is saved for
     its backward and has no gradient of its own, so it is checked through
     linear_backward rather than here."""
     return (ACTIVATIONS[activation](F.linear(x, weight, bias)),)
 
 
-def linear_backward(grad, x, weight, bias, preact, activation: int):
+def linear_backward(grad, x, weight, bias, preact, activation: str):
     """(dx, dweight, dbias), dbias empty without a bias; an empty preact is recomputed."""
     if preact.numel() == 0:
         preact = F.linear(x, weight, bias)
@@ -56,14 +54,14 @@ def linear_backward(grad, x, weight, bias, preact, activation: int):
 def _linear_inputs(dtype):
     # every activation, with and without a bias, and leading dims (2, 3) over a K of 17
     x, w, b = grid(2, 3, 17, seed=1), grid(9, 17, seed=2), grid(9, seed=3)
-    return [(x, w, b if i % 2 else None, act, True) for i, act in enumerate(sorted(ACTIVATIONS))]
+    return [(x, w, b if i % 2 else None, act, True) for i, act in enumerate(ACTIVATIONS)]
 
 
 def _linear_backward_inputs(dtype):
     samples = []
     for x, w, b, act, _ in _linear_inputs(dtype):
         grad = grid(*x.shape[:-1], w.shape[0], seed=4)
-        saved = F.linear(x, w, b) if act != _NONE else x.new_empty(0)
+        saved = F.linear(x, w, b) if act != "none" else x.new_empty(0)
         samples.append((grad, x, w, b, saved, act))
     return samples
 
