@@ -178,6 +178,36 @@ int opf_arg_optional_enum(const char *op, const char *arg, StableIValue v, const
     return unbox_optional(v, &value) ? opf_arg_enum(op, arg, value, values) : -1;
 }
 
+int64_t opf_arg_int_list(const char *op, const char *arg, StableIValue v, int64_t *out, int64_t max) {
+    StableListHandle list = (StableListHandle)(uintptr_t)v;
+    size_t n = 0;
+    if (torch_list_size(list, &n) != OPF_AOTI_SUCCESS) {
+        torch_delete_list(list);
+        opf_fail(op, "internal error: could not read the list of argument '%s'", arg);
+    }
+    if ((int64_t)n > max) {
+        torch_delete_list(list); /* before the exception: nothing else would free it */
+        opf_fail(op, "argument '%s' takes at most %lld values, got %zu", arg, (long long)max, n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        StableIValue item = 0;
+        if (torch_list_get_item(list, i, &item) != OPF_AOTI_SUCCESS) {
+            torch_delete_list(list);
+            opf_fail(op, "internal error: could not read item %zu of argument '%s'", i, arg);
+        }
+        out[i] = opf_arg_int(item);
+    }
+    torch_delete_list(list);
+    return (int64_t)n;
+}
+
+int opf_arg_optional_int(StableIValue v, int64_t *out) {
+    StableIValue value;
+    if (!unbox_optional(v, &value)) return 0;
+    *out = opf_arg_int(value);
+    return 1;
+}
+
 opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h) {
     opf_tensor t = {.h = h};
     int64_t *sizes = NULL, *strides = NULL;

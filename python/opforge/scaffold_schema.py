@@ -7,12 +7,12 @@ The first tensor argument is the op's *main* input: the kernels run over its row
 row per call, on every thread (``opf_parallel_for`` over tasks of rows). The other tensor arguments
 are *parameters* (``Tensor?``: may be None): the kernels see them whole, as contiguous float32 (or
 float64) arrays. The output is shaped ``like:MAIN`` (a row in, a row out) or ``[MAIN[:-1]]`` (a row
-in, one value out: ``--shape``). Scalars (float, float?, int, bool) and enums (``str`` with
-``--enum NAME=a,b,c``: an integer in C) reach the kernels in one struct.
+in, one value out: ``--shape``). Scalars (float, float?, int, int?, int[], bool) and enums (``str``
+with ``--enum NAME=a,b,c``: an integer in C) reach the kernels in one struct.
 
 The project is a working op before anything is edited. Its placeholder computation uses every
-argument: y = s * x + c(row), where s is the product of the numeric scalars, -1 for each true bool
-and (1 + index) for each enum, and c(row) is the sum over the given parameters p of
+argument: y = s * x + c(row), where s is the product of the numeric scalars, (1 + length) for each
+int list, -1 for each true bool and (1 + index) for each enum, and c(row) is the sum over the given parameters p of
 p.flatten()[row % p.numel()] (for x (B, D, L) and bias (D,), that is bias[d]: a bias per channel).
 With ``[MAIN[:-1]]``, y = s * x.sum(-1) + c(row). Its backward gives the main input's gradient row by
 row, and each parameter's gradient summed over the rows: every task adds its rows into its own
@@ -30,7 +30,8 @@ from .scaffold import BEGIN, CONVERT_C, END
 
 # schema type -> kind
 KINDS = {"Tensor": "tensor", "Optional[Tensor]": "tensor?", "float": "float", "Optional[float]": "float?",
-         "int": "int", "bool": "bool", "str": "enum"}
+         "int": "int", "Optional[int]": "int?", "List[int]": "int[]", "bool": "bool", "str": "enum"}
+MAX_LIST = 16  # the most values the generated C takes for an int[] argument
 # names the generated C uses itself
 RESERVED = {"y", "dy", "dx", "g", "s", "a", "k", "n", "r", "t", "i", "j", "op", "stack", "nin", "nout", "row",
             "rows", "off", "dt", "job", "grad", "buf", "acc", "sum", "c", "p", "pd", "pn", "auto", "char", "const",
@@ -47,7 +48,7 @@ def _bad(msg: str):
 @dataclass
 class Arg:
     name: str
-    kind: str  # tensor, tensor?, float, float?, int, bool, enum
+    kind: str  # tensor, tensor?, float, float?, int, int?, int[], bool, enum
     default: object = None
     has_default: bool = False
     values: tuple[str, ...] = ()  # an enum's
@@ -58,7 +59,7 @@ class Arg:
 
     def decl(self, with_default: bool = True) -> str:
         ty = {"tensor": "Tensor", "tensor?": "Tensor?", "float": "float", "float?": "float?", "int": "int",
-              "bool": "bool", "enum": "str"}[self.kind]
+              "int?": "int?", "int[]": "int[]", "bool": "bool", "enum": "str"}[self.kind]
         text = f"{ty} {self.name}"
         if with_default and self.has_default:
             d = self.default
@@ -103,8 +104,8 @@ class SchemaSig:
         for a in parsed.arguments:
             ty = str(a.type)
             if ty not in KINDS:
-                _bad(f"argument '{a.name}': the scaffold handles {', '.join(sorted(set(KINDS) - {'Optional[Tensor]', 'Optional[float]'}))}"
-                     f", Tensor? and float?; got {ty}")
+                _bad(f"argument '{a.name}': the scaffold handles Tensor, Tensor?, float, float?, int, int?, int[], bool "
+                     f"and str; got {ty}")
             arg = Arg(a.name, KINDS[ty], a.default_value, a.has_default_value())
             if arg.kind == "enum":
                 if a.name not in enum_values:
@@ -204,7 +205,7 @@ class SchemaSig:
 
 # ---- C ------------------------------------------------------------------------------------------------
 
-_C_SCALAR = {"float": "double", "float?": "double", "int": "int64_t", "bool": "int", "enum": "int"}
+_C_SCALAR = {"float": "double", "float?": "double", "int": "int64_t", "int?": "int64_t", "bool": "int", "enum": "int"}
 
 
 def _scalar_fields(sig: SchemaSig) -> str:
@@ -212,8 +213,10 @@ def _scalar_fields(sig: SchemaSig) -> str:
     for a in sig.scalars:
         if a.kind == "enum":
             out.append(f"    int {a.name}; /* {', '.join(f'{k} {v}' for k, v in enumerate(a.values))} */\n")
-        elif a.kind == "float?":
-            out.append(f"    double {a.name};\n    int has_{a.name}; /* 0: None */\n")
+        elif a.kind in ("float?", "int?"):
+            out.append(f"    {_C_SCALAR[a.kind]} {a.name};\n    int has_{a.name}; /* 0: None */\n")
+        elif a.kind == "int[]":
+            out.append(f"    int64_t {a.name}[MAX_LIST], {a.name}_len; /* its values, and how many */\n")
         else:
             out.append(f"    {_C_SCALAR[a.kind]} {a.name};\n")
     syms = _symbols(sig)
@@ -280,7 +283,7 @@ typedef struct {n}_grads64 {{
 
 #include <opforge/runtime.h>
 
-{enums}
+{enums}{'#define MAX_LIST ' + str(MAX_LIST) + ' /* the most values an int[] argument takes */' + chr(10) if any(a.kind == 'int[]' for a in sig.scalars) else ''}
 /* The scalar arguments (an enum as its value's index). */
 typedef struct {n}_scalars {{
 {_scalar_fields(sig)}}} {n}_scalars;
@@ -337,8 +340,10 @@ def _scale_expr(sig: SchemaSig, real: str) -> str:
     for a in sig.scalars:
         if a.kind in ("float", "int"):
             parts.append(f"(double)s->{a.name}")
-        elif a.kind == "float?":
-            parts.append(f"(s->has_{a.name} ? s->{a.name} : 1.0)")
+        elif a.kind in ("float?", "int?"):
+            parts.append(f"(s->has_{a.name} ? (double)s->{a.name} : 1.0)")
+        elif a.kind == "int[]":
+            parts.append(f"(1.0 + (double)s->{a.name}_len)")
         elif a.kind == "bool":
             parts.append(f"(s->{a.name} ? -1.0 : 1.0)")
         else:
@@ -588,6 +593,11 @@ def _glue(sig: SchemaSig) -> str:
                 out.append(f"    const double {a.name} = opf_arg_double(stack[{k}]);\n")
             elif a.kind == "float?":
                 out.append(f"    double {a.name} = 0;\n    const int has_{a.name} = opf_arg_optional_double(stack[{k}], &{a.name});\n")
+            elif a.kind == "int?":
+                out.append(f"    int64_t {a.name} = 0;\n    const int has_{a.name} = opf_arg_optional_int(stack[{k}], &{a.name});\n")
+            elif a.kind == "int[]":
+                out.append(f"    int64_t {a.name}[MAX_LIST];\n    const int64_t {a.name}_len = opf_arg_int_list(OP, \"{a.name}\", "
+                           f"stack[{k}], {a.name}, MAX_LIST);\n")
             elif a.kind == "int":
                 out.append(f"    const int64_t {a.name} = opf_arg_int(stack[{k}]);\n")
             elif a.kind == "bool":
@@ -604,8 +614,9 @@ def _glue(sig: SchemaSig) -> str:
                     else f"    const opf_tensor {a.name} = {a.name}_h ? opf_tensor_info(OP, \"{a.name}\", {a.name}_h) : "
                          f"(opf_tensor){{0}};\n" for a in tensors)
     optional = {p.name for p in sig.params if p.kind == "tensor?"}
-    scalar_init = ", ".join([f".{a.name} = {a.name}" for a in sig.scalars] +
-                            [f".has_{a.name} = has_{a.name}" for a in sig.scalars if a.kind == "float?"] +
+    scalar_init = ", ".join([f".{a.name} = {a.name}" for a in sig.scalars if a.kind != "int[]"] +
+                            [f".{a.name}_len = {a.name}_len" for a in sig.scalars if a.kind == "int[]"] +
+                            [f".has_{a.name} = has_{a.name}" for a in sig.scalars if a.kind in ("float?", "int?")] +
                             [f".{sym} = {t}.sizes[{j}]" if t not in optional else f".{sym} = {t}_h ? {t}.sizes[{j}] : 0"
                              for sym, (t, j) in _symbols(sig).items()]) or "0"
     params_arr = ", ".join([f"&{p.name}" if p.kind == "tensor" else f"{p.name}_h ? &{p.name} : NULL" for p in params]
@@ -643,6 +654,8 @@ def _glue(sig: SchemaSig) -> str:
     if sig.grads:
         bwd = Template(_BWD).substitute(
             n=n, m=m, take=take(1), infos=infos, check_args=check_args, scalar_init=scalar_init, grad_check=grad_check,
+            copy_lists_bwd="".join(f"        memcpy(s.{a.name}, {a.name}, sizeof s.{a.name});\n" for a in sig.scalars
+                                   if a.kind == "int[]"),
             grad_allocs=grad_allocs, params_arr=params_arr, dparams_arr=dparams_arr, grad_returns=grad_returns,
             logged=logged, nlog=len(tensors) + 1 + len(sig.grads), grads_of=grads_of, bwd_schema=sig.bwd_schema(),
             logged_grads="".join(f"    logged[nl++] = d{t};\n" for t in sig.grads))
@@ -662,6 +675,7 @@ def _glue(sig: SchemaSig) -> str:
         n=n, m=m, NP=np_, enum_p=enum_p, names=names, args_of=args_of, grad_flags=grad_flags,
         check_params=check_params, dims_checks=_dims_checks(sig), param_checks=param_checks, take=take(0),
         infos=infos, check_args=check_args, scalar_init=scalar_init, params_arr=params_arr, logged=logged,
+        copy_lists="".join(f"    memcpy(s.{a.name}, {a.name}, sizeof s.{a.name});\n" for a in sig.scalars if a.kind == "int[]"),
         nlog=len(tensors) + 1, schema=sig.schema(), REDUCE=int(sig.reduce), bwd=bwd, shape_fwd=shape_fwd,
         desc_bwd=desc_bwd, desc_enums=desc_enums, flops=flops, table_bwd=table_bwd, UP=up,
         alloc_y=(f"opf_empty(OP, {m}.ndim - 1, {m}.sizes, {m}.dtype, &{m})" if sig.reduce else f"opf_empty_like(OP, &{m})"),
@@ -861,8 +875,8 @@ ${infos}    const opf_dtype dt = check_inputs(OP, ${check_args});
         OPF_RETURN(stack, 0, y_h);
         return;
     }
-    const ${n}_scalars s = {${scalar_init}};
-    run_fwd(OP, dt, &${m}, &y, &s, (const opf_tensor *const[]){${params_arr}});
+    ${n}_scalars s = {${scalar_init}};
+${copy_lists}    run_fwd(OP, dt, &${m}, &y, &s, (const opf_tensor *const[]){${params_arr}});
     opf_tensor logged[${nlog}];
     int nl = 0;
 ${logged}    logged[nl++] = y;
@@ -1000,8 +1014,8 @@ ${infos}    const opf_dtype dt = check_inputs(OP, ${check_args});
 ${grad_check}    OPF_OWNED AtenTensorHandle d${m}_h = opf_empty_like(OP, &${m});
     const opf_tensor d${m} = opf_tensor_info(OP, "d${m}", d${m}_h);
 ${grad_allocs}    if (!opf_is_meta(&g)) {
-        const ${n}_scalars s = {${scalar_init}};
-        run_bwd(OP, dt, &g, &${m}, &d${m}, &s, (const opf_tensor *const[]){${params_arr}},
+        ${n}_scalars s = {${scalar_init}};
+${copy_lists_bwd}        run_bwd(OP, dt, &g, &${m}, &d${m}, &s, (const opf_tensor *const[]){${params_arr}},
                 (const opf_tensor *const[]){${dparams_arr}, NULL});
         opf_tensor logged[${nlog}];
         int nl = 0;
@@ -1044,7 +1058,7 @@ def _py_value(a: Arg):
         return a.default if a.has_default else a.values[-1]
     if a.has_default and a.default is not None:
         return a.default
-    return {"float": 0.75, "float?": 0.75, "int": 3, "bool": False}[a.kind]
+    return {"float": 0.75, "float?": 0.75, "int": 3, "int?": 3, "int[]": [1, 2], "bool": False}[a.kind]
 
 
 def _reference(sig: SchemaSig) -> str:
@@ -1055,8 +1069,10 @@ def _reference(sig: SchemaSig) -> str:
     for a in sig.scalars:
         if a.kind in ("float", "int"):
             scale.append(a.name)
-        elif a.kind == "float?":
+        elif a.kind in ("float?", "int?"):
             scale.append(f"({a.name} if {a.name} is not None else 1.0)")
+        elif a.kind == "int[]":
+            scale.append(f"(1 + len({a.name}))")
         elif a.kind == "bool":
             scale.append(f"(-1.0 if {a.name} else 1.0)")
         else:
@@ -1148,7 +1164,7 @@ def files(sig: SchemaSig) -> dict[str, str]:
            f"{n}_avx512.c": _variant_file(sig, "avx512"), "reference.py": _reference(sig)}
     first = _cases(sig)[0]
     shape_args = " ".join(f"--shape {t}={','.join(map(str, s))}" for t, s in first.items())
-    shape_args += "".join(f" --arg {a.name}={_py_value(a)}" for a in sig.scalars if a.kind not in ("enum", "bool"))
+    shape_args += "".join(f" --arg {a.name}={_py_value(a)}" for a in sig.scalars if a.kind not in ("enum", "bool", "int[]"))
     for template, target in (("ops.py", "ops.py"), ("test_op.py", f"test_{n}.py"), ("bench_op.py", f"bench_{n}.py"),
                              ("README.md", "README.md")):
         with open(os.path.join(_templates(), "schema", template)) as f:

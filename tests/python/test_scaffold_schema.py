@@ -44,7 +44,7 @@ def _load(tmp_path, schema, **opts):
     ("f(Tensor x, str mode='c') -> Tensor", dict(enums=["mode=a,b"]), "the default of 'mode' .* is not one of"),
     ("f(Tensor x) -> Tensor", dict(enums=["mode=a,b"]), "--enum names no str argument of the schema: mode"),
     ("f(Tensor? x) -> Tensor", {}, "needs a Tensor argument \\(not Tensor\\?\\) before any Tensor\\?"),
-    ("f(Tensor x, int[] dims) -> Tensor", {}, "argument 'dims': the scaffold handles .*got List\\[int\\]"),
+    ("f(Tensor x, Tensor[] more) -> Tensor", {}, "argument 'more': the scaffold handles .*got List\\[Tensor\\]"),
     ("f(Tensor x) -> (Tensor, Tensor)", {}, "return one Tensor"),
     ("f(Tensor x) -> Tensor", dict(shape="[x[0]]"), "--shape takes like:x .* or \\[x\\[:-1\\]\\]"),
     ("f(Tensor x, Tensor w) -> Tensor", dict(backward="w"), "--backward must include the main input 'x'"),
@@ -62,19 +62,22 @@ def test_bad_schemas_are_refused_with_a_reason(schema, opts, why):
 
 @pytest.mark.usefixtures("cache")
 def test_every_argument_kind_reaches_c(tmp_path):
-    # tensors, optional tensors, float, float?, int, bool and an enum: the placeholder multiplies x by each
-    # numeric scalar, -1 per true bool and (1 + index) per enum value, and adds the parameters' elements
+    # tensors, optional tensors, float, float?, int, int?, int[], bool and an enum: the placeholder multiplies
+    # x by each numeric scalar, (1 + length) per list, -1 per true bool and (1 + index) per enum value, and
+    # adds the parameters' elements
     schema = ("kinds(Tensor x, Tensor w, Tensor? b=None, float alpha=0.5, float? beta=None, int reps=2, "
-              "bool neg=False, str mode='a') -> Tensor")
+              "int? extra=None, int[] dims=[1, 2], bool neg=False, str mode='a') -> Tensor")
     lib, ref = _load(tmp_path, schema, enums=["mode=a,b,c"])
     x, w, b = torch.randn(4, 9), torch.randn(3), torch.randn(5)
-    for args in [(x, w, b, 0.5, None, 2, False, "a"), (x, w, None, 1.5, 2.0, 3, True, "c")]:
+    for args in [(x, w, b, 0.5, None, 2, None, [1, 2], False, "a"), (x, w, None, 1.5, 2.0, 3, 5, [], True, "c")]:
         torch.testing.assert_close(torch.ops.kinds.kinds(*args), ref(*args))
-    s = 1.5 * 2.0 * 3 * -1.0 * 3  # alpha, beta, reps, neg, mode 'c'
-    torch.testing.assert_close(torch.ops.kinds.kinds(x, w, None, 1.5, 2.0, 3, True, "c"),
+    s = 1.5 * 2.0 * 3 * 5 * 4 * -1.0 * 3  # alpha, beta, reps, extra, dims (3 values), neg, mode 'c'
+    torch.testing.assert_close(torch.ops.kinds.kinds(x, w, None, 1.5, 2.0, 3, 5, [7, 8, 9], True, "c"),
                                s * x + w[torch.arange(4) % 3][:, None])
     with pytest.raises(RuntimeError, match=r"\[kinds::kinds\] argument 'mode' must be one of 'a', 'b', 'c', got 'd'"):
-        torch.ops.kinds.kinds(x, w, None, 0.5, None, 2, False, "d")
+        torch.ops.kinds.kinds(x, w, None, 0.5, None, 2, None, [], False, "d")
+    with pytest.raises(RuntimeError, match=r"\[kinds::kinds\] argument 'dims' takes at most 16 values, got 17"):
+        torch.ops.kinds.kinds(x, w, None, 0.5, None, 2, None, list(range(17)), False, "a")
 
 
 @pytest.mark.usefixtures("cache")

@@ -175,6 +175,11 @@ int opf_arg_bool(StableIValue v);
 int opf_arg_enum(const char *op, const char *arg, StableIValue v, const char *values);
 /* The same for a `str?` argument: -1 for None. */
 int opf_arg_optional_enum(const char *op, const char *arg, StableIValue v, const char *values);
+/* An `int[]` argument: its values into out (at most max: a longer list fails naming op, argument and
+ * max), their count returned; frees torch's list. */
+int64_t opf_arg_int_list(const char *op, const char *arg, StableIValue v, int64_t *out, int64_t max);
+/* An `int?` argument: 1 and *out = the value, or 0 for None (frees torch's box). */
+int opf_arg_optional_int(StableIValue v, int64_t *out);
 
 /* Raises RuntimeError("[ns::op] <message>"); never returns. */
 void opf_fail(const char *op, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
