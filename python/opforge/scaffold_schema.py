@@ -788,6 +788,8 @@ static void load_row(float *dst, const void *src, int64_t off, int64_t st, int64
     const uint16_t *h = (const uint16_t *)src + off;
     if (dt == OPF_F32)
         for (int64_t i = 0; i < len; i++) dst[i] = ((const float *)src)[off + i * st];
+    else if (dt == OPF_BF16 && st == 1) /* the common case, apart: the compiler vectorises it */
+        for (int64_t i = 0; i < len; i++) dst[i] = opf_bf16_to_f32(h[i]);
     else if (dt == OPF_BF16)
         for (int64_t i = 0; i < len; i++) dst[i] = opf_bf16_to_f32(h[i * st]);
     else
@@ -798,6 +800,8 @@ static void store_row(void *dst, int64_t off, int64_t st, const float *src, int6
     uint16_t *h = (uint16_t *)dst + off;
     if (dt == OPF_F32)
         for (int64_t i = 0; i < len; i++) ((float *)dst)[off + i * st] = src[i];
+    else if (dt == OPF_BF16 && st == 1)
+        for (int64_t i = 0; i < len; i++) h[i] = opf_f32_to_bf16(src[i]);
     else if (dt == OPF_BF16)
         for (int64_t i = 0; i < len; i++) h[i * st] = opf_f32_to_bf16(src[i]);
     else
