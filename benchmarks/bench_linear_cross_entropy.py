@@ -1,8 +1,11 @@
 """Fused LM head + cross-entropy (opforge.functional.linear_cross_entropy) against eager
 F.cross_entropy(F.linear(h, w), y) and torch.compile of it: forward+backward time ratios and the
-peak memory of one forward+backward, float32 and bfloat16, hidden 2048, vocab 32000 and 128256.
+peak memory of one forward+backward, float32 and bfloat16, hidden 2048, vocab 32000 and 128256; and
+forward+backward under torch.autocast (bfloat16) on float32 operands, 2048 tokens x 512 -> vocab 8192
+(<stem>_autocast.*).
 
     python benchmarks/bench_linear_cross_entropy.py [--smoke] [--out DIR] [--time-tokens N] [--mem-tokens N]
+    python benchmarks/bench_linear_cross_entropy.py --dtypes '' --autocast-shape 2048,512,8192  # autocast only
 
 Peak memory is measured at the full size (4096 tokens) in a fresh subprocess per variant, the same way
 for each: the torch allocator's high-water mark during one forward+backward above what it held before
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import opforge
-from opforge.benchmark import RESULTS, compare, peak_memory, plot, write_results
+from opforge.benchmark import RESULTS, compare, measure, peak_memory, plot, ratio_text, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -122,6 +125,64 @@ def time_step(variants, tokens, hidden, vocab, dtype, reps):
     return compare({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=0.01)
 
 
+def under_autocast(f, amp=torch.bfloat16):
+    """f under torch.autocast("cpu", amp): what a mixed-precision training step runs on float32 parameters."""
+
+    def run(h, w, y):
+        with torch.autocast("cpu", dtype=amp):
+            return f(h, w, y)
+
+    return run
+
+
+def fused_fp32(h, w, y):
+    """The op on float32 operands with autocast off: what the op ran under autocast while its policy was
+    float32 (before its GEMMs followed the autocast dtype as eager's F.linear does)."""
+    with torch.autocast("cpu", enabled=False):
+        return fused(h.float(), w.float(), y)
+
+
+def time_autocast(shape, reps, out, stem):
+    """forward+backward under bfloat16 autocast on float32 hidden and weight, interleaved; loss and gradients
+    checked against eager's under the same autocast first."""
+    tokens, hidden, vocab = shape
+    variants = {"opforge": under_autocast(fused), "eager": under_autocast(eager),
+                "compile": torch.compile(under_autocast(eager), dynamic=False), "opforge_fp32": fused_fp32}
+    h, w, y = inputs(min(tokens, 64), hidden, vocab, torch.float32, seed=1)
+    results = {}
+    for name in ("opforge", "eager"):
+        leaves = [t.clone().requires_grad_() for t in (h, w)]
+        loss = variants[name](*leaves, y)
+        loss.backward()
+        results[name] = [loss.detach()] + [t.grad for t in leaves]
+    assert results["opforge"][0].dtype == torch.float32 and results["opforge"][2].dtype == torch.float32
+    for got, want in zip(results["opforge"], results["eager"]):
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+    h, w, y = inputs(tokens, hidden, vocab, torch.float32)
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def step(f):
+        f(hg, wg, y).backward()
+        hg.grad = wg.grad = None
+
+    t = measure({k: (lambda f=f: step(f)) for k, f in variants.items()}, reps=reps, target_s=0.01)
+    row = {"tokens": tokens, "hidden": hidden, "vocab": vocab, **{f"fwdbwd_s_{k}": v.median for k, v in t.items()},
+           "fwdbwd_vs_eager": t["eager"].median / t["opforge"].median,
+           "fwdbwd_vs_compile": t["compile"].median / t["opforge"].median,
+           "fp32_policy_vs_eager": t["eager"].median / t["opforge_fp32"].median}
+    notes = [f"ISA {opforge.get_isa()}; forward+backward under torch.autocast('cpu', bfloat16) on float32 hidden and "
+             "weight (leaves), medians of interleaved samples; fwdbwd_vs_*: baseline time / opforge time (>1: "
+             "opforge faster)",
+             "eager: F.cross_entropy(F.linear(h, w), y) (its logits bfloat16, the loss float32); compile: "
+             "torch.compile of it; opforge_fp32 (fp32_policy_vs_eager): the op on float32 operands, what the op ran "
+             "under autocast with its former float32 policy"]
+    write_results(stem, [row], notes, out)
+    print(f"autocast bf16 {tokens} x {hidden} -> {vocab}: fwd+bwd {ratio_text(t['eager'], t['opforge'])} eager, "
+          f"{ratio_text(t['compile'], t['opforge'])} compile; the float32 policy ran at "
+          f"{ratio_text(t['eager'], t['opforge_fp32'])} eager", flush=True)
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
@@ -132,6 +193,8 @@ def main(argv=None):
                    help="tokens of the bfloat16 memory runs (eager bfloat16 GEMMs are slow without AVX512-BF16)")
     p.add_argument("--vocabs", default="32000,128256")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--autocast-shape", default="2048,512,8192",
+                   help="tokens,hidden,vocab of the bfloat16 autocast timing ('': none)")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--stem", default="linear_cross_entropy", help="results file names")
@@ -145,6 +208,7 @@ def main(argv=None):
     vocabs = [int(v) for v in a.vocabs.split(",")]
     if a.smoke:
         hidden, vocabs, a.time_tokens, a.mem_tokens, a.bf16_mem_tokens = 64, [500], 32, 64, 32
+        a.autocast_shape = "32,64,500" if a.autocast_shape else ""
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     compiled = torch.compile(eager, dynamic=False)
     variants = {"opforge": fused, "eager": eager, "compile": compiled}
@@ -162,7 +226,10 @@ def main(argv=None):
         "compile: torch.compile of the eager code (the memory child compiles with dynamic=True, warmed on 64 "
         "tokens)",
     ]
-    for dname in a.dtypes.split(","):
+    if a.autocast_shape and not a.skip_time:
+        time_autocast([int(n) for n in a.autocast_shape.split(",")], 2 if a.smoke else 7, a.out,
+                      f"{a.stem}_autocast")
+    for dname in filter(None, a.dtypes.split(",")):
         dtype = getattr(torch, dname)
         for vocab in vocabs:
             check(dtype, hidden, vocab)
@@ -199,6 +266,8 @@ def main(argv=None):
                   f"({row['mem_x_less_vs_compile']:.1f}x less); gradients in the forward: "
                   f"{row['peak_MiB_opforge_fwd_grads']:.0f} MiB", flush=True)
             write_results(a.stem, rows, notes, a.out)  # what is measured so far
+    if not rows:
+        return
     table = write_results(a.stem, rows, notes, a.out)
     fp32 = [r for r in rows if r["dtype"] == "float32"] or rows
     plot(a.stem, [r["vocab"] for r in fp32],

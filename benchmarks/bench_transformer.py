@@ -4,7 +4,8 @@ the attention layer alone, the MLP block alone and the whole model
 opforge.patch_hf, native eager vs native torch.compile vs opforge, in float32
 and under bfloat16 autocast.
 
-A step is forward, backward and an AdamW update. Each component is checked
+A step is forward, backward and an AdamW update (torch.optim.AdamW(fused=True), torch's fastest on
+CPU, for eager and compile; opforge.optim.AdamW for opforge unless --torch-adamw). Each component is checked
 against eager before it is timed; variants are timed interleaved in one
 process (medians) and their peak memory is read the same way for each (the
 allocator's high-water mark during one step, above what was held before).
@@ -105,8 +106,13 @@ def variants(plain: torch.nn.Module):
     return {"eager": plain, "compile": torch.compile(copy.deepcopy(plain)), "opforge": fused}
 
 
-def step_fn(module, inputs, loss_of, dtype):
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+def step_fn(module, inputs, loss_of, dtype, opforge_adamw=False):
+    """One training step; the update is torch's fastest AdamW on CPU (fused=True), or with opforge_adamw
+    opforge.optim.AdamW (the opforge side's, unless --torch-adamw)."""
+    if opforge_adamw:
+        opt = opforge.optim.AdamW(module.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
     amp = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
     def step():
@@ -129,6 +135,9 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: torch.profiler tables by op of two steps of each component, eager and "
                         "opforge, in <out>/transformer_<shape>_profile.txt (where the time goes)")
+    p.add_argument("--torch-adamw", action="store_true",
+                   help="the opforge side updates with torch.optim.AdamW(fused=True) as the baselines do, not with "
+                        "opforge.optim.AdamW")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     shape = "smoke" if a.smoke else "full" if a.full else "default"
@@ -141,7 +150,7 @@ def main(argv=None):
     if llama is not None:
         comps["HF Llama (patch_hf)"] = (_WithLabels(llama[0]), llama[1], llama[2])
     if a.profile:
-        return _profile(comps, dtypes, f"transformer_{shape}_profile.txt", a.out)
+        return _profile(comps, dtypes, f"transformer_{shape}_profile.txt", a.out, not a.torch_adamw)
     progress = Progress(len(dtypes) * len(comps), "bench_transformer")
     rows = []
     for dtype in dtypes:
@@ -153,7 +162,7 @@ def main(argv=None):
                 got = loss_of(mods["opforge"](*inputs)).float()
             tol = 1e-4 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-            steps = {v: step_fn(m, inputs, loss_of, dtype) for v, m in mods.items()}
+            steps = {v: step_fn(m, inputs, loss_of, dtype, v == "opforge" and not a.torch_adamw) for v, m in mods.items()}
             t = compare(steps, reps=reps, target_s=target)
             mem = {v: peak_memory(s) for v, s in steps.items()}
             rows.append({
@@ -173,6 +182,8 @@ def main(argv=None):
         f"shape: batch {batch} x sequence {seq}; GPT dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads "
         f"({c.n_kv_heads} key/value heads), MLP {c.hidden_dim}, vocab {c.vocab_size}",
         "a step = forward + backward + AdamW; bfloat16 = torch.autocast('cpu', bfloat16) over float32 weights",
+        "AdamW: torch.optim.AdamW(fused=True) for eager and compile; "
+        + ("the same for opforge (--torch-adamw)" if a.torch_adamw else "opforge.optim.AdamW for opforge"),
         "eager = the same modules on torch's ops; compile = torch.compile of them; opforge = the same parameters on "
         "opforge's ops (rms_norm/add_rms_norm, rope, attention, swiglu, linear_cross_entropy); HF Llama: a "
         "transformers LlamaForCausalLM of the same size, eager = unpatched (sdpa), opforge = opforge.patch_hf",
@@ -183,7 +194,7 @@ def main(argv=None):
     print(table)
 
 
-def _profile(comps, dtypes, name, out_dir):
+def _profile(comps, dtypes, name, out_dir, opforge_adamw):
     """Two steps of each component (after two warm-up steps), eager then opforge, as torch.profiler tables
     sorted by self CPU time."""
     parts = [f"# torch.profiler, two training steps (forward, backward, AdamW) per component and variant, "
@@ -193,7 +204,7 @@ def _profile(comps, dtypes, name, out_dir):
         for cname, (plain, inputs, loss_of) in comps.items():
             mods = variants(plain)
             for v in ("eager", "opforge"):
-                step = step_fn(mods[v], inputs, loss_of, dtype)
+                step = step_fn(mods[v], inputs, loss_of, dtype, v == "opforge" and opforge_adamw)
                 step(), step()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     step(), step()

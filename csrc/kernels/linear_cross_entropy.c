@@ -99,7 +99,7 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
         return l;
     }
     const int64_t budget = p->block_floats > 0 ? p->block_floats : LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
-    const int half = p->dt == OPF_BF16 || p->dt == OPF_F16, grads = wants_grad(p);
+    const int half = p->grads_dt == OPF_BF16 || p->grads_dt == OPF_F16, grads = wants_grad(p);
     block_shape(p->t, p->v, budget, &l.tc, &l.vb);
     /* the GEMMs of the full and the last block each way: logits (tc, vb, H), dhidden (tc, H, vb), dweight (vb,
      * H, tc); a GEMM's workspace is not monotonic in the rows */
@@ -168,7 +168,7 @@ static double token_scale(const linear_cross_entropy_job *job, int64_t t) {
     if (ignored(p, t)) return 0.0;
     if (!p->grad) return job->base;
     return job->base *
-           opf_load_elem(p->grad, p->reduction == LINEAR_CROSS_ENTROPY_NONE ? t * p->grad_stride : 0, p->dt);
+           opf_load_elem(p->grad, p->reduction == LINEAR_CROSS_ENTROPY_NONE ? t * p->grad_stride : 0, p->loss_dt);
 }
 
 /* sweep 2, rows [r0, r1) of the block: logits -> du in place */
@@ -230,13 +230,13 @@ static void store_loss(const linear_cross_entropy_problem *p, const linear_cross
             count++;
         }
         if (p->reduction == LINEAR_CROSS_ENTROPY_NONE)
-            opf_store_elem(p->loss, t, p->dt, loss);
+            opf_store_elem(p->loss, t, p->loss_dt, loss);
         else
             total += loss;
     }
-    if (p->reduction == LINEAR_CROSS_ENTROPY_SUM) opf_store_elem(p->loss, 0, p->dt, total);
+    if (p->reduction == LINEAR_CROSS_ENTROPY_SUM) opf_store_elem(p->loss, 0, p->loss_dt, total);
     if (p->reduction == LINEAR_CROSS_ENTROPY_MEAN)
-        opf_store_elem(p->loss, 0, p->dt, total / (double)count); /* 0/0: NaN, as torch */
+        opf_store_elem(p->loss, 0, p->loss_dt, total / (double)count); /* 0/0: NaN, as torch */
 }
 
 static int64_t valid_tokens(const linear_cross_entropy_problem *p) {
@@ -248,8 +248,8 @@ static int64_t valid_tokens(const linear_cross_entropy_problem *p) {
 static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_entropy_plan *l,
                    const linear_cross_entropy_problem *p, float *ws) {
     const gemm_kernels *gemm = l->gemm;
-    const opf_dtype dt = p->dt;
-    const int half = dt != OPF_F32;
+    const opf_dtype dt = p->dt, gdt = p->grads_dt;
+    const int half = gdt != OPF_F32; /* the gradients accumulate in float32 scratch */
     linear_cross_entropy_job job = {.kern = kern,
                                     .p = p,
                                     .l = l,
@@ -307,11 +307,12 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
             for (int64_t e = 0; dwb && e < job.cols * p->h; e++) dwb[e] = 0.0f;
             for (int64_t e = 0; db32 && e < job.cols; e++) db32[job.v0 + e] = 0.0f;
         }
-        if (dwb && half) convert_store_f32(gemm->cvt, (char *)p->dweight + job.v0 * p->h * 2, dt, dwb, job.cols * p->h);
+        if (dwb && half)
+            convert_store_f32(gemm->cvt, (char *)p->dweight + job.v0 * p->h * 2, gdt, dwb, job.cols * p->h);
     }
     if (nvb == 0 && dh32) memset(dh32, 0, (size_t)(p->t * p->h) * sizeof(float)); /* no vocab: zero dhidden */
-    if (half && dh32) convert_store_f32(gemm->cvt, p->dhidden, dt, dh32, p->t * p->h);
-    if (half && db32) convert_store_f32(gemm->cvt, p->dbias, dt, db32, p->v);
+    if (half && dh32) convert_store_f32(gemm->cvt, p->dhidden, gdt, dh32, p->t * p->h);
+    if (half && db32) convert_store_f32(gemm->cvt, p->dbias, gdt, db32, p->v);
     return 0;
 }
 
@@ -333,7 +334,7 @@ int linear_cross_entropy_run(const linear_cross_entropy_kernels *kern, const lin
 
 typedef struct scale_job {
     const convert_kernels *cvt;
-    opf_dtype dt;
+    opf_dtype dt, src_dt;
     void *dst;
     const void *src;
     double g;
@@ -343,27 +344,27 @@ enum { SCALE_RUN = 1024 };
 
 static void scale_range(int64_t begin, int64_t end, void *ctx) {
     const scale_job *job = ctx;
-    if (job->dt == OPF_F64) {
+    if (job->src_dt == OPF_F64) {
         for (int64_t i = begin; i < end; i++) ((double *)job->dst)[i] = ((const double *)job->src)[i] * job->g;
         return;
     }
-    const float g = (float)job->g;
+    const float g = (float)job->g, *src = job->src;
     if (job->dt == OPF_F32) {
-        for (int64_t i = begin; i < end; i++) ((float *)job->dst)[i] = ((const float *)job->src)[i] * g;
+        for (int64_t i = begin; i < end; i++) ((float *)job->dst)[i] = src[i] * g;
         return;
     }
     float buf[SCALE_RUN];
     for (int64_t i = begin; i < end; i += SCALE_RUN) {
         int64_t n = min64(SCALE_RUN, end - i);
-        job->cvt->to_f32(buf, (const uint16_t *)job->src + i, job->dt, n);
-        for (int64_t e = 0; e < n; e++) buf[e] *= g;
+        for (int64_t e = 0; e < n; e++) buf[e] = src[i + e] * g;
         job->cvt->from_f32((uint16_t *)job->dst + i, buf, job->dt, n);
     }
 }
 
-void linear_cross_entropy_scale(const convert_kernels *cvt, opf_dtype dt, void *dst, const void *src, int64_t n,
-                                const void *grad) {
-    scale_job job = {.cvt = cvt, .dt = dt, .dst = dst, .src = src, .g = opf_load_elem(grad, 0, dt)};
+void linear_cross_entropy_scale(const convert_kernels *cvt, opf_dtype dt, void *dst, opf_dtype src_dt, const void *src,
+                                int64_t n, const void *grad) {
+    scale_job job = {
+        .cvt = cvt, .dt = dt, .src_dt = src_dt, .dst = dst, .src = src, .g = opf_load_elem(grad, 0, src_dt)};
     opf_parallel_for(0, n, 65536, scale_range, &job);
 }
 

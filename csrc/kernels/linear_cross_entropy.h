@@ -33,6 +33,15 @@
  * block of dweight, dbias) and are rounded once. float64 runs the reference
  * (linear_cross_entropy_ref_f64): the C tests' oracle and the op's path for gradcheck.
  *
+ * dtypes: the loss and its gradient are promote(operands, float32)
+ * (linear_cross_entropy_loss_dtype): the log-sum-exp is float32 whatever the
+ * operands, as torch's autocast computes F.cross_entropy(F.linear(...)) in
+ * float32 from 16-bit logits; a float16 loss would also overflow GradScaler's
+ * scaled gradient (65536 is past float16's range). Gradients made in the
+ * forward (for a unit loss gradient, scaled in the backward) are in that
+ * dtype too: rounded to float16 before the scale they would underflow where
+ * torch's scaled ones do not; the backward's gradients are the operands'.
+ *
  * Kernels never allocate: the workspace comes in, sized by linear_cross_entropy_workspace from
  * the plan made once per call (linear_cross_entropy_plan_make: the blocks, the GEMM plans of
  * each block shape at the caller's thread count, the workspace layout) that
@@ -59,6 +68,9 @@ typedef enum linear_cross_entropy_reduction {
  * 2048 vocab rows, large enough that every GEMM of sweep 2 has K >= 2048. */
 #define LINEAR_CROSS_ENTROPY_BLOCK_FLOATS ((int64_t)4 << 20)
 
+/* promote(dt, float32): float32 for float32 and 16-bit operands, float64 for float64. */
+static inline opf_dtype linear_cross_entropy_loss_dtype(opf_dtype dt) { return dt == OPF_F64 ? OPF_F64 : OPF_F32; }
+
 /* 1 when t tokens by a vocabulary of v make one logits block (the default
  * budget): the forward can then keep the gradients it computes on the way,
  * and the backward only scales them. The same as t * v <= LINEAR_CROSS_ENTROPY_BLOCK_FLOATS,
@@ -67,7 +79,9 @@ int linear_cross_entropy_one_block(int64_t t, int64_t v);
 
 typedef struct linear_cross_entropy_problem {
     int64_t t, h, v;    /* tokens, hidden size, vocab size */
-    opf_dtype dt;       /* of hidden, weight, bias, loss, grad and the gradients */
+    opf_dtype dt;       /* of hidden, weight and bias */
+    opf_dtype loss_dt;  /* of loss and grad: linear_cross_entropy_loss_dtype(dt) */
+    opf_dtype grads_dt; /* of dhidden, dweight and dbias: dt, or loss_dt (gradients made in the forward) */
     const void *hidden; /* (T,H): hidden[t * hidden_strides[0] + k * hidden_strides[1]] */
     int64_t hidden_strides[2];
     const void *weight; /* (V,H) likewise */
@@ -146,11 +160,12 @@ int64_t linear_cross_entropy_workspace(const linear_cross_entropy_plan *plan);
 int linear_cross_entropy_run(const linear_cross_entropy_kernels *kern, const linear_cross_entropy_plan *plan,
                              const linear_cross_entropy_problem *p, float *ws, int64_t ws_floats);
 
-/* dst[i] = src[i] * g for n elements of dt (float32, float64, bfloat16,
- * float16; g the one element of grad of type dt): the backward of mean / sum
- * when the forward made the gradients. Threaded. */
-void linear_cross_entropy_scale(const convert_kernels *cvt, opf_dtype dt, void *dst, const void *src, int64_t n,
-                                const void *grad);
+/* dst[i] = src[i] * g for n elements, dst of dt (float32, float64, bfloat16,
+ * float16), src and g (the one element of grad) of src_dt (float32 or
+ * float64; the loss's, linear_cross_entropy_loss_dtype(dt)): the backward of
+ * mean / sum when the forward made the gradients, rounded once. Threaded. */
+void linear_cross_entropy_scale(const convert_kernels *cvt, opf_dtype dt, void *dst, opf_dtype src_dt, const void *src,
+                                int64_t n, const void *grad);
 
 /* float64 reference of linear_cross_entropy_run (double inputs and outputs, lse float32);
  * ws: linear_cross_entropy_workspace's floats (one row of V doubles). */

@@ -8,6 +8,7 @@ evaluation only slices and indexes ``Tensor.shape`` and never asks for an int.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -15,8 +16,8 @@ import torch
 
 FORMS = (
     "like:ARG (ARG's sizes, dtype and dense strides)",
-    "[SIZES] [dtype=ARG|DTYPE] [perm=I,J,...] [if ARG and ARG ...], SIZES a comma list of "
-    "ARG[i], ARG[i:j] and integers",
+    "[SIZES] [dtype=ARG|DTYPE|promote(ARG|DTYPE,...)] [perm=I,J,...] [if ARG and ARG ...], SIZES a comma list "
+    "of ARG[i], ARG[i:j] and integers",
 )
 
 DTYPES = {
@@ -25,7 +26,7 @@ DTYPES = {
 }
 
 _ITEM = re.compile(r"^(?:(?P<int>-?\d+)|(?P<arg>\w+)\[(?:(?P<index>-?\d+)|(?P<start>-?\d*):(?P<stop>-?\d*))\])$")
-_OPTIONS = re.compile(r"^(?:dtype=(?P<dtype>\w+))?\s*(?:perm=(?P<perm>\d+(?:,\d+)*))?\s*(?:if\s+(?P<when>\w+(?:\s+and\s+\w+)*))?$")
+_OPTIONS = re.compile(r"^(?:dtype=(?P<dtype>\w+|promote\([\w,\s]*\)))?\s*(?:perm=(?P<perm>\d+(?:,\d+)*))?\s*(?:if\s+(?P<when>\w+(?:\s+and\s+\w+)*))?$")
 
 
 def output_strides(sizes, strides) -> list:
@@ -54,6 +55,8 @@ class ShapeRule:
     """One output's rule, its argument names resolved to schema positions.
 
     sizes: ("int", n) | ("index", arg, i) | ("slice", arg, start, stop) per item.
+    dtype: an argument's position or a dtype, or a tuple of them to promote (torch.promote_types);
+    None: the first tensor argument's.
     """
 
     text: str
@@ -63,7 +66,7 @@ class ShapeRule:
     defaults: tuple
     like: int | None = None
     sizes: tuple = ()
-    dtype: int | torch.dtype | None = None
+    dtype: int | torch.dtype | tuple | None = None
     perm: tuple[int, ...] | None = None
     when: tuple[int, ...] = ()
     off: tuple = ()  # per `when` argument, the enum value that counts as false (its first), else None
@@ -80,9 +83,7 @@ class ShapeRule:
         base = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if base is None:
             raise RuntimeError(f"[{self.op}] output {self.output} ('{self.text}'): no tensor argument to take the device from")
-        source = args[self.dtype] if isinstance(self.dtype, int) else None
-        dtype = self.dtype if source is None and not isinstance(self.dtype, int) else (source.dtype if source is not None
-                                                                                       else base.dtype)
+        dtype = self._dtype(args, base)
         if not all(_given(args[i], off) for i, off in zip(self.when, self.off)):
             return base.new_empty((0,), dtype=dtype)  # dtype=ARG of an ARG left out: the first tensor's
         sizes = []
@@ -107,6 +108,13 @@ class ShapeRule:
             )
         out = base.new_empty(sizes, dtype=dtype)
         return out if self.perm is None else out.permute(self.perm)
+
+    def _dtype(self, args: tuple, base: torch.Tensor) -> torch.dtype:
+        """dtype=: an argument's (the first tensor's for one left out), a fixed one, or their promotion."""
+        items = self.dtype if isinstance(self.dtype, tuple) else (self.dtype,)
+        dtypes = [base.dtype if i is None or (isinstance(i, int) and args[i] is None) else
+                  args[i].dtype if isinstance(i, int) else i for i in items]
+        return functools.reduce(torch.promote_types, dtypes)
 
 
 def _given(v, off=None) -> bool:
@@ -159,6 +167,15 @@ def _compile(op: str, schema, output: int, text: str, enums: dict[str, tuple[str
             raise _bad(op, output, text, f"argument '{name}' is {types[name]}, not a Tensor")
         return argnames.index(name)
 
+    def dtype_item(name: str) -> int | torch.dtype:
+        if name in DTYPES:
+            return DTYPES[name]
+        i = arg(name)
+        if types[name] != "Tensor" and i not in when:
+            raise _bad(op, output, text, f"dtype={options['dtype']}: an optional argument may be None: "
+                                         f"take '{name}' under 'if {name}'")
+        return i
+
     common = dict(text=text, op=op, output=output, argnames=argnames, defaults=defaults)
     if text.startswith("like:"):
         i = arg(text[5:].strip())
@@ -187,13 +204,13 @@ def _compile(op: str, schema, output: int, text: str, enums: dict[str, tuple[str
             sizes.append(("index", i, int(m["index"])))
         else:
             sizes.append(("slice", i, int(m["start"]) if m["start"] else None, int(m["stop"]) if m["stop"] else None))
-    if options["dtype"] in DTYPES:
-        dtype = DTYPES[options["dtype"]]
+    if options["dtype"] and options["dtype"].startswith("promote("):
+        names = [n.strip() for n in options["dtype"][len("promote("):-1].split(",")]
+        if len(names) < 2 or not all(names):
+            raise _bad(op, output, text, f"dtype={options['dtype']}: promote takes two or more ARG|DTYPE items")
+        dtype = tuple(dtype_item(n) for n in names)
     elif options["dtype"]:
-        dtype = arg(options["dtype"])
-        if types[options["dtype"]] != "Tensor" and dtype not in when:
-            raise _bad(op, output, text, f"dtype={options['dtype']}: an optional argument may be None: "
-                                         f"take it under 'if {options['dtype']}'")
+        dtype = dtype_item(options["dtype"])
     else:
         dtype = next((s[1] for s in sizes if s[0] != "int"), None)
         if dtype is None:

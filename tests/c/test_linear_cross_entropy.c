@@ -4,7 +4,8 @@
  * gradients made in the forward (mean, sum), the backward that recomputes
  * them from lse with a scalar gradient (mean, sum) and with a non-uniform
  * per-token gradient (none), and the scaling backward; float32, bfloat16,
- * float16; odd sizes T 1, 7, 37, H 1, 7, 123, V 1, 7, 123, 4097; ignored
+ * float16 (the loss, its gradient and the forward's gradients float32, the
+ * loss as precise as float32's on the 16-bit operands); odd sizes T 1, 7, 37, H 1, 7, 123, V 1, 7, 123, 4097; ignored
  * rows, bias, label smoothing, softcap; the default block plan and one of
  * 16-row blocks, so that both sweeps cross token and vocab block boundaries;
  * strided hidden and weight; the same bits at 1 and 2 threads; non-finite
@@ -56,11 +57,16 @@ static void arr_free(arr *a) { free(a->lo), free(a->hi); }
 
 static double tol_of(opf_dtype dt) { return dt == OPF_F32 ? 2e-4 : dt == OPF_F16 ? 1e-2 : 4e-2; }
 
+/* The loss and lse are float32 sums of exact products of the (16-bit) operands, which the reference has
+ * exactly: float32's tolerance whatever the operands. The gradients round du to a 16-bit operand where the
+ * GEMM multiplies pairs (and the backward's results to the dtype): the operands' tolerance. */
+#define LOSS_TOL tol_of(OPF_F32)
+
 /* max |got - want| relative to max(max |want|, 1e-3, times T for a sum over the rows): the operands
  * are O(1), so a result near 0 is a cancellation (V = 1 with label smoothing: 1 - 0.9 - 0.1), exact
  * only up to float32 rounding, which a sum reduction adds up over the rows */
 static void compare(const char *what, const cfg *c, const char *variant, const void *got, opf_dtype gdt,
-                    const double *want, int64_t count) {
+                    const double *want, int64_t count, double tol) {
     double err = 0.0, mag = 1e-3 * (c->reduction == LINEAR_CROSS_ENTROPY_SUM ? (double)c->t : 1.0);
     int64_t worst = -1;
     for (int64_t i = 0; i < count; i++)
@@ -71,7 +77,7 @@ static void compare(const char *what, const cfg *c, const char *variant, const v
         if (!(e <= err)) err = e, worst = i;
         if (isnan(err)) break; /* a NaN is the worst: later finite errors must not replace it */
     }
-    CHECK(worst < 0 || err / mag <= tol_of(c->dt),
+    CHECK(worst < 0 || err / mag <= tol,
           "%s %s: T=%lld H=%lld V=%lld dt=%d reduction=%d bias=%d extras=%d block=%lld: index %lld got %g want %g, "
           "max error %g of %g",
           variant, what, (long long)c->t, (long long)c->h, (long long)c->v, (int)c->dt, c->reduction, c->bias,
@@ -101,11 +107,13 @@ static int run(const linear_cross_entropy_kernels *kern, const gemm_kernels *gem
 static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     const int64_t t = c->t, h = c->h, v = c->v, hs = c->extras ? 2 : 1; /* strided: every other column */
-    const opf_dtype dt = c->dt;
+    const opf_dtype dt = c->dt, ldt = linear_cross_entropy_loss_dtype(dt);
+    CHECK(ldt == (dt == OPF_F64 ? OPF_F64 : OPF_F32), "the loss of dt=%d must be promote(dt, float32), got %d", (int)dt,
+          (int)ldt);
     arr hid = arr_rand(t * h * hs, dt, (unsigned long long)(t * 31 + h), 1.0);
     arr w = arr_rand(v * h, dt, (unsigned long long)(v * 7 + h), 1.5 / sqrt((double)h));
     arr b = arr_rand(v, dt, 99, 0.5);
-    arr gtok = arr_rand(t, dt, 5, 1.0); /* a non-uniform per-token gradient (none) */
+    arr gtok = arr_rand(t, ldt, 5, 1.0); /* a non-uniform per-token gradient (none), of the loss's dtype */
     int64_t *target = malloc((size_t)(t > 0 ? t : 1) * sizeof(int64_t));
     unsigned long long s = 12345 + (unsigned long long)v;
     for (int64_t i = 0; i < t; i++) {
@@ -114,13 +122,15 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
     }
     const double gscalar = 1.75;
     void *gsc = malloc(8);
-    opf_store_elem(gsc, 0, dt, gscalar);
-    double gsc_hi = opf_load_elem(gsc, 0, dt);
+    opf_store_elem(gsc, 0, ldt, gscalar);
+    double gsc_hi = opf_load_elem(gsc, 0, ldt);
     linear_cross_entropy_problem p = {
         .t = t,
         .h = h,
         .v = v,
         .dt = dt,
+        .loss_dt = ldt,
+        .grads_dt = ldt, /* the forward's: scaled by linear_cross_entropy_scale into dt */
         .hidden = hid.lo,
         .hidden_strides = {h * hs, hs},
         /* weight read transposed when extras: (V,H) at element v + k V of an (H,V) array */
@@ -138,9 +148,10 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
     linear_cross_entropy_problem ref = p;
     ref.dt = OPF_F64, ref.hidden = hid.hi, ref.weight = w.hi, ref.bias = c->bias ? b.hi : NULL;
     const int64_t nloss = c->reduction == LINEAR_CROSS_ENTROPY_NONE ? t : 1;
-    arr loss = arr_empty(nloss, dt), lref = arr_empty(nloss, OPF_F64);
+    arr loss = arr_empty(nloss, ldt), lref = arr_empty(nloss, OPF_F64);
     float *lse = malloc((size_t)(t + 1) * sizeof(float)), *lse_ref = malloc((size_t)(t + 1) * sizeof(float));
     arr dh = arr_empty(t * h, dt), dw = arr_empty(v * h, dt), db = arr_empty(v, dt);
+    arr fdh = arr_empty(t * h, ldt), fdw = arr_empty(v * h, ldt), fdb = arr_empty(v, ldt); /* the forward's */
     arr rdh = arr_empty(t * h, OPF_F64), rdw = arr_empty(v * h, OPF_F64), rdb = arr_empty(v, OPF_F64);
     double *lse_hi = malloc((size_t)(t + 1) * sizeof(double));
     const char *name = kern->name;
@@ -149,24 +160,24 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
     const int fused = c->reduction != LINEAR_CROSS_ENTROPY_NONE;
     p.loss = loss.lo, p.lse = lse, ref.loss = lref.hi, ref.lse = lse_ref;
     if (fused) {
-        p.dhidden = dh.lo, p.dweight = dw.lo, p.dbias = c->bias ? db.lo : NULL;
+        p.dhidden = fdh.lo, p.dweight = fdw.lo, p.dbias = c->bias ? fdb.lo : NULL;
         ref.dhidden = rdh.hi, ref.dweight = rdw.hi, ref.dbias = c->bias ? rdb.hi : NULL;
     }
     double *row = malloc((size_t)(v + 1) * sizeof(double));
     linear_cross_entropy_ref_f64(&ref, row);
     if (run(kern, gemm, &p, "forward") == 0) {
-        compare("loss", c, name, loss.lo, dt, lref.hi, nloss);
+        compare("loss", c, name, loss.lo, ldt, lref.hi, nloss, LOSS_TOL);
         for (int64_t i = 0; i < t; i++) lse_hi[i] = lse_ref[i];
-        compare("lse", c, name, lse, OPF_F32, lse_hi, t);
+        compare("lse", c, name, lse, OPF_F32, lse_hi, t, LOSS_TOL);
         if (fused) {
-            compare("dhidden (forward)", c, name, dh.lo, dt, rdh.hi, t * h);
-            compare("dweight (forward)", c, name, dw.lo, dt, rdw.hi, v * h);
-            if (c->bias) compare("dbias (forward)", c, name, db.lo, dt, rdb.hi, v);
-            /* the scaling backward: grad * the forward's gradients */
+            compare("dhidden (forward)", c, name, fdh.lo, ldt, rdh.hi, t * h, tol_of(dt));
+            compare("dweight (forward)", c, name, fdw.lo, ldt, rdw.hi, v * h, tol_of(dt));
+            if (c->bias) compare("dbias (forward)", c, name, fdb.lo, ldt, rdb.hi, v, tol_of(dt));
+            /* the scaling backward: grad * the forward's gradients, rounded once to dt */
             arr sdh = arr_empty(t * h, dt);
-            linear_cross_entropy_scale(gemm->cvt, dt, sdh.lo, dh.lo, t * h, gsc);
-            for (int64_t i = 0; i < t * h; i++) sdh.hi[i] = rdh.hi[i] * gsc_hi;
-            compare("dhidden (scaled)", c, name, sdh.lo, dt, sdh.hi, t * h);
+            linear_cross_entropy_scale(gemm->cvt, dt, sdh.lo, ldt, fdh.lo, t * h, gsc);
+            for (int64_t i = 0; i < t * h; i++) sdh.hi[i] = opf_load_elem(fdh.lo, i, ldt) * gsc_hi;
+            compare("dhidden (scaled)", c, name, sdh.lo, dt, sdh.hi, t * h, tol_of(dt) * 0.1);
             arr_free(&sdh);
         }
     }
@@ -174,6 +185,7 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
     /* backward from lse: a scalar gradient (mean, sum) or the per-token one (none) */
     linear_cross_entropy_problem bp = p, br = ref;
     bp.lse_given = br.lse_given = 1;
+    bp.grads_dt = dt; /* the backward's gradients: hidden's dtype */
     bp.lse = lse, br.lse = lse_ref;
     bp.grad = c->reduction == LINEAR_CROSS_ENTROPY_NONE ? gtok.lo : gsc, bp.grad_stride = 1;
     br.grad = c->reduction == LINEAR_CROSS_ENTROPY_NONE ? (const void *)gtok.hi : (const void *)&gsc_hi,
@@ -185,9 +197,9 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
     linear_cross_entropy_ref_f64(&br, row);
     free(row);
     if (run(kern, gemm, &bp, "backward") == 0) {
-        compare("dhidden", c, name, dh.lo, dt, rdh.hi, t * h);
-        compare("dweight", c, name, dw.lo, dt, rdw.hi, v * h);
-        if (c->bias) compare("dbias", c, name, db.lo, dt, rdb.hi, v);
+        compare("dhidden", c, name, dh.lo, dt, rdh.hi, t * h, tol_of(dt));
+        compare("dweight", c, name, dw.lo, dt, rdw.hi, v * h, tol_of(dt));
+        if (c->bias) compare("dbias", c, name, db.lo, dt, rdb.hi, v, tol_of(dt));
     }
 
     /* the same bits at 1 and 2 threads: the backward again at the other count */
@@ -206,6 +218,7 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
 
     arr_free(&hid), arr_free(&w), arr_free(&b), arr_free(&gtok), arr_free(&loss), arr_free(&lref);
     arr_free(&dh), arr_free(&dw), arr_free(&db), arr_free(&rdh), arr_free(&rdw), arr_free(&rdb);
+    arr_free(&fdh), arr_free(&fdw), arr_free(&fdb);
     free(target), free(gsc), free(lse), free(lse_ref), free(lse_hi);
 }
 
@@ -323,7 +336,7 @@ static void test_nonfinite_case(const linear_cross_entropy_kernels *kern, int re
           reduction, smoothing, nan_row, (long long)count_finite(lref.hi, nloss), (long long)nloss,
           (long long)want_finite, lref.hi[0]);
     if (run(kern, gemm, &p, "non-finite forward") == 0)
-        compare("loss (non-finite)", &c, kern->name, loss.lo, OPF_F32, lref.hi, nloss);
+        compare("loss (non-finite)", &c, kern->name, loss.lo, OPF_F32, lref.hi, nloss, LOSS_TOL);
     p.lse_given = ref.lse_given = 1;
     p.grad = ones.lo, ref.grad = ones.hi, p.grad_stride = ref.grad_stride = 1; /* 1 per token, or the one of mean */
     p.dhidden = dh.lo, p.dweight = dw.lo, p.dbias = db.lo;
@@ -334,9 +347,9 @@ static void test_nonfinite_case(const linear_cross_entropy_kernels *kern, int re
           "reference: reduction=%d smoothing=%d nan_row=%d: %lld finite of dhidden, %lld of dweight", reduction,
           smoothing, nan_row, (long long)count_finite(rdh.hi, T * H), (long long)count_finite(rdw.hi, V * H));
     if (run(kern, gemm, &p, "non-finite backward") == 0) {
-        compare("dhidden (non-finite)", &c, kern->name, dh.lo, OPF_F32, rdh.hi, T * H);
-        compare("dweight (non-finite)", &c, kern->name, dw.lo, OPF_F32, rdw.hi, V * H);
-        compare("dbias (non-finite)", &c, kern->name, db.lo, OPF_F32, rdb.hi, V);
+        compare("dhidden (non-finite)", &c, kern->name, dh.lo, OPF_F32, rdh.hi, T * H, tol_of(OPF_F32));
+        compare("dweight (non-finite)", &c, kern->name, dw.lo, OPF_F32, rdw.hi, V * H, tol_of(OPF_F32));
+        compare("dbias (non-finite)", &c, kern->name, db.lo, OPF_F32, rdb.hi, V, tol_of(OPF_F32));
     }
     arr_free(&hid), arr_free(&w), arr_free(&b), arr_free(&loss), arr_free(&lref), arr_free(&ones);
     arr_free(&dh), arr_free(&dw), arr_free(&db), arr_free(&rdh), arr_free(&rdw), arr_free(&rdb);

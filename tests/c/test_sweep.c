@@ -4,7 +4,7 @@
  * and 64 threads): attention forward and backward, decoding attention, the GEMM (float32, 16-bit
  * operands, 16-bit results), linear forward and both backward strategies, matmul's product, linear +
  * cross-entropy (one logits block, and blocks of 16 floats), cross-entropy, softmax and log_softmax,
- * the norms, the gated linear units, rope, dispersion_correction, and the threaded helpers under them
+ * the norms, the gated linear units, rope, dispersion_correction, adamw, and the threaded helpers under them
  * (act_grad_rows, colsum_f32, the conversions, linear_cross_entropy_scale). Each dim 0 in turn, 1 and small odd sizes;
  * grouped-query head counts down to 0; M, N and K each 0 and 1.
  *
@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../../csrc/kernels/adamw.h"
 #include "../../csrc/kernels/attention.h"
 #include "../../csrc/kernels/attention_decode.h"
 #include "../../csrc/kernels/cross_entropy.h"
@@ -560,12 +561,13 @@ static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     const linear_cross_entropy_cfg *c = cv;
     const int64_t t = c->t, h = c->h, v = c->v;
     const opf_isa kisa = dt == OPF_F64 ? OPF_ISA_REF : isa;
+    const opf_dtype ldt = linear_cross_entropy_loss_dtype(dt); /* of the loss, its gradient, the forward's gradients */
     const gemm_kernels *gemm = gemm_kernels_for(kisa);
     const linear_cross_entropy_kernels *kern = linear_cross_entropy_kernels_for(kisa);
     void *hid = arr_grid(t * h, dt, 1, 1.0, 0.0), *w = arr_grid(v * h, dt, 2, 1.0, 0.0);
-    void *bias = arr_grid(v, dt, 3, 1.0, 0.0), *gtok = arr_grid(t, dt, 4, 1.0, 0.0);
-    void *gsc = arr_new(1, opf_dtype_size(dt));
-    opf_store_elem(gsc, 0, dt, 1.75);
+    void *bias = arr_grid(v, dt, 3, 1.0, 0.0), *gtok = arr_grid(t, ldt, 4, 1.0, 0.0);
+    void *gsc = arr_new(1, opf_dtype_size(ldt));
+    opf_store_elem(gsc, 0, ldt, 1.75);
     int64_t *target = arr_new(t, sizeof(int64_t));
     unsigned long long seed = 7;
     for (int64_t i = 0; i < t; i++)
@@ -574,6 +576,8 @@ static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
                                       .h = h,
                                       .v = v,
                                       .dt = dt,
+                                      .loss_dt = ldt,
+                                      .grads_dt = ldt,
                                       .hidden = hid,
                                       .hidden_strides = {h, 1},
                                       .weight = w,
@@ -589,13 +593,13 @@ static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
                                       .block_floats = c->block_floats};
     CHECK(linear_cross_entropy_bad_target(&p) == -1, "%s: valid targets refused", ctx);
     const int fused = c->reduction != LINEAR_CROSS_ENTROPY_NONE;
-    p.loss = out_new(o, "loss", fused ? 1 : t, dt);
+    p.loss = out_new(o, "loss", fused ? 1 : t, ldt);
     p.lse = out_new(o, "lse", t, OPF_F32);
     void *dh = NULL;
     if (fused) {
-        p.dhidden = dh = out_new(o, "dhidden (forward)", t * h, dt);
-        p.dweight = out_new(o, "dweight (forward)", v * h, dt);
-        p.dbias = c->bias ? out_new(o, "dbias (forward)", v, dt) : NULL;
+        p.dhidden = dh = out_new(o, "dhidden (forward)", t * h, ldt);
+        p.dweight = out_new(o, "dweight (forward)", v * h, ldt);
+        p.dbias = c->bias ? out_new(o, "dbias (forward)", v, ldt) : NULL;
     }
     const linear_cross_entropy_plan fwd = linear_cross_entropy_plan_make(gemm, &p, threads_now());
     int64_t floats = linear_cross_entropy_workspace(&fwd);
@@ -604,10 +608,10 @@ static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
           "%s: linear_cross_entropy_run (forward) refused %lld floats", ctx, (long long)floats);
     ws_free(ws, "lce forward workspace");
     if (fused) /* the backward of a forward that made the gradients */
-        linear_cross_entropy_scale(gemm->cvt, dt, out_new(o, "dhidden (scaled)", t * h, dt), dh, t * h, gsc);
+        linear_cross_entropy_scale(gemm->cvt, dt, out_new(o, "dhidden (scaled)", t * h, dt), ldt, dh, t * h, gsc);
     /* the backward from lse: a scalar gradient (mean, sum), the per-token one (none) */
     linear_cross_entropy_problem b = p;
-    b.lse_given = 1, b.loss = NULL;
+    b.lse_given = 1, b.loss = NULL, b.grads_dt = dt;
     b.grad = fused ? gsc : gtok, b.grad_stride = 1;
     b.dhidden = out_new(o, "dhidden", t * h, dt), b.dweight = out_new(o, "dweight", v * h, dt);
     b.dbias = c->bias ? out_new(o, "dbias", v, dt) : NULL;
@@ -1005,6 +1009,58 @@ static void sweep_rope(opf_isa isa) {
         }
 }
 
+/* ---- adamw: a list of tensors laid end to end, split over threads ------------------------------------------- */
+
+typedef struct adamw_cfg {
+    int count;
+    int64_t numel[5];
+} adamw_cfg;
+
+/* The tensors are slices of one array per operand; float32 and bfloat16 parameters (moments float32); the
+ * oracle (OPF_F64) is the reference kernel on float32 parameters at one thread, as adamw takes no float64 */
+static void go_adamw(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
+    const adamw_cfg *c = cv;
+    const opf_dtype pdt = dt == OPF_F64 ? OPF_F32 : dt;
+    int64_t total = 0;
+    for (int i = 0; i < c->count; i++) total += c->numel[i];
+    void *p = out_new(o, "param", total, pdt), *g = arr_grid(total, pdt, 2, 1.0, 0.0);
+    float *m = out_new(o, "exp_avg", total, OPF_F32), *v = out_new(o, "exp_avg_sq", total, OPF_F32);
+    void *p0 = arr_grid(total, pdt, 1, 1.0, 0.0), *m0 = arr_grid(total, OPF_F32, 3, 0.25, 0.0);
+    void *v0 = arr_grid(total, OPF_F32, 4, 0.125, 0.125); /* >= 0, as a second moment is */
+    memcpy(p, p0, (size_t)total * opf_dtype_size(pdt));
+    memcpy(m, m0, (size_t)total * sizeof(float));
+    memcpy(v, v0, (size_t)total * sizeof(float));
+    float steps[5];
+    adamw_tensor ts[5];
+    for (int i = 0, at = 0; i < c->count; at += (int)c->numel[i], i++) {
+        steps[i] = (float)i;
+        ts[i] = (adamw_tensor){.param = (char *)p + at * opf_dtype_size(pdt),
+                               .exp_avg = m + at,
+                               .exp_avg_sq = v + at,
+                               .grad = (char *)g + at * opf_dtype_size(pdt),
+                               .step = &steps[i],
+                               .numel = c->numel[i],
+                               .dt = pdt,
+                               .step_dt = OPF_F32};
+    }
+    const adamw_hparams h = {.lr = 0.01, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1};
+    adamw_step(adamw_kernels_for(dt == OPF_F64 ? OPF_ISA_REF : isa), ts, c->count, &h);
+    arr_free(g, "grad"), arr_free(p0, "param0"), arr_free(m0, "exp_avg0"), arr_free(v0, "exp_avg_sq0");
+}
+
+static void sweep_adamw(opf_isa isa) {
+    /* 70001 elements: more than two tasks of ADAMW_GRAIN, so that a task starts inside a tensor */
+    static const adamw_cfg lists[] = {
+        {0, {0}}, {1, {0}}, {2, {0, 0}}, {1, {1}}, {3, {7, 0, 17}}, {2, {70001, 33}}, {5, {1, 0, 40000, 3, 40001}}};
+    for (size_t i = 0; i < sizeof lists / sizeof *lists; i++) {
+        char desc[120];
+        int64_t total = 0;
+        for (int t = 0; t < lists[i].count; t++) total += lists[i].numel[t];
+        snprintf(desc, sizeof desc, "adamw %d tensors of %lld elements", lists[i].count, (long long)total);
+        sweep(desc, &lists[i], go_adamw, isa, F32 | BF16, 0);
+    }
+}
+
 /* ---- threaded helpers: g' = g act'(pre) with column sums, column sums, conversions ------------------------------ */
 
 typedef struct helpers_cfg {
@@ -1069,6 +1125,7 @@ int main(void) {
         sweep_elementwise((opf_isa)isa);
         sweep_rope((opf_isa)isa);
         sweep_helpers((opf_isa)isa);
+        sweep_adamw((opf_isa)isa);
         printf("swept %s: %d cases\n", opf_isa_name((opf_isa)isa), cases_run - before);
     }
     CHECK(cases_run > 0, "no case ran");

@@ -51,6 +51,7 @@
 #define _mm512_loadu_ps simde_mm512_loadu_ps
 #define _mm512_loadu_si512 simde_mm512_loadu_si512
 #define _mm512_mask_add_ps simde_mm512_mask_add_ps
+#define _mm512_mask_blend_ps simde_mm512_mask_blend_ps
 #define _mm512_mask_max_ps simde_mm512_mask_max_ps
 #define _mm512_mask_mov_epi32 simde_mm512_mask_mov_epi32
 #define _mm512_mask_sub_ps simde_mm512_mask_sub_ps

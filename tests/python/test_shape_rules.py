@@ -48,6 +48,19 @@ def test_dtype_from_an_argument_or_fixed():
     assert rule("[weight[0]]").evaluate((x, w, None, 0)).dtype == torch.float32  # the first argument named
 
 
+@pytest.mark.parametrize("xdt, want", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                       (torch.float32, torch.float32), (torch.float64, torch.float64)], ids=str)
+def test_dtype_promoted(xdt, want):
+    # a float32 loss of 16-bit operands, float64 of float64 ones (linear_cross_entropy's)
+    x, w, b = torch.randn(2, 5, dtype=xdt), torch.randn(7, 5, dtype=torch.bfloat16), torch.randn(7, dtype=torch.float64)
+    assert rule("[] dtype=promote(x,float32)").evaluate((x, w, None, 0)).dtype == want
+    assert rule("[x[:-1]] dtype=promote(x, weight)").evaluate((x, w, None, 0)).dtype == torch.promote_types(xdt, w.dtype)
+    # an optional argument under its `if`: its dtype when given, the first tensor's when not (the output is empty)
+    r = rule("[bias[:]] dtype=promote(bias,float16) if bias")
+    assert r.evaluate((x, w, b, 0)).dtype == torch.float64
+    assert r.evaluate((x, w, None, 0)).dtype == torch.promote_types(xdt, torch.float16)
+
+
 def test_like_keeps_dense_strides():
     x, w = torch.randn(5, 3).t(), torch.randn(7, 3)
     out = rule("like:x").evaluate((x, w, None, 0))
@@ -114,6 +127,10 @@ def test_fake_outputs_equal_the_kernels_outputs():
         "matmul": (torch.randn(2, 4, 5), torch.randn(2, 5, 3)),
         "linear": (x, w, b, "gelu", True),
         "attention": (q, k, v, None, True, None),
+        # the loss and the forward's gradients promote(hidden, float32), lse float32
+        "linear_cross_entropy": (x[0].bfloat16(), w.bfloat16(), torch.tensor([1, 6, -100, 0]), b.bfloat16(), -100, 0.0,
+                                 1, None, True),
+        "linear_cross_entropy_none": (x[0].half(), w.half(), torch.tensor([1, 6, -100, 0]), None, -100, 0.0, None),
     }
     ops = {d.name: d for d in opforge.library.ops}
     for name, args in samples.items():
@@ -167,6 +184,10 @@ def test_symbolic_sizes_stay_symbolic_and_add_no_guards():
         ("[bias[:]]", "'bias' may be None"),
         ("[bias[:]] dtype=bias", "'bias' may be None: read its sizes under 'if bias'"),
         ("[x[:]] dtype=bias", "dtype=bias: an optional argument may be None"),
+        ("[x[:]] dtype=promote(x)", "promote takes two or more ARG\\|DTYPE items"),
+        ("[x[:]] dtype=promote(x,float33)", "no argument 'float33'"),
+        ("[x[:]] dtype=promote(x,bias)", "an optional argument may be None: take 'bias' under 'if bias'"),
+        ("[x[:]] dtype=promote(x,float32", "cannot read the options"),
         ("[2, 3]", "give dtype="),
         ("like:x; like:x", "2 rule\\(s\\) for the schema's 1 output"),
         (None, "0 rule\\(s\\) for the schema's 1 output"),

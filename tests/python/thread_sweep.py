@@ -45,6 +45,8 @@ class Case:
     grads: tuple[int, ...] = ()
     dtypes: tuple[torch.dtype, ...] = DTYPES
     retain_graph: bool = False  # the backward keeps the graph (linear: the saved pre-activation kept)
+    # the outputs' dtype for the inputs' (default: the same; linear_cross_entropy: a float32 loss of 16-bit ones)
+    out_dtype: Callable[[torch.dtype], torch.dtype] | None = None
 
 
 def _run(fn, args, grads, cots, retain_graph=False):
@@ -82,12 +84,13 @@ def _same_bits(a, b):
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-def _check(got, want, dtype, nout, exact, what):
+def _check(got, want, dtype, nout, exact, what, out_dtype=None):
     assert len(got) == len(want), f"{what}: {len(got)} results, want {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
         name = f"{what} result {i} ({'output' if i < nout else 'gradient'})"
         assert g.shape == w.shape, f"{name}: shape {tuple(g.shape)}, want {tuple(w.shape)}"
-        assert g.dtype == dtype, f"{name}: dtype {g.dtype}, want {dtype}"
+        dt = out_dtype(dtype) if out_dtype is not None and i < nout else dtype
+        assert g.dtype == dt, f"{name}: dtype {g.dtype}, want {dt}"
         if w.numel() == 0:
             continue
         if exact and bool((w == 0).all()):  # nothing to sum (no key, K = 0, no row): exact zeros
@@ -95,8 +98,8 @@ def _check(got, want, dtype, nout, exact, what):
             assert not bad.any(), (f"{name}: want exact zeros, got {int(bad.sum())} nonzero, first "
                                    f"{g.flatten()[bad.flatten().nonzero()[0]].item()!r}")
             continue
-        tol = (TOL if i < nout else GTOL)[dtype]
-        assert_close(g, w, dtype, name, atol=tol, rtol=tol)
+        tol = (TOL if i < nout else GTOL)[dt]
+        assert_close(g, w, dt, name, atol=tol, rtol=tol)
 
 
 def sweep(case: Case, dtype: torch.dtype):
@@ -116,7 +119,7 @@ def sweep(case: Case, dtype: torch.dtype):
             if want is None:
                 nout = len(got) - len(case.grads)
                 want, _ = _run(case.ref, [_to64(a) for a in args], case.grads, [c.double() for c in cots or []])
-            _check(got, want, dtype, nout, exact, what)
+            _check(got, want, dtype, nout, exact, what, case.out_dtype)
             if first is None:
                 first = (t, got)
                 continue

@@ -59,6 +59,10 @@ typedef struct opf_op_desc {
      *                    float64, float16, bfloat16, int64, int32, int8,
      *                    uint8, bool). Default: the first argument in SIZES.
      *                                            "[q[:3]] dtype=float32"
+     *     dtype=promote(ARG|DTYPE,...)  their promoted dtype (torch's
+     *                    type promotion): a float32 loss of 16-bit operands,
+     *                    float64 of float64 ones.
+     *                                  "[] dtype=promote(hidden,float32)"
      *     perm=I,J,...   SIZES are the sizes as laid out in memory and the
      *                    output is that tensor's permute(I,J,...) view: the
      *                    layout the C glue allocates, stated next to it.

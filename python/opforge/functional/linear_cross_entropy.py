@@ -55,19 +55,22 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
             None for none.
 
     With reduction "mean" or "sum", a gradient needed (grad mode on and an input requiring grad) and the
-    logits fitting one block (:func:`one_block`: about 4M floats), the call also makes the gradients of hidden, weight and bias from that block, and the
-    backward only scales them by the incoming gradient.
+    logits fitting one block (:func:`one_block`: about 4M floats), the call also makes the gradients of
+    hidden, weight and bias from that block, in the loss's dtype (rounded to float16 before GradScaler's
+    scale, small ones would underflow), and the backward only scales them by the incoming gradient and
+    rounds them once to hidden's dtype.
     Larger problems keep only each token's log-sum-exp (T floats) for the backward, which recomputes the
     blocks: the gradients' second sweep must recompute every block wherever it runs, so running it in the
     forward would save no work, and would hold dweight and dhidden from forward to backward and copy them
     there (twice their size at the peak). With "none" the per-token gradients are known only in the
-    backward, which recomputes the blocks from the saved log-sum-exp. float32; bfloat16 and float16 (the GEMM's 16-bit paths, float32 accumulation,
-    gradients accumulated in float32 and rounded once; the loss is computed in float32 and returned in the
-    input dtype); float64 a reference loop (for gradcheck). Deterministic: the same bits on any thread
-    count. Under ``torch.autocast`` the op runs in float32 (policy fp32) and returns a float32 loss, the
-    dtype of torch's ``F.cross_entropy(F.linear(...))`` under autocast (torch rounds its logits to the
-    autocast dtype, opforge keeps them float32). A 16-bit loss would overflow GradScaler's scaled float16
-    gradient (65536 is past float16's range) and skip the step.
+    backward, which recomputes the blocks from the saved log-sum-exp. float32; bfloat16 and float16 (the
+    GEMM's 16-bit paths, float32 accumulation, gradients accumulated in float32 and rounded once);
+    float64 a reference loop (for gradcheck). The loss is promote(hidden, float32): float32 for 16-bit
+    hidden (the log-sum-exp is float32 inside: a 16-bit loss would only round it, and a float16 one would
+    overflow GradScaler's scaled gradient, 65536 being past float16's range), float64 for float64.
+    Deterministic: the same bits on any thread count. Under ``torch.autocast`` the op runs as torch runs
+    ``F.cross_entropy(F.linear(...))``: float32 hidden, weight and bias are cast to the autocast dtype for
+    the GEMMs (their gradients come back in float32 through the cast), and the loss is float32.
     """
     code = enum_code(REDUCTIONS, "linear_cross_entropy", "reduction", reduction)
     if hidden.dim() < 1:

@@ -75,11 +75,12 @@ def _lce_lse(h, w, y, b, cap):
 
 def _lce_backward_inputs(dtype):
     samples = []
+    loss_dtype = torch.promote_types(dtype, torch.float32)  # the loss's, and its gradient's
     for h, w, y, b, ii, ls, red, cap, _ in _lce_inputs(dtype):
         h, w, b = h.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
         e = h.new_empty(0)  # no gradients from the forward: the backward recomputes them from lse
-        samples.append((torch.tensor(1.5, dtype=dtype), h, w, y, b, _lce_lse(h, w, y, b, cap), e, e, e, ii, ls, red,
-                        cap))
+        samples.append((torch.tensor(1.5, dtype=loss_dtype), h, w, y, b, _lce_lse(h, w, y, b, cap), e, e, e, ii, ls,
+                        red, cap))
     return samples
 
 
@@ -87,7 +88,8 @@ def _lce_none_backward_inputs(dtype):
     samples = []
     for h, w, y, b, ii, ls, cap in _lce_none_inputs(dtype):
         h, w, b = h.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
-        samples.append((grid(7, seed=5).to(dtype), h, w, y, b, _lce_lse(h, w, y, b, cap), ii, ls, cap))
+        samples.append((grid(7, seed=5).to(torch.promote_types(dtype, torch.float32)), h, w, y, b,
+                        _lce_lse(h, w, y, b, cap), ii, ls, cap))
     return samples
 
 
