@@ -328,7 +328,7 @@ def test_other_gpu_is_refused():
         pytest.skip("one GPU: no tensor can be on another")
     g, u = torch.randn(8, 16, device="cuda:0"), torch.randn(8, 16, device="cuda:1")
     with pytest.raises(RuntimeError, match="cuda:0"):
-        opforge.glu(g, u)
+        opforge.swiglu(g, u)
 
 
 @GPU
