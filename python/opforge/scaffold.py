@@ -942,11 +942,17 @@ def files(sig: Signature) -> dict[str, str]:
 
 def new(sig: Signature, directory: str | None = None) -> str:
     """Writes the project into DIR/NAME (never over a non-empty folder); returns its path."""
-    dest = os.path.join(directory or os.getcwd(), sig.name)
+    return write_project(sig.name, files(sig), directory)
+
+
+def write_project(name: str, texts: dict[str, str], directory: str | None = None) -> str:
+    """texts (file name -> text) into DIR/NAME, never over a non-empty folder; returns its path. Both
+    scaffolds' `new`."""
+    dest = os.path.join(directory or os.getcwd(), name)
     if os.path.exists(dest) and os.listdir(dest):
         raise SystemExit(f"opforge new: {dest} exists and is not empty")
     os.makedirs(dest, exist_ok=True)
-    for target, text in files(sig).items():
+    for target, text in texts.items():
         with open(os.path.join(dest, target), "w") as f:
             f.write(text)
     return dest

@@ -22,11 +22,12 @@ accumulators, which are then added in task order, so that no result depends on t
 from __future__ import annotations
 
 import keyword
+import os
 import re
 from dataclasses import dataclass, field
 from string import Template
 
-from .scaffold import BEGIN, CONVERT_C, END
+from .scaffold import BEGIN, CONVERT_C, END, _templates, write_project
 
 # schema type -> kind
 KINDS = {"Tensor": "tensor", "Optional[Tensor]": "tensor?", "float": "float", "Optional[float]": "float?",
@@ -335,19 +336,22 @@ def _row_doc(sig: SchemaSig) -> str:
     return f"{m}[{', '.join(idx)}, :] (length {d[-1]}) is row {expr}"
 
 
-def _scale_expr(sig: SchemaSig, real: str) -> str:
-    parts = []
-    for a in sig.scalars:
-        if a.kind in ("float", "int"):
-            parts.append(f"(double)s->{a.name}")
-        elif a.kind in ("float?", "int?"):
-            parts.append(f"(s->has_{a.name} ? (double)s->{a.name} : 1.0)")
-        elif a.kind == "int[]":
-            parts.append(f"(1.0 + (double)s->{a.name}_len)")
-        elif a.kind == "bool":
-            parts.append(f"(s->{a.name} ? -1.0 : 1.0)")
-        else:
-            parts.append(f"(1.0 + s->{a.name})")
+# The placeholder's factor per scalar argument, in the C kernels (s: the scalars struct) and in
+# reference.py: the two must agree. {n} is the argument, {values} an enum's list.
+_SCALE = {
+    "float": ("(double)s->{n}", "{n}"),
+    "int": ("(double)s->{n}", "{n}"),
+    "float?": ("(s->has_{n} ? (double)s->{n} : 1.0)", "({n} if {n} is not None else 1.0)"),
+    "int?": ("(s->has_{n} ? (double)s->{n} : 1.0)", "({n} if {n} is not None else 1.0)"),
+    "int[]": ("(1.0 + (double)s->{n}_len)", "(1 + len({n}))"),
+    "bool": ("(s->{n} ? -1.0 : 1.0)", "(-1.0 if {n} else 1.0)"),
+    "enum": ("(1.0 + s->{n})", "(1 + {values}.index({n}))"),
+}
+
+
+def _scale_expr(sig: SchemaSig, lang: int) -> str:
+    """The placeholder's s: in C (lang 0) or Python (lang 1)."""
+    parts = [_SCALE[a.kind][lang].format(n=a.name, values=list(a.values)) for a in sig.scalars]
     return " * ".join(parts) if parts else "1.0"
 
 
@@ -404,7 +408,7 @@ def _ref_kernels(sig: SchemaSig) -> str:
 
 /* placeholder: y = {doc}, with s = the product of the numeric scalars, -1 per true bool and
  * (1 + index) per enum ({scal}), and {shift_doc}. */
-double {n}_scale(const {n}_scalars *s) {{ return {_scale_expr(sig, 'double')}; }}
+double {n}_scale(const {n}_scalars *s) {{ return {_scale_expr(sig, 0)}; }}
 
 float {n}_shift(const {n}_args *a, int64_t row) {{
 {_shift(sig, 'float')}}}
@@ -644,12 +648,9 @@ def _glue(sig: SchemaSig) -> str:
         f"opf_empty(OP, {p.name}.ndim, {p.name}.sizes, {p.name}.dtype, &{m})"
         f"{'' if p.kind == 'tensor' else ' : opf_empty(OP, 1, (int64_t[]){0}, ' + m + '.dtype, &' + m + ')'};\n"
         f"    const opf_tensor d{p.name} = opf_tensor_info(OP, \"d{p.name}\", d{p.name}_h);\n" for p in pg)
-    douts = ", ".join([f"{p.name}_h ? &d{p.name} : NULL" if p.kind == "tensor?" else f"&d{p.name}" for p in params
-                       if p.name in sig.grads] + ["NULL"])
     dparams_arr = ", ".join((f"{p.name}_h ? &d{p.name} : NULL" if p.kind == "tensor?" else f"&d{p.name}")
                             if p.name in sig.grads else "NULL" for p in params) or "NULL"
     grad_returns = "".join(f"    OPF_RETURN(stack, {k}, d{t}_h);\n" for k, t in enumerate(sig.grads))
-    del douts
     bwd = ""
     if sig.grads:
         bwd = Template(_BWD).substitute(
@@ -1067,21 +1068,8 @@ def _py_value(a: Arg):
 
 def _reference(sig: SchemaSig) -> str:
     m = sig.main
-    params = ", ".join(a.decl(True).split(" ", 1)[1].replace("=None", "=None").replace("=", "=")
-                       if a.has_default else a.name for a in sig.args)
-    scale = []
-    for a in sig.scalars:
-        if a.kind in ("float", "int"):
-            scale.append(a.name)
-        elif a.kind in ("float?", "int?"):
-            scale.append(f"({a.name} if {a.name} is not None else 1.0)")
-        elif a.kind == "int[]":
-            scale.append(f"(1 + len({a.name}))")
-        elif a.kind == "bool":
-            scale.append(f"(-1.0 if {a.name} else 1.0)")
-        else:
-            scale.append(f"(1 + {list(a.values)!r}.index({a.name}))")
-    s = " * ".join(scale) if scale else "1.0"
+    params = ", ".join(a.decl(True).split(" ", 1)[1] for a in sig.args)  # "bias=None", "activation='none'"
+    s = _scale_expr(sig, 1)
     body = f"    y = {s} * {m}{'.sum(-1)' if sig.reduce else ''}\n"
     if sig.params:
         body += f"    rows = torch.arange({m}.shape[:-1].numel(), device={m}.device)\n"
@@ -1159,10 +1147,6 @@ CASES = [{cases}]
 
 def files(sig: SchemaSig) -> dict[str, str]:
     """The project's files: name -> text."""
-    import os
-
-    from .scaffold import _templates
-
     n = sig.name
     out = {f"{n}.c": _c_file(sig), f"{n}.h": _header(sig), f"{n}_avx2.c": _variant_file(sig, "avx2"),
            f"{n}_avx512.c": _variant_file(sig, "avx512"), "reference.py": _reference(sig)}
@@ -1180,13 +1164,4 @@ def files(sig: SchemaSig) -> dict[str, str]:
 
 def new(sig: SchemaSig, directory: str | None = None) -> str:
     """Writes the project into DIR/NAME (never over a non-empty folder); returns its path."""
-    import os
-
-    dest = os.path.join(directory or os.getcwd(), sig.name)
-    if os.path.exists(dest) and os.listdir(dest):
-        raise SystemExit(f"opforge new: {dest} exists and is not empty")
-    os.makedirs(dest, exist_ok=True)
-    for target, text in files(sig).items():
-        with open(os.path.join(dest, target), "w") as f:
-            f.write(text)
-    return dest
+    return write_project(sig.name, files(sig), directory)

@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLES = os.path.join(ROOT, "examples", "first_op")
 
 
-def _section() -> str:
+def _section(heading: str = "## Your first op") -> str:
     text = open(os.path.join(ROOT, "README.md")).read()
-    start = text.index("## Your first op")
+    start = text.index(heading)
     return text[start:text.index("\n## ", start + 1)]
 
 
@@ -129,14 +129,8 @@ def test_elementwise_walkthrough_squared_relu(tmp_path, shell):
 CAUSAL = os.path.join(ROOT, "examples", "causal_conv1d")
 
 
-def _second_section() -> str:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    start = text.index("## Your second op")
-    return text[start:text.index("\n## ", start + 1)]
-
-
 def test_second_walkthrough_blocks_are_the_prepared_files():
-    blocks = _blocks(_second_section())
+    blocks = _blocks(_section("## Your second op"))
     c_blocks = [body for lang, body in blocks if lang == "c"]
     assert c_blocks[0].strip() in open(os.path.join(CAUSAL, "kernels.c")).read()  # the float pair, verbatim
     python_blocks = [body for lang, body in blocks if lang == "python"]
@@ -144,7 +138,7 @@ def test_second_walkthrough_blocks_are_the_prepared_files():
 
 
 def test_readme_walkthrough_causal_conv1d(tmp_path, shell):
-    sh = [body for lang, body in _blocks(_second_section()) if lang == "sh"]
+    sh = [body for lang, body in _blocks(_section("## Your second op")) if lang == "sh"]
     assert sh[0].startswith('opforge new "causal_conv1d(Tensor x, Tensor weight, Tensor? bias=None, str activation=')
     shell(sh[0], cwd=tmp_path)  # scaffold from the schema, and its generated tests pass as generated
     project = tmp_path / "causal_conv1d"

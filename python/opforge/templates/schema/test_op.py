@@ -32,7 +32,7 @@ def make(case, dtype=torch.float32, seed=0, present=None):
     """The tensor arguments of a case: a dict name -> tensor (None for an optional one left out)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for k, (t, shape) in enumerate(case.items()):
+    for t, shape in case.items():
         if t in OPTIONAL and present is not None and t not in present:
             out[t] = None
         else:
