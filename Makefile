@@ -137,11 +137,18 @@ abi-check: $(VENV)/.installed
 PYTEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; echo $$n)
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadfile
 
+# The GEMM tests again with every product on torch's GEMM (OPFORGE_GEMM=torch), less the ones
+# that check opforge's own plans give the same bits at every thread count
+GEMM_TESTS := tests/python/test_linear.py tests/python/test_linear_cross_entropy.py
+GEMM_ON_TORCH := OPFORGE_GEMM=torch $(PYTEST) -k "not same_bits and not do_not_depend_on_the_thread_count"
+
 pytest: build
 	$(PYTEST) -m "not slow" tests/python
+	$(GEMM_ON_TORCH) -m "not slow" $(GEMM_TESTS)
 
 pytest-full: build
 	OPFORGE_TEST_FULL=1 $(PYTEST) tests/python
+	OPFORGE_TEST_FULL=1 $(GEMM_ON_TORCH) $(GEMM_TESTS)
 
 test: lint abi-check ctest pytest
 

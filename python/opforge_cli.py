@@ -392,6 +392,13 @@ def info(args) -> int:
         lines.append("amx         " + ("bfloat16 GEMMs on AMX-BF16 tiles" if "amx" in opforge.supported_isas() else
                                       f"present but not usable: {why}; bfloat16 GEMMs run on AVX512-BF16"))
     lines.append(f"threads     {torch.get_num_threads()} (torch.set_num_threads / OMP_NUM_THREADS)")
+    choices = opforge.gemm_choices()
+    on_torch = [c for c in choices if c["provider"] == "torch"]
+    lines.append(f"gemm        {opforge.get_gemm()} (OPFORGE_GEMM={os.environ.get('OPFORGE_GEMM', 'unset')}): "
+                 f"{len(choices)} classes of product known, {len(on_torch)} on torch's GEMM "
+                 f"({opforge._runtime.gemm_cache_file()})")
+    for c in choices:
+        lines.append(f"  {c['key']:<44} {c['provider']:<5} own {c['own_us']:.0f} us, torch {c['torch_us']:.0f} us")
     cuda = opforge.cuda_status()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     if cuda["loaded"]:

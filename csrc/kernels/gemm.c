@@ -5,6 +5,7 @@
  * scalar micro-kernel in gemm_ref.c. Contract and blocking in gemm.h.
  */
 #include <stddef.h>
+#include <string.h>
 
 #include "gemm_pack.h"
 
@@ -116,8 +117,103 @@ static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
     if (job->kern->release) job->kern->release();
 }
 
+/* ---- a provider's products ---- */
+
+static const gemm_provider *provider; /* read and written atomically: installed once, read per product */
+
+void gemm_provider_set(const gemm_provider *p) { __atomic_store_n(&provider, p, __ATOMIC_RELEASE); }
+
+const gemm_provider *gemm_provider_get(void) { return __atomic_load_n(&provider, __ATOMIC_ACQUIRE); }
+
+int gemm_epilogue_needed(const gemm_epilogue *ep) {
+    return ep->bias_kind != GEMM_BIAS_NONE || ep->act != ACT_NONE || ep->preact || ep->pre16;
+}
+
+typedef struct finish_job {
+    const gemm_kernels *kern; /* the float32 table: its MR x NR tiles and its epilogue */
+    const gemm_plan *plan;
+    const void *prod;
+    opf_dtype prod_dt;
+    int64_t rs_prod;
+    int with_c;
+    float *c;
+    int64_t rsc;
+    const gemm_epilogue *ep;
+} finish_job;
+
+enum { FINISH_TILE_MAX = 64 * 64 };
+
+static void finish_range(int64_t b0, int64_t b1, void *ctx) {
+    const finish_job *job = ctx;
+    const gemm_kernels *kern = job->kern;
+    const gemm_epilogue *ep = job->ep;
+    const int mr = kern->mr, nr = kern->nr;
+    const int64_t m = job->plan->m, n = job->plan->n;
+    float acc[FINISH_TILE_MAX];
+    for (int64_t i = b0 * mr; i < b1 * mr && i < m; i += mr) {
+        const int mm = (int)(m - i < mr ? m - i : mr);
+        for (int64_t j = 0; j < n; j += nr) {
+            const int nn = (int)(n - j < nr ? n - j : nr);
+            for (int r = 0; r < mm; r++) {
+                if (job->prod_dt == OPF_F32)
+                    memcpy(acc + r * nr, (const float *)job->prod + (i + r) * job->rs_prod + j, nn * sizeof(float));
+                else
+                    kern->cvt->to_f32(acc + r * nr, (const uint16_t *)job->prod + (i + r) * job->rs_prod + j,
+                                      job->prod_dt, nn);
+            }
+            gemm_tile tile = {
+                .load_c = job->with_c && ep->beta != 0.0f,
+                .beta = ep->beta,
+                .bias_n = ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + j : NULL,
+                .bias_m = ep->bias_kind == GEMM_BIAS_COL ? ep->bias + i : NULL,
+                .act = ep->act,
+                .pre = ep->preact ? ep->preact + i * ep->rsp + j : NULL,
+                .rsp = ep->rsp,
+                .c16 = ep->out16 ? (uint16_t *)ep->out16 + i * job->rsc + j : NULL,
+                .pre16 = ep->pre16 ? (uint16_t *)ep->pre16 + i * ep->rsp + j : NULL,
+                .dt16 = ep->out_dt,
+            };
+            float *cs = job->c ? job->c + i * job->rsc + j : NULL;
+            if (kern->store)
+                kern->store(acc, cs, job->rsc, mm, nn, &tile);
+            else
+                gemm_tile_store(acc, nr, cs, job->rsc, mm, nn, &tile);
+        }
+    }
+}
+
+void gemm_finish(const gemm_plan *plan, const void *prod, opf_dtype prod_dt, int64_t rs_prod, int with_c, float *c,
+                 int64_t rsc, const gemm_epilogue *ep) {
+    if (plan->m <= 0 || plan->n <= 0) return;
+    const gemm_kernels *kern = plan->kern->f32 ? plan->kern->f32 : plan->kern;
+    if (kern->mr * kern->nr > FINISH_TILE_MAX) kern = &gemm_kernels_ref;
+    finish_job job = {.kern = kern,
+                      .plan = plan,
+                      .prod = prod,
+                      .prod_dt = prod_dt,
+                      .rs_prod = rs_prod,
+                      .with_c = with_c,
+                      .c = c,
+                      .rsc = rsc,
+                      .ep = ep};
+    const int64_t blocks = (plan->m + kern->mr - 1) / kern->mr, per_block = kern->mr * plan->n;
+    opf_parallel_for(0, blocks, per_block >= 16384 ? 1 : 16384 / per_block, finish_range, &job);
+}
+
 int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb,
              float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
+    const gemm_provider *pv = gemm_provider_get();
+    if (pv && plan->m > 0 && plan->n > 0 && plan->k > 0) {
+        if (ws_floats < plan->floats) return -1; /* a caller that sized for another product, whoever runs it */
+        gemm_call call = {
+            .plan = plan, .a = a, .rsa = rsa, .csa = csa, .b = b, .rsb = rsb, .csb = csb, .c = c, .rsc = rsc, .ep = ep};
+        if (pv->run(&call)) return 0;
+    }
+    return gemm_run_own(plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, workspace, ws_floats);
+}
+
+int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,
+                 int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
     const gemm_kernels *kern = plan->kern;
     const int64_t m = plan->m, n = plan->n, k = plan->k;
     if (m <= 0 || n <= 0) return 0;

@@ -110,6 +110,10 @@ typedef struct gemm_kernels {
     /* Called by each worker after its micro-kernel calls of a pass (AMX:
      * releases the tiles); NULL: nothing to do */
     void (*release)(void);
+    /* The micro-kernel's epilogue alone, from a full MR x NR accumulator of
+     * row stride NR (gemm_finish: a product another GEMM made); NULL: the
+     * scalar gemm_tile_store */
+    void (*store)(const float *acc, float *c, int64_t rsc, int m, int n, const gemm_tile *t);
 } gemm_kernels;
 
 extern const gemm_kernels gemm_kernels_ref;
@@ -169,6 +173,56 @@ int64_t gemm_workspace(const gemm_plan *plan);
  * needs (a caller that sized for another product). */
 int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb,
              float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
+
+/* ---- another library's GEMM (a provider) ----
+ *
+ * The op library's glue may install a provider: torch's own GEMM
+ * (csrc/torch/gemm_torch.c), which is near the machine's peak where MKL and
+ * oneDNN are (Intel, AMX). gemm_run offers it each product first; it computes
+ * the product (A B, then beta C) by its own means and finishes it with
+ * gemm_finish, so every epilogue (bias, activation, pre-activation, 16-bit
+ * results) and every caller's fusion around the GEMM stays the same; or it
+ * declines (its choice for the product's class, or a product it cannot take)
+ * and opforge's kernels run it. Offered from the thread that called gemm_run,
+ * never from a worker. The C tests install none, or one of their own. */
+typedef struct gemm_call {
+    const gemm_plan *plan;
+    const void *a;
+    int64_t rsa, csa;
+    const void *b;
+    int64_t rsb, csb;
+    float *c;
+    int64_t rsc;
+    const gemm_epilogue *ep;
+} gemm_call;
+
+typedef struct gemm_provider {
+    const char *name;
+    int (*run)(const gemm_call *call); /* 1: computed and finished; 0: declined */
+} gemm_provider;
+
+/* Installs p (NULL: none); products are offered to it from then on. */
+void gemm_provider_set(const gemm_provider *p);
+const gemm_provider *gemm_provider_get(void);
+
+/* gemm_run on opforge's kernels, the provider not asked (what it compares itself with) */
+int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,
+                 int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
+
+/* Finishes a product another GEMM made as gemm_run's epilogue would: prod
+ * (plan->m, plan->n), row stride rs_prod, float32 or 16-bit (prod_dt), is
+ * A B, or already beta C + A B when with_c is 0; with_c: beta C is added here
+ * (ep->beta). Then bias, the pre-activation store and the activation, into C
+ * or ep->out16 / ep->pre16, through the ISA's micro-kernel epilogue (the
+ * `store` of plan->kern's float32 table), threaded over row blocks. prod may
+ * be C or ep->out16 itself (each tile is read before it is written). */
+void gemm_finish(const gemm_plan *plan, const void *prod, opf_dtype prod_dt, int64_t rs_prod, int with_c, float *c,
+                 int64_t rsc, const gemm_epilogue *ep);
+
+/* Whether gemm_finish has anything to do after a product made straight into
+ * its destination (C, or out16 with beta 0): a bias, an activation or a
+ * pre-activation store. */
+int gemm_epilogue_needed(const gemm_epilogue *ep);
 
 /* Naive triple loop with the same epilogue, accumulating in double: the oracle. */
 void gemm_ref_f32(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,

@@ -37,6 +37,28 @@ static inline void store8(float *c, float *pre, uint16_t *c16, uint16_t *pre16, 
 #define MR 6
 #define NR 16
 
+/* the epilogue of a tile from its accumulators: in registers for a full
+ * tile, through the scalar epilogue for a partial one */
+static inline void finish_tile(__m256 acc[MR][2], float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
+    if (m == MR && n == NR) {
+        for (int i = 0; i < MR; i++) {
+            float *ci = t->c16 && !t->load_c ? NULL : c + i * rsc, *pre = t->pre ? t->pre + i * t->rsp : NULL;
+            uint16_t *c16 = t->c16 ? t->c16 + i * rsc : NULL, *pre16 = t->pre16 ? t->pre16 + i * t->rsp : NULL;
+            float bm = t->bias_m ? t->bias_m[i] : 0.0f;
+            store8(ci, pre, c16, pre16, acc[i][0], t, t->bias_n, bm);
+            store8(ci ? ci + 8 : NULL, pre ? pre + 8 : NULL, c16 ? c16 + 8 : NULL, pre16 ? pre16 + 8 : NULL, acc[i][1],
+                   t, t->bias_n ? t->bias_n + 8 : NULL, bm);
+        }
+        return;
+    }
+    float buf[MR * NR];
+    for (int i = 0; i < MR; i++) {
+        _mm256_storeu_ps(buf + i * NR, acc[i][0]);
+        _mm256_storeu_ps(buf + i * NR + 8, acc[i][1]);
+    }
+    gemm_tile_store(buf, NR, c, rsc, m, n, t);
+}
+
 static void ukernel_avx2_6x16(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc, int m, int n,
                               const gemm_tile *t) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
@@ -69,23 +91,21 @@ static void ukernel_avx2_6x16(int64_t depth, const float *ap, const float *bp, f
         c51 = _mm256_fmadd_ps(a, b1, c51);
     }
     __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-    if (m == MR && n == NR) {
-        for (int i = 0; i < MR; i++) {
-            float *ci = t->c16 && !t->load_c ? NULL : c + i * rsc, *pre = t->pre ? t->pre + i * t->rsp : NULL;
-            uint16_t *c16 = t->c16 ? t->c16 + i * rsc : NULL, *pre16 = t->pre16 ? t->pre16 + i * t->rsp : NULL;
-            float bm = t->bias_m ? t->bias_m[i] : 0.0f;
-            store8(ci, pre, c16, pre16, acc[i][0], t, t->bias_n, bm);
-            store8(ci ? ci + 8 : NULL, pre ? pre + 8 : NULL, c16 ? c16 + 8 : NULL, pre16 ? pre16 + 8 : NULL, acc[i][1],
-                   t, t->bias_n ? t->bias_n + 8 : NULL, bm);
-        }
+    finish_tile(acc, c, rsc, m, n, t);
+}
+
+/* the epilogue alone, from an accumulator in memory (gemm_finish) */
+static void store_avx2(const float *buf, float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
+    if (m != MR || n != NR) {
+        gemm_tile_store(buf, NR, c, rsc, m, n, t);
         return;
     }
-    float buf[MR * NR];
+    __m256 acc[MR][2];
     for (int i = 0; i < MR; i++) {
-        _mm256_storeu_ps(buf + i * NR, acc[i][0]);
-        _mm256_storeu_ps(buf + i * NR + 8, acc[i][1]);
+        acc[i][0] = _mm256_loadu_ps(buf + i * NR);
+        acc[i][1] = _mm256_loadu_ps(buf + i * NR + 8);
     }
-    gemm_tile_store(buf, NR, c, rsc, m, n, t);
+    finish_tile(acc, c, rsc, m, n, t);
 }
 
 const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16",
@@ -97,4 +117,5 @@ const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16",
                                         .nc = 3072,
                                         .ukernel = ukernel_avx2_6x16,
                                         .cvt = &convert_kernels_avx2,
-                                        .act = &act_kernels_avx2};
+                                        .act = &act_kernels_avx2,
+                                        .store = store_avx2};

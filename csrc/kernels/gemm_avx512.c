@@ -40,6 +40,21 @@ static inline void finish_tile(__m512 acc[MR][2], float *c, int64_t rsc, int m, 
     gemm_tile_store(buf, NR, c, rsc, m, n, t);
 }
 
+/* the epilogue alone, from an accumulator in memory (gemm_finish) */
+static void store_avx512(const float *buf, float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
+    if (m != MR || n != NR) {
+        gemm_tile_store(buf, NR, c, rsc, m, n, t);
+        return;
+    }
+    __m512 acc[MR][2];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) {
+        acc[i][0] = _mm512_loadu_ps(buf + i * NR);
+        acc[i][1] = _mm512_loadu_ps(buf + i * NR + 16);
+    }
+    finish_tile(acc, c, rsc, m, n, t);
+}
+
 static void ukernel_avx512_12x32(int64_t depth, const float *ap, const float *bp, float *c, int64_t rsc, int m, int n,
                                  const gemm_tile *t) {
     __m512 acc[MR][2];
@@ -94,7 +109,8 @@ const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32",
                                           .nc = 1024,
                                           .ukernel = ukernel_avx512_12x32,
                                           .cvt = &convert_kernels_avx512,
-                                          .act = &act_kernels_avx2};
+                                          .act = &act_kernels_avx2,
+                                          .store = store_avx512};
 
 const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .isa = OPF_ISA_AVX512_BF16,
@@ -107,4 +123,5 @@ const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .ukernel_pairs = ukernel_avx512bf16_12x32,
                                                .cvt = &convert_kernels_avx512,
                                                .act = &act_kernels_avx2,
-                                               .f32 = &gemm_kernels_avx512};
+                                               .f32 = &gemm_kernels_avx512,
+                                               .store = store_avx512};

@@ -59,6 +59,8 @@ static struct {
  * failure (the namespace already taken by another copy of the library, say)
  * cannot raise here: it is kept for opforge_registered, which the Python
  * layer reads at import, and logged. */
+int opf_gemm_torch_install(char *err, size_t errlen); /* gemm_torch.c */
+
 __attribute__((constructor)) static void register_at_load(void) {
     char context[768] = "opforge's op library";
     Dl_info info;
@@ -77,6 +79,8 @@ __attribute__((constructor)) static void register_at_load(void) {
      * OPFORGE_LOG_* now (importing opforge reads them again, and raises what is wrong with them) */
     char err[512];
     if (opf_init_once(err, sizeof err) != 0) opf_log(OPF_LOG_ERROR, "%s", err);
+    /* the GEMMs are offered to torch's own from here on (gemm_torch.c), in the mode OPFORGE_GEMM names */
+    if (opf_gemm_torch_install(err, sizeof err) != 0) opf_log(OPF_LOG_ERROR, "%s", err);
 }
 
 /* 0 when the library registered its ops as it was loaded, else -1 and why. */

@@ -5,8 +5,9 @@
     opforge.ops.dispersion_correction(x, 0.8)          # the same op, under the namespace built in
 """
 
-from ._runtime import (cpu_features, cuda_library_path, cuda_status, get_isa, isa_best, kernel_variants, library,
-                       library_path, namespace, ops, set_isa, set_log_file, set_log_level, supported_isas)
+from ._runtime import (cpu_features, cuda_library_path, cuda_status, gemm_choices, get_gemm, get_isa, isa_best,
+                       kernel_variants, library, library_path, namespace, ops, set_gemm, set_isa, set_log_file,
+                       set_log_level, supported_isas)
 from . import functional, nn, optim
 from .aoti import aoti_config
 from .build import BuildError, load, load_library
@@ -26,6 +27,8 @@ __all__ = [
     "cuda_library_path",
     "cuda_status",
     "functional",
+    "gemm_choices",
+    "get_gemm",
     "get_isa",
     "isa_best",
     "kernel_variants",
@@ -40,6 +43,7 @@ __all__ = [
     "patch",
     "patch_hf",
     "PatchReport",
+    "set_gemm",
     "set_isa",
     "set_log_file",
     "set_log_level",

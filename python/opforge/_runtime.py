@@ -173,6 +173,61 @@ def kernel_variants() -> dict[str, list[tuple[str, str, bool]]]:
         f += 1
 
 
+# ---- the GEMM provider (csrc/torch/gemm_torch.c) --------------------------------------
+
+_dll.opforge_gemm.restype = ctypes.c_char_p
+_dll.opforge_gemm_measured_us.restype = ctypes.c_double
+_dll.opforge_gemm_choice_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
+                                        ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double),
+                                        ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int)]
+
+
+def set_gemm(mode: str) -> None:
+    """Who multiplies the matrices inside linear, matmul and linear_cross_entropy (forward and
+    backward): "own" (opforge's kernels), "torch" (torch's own GEMM, aten::mm: MKL, oneDNN, AMX;
+    opforge's epilogues and fusions around it), or "auto" (the default: the faster of the two per
+    class of product, measured the first time the class is met and kept on disk per CPU model and
+    torch version). The same as starting with OPFORGE_GEMM=mode. "own" gives results that are
+    bitwise the same at every thread count."""
+    library._call("opforge_set_gemm", mode.encode())
+
+
+def get_gemm() -> str:
+    """The GEMM provider mode: "own", "torch" or "auto"."""
+    return _dll.opforge_gemm().decode()
+
+
+def gemm_choices() -> list[dict]:
+    """What auto mode chose, per class of product: ``key`` (kernel table, operand types > result
+    type, epilogue, threads, log2 of M, N, K rounded up, layouts), ``provider`` ("own" or
+    "torch"), the measured ``own_us`` and ``torch_us``, and ``here`` (measured in this process
+    rather than read from the cache file)."""
+    out, i = [], 0
+    key, torch_, own_us, torch_us, here = (ctypes.create_string_buffer(256), ctypes.c_int(), ctypes.c_double(),
+                                           ctypes.c_double(), ctypes.c_int())
+    while _dll.opforge_gemm_choice_at(i, key, 256, *map(ctypes.byref, (torch_, own_us, torch_us, here))):
+        out.append({"key": key.value.decode(), "provider": "torch" if torch_.value else "own",
+                    "own_us": own_us.value, "torch_us": torch_us.value, "here": bool(here.value)})
+        i += 1
+    return out
+
+
+def gemm_measured_seconds() -> float:
+    """The time this process has spent timing the two GEMMs (auto mode; capped below a second)."""
+    return _dll.opforge_gemm_measured_us() / 1e6
+
+
+def gemm_cache_file() -> str:
+    """Where auto mode keeps its choices: per CPU model and torch version, under the build cache
+    ($OPFORGE_CACHE_DIR or ~/.cache/opforge)."""
+    from .build import cache_dir
+
+    model = cpu_features()["model"] or "unknown-cpu"
+    slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in model).strip("-")
+    return os.path.join(cache_dir(), "gemm", f"{slug}-torch-{torch.__version__.replace('+', '-')}.tsv")
+
+
+
 def set_log_level(level: str) -> None:
     """"error", "warning" (default), "info" (one line per op call) or "debug";
     the same as OPFORGE_LOG_LEVEL."""
@@ -202,3 +257,8 @@ def cpu_features() -> dict:
     out = {name: bool(getattr(f, name)) for name, _ in _CpuFeatures._fields_ if name != "model"}
     out["model"] = f.model.decode(errors="replace")
     return out
+
+
+if (_mode := os.environ.get("OPFORGE_GEMM")):
+    set_gemm(_mode)  # raises what is wrong with it (the library, loading, only logged it)
+library._call("opforge_set_gemm_cache", gemm_cache_file().encode())

@@ -4,6 +4,7 @@
 // extern "C" redeclaration; the static_asserts name each symbol that drifted.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h>
 
 #include <type_traits>
 
@@ -15,6 +16,7 @@
 OPF_SHIM_FUNCTIONS(OPF_SAME_SIGNATURE)
 OPF_SHIM_WEAK_FUNCTIONS(OPF_SAME_SIGNATURE)
 OPF_SHIM_CUDA_FUNCTIONS(OPF_SAME_SIGNATURE)
+OPF_SHIM_CPU_GEMM_FUNCTIONS(OPF_SAME_SIGNATURE)
 #ifdef USE_CUDA  // the declarations torch's headers give a CUDA build (make abi-check compiles this file both ways)
 #define OPF_SAME_LOOKUP(ret, name, params)                                                                     \
     static_assert(std::is_same<decltype(&::name), name##_fn>::value,                                         \

@@ -525,6 +525,55 @@ static void test_variant(const gemm_kernels *k) {
         }
 }
 
+/* A provider of the test's own (gemm.h): float32 products by the oracle, with no epilogue, into
+ * scratch, finished by gemm_finish (or, with provider_in_place, into C first and finished there, as
+ * the torch provider finishes its result in place); so every epilogue check above runs again over a
+ * product another GEMM made. */
+static int provider_calls, provider_in_place;
+
+static int oracle_provider(const gemm_call *k) {
+    const gemm_plan *p = k->plan;
+    if (p->ta != OPF_F32 || p->tb != OPF_F32) return 0; /* declined: opforge's kernels run it */
+    float *prod = malloc((size_t)(p->m * p->n) * sizeof(float));
+    gemm_epilogue plain = {0};
+    gemm_ref_f32(p->m, p->n, p->k, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, prod, p->n, &plain);
+    if (provider_in_place && k->c && !k->ep->out16 && k->ep->beta == 0.0f) {
+        for (int64_t i = 0; i < p->m; i++) memcpy(k->c + i * k->rsc, prod + i * p->n, (size_t)p->n * sizeof(float));
+        gemm_finish(p, k->c, OPF_F32, k->rsc, 0, k->c, k->rsc, k->ep);
+    } else {
+        gemm_finish(p, prod, OPF_F32, p->n, 1, k->c, k->rsc, k->ep);
+    }
+    free(prod);
+    provider_calls++;
+    return 1;
+}
+
+static void test_provider(const gemm_kernels *k) {
+    static const gemm_provider oracle = {.name = "oracle", .run = oracle_provider};
+    gemm_provider_set(&oracle);
+    CHECK(gemm_provider_get() == &oracle, "the provider installed is not the one read back");
+    provider_calls = 0;
+    test_epilogue_special(k);
+    test_workspace_plans(k); /* a workspace too small is refused before the provider is asked */
+    test_out16(k);
+    const shape e = {37, 45, 2 * k->kc + 37}, shapes[] = {{1, 1, 1}, {13, 33, 257}, {130, 310, 20}};
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++) run(k, shapes[i], ta, tb, 0.0f, GEMM_BIAS_NONE, ACT_NONE, 0);
+    for (int act = 0; act < ACT_COUNT; act++)
+        for (int bias = 0; bias < 3; bias++) {
+            run(k, e, 0, 1, 0.0f, bias, act, 1);
+            run(k, e, 1, 0, 1.0f, bias, act, 0);
+            run(k, e, 0, 0, 0.5f, bias, act, 1);
+        }
+    CHECK(provider_calls > 50, "%s: the provider ran %d products", k->name, provider_calls);
+    provider_in_place = 1;
+    for (int act = 0; act < ACT_COUNT; act++)
+        for (int bias = 0; bias < 3; bias++) run(k, e, 0, 1, 0.0f, bias, act, 1);
+    provider_in_place = 0;
+    gemm_provider_set(NULL);
+}
+
 static void test_act_variant(const act_kernels *k) {
     test_act_grad(k);
     test_act_grad_special(k);
@@ -563,6 +612,7 @@ int main(void) {
     CHECK_EACH_VARIANT(act_kernels_for, test_act_variant);
     CHECK_EACH_VARIANT(convert_kernels_for, test_conversions);
     CHECK_EACH_VARIANT(gemm_kernels_for, test_variant);
+    CHECK_EACH_VARIANT(gemm_kernels_for, test_provider);
     return check_report("test_gemm");
 #endif
 }

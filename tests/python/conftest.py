@@ -18,6 +18,11 @@ import torch
 
 FULL = os.environ.get("OPFORGE_TEST_FULL") == "1"
 
+# The tests check opforge's own kernels and plans (bitwise results at every thread count among
+# them): products stay on them unless a run asks for torch's GEMM (OPFORGE_GEMM=torch, a second
+# pass over the GEMM tests in `make test`) or a test sets the provider itself (test_gemm_provider.py).
+os.environ.setdefault("OPFORGE_GEMM", "own")
+
 if not FULL:
     _torch_compile = torch.compile
 

@@ -102,6 +102,19 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(AOTITorchError, torch_delete_list, (StableListHandle list_handle))                                           \
     X(void, aoti_torch_check, (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
+/* torch's own CPU GEMM, for the GEMM provider (csrc/torch/gemm_torch.c): the AOTInductor C shims of
+ * aten::mm.out and aten::addmm.out (torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h, 2.10), which
+ * call ATen's CPU kernels directly (no dispatcher) and return an error code instead of throwing, over
+ * tensors that wrap opforge's buffers. */
+#define OPF_SHIM_CPU_GEMM_FUNCTIONS(X)                                                                             \
+    X(AOTITorchError, aoti_torch_create_tensor_from_blob,                                                          \
+      (void *data, int64_t ndim, const int64_t *sizes_ptr, const int64_t *strides_ptr, int64_t storage_offset,     \
+       int32_t dtype, int32_t device_type, int32_t device_index, AtenTensorHandle *ret))                           \
+    X(AOTITorchError, aoti_torch_cpu_mm_out, (AtenTensorHandle out, AtenTensorHandle self, AtenTensorHandle mat2)) \
+    X(AOTITorchError, aoti_torch_cpu_addmm_out,                                                                    \
+      (AtenTensorHandle out, AtenTensorHandle self, AtenTensorHandle mat1, AtenTensorHandle mat2, double beta,     \
+       double alpha))
+
 /* The CUDA glue's (opforge/cuda.h), from libtorch_cpu (2.10). */
 #define OPF_SHIM_CUDA_FUNCTIONS(X)                                                                           \
     X(AOTITorchError, aoti_torch_create_device_guard, (int32_t device_index, DeviceGuardHandle * ret_guard)) \
@@ -127,6 +140,7 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
 #define OPF_SHIM_DECLARE(ret, name, params) ret name params;
 OPF_SHIM_FUNCTIONS(OPF_SHIM_DECLARE)
 OPF_SHIM_CUDA_FUNCTIONS(OPF_SHIM_DECLARE)
+OPF_SHIM_CPU_GEMM_FUNCTIONS(OPF_SHIM_DECLARE)
 #ifndef __cplusplus
 #define OPF_SHIM_DECLARE_WEAK(ret, name, params) __attribute__((weak)) ret name params;
 OPF_SHIM_WEAK_FUNCTIONS(OPF_SHIM_DECLARE_WEAK)

@@ -1,0 +1,452 @@
+/*
+ * The torch GEMM provider (gemm.h): the products of linear, matmul and
+ * linear_cross_entropy (forward and backward) run on torch's own CPU GEMM
+ * (aten::mm / aten::addmm: MKL or oneDNN, AMX tiles for bfloat16) where that
+ * is the faster one on this machine, and on opforge's kernels elsewhere. The
+ * epilogue stays opforge's (gemm_finish), and so does every fusion around the
+ * GEMM: the bias, activation and GLU epilogues, the cross-entropy's online
+ * log-sum-exp and blockwise gradient run over whichever GEMM made the block.
+ *
+ * Mode (OPFORGE_GEMM, set_gemm()): "own" (opforge's kernels only), "torch"
+ * (torch's GEMM for every product it takes), "auto" (default): per class of
+ * product -- the kernel table (ISA), the operand and result types, whether an
+ * epilogue follows, the thread count, M, N and K rounded up to powers of two,
+ * and the operands' layouts -- both GEMMs are timed the first time the class
+ * is met, on the product's own operands (at most a few hundred rows of them,
+ * into scratch outputs), and the faster one runs every product of the class
+ * from then on. Choices are kept for the process and, where the Python layer
+ * names a file (keyed by CPU model and torch version), on disk, so a later
+ * process measures nothing it has measured before. The time spent measuring
+ * is capped per process (MEASURE_BUDGET_US); past it a new class runs on
+ * opforge's kernels, unmeasured and unsaved.
+ *
+ * What torch's GEMM takes: float32 and bfloat16 operands, one of them float32
+ * and the other bfloat16 too (the float32 one is rounded to bfloat16 into a
+ * scratch copy, as the pair kernels round it), each with a unit stride in one
+ * dimension, and products of at least MIN_WORK multiply-adds. float16 and
+ * float64 stay on opforge's kernels. A bfloat16 product comes back from
+ * torch rounded to bfloat16 (aten::mm has no float32-result form on CPU), so
+ * an epilogue after it (bias, activation) rounds twice, as eager's addmm then
+ * activation does.
+ *
+ * Determinism: a product's provider depends on its class, and the thread
+ * count is part of the class; OPFORGE_GEMM=own gives results that are
+ * bitwise the same at every thread count.
+ */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../kernels/gemm.h"
+#include "opforge/op.h"
+
+enum { MODE_OWN = 0, MODE_TORCH, MODE_AUTO };
+static const char *const mode_names[] = {"own", "torch", "auto"};
+static int mode = MODE_AUTO; /* atomic */
+
+enum { MIN_WORK = 1 << 18 };                      /* 64^3 multiply-adds */
+#define MEASURE_BUDGET_US 800000.0                /* per process */
+#define MEASURE_FLOPS 4e8                         /* per timed run, about */
+enum { MEASURE_MIN_ROWS = 64, MEASURE_REPS = 2 }; /* the first rep also warms both up */
+
+typedef struct choice {
+    char key[128];
+    int torch;             /* 1: torch's GEMM runs the class */
+    double t_own, t_torch; /* microseconds, the measurement's best */
+    int here;              /* measured in this process (0: read from the cache file) */
+} choice;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static choice *choices;
+static int nchoices, capacity;
+static char cache_file[1024];
+static int cache_read;
+static double measured_us; /* this process's measuring */
+
+/* ---- torch's product ------------------------------------------------------- */
+
+static int32_t torch_dtype(opf_dtype dt) {
+    return dt == OPF_F32 ? aoti_torch_dtype_float32() : aoti_torch_dtype_bfloat16();
+}
+
+static AtenTensorHandle wrap(const void *data, int64_t rows, int64_t cols, int64_t rs, int64_t cs, opf_dtype dt) {
+    int64_t sizes[2] = {rows, cols}, strides[2] = {rs, cs};
+    AtenTensorHandle t = NULL;
+    if (aoti_torch_create_tensor_from_blob((void *)data, 2, sizes, strides, 0, torch_dtype(dt),
+                                           aoti_torch_device_type_cpu(), 0, &t) != OPF_AOTI_SUCCESS)
+        return NULL;
+    return t;
+}
+
+static void release(AtenTensorHandle t) {
+    if (t) aoti_torch_delete_tensor_object(t);
+}
+
+/* A float32 operand rounded to bfloat16, in its own layout (the unit stride kept) */
+typedef struct round_job {
+    const convert_kernels *cvt;
+    const float *src;
+    uint16_t *dst;
+    int64_t len, stride; /* lines of len contiguous elements, stride apart in src */
+} round_job;
+
+static void round_lines(int64_t l0, int64_t l1, void *ctx) {
+    const round_job *j = ctx;
+    for (int64_t l = l0; l < l1; l++) j->cvt->from_f32(j->dst + l * j->len, j->src + l * j->stride, OPF_BF16, j->len);
+}
+
+static void *alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* rows x cols of strides (rs, cs), one of them 1: a bfloat16 copy with strides (*rs16, *cs16) */
+static uint16_t *rounded(const gemm_kernels *kern, const float *src, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
+                         int64_t *rs16, int64_t *cs16) {
+    uint16_t *dst = alloc((size_t)(rows * cols) * sizeof(uint16_t));
+    if (!dst) return NULL;
+    const int by_rows = cs == 1;
+    round_job j = {.cvt = kern->cvt, .src = src, .dst = dst, .len = by_rows ? cols : rows, .stride = by_rows ? rs : cs};
+    opf_parallel_for(0, by_rows ? rows : cols, j.len >= 4096 ? 1 : 4096 / j.len, round_lines, &j);
+    *rs16 = by_rows ? cols : 1;
+    *cs16 = by_rows ? 1 : rows;
+    return dst;
+}
+
+/* The call's product on torch's GEMM, finished by gemm_finish. 0, or -1 (nothing usable written: the
+ * caller runs opforge's kernels, which overwrite whatever was). */
+static int run_torch(const gemm_call *k) {
+    const gemm_plan *plan = k->plan;
+    const gemm_epilogue *ep = k->ep;
+    const int64_t m = plan->m, n = plan->n, kk = plan->k;
+    opf_dtype dt = plan->ta == OPF_BF16 || plan->tb == OPF_BF16 ? OPF_BF16 : OPF_F32;
+    const void *a = k->a, *b = k->b;
+    int64_t rsa = k->rsa, csa = k->csa, rsb = k->rsb, csb = k->csb;
+    uint16_t *a16 = NULL, *b16 = NULL, *bias16 = NULL;
+    void *prod = NULL;
+    AtenTensorHandle ta = NULL, tb = NULL, tout = NULL, tbias = NULL;
+    int rc = -1;
+    if (plan->ta != dt && !(a = a16 = rounded(plan->kern, a, m, kk, rsa, csa, &rsa, &csa))) goto done;
+    if (plan->tb != dt && !(b = b16 = rounded(plan->kern, b, kk, n, rsb, csb, &rsb, &csb))) goto done;
+    if (!(ta = wrap(a, m, kk, rsa, csa, dt)) || !(tb = wrap(b, kk, n, rsb, csb, dt))) goto done;
+    /* Straight into the result: C (beta C included), or the bfloat16 result (beta is 0); else into
+     * scratch, finished into C (beta C added there) or the 16-bit result. The bias goes into the
+     * product wherever beta C does not (addmm's self), added before the product's one rounding as
+     * eager's addmm adds it: a bfloat16 product rounded before the bias was added could change sign,
+     * and a ReLU's mask with it. */
+    const int into_c = dt == OPF_F32 && !ep->out16, into_out16 = dt == OPF_BF16 && ep->out16 && ep->out_dt == OPF_BF16;
+    const int beta_c = into_c && ep->beta != 0.0f;
+    gemm_epilogue rest = *ep;
+    void *out = into_c       ? (void *)k->c
+                : into_out16 ? ep->out16
+                             : (prod = alloc((size_t)(m * n) * (dt == OPF_F32 ? 4 : 2)));
+    const int64_t rs_out = into_c || into_out16 ? k->rsc : n;
+    if (!out || !(tout = wrap(out, m, n, rs_out, 1, dt))) goto done;
+    AOTITorchError e;
+    if (beta_c) {
+        e = aoti_torch_cpu_addmm_out(tout, tout, ta, tb, ep->beta, 1.0);
+    } else if (ep->bias_kind != GEMM_BIAS_NONE) {
+        const int64_t len = ep->bias_kind == GEMM_BIAS_ROW ? n : m;
+        const void *bias = ep->bias;
+        if (dt == OPF_BF16) { /* the op's bfloat16 bias, which its float32 copy holds exactly */
+            if (!(bias16 = alloc((size_t)len * 2))) goto done;
+            plan->kern->cvt->from_f32(bias16, ep->bias, OPF_BF16, len);
+            bias = bias16;
+        }
+        if (!(tbias = ep->bias_kind == GEMM_BIAS_ROW ? wrap(bias, m, n, 0, 1, dt) : wrap(bias, m, n, 1, 0, dt)))
+            goto done;
+        e = aoti_torch_cpu_addmm_out(tout, tbias, ta, tb, 1.0, 1.0);
+        rest.bias_kind = GEMM_BIAS_NONE;
+        rest.bias = NULL;
+    } else {
+        e = aoti_torch_cpu_mm_out(tout, ta, tb);
+    }
+    if (e != OPF_AOTI_SUCCESS) goto done;
+    if (prod)
+        gemm_finish(plan, prod, dt, n, 1, k->c, k->rsc, &rest);
+    else if (gemm_epilogue_needed(&rest))
+        gemm_finish(plan, out, dt, k->rsc, 0, k->c, k->rsc, &rest);
+    rc = 0;
+done:
+    release(ta);
+    release(tb);
+    release(tout);
+    release(tbias);
+    free(bias16);
+    free(a16);
+    free(b16);
+    free(prod);
+    return rc;
+}
+
+/* ---- classes ---------------------------------------------------------------- */
+
+static int takes(const gemm_call *k) {
+    const gemm_plan *p = k->plan;
+    const int types = (p->ta == OPF_F32 || p->ta == OPF_BF16) && (p->tb == OPF_F32 || p->tb == OPF_BF16);
+    const int unit = (k->csa == 1 || k->rsa == 1) && (k->csb == 1 || k->rsb == 1);
+    const int out = !k->ep->out16 || k->ep->out_dt == OPF_BF16 || k->ep->out_dt == OPF_F16;
+    return types && unit && out && (double)p->m * (double)p->n * (double)p->k >= MIN_WORK && (k->c || k->ep->out16);
+}
+
+static int log2_up(int64_t v) {
+    int b = 0;
+    while (b < 40 && ((int64_t)1 << b) < v) b++;
+    return b;
+}
+
+static char dt_char(opf_dtype dt) { return dt == OPF_F32 ? 'f' : dt == OPF_BF16 ? 'b' : dt == OPF_F16 ? 'h' : 'd'; }
+
+static char layout(int64_t rs, int64_t cs) { return cs == 1 ? 'n' : rs == 1 ? 't' : 'g'; }
+
+/* "avx512_12x32 fb>f e t2 m11 n13 k9 nt": table, operand types > result type, epilogue, threads,
+ * log2 of M, N, K rounded up, layouts of A and B (n: rows contiguous, t: columns) */
+static void class_key(const gemm_call *k, char *key, size_t len) {
+    const gemm_plan *p = k->plan;
+    snprintf(key, len, "%s %c%c>%c %c t%lld m%d n%d k%d %c%c", p->kern->name, dt_char(p->ta), dt_char(p->tb),
+             k->ep->out16 ? dt_char(k->ep->out_dt) : 'f', gemm_epilogue_needed(k->ep) ? 'e' : '-',
+             (long long)p->threads, log2_up(p->m), log2_up(p->n), log2_up(p->k), layout(k->rsa, k->csa),
+             layout(k->rsb, k->csb));
+}
+
+/* under lock */
+static choice *find(const char *key) {
+    for (int i = 0; i < nchoices; i++)
+        if (strcmp(choices[i].key, key) == 0) return &choices[i];
+    return NULL;
+}
+
+/* under lock */
+static choice *add(const char *key, int torch, double t_own, double t_torch, int here) {
+    choice *c = find(key);
+    if (!c) {
+        if (nchoices == capacity) {
+            int cap = capacity ? 2 * capacity : 64;
+            choice *grown = realloc(choices, (size_t)cap * sizeof *grown);
+            if (!grown) return NULL;
+            choices = grown;
+            capacity = cap;
+        }
+        c = &choices[nchoices++];
+    }
+    snprintf(c->key, sizeof c->key, "%s", key);
+    c->torch = torch;
+    c->t_own = t_own;
+    c->t_torch = t_torch;
+    c->here = here;
+    return c;
+}
+
+/* under lock: the cache file's lines "key<TAB>own|torch<TAB>t_own<TAB>t_torch" */
+static void read_cache(void) {
+    cache_read = 1;
+    if (!cache_file[0]) return;
+    FILE *f = fopen(cache_file, "r");
+    if (!f) return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        char *tab1 = strchr(line, '\t'), *tab2 = tab1 ? strchr(tab1 + 1, '\t') : NULL;
+        if (!tab2) continue;
+        *tab1 = *tab2 = '\0';
+        double t_own = 0, t_torch = 0;
+        if (sscanf(tab2 + 1, "%lf\t%lf", &t_own, &t_torch) != 2) continue;
+        const int torch = strcmp(tab1 + 1, "torch") == 0;
+        if (torch || strcmp(tab1 + 1, "own") == 0) add(line, torch, t_own, t_torch, 0);
+    }
+    fclose(f);
+}
+
+/* under lock: one line, appended in one write (several processes may share the file) */
+static void save(const choice *c) {
+    if (!cache_file[0]) return;
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s", cache_file);
+    char *slash = strrchr(dir, '/');
+    if (slash && slash != dir) { /* its folder, and the folders above it */
+        *slash = '\0';
+        for (char *s = dir + 1; *s; s++)
+            if (*s == '/') {
+                *s = '\0';
+                mkdir(dir, 0755);
+                *s = '/';
+            }
+        mkdir(dir, 0755);
+    }
+    int fd = open(cache_file, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd < 0) {
+        opf_log(OPF_LOG_WARNING, "gemm: cannot write the GEMM provider cache %s", cache_file);
+        return;
+    }
+    char line[512];
+    int len =
+        snprintf(line, sizeof line, "%s\t%s\t%.1f\t%.1f\n", c->key, c->torch ? "torch" : "own", c->t_own, c->t_torch);
+    if (write(fd, line, (size_t)len) != len) opf_log(OPF_LOG_WARNING, "gemm: cannot write %s", cache_file);
+    close(fd);
+}
+
+/* Times both GEMMs on the call's first rows (at most what MEASURE_FLOPS allows, at least
+ * MEASURE_MIN_ROWS) into scratch outputs, with the call's epilogue kinds. 0, or -1 when scratch
+ * memory is short or torch's GEMM failed (the class stays with opforge's kernels). */
+static int measure(const gemm_call *k, double *t_own, double *t_torch) {
+    const gemm_plan *p = k->plan;
+    const gemm_epilogue *ep = k->ep;
+    int64_t rows = (int64_t)(MEASURE_FLOPS / (2.0 * (double)p->n * (double)p->k));
+    if (rows < MEASURE_MIN_ROWS) rows = MEASURE_MIN_ROWS;
+    if (rows > p->m) rows = p->m;
+    gemm_plan sub = gemm_plan_make(p->kern, rows, p->n, p->k, p->ta, p->tb, p->threads);
+    const int64_t ws_floats = gemm_workspace(&sub);
+    const size_t cells = (size_t)(rows * p->n);
+    float *ws = alloc((size_t)(ws_floats > 0 ? ws_floats : 1) * sizeof(float));
+    float *c = k->c ? alloc(cells * sizeof(float)) : NULL;
+    float *pre = ep->preact ? alloc(cells * sizeof(float)) : NULL;
+    uint16_t *out16 = ep->out16 ? alloc(cells * 2) : NULL, *pre16 = ep->pre16 ? alloc(cells * 2) : NULL;
+    int rc = -1;
+    if (!ws || (k->c && !c) || (ep->preact && !pre) || (ep->out16 && !out16) || (ep->pre16 && !pre16)) goto done;
+    gemm_epilogue e = *ep;
+    e.beta = 0.0f; /* the scratch C holds nothing */
+    e.preact = pre;
+    e.rsp = p->n;
+    e.out16 = out16;
+    e.pre16 = pre16;
+    gemm_call call = {.plan = &sub,
+                      .a = k->a,
+                      .rsa = k->rsa,
+                      .csa = k->csa,
+                      .b = k->b,
+                      .rsb = k->rsb,
+                      .csb = k->csb,
+                      .c = c,
+                      .rsc = p->n,
+                      .ep = &e};
+    *t_own = *t_torch = 1e300;
+    for (int rep = 0; rep < MEASURE_REPS; rep++)
+        for (int side = 0; side < 2; side++) { /* alternating, the first side changing with the rep */
+            const int torch = side ^ (rep & 1);
+            double t0 = opf_now_us();
+            if (torch) {
+                if (run_torch(&call) != 0) goto done;
+            } else if (gemm_run_own(&sub, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, c, p->n, &e, ws, ws_floats) !=
+                       0) {
+                goto done;
+            }
+            double t = opf_now_us() - t0;
+            double *best = torch ? t_torch : t_own;
+            if (t < *best) *best = t;
+        }
+    rc = 0;
+done:
+    free(ws);
+    free(c);
+    free(pre);
+    free(out16);
+    free(pre16);
+    return rc;
+}
+
+/* Whether the call's class runs on torch's GEMM: known, or measured now (one class at a time). */
+static int choose_torch(const gemm_call *k) {
+    char key[128];
+    class_key(k, key, sizeof key);
+    pthread_mutex_lock(&lock);
+    if (!cache_read) read_cache();
+    choice *c = find(key);
+    int torch = c ? c->torch : 0;
+    if (!c && measured_us < MEASURE_BUDGET_US) {
+        double t0 = opf_now_us(), t_own = 0, t_torch = 0;
+        if (measure(k, &t_own, &t_torch) == 0) {
+            torch = t_torch < 0.97 * t_own; /* a near tie stays with the fused kernels */
+            if ((c = add(key, torch, t_own, t_torch, 1))) save(c);
+            opf_log(OPF_LOG_INFO, "gemm: class '%s': own %.0f us, torch %.0f us: %s", key, t_own, t_torch,
+                    torch ? "torch" : "own");
+        } else {
+            add(key, 0, 0, 0, 1); /* not again in this process */
+        }
+        measured_us += opf_now_us() - t0;
+    }
+    pthread_mutex_unlock(&lock);
+    return torch;
+}
+
+static int provider_run(const gemm_call *k) {
+    const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
+    if (md == MODE_OWN || !takes(k)) return 0;
+    if (md == MODE_AUTO && !choose_torch(k)) return 0;
+    if (run_torch(k) != 0) {
+        opf_log(OPF_LOG_WARNING, "gemm: torch's GEMM failed on a %lld x %lld x %lld product; opforge's kernels ran it",
+                (long long)k->plan->m, (long long)k->plan->n, (long long)k->plan->k);
+        return 0;
+    }
+    if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("gemm", "torch_mm", k->plan->kern->isa);
+    return 1;
+}
+
+static const gemm_provider torch_provider = {.name = "torch", .run = provider_run};
+
+/* ---- setting it up -------------------------------------------------------------- */
+
+static int mode_of(const char *name, char *err, size_t errlen) {
+    if (!name || !name[0]) return MODE_AUTO;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(name, mode_names[i]) == 0) return i;
+    snprintf(err, errlen, "OPFORGE_GEMM=%s is not a GEMM provider mode; expected one of own, torch, auto", name);
+    return -1;
+}
+
+/* Installed as the op library loads (ops.c), in the mode OPFORGE_GEMM names. */
+int opf_gemm_torch_install(char *err, size_t errlen) {
+    int md = mode_of(getenv("OPFORGE_GEMM"), err, errlen);
+    if (md < 0) return -1;
+    __atomic_store_n(&mode, md, __ATOMIC_RELAXED);
+    gemm_provider_set(&torch_provider);
+    return 0;
+}
+
+OPF_EXPORT int opforge_set_gemm(const char *name, char *err, size_t errlen) {
+    int md = mode_of(name, err, errlen);
+    if (md < 0) return -1;
+    __atomic_store_n(&mode, md, __ATOMIC_RELAXED);
+    return 0;
+}
+
+OPF_EXPORT const char *opforge_gemm(void) { return mode_names[__atomic_load_n(&mode, __ATOMIC_RELAXED)]; }
+
+/* The file auto mode keeps its choices in ("": none); its choices are read again from it. */
+OPF_EXPORT int opforge_set_gemm_cache(const char *path, char *err, size_t errlen) {
+    if (strlen(path) >= sizeof cache_file) {
+        snprintf(err, errlen, "the GEMM provider cache path is longer than %zu characters", sizeof cache_file - 1);
+        return -1;
+    }
+    pthread_mutex_lock(&lock);
+    snprintf(cache_file, sizeof cache_file, "%s", path);
+    nchoices = 0;
+    cache_read = 0;
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+/* Choice i: its class, provider, the measured times (us) and whether it was measured in this process.
+ * 1, or 0 past the last. The strings stay valid until the next opforge_set_gemm_cache. */
+OPF_EXPORT int opforge_gemm_choice_at(int i, char *key, size_t keylen, int *torch, double *t_own, double *t_torch,
+                                      int *here) {
+    pthread_mutex_lock(&lock);
+    if (!cache_read) read_cache();
+    int rc = i >= 0 && i < nchoices;
+    if (rc) {
+        snprintf(key, keylen, "%s", choices[i].key);
+        *torch = choices[i].torch;
+        *t_own = choices[i].t_own;
+        *t_torch = choices[i].t_torch;
+        *here = choices[i].here;
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+/* Microseconds this process has spent measuring. */
+OPF_EXPORT double opforge_gemm_measured_us(void) {
+    pthread_mutex_lock(&lock);
+    double t = measured_us;
+    pthread_mutex_unlock(&lock);
+    return t;
+}

@@ -1,0 +1,113 @@
+"""The GEMM provider: linear, matmul and linear_cross_entropy on torch's own GEMM (set_gemm("torch")),
+the faster of the two per class of product (auto: measured once, kept on disk), or opforge's kernels
+alone (own). The GEMM tests also run whole with OPFORGE_GEMM=torch (`make test`)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opforge
+
+
+@pytest.fixture
+def gemm_mode():
+    saved = opforge.get_gemm()
+    yield opforge.set_gemm
+    opforge.set_gemm(saved)
+
+
+def test_modes_and_their_errors(gemm_mode):
+    for mode in ("own", "torch", "auto"):
+        gemm_mode(mode)
+        assert opforge.get_gemm() == mode
+    with pytest.raises(RuntimeError, match="OPFORGE_GEMM=fast is not a GEMM provider mode; expected one of own, "
+                                           "torch, auto"):
+        gemm_mode("fast")
+    r = subprocess.run([sys.executable, "-c", "import opforge"], env={**os.environ, "OPFORGE_GEMM": "mkl"},
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "OPFORGE_GEMM=mkl is not a GEMM provider mode" in r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["none", "gelu", "relu"])
+def test_linear_on_torchs_gemm_matches_own(gemm_mode, dtype, act, tmp_path):
+    x = torch.randn(3, 70, 96, dtype=dtype, requires_grad=True)
+    w = (torch.randn(130, 96) / 8).to(dtype).requires_grad_()
+    b = torch.randn(130, dtype=dtype, requires_grad=True)
+    g = torch.randn(3, 70, 130, dtype=dtype)
+    runs = {}
+    for mode in ("own", "torch"):
+        gemm_mode(mode)
+        opforge.set_log_file(str(tmp_path / f"{mode}.log"))
+        opforge.set_log_level("info")
+        try:
+            y = opforge.linear(x, w, b, act)
+            runs[mode] = (y, *torch.autograd.grad(y, (x, w, b), g))
+        finally:
+            opforge.set_log_level("warning")
+            opforge.set_log_file(None)
+    assert "gemm:torch_mm" in (tmp_path / "torch.log").read_text()
+    assert "gemm:torch_mm" not in (tmp_path / "own.log").read_text()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(runs["torch"], runs["own"]):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_matmul_and_linear_cross_entropy_on_torchs_gemm(gemm_mode):
+    a, b = torch.randn(4, 65, 80, requires_grad=True), torch.randn(4, 80, 70, requires_grad=True)
+    h = torch.randn(300, 64, requires_grad=True)
+    w = (torch.randn(1000, 64) / 8).requires_grad_()
+    t = torch.randint(0, 1000, (300,))
+    runs = {}
+    for mode in ("own", "torch"):
+        gemm_mode(mode)
+        c = opforge.matmul(a, b)
+        loss = opforge.linear_cross_entropy(h, w, t)
+        runs[mode] = (c, loss, *torch.autograd.grad(c.sum() + loss, (a, b, h, w)))
+    for got, want in zip(runs["torch"], runs["own"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runs["torch"][1], F.cross_entropy(h @ w.T, t), rtol=1e-5, atol=1e-5)
+
+
+_AUTO = r"""
+import json, torch, opforge
+opforge.set_gemm("auto")
+x, w = torch.randn(256, 128, requires_grad=True), torch.randn(192, 128, requires_grad=True)
+opforge.linear(x, w, None, "gelu").sum().backward()
+opforge.linear(x[:200], w, None, "gelu").sum().backward()   # the same classes
+print(json.dumps({"choices": opforge.gemm_choices(), "measured": opforge._runtime.gemm_measured_seconds(),
+                  "file": opforge._runtime.gemm_cache_file()}))
+"""
+
+
+def test_auto_measures_a_class_once_and_keeps_it_on_disk(tmp_path):
+    env = {**os.environ, "OPFORGE_CACHE_DIR": str(tmp_path), "OPFORGE_GEMM": "auto"}
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", _AUTO], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.splitlines()[-1])
+
+    first = run()
+    keys = [c["key"] for c in first["choices"]]
+    assert len(keys) == 3 and len(set(keys)) == 3  # forward, dx and dweight: three classes, each measured once
+    assert all(c["here"] and c["own_us"] > 0 and c["torch_us"] > 0 for c in first["choices"])
+    assert 0 < first["measured"] < 1.0
+    assert first["file"].startswith(str(tmp_path)) and "torch-" + torch.__version__.replace("+", "-") in first["file"]
+    lines = open(first["file"]).read().splitlines()
+    assert sorted(line.split("\t")[0] for line in lines) == sorted(keys)
+    second = run()  # a later process reads the choices and measures nothing
+    assert second["measured"] == 0.0
+    assert {c["key"]: c["provider"] for c in second["choices"]} == {c["key"]: c["provider"] for c in first["choices"]}
+    assert not any(c["here"] for c in second["choices"])
+
+
+def test_info_names_the_mode_and_the_choices(tmp_path):
+    env = {**os.environ, "OPFORGE_CACHE_DIR": str(tmp_path), "OPFORGE_GEMM": "torch"}
+    r = subprocess.run([sys.executable, "-m", "opforge", "info"], env=env, capture_output=True, text=True)
+    assert "gemm        torch (OPFORGE_GEMM=torch)" in r.stdout, r.stdout
