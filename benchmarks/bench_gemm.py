@@ -16,12 +16,24 @@ import opforge
 from opforge.benchmark import RESULTS, compare, fma_probe, plot, write_results
 
 
+def provider(m, k, n, threads, dtype, mode):
+    """The GEMM an m x k x n product's class runs on in mode: "own" or "torch" (auto: its choice)."""
+    if mode != "auto":
+        return mode
+    ch = {"float32": "f", "bfloat16": "b"}[dtype]
+    m2, n2, k2 = ((v - 1).bit_length() for v in (m, n, k))
+    tail = f"{ch}{ch}>{ch} - t{threads} m{m2} n{n2} k{k2} nn"
+    hits = [c["provider"] for c in opforge.gemm_choices() if c["key"].endswith(tail)]
+    return hits[-1] if hits else "own"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     all_threads = torch.get_num_threads()
+    mode = opforge.get_gemm()
     probe, probe_flops = fma_probe()
     square = [128, 256] if a.smoke else [256, 512, 1024, 2048]
     # (tokens, hidden in, hidden out): the MLP of a transformer, ratio 4
@@ -43,7 +55,11 @@ def main(argv=None):
             for m, k, n in dtype_shapes:
                 x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
                 torch.testing.assert_close(opforge.matmul(x, w).float(), x.float() @ w.float(), **tol)
-                variants = {"opforge": lambda: opforge.matmul(x, w), "torch.mm": lambda: torch.mm(x, w)}
+                # opforge in its default mode (auto: the faster GEMM for the product's class, chosen on
+                # its first call) and on its own kernels alone
+                variants = {"opforge": lambda: (opforge.set_gemm(mode), opforge.matmul(x, w))[1],
+                            "own": lambda: (opforge.set_gemm("own"), opforge.matmul(x, w))[1],
+                            "torch.mm": lambda: torch.mm(x, w)}
                 if probe:  # the FMA peak sampled in the same rounds: the machine's speed drifts
                     variants["peak"] = probe
                 t = compare(variants, reps=3 if a.smoke else 7, target_s=0.01 if a.smoke else 0.2)
@@ -52,16 +68,20 @@ def main(argv=None):
                 row = {"threads": threads, "M": m, "K": k, "N": n, "dtype": name,
                        "opforge_GFLOPs": flops / t["opforge"] / 1e9, "torch_mm_GFLOPs": flops / t["torch.mm"] / 1e9,
                        "opforge_pct_peak": 100 * flops / t["opforge"] / 1e9 / peak if peak else float("nan"),
-                       "vs_torch_mm": t["torch.mm"] / t["opforge"]}
+                       "vs_torch_mm": t["torch.mm"] / t["opforge"], "own_vs_torch_mm": t["torch.mm"] / t["own"],
+                       "provider": provider(m, k, n, threads, name, mode)}
                 rows.append(row)
                 print(f"{name} {threads} thr {m}x{k}x{n}: {row['opforge_GFLOPs']:.1f} GFLOP/s "
                       f"({row['opforge_pct_peak']:.0f}% of {peak:.0f}), torch.mm {row['torch_mm_GFLOPs']:.1f}: "
-                      f"{row['vs_torch_mm']:.2f}x", flush=True)
+                      f"{row['vs_torch_mm']:.2f}x ({row['provider']}; own kernels {row['own_vs_torch_mm']:.2f}x)",
+                      flush=True)
     torch.set_num_threads(all_threads)
+    opforge.set_gemm(mode)
     table = write_results("gemm", rows, [
         f"ISA {opforge.get_isa()}; peak = an FMA loop in C (one thread, x threads), timed as a third "
         "variant in the same rounds as each shape, median against median; bfloat16 rows: twice that (a dot product of two bfloat16 pairs per lane)",
-        "vs_torch_mm: torch.mm time / opforge.matmul time (>1: opforge faster)",
+        f"vs_torch_mm: torch.mm time / opforge.matmul time (>1: opforge faster), GEMM provider mode {mode} "
+        "(provider: the GEMM it chose for the shape's class); own_vs_torch_mm: opforge's own kernels alone",
     ], a.out)
     one = [r for r in rows if r["threads"] == 1 and r["M"] == r["K"] == r["N"] and r["dtype"] == "float32"]
     plot("gemm", [r["M"] for r in one], {"vs torch.mm (1 thread)": [r["vs_torch_mm"] for r in one],

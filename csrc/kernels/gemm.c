@@ -200,6 +200,21 @@ void gemm_finish(const gemm_plan *plan, const void *prod, opf_dtype prod_dt, int
     opf_parallel_for(0, blocks, per_block >= 16384 ? 1 : 16384 / per_block, finish_range, &job);
 }
 
+int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers) {
+    if (plan->own_a) return 1;
+    const int64_t t = plan->threads, mb = plan->mblocks > 0 ? plan->mblocks : 1;
+    int64_t lo = (2 * t + mb - 1) / mb, best = lo, best_idle = -1; /* idle thread-task slots, of t per round */
+    if (lo >= nslivers) return nslivers;
+    for (int64_t c = lo; c <= 2 * lo && c <= nslivers; c++) {
+        const int64_t tasks = mb * c, rounds = (tasks + t - 1) / t, idle = rounds * t - tasks;
+        if (best_idle < 0 || idle * best * mb < best_idle * tasks) { /* a smaller idle share */
+            best = c;
+            best_idle = idle;
+        }
+    }
+    return best;
+}
+
 int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb,
              float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
     const gemm_provider *pv = gemm_provider_get();
@@ -247,9 +262,7 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
         job.jc = jc;
         job.nc = n - jc < kern->nc ? n - jc : kern->nc;
         int64_t nslivers = (job.nc + kern->nr - 1) / kern->nr;
-        /* enough column chunks that every thread has work when M is small */
-        job.ntn = plan->own_a ? 1 : (2 * threads + mblocks - 1) / mblocks;
-        if (job.ntn > nslivers) job.ntn = nslivers;
+        job.ntn = gemm_col_chunks(plan, nslivers);
         /* (with own_a this is plan.workers: ntn = 1 and mblocks >= 2 threads) */
         job.plan.workers = mblocks * job.ntn < threads ? mblocks * job.ntn : threads;
         for (int64_t pc = 0; pc < k; pc += max_depth) {

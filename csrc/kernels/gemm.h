@@ -159,6 +159,12 @@ typedef struct gemm_plan {
 
 gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t k, opf_dtype ta, opf_dtype tb,
                          int64_t threads);
+/* The column chunks a panel of nslivers NR-wide slivers is cut into when A is shared (1 when each
+ * worker packs its own A blocks): at least two tasks per thread (row blocks x chunks), and of the
+ * counts up to twice that, the one whose tasks leave the smallest share of the threads' rounds idle
+ * (132 tasks on 64 threads would run 3 rounds, a third of them idle; 176 run 3 with 8% idle). */
+int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers);
+
 /* Floats of workspace the plan's product needs. */
 int64_t gemm_workspace(const gemm_plan *plan);
 

@@ -34,6 +34,7 @@
  * bitwise the same at every thread count.
  */
 #include <fcntl.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,10 +49,10 @@ enum { MODE_OWN = 0, MODE_TORCH, MODE_AUTO };
 static const char *const mode_names[] = {"own", "torch", "auto"};
 static int mode = MODE_AUTO; /* atomic */
 
-enum { MIN_WORK = 1 << 18 };                      /* 64^3 multiply-adds */
-#define MEASURE_BUDGET_US 800000.0                /* per process */
-#define MEASURE_FLOPS 4e8                         /* per timed run, about */
-enum { MEASURE_MIN_ROWS = 64, MEASURE_REPS = 2 }; /* the first rep also warms both up */
+enum { MIN_WORK = 1 << 18 };                 /* 64^3 multiply-adds */
+#define MEASURE_BUDGET_US 800000.0           /* per process */
+#define MEASURE_FLOPS 3e8                    /* per timed run, about */
+enum { MEASURE_MIN = 64, MEASURE_REPS = 3 }; /* rows and columns at least; the best of 3 (the first warms up) */
 
 typedef struct choice {
     char key[128];
@@ -285,18 +286,25 @@ static void save(const choice *c) {
     close(fd);
 }
 
-/* Times both GEMMs on the call's first rows (at most what MEASURE_FLOPS allows, at least
- * MEASURE_MIN_ROWS) into scratch outputs, with the call's epilogue kinds. 0, or -1 when scratch
- * memory is short or torch's GEMM failed (the class stays with opforge's kernels). */
+/* Times both GEMMs on a corner of the call's product, rows x cols of it with the call's K (about
+ * MEASURE_FLOPS: as square as the product allows, so that packing weighs on both as it does on the
+ * whole), into scratch outputs, with the call's epilogue kinds. 0, or -1 when scratch memory is short
+ * or torch's GEMM failed (the class stays with opforge's kernels). */
 static int measure(const gemm_call *k, double *t_own, double *t_torch) {
     const gemm_plan *p = k->plan;
     const gemm_epilogue *ep = k->ep;
-    int64_t rows = (int64_t)(MEASURE_FLOPS / (2.0 * (double)p->n * (double)p->k));
-    if (rows < MEASURE_MIN_ROWS) rows = MEASURE_MIN_ROWS;
+    const double area = MEASURE_FLOPS / (2.0 * (double)p->k); /* rows x cols */
+    int64_t rows = (int64_t)sqrt(area), cols;
+    if (rows < MEASURE_MIN) rows = MEASURE_MIN;
     if (rows > p->m) rows = p->m;
-    gemm_plan sub = gemm_plan_make(p->kern, rows, p->n, p->k, p->ta, p->tb, p->threads);
+    cols = (int64_t)(area / (double)rows);
+    if (cols < MEASURE_MIN) cols = MEASURE_MIN;
+    if (cols > p->n) cols = p->n;
+    if (rows < p->m && (int64_t)(area / (double)cols) > rows) /* a narrow product: the rows take the rest */
+        rows = (int64_t)(area / (double)cols) < p->m ? (int64_t)(area / (double)cols) : p->m;
+    gemm_plan sub = gemm_plan_make(p->kern, rows, cols, p->k, p->ta, p->tb, p->threads);
     const int64_t ws_floats = gemm_workspace(&sub);
-    const size_t cells = (size_t)(rows * p->n);
+    const size_t cells = (size_t)(rows * cols);
     float *ws = alloc((size_t)(ws_floats > 0 ? ws_floats : 1) * sizeof(float));
     float *c = k->c ? alloc(cells * sizeof(float)) : NULL;
     float *pre = ep->preact ? alloc(cells * sizeof(float)) : NULL;
@@ -306,7 +314,7 @@ static int measure(const gemm_call *k, double *t_own, double *t_torch) {
     gemm_epilogue e = *ep;
     e.beta = 0.0f; /* the scratch C holds nothing */
     e.preact = pre;
-    e.rsp = p->n;
+    e.rsp = cols;
     e.out16 = out16;
     e.pre16 = pre16;
     gemm_call call = {.plan = &sub,
@@ -317,7 +325,7 @@ static int measure(const gemm_call *k, double *t_own, double *t_torch) {
                       .rsb = k->rsb,
                       .csb = k->csb,
                       .c = c,
-                      .rsc = p->n,
+                      .rsc = cols,
                       .ep = &e};
     *t_own = *t_torch = 1e300;
     for (int rep = 0; rep < MEASURE_REPS; rep++)
@@ -326,7 +334,7 @@ static int measure(const gemm_call *k, double *t_own, double *t_torch) {
             double t0 = opf_now_us();
             if (torch) {
                 if (run_torch(&call) != 0) goto done;
-            } else if (gemm_run_own(&sub, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, c, p->n, &e, ws, ws_floats) !=
+            } else if (gemm_run_own(&sub, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, c, cols, &e, ws, ws_floats) !=
                        0) {
                 goto done;
             }
@@ -449,4 +457,20 @@ OPF_EXPORT double opforge_gemm_measured_us(void) {
     double t = measured_us;
     pthread_mutex_unlock(&lock);
     return t;
+}
+
+/* How opforge's GEMM splits an m x n x k product (float32 operands, or bfloat16 with bf16 set) at a
+ * thread count, from its plan: out[0] tasks of a panel's pass (row blocks x column chunks), out[1]
+ * the workers that run them, out[2] row blocks, out[3] column chunks, out[4] panels of N. */
+OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int64_t threads, int64_t *out) {
+    const opf_dtype dt = bf16 ? OPF_BF16 : OPF_F32;
+    const gemm_plan p = gemm_plan_make(gemm_kernels_for(opf_isa_current()), m, n, k, dt, dt, threads);
+    const gemm_kernels *kern = p.kern;
+    const int64_t nc = n < kern->nc ? n : kern->nc, nslivers = (nc + kern->nr - 1) / kern->nr;
+    const int64_t ntn = gemm_col_chunks(&p, nslivers);
+    out[0] = p.mblocks * ntn;
+    out[1] = out[0] < p.threads ? out[0] : p.threads;
+    out[2] = p.mblocks;
+    out[3] = ntn;
+    out[4] = (n + kern->nc - 1) / kern->nc;
 }
