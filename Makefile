@@ -77,13 +77,18 @@ build/ctest/test_%: tests/c/test_%.c tests/c/check.h $(CSRC) python/opforge/_bui
 build/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(CBUILD) -D OPF_AMX_EMULATE
 
+# attention's AMX table over the same model
+build/ctest/test_attention_amx_emulated: tests/c/test_attention.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
+	$(CBUILD) -D OPF_AMX_EMULATE
+
 # attention with the forward's keys split into chunks on (almost) every shape, not only the fewest query blocks
 build/ctest/test_attention_split: tests/c/test_attention.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
 	$(CBUILD) -D ATTN_FWD_MIN_TASKS=64
 
 # every tests/c/test_*.c and the AMX kernel over a model of its tile instructions; attention split
 # (the same test with the forward's keys split on every shape) runs in the full tier
-CTESTS := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c))) build/ctest/test_gemm_amx_emulated
+CTESTS := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c))) build/ctest/test_gemm_amx_emulated \
+	build/ctest/test_attention_amx_emulated
 
 # The same tests with the AVX-512 (and AMX) variants compiled for AVX2 over
 # SIMDe (tests/emu/immintrin.h): their logic is tested on CPUs without AVX-512.
@@ -137,9 +142,10 @@ abi-check: $(VENV)/.installed
 PYTEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; echo $$n)
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadfile
 
-# The GEMM tests again with every product on torch's GEMM (OPFORGE_GEMM=torch), less the ones
-# that check opforge's own plans give the same bits at every thread count
-GEMM_TESTS := tests/python/test_linear.py tests/python/test_linear_cross_entropy.py
+# The GEMM and attention tests again with every product and every plain attention on torch's
+# kernels (OPFORGE_GEMM=torch), less the ones that check opforge's own plans give the same bits at
+# every thread count
+GEMM_TESTS := tests/python/test_linear.py tests/python/test_linear_cross_entropy.py tests/python/test_attention.py
 GEMM_ON_TORCH := OPFORGE_GEMM=torch $(PYTEST) -k "not same_bits and not do_not_depend_on_the_thread_count"
 
 pytest: build

@@ -49,6 +49,28 @@ def products():
     return out
 
 
+_attn = opforge._runtime._dll.opforge_attention_plan
+_attn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+
+
+def attention_rows(counts):
+    """Attention: tasks (query blocks x heads x key splits forward; head groups or key blocks
+    backward) per thread; causal tasks differ in cost, so no idle share is given for them."""
+    rows = []
+    for where, b, h, hkv, n, causal in (("GPT attention (B8 H8 Hkv2 N256 D64, causal)", 8, 8, 2, 256, True),
+                                        ("bench_attention B4 H8 N1024 D64", 4, 8, 8, 1024, False),
+                                        ("bench_attention B4 H8 N1024 D64 causal", 4, 8, 8, 1024, True),
+                                        ("bench_attention B1 H8 N1024 D64", 1, 8, 8, 1024, False)):
+        row = {"product": where}
+        for th in counts:
+            out = (ctypes.c_int64 * 4)()
+            _attn(b, h, hkv, n, n, 64, int(causal), th, out)
+            row[f"fwd_tasks_{th}"], row[f"fwd_per_thread_{th}"] = out[0], round(out[0] / th, 2)
+            row[f"bwd_tasks_{th}"], row[f"bwd_per_thread_{th}"] = out[2], round(out[2] / th, 2)
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="16,64")
@@ -64,6 +86,8 @@ def main(argv=None):
             row[f"per_thread_{th}"] = round(pl["tasks_per_thread"], 2)
             row[f"idle_{th}"] = f"{100 * pl['idle']:.0f}%"
         rows.append(row)
+    print(write_results("attention_plan", attention_rows(counts), [
+        "tasks of attention's forward and backward plans, per thread"], a.out))
     print(write_results("gemm_plan", rows, [
         f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); tasks of one pass over one K slice "
         "of one N panel; idle: the share of thread-time that pass leaves idle"], a.out))

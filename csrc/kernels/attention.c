@@ -21,9 +21,11 @@ enum { BQ = 64, BK = 64 };
 extern const attention_kernels attention_kernels_avx2 __attribute__((weak));
 extern const attention_kernels attention_kernels_avx512 __attribute__((weak));
 extern const attention_kernels attention_kernels_avx512_bf16 __attribute__((weak));
+extern const attention_kernels attention_kernels_amx __attribute__((weak));
 
-const opf_variants attention_variants = OPF_VARIANTS("attention", &attention_kernels_ref, &attention_kernels_avx2,
-                                                     &attention_kernels_avx512, &attention_kernels_avx512_bf16);
+const opf_variants attention_variants =
+    OPF_VARIANTS("attention", &attention_kernels_ref, &attention_kernels_avx2, &attention_kernels_avx512,
+                 &attention_kernels_avx512_bf16, &attention_kernels_amx);
 
 /* Not noted for the log here: attention_fwd / attention_bwd note what runs (this table, the oracle for float64, or the
  * decoding driver's table for a few queries). */

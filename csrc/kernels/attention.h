@@ -109,6 +109,7 @@ extern const attention_kernels attention_kernels_ref;
 extern const attention_kernels attention_kernels_avx2;        /* attention_avx2.c */
 extern const attention_kernels attention_kernels_avx512;      /* attention_avx512.c */
 extern const attention_kernels attention_kernels_avx512_bf16; /* attention_avx512.c */
+extern const attention_kernels attention_kernels_amx;         /* attention_amx.c: bfloat16 products on AMX tiles */
 extern const opf_variants attention_variants;
 
 /* The table for isa (not noted for the log: attention_fwd and attention_bwd note what runs). */

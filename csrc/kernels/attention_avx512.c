@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "attention.h"
+#include "attention_avx512.h"
 #include "math_avx512.h"
 #include "rows_avx512.h"
 
@@ -72,8 +73,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
         }                                                                             \
     }
 
-static void mm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
-                      int64_t ldb, float *c, int64_t ldc, int acc) {
+void attention_mm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+                         int64_t ldb, float *c, int64_t ldc, int acc) {
     for (int64_t j = 0; j < n; j += 32) { /* one 32-column sliver of B stays in L1 across the rows */
         const int64_t nb = n - j < 32 ? n - j : 32;
         const float *bj = b + j;
@@ -181,7 +182,7 @@ TARGET_BF16 static void mm_avx512bf16(int64_t m, int64_t n, int64_t k, const flo
                                       const float *b, int64_t ldb, float *c, int64_t ldc, int acc) {
     _Alignas(64) uint32_t ap[KC2 * MC], bp[KC2 * 32];
     if (k == 0) { /* no chunk to run: C = 0 (+ C) */
-        mm_avx512(m, n, k, a, rsa, csa, b, ldb, c, ldc, acc);
+        attention_mm_avx512(m, n, k, a, rsa, csa, b, ldb, c, ldc, acc);
         return;
     }
     for (int64_t k0 = 0; k0 < k; k0 += 2 * KC2) {
@@ -213,8 +214,8 @@ static inline __mmask16 keep16(int64_t i, int64_t j, int64_t diag) {
 /* Columns in groups of 16 queries, up to 4 groups at a time, walked row by row
  * (consecutive addresses, as the AVX2 kernel); the last group's missing
  * queries are masked lanes. */
-static void softmax_cols_avx512(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
-                                float *alpha, int64_t diag) {
+void attention_softmax_cols_avx512(float *st, int64_t ld, int64_t bk, int64_t bq, float scale, float *m, float *l,
+                                   float *alpha, int64_t diag) {
     const __m512 vs = _mm512_set1_ps(scale), vs2 = _mm512_set1_ps(scale * LOG2E), log2e = _mm512_set1_ps(LOG2E);
     const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < bq; i0 += 64) {
@@ -260,8 +261,8 @@ static void softmax_cols_avx512(float *st, int64_t ld, int64_t bk, int64_t bq, f
 
 static inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
 
-static void probs_avx512(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse,
-                         int64_t diag) {
+void attention_probs_avx512(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse,
+                            int64_t diag) {
     const __m512 vs2 = _mm512_set1_ps(scale * LOG2E);
     for (int64_t i = 0; i < bq; i++) {
         float *row = scores + i * ld;
@@ -275,8 +276,8 @@ static void probs_avx512(float *scores, int64_t ld, int64_t bq, int64_t bk, floa
     }
 }
 
-static void dscores_avx512(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta,
-                           float scale) {
+void attention_dscores_avx512(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta,
+                              float scale) {
     const __m512 vs = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < bq; i++) {
         float *d = dp + i * ld;
@@ -293,17 +294,17 @@ static void dscores_avx512(float *dp, const float *p, int64_t ld, int64_t bq, in
 const attention_kernels attention_kernels_avx512 = {.name = "avx512",
                                                     .isa = OPF_ISA_AVX512,
                                                     .cvt = &convert_kernels_avx512,
-                                                    .mm = mm_avx512,
-                                                    .softmax_cols = softmax_cols_avx512,
-                                                    .probs = probs_avx512,
-                                                    .dscores = dscores_avx512};
+                                                    .mm = attention_mm_avx512,
+                                                    .softmax_cols = attention_softmax_cols_avx512,
+                                                    .probs = attention_probs_avx512,
+                                                    .dscores = attention_dscores_avx512};
 
 /* bfloat16 inputs multiply on bfloat16 pairs; float32 ones keep the float32 product */
 const attention_kernels attention_kernels_avx512_bf16 = {.name = "avx512_bf16",
                                                          .isa = OPF_ISA_AVX512_BF16,
                                                          .cvt = &convert_kernels_avx512,
-                                                         .mm = mm_avx512,
+                                                         .mm = attention_mm_avx512,
                                                          .mm_bf16 = mm_avx512bf16,
-                                                         .softmax_cols = softmax_cols_avx512,
-                                                         .probs = probs_avx512,
-                                                         .dscores = dscores_avx512};
+                                                         .softmax_cols = attention_softmax_cols_avx512,
+                                                         .probs = attention_probs_avx512,
+                                                         .dscores = attention_dscores_avx512};

@@ -14,12 +14,16 @@
  */
 #include <float.h>
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "../kernels/attention.h"
 #include "aoti.h"
 #include "attention.h"
 #include "namespace.h"
 #include "opforge/op.h"
+#include "provider.h"
 
 static const char ATTENTION[] = OPF_QUALNAME("attention");
 static const char ATTENTION_BACKWARD[] = OPF_QUALNAME("attention_backward");
@@ -120,6 +124,169 @@ static attention_args check_attention(const char *op, AtenTensorHandle q_h, Aten
     return a;
 }
 
+/* ---- torch's fused CPU attention as the provider of the plain cases ---------------
+ *
+ * Where torch's own flash attention (aten::_scaled_dot_product_flash_attention_for_cpu and its
+ * backward, through their AOTInductor C shims: oneDNN/AMX for bfloat16 on Intel) is the faster one
+ * for a class of problem (provider.h: OPFORGE_GEMM=own|torch|auto), the op runs it: float32 and
+ * bfloat16, no mask, as many key/value heads as query heads, one head dim, causal only with as many
+ * keys as queries (torch's causal mask is aligned top-left). Its output has opforge's layout
+ * ((B, N, H, Dv) in memory) and is returned as it is; its log-sum-exp ((B, N, H) in memory) is
+ * copied into the contiguous (B, H, N) one of the op's schema. Either backward runs on either
+ * forward's out and lse: both are the output and the natural log-sum-exp of the scaled scores. */
+
+enum { SDPA_MIN_WORK = 1 << 22 }; /* B H N S D multiply-adds at least */
+#define SDPA_MEASURE_FLOPS 3e8    /* per timed run, about: a few heads of batch 0 */
+
+static int sdpa_takes(const attention_problem *p) {
+    return (p->dt == OPF_F32 || p->dt == OPF_BF16) && !p->mask && p->h == p->hkv && p->d_qk == p->d_v &&
+           (!p->causal || p->n == p->s) && (double)p->b * p->h * p->n * p->s * p->d_qk >= SDPA_MIN_WORK;
+}
+
+static int log2_up(int64_t v) {
+    int b = 0;
+    while (b < 40 && ((int64_t)1 << b) < v) b++;
+    return b;
+}
+
+static void sdpa_key(char *key, size_t len, const char *pass, const attention_problem *p) {
+    snprintf(key, len, "sdpa %s %s %c%s t%lld bh%d n%d s%d d%lld", pass, attention_kernels_for(opf_isa_current())->name,
+             p->dt == OPF_F32 ? 'f' : 'b', p->causal ? " causal" : "", (long long)opf_num_threads(),
+             log2_up(p->b * p->h), log2_up(p->n), log2_up(p->s), (long long)p->d_qk);
+}
+
+static int32_t sdpa_dtype(const attention_problem *p) {
+    return p->dt == OPF_F32 ? aoti_torch_dtype_float32() : aoti_torch_dtype_bfloat16();
+}
+
+static void sdpa_release(AtenTensorHandle *h, int n) {
+    for (int i = 0; i < n; i++)
+        if (h[i]) aoti_torch_delete_tensor_object(h[i]), h[i] = NULL;
+}
+
+/* dst (4-d, strides ds) = src (a tensor of the same sizes, any strides), elements of elem bytes */
+static void sdpa_copy(void *dst, const int64_t *ds, AtenTensorHandle src, const int64_t *sz, int ndim, size_t elem) {
+    void *sp = NULL;
+    int64_t *ss = NULL;
+    aoti_torch_get_data_ptr(src, &sp);
+    aoti_torch_get_strides(src, &ss);
+    int64_t s4[4] = {0, 0, 0, 0}, d4[4] = {0, 0, 0, 0}, z4[4] = {1, 1, 1, 1};
+    for (int d = 0; d < ndim; d++) s4[4 - ndim + d] = ss[d], d4[4 - ndim + d] = ds[d], z4[4 - ndim + d] = sz[d];
+    for (int64_t a = 0; a < z4[0]; a++)
+        for (int64_t b = 0; b < z4[1]; b++)
+            for (int64_t c = 0; c < z4[2]; c++) {
+                const char *from = (const char *)sp + (a * s4[0] + b * s4[1] + c * s4[2]) * (int64_t)elem;
+                char *to = (char *)dst + (a * d4[0] + b * d4[1] + c * d4[2]) * (int64_t)elem;
+                if (s4[3] == 1 && d4[3] == 1)
+                    memcpy(to, from, (size_t)z4[3] * elem);
+                else
+                    for (int64_t e = 0; e < z4[3]; e++)
+                        memcpy(to + e * d4[3] * (int64_t)elem, from + e * s4[3] * (int64_t)elem, elem);
+            }
+}
+
+static int same_strides(AtenTensorHandle t, const int64_t *want, int ndim) {
+    int64_t *st = NULL;
+    aoti_torch_get_strides(t, &st);
+    for (int d = 0; d < ndim; d++)
+        if (st[d] != want[d]) return 0;
+    return 1;
+}
+
+/* The forward on torch's kernel for heads [0, heads) of batch 0 (heads = b * h: all of it, where
+ * the problem's own strides give the views), out and lse as attention_problem's. 0 or -1. */
+static int sdpa_fwd(const attention_problem *p, int64_t heads, AtenTensorHandle *out_ret) {
+    const int whole = heads == p->b * p->h;
+    const int32_t dt = sdpa_dtype(p);
+    AtenTensorHandle in[3] = {NULL, NULL, NULL}, res[2] = {NULL, NULL};
+    const int64_t qsz[4] = {whole ? p->b : 1, whole ? p->h : heads, p->n, p->d_qk};
+    int rc = -1;
+    for (int i = 0; i < 3; i++) {
+        const int64_t *st = i == 0 ? p->qs : i == 1 ? p->ks : p->vs;
+        const void *data = i == 0 ? p->q : i == 1 ? p->k : p->v;
+        const int64_t sz[4] = {qsz[0], qsz[1], i == 0 ? p->n : p->s, p->d_qk};
+        if (aoti_torch_create_tensor_from_blob((void *)data, 4, sz, st, 0, dt, aoti_torch_device_type_cpu(), 0,
+                                               &in[i]) != OPF_AOTI_SUCCESS)
+            goto done;
+    }
+    double scale = p->scale;
+    if (aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(in[0], in[1], in[2], 0.0, p->causal, NULL, &scale,
+                                                                   &res[0], &res[1]) != OPF_AOTI_SUCCESS)
+        goto done;
+    const int64_t osz[4] = {qsz[0], qsz[1], p->n, p->d_v}, lst[3] = {p->h * p->n, p->n, 1};
+    if (out_ret && same_strides(res[0], p->os, 4)) { /* opforge's layout: returned as it is */
+        *out_ret = res[0];
+        res[0] = NULL;
+    } else {
+        sdpa_copy(p->out, p->os, res[0], osz, 4, p->dt == OPF_F32 ? 4 : 2);
+    }
+    sdpa_copy(p->lse, lst, res[1], osz, 3, sizeof(float));
+    rc = 0;
+done:
+    sdpa_release(in, 3);
+    sdpa_release(res, 2);
+    return rc;
+}
+
+typedef struct sdpa_measure_ctx {
+    const attention_problem *p;
+    int backward;
+} sdpa_measure_ctx;
+
+static int sdpa_bwd(const attention_problem *p, int64_t heads, AtenTensorHandle *grads);
+
+/* Both kernels on the first heads of batch 0 (about SDPA_MEASURE_FLOPS each), into the op's own
+ * outputs, which the chosen kernel then overwrites. */
+static int sdpa_measure(void *vctx, double *t_own, double *t_torch) {
+    const sdpa_measure_ctx *ctx = vctx;
+    attention_problem sub = *ctx->p;
+    const double per_head = (ctx->backward ? 10.0 : 4.0) * sub.n * sub.s * sub.d_qk * (sub.causal ? 0.5 : 1.0);
+    int64_t heads = (int64_t)(SDPA_MEASURE_FLOPS / per_head);
+    if (heads < 1) heads = 1;
+    if (heads > sub.h) heads = sub.h;
+    sub.b = 1;
+    sub.h = sub.hkv = heads;
+    const int64_t threads = opf_num_threads();
+    int64_t floats = 0;
+    attention_fwd_plan fp = {0};
+    attention_bwd_plan bp = {0};
+    if (ctx->backward)
+        bp = attention_bwd_plan_make(&sub, threads), floats = attention_bwd_workspace(&bp);
+    else
+        fp = attention_fwd_plan_make(&sub, threads), floats = attention_fwd_workspace(&fp);
+    float *ws = aligned_alloc(64, (size_t)((floats + 16) / 16 * 16) * sizeof(float));
+    if (!ws) return -1;
+    const attention_kernels *kern = attention_kernels_for(opf_isa_current());
+    *t_own = *t_torch = 1e300;
+    int rc = 0;
+    for (int rep = 0; rep < 3 && rc == 0; rep++)
+        for (int side = 0; side < 2 && rc == 0; side++) {
+            const int torch = side ^ (rep & 1);
+            double t0 = opf_now_us();
+            if (torch) {
+                AtenTensorHandle g[3] = {NULL, NULL, NULL};
+                rc = ctx->backward ? sdpa_bwd(&sub, heads, g) : sdpa_fwd(&sub, heads, NULL);
+                sdpa_release(g, 3);
+            } else if (ctx->backward) {
+                attention_bwd(kern, &bp, &sub, ws);
+            } else {
+                attention_fwd(kern, &fp, &sub, ws);
+            }
+            double t = opf_now_us() - t0, *best = torch ? t_torch : t_own;
+            if (t < *best) *best = t;
+        }
+    free(ws);
+    return rc;
+}
+
+static int sdpa_chosen(const attention_problem *p, int backward) {
+    if (opf_provider_mode() == OPF_PROVIDER_OWN || !sdpa_takes(p)) return 0;
+    char key[160];
+    sdpa_key(key, sizeof key, backward ? "bwd" : "fwd", p);
+    sdpa_measure_ctx ctx = {.p = p, .backward = backward};
+    return opf_provider_torch(key, sdpa_measure, &ctx);
+}
+
 static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(q, stack, 0);
     OPF_ARG_TENSOR(k, stack, 1);
@@ -139,7 +306,18 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     opf_tensor out = opf_tensor_info(ATTENTION, "out", out_h), lse = opf_tensor_info(ATTENTION, "lse", lse_h);
     p->out = out.data, p->lse = lse.data;
     for (int d = 0; d < 4; d++) p->os[d] = out.strides[d];
-    if (!opf_is_meta(&a.q)) { /* the fake kernel's meta stand-ins are checked and shaped, nothing to compute */
+    int on_torch = 0;
+    if (!opf_is_meta(&a.q) && sdpa_chosen(p, 0)) { /* torch's kernel, where it is the faster one */
+        AtenTensorHandle theirs = NULL;
+        on_torch = sdpa_fwd(p, p->b * p->h, &theirs) == 0;
+        if (theirs) { /* its output, in opforge's layout, instead of ours */
+            aoti_torch_delete_tensor_object(out_h);
+            out_h = theirs;
+            out = opf_tensor_info(ATTENTION, "out", out_h);
+        }
+        if (on_torch && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("attention", "torch_sdpa", opf_isa_current());
+    }
+    if (!opf_is_meta(&a.q) && !on_torch) { /* the fake kernel's meta stand-ins are checked and shaped */
         const attention_fwd_plan plan = attention_fwd_plan_make(p, opf_num_threads());
         float *ws = NULL;
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(ATTENTION, attention_fwd_workspace(&plan), &a.q, &ws);
@@ -196,7 +374,21 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
         p->os[d] = out.strides[d], p->dos[d] = g.strides[d];
         p->dqs[d] = dq.strides[d], p->dks[d] = dk.strides[d], p->dvs[d] = dv.strides[d];
     }
-    if (!opf_is_meta(&a.q)) { /* the fake kernel's meta stand-ins are checked and shaped, nothing to compute */
+    int on_torch = 0;
+    if (!opf_is_meta(&a.q) && sdpa_chosen(p, 1)) { /* torch's kernel, where it is the faster one */
+        AtenTensorHandle grads[3] = {NULL, NULL, NULL};
+        on_torch = sdpa_bwd(p, p->b * p->h, grads) == 0;
+        AtenTensorHandle *ours[3] = {&dq_h, &dk_h, &dv_h};
+        for (int i = 0; on_torch && i < 3; i++) { /* theirs where they have the strides of ours */
+            if (!grads[i]) continue;              /* copied into ours */
+            aoti_torch_delete_tensor_object(*ours[i]);
+            *ours[i] = grads[i];
+            grads[i] = NULL;
+        }
+        sdpa_release(grads, 3);
+        if (on_torch && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("attention", "torch_sdpa", opf_isa_current());
+    }
+    if (!opf_is_meta(&a.q) && !on_torch) { /* the fake kernel's meta stand-ins are checked and shaped */
         const attention_bwd_plan plan = attention_bwd_plan_make(p, opf_num_threads());
         float *ws = NULL;
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(ATTENTION_BACKWARD, attention_bwd_workspace(&plan), &a.q, &ws);
@@ -206,6 +398,44 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     OPF_RETURN(stack, 0, dq_h);
     OPF_RETURN(stack, 1, dk_h);
     OPF_RETURN(stack, 2, dv_h);
+}
+
+/* The backward on torch's kernel for heads [0, heads) of batch 0 (or all of them, as sdpa_fwd):
+ * grads[0..3) receive dq, dk, dv, which the caller owns; where one's strides are not those of
+ * the op's dq, dk, dv, it is copied into them and grads[] keeps NULL for it. 0 or -1. */
+static int sdpa_bwd(const attention_problem *p, int64_t heads, AtenTensorHandle *grads) {
+    const int whole = heads == p->b * p->h;
+    const int32_t dt = sdpa_dtype(p);
+    const int64_t b = whole ? p->b : 1, h = whole ? p->h : heads;
+    AtenTensorHandle in[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    const void *data[6] = {p->dout, p->q, p->k, p->v, p->out, p->lse};
+    const int64_t *st[5] = {p->dos, p->qs, p->ks, p->vs, p->os}, lst[3] = {p->h * p->n, p->n, 1};
+    int rc = -1;
+    for (int i = 0; i < 6; i++) {
+        const int64_t len = i == 2 || i == 3 ? p->s : p->n, sz[4] = {b, h, len, p->d_qk};
+        if (aoti_torch_create_tensor_from_blob((void *)data[i], i == 5 ? 3 : 4, sz, i == 5 ? lst : st[i], 0,
+                                               i == 5 ? aoti_torch_dtype_float32() : dt, aoti_torch_device_type_cpu(),
+                                               0, &in[i]) != OPF_AOTI_SUCCESS)
+            goto done;
+    }
+    double scale = p->scale;
+    if (aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu_backward(in[0], in[1], in[2], in[3], in[4], in[5],
+                                                                            0.0, p->causal, NULL, &scale, &grads[0],
+                                                                            &grads[1], &grads[2]) != OPF_AOTI_SUCCESS)
+        goto done;
+    void *mine[3] = {p->dq, p->dk, p->dv};
+    const int64_t *mst[3] = {p->dqs, p->dks, p->dvs};
+    for (int i = 0; i < 3; i++) {
+        const int64_t sz[4] = {b, h, i == 0 ? p->n : p->s, p->d_qk};
+        if (!whole || !same_strides(grads[i], mst[i], 4)) { /* into the op's own */
+            sdpa_copy(mine[i], mst[i], grads[i], sz, 4, p->dt == OPF_F32 ? 4 : 2);
+            sdpa_release(&grads[i], 1);
+        }
+    }
+    rc = 0;
+done:
+    sdpa_release(in, 6);
+    return rc;
 }
 
 static const opf_op_desc opf_attention_ops[] = {
@@ -245,3 +475,19 @@ OPF_AOTI_SHIM(attention_backward, 3,
               (AtenTensorHandle grad, AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
                AtenTensorHandle *attn_mask, AtenTensorHandle out, AtenTensorHandle lse, int32_t causal, double *scale),
               grad, q, k, v, attn_mask, out, lse, causal, scale);
+
+/* How attention's plans split a problem at a thread count (float32, no mask): out[0] the
+ * forward's tasks, out[1] its workers, out[2] the backward's tasks, out[3] its workers. */
+OPF_EXPORT void opforge_attention_plan(int64_t b, int64_t h, int64_t hkv, int64_t n, int64_t s, int64_t d, int causal,
+                                       int64_t threads, int64_t *out) {
+    const int64_t st[4] = {h * n * d, n * d, d, 1}, kst[4] = {hkv * s * d, s * d, d, 1};
+    attention_problem p = {
+        .b = b, .h = h, .hkv = hkv, .n = n, .s = s, .d_qk = d, .d_v = d, .dt = OPF_F32, .causal = causal, .scale = 1.0};
+    for (int i = 0; i < 4; i++) p.qs[i] = p.os[i] = p.dos[i] = p.dqs[i] = st[i], p.ks[i] = p.vs[i] = kst[i];
+    const attention_fwd_plan f = attention_fwd_plan_make(&p, threads);
+    const attention_bwd_plan g = attention_bwd_plan_make(&p, threads);
+    out[0] = f.tasks;
+    out[1] = f.workers;
+    out[2] = g.tasks;
+    out[3] = g.workers;
+}

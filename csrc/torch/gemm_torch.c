@@ -44,8 +44,9 @@
 
 #include "../kernels/gemm.h"
 #include "opforge/op.h"
+#include "provider.h"
 
-enum { MODE_OWN = 0, MODE_TORCH, MODE_AUTO };
+enum { MODE_OWN = OPF_PROVIDER_OWN, MODE_TORCH = OPF_PROVIDER_TORCH, MODE_AUTO = OPF_PROVIDER_AUTO };
 static const char *const mode_names[] = {"own", "torch", "auto"};
 static int mode = MODE_AUTO; /* atomic */
 
@@ -352,20 +353,19 @@ done:
     return rc;
 }
 
-/* Whether the call's class runs on torch's GEMM: known, or measured now (one class at a time). */
-static int choose_torch(const gemm_call *k) {
-    char key[128];
-    class_key(k, key, sizeof key);
+int opf_provider_torch(const char *key, int (*measure_fn)(void *ctx, double *t_own, double *t_torch), void *ctx) {
+    const int md = opf_provider_mode();
+    if (md != OPF_PROVIDER_AUTO) return md == OPF_PROVIDER_TORCH;
     pthread_mutex_lock(&lock);
     if (!cache_read) read_cache();
     choice *c = find(key);
     int torch = c ? c->torch : 0;
     if (!c && measured_us < MEASURE_BUDGET_US) {
         double t0 = opf_now_us(), t_own = 0, t_torch = 0;
-        if (measure(k, &t_own, &t_torch) == 0) {
+        if (measure_fn(ctx, &t_own, &t_torch) == 0) {
             torch = t_torch < 0.97 * t_own; /* a near tie stays with the fused kernels */
             if ((c = add(key, torch, t_own, t_torch, 1))) save(c);
-            opf_log(OPF_LOG_INFO, "gemm: class '%s': own %.0f us, torch %.0f us: %s", key, t_own, t_torch,
+            opf_log(OPF_LOG_INFO, "provider: class '%s': own %.0f us, torch %.0f us: %s", key, t_own, t_torch,
                     torch ? "torch" : "own");
         } else {
             add(key, 0, 0, 0, 1); /* not again in this process */
@@ -374,6 +374,17 @@ static int choose_torch(const gemm_call *k) {
     }
     pthread_mutex_unlock(&lock);
     return torch;
+}
+
+int opf_provider_mode(void) { return __atomic_load_n(&mode, __ATOMIC_RELAXED); }
+
+static int measure_gemm(void *ctx, double *t_own, double *t_torch) { return measure(ctx, t_own, t_torch); }
+
+/* Whether the call's class runs on torch's GEMM: known, or measured now (one class at a time). */
+static int choose_torch(const gemm_call *k) {
+    char key[128];
+    class_key(k, key, sizeof key);
+    return opf_provider_torch(key, measure_gemm, (void *)k);
 }
 
 static int provider_run(const gemm_call *k) {

@@ -188,7 +188,9 @@ def set_gemm(mode: str) -> None:
     opforge's epilogues and fusions around it), or "auto" (the default: the faster of the two per
     class of product, measured the first time the class is met and kept on disk per CPU model and
     torch version). The same as starting with OPFORGE_GEMM=mode. "own" gives results that are
-    bitwise the same at every thread count."""
+    bitwise the same at every thread count. The same mode chooses between opforge's attention and
+    torch's fused CPU attention for the plain cases torch's kernel covers (float32 and bfloat16, no
+    mask, no grouped-query heads, causal only with as many keys as queries)."""
     library._call("opforge_set_gemm", mode.encode())
 
 

@@ -606,7 +606,7 @@ int main(void) {
     } else {
         printf("skip %s over emulated tiles: the CPU lacks AVX512-BF16\n", gemm_kernels_amx.name);
     }
-    (void)test_act_variant, (void)test_conversions; /* the plain build's checks */
+    (void)test_act_variant, (void)test_conversions, (void)test_provider; /* the plain build's checks */
     return check_report("test_gemm (AMX emulated)");
 #else
     CHECK_EACH_VARIANT(act_kernels_for, test_act_variant);

@@ -2,6 +2,7 @@
 the faster of the two per class of product (auto: measured once, kept on disk), or opforge's kernels
 alone (own). The GEMM tests also run whole with OPFORGE_GEMM=torch (`make test`)."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,6 +13,18 @@ import torch
 import torch.nn.functional as F
 
 import opforge
+
+
+@contextlib.contextmanager
+def _logged(path):
+    """Op calls logged at info level to path."""
+    opforge.set_log_file(str(path))
+    opforge.set_log_level("info")
+    try:
+        yield
+    finally:
+        opforge.set_log_level("warning")
+        opforge.set_log_file(None)
 
 
 @pytest.fixture
@@ -43,14 +56,9 @@ def test_linear_on_torchs_gemm_matches_own(gemm_mode, dtype, act, tmp_path):
     runs = {}
     for mode in ("own", "torch"):
         gemm_mode(mode)
-        opforge.set_log_file(str(tmp_path / f"{mode}.log"))
-        opforge.set_log_level("info")
-        try:
+        with _logged(tmp_path / f"{mode}.log"):
             y = opforge.linear(x, w, b, act)
             runs[mode] = (y, *torch.autograd.grad(y, (x, w, b), g))
-        finally:
-            opforge.set_log_level("warning")
-            opforge.set_log_file(None)
     assert "gemm:torch_mm" in (tmp_path / "torch.log").read_text()
     assert "gemm:torch_mm" not in (tmp_path / "own.log").read_text()
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -111,3 +119,41 @@ def test_info_names_the_mode_and_the_choices(tmp_path):
     env = {**os.environ, "OPFORGE_CACHE_DIR": str(tmp_path), "OPFORGE_GEMM": "torch"}
     r = subprocess.run([sys.executable, "-m", "opforge", "info"], env=env, capture_output=True, text=True)
     assert "gemm        torch (OPFORGE_GEMM=torch)" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_on_torchs_kernel_matches_own(gemm_mode, dtype, causal, tmp_path):
+    q, k, v = (torch.randn(2, 4, 160, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 4, 160, 64, dtype=dtype)
+    runs = {}
+    for mode in ("own", "torch"):
+        gemm_mode(mode)
+        with _logged(tmp_path / f"{mode}.log"):
+            out, lse = torch.ops.opforge.attention(q, k, v, None, causal, None)
+            y = opforge.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            runs[mode] = (out, lse, *torch.autograd.grad(y, (q, k, v), g))
+    assert (tmp_path / "torch.log").read_text().count("attention:torch_sdpa") == 3  # twice forward, once backward
+    assert "torch_sdpa" not in (tmp_path / "own.log").read_text()
+    assert runs["torch"][0].stride() == runs["own"][0].stride() and runs["torch"][1].is_contiguous()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(runs["torch"], runs["own"]):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    # the backward of either runs on the other's out and lse
+    gemm_mode("own")
+    mixed = torch.ops.opforge.attention_backward(g, q, k, v, None, *runs["torch"][:2], causal, None)
+    for got, want in zip(mixed, runs["own"][2:]):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_attention_cases_torch_lacks_stay_on_opforges_kernels(gemm_mode, tmp_path):
+    gemm_mode("torch")
+    q = torch.randn(2, 4, 160, 64)
+    kv = torch.randn(2, 2, 160, 64)  # grouped-query heads
+    mask = torch.rand(160, 160) > 0.2
+    with _logged(tmp_path / "log"):
+        opforge.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        opforge.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        opforge.scaled_dot_product_attention(q[:, :, :100], q, q, is_causal=True)  # bottom-right causal
+    log = (tmp_path / "log").read_text()
+    assert log.count("opforge::attention ") == 3 and "torch_sdpa" not in log

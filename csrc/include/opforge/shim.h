@@ -102,8 +102,8 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(AOTITorchError, torch_delete_list, (StableListHandle list_handle))                                           \
     X(void, aoti_torch_check, (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
-/* torch's own CPU GEMM, for the GEMM provider (csrc/torch/gemm_torch.c): the AOTInductor C shims of
- * aten::mm.out and aten::addmm.out (torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h, 2.10), which
+/* torch's own CPU GEMM and fused attention, for the providers (csrc/torch/gemm_torch.c, attention.c):
+ * the AOTInductor C shims of aten::mm.out, aten::addmm.out and the CPU flash attention and its backward (torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h, 2.10), which
  * call ATen's CPU kernels directly (no dispatcher) and return an error code instead of throwing, over
  * tensors that wrap opforge's buffers. */
 #define OPF_SHIM_CPU_GEMM_FUNCTIONS(X)                                                                             \
@@ -113,7 +113,15 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
     X(AOTITorchError, aoti_torch_cpu_mm_out, (AtenTensorHandle out, AtenTensorHandle self, AtenTensorHandle mat2)) \
     X(AOTITorchError, aoti_torch_cpu_addmm_out,                                                                    \
       (AtenTensorHandle out, AtenTensorHandle self, AtenTensorHandle mat1, AtenTensorHandle mat2, double beta,     \
-       double alpha))
+       double alpha))                                                                                              \
+    X(AOTITorchError, aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu,                                  \
+      (AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value, double dropout_p, int32_t is_causal,  \
+       AtenTensorHandle *attn_mask, double *scale, AtenTensorHandle *ret0, AtenTensorHandle *ret1))                \
+    X(AOTITorchError, aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu_backward,                         \
+      (AtenTensorHandle grad_out, AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value,            \
+       AtenTensorHandle out, AtenTensorHandle logsumexp, double dropout_p, int32_t is_causal,                      \
+       AtenTensorHandle *attn_mask, double *scale, AtenTensorHandle *ret0, AtenTensorHandle *ret1,                 \
+       AtenTensorHandle *ret2))
 
 /* The CUDA glue's (opforge/cuda.h), from libtorch_cpu (2.10). */
 #define OPF_SHIM_CUDA_FUNCTIONS(X)                                                                           \
