@@ -79,16 +79,22 @@ int64_t linear_cross_entropy_bad_target(const linear_cross_entropy_problem *p) {
 
 static int wants_grad(const linear_cross_entropy_problem *p) { return p->dhidden || p->dweight || p->dbias; }
 
-/* The logits block: vb vocabulary columns by tc tokens within budget floats. */
+/* The logits block: vb vocabulary columns by tc tokens within budget floats; the whole vocabulary
+ * where a chunk of LINEAR_CROSS_ENTROPY_CHUNK_TOKENS tokens (or all, if fewer) fits with it. */
 static void block_shape(int64_t t, int64_t v, int64_t budget, int64_t *tc, int64_t *vb) {
+    if (min64(max64(t, 1), LINEAR_CROSS_ENTROPY_CHUNK_TOKENS) * max64(v, 1) <= budget) {
+        *vb = max64(v, 1);
+        *tc = min64(max64(t, 1), budget / *vb);
+        return;
+    }
     *vb = min64(max64(v, 1), max64(16, budget / max64(1, min64(t, 2048))));
     *tc = min64(max64(t, 1), max64(1, budget / *vb));
 }
 
-int linear_cross_entropy_one_block(int64_t t, int64_t v) {
+int linear_cross_entropy_vocab_in_one_block(int64_t t, int64_t v) {
     int64_t tc, vb;
     block_shape(t, v, LINEAR_CROSS_ENTROPY_BLOCK_FLOATS, &tc, &vb);
-    return tc >= t && vb >= v;
+    return vb >= v;
 }
 
 linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gemm,
@@ -214,14 +220,23 @@ static int logits_block(const linear_cross_entropy_job *job, float *ws) {
         if ((call) != 0) return LINEAR_CROSS_ENTROPY_ERR_WORKSPACE; \
     } while (0)
 
+/* lse of token t from sweep 1's running max and sum: the one formula store_loss and chunk_lse use */
+static double token_lse(const linear_cross_entropy_job *job, int64_t t) {
+    return (double)job->ws[job->l->max + t] + log((double)job->ws[job->l->sum + t]);
+}
+
+/* The lse of the job's chunk of tokens, for sweep 2 in the same pass (store_loss writes the same values) */
+static void chunk_lse(const linear_cross_entropy_problem *p, const linear_cross_entropy_job *job) {
+    for (int64_t t = job->t0; t < job->t0 + job->rows; t++) p->lse[t] = (float)token_lse(job, t);
+}
+
 static void store_loss(const linear_cross_entropy_problem *p, const linear_cross_entropy_job *job) {
-    const float *mx = job->ws + job->l->max, *sm = job->ws + job->l->sum, *zs = job->ws + job->l->zsum;
-    const float *zy = job->ws + job->l->zy;
+    const float *zs = job->ws + job->l->zsum, *zy = job->ws + job->l->zy;
     const double eps = p->label_smoothing;
     double total = 0.0; /* in token order: the same sum at any thread count */
     int64_t count = 0;
     for (int64_t t = 0; t < p->t; t++) {
-        double lse = (double)mx[t] + log((double)sm[t]);
+        double lse = token_lse(job, t);
         p->lse[t] = (float)lse;
         double loss = 0.0;
         if (!ignored(p, t)) { /* torch's form, term by term (linear_cross_entropy.h) */
@@ -260,9 +275,13 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
                                     .one_eps = (float)(1.0 - p->label_smoothing)};
     if (p->bias) convert_load_f32(gemm->cvt, ws + l->bias, p->bias, dt, p->v, p->bias_stride);
     const int64_t ntc = (p->t + l->tc - 1) / l->tc, nvb = (p->v + l->vb - 1) / l->vb;
+    /* blocks that span the vocabulary, in a forward asked for the gradients: both sweeps a chunk at a time */
+    const int fused = !p->lse_given && wants_grad(p) && nvb == 1;
     if (!p->lse_given) { /* sweep 1: lse and the loss */
         for (int64_t t = 0; t < p->t; t++) ws[l->max + t] = -INFINITY, ws[l->sum + t] = 0.0f;
         memset(ws + l->zsum, 0, (size_t)(2 * p->t) * sizeof(float));
+    }
+    if (!p->lse_given && !fused) {
         for (int64_t b = 0; b < ntc * nvb; b++) {
             job.t0 = b / nvb * l->tc, job.v0 = b % nvb * l->vb;
             job.rows = min64(l->tc, p->t - job.t0), job.cols = min64(l->vb, p->v - job.v0);
@@ -281,13 +300,16 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
           *db32 = !p->dbias ? NULL
                   : half    ? ws + l->db
                             : p->dbias;
-    const int kept = ntc == 1 && nvb == 1 && !p->lse_given; /* the one block is still in the scratch */
     for (int64_t vbi = 0; vbi < nvb; vbi++) {
         job.v0 = vbi * l->vb, job.cols = min64(l->vb, p->v - job.v0);
         float *dwb = !p->dweight ? NULL : half ? dw32 : (float *)p->dweight + job.v0 * p->h;
         for (int64_t tci = 0; tci < ntc; tci++) {
             job.t0 = tci * l->tc, job.rows = min64(l->tc, p->t - job.t0);
-            if (!kept) TRY(logits_block(&job, ws));
+            TRY(logits_block(&job, ws));
+            if (fused) { /* the chunk's sweep 1 on its one block: its lse is final */
+                opf_parallel_for(0, job.rows, row_grain(job.cols), lse_rows, &job);
+                chunk_lse(p, &job);
+            }
             opf_parallel_for(0, job.rows, row_grain(job.cols), grad_rows, &job);
             if (dh32) { /* dhidden rows (rows, H) (+)= du (rows, cols) . weight rows (cols, H) */
                 gemm_epilogue ep = {.beta = vbi ? 1.0f : 0.0f};
@@ -310,6 +332,7 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
         if (dwb && half)
             convert_store_f32(gemm->cvt, (char *)p->dweight + job.v0 * p->h * 2, gdt, dwb, job.cols * p->h);
     }
+    if (fused) store_loss(p, &job);
     if (nvb == 0 && dh32) memset(dh32, 0, (size_t)(p->t * p->h) * sizeof(float)); /* no vocab: zero dhidden */
     if (half && dh32) convert_store_f32(gemm->cvt, p->dhidden, gdt, dh32, p->t * p->h);
     if (half && db32) convert_store_f32(gemm->cvt, p->dbias, gdt, db32, p->v);

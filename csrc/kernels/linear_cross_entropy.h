@@ -20,10 +20,14 @@
  * float32 scratch of about LINEAR_CROSS_ENTROPY_BLOCK_FLOATS. Sweep 1 runs every block through
  * the GEMM and folds it into an online (max, sum exp) per token: lse. Sweep 2
  * (when gradients are asked for) runs the vocab blocks in order, and within
- * each the token chunks in order: recompute the block (skipped when the whole
- * problem is one block: it is still in the scratch), turn it into du row by
+ * each the token chunks in order: recompute the block, turn it into du row by
  * row, then dhidden[chunk] += du . weight[block] and dweight[block] += du^T .
- * hidden[chunk] on the GEMM, dbias[block] += column sums. Every sum over
+ * hidden[chunk] on the GEMM, dbias[block] += column sums. Where a chunk of
+ * LINEAR_CROSS_ENTROPY_CHUNK_TOKENS tokens (or all of them, if fewer) and the
+ * whole vocabulary fit the budget, a block spans the vocabulary (vb = V):
+ * a chunk's log-sum-exp is final once its one block has run, so a forward
+ * asked for the gradients runs both sweeps chunk by chunk on the block still
+ * in the scratch -- three GEMMs per block where recomputing takes four. Every sum over
  * blocks runs in this fixed order and the GEMM splits no sum across threads:
  * the same bits at any thread count.
  *
@@ -71,11 +75,16 @@ typedef enum linear_cross_entropy_reduction {
 /* promote(dt, float32): float32 for float32 and 16-bit operands, float64 for float64. */
 static inline opf_dtype linear_cross_entropy_loss_dtype(opf_dtype dt) { return dt == OPF_F64 ? OPF_F64 : OPF_F32; }
 
-/* 1 when t tokens by a vocabulary of v make one logits block (the default
- * budget): the forward can then keep the gradients it computes on the way,
- * and the backward only scales them. The same as t * v <= LINEAR_CROSS_ENTROPY_BLOCK_FLOATS,
+/* Tokens per chunk at least, where a block spans the vocabulary: the dweight
+ * GEMM sums over a chunk's tokens (its K), which a few dozen would starve. */
+#define LINEAR_CROSS_ENTROPY_CHUNK_TOKENS ((int64_t)256)
+
+/* 1 when the blocks of t tokens by a vocabulary of v span the vocabulary (the
+ * default budget): the forward can then make the gradients on the way at no
+ * extra GEMM, and the backward only scales them. The same as
+ * min(max(t, 1), LINEAR_CROSS_ENTROPY_CHUNK_TOKENS) * max(v, 1) <= LINEAR_CROSS_ENTROPY_BLOCK_FLOATS,
  * the form the Python layer evaluates on (possibly symbolic) sizes. */
-int linear_cross_entropy_one_block(int64_t t, int64_t v);
+int linear_cross_entropy_vocab_in_one_block(int64_t t, int64_t v);
 
 typedef struct linear_cross_entropy_problem {
     int64_t t, h, v;    /* tokens, hidden size, vocab size */

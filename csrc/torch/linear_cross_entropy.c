@@ -286,10 +286,12 @@ static void linear_cross_entropy_none_backward_cpu(StableIValue *stack, uint64_t
  * GradScaler's scaled gradient: 65536 is past float16's range). The former float32 policy ran float32 GEMMs where
  * eager's are 16-bit: fwd+bwd at 2048 tokens x 512 -> vocab 8192 under bfloat16 autocast, 0.38x eager on an
  * Intel AMX machine, 0.65x on one Zen 4 core (AVX512-BF16), where this policy runs at 1.15x. */
-/* The logits block's floats: tokens x vocab is one block exactly when tokens * vocab <= this
- * (linear_cross_entropy_one_block, checked in tests/c/test_linear_cross_entropy.c). The Python layer then asks the
- * forward for the gradients (compute_grad), which it makes on the way at no extra GEMM; it compares
- * sizes itself, so that a compiled graph (whose sizes may be symbolic) makes the same choice. */
+/* The logits block's floats and the fewest tokens of a chunk: the blocks span the vocabulary exactly
+ * when min(max(tokens, 1), chunk tokens) * max(vocab, 1) <= the floats (linear_cross_entropy_vocab_in_one_block,
+ * checked in tests/c/test_linear_cross_entropy.c). The Python layer then asks the forward for the gradients
+ * (compute_grad), which it makes on the way at no extra GEMM; it compares sizes itself, so that a compiled
+ * graph (whose sizes may be symbolic) makes the same choice. */
+OPF_EXPORT int64_t opforge_linear_cross_entropy_chunk_tokens(void) { return LINEAR_CROSS_ENTROPY_CHUNK_TOKENS; }
 OPF_EXPORT int64_t opforge_linear_cross_entropy_block_floats(void) { return LINEAR_CROSS_ENTROPY_BLOCK_FLOATS; }
 
 static const opf_op_desc opf_linear_cross_entropy_ops[] = {

@@ -407,25 +407,32 @@ static void test_nonfinite(const linear_cross_entropy_kernels *kern) {
         test_nonfinite(k); \
     } while (0)
 
-/* The Python layer decides one block as tokens * vocab <= LINEAR_CROSS_ENTROPY_BLOCK_FLOATS on sizes that may be
- * symbolic: the kernel's layout must agree, on both sides of the line and at the extremes. */
-static void test_one_block_rule(void) {
-    const int64_t b = LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
-    const int64_t sizes[] = {1, 2, 15, 16, 17, 2047, 2048, 2049, 4096, 65536, 262144, 262145, b / 3, b - 1, b, b + 1};
+/* The Python layer decides whether the blocks span the vocabulary as min(max(t, 1), CHUNK_TOKENS) * max(v, 1) <=
+ * BLOCK_FLOATS on sizes that may be symbolic: the kernel's layout must agree, on both sides of the line and at the
+ * extremes. */
+static int spans_rule(int64_t t, int64_t v) {
+    const int64_t c = LINEAR_CROSS_ENTROPY_CHUNK_TOKENS, tt = t < 1 ? 1 : t;
+    return (tt < c ? tt : c) * (v < 1 ? 1 : v) <= LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
+}
+
+static void test_vocab_in_one_block_rule(void) {
+    const int64_t b = LINEAR_CROSS_ENTROPY_BLOCK_FLOATS, c = LINEAR_CROSS_ENTROPY_CHUNK_TOKENS;
+    const int64_t sizes[] = {0,    1,     2,     15,    16,    17,     255,    256,   257,   2047, 2048, 2049,
+                             4096, 16383, 16384, 16385, 65536, 262144, 262145, b / 3, b - 1, b,    b + 1};
     const int n = (int)(sizeof sizes / sizeof *sizes);
     for (int i = 0; i < n; i++) {
         for (int j = 0; j < n; j++) {
             int64_t t = sizes[i], v = sizes[j];
-            CHECK(linear_cross_entropy_one_block(t, v) == (t * v <= b),
-                  "linear_cross_entropy_one_block(%lld, %lld) = %d, but t * v <= %lld is %d", (long long)t,
-                  (long long)v, linear_cross_entropy_one_block(t, v), (long long)b, t * v <= b);
+            CHECK(linear_cross_entropy_vocab_in_one_block(t, v) == spans_rule(t, v),
+                  "linear_cross_entropy_vocab_in_one_block(%lld, %lld) = %d, the rule says %d", (long long)t,
+                  (long long)v, linear_cross_entropy_vocab_in_one_block(t, v), spans_rule(t, v));
         }
-        for (int64_t v = b / sizes[i] - 2; v <= b / sizes[i] + 2; v++) {
-            int64_t t = sizes[i];
+        const int64_t t = sizes[i], tt = t < 1 ? 1 : t < c ? t : c;
+        for (int64_t v = b / tt - 2; v <= b / tt + 2; v++) {
             if (v < 1) continue;
-            CHECK(linear_cross_entropy_one_block(t, v) == (t * v <= b),
-                  "linear_cross_entropy_one_block(%lld, %lld) = %d at the line", (long long)t, (long long)v,
-                  linear_cross_entropy_one_block(t, v));
+            CHECK(linear_cross_entropy_vocab_in_one_block(t, v) == spans_rule(t, v),
+                  "linear_cross_entropy_vocab_in_one_block(%lld, %lld) = %d at the line", (long long)t, (long long)v,
+                  linear_cross_entropy_vocab_in_one_block(t, v));
         }
     }
 }
@@ -434,6 +441,6 @@ int main(void) {
     set_threads(2);
     CHECK_EACH_VARIANT(linear_cross_entropy_kernels_for, TEST_ALL);
     test_short_workspace();
-    test_one_block_rule();
+    test_vocab_in_one_block_rule();
     return check_report("test_linear_cross_entropy");
 }

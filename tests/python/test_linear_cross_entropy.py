@@ -650,7 +650,8 @@ def _fuzz_check(c, gen, dtype, dt, call):
         "dweight": e_du16.T @ h64.abs() + fuzz.sum_err(u, t, du.abs().T @ h64.abs(), dw),
         "dbias": e_du.sum(0) + fuzz.sum_err(u, t, du.abs().sum(0), db),
     }
-    # reduction mean or sum over one block (one_block): the forward makes the gradients of a unit g in the loss's
+    # reduction mean or sum over blocks that span the vocabulary (vocab_in_one_block): the forward makes the
+    # gradients of a unit g in the loss's
     # dtype (float32), the backward scales them by g and rounds them once to the dtype (out_tol's)
     for name, got, ref in zip(("dhidden", "dweight", "dbias"), grads, gwant):
         checks.append(fuzz.Check(name, got, ref, bounds[name] + fuzz.out_tol(ref, dt), dtype))
@@ -662,7 +663,7 @@ FUZZ = {
         _fuzz_draw, _fuzz_check, _fuzz_describe, weight=0.1, order=10, family="gemm",
         covers=("linear_cross_entropy", "linear_cross_entropy_none"), rounded={
             # linear_cross_entropy.c run_f32: logits, lse and du in float32, gradients summed in float32 and
-            # rounded once (with reduction mean or sum over one block (one_block) the forward makes them in
+            # rounded once (with reduction mean or sum over blocks that span the vocabulary the forward makes them in
             # float32, and the backward scales them by the incoming gradient and rounds them)
             ("*", "*"): (),
             # ... and the pair variants round du beside the bfloat16 weight and hidden (dhidden = du W,
@@ -695,21 +696,23 @@ EXPORT = {"linear_cross_entropy": _export("mean"), "linear_cross_entropy_none": 
 TRAINING = {
     "linear_cross_entropy": training.Case(
         ("linear_cross_entropy",),
-        # big: 2100 x 2100 logits, more than one block (one_block): the backward recomputes them
+        # big: 2100 tokens x vocabulary 16400, blocks that cannot span it (vocab_in_one_block: 256 x 16400 is past
+        # the budget): 2 token chunks x 9 vocab blocks, which the backward recomputes
         lambda dt, big: [training.randn(2100 if big else 37, 16, dtype=dt),
-                         0.3 * training.randn(2100 if big else 50, 16, dtype=dt),
-                         training.target(2100 if big else 37, 2100 if big else 50),
-                         0.1 * training.randn(2100 if big else 50, dtype=dt)],
+                         0.3 * training.randn(16400 if big else 50, 16, dtype=dt),
+                         training.target(2100 if big else 37, 16400 if big else 50),
+                         0.1 * training.randn(16400 if big else 50, dtype=dt)],
         (0, 1, 3),
         linear_cross_entropy,
         lambda h, w, t, b: F.cross_entropy(F.linear(h, w, b), t),
         autocast="lower"),
     "linear_cross_entropy_one_block": training.Case(
         ("linear_cross_entropy",),
-        # one block of logits: the forward makes the gradients, the backward scales them
-        lambda dt, big: [training.randn(700 if big else 37, 24, dtype=dt),
+        # blocks that span the vocabulary (big: chunks of 3813 and 187 tokens by 1100): the forward makes the
+        # gradients a chunk at a time, the backward scales them
+        lambda dt, big: [training.randn(4000 if big else 37, 24, dtype=dt),
                          0.3 * training.randn(1100 if big else 50, 24, dtype=dt),
-                         training.target(700 if big else 37, 1100 if big else 50)],
+                         training.target(4000 if big else 37, 1100 if big else 50)],
         (0, 1),
         linear_cross_entropy,
         lambda h, w, t: F.cross_entropy(F.linear(h, w), t),

@@ -13,14 +13,17 @@ from .cross_entropy import REDUCTIONS
 __all__ = ["linear_cross_entropy"]
 
 library.dll.opforge_linear_cross_entropy_block_floats.restype = ctypes.c_int64
+library.dll.opforge_linear_cross_entropy_chunk_tokens.restype = ctypes.c_int64
 BLOCK_FLOATS = library.dll.opforge_linear_cross_entropy_block_floats()  # the kernel's logits block, read from C
+CHUNK_TOKENS = library.dll.opforge_linear_cross_entropy_chunk_tokens()  # the fewest tokens of a chunk, from C
 
 
-def one_block(tokens, vocab) -> bool:
-    """Whether the (tokens, vocab) logits are the kernel's one logits block (tokens * vocab <= its
-    BLOCK_FLOATS, as csrc/kernels/linear_cross_entropy.h states), which the forward then reuses for the
-    gradients. Sizes may be symbolic (a compiled graph guards on the comparison)."""
-    return tokens * vocab <= BLOCK_FLOATS
+def vocab_in_one_block(tokens, vocab) -> bool:
+    """Whether the kernel's logits blocks span the vocabulary: a chunk of CHUNK_TOKENS tokens (all of
+    them, if fewer) and the whole vocabulary fit its BLOCK_FLOATS (csrc/kernels/linear_cross_entropy.h),
+    so that a forward asked for the gradients makes them on the way at no extra GEMM. Sizes may be
+    symbolic (a compiled graph guards on the comparison)."""
+    return min(max(tokens, 1), CHUNK_TOKENS) * max(vocab, 1) <= BLOCK_FLOATS
 
 
 @op_function(ops.linear_cross_entropy.default)
@@ -54,15 +57,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         softcap: Gemma-2's logit soft-capping, ``softcap * tanh(logits / softcap)`` before the softmax;
             None for none.
 
-    With reduction "mean" or "sum", a gradient needed (grad mode on and an input requiring grad) and the
-    logits fitting one block (:func:`one_block`: about 4M floats), the call also makes the gradients of
-    hidden, weight and bias from that block, in the loss's dtype (rounded to float16 before GradScaler's
-    scale, small ones would underflow), and the backward only scales them by the incoming gradient and
-    rounds them once to hidden's dtype.
-    Larger problems keep only each token's log-sum-exp (T floats) for the backward, which recomputes the
-    blocks: the gradients' second sweep must recompute every block wherever it runs, so running it in the
-    forward would save no work, and would hold dweight and dhidden from forward to backward and copy them
-    there (twice their size at the peak). With "none" the per-token gradients are known only in the
+    With reduction "mean" or "sum", a gradient needed (grad mode on and an input requiring grad) and
+    blocks that span the vocabulary (:func:`vocab_in_one_block`: 256 tokens by the vocabulary within
+    about 4M floats, e.g. a vocabulary up to 16384), the call also makes the gradients of
+    hidden, weight and bias from each chunk's block while it is in the scratch (three GEMMs per block
+    instead of the four a recomputing backward runs), in the loss's dtype (rounded to float16 before
+    GradScaler's scale, small ones would underflow); they are held from forward to backward, which only
+    scales them by the incoming gradient and rounds them once to hidden's dtype (dweight and dhidden
+    twice at the peak: 20 MB at vocabulary 8192 x 512 and 2048 tokens in float32).
+    Larger vocabularies keep only each token's log-sum-exp (T floats) for the backward, which recomputes
+    the blocks: a block then covers part of the vocabulary, a token's log-sum-exp is final only after its
+    last one, and the gradients' second sweep must recompute every block wherever it runs. With "none" the per-token gradients are known only in the
     backward, which recomputes the blocks from the saved log-sum-exp. float32; bfloat16 and float16 (the
     GEMM's 16-bit paths, float32 accumulation, gradients accumulated in float32 and rounded once);
     float64 a reference loop (for gradcheck). The loss is promote(hidden, float32): float32 for 16-bit
@@ -87,6 +92,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         return _linear_cross_entropy_none(h2, weight, t1, bias, ignore_index, float(label_smoothing), softcap)[0].view(
             lead)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    compute_grad = needs_grad and one_block(h2.shape[0], weight.shape[0])
+    compute_grad = needs_grad and vocab_in_one_block(h2.shape[0], weight.shape[0])
     return _linear_cross_entropy(h2, weight, t1, bias, ignore_index, float(label_smoothing), code, softcap,
                                  compute_grad)[0]
