@@ -315,9 +315,9 @@ static void test_variant(const attention_kernels *k) {
     /* few query blocks (fewer than the forward's minimum of tasks): each block's
      * keys in chunks of whole key blocks, merged in chunk order; at the default
      * minimum only one head's lone query block without a causal mask splits */
-    const int64_t split_n[] = {1, 7, 64, 65, 200}, split_s[] = {1, 64, 65, 200, 1000};
-    for (size_t a = 0; a < 5; a++)
-        for (size_t b = 0; b < 5; b++)
+    const int64_t split_n[] = {1, 7, 64, 65, 95, 96, 97, 200}, split_s[] = {1, 64, 65, 96, 97, 193, 200, 1000};
+    for (size_t a = 0; a < 8; a++)
+        for (size_t b = 0; b < 8; b++)
             for (int causal = 0; causal < 2; causal++)
                 run(k, (cfg){1, 1, 1, split_n[a], split_s[b], 64, 64, causal, 0, 0, OPF_F32});
     run(k, (cfg){1, 2, 1, 65, 300, 40, 40, 1, 1, 0, OPF_F32});    /* MQA, bool mask + causal */
