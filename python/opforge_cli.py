@@ -398,7 +398,8 @@ def info(args) -> int:
                  f"{len(choices)} classes of product known, {len(on_torch)} on torch's GEMM "
                  f"({opforge._runtime.gemm_cache_file()})")
     for c in choices:
-        lines.append(f"  {c['key']:<44} {c['provider']:<5} own {c['own_us']:.0f} us, torch {c['torch_us']:.0f} us")
+        lines.append(f"  {c['key']:<44} {c['provider']:<9} own {c['own_gflops']:.1f}, torch {c['torch_gflops']:.1f} "
+                     "GFLOP/s")
     cuda = opforge.cuda_status()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     if cuda["loaded"]:

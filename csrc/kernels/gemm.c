@@ -220,8 +220,18 @@ int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, con
     const gemm_provider *pv = gemm_provider_get();
     if (pv && plan->m > 0 && plan->n > 0 && plan->k > 0) {
         if (ws_floats < plan->floats) return -1; /* a caller that sized for another product, whoever runs it */
-        gemm_call call = {
-            .plan = plan, .a = a, .rsa = rsa, .csa = csa, .b = b, .rsb = rsb, .csb = csb, .c = c, .rsc = rsc, .ep = ep};
+        gemm_call call = {.plan = plan,
+                          .a = a,
+                          .rsa = rsa,
+                          .csa = csa,
+                          .b = b,
+                          .rsb = rsb,
+                          .csb = csb,
+                          .c = c,
+                          .rsc = rsc,
+                          .ep = ep,
+                          .workspace = workspace,
+                          .ws_floats = ws_floats};
         if (pv->run(&call)) return 0;
     }
     return gemm_run_own(plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, workspace, ws_floats);

@@ -200,11 +200,13 @@ typedef struct gemm_call {
     float *c;
     int64_t rsc;
     const gemm_epilogue *ep;
+    float *workspace; /* gemm_run's: what a provider hands gemm_run_own when it runs opforge's kernels itself */
+    int64_t ws_floats;
 } gemm_call;
 
 typedef struct gemm_provider {
     const char *name;
-    int (*run)(const gemm_call *call); /* 1: computed and finished; 0: declined */
+    int (*run)(const gemm_call *call); /* 1: computed and finished (by whichever GEMM); 0: declined */
 } gemm_provider;
 
 /* Installs p (NULL: none); products are offered to it from then on. */

@@ -136,7 +136,6 @@ static attention_args check_attention(const char *op, AtenTensorHandle q_h, Aten
  * forward's out and lse: both are the output and the natural log-sum-exp of the scaled scores. */
 
 enum { SDPA_MIN_WORK = 1 << 22 }; /* B H N S D multiply-adds at least */
-#define SDPA_MEASURE_FLOPS 3e8    /* per timed run, about: a few heads of batch 0 */
 
 static int sdpa_takes(const attention_problem *p) {
     return (p->dt == OPF_F32 || p->dt == OPF_BF16) && !p->mask && p->h == p->hkv && p->d_qk == p->d_v &&
@@ -228,64 +227,19 @@ done:
     return rc;
 }
 
-typedef struct sdpa_measure_ctx {
-    const attention_problem *p;
-    int backward;
-} sdpa_measure_ctx;
-
-static int sdpa_bwd(const attention_problem *p, int64_t heads, AtenTensorHandle *grads);
-
-/* Both kernels on the first heads of batch 0 (about SDPA_MEASURE_FLOPS each), into the op's own
- * outputs, which the chosen kernel then overwrites. */
-static int sdpa_measure(void *vctx, double *t_own, double *t_torch) {
-    const sdpa_measure_ctx *ctx = vctx;
-    attention_problem sub = *ctx->p;
-    const double per_head = (ctx->backward ? 10.0 : 4.0) * sub.n * sub.s * sub.d_qk * (sub.causal ? 0.5 : 1.0);
-    int64_t heads = (int64_t)(SDPA_MEASURE_FLOPS / per_head);
-    if (heads < 1) heads = 1;
-    if (heads > sub.h) heads = sub.h;
-    sub.b = 1;
-    sub.h = sub.hkv = heads;
-    const int64_t threads = opf_num_threads();
-    int64_t floats = 0;
-    attention_fwd_plan fp = {0};
-    attention_bwd_plan bp = {0};
-    if (ctx->backward)
-        bp = attention_bwd_plan_make(&sub, threads), floats = attention_bwd_workspace(&bp);
-    else
-        fp = attention_fwd_plan_make(&sub, threads), floats = attention_fwd_workspace(&fp);
-    float *ws = aligned_alloc(64, (size_t)((floats + 16) / 16 * 16) * sizeof(float));
-    if (!ws) return -1;
-    const attention_kernels *kern = attention_kernels_for(opf_isa_current());
-    *t_own = *t_torch = 1e300;
-    int rc = 0;
-    for (int rep = 0; rep < 3 && rc == 0; rep++)
-        for (int side = 0; side < 2 && rc == 0; side++) {
-            const int torch = side ^ (rep & 1);
-            double t0 = opf_now_us();
-            if (torch) {
-                AtenTensorHandle g[3] = {NULL, NULL, NULL};
-                rc = ctx->backward ? sdpa_bwd(&sub, heads, g) : sdpa_fwd(&sub, heads, NULL);
-                sdpa_release(g, 3);
-            } else if (ctx->backward) {
-                attention_bwd(kern, &bp, &sub, ws);
-            } else {
-                attention_fwd(kern, &fp, &sub, ws);
-            }
-            double t = opf_now_us() - t0, *best = torch ? t_torch : t_own;
-            if (t < *best) *best = t;
-        }
-    free(ws);
-    return rc;
-}
-
-static int sdpa_chosen(const attention_problem *p, int backward) {
+/* This call's kernel (provider.h): torch's where the mode or the class's choice says so; the class
+ * is timed on its first calls (the op's whole call, per B H N S D). */
+static int sdpa_begin(const attention_problem *p, int backward, opf_provider_turn *turn) {
+    turn->measuring = turn->torch = 0;
     if (opf_provider_mode() == OPF_PROVIDER_OWN || !sdpa_takes(p)) return 0;
     char key[160];
     sdpa_key(key, sizeof key, backward ? "bwd" : "fwd", p);
-    sdpa_measure_ctx ctx = {.p = p, .backward = backward};
-    return opf_provider_torch(key, sdpa_measure, &ctx);
+    return opf_provider_begin(key, turn);
 }
+
+static double sdpa_work(const attention_problem *p) { return (double)p->b * p->h * p->n * p->s * p->d_qk; }
+
+static int sdpa_bwd(const attention_problem *p, int64_t heads, AtenTensorHandle *grads);
 
 static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(q, stack, 0);
@@ -307,9 +261,11 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     p->out = out.data, p->lse = lse.data;
     for (int d = 0; d < 4; d++) p->os[d] = out.strides[d];
     int on_torch = 0;
-    if (!opf_is_meta(&a.q) && sdpa_chosen(p, 0)) { /* torch's kernel, where it is the faster one */
+    opf_provider_turn turn = {0};
+    if (!opf_is_meta(&a.q) && sdpa_begin(p, 0, &turn)) { /* torch's kernel, where it is the faster one */
         AtenTensorHandle theirs = NULL;
         on_torch = sdpa_fwd(p, p->b * p->h, &theirs) == 0;
+        if (!on_torch) opf_provider_end(&turn, 0, 1), turn.measuring = 0;
         if (theirs) { /* its output, in opforge's layout, instead of ours */
             aoti_torch_delete_tensor_object(out_h);
             out_h = theirs;
@@ -323,6 +279,7 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(ATTENTION, attention_fwd_workspace(&plan), &a.q, &ws);
         attention_fwd(attention_kernels_for(opf_isa_current()), &plan, p, ws);
     }
+    opf_provider_end(&turn, sdpa_work(p), 0);
     opf_log_call(ATTENTION, t0, 4, (opf_tensor[]){a.q, a.k, a.v, out});
     OPF_RETURN(stack, 0, out_h);
     OPF_RETURN(stack, 1, lse_h);
@@ -375,9 +332,11 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
         p->dqs[d] = dq.strides[d], p->dks[d] = dk.strides[d], p->dvs[d] = dv.strides[d];
     }
     int on_torch = 0;
-    if (!opf_is_meta(&a.q) && sdpa_chosen(p, 1)) { /* torch's kernel, where it is the faster one */
+    opf_provider_turn turn = {0};
+    if (!opf_is_meta(&a.q) && sdpa_begin(p, 1, &turn)) { /* torch's kernel, where it is the faster one */
         AtenTensorHandle grads[3] = {NULL, NULL, NULL};
         on_torch = sdpa_bwd(p, p->b * p->h, grads) == 0;
+        if (!on_torch) opf_provider_end(&turn, 0, 1), turn.measuring = 0;
         AtenTensorHandle *ours[3] = {&dq_h, &dk_h, &dv_h};
         for (int i = 0; on_torch && i < 3; i++) { /* theirs where they have the strides of ours */
             if (!grads[i]) continue;              /* copied into ours */
@@ -394,6 +353,7 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(ATTENTION_BACKWARD, attention_bwd_workspace(&plan), &a.q, &ws);
         attention_bwd(attention_kernels_for(opf_isa_current()), &plan, p, ws);
     }
+    opf_provider_end(&turn, sdpa_work(p), 0);
     opf_log_call(ATTENTION_BACKWARD, t0, 4, (opf_tensor[]){g, a.q, a.k, a.v});
     OPF_RETURN(stack, 0, dq_h);
     OPF_RETURN(stack, 1, dk_h);

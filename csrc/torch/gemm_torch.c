@@ -11,14 +11,18 @@
  * (torch's GEMM for every product it takes), "auto" (default): per class of
  * product -- the kernel table (ISA), the operand and result types, whether an
  * epilogue follows, the thread count, M, N and K rounded up to powers of two,
- * and the operands' layouts -- both GEMMs are timed the first time the class
- * is met, on the product's own operands (at most a few hundred rows of them,
- * into scratch outputs), and the faster one runs every product of the class
- * from then on. Choices are kept for the process and, where the Python layer
- * names a file (keyed by CPU model and torch version), on disk, so a later
- * process measures nothing it has measured before. The time spent measuring
- * is capped per process (MEASURE_BUDGET_US); past it a new class runs on
- * opforge's kernels, unmeasured and unsaved.
+ * and the operands' layouts -- the first SAMPLES x 2 products of the class run
+ * on the two GEMMs in turn, each timed as it runs (the whole call, epilogue
+ * included, per multiply-add), and the faster one (best sample against best
+ * sample) runs every product of the class from then on. The measuring costs
+ * no extra work: the products are the caller's own, on their own operands and
+ * outputs, at their own sizes; only those few calls may run the slower GEMM.
+ * Choices are kept for the process and, where the Python layer names a file
+ * (keyed by CPU model and torch version), on disk, so a later process
+ * measures nothing it has measured before. (A first version timed both GEMMs
+ * on a corner of the first product into scratch outputs: the corner's ratio
+ * was not the whole product's -- at 2048^3 it chose torch's GEMM where
+ * opforge's is 1.12x faster.)
  *
  * What torch's GEMM takes: float32 and bfloat16 operands, one of them float32
  * and the other bfloat16 too (the float32 one is rounded to bfloat16 into a
@@ -50,16 +54,15 @@ enum { MODE_OWN = OPF_PROVIDER_OWN, MODE_TORCH = OPF_PROVIDER_TORCH, MODE_AUTO =
 static const char *const mode_names[] = {"own", "torch", "auto"};
 static int mode = MODE_AUTO; /* atomic */
 
-enum { MIN_WORK = 1 << 18 };                 /* 64^3 multiply-adds */
-#define MEASURE_BUDGET_US 800000.0           /* per process */
-#define MEASURE_FLOPS 3e8                    /* per timed run, about */
-enum { MEASURE_MIN = 64, MEASURE_REPS = 3 }; /* rows and columns at least; the best of 3 (the first warms up) */
+enum { MIN_WORK = 1 << 18 }; /* 64^3 multiply-adds */
+enum { SAMPLES = 3 };        /* timed calls per GEMM and class; the best counts (the first one warms up) */
 
 typedef struct choice {
-    char key[128];
-    int torch;             /* 1: torch's GEMM runs the class */
-    double t_own, t_torch; /* microseconds, the measurement's best */
-    int here;              /* measured in this process (0: read from the cache file) */
+    char key[160];
+    int decided, torch;          /* torch: torch's kernel runs the class */
+    int n_own, n_torch;          /* the samples taken (of a class still being measured) */
+    double own_rate, torch_rate; /* the best samples, in multiply-adds per nanosecond */
+    int here;                    /* measured in this process (0: read from the cache file) */
 } choice;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -67,7 +70,6 @@ static choice *choices;
 static int nchoices, capacity;
 static char cache_file[1024];
 static int cache_read;
-static double measured_us; /* this process's measuring */
 
 /* ---- torch's product ------------------------------------------------------- */
 
@@ -219,28 +221,26 @@ static choice *find(const char *key) {
     return NULL;
 }
 
-/* under lock */
-static choice *add(const char *key, int torch, double t_own, double t_torch, int here) {
+/* under lock: the class's entry, made (undecided, no samples) when new; NULL when out of memory */
+static choice *entry(const char *key) {
     choice *c = find(key);
-    if (!c) {
-        if (nchoices == capacity) {
-            int cap = capacity ? 2 * capacity : 64;
-            choice *grown = realloc(choices, (size_t)cap * sizeof *grown);
-            if (!grown) return NULL;
-            choices = grown;
-            capacity = cap;
-        }
-        c = &choices[nchoices++];
+    if (c) return c;
+    if (nchoices == capacity) {
+        int cap = capacity ? 2 * capacity : 64;
+        choice *grown = realloc(choices, (size_t)cap * sizeof *grown);
+        if (!grown) return NULL;
+        choices = grown;
+        capacity = cap;
     }
-    snprintf(c->key, sizeof c->key, "%s", key);
-    c->torch = torch;
-    c->t_own = t_own;
-    c->t_torch = t_torch;
-    c->here = here;
+    c = &choices[nchoices++];
+    memset(c, 0, sizeof *c);
+    size_t len = 0; /* keys are ours, and shorter; a longer one is cut */
+    while (len < sizeof c->key - 1 && key[len]) len++;
+    memcpy(c->key, key, len);
     return c;
 }
 
-/* under lock: the cache file's lines "key<TAB>own|torch<TAB>t_own<TAB>t_torch" */
+/* under lock: the cache file's lines "key<TAB>own|torch<TAB>own rate<TAB>torch rate" */
 static void read_cache(void) {
     cache_read = 1;
     if (!cache_file[0]) return;
@@ -251,10 +251,12 @@ static void read_cache(void) {
         char *tab1 = strchr(line, '\t'), *tab2 = tab1 ? strchr(tab1 + 1, '\t') : NULL;
         if (!tab2) continue;
         *tab1 = *tab2 = '\0';
-        double t_own = 0, t_torch = 0;
-        if (sscanf(tab2 + 1, "%lf\t%lf", &t_own, &t_torch) != 2) continue;
-        const int torch = strcmp(tab1 + 1, "torch") == 0;
-        if (torch || strcmp(tab1 + 1, "own") == 0) add(line, torch, t_own, t_torch, 0);
+        double own = 0, torch = 0;
+        if (sscanf(tab2 + 1, "%lf\t%lf", &own, &torch) != 2) continue;
+        const int on_torch = strcmp(tab1 + 1, "torch") == 0;
+        choice *c = on_torch || strcmp(tab1 + 1, "own") == 0 ? entry(line) : NULL;
+        if (!c) continue;
+        c->decided = 1, c->torch = on_torch, c->own_rate = own, c->torch_rate = torch, c->here = 0;
     }
     fclose(f);
 }
@@ -277,125 +279,87 @@ static void save(const choice *c) {
     }
     int fd = open(cache_file, O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (fd < 0) {
-        opf_log(OPF_LOG_WARNING, "gemm: cannot write the GEMM provider cache %s", cache_file);
+        opf_log(OPF_LOG_WARNING, "provider: cannot write the provider cache %s", cache_file);
         return;
     }
     char line[512];
-    int len =
-        snprintf(line, sizeof line, "%s\t%s\t%.1f\t%.1f\n", c->key, c->torch ? "torch" : "own", c->t_own, c->t_torch);
-    if (write(fd, line, (size_t)len) != len) opf_log(OPF_LOG_WARNING, "gemm: cannot write %s", cache_file);
+    int len = snprintf(line, sizeof line, "%s\t%s\t%.4g\t%.4g\n", c->key, c->torch ? "torch" : "own", c->own_rate,
+                       c->torch_rate);
+    if (write(fd, line, (size_t)len) != len) opf_log(OPF_LOG_WARNING, "provider: cannot write %s", cache_file);
     close(fd);
-}
-
-/* Times both GEMMs on a corner of the call's product, rows x cols of it with the call's K (about
- * MEASURE_FLOPS: as square as the product allows, so that packing weighs on both as it does on the
- * whole), into scratch outputs, with the call's epilogue kinds. 0, or -1 when scratch memory is short
- * or torch's GEMM failed (the class stays with opforge's kernels). */
-static int measure(const gemm_call *k, double *t_own, double *t_torch) {
-    const gemm_plan *p = k->plan;
-    const gemm_epilogue *ep = k->ep;
-    const double area = MEASURE_FLOPS / (2.0 * (double)p->k); /* rows x cols */
-    int64_t rows = (int64_t)sqrt(area), cols;
-    if (rows < MEASURE_MIN) rows = MEASURE_MIN;
-    if (rows > p->m) rows = p->m;
-    cols = (int64_t)(area / (double)rows);
-    if (cols < MEASURE_MIN) cols = MEASURE_MIN;
-    if (cols > p->n) cols = p->n;
-    if (rows < p->m && (int64_t)(area / (double)cols) > rows) /* a narrow product: the rows take the rest */
-        rows = (int64_t)(area / (double)cols) < p->m ? (int64_t)(area / (double)cols) : p->m;
-    gemm_plan sub = gemm_plan_make(p->kern, rows, cols, p->k, p->ta, p->tb, p->threads);
-    const int64_t ws_floats = gemm_workspace(&sub);
-    const size_t cells = (size_t)(rows * cols);
-    float *ws = alloc((size_t)(ws_floats > 0 ? ws_floats : 1) * sizeof(float));
-    float *c = k->c ? alloc(cells * sizeof(float)) : NULL;
-    float *pre = ep->preact ? alloc(cells * sizeof(float)) : NULL;
-    uint16_t *out16 = ep->out16 ? alloc(cells * 2) : NULL, *pre16 = ep->pre16 ? alloc(cells * 2) : NULL;
-    int rc = -1;
-    if (!ws || (k->c && !c) || (ep->preact && !pre) || (ep->out16 && !out16) || (ep->pre16 && !pre16)) goto done;
-    gemm_epilogue e = *ep;
-    e.beta = 0.0f; /* the scratch C holds nothing */
-    e.preact = pre;
-    e.rsp = cols;
-    e.out16 = out16;
-    e.pre16 = pre16;
-    gemm_call call = {.plan = &sub,
-                      .a = k->a,
-                      .rsa = k->rsa,
-                      .csa = k->csa,
-                      .b = k->b,
-                      .rsb = k->rsb,
-                      .csb = k->csb,
-                      .c = c,
-                      .rsc = cols,
-                      .ep = &e};
-    *t_own = *t_torch = 1e300;
-    for (int rep = 0; rep < MEASURE_REPS; rep++)
-        for (int side = 0; side < 2; side++) { /* alternating, the first side changing with the rep */
-            const int torch = side ^ (rep & 1);
-            double t0 = opf_now_us();
-            if (torch) {
-                if (run_torch(&call) != 0) goto done;
-            } else if (gemm_run_own(&sub, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, c, cols, &e, ws, ws_floats) !=
-                       0) {
-                goto done;
-            }
-            double t = opf_now_us() - t0;
-            double *best = torch ? t_torch : t_own;
-            if (t < *best) *best = t;
-        }
-    rc = 0;
-done:
-    free(ws);
-    free(c);
-    free(pre);
-    free(out16);
-    free(pre16);
-    return rc;
-}
-
-int opf_provider_torch(const char *key, int (*measure_fn)(void *ctx, double *t_own, double *t_torch), void *ctx) {
-    const int md = opf_provider_mode();
-    if (md != OPF_PROVIDER_AUTO) return md == OPF_PROVIDER_TORCH;
-    pthread_mutex_lock(&lock);
-    if (!cache_read) read_cache();
-    choice *c = find(key);
-    int torch = c ? c->torch : 0;
-    if (!c && measured_us < MEASURE_BUDGET_US) {
-        double t0 = opf_now_us(), t_own = 0, t_torch = 0;
-        if (measure_fn(ctx, &t_own, &t_torch) == 0) {
-            torch = t_torch < 0.97 * t_own; /* a near tie stays with the fused kernels */
-            if ((c = add(key, torch, t_own, t_torch, 1))) save(c);
-            opf_log(OPF_LOG_INFO, "provider: class '%s': own %.0f us, torch %.0f us: %s", key, t_own, t_torch,
-                    torch ? "torch" : "own");
-        } else {
-            add(key, 0, 0, 0, 1); /* not again in this process */
-        }
-        measured_us += opf_now_us() - t0;
-    }
-    pthread_mutex_unlock(&lock);
-    return torch;
 }
 
 int opf_provider_mode(void) { return __atomic_load_n(&mode, __ATOMIC_RELAXED); }
 
-static int measure_gemm(void *ctx, double *t_own, double *t_torch) { return measure(ctx, t_own, t_torch); }
+int opf_provider_begin(const char *key, opf_provider_turn *turn) {
+    const int md = opf_provider_mode();
+    turn->measuring = 0;
+    turn->torch = md == OPF_PROVIDER_TORCH;
+    if (md != OPF_PROVIDER_AUTO) return turn->torch;
+    pthread_mutex_lock(&lock);
+    if (!cache_read) read_cache();
+    choice *c = entry(key);
+    if (!c) { /* no memory for the table: opforge's kernels, unmeasured */
+        turn->torch = 0;
+    } else if (c->decided) {
+        turn->torch = c->torch;
+    } else { /* a sample of the side with fewer, opforge's first */
+        turn->torch = c->n_torch < c->n_own;
+        turn->measuring = 1;
+        snprintf(turn->key, sizeof turn->key, "%s", key);
+    }
+    pthread_mutex_unlock(&lock);
+    if (turn->measuring) turn->t0 = opf_now_us();
+    return turn->torch;
+}
 
-/* Whether the call's class runs on torch's GEMM: known, or measured now (one class at a time). */
-static int choose_torch(const gemm_call *k) {
-    char key[128];
-    class_key(k, key, sizeof key);
-    return opf_provider_torch(key, measure_gemm, (void *)k);
+void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
+    if (!turn->measuring) return;
+    const double rate = work / ((opf_now_us() - turn->t0) * 1e3 + 1.0); /* per nanosecond */
+    pthread_mutex_lock(&lock);
+    choice *c = find(turn->key);
+    if (c && !c->decided) {
+        if (failed) { /* torch's kernel could not run it: opforge's, for good */
+            c->decided = 1, c->torch = 0, c->here = 1;
+        } else if (turn->torch) {
+            c->n_torch++;
+            if (rate > c->torch_rate) c->torch_rate = rate;
+        } else {
+            c->n_own++;
+            if (rate > c->own_rate) c->own_rate = rate;
+        }
+        if (!c->decided && c->n_own >= SAMPLES && c->n_torch >= SAMPLES) {
+            c->decided = 1, c->here = 1;
+            c->torch = c->torch_rate > c->own_rate / 0.97; /* a near tie stays with the fused kernels */
+            save(c);
+            opf_log(OPF_LOG_INFO, "provider: class '%s': own %.1f, torch %.1f GFLOP/s: %s", c->key, 2 * c->own_rate,
+                    2 * c->torch_rate, c->torch ? "torch" : "own");
+        }
+    }
+    pthread_mutex_unlock(&lock);
 }
 
 static int provider_run(const gemm_call *k) {
     const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
     if (md == MODE_OWN || !takes(k)) return 0;
-    if (md == MODE_AUTO && !choose_torch(k)) return 0;
+    char key[160];
+    class_key(k, key, sizeof key);
+    opf_provider_turn turn;
+    const double work = (double)k->plan->m * (double)k->plan->n * (double)k->plan->k;
+    if (!opf_provider_begin(key, &turn)) { /* opforge's kernels, timed here while the class is measured */
+        if (!turn.measuring) return 0;
+        const int rc = gemm_run_own(k->plan, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, k->c, k->rsc, k->ep,
+                                    k->workspace, k->ws_floats);
+        opf_provider_end(&turn, work, 0);
+        return rc == 0;
+    }
     if (run_torch(k) != 0) {
+        opf_provider_end(&turn, work, 1);
         opf_log(OPF_LOG_WARNING, "gemm: torch's GEMM failed on a %lld x %lld x %lld product; opforge's kernels ran it",
                 (long long)k->plan->m, (long long)k->plan->n, (long long)k->plan->k);
         return 0;
     }
+    opf_provider_end(&turn, work, 0);
     if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("gemm", "torch_mm", k->plan->kern->isa);
     return 1;
 }
@@ -444,30 +408,25 @@ OPF_EXPORT int opforge_set_gemm_cache(const char *path, char *err, size_t errlen
     return 0;
 }
 
-/* Choice i: its class, provider, the measured times (us) and whether it was measured in this process.
- * 1, or 0 past the last. The strings stay valid until the next opforge_set_gemm_cache. */
-OPF_EXPORT int opforge_gemm_choice_at(int i, char *key, size_t keylen, int *torch, double *t_own, double *t_torch,
-                                      int *here) {
+/* Class i: its key, state (0 being measured, 1 on opforge's kernels, 2 on torch's), the best
+ * rates measured (multiply-adds per nanosecond) and the samples taken, and whether it was measured in
+ * this process. 1, or 0 past the last. */
+OPF_EXPORT int opforge_gemm_choice_at(int i, char *key, size_t keylen, int *state, double *own_rate, double *torch_rate,
+                                      int *samples, int *here) {
     pthread_mutex_lock(&lock);
     if (!cache_read) read_cache();
     int rc = i >= 0 && i < nchoices;
     if (rc) {
-        snprintf(key, keylen, "%s", choices[i].key);
-        *torch = choices[i].torch;
-        *t_own = choices[i].t_own;
-        *t_torch = choices[i].t_torch;
-        *here = choices[i].here;
+        const choice *c = &choices[i];
+        snprintf(key, keylen, "%s", c->key);
+        *state = !c->decided ? 0 : c->torch ? 2 : 1;
+        *own_rate = c->own_rate;
+        *torch_rate = c->torch_rate;
+        *samples = c->n_own + c->n_torch;
+        *here = c->here;
     }
     pthread_mutex_unlock(&lock);
     return rc;
-}
-
-/* Microseconds this process has spent measuring. */
-OPF_EXPORT double opforge_gemm_measured_us(void) {
-    pthread_mutex_lock(&lock);
-    double t = measured_us;
-    pthread_mutex_unlock(&lock);
-    return t;
 }
 
 /* How opforge's GEMM splits an m x n x k product (float32 operands, or bfloat16 with bf16 set) at a

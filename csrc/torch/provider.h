@@ -2,9 +2,9 @@
  * Torch's own kernels as providers (gemm_torch.c): where torch's kernel for a
  * job (its GEMM, its fused CPU attention) is the faster one on this machine
  * for a class of problem, the op runs it instead of opforge's. The mode is
- * OPFORGE_GEMM (own | torch | auto), one for every provider; auto measures
- * both the first time a class is met and keeps the choice for the process
- * and in the cache file (per CPU model and torch version).
+ * OPFORGE_GEMM (own | torch | auto), one for every provider; auto times the
+ * first calls of a class on both kernels in turn and keeps the faster for
+ * the process and in the cache file (per CPU model and torch version).
  */
 #ifndef OPFORGE_TORCH_PROVIDER_H
 #define OPFORGE_TORCH_PROVIDER_H
@@ -13,12 +13,23 @@ enum { OPF_PROVIDER_OWN = 0, OPF_PROVIDER_TORCH, OPF_PROVIDER_AUTO };
 
 int opf_provider_mode(void);
 
-/* 1: the class `key` (a line of text naming the job and what sets its speed)
- * runs on torch's kernel: by the mode, or in auto mode by the choice known
- * for the class (this process, the cache file), or measured now by
- * measure(ctx, &t_own, &t_torch) (microseconds; 0 on success, else the class
- * stays with opforge's kernels for the process). One class is measured at a
- * time, within the process's measuring budget (past it: opforge's kernels). */
-int opf_provider_torch(const char *key, int (*measure)(void *ctx, double *t_own, double *t_torch), void *ctx);
+/* One call of a job that a provider may run. */
+typedef struct opf_provider_turn {
+    int torch;     /* 1: the call runs torch's kernel */
+    int measuring; /* the call is a sample of its class: time it between begin and end */
+    double t0;
+    char key[160];
+} opf_provider_turn;
+
+/* Which kernel this call of the class `key` (a line of text naming the job and what sets its speed)
+ * runs, into turn (and returned: 1 torch's): by the mode; in auto mode by the class's choice (this
+ * process's, or the cache file's), or, while the class is being measured, the side with fewer
+ * samples. */
+int opf_provider_begin(const char *key, opf_provider_turn *turn);
+
+/* After the call: records a measuring call's time over `work` (multiply-adds, or any measure of the
+ * call's size that the class's calls share), or, with failed, that torch's kernel could not run it
+ * (the class stays with opforge's). Past SAMPLES calls of each kernel the class is decided and saved. */
+void opf_provider_end(const opf_provider_turn *turn, double work, int failed);
 
 #endif

@@ -176,10 +176,9 @@ def kernel_variants() -> dict[str, list[tuple[str, str, bool]]]:
 # ---- the GEMM provider (csrc/torch/gemm_torch.c) --------------------------------------
 
 _dll.opforge_gemm.restype = ctypes.c_char_p
-_dll.opforge_gemm_measured_us.restype = ctypes.c_double
-_dll.opforge_gemm_choice_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
-                                        ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double),
-                                        ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int)]
+_dll.opforge_gemm_choice_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int),
+                                        ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
+                                        ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
 
 
 def set_gemm(mode: str) -> None:
@@ -200,23 +199,21 @@ def get_gemm() -> str:
 
 
 def gemm_choices() -> list[dict]:
-    """What auto mode chose, per class of product: ``key`` (kernel table, operand types > result
-    type, epilogue, threads, log2 of M, N, K rounded up, layouts), ``provider`` ("own" or
-    "torch"), the measured ``own_us`` and ``torch_us``, and ``here`` (measured in this process
+    """What auto mode knows, per class of product (and of attention): ``key`` (kernel table, operand
+    types > result type, epilogue, threads, log2 of M, N, K rounded up, layouts; "sdpa fwd|bwd ..."
+    for attention), ``provider`` ("own", "torch", or "measuring" while its first calls are timed),
+    the best ``own_gflops`` and ``torch_gflops`` measured (2 x multiply-adds per second; for attention
+    per B H N S D), the ``samples`` taken in this process, and ``here`` (decided in this process
     rather than read from the cache file)."""
     out, i = [], 0
-    key, torch_, own_us, torch_us, here = (ctypes.create_string_buffer(256), ctypes.c_int(), ctypes.c_double(),
-                                           ctypes.c_double(), ctypes.c_int())
-    while _dll.opforge_gemm_choice_at(i, key, 256, *map(ctypes.byref, (torch_, own_us, torch_us, here))):
-        out.append({"key": key.value.decode(), "provider": "torch" if torch_.value else "own",
-                    "own_us": own_us.value, "torch_us": torch_us.value, "here": bool(here.value)})
+    key, state, own, theirs, samples, here = (ctypes.create_string_buffer(256), ctypes.c_int(), ctypes.c_double(),
+                                              ctypes.c_double(), ctypes.c_int(), ctypes.c_int())
+    while _dll.opforge_gemm_choice_at(i, key, 256, *map(ctypes.byref, (state, own, theirs, samples, here))):
+        out.append({"key": key.value.decode(), "provider": ("measuring", "own", "torch")[state.value],
+                    "own_gflops": 2 * own.value, "torch_gflops": 2 * theirs.value, "samples": samples.value,
+                    "here": bool(here.value)})
         i += 1
     return out
-
-
-def gemm_measured_seconds() -> float:
-    """The time this process has spent timing the two GEMMs (auto mode; capped below a second)."""
-    return _dll.opforge_gemm_measured_us() / 1e6
 
 
 def gemm_cache_file() -> str:
