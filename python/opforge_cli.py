@@ -395,7 +395,7 @@ def info(args) -> int:
     choices = opforge.gemm_choices()
     on_torch = [c for c in choices if c["provider"] == "torch"]
     lines.append(f"gemm        {opforge.get_gemm()} (OPFORGE_GEMM={os.environ.get('OPFORGE_GEMM', 'unset')}): "
-                 f"{len(choices)} classes of product known, {len(on_torch)} on torch's GEMM "
+                 f"{len(choices)} classes of product and attention known, {len(on_torch)} on torch's kernels "
                  f"({opforge._runtime.gemm_cache_file()})")
     for c in choices:
         lines.append(f"  {c['key']:<44} {c['provider']:<9} own {c['own_gflops']:.1f}, torch {c['torch_gflops']:.1f} "

@@ -223,7 +223,7 @@ def gemm_cache_file() -> str:
 
     model = cpu_features()["model"] or "unknown-cpu"
     slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in model).strip("-")
-    return os.path.join(cache_dir(), "gemm", f"{slug}-torch-{torch.__version__.replace('+', '-')}.tsv")
+    return os.path.join(cache_dir(), "providers", f"{slug}-torch-{torch.__version__.replace('+', '-')}.tsv")
 
 
 
