@@ -87,10 +87,10 @@ def main(argv=None):
             row[f"idle_{th}"] = f"{100 * pl['idle']:.0f}%"
         rows.append(row)
     print(write_results("attention_plan", attention_rows(counts), [
-        "tasks of attention's forward and backward plans, per thread"], a.out))
+        "tasks of attention's forward and backward plans, per thread"], a.out, timed=False))
     print(write_results("gemm_plan", rows, [
         f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); tasks of one pass over one K slice "
-        "of one N panel; idle: the share of thread-time that pass leaves idle"], a.out))
+        "of one N panel; idle: the share of thread-time that pass leaves idle"], a.out, timed=False))
 
 
 if __name__ == "__main__":

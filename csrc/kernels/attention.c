@@ -13,11 +13,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Query and key blocks (with Dqk = Dv = 64 a block's Q^T, K, V and O are 24 KiB each, S^T 36 KiB: L2-resident):
- * 96 measured against 64 and 128 (Zen 4, 2 threads, fwd+bwd against SDPA over twelve shapes,
- * float32 and bfloat16, D 64 and 128): geomean 1.60x against 1.53x (64) and 1.51x (128), bfloat16 gaining most;
- * the same as 64 with the AVX2 kernels */
-enum { BQ = 96, BK = 96 };
+/* Query and key blocks (with Dqk = Dv = 64 a block's Q^T, K, V, S^T and O are 16 KiB each: L2-resident).
+ * Blocks of 96 measured faster on 2 cores (Zen 4, fwd+bwd against SDPA over twelve shapes, float32 and
+ * bfloat16: geomean 1.60x against 1.53x at 64 and 1.51x at 128, bfloat16 gaining most), but they cut
+ * the tasks: at 64 threads the default GPT's backward (16 head groups, N = 256) has 48 key-block tasks
+ * instead of 64, and one head of N = 1024 across 8 heads 88 instead of 128 (two rounds, 31% idle).
+ * The block size sets the sums, so it may depend on the shape but never on the thread count: a
+ * per-shape size is left for later, and 64 kept. */
+enum { BQ = 64, BK = 64 };
 
 /* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
 extern const attention_kernels attention_kernels_avx2 __attribute__((weak));

@@ -332,8 +332,10 @@ def _default_inputs(op, n: int, dtype: torch.dtype) -> tuple:
     return schema_args(op, lambda i: (torch.rand(n, dtype=torch.float64) + 0.01).to(dtype))
 
 
-def write_results(stem: str, rows: list[dict], notes: list[str] | None = None, out_dir: str = RESULTS) -> str:
-    """Writes <stem>.csv and <stem>.md; returns the markdown table."""
+def write_results(stem: str, rows: list[dict], notes: list[str] | None = None, out_dir: str = RESULTS,
+                  timed: bool = True) -> str:
+    """Writes <stem>.csv and <stem>.md; returns the markdown table. timed=False: a table read from
+    plans, not timings (its header says nothing of medians)."""
     os.makedirs(out_dir, exist_ok=True)
     cols = list(rows[0])
     with open(os.path.join(out_dir, f"{stem}.csv"), "w", newline="") as f:
@@ -347,20 +349,19 @@ def write_results(stem: str, rows: list[dict], notes: list[str] | None = None, o
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
     table = "\n".join(lines)
-    header = [f"# {stem}", "", environment(), ""] + [f"- {n}" for n in notes or []] + [""]
+    header = [f"# {stem}", "", environment(timed), ""] + [f"- {n}" for n in notes or []] + [""]
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write("\n".join(header) + table + "\n")
     return table
 
 
-def environment() -> str:
+def environment(timed: bool = True) -> str:
     from . import __version__, cpu_features, get_isa
 
     cpu = cpu_features()["model"] or "unknown CPU"
-    return (
-        f"torch {torch.__version__}, opforge {__version__}, {cpu}, ISA {get_isa()}, "
-        f"{torch.get_num_threads()} threads. Ratios are medians of interleaved runs in one process."
-    )
+    return (f"torch {torch.__version__}, opforge {__version__}, {cpu}, ISA {get_isa()}, "
+            f"{torch.get_num_threads()} threads." + (" Ratios are medians of interleaved runs in one process."
+                                                     if timed else ""))
 
 
 def plot(stem: str, x: list, series: dict[str, list[float]], xlabel: str, ylabel: str, out_dir: str = RESULTS,
