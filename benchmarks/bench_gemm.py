@@ -9,21 +9,24 @@ float32, and bfloat16 at two shapes.
 from __future__ import annotations
 
 import argparse
+import ctypes
 
 import torch
 
 import opforge
 from opforge.benchmark import RESULTS, compare, fma_probe, plot, write_results
 
+opforge.library.dll.opforge_gemm_matmul_key.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64,
+                                                                              ctypes.c_char_p, ctypes.c_size_t]
+
 
 def provider(m, k, n, threads, dtype, mode):
     """The GEMM an m x k x n product's class runs on in mode: "own" or "torch" (auto: its choice)."""
     if mode != "auto":
         return mode
-    ch = {"float32": "f", "bfloat16": "b"}[dtype]
-    m2, n2, k2 = ((v - 1).bit_length() for v in (m, n, k))
-    tail = f"{ch}{ch}>{ch} - t{threads} m{m2} n{n2} k{k2} nn"
-    hits = [c["provider"] for c in opforge.gemm_choices() if c["key"].endswith(tail)]
+    key = ctypes.create_string_buffer(256)
+    opforge.library.dll.opforge_gemm_matmul_key(m, n, k, int(dtype == "bfloat16"), threads, key, 256)
+    hits = [c["provider"] for c in opforge.gemm_choices() if c["key"] == key.value.decode()]
     return hits[-1] if hits else "own"
 
 

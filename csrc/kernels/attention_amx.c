@@ -8,8 +8,9 @@
  * A product C (m x n) (+)= A (m x k) B (k x n): A is packed into tile rows
  * (16 rows x 16 K pairs, 64 bytes a row) -- a vector conversion where A's
  * rows run along K (csa = 1: a pair is two consecutive floats), pair by pair
- * otherwise -- and B a 32-column block at a time into pair rows (a K pair's
- * 32 columns side by side, 128 bytes: two tiles of 16 columns); both padded
+ * otherwise -- and B a 32-column block at a time into pair rows by the
+ * AVX512-BF16 kernel's packing (a K pair's 32 columns side by side, 128
+ * bytes: two tiles of 16 columns); both padded
  * with zero pairs to whole tiles. A 32 x 32 block of C sums in tmm0-3 over
  * the K tiles (two A tiles, two B tiles, four TDPBF16PS per step), then goes
  * through a buffer into C, masked to the m x n that exist. K runs in chunks
@@ -56,26 +57,6 @@ static void pack_a(uint32_t *at, const float *a, int64_t rsa, int64_t csa, int64
     }
 }
 
-/* B(p, j) = b[p*ldb + j], p < kc, j < nb (<= 32): bp[q * 32 + j] pairs B(2q, j), B(2q+1, j); zero
- * columns past nb and zero pairs up to kt tiles */
-static void pack_b(uint32_t *bp, const float *b, int64_t ldb, int64_t kc, int64_t nb, int64_t kt) {
-    const __mmask16 m0 = tail16(nb), m1 = tail16(nb - 16);
-    for (int64_t q = 0; q < kt * TP; q++) {
-        if (2 * q >= kc) {
-            memset(bp + q * 32, 0, 32 * sizeof *bp);
-            continue;
-        }
-        const float *b0 = b + 2 * q * ldb, *b1 = 2 * q + 1 < kc ? b0 + ldb : NULL;
-        for (int h = 0; h < 2; h++) {
-            const __mmask16 m = h ? m1 : m0;
-            const __m512i lo = bf16_lanes(_mm512_maskz_loadu_ps(m, b0 + 16 * h));
-            const __m512i hi = b1 ? bf16_lanes(_mm512_maskz_loadu_ps(m, b1 + 16 * h)) : _mm512_setzero_si512();
-            _mm512_storeu_si512(bp + q * 32 + 16 * h,
-                                _mm512_maskz_mov_epi32(m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16))));
-        }
-    }
-}
-
 static void mm_amx(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
                    int64_t ldb, float *c, int64_t ldc, int acc) {
     if (k == 0 || m == 0 || n == 0) { /* no product: C = 0 (+ C) */
@@ -93,7 +74,8 @@ static void mm_amx(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa,
             pack_a(at, a + i0 * rsa + k0 * csa, rsa, csa, mc, mc32, kc, kt);
             for (int64_t j = 0; j < n; j += 32) {
                 const int64_t nb = n - j < 32 ? n - j : 32;
-                pack_b(bp, b + k0 * ldb + j, ldb, kc, nb, kt);
+                attention_pack_b_bf16(bp, b + k0 * ldb + j, ldb, kc, nb); /* then zero pairs up to whole tiles */
+                memset(bp + (kc + 1) / 2 * 32, 0, (size_t)(kt * TP - (kc + 1) / 2) * 32 * sizeof *bp);
                 for (int64_t r0 = 0; r0 < mc; r0 += 32) {
                     TILE_ZERO(0);
                     TILE_ZERO(1);

@@ -130,7 +130,7 @@ static void pack_a(uint32_t *ap, const float *a, int64_t rsa, int64_t csa, int64
 }
 
 /* B(p, j) = b[p*ldb + j] for p < kc, j < nb (<= 32), into bp[p2 * 32 + j], zeros past nb */
-static void pack_b(uint32_t *bp, const float *b, int64_t ldb, int64_t kc, int64_t nb) {
+void attention_pack_b_bf16(uint32_t *bp, const float *b, int64_t ldb, int64_t kc, int64_t nb) {
     const __mmask16 m0 = tail16(nb), m1 = tail16(nb - 16);
     for (int64_t p2 = 0; p2 < (kc + 1) / 2; p2++) {
         const float *b0 = b + 2 * p2 * ldb, *b1 = 2 * p2 + 1 < kc ? b0 + ldb : NULL;
@@ -194,7 +194,7 @@ TARGET_BF16 static void mm_avx512bf16(int64_t m, int64_t n, int64_t k, const flo
             for (int64_t j = 0; j < n; j += 32) {
                 const int64_t nb = n - j < 32 ? n - j : 32;
                 const __mmask16 m0 = tail16(nb), m1 = tail16(nb - 16);
-                pack_b(bp, b + k0 * ldb + j, ldb, kc, nb);
+                attention_pack_b_bf16(bp, b + k0 * ldb + j, ldb, kc, nb);
                 if (nb > 16) {
                     ROWS_BF16(2)
                 } else {

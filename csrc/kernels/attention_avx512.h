@@ -13,6 +13,9 @@ void attention_softmax_cols_avx512(float *st, int64_t ld, int64_t bk, int64_t bq
                                    float *alpha, int64_t diag);
 void attention_probs_avx512(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse,
                             int64_t diag);
+/* B(p, j) = b[p*ldb + j] for p < kc, j < nb (<= 32), rounded to bfloat16 pairs: bp[q * 32 + j] pairs
+ * B(2q, j) and B(2q+1, j) (zero past kc), columns past nb zero */
+void attention_pack_b_bf16(uint32_t *bp, const float *b, int64_t ldb, int64_t kc, int64_t nb);
 void attention_dscores_avx512(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta,
                               float scale);
 

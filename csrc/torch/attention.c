@@ -142,25 +142,11 @@ static int sdpa_takes(const attention_problem *p) {
            (!p->causal || p->n == p->s) && (double)p->b * p->h * p->n * p->s * p->d_qk >= SDPA_MIN_WORK;
 }
 
-static int log2_up(int64_t v) {
-    int b = 0;
-    while (b < 40 && ((int64_t)1 << b) < v) b++;
-    return b;
-}
-
 static void sdpa_key(char *key, size_t len, const char *pass, const attention_problem *p) {
     snprintf(key, len, "sdpa %s %s %c%s t%lld bh%d n%d s%d d%lld", pass, attention_kernels_for(opf_isa_current())->name,
              p->dt == OPF_F32 ? 'f' : 'b', p->causal ? " causal" : "", (long long)opf_num_threads(),
-             log2_up(p->b * p->h), log2_up(p->n), log2_up(p->s), (long long)p->d_qk);
-}
-
-static int32_t sdpa_dtype(const attention_problem *p) {
-    return p->dt == OPF_F32 ? aoti_torch_dtype_float32() : aoti_torch_dtype_bfloat16();
-}
-
-static void sdpa_release(AtenTensorHandle *h, int n) {
-    for (int i = 0; i < n; i++)
-        if (h[i]) aoti_torch_delete_tensor_object(h[i]), h[i] = NULL;
+             opf_provider_log2_up(p->b * p->h), opf_provider_log2_up(p->n), opf_provider_log2_up(p->s),
+             (long long)p->d_qk);
 }
 
 /* dst (4-d, strides ds) = src (a tensor of the same sizes, any strides), elements of elem bytes */
@@ -192,28 +178,32 @@ static int same_strides(AtenTensorHandle t, const int64_t *want, int ndim) {
     return 1;
 }
 
-/* The forward on torch's kernel for heads [0, heads) of batch 0 (heads = b * h: all of it, where
- * the problem's own strides give the views), out and lse as attention_problem's. 0 or -1. */
-static int sdpa_fwd(const attention_problem *p, int64_t heads, AtenTensorHandle *out_ret) {
-    const int whole = heads == p->b * p->h;
-    const int32_t dt = sdpa_dtype(p);
-    AtenTensorHandle in[3] = {NULL, NULL, NULL}, res[2] = {NULL, NULL};
-    const int64_t qsz[4] = {whole ? p->b : 1, whole ? p->h : heads, p->n, p->d_qk};
-    int rc = -1;
-    for (int i = 0; i < 3; i++) {
-        const int64_t *st = i == 0 ? p->qs : i == 1 ? p->ks : p->vs;
-        const void *data = i == 0 ? p->q : i == 1 ? p->k : p->v;
-        const int64_t sz[4] = {qsz[0], qsz[1], i == 0 ? p->n : p->s, p->d_qk};
-        if (aoti_torch_create_tensor_from_blob((void *)data, 4, sz, st, 0, dt, aoti_torch_device_type_cpu(), 0,
-                                               &in[i]) != OPF_AOTI_SUCCESS)
-            goto done;
+/* q, k, v, and for the backward dout, out and lse, as tensors for torch's kernels: in[0..3) q, k, v;
+ * in[3..6) dout, out, lse when backward. 0, or -1 (those made are the caller's to release). */
+static int sdpa_inputs(const attention_problem *p, int backward, AtenTensorHandle *in) {
+    const void *data[6] = {p->q, p->k, p->v, p->dout, p->out, p->lse};
+    const int64_t *st[6] = {p->qs, p->ks, p->vs, p->dos, p->os, NULL}, lst[3] = {p->h * p->n, p->n, 1};
+    for (int i = 0; i < (backward ? 6 : 3); i++) {
+        const int64_t sz[4] = {p->b, p->h, i == 1 || i == 2 ? p->s : p->n, p->d_qk};
+        if (!(in[i] = i == 5 ? opf_provider_wrap(data[i], 3, sz, lst, OPF_F32)
+                             : opf_provider_wrap(data[i], 4, sz, st[i], p->dt)))
+            return -1;
     }
+    return 0;
+}
+
+/* The forward on torch's kernel, out and lse as attention_problem's; *out_ret receives torch's out
+ * where it has the strides of the op's (p->os), which is then left unwritten. 0 or -1. */
+static int sdpa_fwd(const attention_problem *p, AtenTensorHandle *out_ret) {
+    AtenTensorHandle in[3] = {NULL, NULL, NULL}, res[2] = {NULL, NULL};
+    int rc = -1;
+    if (sdpa_inputs(p, 0, in) != 0) goto done;
     double scale = p->scale;
     if (aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(in[0], in[1], in[2], 0.0, p->causal, NULL, &scale,
                                                                    &res[0], &res[1]) != OPF_AOTI_SUCCESS)
         goto done;
-    const int64_t osz[4] = {qsz[0], qsz[1], p->n, p->d_v}, lst[3] = {p->h * p->n, p->n, 1};
-    if (out_ret && same_strides(res[0], p->os, 4)) { /* opforge's layout: returned as it is */
+    const int64_t osz[4] = {p->b, p->h, p->n, p->d_v}, lst[3] = {p->h * p->n, p->n, 1};
+    if (same_strides(res[0], p->os, 4)) { /* opforge's layout: returned as it is */
         *out_ret = res[0];
         res[0] = NULL;
     } else {
@@ -222,8 +212,35 @@ static int sdpa_fwd(const attention_problem *p, int64_t heads, AtenTensorHandle 
     sdpa_copy(p->lse, lst, res[1], osz, 3, sizeof(float));
     rc = 0;
 done:
-    sdpa_release(in, 3);
-    sdpa_release(res, 2);
+    opf_provider_release(in, 3);
+    opf_provider_release(res, 2);
+    return rc;
+}
+
+/* The backward on torch's kernel: grads[0..3) receive dq, dk, dv, which the caller owns; where one's
+ * strides are not those of the op's dq, dk, dv, it is copied into them and grads[] keeps NULL for
+ * it. 0 or -1. */
+static int sdpa_bwd(const attention_problem *p, AtenTensorHandle *grads) {
+    AtenTensorHandle in[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    int rc = -1;
+    if (sdpa_inputs(p, 1, in) != 0) goto done;
+    double scale = p->scale;
+    if (aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu_backward(in[3], in[0], in[1], in[2], in[4], in[5],
+                                                                            0.0, p->causal, NULL, &scale, &grads[0],
+                                                                            &grads[1], &grads[2]) != OPF_AOTI_SUCCESS)
+        goto done;
+    void *mine[3] = {p->dq, p->dk, p->dv};
+    const int64_t *mst[3] = {p->dqs, p->dks, p->dvs};
+    for (int i = 0; i < 3; i++) {
+        const int64_t sz[4] = {p->b, p->h, i == 0 ? p->n : p->s, p->d_qk};
+        if (!same_strides(grads[i], mst[i], 4)) { /* into the op's own */
+            sdpa_copy(mine[i], mst[i], grads[i], sz, 4, p->dt == OPF_F32 ? 4 : 2);
+            opf_provider_release(&grads[i], 1);
+        }
+    }
+    rc = 0;
+done:
+    opf_provider_release(in, 6);
     return rc;
 }
 
@@ -238,8 +255,6 @@ static int sdpa_begin(const attention_problem *p, int backward, opf_provider_tur
 }
 
 static double sdpa_work(const attention_problem *p) { return (double)p->b * p->h * p->n * p->s * p->d_qk; }
-
-static int sdpa_bwd(const attention_problem *p, int64_t heads, AtenTensorHandle *grads);
 
 static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(q, stack, 0);
@@ -264,7 +279,7 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     opf_provider_turn turn = {0};
     if (!opf_is_meta(&a.q) && sdpa_begin(p, 0, &turn)) { /* torch's kernel, where it is the faster one */
         AtenTensorHandle theirs = NULL;
-        on_torch = sdpa_fwd(p, p->b * p->h, &theirs) == 0;
+        on_torch = sdpa_fwd(p, &theirs) == 0;
         if (!on_torch) opf_provider_end(&turn, 0, 1), turn.measuring = 0;
         if (theirs) { /* its output, in opforge's layout, instead of ours */
             aoti_torch_delete_tensor_object(out_h);
@@ -335,7 +350,7 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     opf_provider_turn turn = {0};
     if (!opf_is_meta(&a.q) && sdpa_begin(p, 1, &turn)) { /* torch's kernel, where it is the faster one */
         AtenTensorHandle grads[3] = {NULL, NULL, NULL};
-        on_torch = sdpa_bwd(p, p->b * p->h, grads) == 0;
+        on_torch = sdpa_bwd(p, grads) == 0;
         if (!on_torch) opf_provider_end(&turn, 0, 1), turn.measuring = 0;
         AtenTensorHandle *ours[3] = {&dq_h, &dk_h, &dv_h};
         for (int i = 0; on_torch && i < 3; i++) { /* theirs where they have the strides of ours */
@@ -344,7 +359,7 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
             *ours[i] = grads[i];
             grads[i] = NULL;
         }
-        sdpa_release(grads, 3);
+        opf_provider_release(grads, 3);
         if (on_torch && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("attention", "torch_sdpa", opf_isa_current());
     }
     if (!opf_is_meta(&a.q) && !on_torch) { /* the fake kernel's meta stand-ins are checked and shaped */
@@ -358,44 +373,6 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     OPF_RETURN(stack, 0, dq_h);
     OPF_RETURN(stack, 1, dk_h);
     OPF_RETURN(stack, 2, dv_h);
-}
-
-/* The backward on torch's kernel for heads [0, heads) of batch 0 (or all of them, as sdpa_fwd):
- * grads[0..3) receive dq, dk, dv, which the caller owns; where one's strides are not those of
- * the op's dq, dk, dv, it is copied into them and grads[] keeps NULL for it. 0 or -1. */
-static int sdpa_bwd(const attention_problem *p, int64_t heads, AtenTensorHandle *grads) {
-    const int whole = heads == p->b * p->h;
-    const int32_t dt = sdpa_dtype(p);
-    const int64_t b = whole ? p->b : 1, h = whole ? p->h : heads;
-    AtenTensorHandle in[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
-    const void *data[6] = {p->dout, p->q, p->k, p->v, p->out, p->lse};
-    const int64_t *st[5] = {p->dos, p->qs, p->ks, p->vs, p->os}, lst[3] = {p->h * p->n, p->n, 1};
-    int rc = -1;
-    for (int i = 0; i < 6; i++) {
-        const int64_t len = i == 2 || i == 3 ? p->s : p->n, sz[4] = {b, h, len, p->d_qk};
-        if (aoti_torch_create_tensor_from_blob((void *)data[i], i == 5 ? 3 : 4, sz, i == 5 ? lst : st[i], 0,
-                                               i == 5 ? aoti_torch_dtype_float32() : dt, aoti_torch_device_type_cpu(),
-                                               0, &in[i]) != OPF_AOTI_SUCCESS)
-            goto done;
-    }
-    double scale = p->scale;
-    if (aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu_backward(in[0], in[1], in[2], in[3], in[4], in[5],
-                                                                            0.0, p->causal, NULL, &scale, &grads[0],
-                                                                            &grads[1], &grads[2]) != OPF_AOTI_SUCCESS)
-        goto done;
-    void *mine[3] = {p->dq, p->dk, p->dv};
-    const int64_t *mst[3] = {p->dqs, p->dks, p->dvs};
-    for (int i = 0; i < 3; i++) {
-        const int64_t sz[4] = {b, h, i == 0 ? p->n : p->s, p->d_qk};
-        if (!whole || !same_strides(grads[i], mst[i], 4)) { /* into the op's own */
-            sdpa_copy(mine[i], mst[i], grads[i], sz, 4, p->dt == OPF_F32 ? 4 : 2);
-            sdpa_release(&grads[i], 1);
-        }
-    }
-    rc = 0;
-done:
-    sdpa_release(in, 6);
-    return rc;
 }
 
 static const opf_op_desc opf_attention_ops[] = {

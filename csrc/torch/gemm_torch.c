@@ -73,21 +73,24 @@ static int cache_read;
 
 /* ---- torch's product ------------------------------------------------------- */
 
-static int32_t torch_dtype(opf_dtype dt) {
-    return dt == OPF_F32 ? aoti_torch_dtype_float32() : aoti_torch_dtype_bfloat16();
-}
-
-static AtenTensorHandle wrap(const void *data, int64_t rows, int64_t cols, int64_t rs, int64_t cs, opf_dtype dt) {
-    int64_t sizes[2] = {rows, cols}, strides[2] = {rs, cs};
+AtenTensorHandle opf_provider_wrap(const void *data, int64_t ndim, const int64_t *sizes, const int64_t *strides,
+                                   opf_dtype dt) {
     AtenTensorHandle t = NULL;
-    if (aoti_torch_create_tensor_from_blob((void *)data, 2, sizes, strides, 0, torch_dtype(dt),
+    if (aoti_torch_create_tensor_from_blob((void *)data, ndim, sizes, strides, 0,
+                                           dt == OPF_F32 ? aoti_torch_dtype_float32() : aoti_torch_dtype_bfloat16(),
                                            aoti_torch_device_type_cpu(), 0, &t) != OPF_AOTI_SUCCESS)
         return NULL;
     return t;
 }
 
-static void release(AtenTensorHandle t) {
-    if (t) aoti_torch_delete_tensor_object(t);
+void opf_provider_release(AtenTensorHandle *h, int n) {
+    for (int i = 0; i < n; i++)
+        if (h[i]) aoti_torch_delete_tensor_object(h[i]), h[i] = NULL;
+}
+
+static AtenTensorHandle wrap(const void *data, int64_t rows, int64_t cols, int64_t rs, int64_t cs, opf_dtype dt) {
+    const int64_t sizes[2] = {rows, cols}, strides[2] = {rs, cs};
+    return opf_provider_wrap(data, 2, sizes, strides, dt);
 }
 
 /* A float32 operand rounded to bfloat16, in its own layout (the unit stride kept) */
@@ -173,10 +176,8 @@ static int run_torch(const gemm_call *k) {
         gemm_finish(plan, out, dt, k->rsc, 0, k->c, k->rsc, &rest);
     rc = 0;
 done:
-    release(ta);
-    release(tb);
-    release(tout);
-    release(tbias);
+    AtenTensorHandle handles[4] = {ta, tb, tout, tbias};
+    opf_provider_release(handles, 4);
     free(bias16);
     free(a16);
     free(b16);
@@ -190,14 +191,7 @@ static int takes(const gemm_call *k) {
     const gemm_plan *p = k->plan;
     const int types = (p->ta == OPF_F32 || p->ta == OPF_BF16) && (p->tb == OPF_F32 || p->tb == OPF_BF16);
     const int unit = (k->csa == 1 || k->rsa == 1) && (k->csb == 1 || k->rsb == 1);
-    const int out = !k->ep->out16 || k->ep->out_dt == OPF_BF16 || k->ep->out_dt == OPF_F16;
-    return types && unit && out && (double)p->m * (double)p->n * (double)p->k >= MIN_WORK && (k->c || k->ep->out16);
-}
-
-static int log2_up(int64_t v) {
-    int b = 0;
-    while (b < 40 && ((int64_t)1 << b) < v) b++;
-    return b;
+    return types && unit && (double)p->m * (double)p->n * (double)p->k >= MIN_WORK && (k->c || k->ep->out16);
 }
 
 static char dt_char(opf_dtype dt) { return dt == OPF_F32 ? 'f' : dt == OPF_BF16 ? 'b' : dt == OPF_F16 ? 'h' : 'd'; }
@@ -210,8 +204,8 @@ static void class_key(const gemm_call *k, char *key, size_t len) {
     const gemm_plan *p = k->plan;
     snprintf(key, len, "%s %c%c>%c %c t%lld m%d n%d k%d %c%c", p->kern->name, dt_char(p->ta), dt_char(p->tb),
              k->ep->out16 ? dt_char(k->ep->out_dt) : 'f', gemm_epilogue_needed(k->ep) ? 'e' : '-',
-             (long long)p->threads, log2_up(p->m), log2_up(p->n), log2_up(p->k), layout(k->rsa, k->csa),
-             layout(k->rsb, k->csb));
+             (long long)p->threads, opf_provider_log2_up(p->m), opf_provider_log2_up(p->n), opf_provider_log2_up(p->k),
+             layout(k->rsa, k->csa), layout(k->rsb, k->csb));
 }
 
 /* under lock */
@@ -443,4 +437,15 @@ OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int
     out[2] = p.mblocks;
     out[3] = ntn;
     out[4] = (n + kern->nc - 1) / kern->nc;
+}
+
+/* The class key of matmul's m x n x k product (row-major operands, float32 or bfloat16 with bf16 set,
+ * its result of the same type, no epilogue) at a thread count: the key gemm_choices lists it under. */
+OPF_EXPORT void opforge_gemm_matmul_key(int64_t m, int64_t n, int64_t k, int bf16, int64_t threads, char *key,
+                                        size_t len) {
+    const opf_dtype dt = bf16 ? OPF_BF16 : OPF_F32;
+    const gemm_plan p = gemm_plan_make(gemm_kernels_for(opf_isa_current()), m, n, k, dt, dt, threads);
+    const gemm_epilogue ep = {.out16 = bf16 ? (void *)key : NULL, .out_dt = dt}; /* only its presence is read */
+    const gemm_call call = {.plan = &p, .rsa = k, .csa = 1, .rsb = n, .csb = 1, .rsc = n, .ep = &ep};
+    class_key(&call, key, len);
 }

@@ -9,9 +9,27 @@
 #ifndef OPFORGE_TORCH_PROVIDER_H
 #define OPFORGE_TORCH_PROVIDER_H
 
+#include <stdint.h>
+
+#include "opforge/op.h"
+
 enum { OPF_PROVIDER_OWN = 0, OPF_PROVIDER_TORCH, OPF_PROVIDER_AUTO };
 
 int opf_provider_mode(void);
+
+/* A CPU tensor over opforge's buffer (float32 or bfloat16, any sizes and strides), for torch's
+ * kernel to read or write; NULL when torch refuses it. */
+AtenTensorHandle opf_provider_wrap(const void *data, int64_t ndim, const int64_t *sizes, const int64_t *strides,
+                                   opf_dtype dt);
+/* Deletes the n handles that are set, and clears them. */
+void opf_provider_release(AtenTensorHandle *h, int n);
+
+/* log2 of v rounded up: the size buckets of the classes' keys */
+static inline int opf_provider_log2_up(int64_t v) {
+    int b = 0;
+    while (b < 40 && ((int64_t)1 << b) < v) b++;
+    return b;
+}
 
 /* One call of a job that a provider may run. */
 typedef struct opf_provider_turn {
