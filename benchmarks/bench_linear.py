@@ -1,7 +1,10 @@
 """Fused linear + bias + GELU (opforge.linear) against eager
 F.gelu(F.linear(x, w, b)) and torch.compile of it: forward and forward+backward
 time ratios, and the peak memory of a forward+backward, also with
-recompute=True (no pre-activation kept).
+recompute=True (no pre-activation kept). Then the plain linear (no bias, no
+activation) against F.linear, forward+backward, at the projections of
+bench_transformer.py's default model, with each GEMM provider mode
+(results/linear.md).
 
     python benchmarks/bench_linear.py [--smoke] [--out DIR]
 """
@@ -109,6 +112,62 @@ def main(argv=None):
     plot("linear_gelu", [r["tokens"] * r["out"] for r in fp32],
          {k: [r[k] for r in fp32] for k in ("fwd_vs_eager", "fwdbwd_vs_eager", "fwdbwd_vs_compile")},
          "tokens x out_features", "speed-up (x)", a.out)
+    print(table)
+    plain_table(a.smoke, a.out)
+
+
+# the projections of bench_transformer.py's default model (batch 8 x sequence 256 = 2048 tokens, dim 512, 8
+# heads of 64, 2 key/value heads, MLP 1408): q and o, k and v, q+k+v fused, gate and up, gate+up fused, down
+PROJECTIONS = [(512, 512), (512, 128), (512, 768), (512, 1408), (512, 2816), (1408, 512)]
+
+
+def plain_table(smoke: bool, out: str):
+    """opforge.linear(x, w) against F.linear(x, w), forward+backward (x and w both needing gradients), in GEMM
+    provider mode auto (the default) and forced own / torch."""
+    tokens = 64 if smoke else 2048
+    shapes = PROJECTIONS[:2] if smoke else PROJECTIONS
+    dtypes = [torch.float32, torch.bfloat16]
+    mode_before = opforge.get_gemm()
+    rows = []
+    for dtype in dtypes:
+        for hin, hout in shapes:
+            x = torch.randn(tokens, hin).to(dtype).requires_grad_()
+            w = (torch.randn(hout, hin) / hin**0.5).to(dtype).requires_grad_()
+            grad = torch.randn(tokens, hout).to(dtype)
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(opforge.linear(x, w).float(), F.linear(x.double(), w.double()).float(), rtol=tol,
+                                       atol=tol)
+
+            def step(f, mode=None):
+                if mode:
+                    opforge.set_gemm(mode)
+                f(x, w).backward(grad)
+                x.grad = w.grad = None
+
+            variants = {"F.linear": lambda: step(F.linear), "auto": lambda: step(opforge.linear, "auto"),
+                        "own": lambda: step(opforge.linear, "own"), "torch": lambda: step(opforge.linear, "torch")}
+            stats = compare(variants, reps=3 if smoke else 15, target_s=0.01 if smoke else 0.2,
+                            stat=lambda s: (statistics.median(s), min(s)))
+            opforge.set_gemm(mode_before)
+            med, best = ({k: v[i] for k, v in stats.items()} for i in (0, 1))
+            row = {"dtype": str(dtype).split(".")[1], "tokens": tokens, "in": hin, "out": hout,
+                   "F_linear_ms": med["F.linear"] * 1e3, "opforge_ms": med["auto"] * 1e3,
+                   "fwdbwd_vs_F_linear": med["F.linear"] / med["auto"],
+                   "best_vs_F_linear": best["F.linear"] / best["auto"],
+                   "own_vs_F_linear": med["F.linear"] / med["own"], "torch_gemm_vs_F_linear": med["F.linear"] / med["torch"]}
+            rows.append(row)
+            print(f"{row['dtype']} {tokens}x{hin}->{hout}: fwd+bwd {row['fwdbwd_vs_F_linear']:.3f}x F.linear (best "
+                  f"samples {row['best_vs_F_linear']:.3f}x); own GEMM {row['own_vs_F_linear']:.3f}x, torch's "
+                  f"{row['torch_gemm_vs_F_linear']:.3f}x", flush=True)
+    table = write_results("linear", rows, [
+        f"ISA {opforge.get_isa()}; opforge.linear(x, w) against F.linear(x, w), no bias, no activation, x and w "
+        "both needing gradients: one forward+backward (three GEMMs: out, dx, dweight); >1: opforge faster",
+        "shapes: the projections of bench_transformer.py's default model at 2048 tokens (q, o 512->512; k, v "
+        "512->128; q+k+v fused 512->768; gate, up 512->1408; gate+up fused 512->2816; down 1408->512)",
+        "fwdbwd_vs_F_linear: GEMM provider mode auto (the default: the faster of opforge's GEMM and torch's per "
+        "class of product, measured on first use); own_ / torch_gemm_vs_F_linear: the mode forced; medians of "
+        "interleaved samples, best_: of each variant's fastest sample",
+    ], out)
     print(table)
 
 

@@ -164,12 +164,13 @@ int linear_fwd(const linear_fwd_plan *plan, const linear_problem *p, float *ws, 
 /* ---- backward in place --------------------------------------------------------------------------- */
 
 static linear_bwd_strategy bwd_strategy(const linear_problem *p, int preact_donated) {
-    if (!preact_donated || p->dt == OPF_F64 || !p->act || rows_of(&p->x) == 0 || !p->saved_preact.data)
-        return LINEAR_BWD_CHUNKED;
-    rows_view gv = view_rows(&p->grad), pv = view_rows(&p->saved_preact), xv = view_rows(&p->x);
-    if (gv.count != 1 || pv.count != 1 || gv.cs != 1 || pv.cs != 1 || pv.rs != p->n ||
-        (p->dt != OPF_F32 && xv.count != 1))
-        return LINEAR_BWD_CHUNKED;
+    if (p->dt == OPF_F64 || rows_of(&p->x) == 0) return LINEAR_BWD_CHUNKED;
+    rows_view gv = view_rows(&p->grad), xv = view_rows(&p->x);
+    if (gv.count != 1 || gv.cs != 1 || (p->dt != OPF_F32 && xv.count != 1)) return LINEAR_BWD_CHUNKED;
+    if (!p->act) return LINEAR_BWD_DIRECT; /* g' is grad: the GEMMs read it where it is */
+    if (!preact_donated || !p->saved_preact.data) return LINEAR_BWD_CHUNKED;
+    rows_view pv = view_rows(&p->saved_preact);
+    if (pv.count != 1 || pv.cs != 1 || pv.rs != p->n) return LINEAR_BWD_CHUNKED;
     return LINEAR_BWD_IN_PLACE;
 }
 
@@ -185,30 +186,38 @@ static void in_place_plan(linear_bwd_plan *l, const linear_problem *p) {
     l->floats = l->in_place.dbias + n;
 }
 
-/* g' replaces preact in one threaded pass that also sums dbias (16-bit types:
- * computed in float32, rounded once, as PyTorch's activation backward rounds
- * it), then dx and dweight are one GEMM each over all M rows. */
+/* In place: g' replaces preact in one threaded pass that also sums dbias
+ * (16-bit types: computed in float32, rounded once, as PyTorch's activation
+ * backward rounds it). Direct (no activation): g' is grad, read where it is,
+ * and dbias its column sums. Then dx and dweight are one GEMM each over all M
+ * rows. */
 static int bwd_in_place(const linear_bwd_plan *l, const linear_problem *p, float *ws) {
     const gemm_kernels *gemm = l->gemm;
     const int64_t n = p->n, k = p->k;
     const opf_dtype dt = p->dt;
-    const int half = dt != OPF_F32;
+    const int half = dt != OPF_F32, direct = l->strategy == LINEAR_BWD_DIRECT;
     rows_view gv = view_rows(&p->grad), xv = view_rows(&p->x);
-    void *gp = p->saved_preact.data;
+    void *gp = direct ? p->grad.data : p->saved_preact.data;
+    const int64_t rsg = direct ? gv.rs : n; /* g''s row stride */
     float *db32 = !p->bias ? NULL : half ? ws + l->in_place.dbias : p->dbias;
-    act_grad_rows(gemm->act, gemm->cvt, dt, gp, n, p->grad.data, gv.rs, gp, n, l->in_place.dx.m, n, p->act, db32,
-                  l->threads); /* and dbias */
+    if (!direct)
+        act_grad_rows(gemm->act, gemm->cvt, dt, gp, n, p->grad.data, gv.rs, gp, n, l->in_place.dx.m, n, p->act, db32,
+                      l->threads); /* and dbias */
+    else if (db32)
+        colsum_f32(gemm->cvt, db32, gp, dt, rsg, l->in_place.dx.m, n, 0);
     /* dx (m, k) = g' (m, n) . weight (n, k) */
-    TRY(linear_gemm(&l->in_place.dx, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1], p->dx, NULL, NULL,
-                    ACT_NONE, ws));
+    if (p->dx)
+        TRY(linear_gemm(&l->in_place.dx, gp, rsg, 1, p->weight, p->weight_strides[0], p->weight_strides[1], p->dx, NULL,
+                        NULL, ACT_NONE, ws));
     /* dweight (n, k) = sum over x's matrices of g'^T (n, rows) . x (rows, k) */
-    if (xv.count == 1) {
-        TRY(linear_gemm(&l->in_place.dweight, gp, 1, n, p->x.data, xv.rs, xv.cs, p->dweight, NULL, NULL, ACT_NONE, ws));
-    } else {
+    if (p->dweight && xv.count == 1) {
+        TRY(linear_gemm(&l->in_place.dweight, gp, 1, rsg, p->x.data, xv.rs, xv.cs, p->dweight, NULL, NULL, ACT_NONE,
+                        ws));
+    } else if (p->dweight) {
         const gemm_plan *each = &l->in_place.dweight_each;
         for (int64_t i = 0; i < xv.count; i++) {
             gemm_epilogue acc = {.beta = i ? 1.0f : 0.0f};
-            TRY(gemm_run(each, (const float *)gp + i * xv.rows * n, 1, n,
+            TRY(gemm_run(each, (const float *)gp + i * xv.rows * rsg, 1, rsg,
                          (const float *)p->x.data + matrix_offset(&p->x, &xv, i), xv.rs, xv.cs, p->dweight, k, &acc, ws,
                          gemm_workspace(each)));
         }
@@ -326,10 +335,12 @@ static int bwd_chunked(const linear_bwd_plan *plan, const linear_problem *p, flo
             }
             if (f64) {
                 gather_grad_f64(p, &gv, &pv, recompute, row0, rows, gp);
-                gemm_ref_f64(rows, k, n, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1],
-                             (double *)p->dx + row0 * k, k, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
-                gemm_ref_f64(n, k, rows, gp, 1, n, (const double *)p->x.data + xo, xv.rs, xv.cs, p->dweight, k,
-                             first ? 0.0 : 1.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
+                if (p->dx)
+                    gemm_ref_f64(rows, k, n, gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1],
+                                 (double *)p->dx + row0 * k, k, 0.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
+                if (p->dweight)
+                    gemm_ref_f64(n, k, rows, gp, 1, n, (const double *)p->x.data + xo, xv.rs, xv.cs, p->dweight, k,
+                                 first ? 0.0 : 1.0, NULL, 0, GEMM_BIAS_NONE, ACT_NONE, NULL, 0);
                 for (int64_t j = 0; p->bias && j < n; j++) {
                     double sum = first ? 0.0 : ((double *)p->dbias)[j];
                     for (int64_t r = 0; r < rows; r++) sum += ((const double *)gp)[r * n + j];
@@ -339,21 +350,24 @@ static int bwd_chunked(const linear_bwd_plan *plan, const linear_problem *p, flo
                 gather_grad_f32(gemm, p, &gv, &pv, recompute, row0, rows, gp, ws + plan->chunked.grad_row,
                                 ws + plan->chunked.preact_row);
                 gemm_epilogue none = {0}, acc = {.beta = first ? 0.0f : 1.0f};
-                float *dxr = half ? dx32 : (float *)p->dx + row0 * k;
                 /* dx rows (rows, k) = g' (rows, n) . weight (n, k) */
-                TRY(gemm_run(&plan->chunked.dx[tail], gp, n, 1, p->weight, p->weight_strides[0], p->weight_strides[1],
-                             dxr, k, &none, gemm_ws, gemm_floats));
-                if (half) convert_store_f32(gemm->cvt, at(p->dx, row0 * k, dt), dt, dx32, rows * k);
+                if (p->dx) {
+                    float *dxr = half ? dx32 : (float *)p->dx + row0 * k;
+                    TRY(gemm_run(&plan->chunked.dx[tail], gp, n, 1, p->weight, p->weight_strides[0],
+                                 p->weight_strides[1], dxr, k, &none, gemm_ws, gemm_floats));
+                    if (half) convert_store_f32(gemm->cvt, at(p->dx, row0 * k, dt), dt, dx32, rows * k);
+                }
                 /* dweight (n, k) += g'^T (n, rows) . x rows (rows, k) */
-                TRY(gemm_run(&plan->chunked.dweight[tail], gp, 1, n, at(p->x.data, xo, dt), xv.rs, xv.cs, dw32, k, &acc,
-                             gemm_ws, gemm_floats));
+                if (p->dweight)
+                    TRY(gemm_run(&plan->chunked.dweight[tail], gp, 1, n, at(p->x.data, xo, dt), xv.rs, xv.cs, dw32, k,
+                                 &acc, gemm_ws, gemm_floats));
                 if (p->bias) colsum_f32(gemm->cvt, db32, gp, OPF_F32, n, rows, n, !first);
             }
             first = 0;
         }
     }
     if (first) { /* no rows at all: zero gradients of weight and bias */
-        for (int64_t e = 0; e < n * k; e++) {
+        for (int64_t e = 0; p->dweight && e < n * k; e++) {
             if (f64)
                 ((double *)p->dweight)[e] = 0.0;
             else
@@ -367,7 +381,7 @@ static int bwd_chunked(const linear_bwd_plan *plan, const linear_problem *p, flo
         }
     }
     if (half) {
-        convert_store_f32(gemm->cvt, p->dweight, dt, dw32, n * k);
+        if (p->dweight) convert_store_f32(gemm->cvt, p->dweight, dt, dw32, n * k);
         if (p->bias) convert_store_f32(gemm->cvt, p->dbias, dt, db32, n);
     }
     return 0;
@@ -378,7 +392,7 @@ static int bwd_chunked(const linear_bwd_plan *plan, const linear_problem *p, flo
 linear_bwd_plan linear_bwd_plan_make(const gemm_kernels *gemm, const linear_problem *p, int preact_donated,
                                      int64_t threads) {
     linear_bwd_plan l = {.gemm = gemm, .strategy = bwd_strategy(p, preact_donated), .threads = threads};
-    if (l.strategy == LINEAR_BWD_IN_PLACE)
+    if (l.strategy != LINEAR_BWD_CHUNKED)
         in_place_plan(&l, p);
     else
         chunked_plan(&l, p);
@@ -389,7 +403,7 @@ int64_t linear_bwd_workspace(const linear_bwd_plan *plan) { return plan->floats;
 
 int linear_bwd(const linear_bwd_plan *plan, const linear_problem *p, float *ws, int64_t ws_floats) {
     if (ws_floats < plan->floats) return LINEAR_ERR_WORKSPACE;
-    return plan->strategy == LINEAR_BWD_IN_PLACE ? bwd_in_place(plan, p, ws) : bwd_chunked(plan, p, ws);
+    return plan->strategy == LINEAR_BWD_CHUNKED ? bwd_chunked(plan, p, ws) : bwd_in_place(plan, p, ws);
 }
 
 /* ---- matmul ------------------------------------------------------------------------------------ */
@@ -454,18 +468,20 @@ int matmul_bwd(const matmul_bwd_plan *plan, void *da, void *db, const linear_vie
     for (int64_t i = 0; i < plan->batch; i++) {
         const void *gi = at(grad->data, i * gs.batch, dt), *ai = at(a->data, i * as.batch, dt);
         const void *bi = at(b->data, i * bs.batch, dt);
-        void *dai = at(da, i * m * k, dt), *dbi = at(db, i * k * n, dt);
+        void *dai = da ? at(da, i * m * k, dt) : NULL, *dbi = db ? at(db, i * k * n, dt) : NULL;
         if (dt == OPF_F64) {
-            gemm_ref_f64(m, k, n, gi, gs.row, gs.col, bi, bs.col, bs.row, dai, k, 0.0, NULL, 0, GEMM_BIAS_NONE,
-                         ACT_NONE, NULL, 0);
-            gemm_ref_f64(k, n, m, ai, as.col, as.row, gi, gs.row, gs.col, dbi, n, 0.0, NULL, 0, GEMM_BIAS_NONE,
-                         ACT_NONE, NULL, 0);
+            if (dai)
+                gemm_ref_f64(m, k, n, gi, gs.row, gs.col, bi, bs.col, bs.row, dai, k, 0.0, NULL, 0, GEMM_BIAS_NONE,
+                             ACT_NONE, NULL, 0);
+            if (dbi)
+                gemm_ref_f64(k, n, m, ai, as.col, as.row, gi, gs.row, gs.col, dbi, n, 0.0, NULL, 0, GEMM_BIAS_NONE,
+                             ACT_NONE, NULL, 0);
             continue;
         }
         /* da (m, k) = grad (m, n) . b^T (n, k) */
-        TRY(linear_gemm(&plan->da, gi, gs.row, gs.col, bi, bs.col, bs.row, dai, NULL, NULL, ACT_NONE, ws));
+        if (dai) TRY(linear_gemm(&plan->da, gi, gs.row, gs.col, bi, bs.col, bs.row, dai, NULL, NULL, ACT_NONE, ws));
         /* db (k, n) = a^T (k, m) . grad (m, n) */
-        TRY(linear_gemm(&plan->db, ai, as.col, as.row, gi, gs.row, gs.col, dbi, NULL, NULL, ACT_NONE, ws));
+        if (dbi) TRY(linear_gemm(&plan->db, ai, as.col, as.row, gi, gs.row, gs.col, dbi, NULL, NULL, ACT_NONE, ws));
     }
     return 0;
 }

@@ -22,6 +22,8 @@
  *     that also sums dbias; then dx and dweight are one GEMM each over all M
  *     rows (no g' scratch, and dweight's sum over M stays in the GEMM's
  *     registers instead of being re-read and re-written per row chunk).
+ *   direct: without an activation g' is grad itself: the same two GEMMs read
+ *     it in place (dbias its column sums), no g' pass and no scratch.
  *   chunked: g' is made a row chunk (~8 MiB) at a time, for any dtype, strides
  *     and activation, so the scratch is (chunk, N), not (M, N): the peak
  *     memory stays below eager PyTorch's, which materialises the whole
@@ -68,8 +70,9 @@ typedef struct linear_problem {
     /* forward: out (M, N) contiguous; preact (M, N) contiguous or NULL (not stored) */
     void *out, *preact;
     /* backward: grad (..., N); saved_preact (..., N), data NULL (or numel 0)
-     * with an activation: recomputed; dx (M, K), dweight (N, K) contiguous;
-     * dbias (N) contiguous, or NULL without bias */
+     * with an activation: recomputed; dx (M, K), dweight (N, K) contiguous,
+     * either NULL when not wanted (its GEMM is skipped); dbias (N)
+     * contiguous, or NULL without bias */
     linear_view grad, saved_preact;
     void *dx, *dweight, *dbias;
 } linear_problem;
@@ -107,18 +110,18 @@ linear_fwd_plan linear_fwd_plan_make(const gemm_kernels *gemm, const linear_prob
 int64_t linear_fwd_workspace(const linear_fwd_plan *plan);
 int linear_fwd(const linear_fwd_plan *plan, const linear_problem *p, float *ws, int64_t ws_floats);
 
-typedef enum linear_bwd_strategy { LINEAR_BWD_CHUNKED = 0, LINEAR_BWD_IN_PLACE } linear_bwd_strategy;
+typedef enum linear_bwd_strategy { LINEAR_BWD_CHUNKED = 0, LINEAR_BWD_IN_PLACE, LINEAR_BWD_DIRECT } linear_bwd_strategy;
 
-/* The backward's plan. The strategy: in place where the caller donates
- * saved_preact (preact_donated: free to overwrite it) and the problem allows
- * it (float32, bfloat16 or float16, an activation, a stored preact and grad
- * that are single matrices of unit column stride, preact contiguous, x one
- * matrix or more (one for 16-bit types)), else chunked. */
+/* The backward's plan. The strategy, where grad is a single matrix of unit
+ * column stride, the type float32, bfloat16 or float16 and x one matrix or
+ * more (one for 16-bit types): without an activation direct; with one in
+ * place where the caller donates saved_preact (preact_donated: free to
+ * overwrite it), a single contiguous matrix. Else chunked. */
 typedef struct linear_bwd_plan {
     const gemm_kernels *gemm;
     linear_bwd_strategy strategy;
     int64_t threads; /* g' and dbias in one threaded pass (act_grad_rows), in place */
-    /* in place: dx (M, K, N) and dweight (N, K, rows) over all M rows, or
+    /* in place and direct: dx (M, K, N) and dweight (N, K, rows) over all M rows, or
      * dweight a float32 GEMM per matrix of x (dweight_each); the workspace:
      * the larger GEMM's, then a float32 dbias */
     struct {
@@ -167,7 +170,8 @@ int matmul_fwd(const matmul_fwd_plan *plan, void *c, const linear_view *a, const
 /* da (batch, m, k) = grad b^T and db (batch, k, n) = a^T grad, both
  * contiguous, from grad (batch, m, n), a and b as the forward's: two GEMMs
  * per batch that read grad, a and b in place through their strides, in one
- * workspace sized for the larger. */
+ * workspace sized for the larger. da or db NULL: not wanted, its GEMM
+ * skipped. */
 typedef struct matmul_bwd_plan {
     opf_dtype dt;
     int64_t batch, m, n, k;

@@ -111,12 +111,13 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_RETURN(stack, 0, c_h);
 }
 
-/* matmul_backward(grad (..., M, N), a (..., M, K), b (..., K, N)) -> (da = grad b^T, db = a^T grad), both
- * contiguous */
+/* matmul_backward(grad (..., M, N), a (..., M, K), b (..., K, N), needs) -> (da = grad b^T, db = a^T grad),
+ * both contiguous; needs: bit 0 da, bit 1 db (the other one is returned uncomputed) */
 static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(g, stack, 0);
     OPF_ARG_TENSOR(a, stack, 1);
     OPF_ARG_TENSOR(b, stack, 2);
+    const int64_t needs = opf_arg_int(stack[3]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     matmul_args mm = check_matmul(MATMUL_BACKWARD, a_h, b_h);
     opf_tensor g = opf_tensor_info(MATMUL_BACKWARD, "grad", g_h);
@@ -138,7 +139,8 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
     const linear_view gv = view_of(&g), av = view_of(&mm.a), bv = view_of(&mm.b);
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h = opf_workspace(MATMUL_BACKWARD, matmul_bwd_workspace(&plan), &mm.a, &ws);
-    check_ran(MATMUL_BACKWARD, matmul_bwd(&plan, da.data, db.data, &gv, &av, &bv, ws, matmul_bwd_workspace(&plan)));
+    check_ran(MATMUL_BACKWARD, matmul_bwd(&plan, needs & 1 ? da.data : NULL, needs & 2 ? db.data : NULL, &gv, &av, &bv,
+                                          ws, matmul_bwd_workspace(&plan)));
     opf_log_call(MATMUL_BACKWARD, t0, 3, (opf_tensor[]){g, mm.a, mm.b});
     OPF_RETURN(stack, 0, da_h);
     OPF_RETURN(stack, 1, db_h);
@@ -224,9 +226,11 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_RETURN(stack, 1, pre_h);
 }
 
-/* linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, str activation)
+/* linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, str activation, int needs)
  *   g' = grad * act'(preact)   (grad itself for "none"), gathered into (M, N)
  *   dx = g' weight             dweight = g'^T x             dbias = sum_rows g'
+ * needs: bit 0 dx, bit 1 dweight, bit 2 dbias; dx and dweight not needed are
+ * returned uncomputed (no GEMM), dbias is always made (one pass, or none).
  * linear_backward_ is the same with preact overwritten by g' where it can be
  * (the autograd wiring calls it when the saved preact is no one else's). */
 static void linear_backward_impl(StableIValue *stack, int in_place) {
@@ -237,6 +241,7 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
     OPF_ARG_TENSOR(pre, stack, 4);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     act_kind act = arg_activation(LINEAR_BACKWARD, stack[5]);
+    const int64_t needs = opf_arg_int(stack[6]);
     linear_args l = check_linear(LINEAR_BACKWARD, x_h, w_h, bias_h, act);
     opf_tensor g = opf_tensor_info(LINEAR_BACKWARD, "grad", grad_h),
                pre = opf_tensor_info(LINEAR_BACKWARD, "preact", pre_h);
@@ -262,7 +267,8 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
         l.p.grad = view_of(&g);
         l.p.saved_preact = view_of(&pre);
         if (pre.numel == 0) l.p.saved_preact.data = NULL;
-        l.p.dx = dx.data, l.p.dweight = dw.data, l.p.dbias = l.has_bias ? db.data : NULL;
+        l.p.dx = needs & 1 ? dx.data : NULL, l.p.dweight = needs & 2 ? dw.data : NULL;
+        l.p.dbias = l.has_bias ? db.data : NULL;
         const linear_bwd_plan plan =
             linear_bwd_plan_make(gemm_kernels_for(opf_isa_current()), &l.p, in_place, opf_num_threads());
         float *ws = NULL;
@@ -286,14 +292,14 @@ static const opf_op_desc opf_linear_ops[] = {
         .cpu = matmul_cpu,
         .shape = "[a[:-1], b[-1]]",
         .backward = "matmul_backward",
-        .backward_args = "grad0,a,b",
+        .backward_args = "grad0,a,b,needs",
         .backward_grads = "a,b",
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "2*numel(a)*size(b,-1)",
         .meta = 1,
     },
     {
-        .schema = "matmul_backward(Tensor grad, Tensor a, Tensor b) -> (Tensor, Tensor)",
+        .schema = "matmul_backward(Tensor grad, Tensor a, Tensor b, int needs=3) -> (Tensor, Tensor)",
         .cpu = matmul_backward_cpu,
         .shape = "[a[:]]; [b[:]]",
         .flops = "4*numel(a)*size(b,-1)",
@@ -305,7 +311,7 @@ static const opf_op_desc opf_linear_ops[] = {
         .cpu = linear_cpu,
         .shape = "[x[:-1], weight[0]]; [x[:-1], weight[0]] if activation and save_preact",
         .backward = "linear_backward",
-        .backward_args = "grad0,x,weight,bias,out1!,activation",
+        .backward_args = "grad0,x,weight,bias,out1!,activation,needs",
         .backward_grads = "x,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER,
         .flops = "2*numel(x)*size(weight,0)",
@@ -314,7 +320,7 @@ static const opf_op_desc opf_linear_ops[] = {
     },
     {
         .schema = "linear_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor preact, "
-                  "str activation) -> (Tensor, Tensor, Tensor)",
+                  "str activation, int needs=7) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_backward_cpu,
         .shape = "[x[:]]; [weight[:]]; [bias[:]] dtype=x if bias",
         .flops = "4*numel(x)*size(weight,0)",
@@ -323,7 +329,7 @@ static const opf_op_desc opf_linear_ops[] = {
     },
     {
         .schema = "linear_backward_(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor(a!) preact, "
-                  "str activation) -> (Tensor, Tensor, Tensor)",
+                  "str activation, int needs=7) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_backward_inplace_cpu,
         .shape = "[x[:]]; [weight[:]]; [bias[:]] dtype=x if bias",
         .flops = "4*numel(x)*size(weight,0)",
@@ -338,16 +344,17 @@ OPF_REGISTER_FAMILY(gemm_variants);
 OPF_REGISTER_FAMILY(act_variants);
 
 OPF_AOTI_SHIM(matmul, 1, (AtenTensorHandle a, AtenTensorHandle b), a, b);
-OPF_AOTI_SHIM(matmul_backward, 2, (AtenTensorHandle grad, AtenTensorHandle a, AtenTensorHandle b), grad, a, b);
+OPF_AOTI_SHIM(matmul_backward, 2, (AtenTensorHandle grad, AtenTensorHandle a, AtenTensorHandle b, int64_t needs), grad,
+              a, b, needs);
 OPF_AOTI_SHIM(linear, 2,
               (AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *bias, const char *activation,
                int32_t save_preact),
               x, weight, bias, activation, save_preact);
 OPF_AOTI_SHIM(linear_backward, 3,
               (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *bias,
-               AtenTensorHandle preact, const char *activation),
-              grad, x, weight, bias, preact, activation);
+               AtenTensorHandle preact, const char *activation, int64_t needs),
+              grad, x, weight, bias, preact, activation, needs);
 OPF_AOTI_SHIM(linear_backward_, 3,
               (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *bias,
-               AtenTensorHandle preact, const char *activation),
-              grad, x, weight, bias, preact, activation);
+               AtenTensorHandle preact, const char *activation, int64_t needs),
+              grad, x, weight, bias, preact, activation, needs);

@@ -318,7 +318,9 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
     plan, saved_from, const_from = [], [], []
     donatable = None  # saved slot of an "outN!" argument
     for a in desc.backward_args:
-        if a.startswith("grad") and a[4:].isdigit():
+        if a == "needs":  # which of backward_grads are wanted, a bit each (ctx.needs_input_grad)
+            plan.append(("needs", 0))
+        elif a.startswith("grad") and a[4:].isdigit():
             plan.append(("grad", int(a[4:])))
         elif a.startswith("out") and a.rstrip("!")[3:].isdigit():
             if a.endswith("!"):
@@ -347,6 +349,9 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         ctx.save_for_backward(*[outs[i] if kind == "out" else inputs[i] for kind, i in saved_from])
         ctx.consts = [inputs[i] for i in const_from]
         ctx.absent = [inputs[i] is None for i in grad_slots]  # an absent optional tensor gets no gradient
+        # which gradients are wanted (what ctx.needs_input_grad says, read from the inputs: that tuple's
+        # positions differ between torch's generated Function and the lean one)
+        ctx.needed = [isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad for i in grad_slots]
 
     def backward(ctx, *grads):
         if saved_only:  # grads are not materialised: zeros only where the backward needs one
@@ -357,7 +362,11 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         op = bwd
         if donatable is not None and _private.may_donate(ctx, saved, donatable):
             op = bwd_inplace  # the saved output is ours alone: the backward may overwrite it
-        args = [grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.consts[i] for k, i in plan]
+        needs = sum(1 << b for b, wanted in enumerate(ctx.needed) if wanted)
+        args = [
+            grads[i] if k == "grad" else saved[i] if k == "saved" else needs if k == "needs" else ctx.consts[i]
+            for k, i in plan
+        ]
         del saved
         recording = _grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         res = _call_below_autograd(op, args)
@@ -365,8 +374,8 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         if recording:  # create_graph=True: the results join the graph, and differentiating them raises
             res = _FirstOrderOnly.apply(qualname, res, *[a for a in args if isinstance(a, torch.Tensor)])
         out = [None] * len(argnames)
-        for slot, g, absent in zip(grad_slots, res, ctx.absent):
-            out[slot] = None if absent else g
+        for slot, g, absent, wanted in zip(grad_slots, res, ctx.absent, ctx.needed):
+            out[slot] = g if wanted and not absent else None
         return tuple(out)
 
     # what torch.library.register_autograd registers, behind the checks for

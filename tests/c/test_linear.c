@@ -36,6 +36,7 @@ typedef struct arr {
 } arr;
 
 static int in_place_runs; /* the in-place strategy must be reached, not only allowed for */
+static int direct_runs;   /* and the direct one */
 
 static arr arr_rand(int64_t count, opf_dtype dt, unsigned long long seed, double amp) {
     size_t c = (size_t)(count > 0 ? count : 1);
@@ -167,16 +168,20 @@ static void run(const gemm_kernels *gemm, cfg c) {
         memset(db.lo, 0xff, (size_t)n * es);
         const linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &q, in_place, threads);
         const linear_bwd_strategy s = bwd.strategy;
-        if (in_place && s != LINEAR_BWD_IN_PLACE) break; /* only the chunked strategy applies */
+        if (in_place && s != LINEAR_BWD_IN_PLACE) break; /* only the chunked or the direct strategy applies */
         in_place_runs += in_place;
-        CHECK(s == (in_place ? LINEAR_BWD_IN_PLACE : LINEAR_BWD_CHUNKED), "%s: strategy %d without a donated preact",
-              name, (int)s);
+        direct_runs += s == LINEAR_BWD_DIRECT;
+        CHECK(in_place || s != LINEAR_BWD_IN_PLACE, "%s: strategy in place without a donated preact", name);
+        CHECK(s != LINEAR_BWD_DIRECT || !c.act, "%s: strategy direct with an activation", name);
         wsn = linear_bwd_workspace(&bwd);
         ws = check_ws_alloc(wsn);
         rc = linear_bwd(&bwd, &q, ws, wsn);
         check_ws_free(ws, in_place ? "backward in place" : c.act && !p.preact ? "backward recomputing" : "backward");
         CHECK(rc == 0, "%s backward %d refused its workspace of %lld floats", name, (int)s, (long long)wsn);
-        const char *tag = in_place ? "in place" : c.act && !p.preact ? "recomputed" : "chunked";
+        const char *tag = in_place                 ? "in place"
+                          : s == LINEAR_BWD_DIRECT ? "direct"
+                          : c.act && !p.preact     ? "recomputed"
+                                                   : "chunked";
         char what[64];
         snprintf(what, sizeof what, "dx (%s)", tag);
         compare(what, &c, name, dx.lo, dx.hi, m * k);
@@ -184,6 +189,31 @@ static void run(const gemm_kernels *gemm, cfg c) {
         compare(what, &c, name, dw.lo, dw.hi, n * k);
         snprintf(what, sizeof what, "dbias (%s)", tag);
         if (c.bias) compare(what, &c, name, db.lo, db.hi, n);
+    }
+    /* a gradient not wanted (NULL): its GEMM skipped and its memory untouched, the others right */
+    for (int skip = 0; skip < 2 && m * k > 0 && n * k > 0; skip++) {
+        linear_problem q = p;
+        q.grad = (linear_view){grad.lo, gdim, gsizes, gstrides};
+        q.saved_preact = (linear_view){p.preact ? pre.lo : NULL, 2, (int64_t[]){m, n}, (int64_t[]){n, 1}};
+        q.dx = skip ? dx.lo : NULL, q.dweight = skip ? NULL : dw.lo, q.dbias = c.bias ? db.lo : NULL;
+        const size_t es = opf_dtype_size(c.dt);
+        memset(dx.lo, 0xff, (size_t)(m * k) * es), memset(dw.lo, 0xff, (size_t)(n * k) * es);
+        const linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &q, 0, threads);
+        wsn = linear_bwd_workspace(&bwd);
+        ws = check_ws_alloc(wsn);
+        rc = linear_bwd(&bwd, &q, ws, wsn);
+        check_ws_free(ws, skip ? "backward without dweight" : "backward without dx");
+        CHECK(rc == 0, "%s backward without %s refused its workspace", name, skip ? "dweight" : "dx");
+        const unsigned char *left = skip ? dw.lo : dx.lo;
+        const size_t left_bytes = (size_t)(skip ? n * k : m * k) * es;
+        size_t touched = 0;
+        for (size_t e = 0; e < left_bytes; e++) touched += left[e] != 0xff;
+        CHECK(touched == 0, "%s: %zu bytes of the unwanted %s written", name, touched, skip ? "dweight" : "dx");
+        if (skip)
+            compare("dx (dweight not wanted)", &c, name, dx.lo, dx.hi, m * k);
+        else
+            compare("dweight (dx not wanted)", &c, name, dw.lo, dw.hi, n * k);
+        if (c.bias) compare("dbias (one not wanted)", &c, name, db.lo, db.hi, n);
     }
     /* one float short: refused, nothing written outside */
     linear_problem q = p;
@@ -260,7 +290,8 @@ static void test_variant(const gemm_kernels *gemm) {
     else
         unsetenv("OPFORGE_NUM_THREADS");
     CHECK(in_place_runs > 0, "%s: no problem ran the backward in place", gemm->name);
-    in_place_runs = 0;
+    CHECK(direct_runs > 0, "%s: no problem ran the backward direct", gemm->name);
+    in_place_runs = direct_runs = 0;
 }
 
 int main(void) {

@@ -536,6 +536,17 @@ static void go_matmul(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     ws = ws_new(matmul_bwd_workspace(&bwd));
     CHECK(matmul_bwd(&bwd, da, db, &gv, &av, &bv, ws, matmul_bwd_workspace(&bwd)) == 0,
           "%s: matmul_bwd refused its plan's workspace", ctx);
+    /* one of the two not wanted (NULL): the other the same bits */
+    const size_t da_bytes = (size_t)(batch * m * k) * opf_dtype_size(dt),
+                 db_bytes = (size_t)(batch * k * n) * opf_dtype_size(dt);
+    void *one = malloc(da_bytes + db_bytes + 1);
+    CHECK(matmul_bwd(&bwd, one, NULL, &gv, &av, &bv, ws, matmul_bwd_workspace(&bwd)) == 0 &&
+              memcmp(one, da, da_bytes) == 0,
+          "%s: matmul_bwd's da without db differs", ctx);
+    CHECK(matmul_bwd(&bwd, NULL, one, &gv, &av, &bv, ws, matmul_bwd_workspace(&bwd)) == 0 &&
+              memcmp(one, db, db_bytes) == 0,
+          "%s: matmul_bwd's db without da differs", ctx);
+    free(one);
     ws_free(ws, "matmul_bwd workspace");
     arr_free(a, "a"), arr_free(b, "b"), arr_free(g, "grad");
 }

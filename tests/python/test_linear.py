@@ -209,6 +209,39 @@ def test_gradcheck_float64(act):
     assert torch.autograd.gradcheck(lambda *t: opforge.linear(*t, None, act), (x, w))
 
 
+@pytest.mark.parametrize("act", ["none", "gelu"])
+@pytest.mark.parametrize("wanted", ["x", "weight", "bias", "x,bias"])
+def test_only_the_wanted_gradients_are_made(act, wanted):
+    # a frozen weight (fine-tuning) or an input that needs no gradient: the backward is told which
+    # gradients are wanted and skips the GEMM of the others; those it returns are the full ones
+    x, w, b = torch.randn(2, 9, 33), torch.randn(20, 33) / 4, torch.randn(20)
+    g = torch.randn(2, 9, 20)
+    full = [t.clone().requires_grad_() for t in (x, w, b)]
+    opforge.linear(*full, act).backward(g)
+    part = [t.clone().requires_grad_(name in wanted.split(",")) for name, t in zip(("x", "weight", "bias"), (x, w, b))]
+    opforge.linear(*part, act).backward(g)
+    for got, want in zip(part, full):
+        if got.requires_grad:
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+        else:
+            assert got.grad is None
+
+
+def test_backward_ops_take_which_gradients_are_wanted():
+    x, w, g = torch.randn(7, 13), torch.randn(5, 13), torch.randn(7, 5)
+    dx, dw, _ = torch.ops.opforge.linear_backward(g, x, w, None, x.new_empty(0), "none")  # needs: all by default
+    torch.testing.assert_close(dx, g @ w), torch.testing.assert_close(dw, g.t() @ x)
+    assert torch.equal(torch.ops.opforge.linear_backward(g, x, w, None, x.new_empty(0), "none", 1)[0], dx)
+    assert torch.equal(torch.ops.opforge.linear_backward(g, x, w, None, x.new_empty(0), "none", 2)[1], dw)
+    a, b, gm = torch.randn(6, 13), torch.randn(13, 4), torch.randn(6, 4)
+    da, db = torch.ops.opforge.matmul_backward(gm, a, b)
+    assert torch.equal(torch.ops.opforge.matmul_backward(gm, a, b, 1)[0], da)
+    assert torch.equal(torch.ops.opforge.matmul_backward(gm, a, b, 2)[1], db)
+    a1, b1 = a.clone().requires_grad_(), b.clone()  # a frozen right operand
+    opforge.matmul(a1, b1).backward(gm)
+    assert b1.grad is None and torch.equal(a1.grad, da)
+
+
 def test_no_bias_gets_no_gradient_slot():
     x, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
     opforge.linear(x, w, None, "relu").sum().backward()

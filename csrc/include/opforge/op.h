@@ -86,7 +86,13 @@ typedef struct opf_op_desc {
      * "outN!": output N is saved for the backward alone and may be reused as
      * its scratch: when the graph is not retained and nothing else refers to
      * it, the wiring calls "<backward>_" instead, an op with the same
-     * arguments that declares that one mutable (Tensor(a!)). */
+     * arguments that declares that one mutable (Tensor(a!)).
+     * "needs": an int, bit i set when the i-th of backward_grads needs its
+     * gradient (ctx.needs_input_grad): a backward may leave the outputs of
+     * the others uncomputed (still allocated, of their usual shape, so the
+     * shape rules hold), and the wiring drops them. A frozen weight then
+     * costs no weight-gradient GEMM. Declare it in the backward's schema as
+     * "int needs=<all bits>" so a direct call computes everything. */
     const char *backward;
     const char *backward_args;
     const char *backward_grads;

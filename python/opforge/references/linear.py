@@ -14,7 +14,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
-def matmul_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def matmul_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, needs: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db); the op leaves the ones needs does not ask for uncomputed, so the samples ask for both."""
     return grad @ b.transpose(-1, -2), a.transpose(-1, -2) @ grad
 
 
@@ -39,8 +40,9 @@ def linear(x, weight, bias, activation: str, save_preact: bool = True):
     return (ACTIVATIONS[activation](F.linear(x, weight, bias)),)
 
 
-def linear_backward(grad, x, weight, bias, preact, activation: str):
-    """(dx, dweight, dbias), dbias empty without a bias; an empty preact is recomputed."""
+def linear_backward(grad, x, weight, bias, preact, activation: str, needs: int = 7):
+    """(dx, dweight, dbias), dbias empty without a bias; an empty preact is recomputed. The op leaves
+    the ones needs does not ask for uncomputed, so the samples ask for all."""
     if preact.numel() == 0:
         preact = F.linear(x, weight, bias)
     pre = preact.detach().requires_grad_()
