@@ -195,7 +195,8 @@ static void linear_cross_entropy_none_cpu(StableIValue *stack, uint64_t nin, uin
 /* ---- backward ---------------------------------------------------------------------------------- */
 
 /* grad, hidden, weight, target, bias?, lse, [dhidden, dweight, dbias,] ignore_index, label_smoothing,
- * [reduction,] softcap? */
+ * [reduction,] softcap?, needs (bit 0 dhidden, bit 1 dweight, bit 2 dbias: the gradients not wanted are
+ * returned uncomputed, their GEMMs skipped) */
 static void backward_impl(StableIValue *stack, int per_token) {
     const char *op = per_token ? LCENB : LCEB;
     const int k = per_token ? 6 : 9; /* the first non-tensor argument */
@@ -210,6 +211,7 @@ static void backward_impl(StableIValue *stack, int per_token) {
     OPF_OWNED AtenTensorHandle sdb_h = per_token ? NULL : (AtenTensorHandle)stack[8];
     double softcap = 0.0;
     const int has_softcap = opf_arg_optional_double(stack[per_token ? k + 2 : k + 3], &softcap);
+    const int64_t needs = opf_arg_int(stack[per_token ? k + 3 : k + 4]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     const int64_t ignore_index = opf_arg_int(stack[k]);
     const double label_smoothing = opf_arg_double(stack[k + 1]);
@@ -252,13 +254,17 @@ static void backward_impl(StableIValue *stack, int per_token) {
     grads out = {0};
     alloc_grads(op, &a, 1, &out);
     OPF_OWNED AtenTensorHandle dh_h = out.dh, dw_h = out.dw, db_h = out.db;
+    if (!(needs & 1)) a.p.dhidden = NULL;
+    if (!(needs & 2)) a.p.dweight = NULL;
+    if (!(needs & 4)) a.p.dbias = NULL;
     if (!opf_is_meta(&a.hidden)) {
         if (saved) {
             const convert_kernels *cvt = convert_kernels_for(opf_isa_current());
-            linear_cross_entropy_scale(cvt, a.p.dt, a.p.dhidden, a.p.loss_dt, sdh.data, sdh.numel, g.data);
-            linear_cross_entropy_scale(cvt, a.p.dt, a.p.dweight, a.p.loss_dt, sdw.data, sdw.numel, g.data);
-            if (a.has_bias)
-                linear_cross_entropy_scale(cvt, a.p.dt, a.p.dbias, a.p.loss_dt, sdb.data, sdb.numel, g.data);
+            if (a.p.dhidden)
+                linear_cross_entropy_scale(cvt, a.p.dt, a.p.dhidden, a.p.loss_dt, sdh.data, sdh.numel, g.data);
+            if (a.p.dweight)
+                linear_cross_entropy_scale(cvt, a.p.dt, a.p.dweight, a.p.loss_dt, sdw.data, sdw.numel, g.data);
+            if (a.p.dbias) linear_cross_entropy_scale(cvt, a.p.dt, a.p.dbias, a.p.loss_dt, sdb.data, sdb.numel, g.data);
         } else {
             a.p.lse = l.data;
             a.p.lse_given = 1;
@@ -306,7 +312,7 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
                  "[bias[:]] dtype=promote(hidden,float32) if compute_grad and bias",
         .backward = "linear_cross_entropy_backward",
         .backward_args = "grad0,hidden,weight,target,bias,out1,out2,out3,out4,ignore_index,label_smoothing,"
-                         "reduction,softcap",
+                         "reduction,softcap,needs",
         .backward_grads = "hidden,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER, /* see the note above the table */
         .flops = "2*numel(hidden)*size(weight,0)",
@@ -315,7 +321,7 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
     {
         .schema = "linear_cross_entropy_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
                   "Tensor? bias, Tensor lse, Tensor dhidden, Tensor dweight, Tensor dbias, int ignore_index, "
-                  "float label_smoothing, int reduction, float? softcap) -> (Tensor, Tensor, Tensor)",
+                  "float label_smoothing, int reduction, float? softcap, int needs=7) -> (Tensor, Tensor, Tensor)",
         .cpu = linear_cross_entropy_backward_cpu,
         .shape = "[hidden[:]]; [weight[:]] dtype=hidden; [bias[:]] dtype=hidden if bias",
         .flops = "4*numel(hidden)*size(weight,0)",
@@ -327,7 +333,7 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
         .cpu = linear_cross_entropy_none_cpu,
         .shape = "[target[0]] dtype=promote(hidden,float32); [target[0]] dtype=float32",
         .backward = "linear_cross_entropy_none_backward",
-        .backward_args = "grad0,hidden,weight,target,bias,out1,ignore_index,label_smoothing,softcap",
+        .backward_args = "grad0,hidden,weight,target,bias,out1,ignore_index,label_smoothing,softcap,needs",
         .backward_grads = "hidden,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER, /* see the note above the table */
         .flops = "2*numel(hidden)*size(weight,0)",
@@ -335,7 +341,7 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
     },
     {
         .schema = "linear_cross_entropy_none_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
-                  "Tensor? bias, Tensor lse, int ignore_index, float label_smoothing, float? softcap) "
+                  "Tensor? bias, Tensor lse, int ignore_index, float label_smoothing, float? softcap, int needs=7) "
                   "-> (Tensor, Tensor, Tensor)",
         .cpu = linear_cross_entropy_none_backward_cpu,
         .shape = "[hidden[:]]; [weight[:]] dtype=hidden; [bias[:]] dtype=hidden if bias",
@@ -355,10 +361,10 @@ OPF_AOTI_SHIM(linear_cross_entropy, 5,
 OPF_AOTI_SHIM(linear_cross_entropy_backward, 3,
               (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,
                AtenTensorHandle *bias, AtenTensorHandle lse, AtenTensorHandle dhidden, AtenTensorHandle dweight,
-               AtenTensorHandle dbias, int64_t ignore_index, double label_smoothing, int64_t reduction,
-               double *softcap),
+               AtenTensorHandle dbias, int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap,
+               int64_t needs),
               grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias, ignore_index, label_smoothing,
-              reduction, softcap);
+              reduction, softcap, needs);
 OPF_AOTI_SHIM(linear_cross_entropy_none, 2,
               (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle *bias,
                int64_t ignore_index, double label_smoothing, double *softcap),
@@ -366,5 +372,5 @@ OPF_AOTI_SHIM(linear_cross_entropy_none, 2,
 OPF_AOTI_SHIM(linear_cross_entropy_none_backward, 3,
               (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,
                AtenTensorHandle *bias, AtenTensorHandle lse, int64_t ignore_index, double label_smoothing,
-               double *softcap),
-              grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, softcap);
+               double *softcap, int64_t needs),
+              grad, hidden, weight, target, bias, lse, ignore_index, label_smoothing, softcap, needs);

@@ -213,6 +213,27 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
         CHECK(memcmp(dh1, dh.lo, (size_t)(t * h) * es) == 0 && memcmp(dw1, dw.lo, (size_t)(v * h) * es) == 0,
               "%s: T=%lld H=%lld V=%lld dt=%d: gradients differ between 1 and 2 threads", name, (long long)t,
               (long long)h, (long long)v, (int)dt);
+        /* one of the two not wanted (NULL): the other the same bits, the unwanted one's memory untouched
+         * (a frozen head or hidden) */
+        for (int skip = 0; skip < 2; skip++) {
+            linear_cross_entropy_problem q = bp;
+            arr *left = skip ? &dw : &dh;
+            const size_t left_bytes = (size_t)(skip ? v * h : t * h) * es;
+            memset(left->lo, 0xff, left_bytes);
+            if (skip)
+                q.dweight = NULL;
+            else
+                q.dhidden = NULL;
+            run(kern, gemm_kernels_for(opf_isa_current()), &q,
+                skip ? "backward without dweight" : "backward without dhidden");
+            size_t touched = 0;
+            for (size_t e = 0; e < left_bytes; e++) touched += ((const unsigned char *)left->lo)[e] != 0xff;
+            CHECK(touched == 0 &&
+                      memcmp(skip ? dh1 : dw1, skip ? dh.lo : dw.lo, (size_t)(skip ? t * h : v * h) * es) == 0,
+                  "%s: T=%lld H=%lld V=%lld dt=%d: with %s not wanted, %zu of its bytes written or the other differs",
+                  name, (long long)t, (long long)h, (long long)v, (int)dt, skip ? "dweight" : "dhidden", touched);
+            memcpy(left->lo, skip ? dw1 : dh1, left_bytes);
+        }
         free(dh1), free(dw1);
     }
 

@@ -173,6 +173,31 @@ def test_no_gradient_means_no_gradient_work():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("vocab", [10, 20000], ids=["one-block", "vocab-blocks"])
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_a_frozen_head_or_hidden_gets_no_gradient_work(reduction, vocab, frozen, monkeypatch):
+    # a frozen LM head (LoRA) or hidden: the forward makes no gradients, and the backward recomputes the
+    # blocks and makes only the wanted one, the same values as when both are wanted
+    hid, w, b, y = inputs(40, 6, vocab, torch.float32)
+    full = [t.detach().clone().requires_grad_() for t in (hid, w, b)]
+    loss = linear_cross_entropy(*full[:2], y, full[2], reduction=reduction)
+    (loss.sum() if reduction == "none" else loss).backward()
+    part = [hid.detach().clone().requires_grad_(frozen != "hidden"), w.detach().clone().requires_grad_(frozen != "weight"),
+            b.detach().clone().requires_grad_()]
+    module = sys.modules[linear_cross_entropy.__module__]
+    asked, forward = [], module._linear_cross_entropy
+    monkeypatch.setattr(module, "_linear_cross_entropy", lambda *a: asked.append(a[-1]) or forward(*a))
+    loss = linear_cross_entropy(*part[:2], y, part[2], reduction=reduction)
+    (loss.sum() if reduction == "none" else loss).backward()
+    for got, want in zip(part, full):
+        if got.requires_grad:
+            torch.testing.assert_close(got.grad, want.grad, **GRAD_TOL[torch.float32])
+        else:
+            assert got.grad is None
+    assert asked == ([] if reduction == "none" else [False])  # no gradients asked of the forward
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored_batch_matches_torch(reduction):
     hid, w, b, y = inputs(5, 4, 6, torch.float32)
     y[:] = -100

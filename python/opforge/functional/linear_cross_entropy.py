@@ -57,7 +57,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         softcap: Gemma-2's logit soft-capping, ``softcap * tanh(logits / softcap)`` before the softmax;
             None for none.
 
-    With reduction "mean" or "sum", a gradient needed (grad mode on and an input requiring grad) and
+    With reduction "mean" or "sum", the gradients of hidden and weight both needed (grad mode on) and
     blocks that span the vocabulary (:func:`vocab_in_one_block`: 256 tokens by the vocabulary within
     about 4M floats, e.g. a vocabulary up to 16384), the call also makes the gradients of
     hidden, weight and bias from each chunk's block while it is in the scratch (three GEMMs per block
@@ -68,7 +68,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     Larger vocabularies keep only each token's log-sum-exp (T floats) for the backward, which recomputes
     the blocks: a block then covers part of the vocabulary, a token's log-sum-exp is final only after its
     last one, and the gradients' second sweep must recompute every block wherever it runs. With "none" the per-token gradients are known only in the
-    backward, which recomputes the blocks from the saved log-sum-exp. float32; bfloat16 and float16 (the
+    backward, which recomputes the blocks from the saved log-sum-exp. Only the gradients wanted are
+    made: with a frozen weight (a frozen LM head, e.g. under LoRA) or hidden, the backward recomputes the
+    blocks and runs no GEMM for, and writes nothing into, the gradient not wanted. float32; bfloat16 and float16 (the
     GEMM's 16-bit paths, float32 accumulation, gradients accumulated in float32 and rounded once);
     float64 a reference loop (for gradcheck). The loss is promote(hidden, float32): float32 for 16-bit
     hidden (the log-sum-exp is float32 inside: a 16-bit loss would only round it, and a float16 one would
@@ -91,7 +93,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if reduction == "none":
         return _linear_cross_entropy_none(h2, weight, t1, bias, ignore_index, float(label_smoothing), softcap)[0].view(
             lead)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    compute_grad = needs_grad and vocab_in_one_block(h2.shape[0], weight.shape[0])
+    # the forward makes the gradients when hidden's and weight's are both wanted; else (a frozen head or
+    # hidden) the backward recomputes the blocks and makes only the wanted ones
+    compute_grad = (torch.is_grad_enabled() and hidden.requires_grad and weight.requires_grad
+                    and vocab_in_one_block(h2.shape[0], weight.shape[0]))
     return _linear_cross_entropy(h2, weight, t1, bias, ignore_index, float(label_smoothing), code, softcap,
                                  compute_grad)[0]

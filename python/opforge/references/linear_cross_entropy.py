@@ -45,13 +45,15 @@ def _lce_grads(grad, hidden, weight, target, bias, ignore_index, label_smoothing
 
 
 def linear_cross_entropy_backward(grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias,
-                                  ignore_index: int, label_smoothing: float, reduction: int, softcap: float | None):
-    """(dhidden, dweight, dbias) of grad * loss, dbias empty without a bias."""
+                                  ignore_index: int, label_smoothing: float, reduction: int, softcap: float | None,
+                                  needs: int = 7):
+    """(dhidden, dweight, dbias) of grad * loss, dbias empty without a bias. The op leaves the ones needs does
+    not ask for uncomputed, so the samples ask for all."""
     return _lce_grads(grad, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap)
 
 
 def linear_cross_entropy_none_backward(grad, hidden, weight, target, bias, lse, ignore_index: int,
-                                       label_smoothing: float, softcap: float | None):
+                                       label_smoothing: float, softcap: float | None, needs: int = 7):
     return _lce_grads(grad, hidden, weight, target, bias, ignore_index, label_smoothing, REDUCTIONS["none"], softcap)
 
 
