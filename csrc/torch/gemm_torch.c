@@ -11,7 +11,8 @@
  * (torch's GEMM for every product it takes), "auto" (default): per class of
  * product -- the kernel table (ISA), the operand and result types, whether an
  * epilogue follows, the thread count, M, N and K rounded up to powers of two,
- * and the operands' layouts -- the first SAMPLES x 2 products of the class run
+ * and the operands' layouts -- the first SAMPLES x 2 products of the class
+ * (MORE_SAMPLES x 2 where the two come within 8% of each other) run
  * on the two GEMMs in turn, each timed as it runs (the whole call, epilogue
  * included, per multiply-add), and the faster one (best sample against best
  * sample) runs every product of the class from then on. The measuring costs
@@ -55,7 +56,11 @@ static const char *const mode_names[] = {"own", "torch", "auto"};
 static int mode = MODE_AUTO; /* atomic */
 
 enum { MIN_WORK = 1 << 18 }; /* 64^3 multiply-adds */
-enum { SAMPLES = 3 };        /* timed calls per GEMM and class; the best counts (the first one warms up) */
+/* timed calls per GEMM and class; the best counts (the first one warms up). Where the best samples are
+ * within CLOSE of each other after SAMPLES, a noisy machine could pick either: each side is sampled up to
+ * MORE_SAMPLES times (the extra calls cost at most that gap each). */
+enum { SAMPLES = 3, MORE_SAMPLES = 8 };
+#define CLOSE 0.92
 
 typedef struct choice {
     char key[160];
@@ -322,7 +327,10 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
             c->n_own++;
             if (rate > c->own_rate) c->own_rate = rate;
         }
-        if (!c->decided && c->n_own >= SAMPLES && c->n_torch >= SAMPLES) {
+        const double lo = c->own_rate < c->torch_rate ? c->own_rate : c->torch_rate;
+        const double hi = c->own_rate < c->torch_rate ? c->torch_rate : c->own_rate;
+        const int enough = lo < CLOSE * hi ? SAMPLES : MORE_SAMPLES;
+        if (!c->decided && c->n_own >= enough && c->n_torch >= enough) {
             c->decided = 1, c->here = 1;
             c->torch = c->torch_rate > c->own_rate / 0.97; /* a near tie stays with the fused kernels */
             save(c);

@@ -93,7 +93,7 @@ _AUTO = r"""
 import json, torch, opforge
 opforge.set_gemm("auto")
 x, w = torch.randn(256, 128, requires_grad=True), torch.randn(192, 128, requires_grad=True)
-for _ in range(7):  # a class's first 6 products run on the two GEMMs in turn, then the faster one
+for _ in range(17):  # a class's first 6 products (16 on a near tie) run on the two GEMMs in turn, then the faster
     opforge.linear(x, w, None, "gelu").sum().backward()
 opforge.linear(x[:200], w, None, "gelu").sum().backward()   # the same classes
 print(json.dumps({"choices": opforge.gemm_choices(), "file": opforge._runtime.gemm_cache_file()}))
@@ -111,8 +111,10 @@ def test_auto_times_a_class_on_its_first_calls_and_keeps_the_choice_on_disk(tmp_
     first = run()
     keys = [c["key"] for c in first["choices"]]
     assert len(keys) == 3 and len(set(keys)) == 3  # forward, dx and dweight: three classes
-    for c in first["choices"]:  # each timed 3 times on each GEMM, then decided
-        assert c["here"] and c["samples"] == 6 and c["provider"] in ("own", "torch"), c
+    for c in first["choices"]:  # each timed 3 times on each GEMM (8 on a near tie), then decided
+        near_tie = min(c["own_gflops"], c["torch_gflops"]) >= 0.92 * max(c["own_gflops"], c["torch_gflops"])
+        assert c["here"] and c["samples"] in (6, 16) and c["provider"] in ("own", "torch"), c
+        assert c["samples"] == 16 or not near_tie, c  # decided at 3 each only when the two were apart
         assert c["own_gflops"] > 0 and c["torch_gflops"] > 0
         assert c["provider"] == ("torch" if c["torch_gflops"] > c["own_gflops"] / 0.97 else "own")
     assert first["file"].startswith(str(tmp_path)) and "torch-" + torch.__version__.replace("+", "-") in first["file"]
