@@ -58,6 +58,11 @@ def main(argv=None):
             for m, k, n in dtype_shapes:
                 x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
                 torch.testing.assert_close(opforge.matmul(x, w).float(), x.float() @ w.float(), **tol)
+                opforge.set_gemm(mode)
+                for _ in range(20):  # auto: the class's first products are its measurement (6, or 16 on a near
+                    opforge.matmul(x, w)  # tie); the table shows what a long run gets after them
+                    if provider(m, k, n, threads, name, mode) != "measuring":
+                        break
                 # opforge in its default mode (auto: the faster GEMM for the product's class, chosen on
                 # its first call) and on its own kernels alone
                 variants = {"opforge": lambda: (opforge.set_gemm(mode), opforge.matmul(x, w))[1],
