@@ -12,7 +12,7 @@
  * product -- the kernel table (ISA), the operand and result types, whether an
  * epilogue follows, the thread count, M, N and K rounded up to powers of two,
  * and the operands' layouts -- the first SAMPLES x 2 products of the class
- * (MORE_SAMPLES x 2 where the two come within 8% of each other) run
+ * (up to MORE_SAMPLES x 2 while the two are within 8% of each other) run
  * on the two GEMMs in turn, each timed as it runs (the whole call, epilogue
  * included, per multiply-add), and the faster one (best sample against best
  * sample) runs every product of the class from then on. The measuring costs

@@ -48,7 +48,7 @@ int opf_provider_begin(const char *key, opf_provider_turn *turn);
 /* After the call: records a measuring call's time over `work` (multiply-adds, or any measure of the
  * call's size that the class's calls share), or, with failed, that torch's kernel could not run it
  * (the class stays with opforge's). Past SAMPLES calls of each kernel the class is decided and saved
- * (MORE_SAMPLES where the two are within 8%). */
+ * (up to MORE_SAMPLES while the two are within 8%). */
 void opf_provider_end(const opf_provider_turn *turn, double work, int failed);
 
 #endif

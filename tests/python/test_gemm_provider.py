@@ -111,10 +111,10 @@ def test_auto_times_a_class_on_its_first_calls_and_keeps_the_choice_on_disk(tmp_
     first = run()
     keys = [c["key"] for c in first["choices"]]
     assert len(keys) == 3 and len(set(keys)) == 3  # forward, dx and dweight: three classes
-    for c in first["choices"]:  # each timed 3 times on each GEMM (8 on a near tie), then decided
+    for c in first["choices"]:  # each timed 3 times on each GEMM (up to 8 while a near tie), then decided
         near_tie = min(c["own_gflops"], c["torch_gflops"]) >= 0.92 * max(c["own_gflops"], c["torch_gflops"])
-        assert c["here"] and c["samples"] in (6, 16) and c["provider"] in ("own", "torch"), c
-        assert c["samples"] == 16 or not near_tie, c  # decided at 3 each only when the two were apart
+        assert c["here"] and 6 <= c["samples"] <= 16 and c["provider"] in ("own", "torch"), c
+        assert c["samples"] == 16 or not near_tie, c  # decided before 8 each only once the two are apart
         assert c["own_gflops"] > 0 and c["torch_gflops"] > 0
         assert c["provider"] == ("torch" if c["torch_gflops"] > c["own_gflops"] / 0.97 else "own")
     assert first["file"].startswith(str(tmp_path)) and "torch-" + torch.__version__.replace("+", "-") in first["file"]
