@@ -348,10 +348,11 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             ctx.out_meta = [dict(size=o.shape, dtype=o.dtype, device=o.device) for o in outs]
         ctx.save_for_backward(*[outs[i] if kind == "out" else inputs[i] for kind, i in saved_from])
         ctx.consts = [inputs[i] for i in const_from]
-        ctx.absent = [inputs[i] is None for i in grad_slots]  # an absent optional tensor gets no gradient
-        # which gradients are wanted (what ctx.needs_input_grad says, read from the inputs: that tuple's
-        # positions differ between torch's generated Function and the lean one)
-        ctx.needed = [isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad for i in grad_slots]
+        # which gradients are wanted, bit b for grad_slots[b] (what ctx.needs_input_grad says, read from the
+        # inputs: that tuple's positions differ between torch's generated Function and the lean one); an
+        # absent optional tensor is never wanted, so it gets no gradient
+        ctx.needs = sum(1 << b for b, i in enumerate(grad_slots)
+                        if isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad)
 
     def backward(ctx, *grads):
         if saved_only:  # grads are not materialised: zeros only where the backward needs one
@@ -362,9 +363,8 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         op = bwd
         if donatable is not None and _private.may_donate(ctx, saved, donatable):
             op = bwd_inplace  # the saved output is ours alone: the backward may overwrite it
-        needs = sum(1 << b for b, wanted in enumerate(ctx.needed) if wanted)
         args = [
-            grads[i] if k == "grad" else saved[i] if k == "saved" else needs if k == "needs" else ctx.consts[i]
+            grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.needs if k == "needs" else ctx.consts[i]
             for k, i in plan
         ]
         del saved
@@ -374,8 +374,8 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         if recording:  # create_graph=True: the results join the graph, and differentiating them raises
             res = _FirstOrderOnly.apply(qualname, res, *[a for a in args if isinstance(a, torch.Tensor)])
         out = [None] * len(argnames)
-        for slot, g, absent, wanted in zip(grad_slots, res, ctx.absent, ctx.needed):
-            out[slot] = g if wanted and not absent else None
+        for b, (slot, g) in enumerate(zip(grad_slots, res)):
+            out[slot] = g if ctx.needs >> b & 1 else None
         return tuple(out)
 
     # what torch.library.register_autograd registers, behind the checks for
