@@ -113,9 +113,29 @@ static inline uint32_t pair1(float x0, float x1) {
     return (uint32_t)opf_f32_to_bf16(x0) | (uint32_t)opf_f32_to_bf16(x1) << 16;
 }
 
-/* A(r, p) = a[r*rsa + p*csa] for r < mc, p < kc, into ap[p2 * MC + r] */
-static void pack_a(uint32_t *ap, const float *a, int64_t rsa, int64_t csa, int64_t mc, int64_t kc) {
+/* 16 pairs (x[2i], x[2i+1]) of n <= 32 consecutive floats (zeros past n), as 16 32-bit lanes: 16 floats
+ * rounded and narrowed to 16 bfloat16 in order are 8 such pairs */
+static inline __m512i pairs_of32(const float *x, int64_t n) {
+    const __m256i p0 = _mm512_cvtepi32_epi16(bf16_lanes(_mm512_maskz_loadu_ps(tail16(n), x)));
+    const __m256i p1 = _mm512_cvtepi32_epi16(bf16_lanes(_mm512_maskz_loadu_ps(tail16(n - 16), x + 16)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
+}
+
+/* A(r, p) = a[r*rsa + p*csa] for r < mc, p < kc, as pairs, in one of two layouts: row r's pair p2 at
+ * ap[r * KC2 + p2] (*ars = KC2) or at ap[p2 * MC + r] (*ars = 1). Rows along K (csa = 1: the K, Q, dO and
+ * dS rows) take the first, 16 pairs a vector; columns along K (rsa = 1: P^T, dS^T) the second, 16 rows a
+ * vector; any other strides the second, element by element. */
+static void pack_a(uint32_t *ap, const float *a, int64_t rsa, int64_t csa, int64_t mc, int64_t kc, int64_t *ars) {
     const int64_t kp = (kc + 1) / 2;
+    if (csa == 1 && rsa != 1) {
+        *ars = KC2;
+        for (int64_t r = 0; r < mc; r++)
+            for (int64_t p2 = 0; p2 < kp; p2 += 16)
+                _mm512_mask_storeu_epi32(ap + r * KC2 + p2, tail16(kp - p2),
+                                         pairs_of32(a + r * rsa + 2 * p2, kc - 2 * p2));
+        return;
+    }
+    *ars = 1;
     for (int64_t p2 = 0; p2 < kp; p2++) {
         const float *a0 = a + 2 * p2 * csa, *a1 = 2 * p2 + 1 < kc ? a0 + csa : NULL;
         if (rsa == 1) { /* the rows of a pair's two columns are consecutive: 16 rows a vector */
@@ -140,17 +160,18 @@ void attention_pack_b_bf16(uint32_t *bp, const float *b, int64_t ldb, int64_t kc
 }
 
 static inline __attribute__((always_inline)) TARGET_BF16 void tile_bf16(const int mr, const int nv, int64_t kp,
-                                                                        const uint32_t *ap, const uint32_t *bp,
-                                                                        float *c, int64_t ldc, int acc, __mmask16 m0,
-                                                                        __mmask16 m1) {
+                                                                        const int rows_along_k, const uint32_t *ap,
+                                                                        const uint32_t *bp, float *c, int64_t ldc,
+                                                                        int acc, __mmask16 m0, __mmask16 m1) {
+    const int64_t ars = rows_along_k ? KC2 : 1, aps = rows_along_k ? 1 : MC; /* constants: immediate offsets */
     __m512 c0[12], c1[12];
 #pragma GCC unroll 12
     for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm512_setzero_ps();
-    for (int64_t p2 = 0; p2 < kp; p2++, ap += MC, bp += 32) {
+    for (int64_t p2 = 0; p2 < kp; p2++, ap += aps, bp += 32) {
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp), b1 = (__m512bh)_mm512_loadu_si512(bp + 16);
 #pragma GCC unroll 12
         for (int r = 0; r < mr; r++) {
-            const __m512bh av = (__m512bh)_mm512_set1_epi32((int)ap[r]);
+            const __m512bh av = (__m512bh)_mm512_set1_epi32((int)ap[r * ars]);
             c0[r] = _mm512_dpbf16_ps(c0[r], av, b0);
             if (nv == 2) c1[r] = _mm512_dpbf16_ps(c1[r], av, b1);
         }
@@ -158,24 +179,24 @@ static inline __attribute__((always_inline)) TARGET_BF16 void tile_bf16(const in
     store_tile(mr, nv, c0, c1, c, ldc, acc, m0, m1);
 }
 
-#define ROWS_BF16(NV)                                                          \
-    for (int64_t i = 0; i < mc; i += 12) {                                     \
-        const uint32_t *ai = ap + i;                                           \
-        float *ci = c + (i0 + i) * ldc + j;                                    \
-        switch (mc - i < 12 ? mc - i : 12) {                                   \
-        case 12: tile_bf16(12, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break; \
-        case 11: tile_bf16(11, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break; \
-        case 10: tile_bf16(10, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break; \
-        case 9: tile_bf16(9, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
-        case 8: tile_bf16(8, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
-        case 7: tile_bf16(7, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
-        case 6: tile_bf16(6, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
-        case 5: tile_bf16(5, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
-        case 4: tile_bf16(4, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
-        case 3: tile_bf16(3, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
-        case 2: tile_bf16(2, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;   \
-        default: tile_bf16(1, NV, kp, ai, bp, ci, ldc, accum, m0, m1); break;  \
-        }                                                                      \
+#define ROWS_BF16(NV, RK)                                                          \
+    for (int64_t i = 0; i < mc; i += 12) {                                         \
+        const uint32_t *ai = ap + i * (RK ? KC2 : 1);                              \
+        float *ci = c + (i0 + i) * ldc + j;                                        \
+        switch (mc - i < 12 ? mc - i : 12) {                                       \
+        case 12: tile_bf16(12, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break; \
+        case 11: tile_bf16(11, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break; \
+        case 10: tile_bf16(10, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break; \
+        case 9: tile_bf16(9, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 8: tile_bf16(8, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 7: tile_bf16(7, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 6: tile_bf16(6, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 5: tile_bf16(5, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 4: tile_bf16(4, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 3: tile_bf16(3, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        case 2: tile_bf16(2, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;   \
+        default: tile_bf16(1, NV, kp, RK, ai, bp, ci, ldc, accum, m0, m1); break;  \
+        }                                                                          \
     }
 
 TARGET_BF16 static void mm_avx512bf16(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa,
@@ -190,15 +211,20 @@ TARGET_BF16 static void mm_avx512bf16(int64_t m, int64_t n, int64_t k, const flo
         const int accum = acc || k0 > 0;
         for (int64_t i0 = 0; i0 < m; i0 += MC) {
             const int64_t mc = m - i0 < MC ? m - i0 : MC;
-            pack_a(ap, a + i0 * rsa + k0 * csa, rsa, csa, mc, kc);
+            int64_t ars;
+            pack_a(ap, a + i0 * rsa + k0 * csa, rsa, csa, mc, kc, &ars);
             for (int64_t j = 0; j < n; j += 32) {
                 const int64_t nb = n - j < 32 ? n - j : 32;
                 const __mmask16 m0 = tail16(nb), m1 = tail16(nb - 16);
                 attention_pack_b_bf16(bp, b + k0 * ldb + j, ldb, kc, nb);
-                if (nb > 16) {
-                    ROWS_BF16(2)
+                if (nb > 16 && ars != 1) {
+                    ROWS_BF16(2, 1)
+                } else if (nb > 16) {
+                    ROWS_BF16(2, 0)
+                } else if (ars != 1) {
+                    ROWS_BF16(1, 1)
                 } else {
-                    ROWS_BF16(1)
+                    ROWS_BF16(1, 0)
                 }
             }
         }

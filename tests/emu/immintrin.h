@@ -38,6 +38,7 @@
 #define _mm512_castps256_ps512 simde_mm512_castps256_ps512
 #define _mm512_castps512_ps256 simde_mm512_castps512_ps256
 #define _mm512_castps_si512 simde_mm512_castps_si512
+#define _mm512_castsi256_si512 simde_mm512_castsi256_si512
 #define _mm512_castsi512_ps simde_mm512_castsi512_ps
 #define _mm512_cmp_ps_mask simde_mm512_cmp_ps_mask
 #define _mm512_div_pd simde_mm512_div_pd
@@ -47,6 +48,7 @@
 #define _mm512_fmsub_ps simde_mm512_fmsub_ps
 #define _mm512_fnmadd_ps simde_mm512_fnmadd_ps
 #define _mm512_insertf32x8 simde_mm512_insertf32x8
+#define _mm512_inserti64x4 simde_mm512_inserti64x4
 #define _mm512_load_ps simde_mm512_load_ps
 #define _mm512_loadu_ps simde_mm512_loadu_ps
 #define _mm512_loadu_si512 simde_mm512_loadu_si512
