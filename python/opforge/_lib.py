@@ -390,6 +390,9 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         return generated(keyset, *args, **kwargs)
 
     _fragment(desc.namespace).impl(desc.name, autograd_kernel, "Autograd", with_keyset=True)
+    direct = getattr(generated, "direct", None)
+    if direct is not None:
+        _DIRECT[qualname] = direct
 
 
 def _wire_not_differentiable(desc: OpDescriptor) -> None:
@@ -562,6 +565,10 @@ def wire(desc: OpDescriptor, is_backward: bool = False) -> None:
         _wire_autocast(desc)
 
 
+# "ns::op" -> its autograd.Function's entry without the dispatcher's autograd key (op_function's eager path)
+_DIRECT: dict = {}
+
+
 def _stub(namespace: str, name: str):
     def op(*args):
         pass
@@ -590,6 +597,10 @@ def op_function(op: torch._ops.OpOverload):
     of a small op's time. When grad mode is off or no tensor argument requires
     grad, that kernel would only redispatch below autograd; this excludes the
     autograd keys for the call instead (a thread-local flag, restored after).
+    When a gradient can flow, plain eager calls (no autocast, no mode, no
+    tensor subclass: _torch_private.plain_eager_check) enter the op's
+    autograd.Function directly, which is what the autograd kernel would run
+    after the hop into Python: a forward with grad costs ~25 us instead of ~36.
     While torch.compile traces, the op is called as is; under forward-mode
     AD the autograd kernel runs, to refuse tangents it cannot propagate.
     Where torch lacks the thread-local functions, the op is always called as is.
@@ -598,6 +609,7 @@ def op_function(op: torch._ops.OpOverload):
     tls = _private.autograd_tls()
     may_skip, set_excluded, _ = tls or (None, None, None)
     tensors = [i for i, a in enumerate(op._schema.arguments) if is_tensor_arg(a)]
+    qualname, plain = op.name(), _private.plain_eager_check()
 
     def fast(*args):
         if _compiling():
@@ -606,6 +618,9 @@ def op_function(op: torch._ops.OpOverload):
             for i in tensors:
                 t = args[i]
                 if t is not None and getattr(t, "requires_grad", False):
+                    direct = _DIRECT.get(qualname)
+                    if direct is not None and plain is not None and plain(args, tensors):
+                        return direct(*args)  # what the autograd key would run, without the hop into it
                     return call(*args)
         if tls is None or not may_skip():
             return call(*args)

@@ -139,9 +139,11 @@ def lean_autograd_kernel(op, backward, setup_context):
         return None
     defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
 
+    entry = op_entry(op)
+
     def forward(ctx, keyset, *args):  # redispatch_below_autograd, with its pieces looked up once
-        with below():
-            result = op.redispatch(keyset & after, *args)
+        with below():  # keyset None: called by direct(), not from the dispatcher's autograd key
+            result = entry(*args) if keyset is None else op.redispatch(keyset & after, *args)
         setup_context(ctx, args + defaults[len(args):], result)
         return result
 
@@ -157,7 +159,46 @@ def lean_autograd_kernel(op, backward, setup_context):
             return function.apply(keyset, *args)
         return redispatch_below_autograd(op, keyset, args, kwargs)
 
+    def direct(*args):
+        return function.apply(None, *args)
+
+    kernel.direct = direct
     return kernel
+
+
+def plain_eager_check():
+    """A function ok(args, tensor_positions): whether an eager call of an op may
+    enter its autograd.Function directly (the `direct` of lean_autograd_kernel)
+    instead of through the dispatcher's autograd key, which would call the same
+    Function after a C++-to-Python hop and opforge's refusal checks (~20 us a
+    call). True only where nothing above or at the autograd key could act:
+    no autocast, no torch-function or dispatch mode, no forward-AD level, no
+    torch.func transform, and every tensor argument a plain Tensor or Parameter
+    (a subclass such as DTensor or FakeTensor keeps the dispatcher's path).
+    None when torch lacks a piece (and False when one raises): the dispatcher's path then."""
+    any_autocast = _attr(_C, "_is_any_autocast_enabled")
+    function_modes = _attr(_C, "_len_torch_function_stack")
+    dispatch_modes = _attr(_C, "_len_torch_dispatch_stack")
+    peek = _attr(_C, "_functorch.peek_interpreter_stack")
+    fwd = _forward_ad
+    if any(f is None for f in (any_autocast, function_modes, dispatch_modes, peek)) or not isinstance(
+            getattr(fwd, "_current_level", None), int):
+        return None
+    tensor, parameter = torch.Tensor, torch.nn.Parameter
+
+    def ok(args, positions) -> bool:
+        try:
+            if any_autocast() or function_modes() or dispatch_modes() or fwd._current_level >= 0 or peek() is not None:
+                return False
+        except Exception:  # a piece changed under a newer torch: the dispatcher's path
+            return False
+        for i in positions:
+            t = args[i]
+            if t is not None and type(t) is not tensor and type(t) is not parameter:
+                return False
+        return True
+
+    return ok
 
 
 class _Capture:

@@ -179,3 +179,60 @@ def test_func_vmap_over_inputs_requiring_grad_differentiates(case):
     want = torch.autograd.grad(torch.stack([fn(*[p[i] for p in plain]) for i in range(2)]), plain, g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+class _PassThroughMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _via_autograd_key(monkeypatch):
+    """Calls of opforge's autograd kernel (the dispatcher's path), counted"""
+    from opforge import _lib
+
+    calls, real = [], _lib._refuse_unsupported_ad
+    monkeypatch.setattr(_lib, "_refuse_unsupported_ad", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    return calls
+
+
+def test_eager_call_enters_the_function_directly_with_the_same_gradients(case, monkeypatch):
+    # plain eager tensors: the op's autograd.Function is entered from Python, not through the dispatcher's
+    # autograd key; the values and gradients are those of the dispatcher's path (gradcheck'd above)
+    name, fn, inputs = case
+    calls = _via_autograd_key(monkeypatch)
+    out = fn(*inputs)
+    g = torch.randn_like(out)
+    direct = torch.autograd.grad(out, inputs, g)
+    assert calls == [] and out.grad_fn is not None
+    through_key = torch.autograd.grad(_through_dispatcher(fn, inputs), inputs, g)
+    assert calls, "the dispatcher's path was not taken"
+    for a, b in zip(direct, through_key):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _through_dispatcher(fn, inputs):
+    with _PassThroughMode():  # any torch-function mode sends the call through the dispatcher's autograd key
+        return fn(*inputs)
+
+
+@pytest.mark.parametrize("how", ["autocast", "mode", "subclass"])
+def test_eager_call_keeps_the_dispatcher_where_something_may_act(monkeypatch, how):
+    # autocast must cast before autograd records; a mode or a tensor subclass (DTensor, FakeTensor) must see the call
+    calls = _via_autograd_key(monkeypatch)
+    x, w = torch.rand(4, 6, requires_grad=True), torch.rand(3, 6, requires_grad=True)
+    if how == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = opforge.linear(x, w)
+        assert out.dtype == torch.bfloat16
+    elif how == "mode":
+        with _PassThroughMode():
+            out = opforge.linear(x, w)
+    else:
+        out = opforge.linear(x.as_subclass(_Sub), w)
+    assert calls == ["opforge::linear"]
+    gx, gw = torch.autograd.grad(out.float().sum(), (x, w))
+    torch.testing.assert_close(gx, w.detach().sum(0).expand(4, 6).to(gx.dtype), rtol=2e-2, atol=2e-2)

@@ -128,6 +128,18 @@ def test_op_entry_without_op_attribute():
     assert private.op_entry(Overload())() == "called"
 
 
+@pytest.mark.parametrize("name", ["_is_any_autocast_enabled", "_len_torch_function_stack", "_len_torch_dispatch_stack"])
+@pytest.mark.parametrize("how", ["missing", "raises"])
+def test_eager_calls_take_the_dispatcher_without_the_checks(monkeypatch, name, how):
+    # the direct entry into an op's autograd.Function needs to know that nothing could act at or above the
+    # autograd key; without a piece to tell, every call goes through the dispatcher as before
+    hide(monkeypatch, "_C", name, how)
+    if how == "missing":
+        assert private.plain_eager_check() is None
+    fn = op_function(torch.ops.opforge.dispersion_correction.default)(lambda x, alpha: None)
+    _dispersion_value_and_grad(fn)
+
+
 @pytest.mark.parametrize("name", ["_AutoDispatchBelowAutograd", "_after_autograd_keyset"])
 def test_redispatch_below_autograd_without_guard(monkeypatch, name):
     hide(monkeypatch, "_C", name)
@@ -231,7 +243,8 @@ spec.loader.exec_module(private)
 from test_torch_private import Hiding
 C = Hiding(torch._C, hidden=["_dispatch_tls_is_dispatch_key_excluded", "_dispatch_tls_set_dispatch_key_excluded",
                               "_storage_Use_Count", "_dispatch_key_for_device", "_AutoDispatchBelowAutograd",
-                              "_after_autograd_keyset", "_ExcludeDispatchKeyGuard", "_autograd", "_functorch"])
+                              "_after_autograd_keyset", "_ExcludeDispatchKeyGuard", "_autograd", "_functorch",
+                              "_is_any_autocast_enabled"])
 private._C, private._torch = C, Hiding(torch, hidden=["_library", "_subclasses"])
 private._forward_ad = Hiding(torch.autograd.forward_ad, hidden=["_current_level"])
 private._tls = private.autograd_tls()
