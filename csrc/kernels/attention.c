@@ -83,6 +83,23 @@ static int64_t workers_for(int64_t tasks, int64_t threads) {
     return w > 0 ? w : 1;
 }
 
+/* bfloat16 inputs whose rows are unit-stride, with head dims of one K chunk: the products run on
+ * operands packed once (attention_bf16_packing, attention.h) where the table has the packing */
+static int packs_shape(const attention_problem *p) {
+    return p->dt == OPF_BF16 && p->qs[3] == 1 && p->ks[3] == 1 && p->vs[3] == 1 && p->d_qk <= 2 * ATTENTION_PACK_KP &&
+           p->d_v <= 2 * ATTENTION_PACK_KP;
+}
+
+static const attention_bf16_packing *packing_for(const attention_kernels *k, const attention_problem *p) {
+    return packs_shape(p) ? k->packing : NULL;
+}
+
+/* words of a packed A along its rows (rows x any k of one chunk), along its columns (k x
+ * ATTENTION_PACK_MC), and of a packed B (k x n) */
+static int64_t packed_a_rows(int64_t rows) { return rows * ATTENTION_PACK_KP; }
+static int64_t packed_a_cols(int64_t k) { return (k + 1) / 2 * ATTENTION_PACK_MC; }
+static int64_t packed_b(int64_t k, int64_t n) { return cdiv(n, 32) * ((k + 1) / 2) * 32; }
+
 /* ---- forward ------------------------------------------------------------------------------- */
 
 /* Split-K. A task is one query block of one head while there are enough of
@@ -114,7 +131,9 @@ static int64_t fwd_kend(const attention_problem *p, int64_t i0, int64_t bq) {
 /* A forward worker's slice of the workspace, as offsets: the one statement of
  * it (blocks_plan sizes with it, fwd_task carves with it) */
 typedef struct fwd_layout {
-    int64_t qt, kbuf, vbuf, st, o, m, l, alpha, row, floats;
+    int64_t qt, kbuf, vbuf, st, o, m, l, alpha, row;
+    int64_t pq, pk, pp, pv; /* packed (packs_shape): Q^T as B, the K block as A, P as A, the V block as B */
+    int64_t floats;
 } fwd_layout;
 
 static fwd_layout fwd_layout_for(const attention_problem *p) {
@@ -130,6 +149,11 @@ static fwd_layout fwd_layout_for(const attention_problem *p) {
     lay.l = carve(&at, BQ);
     lay.alpha = carve(&at, BQ);
     lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
+    const int packed = packs_shape(p); /* uint32 words, a float's size each */
+    lay.pq = carve(&at, packed ? round16(packed_b(d_qk, BQ)) : 0);
+    lay.pk = carve(&at, packed ? round16(packed_a_rows(BK)) : 0);
+    lay.pp = carve(&at, packed ? round16(packed_a_cols(BK)) : 0);
+    lay.pv = carve(&at, packed ? round16(packed_b(BK, d_v)) : 0);
     lay.floats = round16(at);
     return lay;
 }
@@ -265,9 +289,16 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
         m = o + c->pl.rows * d_v;
         l = m + c->pl.rows;
     }
+    const attention_bf16_packing *pk = packing_for(k, p);
+    uint32_t *pq = (uint32_t *)(ws + lay.pq), *pkb = (uint32_t *)(ws + lay.pk), *pp = (uint32_t *)(ws + lay.pp),
+             *pv = (uint32_t *)(ws + lay.pv);
+    if (pk) /* Q^T of the block as packed pairs, once for all its key blocks */
+        pk->bt16(pq, (const uint16_t *)p->q + off4(p->qs, b, h, i0, 0), p->qs[2], d_qk, bq);
     for (int64_t i = 0; i < bq; i++) { /* Q^T of the block, float32 */
-        load_row(k->cvt, row, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
-        for (int64_t d = 0; d < d_qk; d++) qt[d * BQ + i] = row[d];
+        if (!pk) {
+            load_row(k->cvt, row, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
+            for (int64_t d = 0; d < d_qk; d++) qt[d * BQ + i] = row[d];
+        }
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
@@ -278,14 +309,19 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
         /* S^T (bk x bq) = K_block Q^T: K rows are read in place in float32 */
         const float *ka = kbuf;
         int64_t rsk = d_qk, csk = 1;
-        if (f32) {
+        if (pk) {
+            pk->a_rows16(pkb, (const uint16_t *)p->k + off4(p->ks, b, kvh, j0, 0), p->ks[2], bk, d_qk);
+        } else if (f32) {
             ka = (const float *)p->k + off4(p->ks, b, kvh, j0, 0);
             rsk = p->ks[2], csk = p->ks[3];
         } else {
             for (int64_t j = 0; j < bk; j++)
                 load_row(k->cvt, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
         }
-        mm(bk, bq, d_qk, ka, rsk, csk, qt, BQ, st, BQ, 0);
+        if (pk)
+            pk->mm(bk, bq, d_qk, pkb, 1, pq, st, BQ, 0);
+        else
+            mm(bk, bq, d_qk, ka, rsk, csk, qt, BQ, st, BQ, 0);
         float scale;
         const int64_t diag = tile_diag(p, st, 1, BQ, b, h, i0, bq, j0, bk, &scale);
         k->softmax_cols(st, BQ, bk, bq, scale, m, l, alpha, diag);
@@ -293,6 +329,12 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
             if (alpha[i] != 1.0f)
                 for (int64_t d = 0; d < d_v; d++) o[i * d_v + d] *= alpha[i];
         /* O (bq x Dv) += P V_block, P(i, j) = st[j*BQ + i] */
+        if (pk) {
+            pk->a_cols32(pp, st, BQ, bq, bk);
+            pk->b16(pv, (const uint16_t *)p->v + off4(p->vs, b, kvh, j0, 0), p->vs[2], bk, d_v);
+            pk->mm(bq, d_v, bk, pp, 0, pv, o, d_v, 1);
+            continue;
+        }
         const float *vb = vbuf;
         int64_t ldv = d_v;
         if (f32 && p->vs[3] == 1) {
@@ -384,7 +426,11 @@ static int whole_groups(const attention_problem *p, int64_t threads) { return p-
 /* A backward worker's slice of the workspace, as offsets: the one statement
  * of it (attention_bwd_plan_make sizes with it, bwd_task carves with it) */
 typedef struct bwd_worker_layout {
-    int64_t kt, vt, kr, dk, dv, qr, dor, scores, dp, row, floats;
+    int64_t kt, vt, kr, dk, dv, qr, dor, scores, dp, row;
+    /* packed (packs_shape): K^T, V^T and K as B (once per key block); Q and dO rows as A, dO and Q as B,
+     * P^T or dS^T and dS as A (per query block) */
+    int64_t pkt, pvt, pk, pqa, pdoa, pdob, pqb, pcols, pdsa;
+    int64_t floats;
 } bwd_worker_layout;
 
 static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p) {
@@ -401,6 +447,16 @@ static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p) {
     lay.scores = carve(&at, BQ * BK); /* S, then P */
     lay.dp = carve(&at, BQ * BK);     /* dP, then dS */
     lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
+    const int packed = packs_shape(p); /* uint32 words, a float's size each */
+    lay.pkt = carve(&at, packed ? round16(packed_b(d_qk, BK)) : 0);
+    lay.pvt = carve(&at, packed ? round16(packed_b(d_v, BK)) : 0);
+    lay.pk = carve(&at, packed ? round16(packed_b(BK, d_qk)) : 0);
+    lay.pqa = carve(&at, packed ? round16(packed_a_rows(BQ)) : 0);
+    lay.pdoa = carve(&at, packed ? round16(packed_a_rows(BQ)) : 0);
+    lay.pdob = carve(&at, packed ? round16(packed_b(BQ, d_v)) : 0);
+    lay.pqb = carve(&at, packed ? round16(packed_b(BQ, d_qk)) : 0);
+    lay.pcols = carve(&at, packed ? round16(packed_a_cols(BQ)) : 0);
+    lay.pdsa = carve(&at, packed ? round16(packed_a_rows(BQ)) : 0);
     lay.floats = round16(at);
     return lay;
 }
@@ -479,6 +535,42 @@ static void pass_turn(bwd_ctx *c, atomic_llong *turn, int64_t kb) {
     pthread_mutex_unlock(&c->lock);
 }
 
+/* Query block i0.. (bq queries) of head h against key block kb (j0.., bk keys), on packed operands: the
+ * products of the block loop in bwd_task, the same sums in the same order */
+static void bwd_packed_block(bwd_ctx *c, const attention_bf16_packing *pk, int64_t b, int64_t h, int64_t i0, int64_t bq,
+                             int64_t kb, int64_t j0, int64_t bk, float *ws, const bwd_worker_layout *lay, float *dq,
+                             int64_t lddq) {
+    const attention_kernels *k = c->k;
+    const attention_problem *p = c->p;
+    const int64_t d_qk = p->d_qk, d_v = p->d_v, bh = b * p->h + h;
+    float *scores = ws + lay->scores, *dp = ws + lay->dp, *dk = ws + lay->dk, *dv = ws + lay->dv;
+    uint32_t *pkt = (uint32_t *)(ws + lay->pkt), *pvt = (uint32_t *)(ws + lay->pvt), *pkr = (uint32_t *)(ws + lay->pk);
+    uint32_t *pqa = (uint32_t *)(ws + lay->pqa), *pdoa = (uint32_t *)(ws + lay->pdoa);
+    uint32_t *pdob = (uint32_t *)(ws + lay->pdob), *pqb = (uint32_t *)(ws + lay->pqb);
+    uint32_t *pcols = (uint32_t *)(ws + lay->pcols), *pdsa = (uint32_t *)(ws + lay->pdsa);
+    const uint16_t *q = (const uint16_t *)p->q + off4(p->qs, b, h, i0, 0);
+    const uint16_t *dout = (const uint16_t *)p->dout + off4(p->dos, b, h, i0, 0);
+    pk->a_rows16(pqa, q, p->qs[2], bq, d_qk);
+    pk->a_rows16(pdoa, dout, p->dos[2], bq, d_v);
+    pk->mm(bq, bk, d_qk, pqa, 1, pkt, scores, BK, 0); /* S = Q K^T */
+    float scale;
+    const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
+    k->probs(scores, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag);             /* P */
+    pk->mm(bq, bk, d_v, pdoa, 1, pvt, dp, BK, 0);                                   /* dP = dO V^T */
+    k->dscores(dp, scores, BK, bq, bk, c->delta + bh * p->n + i0, (float)p->scale); /* dS */
+    pk->a_cols32(pcols, scores, BK, bk, bq);
+    pk->b16(pdob, dout, p->dos[2], bq, d_v);
+    pk->mm(bk, d_v, bq, pcols, 0, pdob, dv, d_v, 1); /* dV += P^T dO */
+    pk->a_cols32(pcols, dp, BK, bk, bq);
+    pk->b16(pqb, q, p->qs[2], bq, d_qk);
+    pk->mm(bk, d_qk, bq, pcols, 0, pqb, dk, d_qk, 1); /* dK += dS^T Q */
+    pk->a_rows32(pdsa, dp, BK, bq, bk);
+    atomic_llong *turn = c->turns ? &c->turns[bh * cdiv(p->n, BQ) + i0 / BQ] : NULL;
+    if (turn) wait_turn(c, turn, kb);
+    pk->mm(bq, d_qk, bk, pdsa, 1, pkr, dq, lddq, 1); /* dQ += dS K */
+    if (turn) pass_turn(c, turn, kb);
+}
+
 /* Key block kb of head group grp: dK and dV of its keys; dS K into dQ, by turns when c->turns */
 static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
     const attention_kernels *k = c->k;
@@ -492,7 +584,15 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
     const int64_t qstart = first_query(p, kb);
     memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
     memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
-    for (int64_t j = 0; j < bk && qstart < p->n; j++) { /* K rows, K^T and V^T of the block, float32 */
+    const attention_bf16_packing *pk = p->dos[3] == 1 ? packing_for(k, p) : NULL;
+    uint32_t *pkt = (uint32_t *)(ws + lay.pkt), *pvt = (uint32_t *)(ws + lay.pvt), *pkr = (uint32_t *)(ws + lay.pk);
+    if (pk && qstart < p->n) { /* K^T, V^T and K of the block as packed pairs, once for all its query blocks */
+        const uint16_t *kb16 = (const uint16_t *)p->k + off4(p->ks, b, kvh, j0, 0);
+        pk->bt16(pkt, kb16, p->ks[2], d_qk, bk);
+        pk->bt16(pvt, (const uint16_t *)p->v + off4(p->vs, b, kvh, j0, 0), p->vs[2], d_v, bk);
+        pk->b16(pkr, kb16, p->ks[2], bk, d_qk);
+    }
+    for (int64_t j = 0; j < bk && qstart < p->n && !pk; j++) { /* K rows, K^T and V^T of the block, float32 */
         load_row(k->cvt, kr + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
         for (int64_t d = 0; d < d_qk; d++) kt[d * BK + j] = kr[j * d_qk + d];
         load_row(k->cvt, row, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
@@ -505,6 +605,10 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
         const int64_t lddq = c->dq32s[2];
         for (int64_t i0 = qstart; i0 < p->n; i0 += BQ) {
             const int64_t bq = p->n - i0 < BQ ? p->n - i0 : BQ;
+            if (pk) {
+                bwd_packed_block(c, pk, b, h, i0, bq, kb, j0, bk, ws, &lay, dqh + i0 * lddq, lddq);
+                continue;
+            }
             const float *q = qr, *dout = dor;
             int64_t ldq = d_qk, lddo = d_v;
             if (f32 && p->qs[3] == 1) {

@@ -31,6 +31,13 @@
  * added in task order. With enough key/value heads for every thread a task is
  * a whole head group and walks its key blocks itself.
  *
+ * bfloat16 inputs multiply bfloat16 pairs where the table has the product
+ * (mm_bf16). With unit-stride rows and head dims up to 256 the operands are
+ * packed into pairs straight from their 16-bit rows (no float32 copy), each
+ * once where it is reused -- Q^T per forward task, K^T, V^T and K per
+ * backward task -- and P and dS from the float32 tiles (packing below): the
+ * same sums as the staged products, so the same bits.
+ *
  * Semantics match torch.nn.functional.scaled_dot_product_attention: causal is
  * top-left aligned (query i sees keys j <= i), a boolean mask keeps the keys
  * where it is true, a float mask is added to the scores, and a row with no
@@ -81,6 +88,30 @@ typedef struct attention_problem {
 typedef void (*attention_mm_fn)(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa,
                                 const float *b, int64_t ldb, float *c, int64_t ldc, int acc);
 
+/* Block products of bfloat16 inputs on operands packed into bfloat16 pairs once and reused: Q, K, V
+ * and dO are packed from their own 16-bit rows (no float32 copy), K and V once per block for every
+ * product that reads them, and P and dS from the float32 tiles. The sums are the mm_bf16 ones, term
+ * for term (one chunk of K: head dims <= 2 * ATTENTION_PACK_KP), so the results are the same bits.
+ * A packed A (m x k) holds its rows along K -- row r's pair q (A(r, 2q), A(r, 2q + 1)) at
+ * ap[r * ATTENTION_PACK_KP + q] -- or its columns -- at ap[q * ATTENTION_PACK_MC + r], m <= that; a
+ * packed B (k x n) is 32-column slivers, sliver s at bp + s * ((k + 1) / 2) * 32 with pair q of its
+ * column j at [q * 32 + j], zeros past n and past an odd k. */
+enum { ATTENTION_PACK_KP = 128, ATTENTION_PACK_MC = 64 };
+
+typedef struct attention_bf16_packing {
+    /* A (rows x k) along its rows, from 16-bit rows a[r * rs + p] or float32 rows (rounded) */
+    void (*a_rows16)(uint32_t *ap, const uint16_t *a, int64_t rs, int64_t rows, int64_t k);
+    void (*a_rows32)(uint32_t *ap, const float *a, int64_t rs, int64_t rows, int64_t k);
+    /* A(r, p) = a[r + p * cs], float32 (rounded), along its columns */
+    void (*a_cols32)(uint32_t *ap, const float *a, int64_t cs, int64_t rows, int64_t k);
+    /* B (k x n): B(p, j) = b[p * rs + j], or b[j * rs + p] (bt16: 16-bit rows as B's columns) */
+    void (*b16)(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int64_t n);
+    void (*bt16)(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int64_t n);
+    /* C (m x n, row stride ldc) = (acc ? C : 0) + A B, A packed along its rows (a_rows) or columns */
+    void (*mm)(int64_t m, int64_t n, int64_t k, const uint32_t *ap, int a_rows, const uint32_t *bp, float *c,
+               int64_t ldc, int acc);
+} attention_bf16_packing;
+
 typedef struct attention_kernels {
     OPF_VARIANT_HEAD;
     const convert_kernels *cvt; /* 16-bit rows to and from float32 */
@@ -91,6 +122,8 @@ typedef struct attention_kernels {
      * for bfloat16 inputs, where Q, K, V and dO round exactly and P and dS
      * once, as flash kernels do; NULL where the ISA has no bfloat16 product */
     attention_mm_fn mm_bf16;
+    /* the same products on operands packed once (see above); NULL where the table has none */
+    const attention_bf16_packing *packing;
     /* online softmax down the columns of st (bk keys x bq queries, row stride ld):
      * x = scale * st; m' = max(m, max_j x); st = exp(x - m'); alpha = exp(m - m');
      * l = l * alpha + sum_j st; m = m'. A column with m' = -inf gets zeros.

@@ -8,6 +8,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "attention.h"
 #include "attention_avx512.h"
@@ -92,9 +93,9 @@ void attention_mm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_
 /* vdpbf16ps takes a K pair of bfloat16 in each 32-bit lane: A's pairs are
  * packed as ap[p2 * MC + r] (row r, pair p2), B's as bp[p2 * 32 + j] (32
  * columns of a sliver, zeros past n and past an odd k), both per chunk of
- * KC2 pairs, on the stack (40 KiB). Rounding is to nearest even: exact for
+ * KC2 pairs, on the stack (48 KiB). Rounding is to nearest even: exact for
  * operands that came from bfloat16 (Q, K, V, dO), one rounding for P and dS. */
-enum { KC2 = 128, MC = 48 };
+enum { KC2 = ATTENTION_PACK_KP, MC = ATTENTION_PACK_MC };
 
 #ifndef OPF_EMULATE_AVX512
 #define TARGET_BF16 __attribute__((target("avx512bf16")))
@@ -232,6 +233,98 @@ TARGET_BF16 static void mm_avx512bf16(int64_t m, int64_t n, int64_t k, const flo
 }
 
 
+/* ---- the same products on operands packed once (attention_bf16_packing in attention.h) ---------------- */
+
+static void a_rows16(uint32_t *ap, const uint16_t *a, int64_t rs, int64_t rows, int64_t k) {
+    for (int64_t r = 0; r < rows; r++) { /* a row's pairs are its own 16-bit elements, two to a word */
+        const uint16_t *ar = a + r * rs;
+        uint32_t *dst = ap + r * KC2;
+        memcpy(dst, ar, (size_t)(k / 2) * sizeof *dst);
+        if (k % 2) dst[k / 2] = ar[k - 1];
+    }
+}
+
+static void a_rows32(uint32_t *ap, const float *a, int64_t rs, int64_t rows, int64_t k) {
+    const int64_t kp = (k + 1) / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t q = 0; q < kp; q += 16)
+            _mm512_mask_storeu_epi32(ap + r * KC2 + q, tail16(kp - q), pairs_of32(a + r * rs + 2 * q, k - 2 * q));
+}
+
+static void a_cols32(uint32_t *ap, const float *a, int64_t cs, int64_t rows, int64_t k) {
+    for (int64_t q = 0; q < (k + 1) / 2; q++) {
+        const float *a0 = a + 2 * q * cs, *a1 = 2 * q + 1 < k ? a0 + cs : NULL;
+        for (int64_t r = 0; r < rows; r += 16) {
+            const __mmask16 m = tail16(rows - r);
+            _mm512_mask_storeu_epi32(ap + q * MC + r, m, pairs16(a0 + r, a1 ? a1 + r : NULL, m));
+        }
+    }
+}
+
+/* 16 columns of two 16-bit rows (r1 NULL: zeros) as pairs; lanes past n zero */
+static inline __m512i pairs16_16(const uint16_t *r0, const uint16_t *r1, int64_t n) {
+    const __mmask16 m = tail16(n);
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0));
+    const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1)) : _mm512_setzero_si512();
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+static void b16(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int64_t n) {
+    const int64_t kp = (k + 1) / 2;
+    for (int64_t j = 0; j < n; j += 32) {
+        uint32_t *sliver = bp + j / 32 * kp * 32;
+        for (int64_t q = 0; q < kp; q++) {
+            const uint16_t *r0 = b + 2 * q * rs + j, *r1 = 2 * q + 1 < k ? r0 + rs : NULL;
+            _mm512_storeu_si512(sliver + q * 32, pairs16_16(r0, r1, n - j));
+            _mm512_storeu_si512(sliver + q * 32 + 16, pairs16_16(r0 + 16, r1 ? r1 + 16 : NULL, n - j - 16));
+        }
+    }
+}
+
+static void bt16(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int64_t n) {
+    const int64_t kp = (k + 1) / 2;
+    for (int64_t j = 0; j < n; j += 32) {
+        uint32_t *sliver = bp + j / 32 * kp * 32;
+        for (int64_t c = 0; c < 32; c++) { /* column c of the sliver is row j + c of b, its words in order */
+            if (j + c >= n) {
+                for (int64_t q = 0; q < kp; q++) sliver[q * 32 + c] = 0;
+                continue;
+            }
+            const uint16_t *row = b + (j + c) * rs;
+            for (int64_t q = 0; q < k / 2; q++)
+                sliver[q * 32 + c] = (uint32_t)row[2 * q] | (uint32_t)row[2 * q + 1] << 16;
+            if (k % 2) sliver[k / 2 * 32 + c] = row[k - 1];
+        }
+    }
+}
+
+TARGET_BF16 static void mm_packed(int64_t m, int64_t n, int64_t k, const uint32_t *ap, int a_rows,
+                                  const uint32_t *packed_b, float *c, int64_t ldc, int acc) {
+    const int64_t kp = (k + 1) / 2, mc = m, i0 = 0;
+    const int accum = acc;
+    if (kp == 0) {
+        for (int64_t i = 0; i < m && !acc; i++) memset(c + i * ldc, 0, (size_t)n * sizeof *c);
+        return;
+    }
+    for (int64_t j = 0; j < n; j += 32) {
+        const int64_t nb = n - j < 32 ? n - j : 32;
+        const __mmask16 m0 = tail16(nb), m1 = tail16(nb - 16);
+        const uint32_t *bp = packed_b + j / 32 * kp * 32;
+        if (nb > 16 && a_rows) {
+            ROWS_BF16(2, 1)
+        } else if (nb > 16) {
+            ROWS_BF16(2, 0)
+        } else if (a_rows) {
+            ROWS_BF16(1, 1)
+        } else {
+            ROWS_BF16(1, 0)
+        }
+    }
+}
+
+static const attention_bf16_packing packing_avx512bf16 = {
+    .a_rows16 = a_rows16, .a_rows32 = a_rows32, .a_cols32 = a_cols32, .b16 = b16, .bt16 = bt16, .mm = mm_packed};
+
 /* The keep-mask of key row j for the 16 queries starting at i (query i keeps key j when j <= i + diag) */
 static inline __mmask16 keep16(int64_t i, int64_t j, int64_t diag) {
     return lanes_from(j - diag - i < 0 ? 0 : j - diag - i);
@@ -331,6 +424,7 @@ const attention_kernels attention_kernels_avx512_bf16 = {.name = "avx512_bf16",
                                                          .cvt = &convert_kernels_avx512,
                                                          .mm = attention_mm_avx512,
                                                          .mm_bf16 = mm_avx512bf16,
+                                                         .packing = &packing_avx512bf16,
                                                          .softmax_cols = attention_softmax_cols_avx512,
                                                          .probs = attention_probs_avx512,
                                                          .dscores = attention_dscores_avx512};

@@ -172,6 +172,31 @@ static void check_fwd_bits(const attention_kernels *k, attention_problem p, cons
     free(threads0), free(go), free(gl);
 }
 
+/* bfloat16 on a table whose products run on packed operands: the table without the packing (every
+ * operand staged in float32 and packed per product) gives the same bits, forward and backward */
+static void check_packed_bits(const attention_kernels *k, attention_problem p, const void *out, const float *lse,
+                              const void *dq, const void *dk, const void *dv, size_t no, size_t nq, size_t nk,
+                              size_t nv) {
+    if (!k->packing || p.dt != OPF_BF16) return;
+    attention_kernels staged = *k;
+    staged.packing = NULL;
+    const size_t nl = (size_t)(p.b * p.h * p.n);
+    void *go = calloc(no + 1, 2), *gq = calloc(nq + 1, 2), *gk = calloc(nk + 1, 2), *gv = calloc(nv + 1, 2);
+    float *gl = calloc(nl + 1, sizeof(float));
+    p.out = go, p.lse = gl, p.dq = gq, p.dk = gk, p.dv = gv;
+    run_fwd(&staged, &p);
+    run_bwd(&staged, &p);
+    CHECK(
+        same_bits(go, out, p.os, p.b, p.h, p.n, p.d_v, p.dt) && memcmp(gl, lse, nl * sizeof(float)) == 0 &&
+            same_bits(gq, dq, p.dqs, p.b, p.h, p.n, p.d_qk, p.dt) &&
+            same_bits(gk, dk, p.dks, p.b, p.hkv, p.s, p.d_qk, p.dt) &&
+            same_bits(gv, dv, p.dvs, p.b, p.hkv, p.s, p.d_v, p.dt),
+        "%s b=%lld h=%lld hkv=%lld n=%lld s=%lld d=%lld dv=%lld causal=%d: packed products differ from the staged ones",
+        k->name, (long long)p.b, (long long)p.h, (long long)p.hkv, (long long)p.n, (long long)p.s, (long long)p.d_qk,
+        (long long)p.d_v, p.causal);
+    free(go), free(gq), free(gk), free(gv), free(gl);
+}
+
 static void run(const attention_kernels *k, cfg c) {
     attention_problem p = {.b = c.b,
                            .h = c.h,
@@ -227,6 +252,7 @@ static void run(const attention_kernels *k, cfg c) {
 
     check_fwd_bits(k, p, out, lse, (size_t)no * esize(c.dt));
     check_bwd_bits(k, p, dq, dk, dv, (size_t)nq * esize(c.dt), (size_t)nk * esize(c.dt), (size_t)nv * esize(c.dt));
+    check_packed_bits(k, p, out, lse, dq, dk, dv, (size_t)no, (size_t)nq, (size_t)nk, (size_t)nv);
 
     const double tol = c.dt == OPF_BF16 ? 1.6e-2 : 2e-5, gtol = c.dt == OPF_BF16 ? 3e-2 : 1e-4;
     double lerr = 0.0;
@@ -292,8 +318,54 @@ static void test_mm(const attention_kernels *k) {
     }
 }
 
+/* The packed products (where the table has them) against mm_bf16 on the same values, bit for bit: A from
+ * 16-bit rows, float32 rows and float32 columns; B from 16-bit rows and 16-bit rows read as columns */
+static void test_packed_mm(const attention_kernels *k) {
+    const attention_bf16_packing *pk = k->packing;
+    if (!pk) return;
+    const int64_t shapes[][3] = {{1, 1, 1},  {6, 16, 3},    {7, 17, 5},    {13, 9, 64}, {64, 64, 64},
+                                 {3, 40, 7}, {64, 33, 255}, {50, 70, 256}, {64, 64, 17}};
+    for (size_t t = 0; t < sizeof shapes / sizeof shapes[0]; t++) {
+        const int64_t m = shapes[t][0], n = shapes[t][1], kd = shapes[t][2], rs = kd + 3, bs = n + 5;
+        uint16_t *a16 = rand_tensor(m * rs, OPF_BF16, 31, 2.0), *b16 = rand_tensor(kd * bs, OPF_BF16, 32, 2.0);
+        uint16_t *bt16 = malloc(sizeof(uint16_t) * (size_t)(n * (kd + 1) + 1));
+        float *a32 = malloc(sizeof(float) * (size_t)(m * rs + 1)), *at32 = malloc(sizeof(float) * (size_t)(kd * m + 1));
+        float *b32 = malloc(sizeof(float) * (size_t)(kd * bs + 1));
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t p = 0; p < kd; p++) a32[i * rs + p] = at32[p * m + i] = opf_bf16_to_f32(a16[i * rs + p]);
+        for (int64_t p = 0; p < kd; p++)
+            for (int64_t j = 0; j < n; j++) {
+                b32[p * bs + j] = opf_bf16_to_f32(b16[p * bs + j]);
+                bt16[j * (kd + 1) + p] = b16[p * bs + j];
+            }
+        uint32_t *ap = calloc((size_t)(m * ATTENTION_PACK_KP + (kd + 1) / 2 * ATTENTION_PACK_MC), sizeof(uint32_t));
+        uint32_t *bp = calloc((size_t)((n + 31) / 32 * ((kd + 1) / 2) * 32), sizeof(uint32_t));
+        float *want = malloc(sizeof(float) * (size_t)(m * (n + 1) + 1)),
+              *got = malloc(sizeof(float) * (size_t)(m * (n + 1) + 1));
+        for (int form = 0; form < 6; form++) { /* A: rows16, rows32, cols32; B: b16, bt16 */
+            const int af = form % 3, bf = form / 3, acc = form % 2;
+            float *c0 = rand_tensor(m * (n + 1), OPF_F32, 33, 1.0);
+            memcpy(want, c0, sizeof(float) * (size_t)(m * (n + 1)));
+            memcpy(got, c0, sizeof(float) * (size_t)(m * (n + 1)));
+            k->mm_bf16(m, n, kd, a32, rs, 1, b32, bs, want, n + 1, acc);
+            if (af == 0) pk->a_rows16(ap, a16, rs, m, kd);
+            if (af == 1) pk->a_rows32(ap, a32, rs, m, kd);
+            if (af == 2) pk->a_cols32(ap, at32, m, m, kd);
+            if (bf == 0) pk->b16(bp, b16, bs, kd, n);
+            if (bf == 1) pk->bt16(bp, bt16, kd + 1, kd, n);
+            pk->mm(m, n, kd, ap, af != 2, bp, got, n + 1, acc);
+            CHECK(memcmp(got, want, sizeof(float) * (size_t)(m * (n + 1))) == 0,
+                  "%s packed mm m=%lld n=%lld k=%lld A form %d B form %d acc=%d: not mm_bf16's bits", k->name,
+                  (long long)m, (long long)n, (long long)kd, af, bf, acc);
+            free(c0);
+        }
+        free(a16), free(b16), free(bt16), free(a32), free(at32), free(b32), free(ap), free(bp), free(want), free(got);
+    }
+}
+
 static void test_variant(const attention_kernels *k) {
     test_mm(k);
+    test_packed_mm(k);
     const int64_t lens[] = {1, 7, 129};
     const int64_t dims[] = {16, 40, 64, 80, 128, 256};
     for (size_t a = 0; a < 3; a++)
@@ -328,6 +400,10 @@ static void test_variant(const attention_kernels *k) {
     run(k, (cfg){2, 1, 1, 1, 999, 7, 9, 0, 0, 2, OPF_F32});       /* one query, odd dims, strided */
     run(k, (cfg){1, 1, 1, 200, 1000, 64, 64, 1, 0, 0, OPF_BF16}); /* bfloat16, causal */
     run(k, (cfg){1, 2, 1, 65, 500, 80, 80, 0, 1, 1, OPF_BF16});   /* bfloat16, bool mask, transposed */
+    run(k, (cfg){2, 8, 2, 256, 256, 64, 64, 1, 0, 0, OPF_BF16});  /* bfloat16, the default GPT's heads */
+    run(k, (cfg){1, 3, 3, 130, 97, 33, 17, 1, 0, 0, OPF_BF16});   /* bfloat16, odd head dims */
+    run(k, (cfg){1, 2, 1, 70, 66, 256, 256, 0, 2, 1, OPF_BF16});  /* bfloat16, head dims at one packed chunk */
+    run(k, (cfg){1, 2, 2, 40, 70, 264, 264, 1, 0, 0, OPF_BF16});  /* bfloat16, past it: staged products */
     /* few queries (N <= 4: the flash-decoding driver): every mask kind, both causal alignments' meeting
      * point (top-left here), GQA, strides, odd dims, keys over several decode chunks, bfloat16 */
     const int64_t few_n[] = {1, 2, 3, 4, 5}, few_s[] = {1, 5, 64, 300, 1500};
