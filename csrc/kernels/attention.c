@@ -90,6 +90,9 @@ static int packs_shape(const attention_problem *p) {
            p->d_v <= 2 * ATTENTION_PACK_KP;
 }
 
+_Static_assert((int)BQ <= (int)ATTENTION_PACK_MC && (int)BK <= (int)ATTENTION_PACK_MC,
+               "P and dS are packed along their columns");
+
 static const attention_bf16_packing *packing_for(const attention_kernels *k, const attention_problem *p) {
     return packs_shape(p) ? k->packing : NULL;
 }

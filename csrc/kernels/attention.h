@@ -36,7 +36,8 @@
  * packed into pairs straight from their 16-bit rows (no float32 copy), each
  * once where it is reused -- Q^T per forward task, K^T, V^T and K per
  * backward task -- and P and dS from the float32 tiles (packing below): the
- * same sums as the staged products, so the same bits.
+ * same sums as the staged products, so the same bits (a NaN input keeps its
+ * payload into the sums, where staging makes it the one quiet NaN).
  *
  * Semantics match torch.nn.functional.scaled_dot_product_attention: causal is
  * top-left aligned (query i sees keys j <= i), a boolean mask keeps the keys
@@ -91,7 +92,8 @@ typedef void (*attention_mm_fn)(int64_t m, int64_t n, int64_t k, const float *a,
 /* Block products of bfloat16 inputs on operands packed into bfloat16 pairs once and reused: Q, K, V
  * and dO are packed from their own 16-bit rows (no float32 copy), K and V once per block for every
  * product that reads them, and P and dS from the float32 tiles. The sums are the mm_bf16 ones, term
- * for term (one chunk of K: head dims <= 2 * ATTENTION_PACK_KP), so the results are the same bits.
+ * for term (one chunk of K: head dims <= 2 * ATTENTION_PACK_KP), so the results are the same bits
+ * (NaN inputs aside: a packed NaN keeps its payload).
  * A packed A (m x k) holds its rows along K -- row r's pair q (A(r, 2q), A(r, 2q + 1)) at
  * ap[r * ATTENTION_PACK_KP + q] -- or its columns -- at ap[q * ATTENTION_PACK_MC + r], m <= that; a
  * packed B (k x n) is 32-column slivers, sliver s at bp + s * ((k + 1) / 2) * 32 with pair q of its

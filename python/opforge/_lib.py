@@ -582,6 +582,7 @@ def _stub(namespace: str, name: str):
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
+_tracing = _private.jit_tracing()
 _unpack_dual = _forward_ad.unpack_dual
 
 
@@ -612,8 +613,10 @@ def op_function(op: torch._ops.OpOverload):
     qualname, plain = op.name(), _private.plain_eager_check()
 
     def fast(*args):
-        if _compiling():
-            return op(*args)  # dynamo traces OpOverloads, not the raw builtin
+        if _compiling() or _tracing():
+            # dynamo traces OpOverloads, not the raw builtin; torch.jit.trace records the op where it is called,
+            # so every traced call comes through here (its check compares the recorded source lines)
+            return op(*args)
         if _grad_enabled():
             for i in tensors:
                 t = args[i]

@@ -166,6 +166,21 @@ def lean_autograd_kernel(op, backward, setup_context):
     return kernel
 
 
+def jit_tracing():
+    """A function telling whether torch.jit.trace is recording (False where torch no longer says)."""
+    state = _attr(_C, "_get_tracing_state")
+    if state is None:
+        return lambda: False
+
+    def tracing() -> bool:
+        try:
+            return state() is not None
+        except Exception:
+            return False
+
+    return tracing
+
+
 def plain_eager_check():
     """A function ok(args, tensor_positions): whether an eager call of an op may
     enter its autograd.Function directly (the `direct` of lean_autograd_kernel)
@@ -173,22 +188,27 @@ def plain_eager_check():
     Function after a C++-to-Python hop and opforge's refusal checks (~20 us a
     call). True only where nothing above or at the autograd key could act:
     no autocast, no torch-function or dispatch mode, no forward-AD level, no
-    torch.func transform, and every tensor argument a plain Tensor or Parameter
+    torch.func transform, no torch.jit.trace (its tracer key records the op),
+    the autograd keys not excluded (below another op's autograd kernel: nothing
+    is recorded), and every tensor argument a plain Tensor or Parameter
     (a subclass such as DTensor or FakeTensor keeps the dispatcher's path).
     None when torch lacks a piece (and False when one raises): the dispatcher's path then."""
     any_autocast = _attr(_C, "_is_any_autocast_enabled")
     function_modes = _attr(_C, "_len_torch_function_stack")
     dispatch_modes = _attr(_C, "_len_torch_dispatch_stack")
     peek = _attr(_C, "_functorch.peek_interpreter_stack")
+    tracing = _attr(_C, "_get_tracing_state")
+    is_excluded = _attr(_C, "_dispatch_tls_is_dispatch_key_excluded")
     fwd = _forward_ad
-    if any(f is None for f in (any_autocast, function_modes, dispatch_modes, peek)) or not isinstance(
-            getattr(fwd, "_current_level", None), int):
+    pieces = (any_autocast, function_modes, dispatch_modes, peek, tracing, is_excluded, _AUTOGRAD)
+    if any(f is None for f in pieces) or not isinstance(getattr(fwd, "_current_level", None), int):
         return None
     tensor, parameter = torch.Tensor, torch.nn.Parameter
 
     def ok(args, positions) -> bool:
-        try:
-            if any_autocast() or function_modes() or dispatch_modes() or fwd._current_level >= 0 or peek() is not None:
+        try:  # the autograd keys excluded (below an autograd kernel): the dispatcher records nothing, nor may we
+            if (any_autocast() or function_modes() or dispatch_modes() or fwd._current_level >= 0 or peek() is not None
+                    or tracing() is not None or is_excluded(_AUTOGRAD)):
                 return False
         except Exception:  # a piece changed under a newer torch: the dispatcher's path
             return False

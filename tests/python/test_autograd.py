@@ -219,6 +219,31 @@ def _through_dispatcher(fn, inputs):
         return fn(*inputs)
 
 
+def test_jit_trace_records_the_op_itself():
+    # the tracer's key sits above autograd: a traced call must reach it, so that the graph holds opforge's op
+    # (savable, exportable), not a Python autograd.Function
+    class Gelu(torch.nn.Linear):
+        def forward(self, x):
+            return opforge.linear(x, self.weight, self.bias, "gelu")
+
+    lin = Gelu(6, 3)
+    # (check_trace off: its re-run under no_grad records save_preact=False, a different constant)
+    traced = torch.jit.trace(lin, torch.rand(4, 6), check_trace=False)
+    kinds = {n.kind() for n in traced.inlined_graph.nodes()}
+    assert "opforge::linear" in kinds and "prim::PythonOp" not in kinds
+    x = torch.rand(4, 6)
+    torch.testing.assert_close(traced(x), lin(x))
+
+
+def test_below_autograd_nothing_is_recorded():
+    # called under an exclusion of the autograd keys (inside another op's autograd kernel, a custom_op without
+    # a formula): the dispatcher records nothing, and neither does the direct entry
+    x, w = torch.rand(4, 6, requires_grad=True), torch.rand(3, 6, requires_grad=True)
+    with torch._C._AutoDispatchBelowAutograd():
+        out = opforge.linear(x, w)
+    assert out.grad_fn is None and not out.requires_grad
+
+
 @pytest.mark.parametrize("how", ["autocast", "mode", "subclass"])
 def test_eager_call_keeps_the_dispatcher_where_something_may_act(monkeypatch, how):
     # autocast must cast before autograd records; a mode or a tensor subclass (DTensor, FakeTensor) must see the call

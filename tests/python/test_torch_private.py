@@ -128,7 +128,8 @@ def test_op_entry_without_op_attribute():
     assert private.op_entry(Overload())() == "called"
 
 
-@pytest.mark.parametrize("name", ["_is_any_autocast_enabled", "_len_torch_function_stack", "_len_torch_dispatch_stack"])
+@pytest.mark.parametrize("name", ["_is_any_autocast_enabled", "_len_torch_function_stack", "_len_torch_dispatch_stack",
+                                  "_get_tracing_state", "_dispatch_tls_is_dispatch_key_excluded"])
 @pytest.mark.parametrize("how", ["missing", "raises"])
 def test_eager_calls_take_the_dispatcher_without_the_checks(monkeypatch, name, how):
     # the direct entry into an op's autograd.Function needs to know that nothing could act at or above the
