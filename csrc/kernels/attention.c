@@ -1,7 +1,10 @@
 /*
  * Attention driver (blocking, masking, threads, dtype conversion). The scalar
  * reference kernels and the double-precision oracle are attention_ref.c.
- * See attention.h.
+ * See attention.h. One file past the usual length on purpose: the forward and
+ * backward drivers share the block sizes, the workspace carving, the masking
+ * of a tile and the packing predicate, and the two layouts are the one
+ * statement of the workspace their plans size.
  */
 #include "attention.h"
 
@@ -314,17 +317,17 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
         int64_t rsk = d_qk, csk = 1;
         if (pk) {
             pk->a_rows16(pkb, (const uint16_t *)p->k + off4(p->ks, b, kvh, j0, 0), p->ks[2], bk, d_qk);
-        } else if (f32) {
-            ka = (const float *)p->k + off4(p->ks, b, kvh, j0, 0);
-            rsk = p->ks[2], csk = p->ks[3];
-        } else {
-            for (int64_t j = 0; j < bk; j++)
-                load_row(k->cvt, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
-        }
-        if (pk)
             pk->mm(bk, bq, d_qk, pkb, 1, pq, st, BQ, 0);
-        else
+        } else {
+            if (f32) {
+                ka = (const float *)p->k + off4(p->ks, b, kvh, j0, 0);
+                rsk = p->ks[2], csk = p->ks[3];
+            } else {
+                for (int64_t j = 0; j < bk; j++)
+                    load_row(k->cvt, kbuf + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
+            }
             mm(bk, bq, d_qk, ka, rsk, csk, qt, BQ, st, BQ, 0);
+        }
         float scale;
         const int64_t diag = tile_diag(p, st, 1, BQ, b, h, i0, bq, j0, bk, &scale);
         k->softmax_cols(st, BQ, bk, bq, scale, m, l, alpha, diag);

@@ -122,31 +122,43 @@ static inline __m512i pairs_of32(const float *x, int64_t n) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
 }
 
+/* A (rows x k) into pairs along its rows (row r's pair q at ap[r * KC2 + q], 16 pairs a vector) or along
+ * its columns (at ap[q * MC + r], 16 rows a vector, from A(r, p) = a[r + p * cs]): attention_bf16_packing's */
+static void a_rows32(uint32_t *ap, const float *a, int64_t rs, int64_t rows, int64_t k) {
+    const int64_t kp = (k + 1) / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t q = 0; q < kp; q += 16)
+            _mm512_mask_storeu_epi32(ap + r * KC2 + q, tail16(kp - q), pairs_of32(a + r * rs + 2 * q, k - 2 * q));
+}
+
+static void a_cols32(uint32_t *ap, const float *a, int64_t cs, int64_t rows, int64_t k) {
+    for (int64_t q = 0; q < (k + 1) / 2; q++) {
+        const float *a0 = a + 2 * q * cs, *a1 = 2 * q + 1 < k ? a0 + cs : NULL;
+        for (int64_t r = 0; r < rows; r += 16) {
+            const __mmask16 m = tail16(rows - r);
+            _mm512_mask_storeu_epi32(ap + q * MC + r, m, pairs16(a0 + r, a1 ? a1 + r : NULL, m));
+        }
+    }
+}
+
 /* A(r, p) = a[r*rsa + p*csa] for r < mc, p < kc, as pairs, in one of two layouts: row r's pair p2 at
  * ap[r * KC2 + p2] (*ars = KC2) or at ap[p2 * MC + r] (*ars = 1). Rows along K (csa = 1: the K, Q, dO and
  * dS rows) take the first, 16 pairs a vector; columns along K (rsa = 1: P^T, dS^T) the second, 16 rows a
  * vector; any other strides the second, element by element. */
 static void pack_a(uint32_t *ap, const float *a, int64_t rsa, int64_t csa, int64_t mc, int64_t kc, int64_t *ars) {
-    const int64_t kp = (kc + 1) / 2;
     if (csa == 1 && rsa != 1) {
         *ars = KC2;
-        for (int64_t r = 0; r < mc; r++)
-            for (int64_t p2 = 0; p2 < kp; p2 += 16)
-                _mm512_mask_storeu_epi32(ap + r * KC2 + p2, tail16(kp - p2),
-                                         pairs_of32(a + r * rsa + 2 * p2, kc - 2 * p2));
+        a_rows32(ap, a, rsa, mc, kc);
         return;
     }
     *ars = 1;
-    for (int64_t p2 = 0; p2 < kp; p2++) {
+    if (rsa == 1) {
+        a_cols32(ap, a, csa, mc, kc);
+        return;
+    }
+    for (int64_t p2 = 0; p2 < (kc + 1) / 2; p2++) {
         const float *a0 = a + 2 * p2 * csa, *a1 = 2 * p2 + 1 < kc ? a0 + csa : NULL;
-        if (rsa == 1) { /* the rows of a pair's two columns are consecutive: 16 rows a vector */
-            for (int64_t r = 0; r < mc; r += 16) {
-                const __mmask16 m = tail16(mc - r);
-                _mm512_mask_storeu_epi32(ap + p2 * MC + r, m, pairs16(a0 + r, a1 ? a1 + r : NULL, m));
-            }
-        } else {
-            for (int64_t r = 0; r < mc; r++) ap[p2 * MC + r] = pair1(a0[r * rsa], a1 ? a1[r * rsa] : 0.0f);
-        }
+        for (int64_t r = 0; r < mc; r++) ap[p2 * MC + r] = pair1(a0[r * rsa], a1 ? a1[r * rsa] : 0.0f);
     }
 }
 
@@ -241,23 +253,6 @@ static void a_rows16(uint32_t *ap, const uint16_t *a, int64_t rs, int64_t rows, 
         uint32_t *dst = ap + r * KC2;
         memcpy(dst, ar, (size_t)(k / 2) * sizeof *dst);
         if (k % 2) dst[k / 2] = ar[k - 1];
-    }
-}
-
-static void a_rows32(uint32_t *ap, const float *a, int64_t rs, int64_t rows, int64_t k) {
-    const int64_t kp = (k + 1) / 2;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t q = 0; q < kp; q += 16)
-            _mm512_mask_storeu_epi32(ap + r * KC2 + q, tail16(kp - q), pairs_of32(a + r * rs + 2 * q, k - 2 * q));
-}
-
-static void a_cols32(uint32_t *ap, const float *a, int64_t cs, int64_t rows, int64_t k) {
-    for (int64_t q = 0; q < (k + 1) / 2; q++) {
-        const float *a0 = a + 2 * q * cs, *a1 = 2 * q + 1 < k ? a0 + cs : NULL;
-        for (int64_t r = 0; r < rows; r += 16) {
-            const __mmask16 m = tail16(rows - r);
-            _mm512_mask_storeu_epi32(ap + q * MC + r, m, pairs16(a0 + r, a1 ? a1 + r : NULL, m));
-        }
     }
 }
 

@@ -610,7 +610,7 @@ def op_function(op: torch._ops.OpOverload):
     tls = _private.autograd_tls()
     may_skip, set_excluded, _ = tls or (None, None, None)
     tensors = [i for i, a in enumerate(op._schema.arguments) if is_tensor_arg(a)]
-    qualname, plain = op.name(), _private.plain_eager_check()
+    qualname, plain = op.name(), _private.plain_eager_check(may_skip)
 
     def fast(*args):
         if _compiling() or _tracing():

@@ -181,34 +181,30 @@ def jit_tracing():
     return tracing
 
 
-def plain_eager_check():
+def plain_eager_check(may_skip):
     """A function ok(args, tensor_positions): whether an eager call of an op may
     enter its autograd.Function directly (the `direct` of lean_autograd_kernel)
     instead of through the dispatcher's autograd key, which would call the same
     Function after a C++-to-Python hop and opforge's refusal checks (~20 us a
-    call). True only where nothing above or at the autograd key could act:
-    no autocast, no torch-function or dispatch mode, no forward-AD level, no
-    torch.func transform, no torch.jit.trace (its tracer key records the op),
-    the autograd keys not excluded (below another op's autograd kernel: nothing
-    is recorded), and every tensor argument a plain Tensor or Parameter
-    (a subclass such as DTensor or FakeTensor keeps the dispatcher's path).
-    None when torch lacks a piece (and False when one raises): the dispatcher's path then."""
+    call). The caller has ruled out torch.compile and torch.jit.trace. True only
+    where nothing above or at the autograd key could act: may_skip() (autograd_tls's:
+    the autograd keys not excluded -- below another op's autograd kernel nothing is
+    recorded -- and no forward-AD level), no autocast, no torch-function or
+    dispatch mode, no torch.func transform, and every tensor argument a plain
+    Tensor or Parameter (a subclass such as DTensor or FakeTensor keeps the
+    dispatcher's path). None when torch lacks a piece (and False when one
+    raises): the dispatcher's path then."""
     any_autocast = _attr(_C, "_is_any_autocast_enabled")
     function_modes = _attr(_C, "_len_torch_function_stack")
     dispatch_modes = _attr(_C, "_len_torch_dispatch_stack")
     peek = _attr(_C, "_functorch.peek_interpreter_stack")
-    tracing = _attr(_C, "_get_tracing_state")
-    is_excluded = _attr(_C, "_dispatch_tls_is_dispatch_key_excluded")
-    fwd = _forward_ad
-    pieces = (any_autocast, function_modes, dispatch_modes, peek, tracing, is_excluded, _AUTOGRAD)
-    if any(f is None for f in pieces) or not isinstance(getattr(fwd, "_current_level", None), int):
+    if any(f is None for f in (may_skip, any_autocast, function_modes, dispatch_modes, peek)):
         return None
     tensor, parameter = torch.Tensor, torch.nn.Parameter
 
     def ok(args, positions) -> bool:
-        try:  # the autograd keys excluded (below an autograd kernel): the dispatcher records nothing, nor may we
-            if (any_autocast() or function_modes() or dispatch_modes() or fwd._current_level >= 0 or peek() is not None
-                    or tracing() is not None or is_excluded(_AUTOGRAD)):
+        try:
+            if not may_skip() or any_autocast() or function_modes() or dispatch_modes() or peek() is not None:
                 return False
         except Exception:  # a piece changed under a newer torch: the dispatcher's path
             return False

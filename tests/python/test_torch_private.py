@@ -135,8 +135,11 @@ def test_eager_calls_take_the_dispatcher_without_the_checks(monkeypatch, name, h
     # the direct entry into an op's autograd.Function needs to know that nothing could act at or above the
     # autograd key; without a piece to tell, every call goes through the dispatcher as before
     hide(monkeypatch, "_C", name, how)
-    if how == "missing":
-        assert private.plain_eager_check() is None
+    if name == "_get_tracing_state":  # read by op_function's own check before the direct entry's
+        assert private.jit_tracing()() is False
+    elif how == "missing":
+        tls = private.autograd_tls()
+        assert private.plain_eager_check(tls[0] if tls else None) is None
     fn = op_function(torch.ops.opforge.dispersion_correction.default)(lambda x, alpha: None)
     _dispersion_value_and_grad(fn)
 
