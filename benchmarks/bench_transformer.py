@@ -13,6 +13,13 @@ allocator's high-water mark during one step, above what was held before).
     python benchmarks/bench_transformer.py            # default shape: minutes
     python benchmarks/bench_transformer.py --full     # the brief's batch 32 x sequence 512 (long)
     python benchmarks/bench_transformer.py --smoke    # tiny, for CI
+    python benchmarks/bench_transformer.py --malloc keep   # freed memory kept for reuse (no fresh pages)
+
+Page faults per step are counted for each variant: under glibc's default
+malloc a tensor above its mmap threshold (which rises with use, to 32 MiB at
+most: eager's logits and their gradient stay above it) is mapped fresh, and
+paged in, every step. --malloc keep measures without that cost, as a process
+with jemalloc or tcmalloc would run.
 """
 
 from __future__ import annotations
@@ -28,7 +35,16 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 import opforge  # noqa: E402
-from opforge.benchmark import RESULTS, Progress, compare, peak_memory, write_results  # noqa: E402
+from opforge.benchmark import (  # noqa: E402
+    MALLOC_MODES,
+    RESULTS,
+    Progress,
+    compare,
+    page_faults,
+    peak_memory,
+    set_malloc,
+    write_results,
+)
 from opforge.models import GPT, GPTConfig  # noqa: E402
 from opforge.models.gpt import MLP, Attention  # noqa: E402
 
@@ -138,8 +154,12 @@ def main(argv=None):
     p.add_argument("--torch-adamw", action="store_true",
                    help="the opforge side updates with torch.optim.AdamW(fused=True) as the baselines do, not with "
                         "opforge.optim.AdamW")
+    p.add_argument("--malloc", choices=MALLOC_MODES, default="default",
+                   help="keep: glibc keeps freed memory for reuse, for every variant (opforge.benchmark.set_malloc); "
+                        "results then go to transformer_<shape>_malloc_keep")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
+    set_malloc(a.malloc)
     shape = "smoke" if a.smoke else "full" if a.full else "default"
     batch, seq, config = SHAPES[shape]
     dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
@@ -165,6 +185,7 @@ def main(argv=None):
             steps = {v: step_fn(m, inputs, loss_of, dtype, v == "opforge" and not a.torch_adamw) for v, m in mods.items()}
             t = compare(steps, reps=reps, target_s=target)
             mem = {v: peak_memory(s) for v, s in steps.items()}
+            faults = {v: page_faults(s) for v, s in steps.items()}
             rows.append({
                 "component": name, "dtype": str(dtype)[6:],
                 "eager_ms": 1e3 * t["eager"], "compile_ms": 1e3 * t["compile"], "opforge_ms": 1e3 * t["opforge"],
@@ -172,12 +193,15 @@ def main(argv=None):
                 "mem_saved_vs_eager_pct": 100 * (1 - mem["opforge"] / mem["eager"]) if mem["eager"] else 0.0,
                 "mem_saved_vs_compile_pct": 100 * (1 - mem["opforge"] / mem["compile"]) if mem["compile"] else 0.0,
                 "peak_MiB_eager": mem["eager"] / 2**20, "peak_MiB_opforge": mem["opforge"] / 2**20,
+                "faults_eager": faults["eager"], "faults_compile": faults["compile"],
+                "faults_opforge": faults["opforge"],
             })
             r = rows[-1]
             print(f"\n{name} {r['dtype']}: {r['speedup_vs_eager']:.2f}x eager, {r['speedup_vs_compile']:.2f}x compile, "
                   f"{r['mem_saved_vs_eager_pct']:.0f}% less peak memory than eager", file=sys.stderr, flush=True)
     c = config
     stem = f"transformer_{shape}" if len(dtypes) == 2 else f"transformer_{shape}_{a.dtypes}"  # one dtype: its own file
+    stem += "_malloc_keep" if a.malloc == "keep" else ""
     table = write_results(stem, rows, [
         f"shape: batch {batch} x sequence {seq}; GPT dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads "
         f"({c.n_kv_heads} key/value heads), MLP {c.hidden_dim}, vocab {c.vocab_size}",
@@ -189,6 +213,10 @@ def main(argv=None):
         "transformers LlamaForCausalLM of the same size, eager = unpatched (sdpa), opforge = opforge.patch_hf",
         "peak memory: allocator high-water mark during one step above what was held before it, the same way for "
         "every variant",
+        "faults_*: minor page faults per step (median of 3): memory paged in fresh, the C allocator's cost, "
+        "not the ops' work; malloc: " + ("keep (glibc keeps freed memory for reuse: no mmap of large blocks, "
+                                         "no trimming; every variant alike)" if a.malloc == "keep" else
+                                         "glibc's default (large blocks mapped fresh on every allocation)"),
     ], a.out)
     _plot(rows, stem, a.out)
     print(table)

@@ -176,7 +176,9 @@ int64_t gemm_workspace(const gemm_plan *plan);
  * rounds a bfloat16 op's intermediate results) and multiplied by the pair
  * kernel. Otherwise both are converted to float32 while packed. Returns 0,
  * or -1 without touching anything when ws_floats is smaller than the plan
- * needs (a caller that sized for another product). */
+ * needs (a caller that sized for another product), unless workspace is NULL
+ * and ws_floats 0: a product the provider claimed (gemm_provider_claims),
+ * -1 only if it declines. */
 int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb,
              float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
 
@@ -207,11 +209,23 @@ typedef struct gemm_call {
 typedef struct gemm_provider {
     const char *name;
     int (*run)(const gemm_call *call); /* 1: computed and finished (by whichever GEMM); 0: declined */
+    /* 1 where run() puts every call like this one (operand types and layouts, sizes, epilogue, thread
+     * count: its class) on its own GEMM, a choice it has settled (its mode, or a class it measured: not
+     * one it is still measuring); the call's data pointers are not read. NULL: never. */
+    int (*claims)(const gemm_call *call);
 } gemm_provider;
 
 /* Installs p (NULL: none); products are offered to it from then on. */
 void gemm_provider_set(const gemm_provider *p);
 const gemm_provider *gemm_provider_get(void);
+
+/* Whether the installed provider claims the product (its `claims`): such a product may then be run by
+ * gemm_run with no workspace at all (workspace NULL, ws_floats 0), which gemm_run offers to the
+ * provider alone and answers -1 if it declines after all (a mode changed by another thread since, or
+ * its GEMM failing): the caller then runs it again with the plan's workspace. ep: the epilogue the
+ * call will have (which fields are set is read: any non-NULL out16 / pre16 / preact will do). */
+int gemm_provider_claims(const gemm_plan *plan, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,
+                         const gemm_epilogue *ep);
 
 /* gemm_run on opforge's kernels, the provider not asked (what it compares itself with) */
 int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,

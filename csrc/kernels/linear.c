@@ -9,10 +9,12 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static void *at(const void *p, int64_t i, opf_dtype dt) { return (char *)p + i * (int64_t)opf_dtype_size(dt); }
 
-/* a GEMM that refuses its workspace ends the kernel with the error */
-#define TRY(call)                                     \
-    do {                                              \
-        if ((call) != 0) return LINEAR_ERR_WORKSPACE; \
+/* a GEMM that refuses its workspace ends the kernel with the error (and a claimed product declined, with
+ * that one) */
+#define TRY(call)                                                                                 \
+    do {                                                                                          \
+        const int try_rc_ = (call);                                                               \
+        if (try_rc_ != 0) return try_rc_ == LINEAR_ERR_DECLINED ? try_rc_ : LINEAR_ERR_WORKSPACE; \
     } while (0)
 
 /* ---- row views ---------------------------------------------------------------------------------- */
@@ -79,8 +81,13 @@ int64_t linear_chunk_rows(int64_t rows, int64_t n) {
 
 static linear_gemm_plan linear_gemm_plan_make(const gemm_kernels *gemm, opf_dtype dt, int64_t m, int64_t n, int64_t k,
                                               int64_t threads) {
-    linear_gemm_plan p = {
-        .dt = dt, .m = m, .n = n, .k = k, .c_scratch = dt != OPF_F32 && k > gemm_slice_depth(gemm, dt, dt)};
+    linear_gemm_plan p = {.dt = dt,
+                          .m = m,
+                          .n = n,
+                          .k = k,
+                          .c_scratch = dt != OPF_F32 && k > gemm_slice_depth(gemm, dt, dt),
+                          .gemm = gemm,
+                          .threads = threads};
     p.chunk = p.c_scratch ? linear_chunk_rows(m, n) : (m > 0 ? m : 1);
     p.full = gemm_plan_make(gemm, p.chunk, n, k, dt, dt, threads);
     p.last = gemm_plan_make(gemm, m % p.chunk, n, k, dt, dt, threads);
@@ -89,9 +96,23 @@ static linear_gemm_plan linear_gemm_plan_make(const gemm_kernels *gemm, opf_dtyp
     return p;
 }
 
+/* The epilogue of a product writing out (and pre) from their row r0 (row stride n) */
+static gemm_epilogue product_epilogue(opf_dtype dt, int64_t n, int64_t r0, void *out, void *pre, const float *bias,
+                                      int act) {
+    gemm_epilogue ep = {
+        .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, .act = act, .rsp = n, .out_dt = dt};
+    if (dt == OPF_F32) {
+        ep.preact = pre ? (float *)pre + r0 * n : NULL;
+    } else {
+        ep.out16 = at(out, r0 * n, dt);
+        ep.pre16 = pre ? at(pre, r0 * n, dt) : NULL;
+    }
+    return ep;
+}
+
 /* out (m, n; row stride n) = act(A (m, k) B (k, n) + bias), its pre-activation
  * to pre when not NULL, both of the plan's type (float32 bias or NULL). ws:
- * plan->floats floats. */
+ * plan->floats floats (none for a claimed plan). */
 static int linear_gemm(const linear_gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b,
                        int64_t rsb, int64_t csb, void *out, void *pre, const float *bias, int act, float *ws) {
     const int64_t m = plan->m, n = plan->n;
@@ -99,19 +120,36 @@ static int linear_gemm(const linear_gemm_plan *plan, const void *a, int64_t rsa,
     float *cbuf = plan->c_scratch ? ws + plan->gemm_floats : NULL;
     for (int64_t r0 = 0; r0 < m; r0 += plan->chunk) {
         const gemm_plan *part = m - r0 < plan->chunk ? &plan->last : &plan->full; /* the last chunk is shorter */
-        gemm_epilogue ep = {
-            .bias = bias, .bias_kind = bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE, .act = act, .rsp = n, .out_dt = dt};
-        float *c = cbuf;
-        if (dt == OPF_F32) {
-            c = (float *)out + r0 * n;
-            ep.preact = pre ? (float *)pre + r0 * n : NULL;
-        } else {
-            ep.out16 = at(out, r0 * n, dt);
-            ep.pre16 = pre ? at(pre, r0 * n, dt) : NULL;
+        const gemm_epilogue ep = product_epilogue(dt, n, r0, out, pre, bias, act);
+        float *c = dt == OPF_F32 ? (float *)out + r0 * n : cbuf;
+        if (plan->claimed) { /* the provider's, with no workspace: it declines only after a change of mode */
+            if (gemm_run(part, at(a, r0 * rsa, dt), rsa, csa, b, rsb, csb, c, n, &ep, NULL, 0) != 0)
+                return LINEAR_ERR_DECLINED;
+            continue;
         }
         TRY(gemm_run(part, at(a, r0 * rsa, dt), rsa, csa, b, rsb, csb, c, n, &ep, ws, plan->gemm_floats));
     }
     return 0;
+}
+
+/* any non-NULL pointer: a claim reads which of the epilogue's pointers are set, never their data */
+static const float claim_mark;
+
+/* The plan remade as one product with no workspace where the GEMM provider claims that product (A and
+ * B of these layouts; a bias, an activation and a kept pre-activation as given) */
+static void linear_gemm_plan_claim(linear_gemm_plan *p, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb, int bias,
+                                   int act, int pre) {
+    if (p->dt == OPF_F64 || p->m <= 0 || p->n <= 0 || p->k <= 0) return;
+    const gemm_plan whole = gemm_plan_make(p->gemm, p->m, p->n, p->k, p->dt, p->dt, p->threads);
+    void *mark = (void *)&claim_mark;
+    const gemm_epilogue ep = product_epilogue(p->dt, 0, 0, mark, pre ? mark : NULL, bias ? &claim_mark : NULL, act);
+    if (!gemm_provider_claims(&whole, rsa, csa, rsb, csb, &ep)) return;
+    p->claimed = 1;
+    p->c_scratch = 0;
+    p->chunk = p->m;
+    p->full = whole;
+    p->last = gemm_plan_make(p->gemm, 0, p->n, p->k, p->dt, p->dt, p->threads);
+    p->gemm_floats = p->floats = 0;
 }
 
 /* ---- forward ----------------------------------------------------------------------------------- */
@@ -124,6 +162,15 @@ linear_fwd_plan linear_fwd_plan_make(const gemm_kernels *gemm, const linear_prob
     l.bias = l.product.floats;
     l.floats = l.bias + p->n;
     return l;
+}
+
+void linear_fwd_plan_claim(linear_fwd_plan *plan, const linear_problem *p) {
+    if (p->dt == OPF_F64) return;
+    rows_view v = view_rows(&p->x);
+    linear_gemm_plan_claim(&plan->product, v.rs, v.cs, p->weight_strides[1], p->weight_strides[0], p->bias != NULL,
+                           p->act, p->preact != NULL);
+    plan->bias = plan->product.floats;
+    plan->floats = plan->bias + p->n;
 }
 
 int64_t linear_fwd_workspace(const linear_fwd_plan *plan) { return plan->floats; }
@@ -175,15 +222,29 @@ static linear_bwd_strategy bwd_strategy(const linear_problem *p, int preact_dona
 }
 
 /* the larger of the GEMMs' workspaces, then a float32 dbias */
+static void in_place_layout(linear_bwd_plan *l, const linear_problem *p) {
+    rows_view xv = view_rows(&p->x);
+    l->in_place.dbias = max64(l->in_place.dx.floats,
+                              xv.count == 1 ? l->in_place.dweight.floats : gemm_workspace(&l->in_place.dweight_each));
+    l->floats = l->in_place.dbias + p->n;
+}
+
 static void in_place_plan(linear_bwd_plan *l, const linear_problem *p) {
     const int64_t n = p->n, k = p->k;
     rows_view xv = view_rows(&p->x);
     l->in_place.dx = linear_gemm_plan_make(l->gemm, p->dt, rows_of(&p->x), k, n, l->threads);
     l->in_place.dweight = linear_gemm_plan_make(l->gemm, p->dt, n, k, xv.rows, l->threads);
     l->in_place.dweight_each = gemm_plan_make(l->gemm, n, k, xv.rows, OPF_F32, OPF_F32, l->threads);
-    l->in_place.dbias = max64(l->in_place.dx.floats,
-                              xv.count == 1 ? l->in_place.dweight.floats : gemm_workspace(&l->in_place.dweight_each));
-    l->floats = l->in_place.dbias + n;
+    in_place_layout(l, p);
+}
+
+/* The direct backward's two GEMMs (see bwd_in_place: g' is grad, read where it is) */
+void linear_bwd_plan_claim(linear_bwd_plan *plan, const linear_problem *p) {
+    if (plan->strategy != LINEAR_BWD_DIRECT) return;
+    rows_view gv = view_rows(&p->grad), xv = view_rows(&p->x);
+    linear_gemm_plan_claim(&plan->in_place.dx, gv.rs, 1, p->weight_strides[0], p->weight_strides[1], 0, ACT_NONE, 0);
+    if (xv.count == 1) linear_gemm_plan_claim(&plan->in_place.dweight, 1, gv.rs, xv.rs, xv.cs, 0, ACT_NONE, 0);
+    in_place_layout(plan, p);
 }
 
 /* In place: g' replaces preact in one threaded pass that also sums dbias
@@ -427,6 +488,12 @@ matmul_fwd_plan matmul_fwd_plan_make(const gemm_kernels *gemm, opf_dtype dt, int
     return l;
 }
 
+void matmul_fwd_plan_claim(matmul_fwd_plan *plan, const linear_view *a, const linear_view *b) {
+    const batch_strides as = strides_of(a), bs = strides_of(b);
+    linear_gemm_plan_claim(&plan->product, as.row, as.col, bs.row, bs.col, 0, ACT_NONE, 0);
+    plan->floats = plan->product.floats;
+}
+
 int64_t matmul_fwd_workspace(const matmul_fwd_plan *plan) { return plan->floats; }
 
 int matmul_fwd(const matmul_fwd_plan *plan, void *c, const linear_view *a, const linear_view *b, float *ws,
@@ -455,6 +522,13 @@ matmul_bwd_plan matmul_bwd_plan_make(const gemm_kernels *gemm, opf_dtype dt, int
     l.db = linear_gemm_plan_make(gemm, dt, k, n, m, threads);
     l.floats = max64(l.da.floats, l.db.floats);
     return l;
+}
+
+void matmul_bwd_plan_claim(matmul_bwd_plan *plan, const linear_view *grad, const linear_view *a, const linear_view *b) {
+    const batch_strides gs = strides_of(grad), as = strides_of(a), bs = strides_of(b);
+    linear_gemm_plan_claim(&plan->da, gs.row, gs.col, bs.col, bs.row, 0, ACT_NONE, 0); /* grad . b^T */
+    linear_gemm_plan_claim(&plan->db, as.col, as.row, gs.row, gs.col, 0, ACT_NONE, 0); /* a^T . grad */
+    plan->floats = max64(plan->da.floats, plan->db.floats);
 }
 
 int64_t matmul_bwd_workspace(const matmul_bwd_plan *plan) { return plan->floats; }

@@ -38,7 +38,8 @@
  * workspace from the plan (the *_workspace functions) and runs the same plan.
  * Kernels never allocate. Entry points return 0, or LINEAR_ERR_WORKSPACE
  * when the workspace is smaller than the plan (a caller that sized for
- * another problem); they never print or fail.
+ * another problem), or LINEAR_ERR_DECLINED (a claimed plan, below); they
+ * never print or fail.
  */
 #ifndef OPFORGE_KERNELS_LINEAR_H
 #define OPFORGE_KERNELS_LINEAR_H
@@ -48,7 +49,7 @@
 #include "gemm.h"
 #include "opforge/half.h"
 
-enum { LINEAR_ERR_WORKSPACE = -1 };
+enum { LINEAR_ERR_WORKSPACE = -1, LINEAR_ERR_DECLINED = -2 };
 
 /* A (..., cols) array: element (i_0, ..., i_{ndim-2}, j) at data + sum_d i_d
  * strides[d] + j strides[ndim-1] (elements). sizes and strides are borrowed. */
@@ -92,9 +93,21 @@ typedef struct linear_gemm_plan {
     opf_dtype dt; /* of A, B and the results */
     int64_t m, n, k, chunk;
     int c_scratch;
+    int claimed; /* the GEMM provider's (linear_*_plan_claim): one product, no workspace */
+    const gemm_kernels *gemm;
+    int64_t threads;
     gemm_plan full, last; /* chunk rows, and the m % chunk rows of the last chunk */
     int64_t gemm_floats, floats;
 } linear_gemm_plan;
+
+/* Where a GEMM provider is installed and claims a plan's products (gemm_provider_claims: it runs them
+ * on its own GEMM, which writes the results itself), the plan is remade to run each as one product
+ * with no workspace (no row chunks, no float32 partial sums, no packing). The *_claim functions do
+ * that for the forward, the direct backward (no activation) and matmul; the in-place and chunked
+ * backwards keep their plans (the in-place one overwrites the saved pre-activation before its GEMMs).
+ * An entry point whose claimed product the provider then declines after all (its mode changed since,
+ * or its GEMM failed) returns LINEAR_ERR_DECLINED before any output is final: the caller runs it again
+ * under the unclaimed plan. */
 
 /* ---- linear ---- */
 
@@ -107,6 +120,7 @@ typedef struct linear_fwd_plan {
 } linear_fwd_plan;
 
 linear_fwd_plan linear_fwd_plan_make(const gemm_kernels *gemm, const linear_problem *p, int64_t threads);
+void linear_fwd_plan_claim(linear_fwd_plan *plan, const linear_problem *p);
 int64_t linear_fwd_workspace(const linear_fwd_plan *plan);
 int linear_fwd(const linear_fwd_plan *plan, const linear_problem *p, float *ws, int64_t ws_floats);
 
@@ -146,6 +160,7 @@ typedef struct linear_bwd_plan {
 
 linear_bwd_plan linear_bwd_plan_make(const gemm_kernels *gemm, const linear_problem *p, int preact_donated,
                                      int64_t threads);
+void linear_bwd_plan_claim(linear_bwd_plan *plan, const linear_problem *p);
 int64_t linear_bwd_workspace(const linear_bwd_plan *plan);
 /* LINEAR_BWD_IN_PLACE overwrites saved_preact with g'. */
 int linear_bwd(const linear_bwd_plan *plan, const linear_problem *p, float *ws, int64_t ws_floats);
@@ -163,6 +178,8 @@ typedef struct matmul_fwd_plan {
 
 matmul_fwd_plan matmul_fwd_plan_make(const gemm_kernels *gemm, opf_dtype dt, int64_t batch, int64_t m, int64_t n,
                                      int64_t k, int64_t threads);
+/* a and b: the operands' views (their layouts are part of what the provider claims) */
+void matmul_fwd_plan_claim(matmul_fwd_plan *plan, const linear_view *a, const linear_view *b);
 int64_t matmul_fwd_workspace(const matmul_fwd_plan *plan);
 int matmul_fwd(const matmul_fwd_plan *plan, void *c, const linear_view *a, const linear_view *b, float *ws,
                int64_t ws_floats);
@@ -181,6 +198,7 @@ typedef struct matmul_bwd_plan {
 
 matmul_bwd_plan matmul_bwd_plan_make(const gemm_kernels *gemm, opf_dtype dt, int64_t batch, int64_t m, int64_t n,
                                      int64_t k, int64_t threads);
+void matmul_bwd_plan_claim(matmul_bwd_plan *plan, const linear_view *grad, const linear_view *a, const linear_view *b);
 int64_t matmul_bwd_workspace(const matmul_bwd_plan *plan);
 int matmul_bwd(const matmul_bwd_plan *plan, void *da, void *db, const linear_view *grad, const linear_view *a,
                const linear_view *b, float *ws, int64_t ws_floats);

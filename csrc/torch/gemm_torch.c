@@ -192,12 +192,16 @@ done:
 
 /* ---- classes ---------------------------------------------------------------- */
 
-static int takes(const gemm_call *k) {
+/* the operand types, layouts and size torch's GEMM takes (what it writes to is the call's: claims asks
+ * before there is any) */
+static int takes_class(const gemm_call *k) {
     const gemm_plan *p = k->plan;
     const int types = (p->ta == OPF_F32 || p->ta == OPF_BF16) && (p->tb == OPF_F32 || p->tb == OPF_BF16);
     const int unit = (k->csa == 1 || k->rsa == 1) && (k->csb == 1 || k->rsb == 1);
-    return types && unit && (double)p->m * (double)p->n * (double)p->k >= MIN_WORK && (k->c || k->ep->out16);
+    return types && unit && (double)p->m * (double)p->n * (double)p->k >= MIN_WORK;
 }
+
+static int takes(const gemm_call *k) { return takes_class(k) && (k->c || k->ep->out16); }
 
 static char dt_char(opf_dtype dt) { return dt == OPF_F32 ? 'f' : dt == OPF_BF16 ? 'b' : dt == OPF_F16 ? 'h' : 'd'; }
 
@@ -348,8 +352,8 @@ static int provider_run(const gemm_call *k) {
     class_key(k, key, sizeof key);
     opf_provider_turn turn;
     const double work = (double)k->plan->m * (double)k->plan->n * (double)k->plan->k;
-    if (!opf_provider_begin(key, &turn)) { /* opforge's kernels, timed here while the class is measured */
-        if (!turn.measuring) return 0;
+    if (!opf_provider_begin(key, &turn)) {              /* opforge's kernels, timed here while the class is measured */
+        if (!turn.measuring || !k->workspace) return 0; /* no workspace: a claimed call (see claims) */
         const int rc = gemm_run_own(k->plan, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, k->c, k->rsc, k->ep,
                                     k->workspace, k->ws_floats);
         opf_provider_end(&turn, work, 0);
@@ -366,7 +370,23 @@ static int provider_run(const gemm_call *k) {
     return 1;
 }
 
-static const gemm_provider torch_provider = {.name = "torch", .run = provider_run};
+/* Mode torch, or a class decided for torch (measured here or read from the cache file): provider_run
+ * will run such a call on torch's GEMM, which writes the result itself and needs no workspace. */
+static int provider_claims(const gemm_call *k) {
+    const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
+    if (md == MODE_OWN || !takes_class(k)) return 0;
+    if (md == MODE_TORCH) return 1;
+    char key[160];
+    class_key(k, key, sizeof key);
+    pthread_mutex_lock(&lock);
+    if (!cache_read) read_cache();
+    const choice *c = find(key);
+    const int torch = c && c->decided && c->torch;
+    pthread_mutex_unlock(&lock);
+    return torch;
+}
+
+static const gemm_provider torch_provider = {.name = "torch", .run = provider_run, .claims = provider_claims};
 
 /* ---- setting it up -------------------------------------------------------------- */
 

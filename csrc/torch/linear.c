@@ -101,12 +101,19 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         OPF_RETURN(stack, 0, c_h);
         return;
     }
-    const matmul_fwd_plan plan =
-        matmul_fwd_plan_make(gemm_kernels_for(opf_isa_current()), mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    matmul_fwd_plan plan = matmul_fwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
     const linear_view av = view_of(&mm.a), bv = view_of(&mm.b);
+    matmul_fwd_plan_claim(&plan, &av, &bv);
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h = opf_workspace(MATMUL, matmul_fwd_workspace(&plan), &mm.a, &ws);
-    check_ran(MATMUL, matmul_fwd(&plan, c.data, &av, &bv, ws, matmul_fwd_workspace(&plan)));
+    int rc = matmul_fwd(&plan, c.data, &av, &bv, ws, matmul_fwd_workspace(&plan));
+    if (rc == LINEAR_ERR_DECLINED) { /* the provider's claim withdrawn: the plan unclaimed, with its workspace */
+        plan = matmul_fwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
+        OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(MATMUL, matmul_fwd_workspace(&plan), &mm.a, &ws);
+        rc = matmul_fwd(&plan, c.data, &av, &bv, ws, matmul_fwd_workspace(&plan));
+    }
+    check_ran(MATMUL, rc);
     opf_log_call(MATMUL, t0, 3, (opf_tensor[]){mm.a, mm.b, c});
     OPF_RETURN(stack, 0, c_h);
 }
@@ -134,13 +141,20 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
         OPF_RETURN(stack, 1, db_h);
         return;
     }
-    const matmul_bwd_plan plan =
-        matmul_bwd_plan_make(gemm_kernels_for(opf_isa_current()), mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    matmul_bwd_plan plan = matmul_bwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
     const linear_view gv = view_of(&g), av = view_of(&mm.a), bv = view_of(&mm.b);
+    void *da_p = needs & 1 ? da.data : NULL, *db_p = needs & 2 ? db.data : NULL;
+    matmul_bwd_plan_claim(&plan, &gv, &av, &bv);
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h = opf_workspace(MATMUL_BACKWARD, matmul_bwd_workspace(&plan), &mm.a, &ws);
-    check_ran(MATMUL_BACKWARD, matmul_bwd(&plan, needs & 1 ? da.data : NULL, needs & 2 ? db.data : NULL, &gv, &av, &bv,
-                                          ws, matmul_bwd_workspace(&plan)));
+    int rc = matmul_bwd(&plan, da_p, db_p, &gv, &av, &bv, ws, matmul_bwd_workspace(&plan));
+    if (rc == LINEAR_ERR_DECLINED) { /* as in matmul_cpu */
+        plan = matmul_bwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
+        OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(MATMUL_BACKWARD, matmul_bwd_workspace(&plan), &mm.a, &ws);
+        rc = matmul_bwd(&plan, da_p, db_p, &gv, &av, &bv, ws, matmul_bwd_workspace(&plan));
+    }
+    check_ran(MATMUL_BACKWARD, rc);
     opf_log_call(MATMUL_BACKWARD, t0, 3, (opf_tensor[]){g, mm.a, mm.b});
     OPF_RETURN(stack, 0, da_h);
     OPF_RETURN(stack, 1, db_h);
@@ -217,10 +231,18 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     }
     l.p.out = out.data;
     l.p.preact = save ? pre.data : NULL;
-    const linear_fwd_plan plan = linear_fwd_plan_make(gemm_kernels_for(opf_isa_current()), &l.p, opf_num_threads());
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    linear_fwd_plan plan = linear_fwd_plan_make(gemm, &l.p, opf_num_threads());
+    linear_fwd_plan_claim(&plan, &l.p);
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LINEAR, linear_fwd_workspace(&plan), &l.x, &ws);
-    check_ran(LINEAR, linear_fwd(&plan, &l.p, ws, linear_fwd_workspace(&plan)));
+    int rc = linear_fwd(&plan, &l.p, ws, linear_fwd_workspace(&plan));
+    if (rc == LINEAR_ERR_DECLINED) { /* as in matmul_cpu */
+        plan = linear_fwd_plan_make(gemm, &l.p, opf_num_threads());
+        OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(LINEAR, linear_fwd_workspace(&plan), &l.x, &ws);
+        rc = linear_fwd(&plan, &l.p, ws, linear_fwd_workspace(&plan));
+    }
+    check_ran(LINEAR, rc);
     opf_log_call(LINEAR, t0, 3, (opf_tensor[]){l.x, l.w, out});
     OPF_RETURN(stack, 0, out_h);
     OPF_RETURN(stack, 1, pre_h);
@@ -269,11 +291,18 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
         if (pre.numel == 0) l.p.saved_preact.data = NULL;
         l.p.dx = needs & 1 ? dx.data : NULL, l.p.dweight = needs & 2 ? dw.data : NULL;
         l.p.dbias = l.has_bias ? db.data : NULL;
-        const linear_bwd_plan plan =
-            linear_bwd_plan_make(gemm_kernels_for(opf_isa_current()), &l.p, in_place, opf_num_threads());
+        const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+        linear_bwd_plan plan = linear_bwd_plan_make(gemm, &l.p, in_place, opf_num_threads());
+        linear_bwd_plan_claim(&plan, &l.p);
         float *ws = NULL;
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LINEAR_BACKWARD, linear_bwd_workspace(&plan), &l.x, &ws);
-        check_ran(LINEAR_BACKWARD, linear_bwd(&plan, &l.p, ws, linear_bwd_workspace(&plan)));
+        int rc = linear_bwd(&plan, &l.p, ws, linear_bwd_workspace(&plan));
+        if (rc == LINEAR_ERR_DECLINED) { /* as in matmul_cpu (only the direct backward, which overwrites no */
+            plan = linear_bwd_plan_make(gemm, &l.p, in_place, opf_num_threads()); /* input, is claimed) */
+            OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(LINEAR_BACKWARD, linear_bwd_workspace(&plan), &l.x, &ws);
+            rc = linear_bwd(&plan, &l.p, ws, linear_bwd_workspace(&plan));
+        }
+        check_ran(LINEAR_BACKWARD, rc);
     }
     opf_log_call(LINEAR_BACKWARD, t0, 3, (opf_tensor[]){g, l.x, dw});
     OPF_RETURN(stack, 0, dx_h);

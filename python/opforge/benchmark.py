@@ -157,6 +157,47 @@ def fma_probe(seconds: float = 0.02) -> tuple[Callable[[], float] | None, float]
     return (lambda: probe(iters)), flops
 
 
+def page_faults(fn: Callable[[], object], reps: int = 3) -> int:
+    """Median minor page faults of the process during one call of fn (getrusage; every thread's). A
+    tensor whose memory the C allocator has just taken from the kernel (glibc: any allocation above its
+    mmap threshold, at most 32 MiB, and the top of a heap trimmed after a free) is paged in on first
+    touch, a fault per 4 KiB page: time that is the allocator's, not the op's."""
+    import resource
+
+    counts = []
+    for _ in range(reps):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        out = fn()
+        del out
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return int(statistics.median(counts))
+
+
+MALLOC_MODES = ("default", "keep")
+
+
+def set_malloc(mode: str) -> None:
+    """"keep": glibc's malloc keeps freed memory for reuse (mallopt: no mmap for large blocks, no trimming
+    of the heap's top), so that a tensor reallocated every step does not page in fresh memory; what a
+    training process gets from jemalloc or tcmalloc, or from GLIBC_TUNABLES=glibc.malloc.mmap_max=0:
+    glibc.malloc.trim_threshold=<large> set before it starts. Applies to every variant of a benchmark
+    alike, for the rest of the process. "default": nothing changed. Raises where the C library has no
+    mallopt (not glibc)."""
+    if mode not in MALLOC_MODES:
+        raise ValueError(f"malloc mode {mode!r}: expected one of {', '.join(MALLOC_MODES)}")
+    if mode == "default":
+        return
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    mallopt = getattr(libc, "mallopt", None)
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    if mallopt is None or mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1:
+        raise RuntimeError("set_malloc('keep'): this C library has no glibc mallopt; run the benchmark with "
+                           "jemalloc or tcmalloc preloaded instead")
+
+
 def peak_memory(fn: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator held during one call of fn, above what it
     held before: the high-water mark of the allocator's running total, read

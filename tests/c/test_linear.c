@@ -6,8 +6,9 @@
  * shapes; row counts around the backward's chunk boundary at 1-3 threads; a
  * 16-bit forward whose float32 C is made in row chunks; and the backward in
  * both strategies (in place over a donated preact, chunked), with preact
- * recomputed. Every workspace sits between guard words, sized exactly as the
- * workspace function says.
+ * recomputed; the plans a GEMM provider claims (one product each, no
+ * workspace), and a claim declined after all. Every workspace sits between
+ * guard words, sized exactly as the workspace function says.
  */
 #define _POSIX_C_SOURCE 200809L /* setenv: the thread count per test */
 #include <math.h>
@@ -37,6 +38,37 @@ typedef struct arr {
 
 static int in_place_runs; /* the in-place strategy must be reached, not only allowed for */
 static int direct_runs;   /* and the direct one */
+
+/* A GEMM provider of the test's own (gemm.h) that claims every product (gemm_provider_claims) and runs
+ * it by the float32 oracle on float32 copies of the operands, finished by gemm_finish; or, with
+ * provider_declines, claims every product and then declines it (a mode changed after the plan): the
+ * entry points answer LINEAR_ERR_DECLINED and run() runs them again unclaimed, as the glue does. */
+static int provider_declines, provider_runs, claimed_plans, claimed_backwards, declined_runs;
+
+static float *dense_f32(const void *src, opf_dtype dt, int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+    float *d = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(float));
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) d[i * cols + j] = (float)opf_load_elem(src, i * rs + j * cs, dt);
+    return d;
+}
+
+static int claiming_run(const gemm_call *k) {
+    if (provider_declines) return 0;
+    const gemm_plan *p = k->plan;
+    const int64_t m = p->m, n = p->n, kk = p->k;
+    float *a = dense_f32(k->a, p->ta, m, kk, k->rsa, k->csa), *b = dense_f32(k->b, p->tb, kk, n, k->rsb, k->csb);
+    float *prod = malloc((size_t)(m * n) * sizeof(float));
+    const gemm_epilogue plain = {0};
+    gemm_ref_f32(m, n, kk, a, kk, 1, b, n, 1, prod, n, &plain);
+    gemm_finish(p, prod, OPF_F32, n, k->ep->beta != 0.0f, k->c, k->rsc, k->ep);
+    free(a), free(b), free(prod);
+    provider_runs++;
+    return 1;
+}
+
+static int claiming_claims(const gemm_call *k) { return k->plan->m > 0; }
+
+static const gemm_provider claiming = {.name = "claiming", .run = claiming_run, .claims = claiming_claims};
 
 static arr arr_rand(int64_t count, opf_dtype dt, unsigned long long seed, double amp) {
     size_t c = (size_t)(count > 0 ? count : 1);
@@ -132,11 +164,26 @@ static void run(const gemm_kernels *gemm, cfg c) {
     const linear_fwd_plan ref_plan = linear_fwd_plan_make(gemm, &r, threads);
     CHECK(linear_fwd_workspace(&ref_plan) == 0 && linear_fwd(&ref_plan, &r, NULL, 0) == 0, "float64 forward refused");
 
-    const linear_fwd_plan fwd = linear_fwd_plan_make(gemm, &p, threads);
+    linear_fwd_plan fwd = linear_fwd_plan_make(gemm, &p, threads);
+    linear_fwd_plan_claim(&fwd, &p); /* nothing without a provider */
     int64_t wsn = linear_fwd_workspace(&fwd);
+    if (fwd.product.claimed) {
+        claimed_plans++;
+        CHECK(wsn == n, "%s: a claimed forward's workspace is %lld floats, not the bias's %lld", name, (long long)wsn,
+              (long long)n);
+    }
     float *ws = check_ws_alloc(wsn);
     int rc = linear_fwd(&fwd, &p, ws, wsn);
     check_ws_free(ws, "forward");
+    if (rc == LINEAR_ERR_DECLINED) { /* the glue's answer: the plan unclaimed, with its workspace */
+        CHECK(provider_declines, "%s: a claimed forward declined with a provider that does not", name);
+        declined_runs++;
+        fwd = linear_fwd_plan_make(gemm, &p, threads);
+        wsn = linear_fwd_workspace(&fwd);
+        ws = check_ws_alloc(wsn);
+        rc = linear_fwd(&fwd, &p, ws, wsn);
+        check_ws_free(ws, "forward, run again unclaimed");
+    }
     CHECK(rc == 0, "%s forward refused its workspace of %lld floats", name, (long long)wsn);
     compare("out", &c, name, out.lo, out.hi, m * n);
     if (p.preact) compare("preact", &c, name, pre.lo, pre.hi, m * n);
@@ -166,8 +213,12 @@ static void run(const gemm_kernels *gemm, cfg c) {
         const size_t es = opf_dtype_size(c.dt); /* NaN in every output: one the strategy leaves unwritten shows */
         memset(dx.lo, 0xff, (size_t)(m * k) * es), memset(dw.lo, 0xff, (size_t)(n * k) * es);
         memset(db.lo, 0xff, (size_t)n * es);
-        const linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &q, in_place, threads);
+        linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &q, in_place, threads);
+        linear_bwd_plan_claim(&bwd, &q);
         const linear_bwd_strategy s = bwd.strategy;
+        CHECK(s == LINEAR_BWD_DIRECT || !(bwd.in_place.dx.claimed || bwd.in_place.dweight.claimed),
+              "%s: a backward of strategy %d was claimed", name, (int)s);
+        claimed_backwards += bwd.in_place.dx.claimed;
         if (in_place && s != LINEAR_BWD_IN_PLACE) break; /* only the chunked or the direct strategy applies */
         in_place_runs += in_place;
         direct_runs += s == LINEAR_BWD_DIRECT;
@@ -177,6 +228,14 @@ static void run(const gemm_kernels *gemm, cfg c) {
         ws = check_ws_alloc(wsn);
         rc = linear_bwd(&bwd, &q, ws, wsn);
         check_ws_free(ws, in_place ? "backward in place" : c.act && !p.preact ? "backward recomputing" : "backward");
+        if (rc == LINEAR_ERR_DECLINED) {
+            declined_runs++;
+            bwd = linear_bwd_plan_make(gemm, &q, in_place, threads);
+            wsn = linear_bwd_workspace(&bwd);
+            ws = check_ws_alloc(wsn);
+            rc = linear_bwd(&bwd, &q, ws, wsn);
+            check_ws_free(ws, "backward, run again unclaimed");
+        }
         CHECK(rc == 0, "%s backward %d refused its workspace of %lld floats", name, (int)s, (long long)wsn);
         const char *tag = in_place                 ? "in place"
                           : s == LINEAR_BWD_DIRECT ? "direct"
@@ -198,11 +257,19 @@ static void run(const gemm_kernels *gemm, cfg c) {
         q.dx = skip ? dx.lo : NULL, q.dweight = skip ? NULL : dw.lo, q.dbias = c.bias ? db.lo : NULL;
         const size_t es = opf_dtype_size(c.dt);
         memset(dx.lo, 0xff, (size_t)(m * k) * es), memset(dw.lo, 0xff, (size_t)(n * k) * es);
-        const linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &q, 0, threads);
+        linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &q, 0, threads);
+        linear_bwd_plan_claim(&bwd, &q);
         wsn = linear_bwd_workspace(&bwd);
         ws = check_ws_alloc(wsn);
         rc = linear_bwd(&bwd, &q, ws, wsn);
         check_ws_free(ws, skip ? "backward without dweight" : "backward without dx");
+        if (rc == LINEAR_ERR_DECLINED) {
+            bwd = linear_bwd_plan_make(gemm, &q, 0, threads);
+            wsn = linear_bwd_workspace(&bwd);
+            ws = check_ws_alloc(wsn);
+            rc = linear_bwd(&bwd, &q, ws, wsn);
+            check_ws_free(ws, "backward with a gradient not wanted, run again unclaimed");
+        }
         CHECK(rc == 0, "%s backward without %s refused its workspace", name, skip ? "dweight" : "dx");
         const unsigned char *left = skip ? dw.lo : dx.lo;
         const size_t left_bytes = (size_t)(skip ? n * k : m * k) * es;
@@ -294,7 +361,36 @@ static void test_variant(const gemm_kernels *gemm) {
     in_place_runs = direct_runs = 0;
 }
 
+/* The plans a provider claims: one product each, no workspace but the bias's, the outputs right; and
+ * a claim declined after all, run again unclaimed */
+static void test_claims(const gemm_kernels *gemm) {
+    gemm_provider_set(&claiming);
+    for (provider_declines = 0; provider_declines < 2; provider_declines++) {
+        claimed_plans = claimed_backwards = provider_runs = declined_runs = 0;
+        for (size_t d = 0; d < 3; d++)
+            for (int layout = 0; layout < X_LAYOUTS; layout++) {
+                run(gemm, (cfg){33, 40, 19, layout, 1, ACT_NONE, dtypes[d], 0, 0});
+                run(gemm, (cfg){123, 77, 301, layout, 1, ACT_GELU, dtypes[d], 1, 0});
+                run(gemm, (cfg){7, 13, 5, layout, 0, ACT_NONE, dtypes[d], 0, 0});
+            }
+        /* 16-bit results over several K slices, which unclaimed keep float32 partial sums in row chunks */
+        const int64_t n = ((int64_t)2 << 20) / 64, k = gemm_slice_depth(gemm, OPF_BF16, OPF_BF16) + 3;
+        run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, k, n, X_CONTIGUOUS, 1, ACT_SILU, OPF_BF16, 1, 1});
+        CHECK(claimed_plans > 0 && claimed_backwards > 0, "%s: %d forward and %d backward plans claimed", gemm->name,
+              claimed_plans, claimed_backwards);
+        if (provider_declines)
+            CHECK(declined_runs > 0, "%s: no declined claim was run again", gemm->name);
+        else
+            CHECK(provider_runs > 0 && declined_runs == 0, "%s: the claiming provider ran %d products, %d declined",
+                  gemm->name, provider_runs, declined_runs);
+    }
+    provider_declines = 0;
+    gemm_provider_set(NULL);
+    in_place_runs = direct_runs = 0;
+}
+
 int main(void) {
     CHECK_EACH_VARIANT(gemm_kernels_for, test_variant);
+    CHECK_EACH_VARIANT(gemm_kernels_for, test_claims);
     return check_report("test_linear");
 }

@@ -89,6 +89,46 @@ def test_matmul_and_linear_cross_entropy_on_torchs_gemm(gemm_mode):
     torch.testing.assert_close(runs["torch"][1], F.cross_entropy(h @ w.T, t), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_torchs_gemm_runs_take_no_workspace(gemm_mode, dtype):
+    # A product the provider has settled on running on torch's GEMM (mode torch, or a class auto decided for
+    # torch) writes its result itself: the op allocates its outputs, not the float32 partial sums and
+    # packing buffers opforge's GEMM would use (in bfloat16 twice the output's bytes, and more)
+    import opforge.benchmark as ob
+
+    x, w, b = torch.randn(512, 640, dtype=dtype), (torch.randn(384, 640) / 25).to(dtype), torch.randn(384, dtype=dtype)
+    a, m = torch.randn(2, 320, 640, dtype=dtype), (torch.randn(2, 640, 384) / 25).to(dtype)
+    out_bytes = 512 * 384 * x.element_size()
+    peaks = {}
+    for mode in ("own", "torch"):
+        gemm_mode(mode)
+        peaks[mode] = (ob.peak_memory(lambda: opforge.linear(x, w)), ob.peak_memory(lambda: opforge.matmul(a, m)),
+                       ob.peak_memory(lambda: opforge.linear(x, w, b, "gelu")))  # torch's addmm has temporaries
+    # what torch's GEMM itself allocates (oneDNN's bfloat16 path has temporaries), and the float32 bias row
+    eager = ob.peak_memory(lambda: F.linear(x, w)), ob.peak_memory(lambda: torch.matmul(a, m))
+    assert out_bytes <= peaks["torch"][0] <= eager[0] + 384 * 4 + 64, (peaks, eager)
+    assert peaks["torch"][1] <= eager[1] + 64, (peaks, eager)
+    assert all(own > torch for own, torch in zip(peaks["own"], peaks["torch"])), peaks
+    # the backward (no activation: its two GEMMs read the gradient in place): its outputs and what torch's
+    # GEMM allocates for the two products, one after the other
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = opforge.linear(xg, wg)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (xg, wg), g)
+    backward = torch.ops.opforge.linear_backward.default
+    no_preact = torch.empty(0, dtype=dtype)
+    bwd = {}
+    for mode in ("own", "torch"):
+        gemm_mode(mode)
+        bwd[mode] = ob.peak_memory(lambda: backward(g, x, w, None, no_preact, "none", 3))
+    products = ob.peak_memory(lambda: torch.mm(g, w)) + ob.peak_memory(lambda: torch.mm(g.t(), x))
+    assert bwd["torch"] <= products + 384 * 4 + 64 < bwd["own"], (bwd, products)
+    gemm_mode("own")
+    for got, want in zip(grads, torch.autograd.grad(opforge.linear(xg, wg), (xg, wg), g)):
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
 _AUTO = r"""
 import json, torch, opforge
 opforge.set_gemm("auto")

@@ -196,6 +196,34 @@ def test_benchmark_scripts_smoke(tmp_path, script, outputs):
         assert (tmp_path / name).exists()
 
 
+_FAULTS = """
+import sys, torch, opforge.benchmark as ob
+ob.set_malloc(sys.argv[1])
+def step():  # a 64 MiB tensor made and dropped, as eager's logits are every step
+    t = torch.empty(1 << 24)
+    t.fill_(1.0)
+    return float(t[-1])
+step()
+print(ob.page_faults(step, reps=5))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_page_faults_and_malloc_keep():
+    # glibc maps a 64 MiB block fresh on each allocation (16384 pages paged in per step); kept, it is reused
+    def faults(mode):
+        r = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return float(r.stdout.split()[-1])
+
+    assert faults("default") > 8000
+    assert faults("keep") < 100
+    import opforge.benchmark as ob
+
+    with pytest.raises(ValueError, match="malloc mode 'jemalloc': expected one of default, keep"):
+        ob.set_malloc("jemalloc")
+
+
 @pytest.mark.parametrize("os_amx, granted, expect", [
     (True, True, "bfloat16 GEMMs on AMX-BF16 tiles"),
     (True, False, "Linux refused this process the tile state"),
