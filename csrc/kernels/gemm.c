@@ -215,29 +215,41 @@ int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers) {
     return best;
 }
 
+/* The product offered to the provider pv: 1 if it ran it */
+static int offer(const gemm_provider *pv, const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b,
+                 int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace,
+                 int64_t ws_floats, int claimed) {
+    const gemm_call call = {.plan = plan,
+                            .a = a,
+                            .rsa = rsa,
+                            .csa = csa,
+                            .b = b,
+                            .rsb = rsb,
+                            .csb = csb,
+                            .c = c,
+                            .rsc = rsc,
+                            .ep = ep,
+                            .workspace = workspace,
+                            .ws_floats = ws_floats,
+                            .claimed = claimed};
+    return pv->run(&call);
+}
+
 int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb,
              float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
     const gemm_provider *pv = gemm_provider_get();
-    const int claimed = workspace == NULL && ws_floats == 0 && plan->floats > 0; /* gemm_provider_claims said so */
     if (pv && plan->m > 0 && plan->n > 0 && plan->k > 0) {
-        /* a caller that sized for another product fails whoever runs it */
-        if (ws_floats < plan->floats && !claimed) return -1;
-        gemm_call call = {.plan = plan,
-                          .a = a,
-                          .rsa = rsa,
-                          .csa = csa,
-                          .b = b,
-                          .rsb = rsb,
-                          .csb = csb,
-                          .c = c,
-                          .rsc = rsc,
-                          .ep = ep,
-                          .workspace = workspace,
-                          .ws_floats = ws_floats};
-        if (pv->run(&call)) return 0;
+        if (ws_floats < plan->floats) return -1; /* a caller that sized for another product, whoever runs it */
+        if (offer(pv, plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, workspace, ws_floats, 0)) return 0;
     }
-    if (claimed) return -1; /* declined after all: the caller runs it again with a workspace */
     return gemm_run_own(plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, workspace, ws_floats);
+}
+
+int gemm_run_claimed(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,
+                     int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep) {
+    const gemm_provider *pv = gemm_provider_get();
+    if (plan->m <= 0 || plan->n <= 0) return 0;
+    return pv && plan->k > 0 && offer(pv, plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, NULL, 0, 1) ? 0 : -1;
 }
 
 int gemm_provider_claims(const gemm_plan *plan, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,

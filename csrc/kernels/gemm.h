@@ -176,9 +176,7 @@ int64_t gemm_workspace(const gemm_plan *plan);
  * rounds a bfloat16 op's intermediate results) and multiplied by the pair
  * kernel. Otherwise both are converted to float32 while packed. Returns 0,
  * or -1 without touching anything when ws_floats is smaller than the plan
- * needs (a caller that sized for another product), unless workspace is NULL
- * and ws_floats 0: a product the provider claimed (gemm_provider_claims),
- * -1 only if it declines. */
+ * needs (a caller that sized for another product). */
 int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb, int64_t csb,
              float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats);
 
@@ -204,6 +202,7 @@ typedef struct gemm_call {
     const gemm_epilogue *ep;
     float *workspace; /* gemm_run's: what a provider hands gemm_run_own when it runs opforge's kernels itself */
     int64_t ws_floats;
+    int claimed; /* gemm_run_claimed's (no workspace): run on the provider's own GEMM, or declined */
 } gemm_call;
 
 typedef struct gemm_provider {
@@ -211,7 +210,9 @@ typedef struct gemm_provider {
     int (*run)(const gemm_call *call); /* 1: computed and finished (by whichever GEMM); 0: declined */
     /* 1 where run() puts every call like this one (operand types and layouts, sizes, epilogue, thread
      * count: its class) on its own GEMM, a choice it has settled (its mode, or a class it measured: not
-     * one it is still measuring); the call's data pointers are not read. NULL: never. */
+     * one it is still measuring); the call's data pointers are not read. run() must then take a call
+     * marked claimed onto its own GEMM, whatever its class (the caller may have merged several products
+     * of the claimed class into one), or decline it. NULL: never. */
     int (*claims)(const gemm_call *call);
 } gemm_provider;
 
@@ -219,13 +220,17 @@ typedef struct gemm_provider {
 void gemm_provider_set(const gemm_provider *p);
 const gemm_provider *gemm_provider_get(void);
 
-/* Whether the installed provider claims the product (its `claims`): such a product may then be run by
- * gemm_run with no workspace at all (workspace NULL, ws_floats 0), which gemm_run offers to the
- * provider alone and answers -1 if it declines after all (a mode changed by another thread since, or
- * its GEMM failing): the caller then runs it again with the plan's workspace. ep: the epilogue the
+/* Whether the installed provider claims products like this one (its `claims`). ep: the epilogue the
  * call will have (which fields are set is read: any non-NULL out16 / pre16 / preact will do). */
 int gemm_provider_claims(const gemm_plan *plan, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,
                          const gemm_epilogue *ep);
+
+/* A claimed product (gemm_provider_claims said so for its class), with no workspace: offered to the
+ * provider alone, marked claimed. 0, or -1 when it declines after all (its mode changed since, or its
+ * GEMM failed), possibly after writing part of C or of the results: the caller runs it again with a
+ * workspace. */
+int gemm_run_claimed(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,
+                     int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep);
 
 /* gemm_run on opforge's kernels, the provider not asked (what it compares itself with) */
 int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,

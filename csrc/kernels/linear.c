@@ -123,7 +123,7 @@ static int linear_gemm(const linear_gemm_plan *plan, const void *a, int64_t rsa,
         const gemm_epilogue ep = product_epilogue(dt, n, r0, out, pre, bias, act);
         float *c = dt == OPF_F32 ? (float *)out + r0 * n : cbuf;
         if (plan->claimed) { /* the provider's, with no workspace: it declines only after a change of mode */
-            if (gemm_run(part, at(a, r0 * rsa, dt), rsa, csa, b, rsb, csb, c, n, &ep, NULL, 0) != 0)
+            if (gemm_run_claimed(part, at(a, r0 * rsa, dt), rsa, csa, b, rsb, csb, c, n, &ep) != 0)
                 return LINEAR_ERR_DECLINED;
             continue;
         }
@@ -135,15 +135,17 @@ static int linear_gemm(const linear_gemm_plan *plan, const void *a, int64_t rsa,
 /* any non-NULL pointer: a claim reads which of the epilogue's pointers are set, never their data */
 static const float claim_mark;
 
-/* The plan remade as one product with no workspace where the GEMM provider claims that product (A and
- * B of these layouts; a bias, an activation and a kept pre-activation as given) */
+/* The plan remade as one product with no workspace where the GEMM provider claims its products as the
+ * plan runs them (each row chunk: the classes auto mode measured; A and B of these layouts; a bias, an
+ * activation and a kept pre-activation as given) */
 static void linear_gemm_plan_claim(linear_gemm_plan *p, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb, int bias,
                                    int act, int pre) {
     if (p->dt == OPF_F64 || p->m <= 0 || p->n <= 0 || p->k <= 0) return;
-    const gemm_plan whole = gemm_plan_make(p->gemm, p->m, p->n, p->k, p->dt, p->dt, p->threads);
     void *mark = (void *)&claim_mark;
     const gemm_epilogue ep = product_epilogue(p->dt, 0, 0, mark, pre ? mark : NULL, bias ? &claim_mark : NULL, act);
-    if (!gemm_provider_claims(&whole, rsa, csa, rsb, csb, &ep)) return;
+    if (!gemm_provider_claims(&p->full, rsa, csa, rsb, csb, &ep)) return;
+    if (p->m % p->chunk && !gemm_provider_claims(&p->last, rsa, csa, rsb, csb, &ep)) return;
+    const gemm_plan whole = gemm_plan_make(p->gemm, p->m, p->n, p->k, p->dt, p->dt, p->threads);
     p->claimed = 1;
     p->c_scratch = 0;
     p->chunk = p->m;
@@ -170,7 +172,7 @@ void linear_fwd_plan_claim(linear_fwd_plan *plan, const linear_problem *p) {
     linear_gemm_plan_claim(&plan->product, v.rs, v.cs, p->weight_strides[1], p->weight_strides[0], p->bias != NULL,
                            p->act, p->preact != NULL);
     plan->bias = plan->product.floats;
-    plan->floats = plan->bias + p->n;
+    plan->floats = plan->bias + (p->bias ? p->n : 0);
 }
 
 int64_t linear_fwd_workspace(const linear_fwd_plan *plan) { return plan->floats; }
@@ -489,6 +491,7 @@ matmul_fwd_plan matmul_fwd_plan_make(const gemm_kernels *gemm, opf_dtype dt, int
 }
 
 void matmul_fwd_plan_claim(matmul_fwd_plan *plan, const linear_view *a, const linear_view *b) {
+    if (plan->dt == OPF_F64) return;
     const batch_strides as = strides_of(a), bs = strides_of(b);
     linear_gemm_plan_claim(&plan->product, as.row, as.col, bs.row, bs.col, 0, ACT_NONE, 0);
     plan->floats = plan->product.floats;
@@ -525,6 +528,7 @@ matmul_bwd_plan matmul_bwd_plan_make(const gemm_kernels *gemm, opf_dtype dt, int
 }
 
 void matmul_bwd_plan_claim(matmul_bwd_plan *plan, const linear_view *grad, const linear_view *a, const linear_view *b) {
+    if (plan->dt == OPF_F64) return;
     const batch_strides gs = strides_of(grad), as = strides_of(a), bs = strides_of(b);
     linear_gemm_plan_claim(&plan->da, gs.row, gs.col, bs.col, bs.row, 0, ACT_NONE, 0); /* grad . b^T */
     linear_gemm_plan_claim(&plan->db, as.col, as.row, gs.row, gs.col, 0, ACT_NONE, 0); /* a^T . grad */

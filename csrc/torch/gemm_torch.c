@@ -348,12 +348,23 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
 static int provider_run(const gemm_call *k) {
     const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
     if (md == MODE_OWN || !takes(k)) return 0;
+    if (k->claimed) { /* of a class settled for torch (provider_claims), merged or not: no sample, no workspace */
+        if (run_torch(k) != 0) {
+            opf_log(OPF_LOG_WARNING,
+                    "gemm: torch's GEMM failed on a %lld x %lld x %lld product; the op runs again on "
+                    "opforge's kernels",
+                    (long long)k->plan->m, (long long)k->plan->n, (long long)k->plan->k);
+            return 0;
+        }
+        if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("gemm", "torch_mm", k->plan->kern->isa);
+        return 1;
+    }
     char key[160];
     class_key(k, key, sizeof key);
     opf_provider_turn turn;
     const double work = (double)k->plan->m * (double)k->plan->n * (double)k->plan->k;
-    if (!opf_provider_begin(key, &turn)) {              /* opforge's kernels, timed here while the class is measured */
-        if (!turn.measuring || !k->workspace) return 0; /* no workspace: a claimed call (see claims) */
+    if (!opf_provider_begin(key, &turn)) { /* opforge's kernels, timed here while the class is measured */
+        if (!turn.measuring) return 0;
         const int rc = gemm_run_own(k->plan, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, k->c, k->rsc, k->ep,
                                     k->workspace, k->ws_floats);
         opf_provider_end(&turn, work, 0);
@@ -371,7 +382,8 @@ static int provider_run(const gemm_call *k) {
 }
 
 /* Mode torch, or a class decided for torch (measured here or read from the cache file): provider_run
- * will run such a call on torch's GEMM, which writes the result itself and needs no workspace. */
+ * runs such a call, marked claimed, on torch's GEMM, which writes the result itself and needs no
+ * workspace. */
 static int provider_claims(const gemm_call *k) {
     const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
     if (md == MODE_OWN || !takes_class(k)) return 0;

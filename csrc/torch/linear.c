@@ -53,6 +53,27 @@ static void check_ran(const char *op, int rc) {
                      "shapes)");
 }
 
+/* plan = make, claim (the products the GEMM provider runs itself need no workspace), then run (an
+ * expression of plan, ws and wsn) on a workspace of the plan's size; where the provider declines a
+ * claimed product after all (its mode changed since, its GEMM failed: LINEAR_ERR_DECLINED, before any
+ * output is final), plan = make again, unclaimed, and run once more on its workspace. */
+#define RUN_CLAIMED(op, like, plan, workspace_of, make, claim, run)                   \
+    do {                                                                              \
+        (plan) = (make);                                                              \
+        claim;                                                                        \
+        float *ws = NULL;                                                             \
+        int64_t wsn = workspace_of(&(plan));                                          \
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace((op), wsn, (like), &ws);      \
+        int rc = (run);                                                               \
+        if (rc == LINEAR_ERR_DECLINED) {                                              \
+            (plan) = (make);                                                          \
+            wsn = workspace_of(&(plan));                                              \
+            OPF_OWNED AtenTensorHandle ws2_h = opf_workspace((op), wsn, (like), &ws); \
+            rc = (run);                                                               \
+        }                                                                             \
+        check_ran((op), rc);                                                          \
+    } while (0)
+
 static linear_view view_of(const opf_tensor *t) {
     return (linear_view){.data = t->data, .ndim = t->ndim, .sizes = t->sizes, .strides = t->strides};
 }
@@ -102,18 +123,11 @@ static void matmul_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         return;
     }
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
-    matmul_fwd_plan plan = matmul_fwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
     const linear_view av = view_of(&mm.a), bv = view_of(&mm.b);
-    matmul_fwd_plan_claim(&plan, &av, &bv);
-    float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(MATMUL, matmul_fwd_workspace(&plan), &mm.a, &ws);
-    int rc = matmul_fwd(&plan, c.data, &av, &bv, ws, matmul_fwd_workspace(&plan));
-    if (rc == LINEAR_ERR_DECLINED) { /* the provider's claim withdrawn: the plan unclaimed, with its workspace */
-        plan = matmul_fwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
-        OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(MATMUL, matmul_fwd_workspace(&plan), &mm.a, &ws);
-        rc = matmul_fwd(&plan, c.data, &av, &bv, ws, matmul_fwd_workspace(&plan));
-    }
-    check_ran(MATMUL, rc);
+    matmul_fwd_plan plan;
+    RUN_CLAIMED(MATMUL, &mm.a, plan, matmul_fwd_workspace,
+                matmul_fwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads()),
+                matmul_fwd_plan_claim(&plan, &av, &bv), matmul_fwd(&plan, c.data, &av, &bv, ws, wsn));
     opf_log_call(MATMUL, t0, 3, (opf_tensor[]){mm.a, mm.b, c});
     OPF_RETURN(stack, 0, c_h);
 }
@@ -142,19 +156,12 @@ static void matmul_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout
         return;
     }
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
-    matmul_bwd_plan plan = matmul_bwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
     const linear_view gv = view_of(&g), av = view_of(&mm.a), bv = view_of(&mm.b);
     void *da_p = needs & 1 ? da.data : NULL, *db_p = needs & 2 ? db.data : NULL;
-    matmul_bwd_plan_claim(&plan, &gv, &av, &bv);
-    float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(MATMUL_BACKWARD, matmul_bwd_workspace(&plan), &mm.a, &ws);
-    int rc = matmul_bwd(&plan, da_p, db_p, &gv, &av, &bv, ws, matmul_bwd_workspace(&plan));
-    if (rc == LINEAR_ERR_DECLINED) { /* as in matmul_cpu */
-        plan = matmul_bwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads());
-        OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(MATMUL_BACKWARD, matmul_bwd_workspace(&plan), &mm.a, &ws);
-        rc = matmul_bwd(&plan, da_p, db_p, &gv, &av, &bv, ws, matmul_bwd_workspace(&plan));
-    }
-    check_ran(MATMUL_BACKWARD, rc);
+    matmul_bwd_plan plan;
+    RUN_CLAIMED(MATMUL_BACKWARD, &mm.a, plan, matmul_bwd_workspace,
+                matmul_bwd_plan_make(gemm, mm.dt, mm.batch, mm.m, mm.n, mm.k, opf_num_threads()),
+                matmul_bwd_plan_claim(&plan, &gv, &av, &bv), matmul_bwd(&plan, da_p, db_p, &gv, &av, &bv, ws, wsn));
     opf_log_call(MATMUL_BACKWARD, t0, 3, (opf_tensor[]){g, mm.a, mm.b});
     OPF_RETURN(stack, 0, da_h);
     OPF_RETURN(stack, 1, db_h);
@@ -232,17 +239,9 @@ static void linear_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     l.p.out = out.data;
     l.p.preact = save ? pre.data : NULL;
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
-    linear_fwd_plan plan = linear_fwd_plan_make(gemm, &l.p, opf_num_threads());
-    linear_fwd_plan_claim(&plan, &l.p);
-    float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LINEAR, linear_fwd_workspace(&plan), &l.x, &ws);
-    int rc = linear_fwd(&plan, &l.p, ws, linear_fwd_workspace(&plan));
-    if (rc == LINEAR_ERR_DECLINED) { /* as in matmul_cpu */
-        plan = linear_fwd_plan_make(gemm, &l.p, opf_num_threads());
-        OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(LINEAR, linear_fwd_workspace(&plan), &l.x, &ws);
-        rc = linear_fwd(&plan, &l.p, ws, linear_fwd_workspace(&plan));
-    }
-    check_ran(LINEAR, rc);
+    linear_fwd_plan plan;
+    RUN_CLAIMED(LINEAR, &l.x, plan, linear_fwd_workspace, linear_fwd_plan_make(gemm, &l.p, opf_num_threads()),
+                linear_fwd_plan_claim(&plan, &l.p), linear_fwd(&plan, &l.p, ws, wsn));
     opf_log_call(LINEAR, t0, 3, (opf_tensor[]){l.x, l.w, out});
     OPF_RETURN(stack, 0, out_h);
     OPF_RETURN(stack, 1, pre_h);
@@ -292,17 +291,10 @@ static void linear_backward_impl(StableIValue *stack, int in_place) {
         l.p.dx = needs & 1 ? dx.data : NULL, l.p.dweight = needs & 2 ? dw.data : NULL;
         l.p.dbias = l.has_bias ? db.data : NULL;
         const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
-        linear_bwd_plan plan = linear_bwd_plan_make(gemm, &l.p, in_place, opf_num_threads());
-        linear_bwd_plan_claim(&plan, &l.p);
-        float *ws = NULL;
-        OPF_OWNED AtenTensorHandle ws_h = opf_workspace(LINEAR_BACKWARD, linear_bwd_workspace(&plan), &l.x, &ws);
-        int rc = linear_bwd(&plan, &l.p, ws, linear_bwd_workspace(&plan));
-        if (rc == LINEAR_ERR_DECLINED) { /* as in matmul_cpu (only the direct backward, which overwrites no */
-            plan = linear_bwd_plan_make(gemm, &l.p, in_place, opf_num_threads()); /* input, is claimed) */
-            OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(LINEAR_BACKWARD, linear_bwd_workspace(&plan), &l.x, &ws);
-            rc = linear_bwd(&plan, &l.p, ws, linear_bwd_workspace(&plan));
-        }
-        check_ran(LINEAR_BACKWARD, rc);
+        linear_bwd_plan plan; /* only the direct backward, which overwrites no input, is claimed */
+        RUN_CLAIMED(LINEAR_BACKWARD, &l.x, plan, linear_bwd_workspace,
+                    linear_bwd_plan_make(gemm, &l.p, in_place, opf_num_threads()), linear_bwd_plan_claim(&plan, &l.p),
+                    linear_bwd(&plan, &l.p, ws, wsn));
     }
     opf_log_call(LINEAR_BACKWARD, t0, 3, (opf_tensor[]){g, l.x, dw});
     OPF_RETURN(stack, 0, dx_h);

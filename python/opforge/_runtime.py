@@ -217,13 +217,23 @@ def gemm_choices() -> list[dict]:
 
 
 def gemm_cache_file() -> str:
-    """Where auto mode keeps its choices: per CPU model and torch version, under the build cache
-    ($OPFORGE_CACHE_DIR or ~/.cache/opforge)."""
+    """Where auto mode keeps its choices: per CPU model, torch version and build of opforge's library
+    (its size and modification time: a rebuilt or reinstalled library, whose kernels may have changed
+    speed, measures its classes again instead of trusting another build's choices), under the build
+    cache ($OPFORGE_CACHE_DIR or ~/.cache/opforge)."""
+    import hashlib
+
     from .build import cache_dir
 
     model = cpu_features()["model"] or "unknown-cpu"
     slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in model).strip("-")
-    return os.path.join(cache_dir(), "providers", f"{slug}-torch-{torch.__version__.replace('+', '-')}.tsv")
+    try:
+        st = os.stat(library.path)
+        build = hashlib.blake2b(f"{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=4).hexdigest()
+    except OSError:
+        build = "unknown"
+    return os.path.join(cache_dir(), "providers",
+                        f"{slug}-torch-{torch.__version__.replace('+', '-')}-lib-{build}.tsv")
 
 
 

@@ -158,11 +158,15 @@ def fma_probe(seconds: float = 0.02) -> tuple[Callable[[], float] | None, float]
 
 
 def page_faults(fn: Callable[[], object], reps: int = 3) -> int:
-    """Median minor page faults of the process during one call of fn (getrusage; every thread's). A
-    tensor whose memory the C allocator has just taken from the kernel (glibc: any allocation above its
-    mmap threshold, at most 32 MiB, and the top of a heap trimmed after a free) is paged in on first
-    touch, a fault per 4 KiB page: time that is the allocator's, not the op's."""
-    import resource
+    """Median minor page faults of the process during one call of fn (getrusage; every thread's); -1
+    where the OS does not count them. A tensor whose memory the C allocator has just taken from the
+    kernel (glibc: any allocation above its mmap threshold, at most 32 MiB, and the top of a heap
+    trimmed after a free) is paged in on first touch, a fault per page (4 KiB, or 2 MiB where
+    transparent huge pages back it): time that is the allocator's, not the op's."""
+    try:
+        import resource
+    except ImportError:
+        return -1
 
     counts = []
     for _ in range(reps):
@@ -181,21 +185,27 @@ def set_malloc(mode: str) -> None:
     of the heap's top), so that a tensor reallocated every step does not page in fresh memory; what a
     training process gets from jemalloc or tcmalloc, or from GLIBC_TUNABLES=glibc.malloc.mmap_max=0:
     glibc.malloc.trim_threshold=<large> set before it starts. Applies to every variant of a benchmark
-    alike, for the rest of the process. "default": nothing changed. Raises where the C library has no
-    mallopt (not glibc)."""
+    alike, for the rest of the process. "default": nothing changed. Raises where the C library is not
+    glibc (with jemalloc or tcmalloc preloaded, glibc's mallopt succeeds and changes nothing: that
+    allocator keeps memory its own way)."""
     if mode not in MALLOC_MODES:
         raise ValueError(f"malloc mode {mode!r}: expected one of {', '.join(MALLOC_MODES)}")
     if mode == "default":
         return
     import ctypes
-    import ctypes.util
+    import platform
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    mallopt = getattr(libc, "mallopt", None)
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-    if mallopt is None or mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1:
-        raise RuntimeError("set_malloc('keep'): this C library has no glibc mallopt; run the benchmark with "
-                           "jemalloc or tcmalloc preloaded instead")
+    try:
+        if platform.libc_ver()[0] != "glibc":
+            raise OSError("not glibc")
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+        done = [mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, 2**31 - 1)]
+    except (OSError, AttributeError, TypeError) as e:
+        raise RuntimeError(f"set_malloc('keep') needs glibc's mallopt ({e}); run the benchmark with jemalloc or "
+                           "tcmalloc preloaded instead") from None
+    if done != [1, 1]:
+        raise RuntimeError(f"set_malloc('keep'): glibc's mallopt refused (M_MMAP_MAX, M_TRIM_THRESHOLD: {done})")
 
 
 def peak_memory(fn: Callable[[], object]) -> int:

@@ -40,10 +40,11 @@ static int in_place_runs; /* the in-place strategy must be reached, not only all
 static int direct_runs;   /* and the direct one */
 
 /* A GEMM provider of the test's own (gemm.h) that claims every product (gemm_provider_claims) and runs
- * it by the float32 oracle on float32 copies of the operands, finished by gemm_finish; or, with
- * provider_declines, claims every product and then declines it (a mode changed after the plan): the
- * entry points answer LINEAR_ERR_DECLINED and run() runs them again unclaimed, as the glue does. */
-static int provider_declines, provider_runs, claimed_plans, claimed_backwards, declined_runs;
+ * it by the float32 oracle on float32 copies of the operands, finished by gemm_finish; with decline_at
+ * N > 0, the Nth claimed call since claimed_calls was reset is declined after all (a mode changed
+ * after the plan: the ones before it wrote their results), with N = -1 every one: the entry points
+ * answer LINEAR_ERR_DECLINED and the tests run them again unclaimed, as the glue does. */
+static int decline_at, claimed_calls, provider_runs, claimed_plans, claimed_backwards, declined_runs;
 
 static float *dense_f32(const void *src, opf_dtype dt, int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
     float *d = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(float));
@@ -53,7 +54,7 @@ static float *dense_f32(const void *src, opf_dtype dt, int64_t rows, int64_t col
 }
 
 static int claiming_run(const gemm_call *k) {
-    if (provider_declines) return 0;
+    if (k->claimed && (decline_at < 0 || ++claimed_calls == decline_at)) return 0;
     const gemm_plan *p = k->plan;
     const int64_t m = p->m, n = p->n, kk = p->k;
     float *a = dense_f32(k->a, p->ta, m, kk, k->rsa, k->csa), *b = dense_f32(k->b, p->tb, kk, n, k->rsb, k->csb);
@@ -169,14 +170,14 @@ static void run(const gemm_kernels *gemm, cfg c) {
     int64_t wsn = linear_fwd_workspace(&fwd);
     if (fwd.product.claimed) {
         claimed_plans++;
-        CHECK(wsn == n, "%s: a claimed forward's workspace is %lld floats, not the bias's %lld", name, (long long)wsn,
-              (long long)n);
+        CHECK(wsn == (c.bias ? n : 0), "%s: a claimed forward's workspace is %lld floats, not the bias's", name,
+              (long long)wsn);
     }
     float *ws = check_ws_alloc(wsn);
     int rc = linear_fwd(&fwd, &p, ws, wsn);
     check_ws_free(ws, "forward");
     if (rc == LINEAR_ERR_DECLINED) { /* the glue's answer: the plan unclaimed, with its workspace */
-        CHECK(provider_declines, "%s: a claimed forward declined with a provider that does not", name);
+        CHECK(decline_at != 0, "%s: a claimed forward declined with a provider that does not", name);
         declined_runs++;
         fwd = linear_fwd_plan_make(gemm, &p, threads);
         wsn = linear_fwd_workspace(&fwd);
@@ -361,30 +362,88 @@ static void test_variant(const gemm_kernels *gemm) {
     in_place_runs = direct_runs = 0;
 }
 
+/* matmul, forward and backward, batched (a, b and grad strided through their batch), b transposed or
+ * not, under the claiming provider: against the float64 path, each entry point run again unclaimed
+ * where a claim is declined (matmul's glue does the same) */
+static void run_matmul(const gemm_kernels *gemm, int64_t batch, int64_t m, int64_t k, int64_t n, opf_dtype dt,
+                       int b_transposed) {
+    const cfg c = {m, k, n, 0, 0, 0, dt, 0, 0}; /* compare()'s tolerance and message */
+    arr a = arr_rand(batch * m * k, dt, 11, 1.0), b = arr_rand(batch * k * n, dt, 12, 1.0 / sqrt((double)k));
+    arr g = arr_rand(batch * m * n, dt, 13, 1.0);
+    arr out = arr_empty(batch * m * n, dt), da = arr_empty(batch * m * k, dt), db = arr_empty(batch * k * n, dt);
+    int64_t asz[3] = {batch, m, k}, ast[3] = {m * k, k, 1}, bsz[3] = {batch, k, n};
+    int64_t bst[3] = {k * n, b_transposed ? 1 : n, b_transposed ? k : 1}, gsz[3] = {batch, m, n},
+            gst[3] = {m * n, n, 1};
+    const int64_t threads = opf_num_threads();
+    for (int hi = 1; hi >= 0; hi--) { /* the float64 reference into .hi first, then the claimed plans into .lo */
+        const opf_dtype t = hi ? OPF_F64 : dt;
+        const linear_view av = {hi ? (void *)a.hi : a.lo, 3, asz, ast}, bv = {hi ? (void *)b.hi : b.lo, 3, bsz, bst};
+        const linear_view gv = {hi ? (void *)g.hi : g.lo, 3, gsz, gst};
+        void *o = hi ? (void *)out.hi : out.lo, *dap = hi ? (void *)da.hi : da.lo, *dbp = hi ? (void *)db.hi : db.lo;
+        for (int twice = 0; twice < 2; twice++) { /* claimed, then (if declined) unclaimed */
+            matmul_fwd_plan f = matmul_fwd_plan_make(gemm, t, batch, m, n, k, threads);
+            if (!twice) matmul_fwd_plan_claim(&f, &av, &bv);
+            CHECK(hi || twice || f.product.claimed, "%s: a matmul forward was not claimed", gemm->name);
+            float *ws = check_ws_alloc(matmul_fwd_workspace(&f));
+            const int rc = matmul_fwd(&f, o, &av, &bv, ws, matmul_fwd_workspace(&f));
+            check_ws_free(ws, "matmul forward");
+            CHECK(rc == 0 || (rc == LINEAR_ERR_DECLINED && !twice), "%s: matmul forward returned %d", gemm->name, rc);
+            declined_runs += rc != 0;
+            if (rc == 0) break;
+        }
+        for (int twice = 0; twice < 2; twice++) {
+            matmul_bwd_plan bw = matmul_bwd_plan_make(gemm, t, batch, m, n, k, threads);
+            if (!twice) matmul_bwd_plan_claim(&bw, &gv, &av, &bv);
+            float *ws = check_ws_alloc(matmul_bwd_workspace(&bw));
+            const int rc = matmul_bwd(&bw, dap, dbp, &gv, &av, &bv, ws, matmul_bwd_workspace(&bw));
+            check_ws_free(ws, "matmul backward");
+            CHECK(rc == 0 || (rc == LINEAR_ERR_DECLINED && !twice), "%s: matmul backward returned %d", gemm->name, rc);
+            declined_runs += rc != 0;
+            if (rc == 0) break;
+        }
+    }
+    compare("matmul out", &c, gemm->name, out.lo, out.hi, batch * m * n);
+    compare("matmul da", &c, gemm->name, da.lo, da.hi, batch * m * k);
+    compare("matmul db", &c, gemm->name, db.lo, db.hi, batch * k * n);
+    arr_free(&a), arr_free(&b), arr_free(&g), arr_free(&out), arr_free(&da), arr_free(&db);
+}
+
 /* The plans a provider claims: one product each, no workspace but the bias's, the outputs right; and
- * a claim declined after all, run again unclaimed */
+ * claims declined after all -- every one, or the Nth of an op's calls after N - 1 wrote their results
+ * (a later matrix of x, dweight after dx, a later batch of matmul) -- each op then run again unclaimed */
 static void test_claims(const gemm_kernels *gemm) {
     gemm_provider_set(&claiming);
-    for (provider_declines = 0; provider_declines < 2; provider_declines++) {
+    for (decline_at = -1; decline_at <= 4; decline_at++) {
         claimed_plans = claimed_backwards = provider_runs = declined_runs = 0;
         for (size_t d = 0; d < 3; d++)
             for (int layout = 0; layout < X_LAYOUTS; layout++) {
+                claimed_calls = 0;
                 run(gemm, (cfg){33, 40, 19, layout, 1, ACT_NONE, dtypes[d], 0, 0});
-                run(gemm, (cfg){123, 77, 301, layout, 1, ACT_GELU, dtypes[d], 1, 0});
+                claimed_calls = 0;
                 run(gemm, (cfg){7, 13, 5, layout, 0, ACT_NONE, dtypes[d], 0, 0});
+                if (decline_at > 1) continue;
+                claimed_calls = 0;
+                run(gemm, (cfg){123, 77, 301, layout, 1, ACT_GELU, dtypes[d], 1, 0});
+            }
+        for (size_t d = 0; d < 2; d++)
+            for (int bt = 0; bt < 2; bt++) {
+                claimed_calls = 0;
+                run_matmul(gemm, 3, 21, 35, 17, dtypes[d], bt);
             }
         /* 16-bit results over several K slices, which unclaimed keep float32 partial sums in row chunks */
         const int64_t n = ((int64_t)2 << 20) / 64, k = gemm_slice_depth(gemm, OPF_BF16, OPF_BF16) + 3;
-        run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, k, n, X_CONTIGUOUS, 1, ACT_SILU, OPF_BF16, 1, 1});
+        claimed_calls = 0;
+        if (decline_at == 0)
+            run(gemm, (cfg){linear_chunk_rows(1 << 20, n) + 1, k, n, X_CONTIGUOUS, 1, ACT_SILU, OPF_BF16, 1, 1});
         CHECK(claimed_plans > 0 && claimed_backwards > 0, "%s: %d forward and %d backward plans claimed", gemm->name,
               claimed_plans, claimed_backwards);
-        if (provider_declines)
-            CHECK(declined_runs > 0, "%s: no declined claim was run again", gemm->name);
+        if (decline_at)
+            CHECK(declined_runs > 0, "%s: no declined claim (at %d) was run again", gemm->name, decline_at);
         else
             CHECK(provider_runs > 0 && declined_runs == 0, "%s: the claiming provider ran %d products, %d declined",
                   gemm->name, provider_runs, declined_runs);
     }
-    provider_declines = 0;
+    decline_at = 0;
     gemm_provider_set(NULL);
     in_place_runs = direct_runs = 0;
 }

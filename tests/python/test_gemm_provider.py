@@ -129,6 +129,29 @@ def test_products_torchs_gemm_runs_take_no_workspace(gemm_mode, dtype):
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_mode_claims_the_classes_it_gave_to_torch(gemm_mode, dtype):
+    # once auto has measured a class, a product of it decided for torch runs without opforge's workspace
+    # (peak memory: torch's own), one decided for opforge's kernels with it
+    import ctypes
+
+    import opforge.benchmark as ob
+
+    gemm_mode("auto")
+    a, m = torch.randn(2, 320, 640, dtype=dtype), (torch.randn(2, 640, 384) / 25).to(dtype)
+    for _ in range(20):  # past the class's measuring calls (6, or 16 on a near tie; 2 products a call)
+        opforge.matmul(a, m)
+    dll = opforge.library.dll
+    dll.opforge_gemm_matmul_key.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_char_p,
+                                                                   ctypes.c_size_t]
+    key = ctypes.create_string_buffer(256)
+    dll.opforge_gemm_matmul_key(320, 384, 640, int(dtype == torch.bfloat16), torch.get_num_threads(), key, 256)
+    choice = [c["provider"] for c in opforge.gemm_choices() if c["key"] == key.value.decode()]
+    assert choice in (["own"], ["torch"]), (key.value, opforge.gemm_choices())
+    peak, eager = ob.peak_memory(lambda: opforge.matmul(a, m)), ob.peak_memory(lambda: torch.matmul(a, m))
+    assert (peak <= eager + 64) == (choice == ["torch"]), (peak, eager, choice)
+
+
 _AUTO = r"""
 import json, torch, opforge
 opforge.set_gemm("auto")

@@ -208,16 +208,17 @@ print(ob.page_faults(step, reps=5))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_page_faults_and_malloc_keep():
-    # glibc maps a 64 MiB block fresh on each allocation (16384 pages paged in per step); kept, it is reused
+    # glibc maps a 64 MiB block fresh on each allocation (16384 4-KiB pages paged in per step, or 32
+    # huge ones where transparent huge pages back it); kept, it is reused
     def faults(mode):
         r = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         return float(r.stdout.split()[-1])
 
-    assert faults("default") > 8000
-    assert faults("keep") < 100
+    default, keep = faults("default"), faults("keep")
+    assert default >= 32 and keep <= default / 8, (default, keep)
     import opforge.benchmark as ob
 
     with pytest.raises(ValueError, match="malloc mode 'jemalloc': expected one of default, keep"):
