@@ -35,6 +35,9 @@ static inline int opf_provider_log2_up(int64_t v) {
 typedef struct opf_provider_turn {
     int torch;     /* 1: the call runs torch's kernel */
     int measuring; /* the call is a sample of its class: time it between begin and end */
+    int fused;     /* 1 (begin's default): opforge's kernel fuses work torch's leaves to another pass (an
+                      epilogue): a near tie (within 3%) stays with it; 0 (the caller's, before end): the
+                      faster wins */
     double t0;
     char key[160];
 } opf_provider_turn;

@@ -179,7 +179,8 @@ def test_auto_times_a_class_on_its_first_calls_and_keeps_the_choice_on_disk(tmp_
         assert c["here"] and 6 <= c["samples"] <= 16 and c["provider"] in ("own", "torch"), c
         assert c["samples"] == 16 or not near_tie, c  # decided before 8 each only once the two are apart
         assert c["own_gflops"] > 0 and c["torch_gflops"] > 0
-        assert c["provider"] == ("torch" if c["torch_gflops"] > c["own_gflops"] / 0.97 else "own")
+        fused = c["key"].split()[2] == "e"  # an epilogue: a near tie (3%) stays with opforge's kernel
+        assert c["provider"] == ("torch" if c["torch_gflops"] > c["own_gflops"] / (0.97 if fused else 1.0) else "own")
     assert first["file"].startswith(str(tmp_path)) and "torch-" + torch.__version__.replace("+", "-") in first["file"]
     lines = open(first["file"]).read().splitlines()
     assert sorted(line.split("\t")[0] for line in lines) == sorted(keys)
