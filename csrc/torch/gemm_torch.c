@@ -15,12 +15,15 @@
  * (up to MORE_SAMPLES x 2 while the two are within 8% of each other) run
  * on the two GEMMs in turn, each timed as it runs (the whole call, epilogue
  * included, per multiply-add), and the faster one (best sample against best
- * sample) runs every product of the class from then on. The measuring costs
+ * sample; a product with an epilogue stays on opforge's kernel within 3%)
+ * runs every product of the class from then on. The measuring costs
  * no extra work: the products are the caller's own, on their own operands and
  * outputs, at their own sizes; only those few calls may run the slower GEMM.
  * Choices are kept for the process and, where the Python layer names a file
- * (keyed by CPU model and torch version), on disk, so a later process
- * measures nothing it has measured before. (A first version timed both GEMMs
+ * (keyed by CPU model, torch version and build of opforge's library), on
+ * disk, so a later process measures nothing it has measured before. A class
+ * settled on torch's GEMM is claimed (provider_claims): linear's and
+ * matmul's plans then run its products whole, with no opforge workspace. (A first version timed both GEMMs
  * on a corner of the first product into scratch outputs: the corner's ratio
  * was not the whole product's -- at 2048^3 it chose torch's GEMM where
  * opforge's is 1.12x faster.)

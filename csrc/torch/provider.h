@@ -4,7 +4,8 @@
  * for a class of problem, the op runs it instead of opforge's. The mode is
  * OPFORGE_GEMM (own | torch | auto), one for every provider; auto times the
  * first calls of a class on both kernels in turn and keeps the faster for
- * the process and in the cache file (per CPU model and torch version).
+ * the process and in the cache file (per CPU model, torch version and build
+ * of opforge's library).
  */
 #ifndef OPFORGE_TORCH_PROVIDER_H
 #define OPFORGE_TORCH_PROVIDER_H

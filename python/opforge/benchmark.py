@@ -180,6 +180,14 @@ def page_faults(fn: Callable[[], object], reps: int = 3) -> int:
 MALLOC_MODES = ("default", "keep")
 
 
+def glibc() -> bool:
+    """Whether this process's C library is glibc (whose mallopt set_malloc calls)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def set_malloc(mode: str) -> None:
     """"keep": glibc's malloc keeps freed memory for reuse (mallopt: no mmap for large blocks, no trimming
     of the heap's top), so that a tensor reallocated every step does not page in fresh memory; what a
@@ -193,11 +201,10 @@ def set_malloc(mode: str) -> None:
     if mode == "default":
         return
     import ctypes
-    import platform
 
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
     try:
-        if platform.libc_ver()[0] != "glibc":
+        if not glibc():
             raise OSError("not glibc")
         mallopt = ctypes.CDLL("libc.so.6").mallopt
         done = [mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, 2**31 - 1)]

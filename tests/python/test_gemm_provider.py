@@ -106,8 +106,9 @@ def test_products_torchs_gemm_runs_take_no_workspace(gemm_mode, dtype):
                        ob.peak_memory(lambda: opforge.linear(x, w, b, "gelu")))  # torch's addmm has temporaries
     # what torch's GEMM itself allocates (oneDNN's bfloat16 path has temporaries), and the float32 bias row
     eager = ob.peak_memory(lambda: F.linear(x, w)), ob.peak_memory(lambda: torch.matmul(a, m))
-    assert out_bytes <= peaks["torch"][0] <= eager[0] + 384 * 4 + 64, (peaks, eager)
-    assert peaks["torch"][1] <= eager[1] + 64, (peaks, eager)
+    slack = out_bytes // 4  # less than any workspace of opforge's GEMM here (bf16: 2x the output's bytes)
+    assert out_bytes <= peaks["torch"][0] <= eager[0] + slack, (peaks, eager)
+    assert peaks["torch"][1] <= eager[1] + slack, (peaks, eager)
     assert all(own > torch for own, torch in zip(peaks["own"], peaks["torch"])), peaks
     # the backward (no activation: its two GEMMs read the gradient in place): its outputs and what torch's
     # GEMM allocates for the two products, one after the other
@@ -149,7 +150,7 @@ def test_auto_mode_claims_the_classes_it_gave_to_torch(gemm_mode, dtype):
     choice = [c["provider"] for c in opforge.gemm_choices() if c["key"] == key.value.decode()]
     assert choice in (["own"], ["torch"]), (key.value, opforge.gemm_choices())
     peak, eager = ob.peak_memory(lambda: opforge.matmul(a, m)), ob.peak_memory(lambda: torch.matmul(a, m))
-    assert (peak <= eager + 64) == (choice == ["torch"]), (peak, eager, choice)
+    assert (peak <= eager + 320 * 384 * a.element_size() // 2) == (choice == ["torch"]), (peak, eager, choice)
 
 
 _AUTO = r"""
