@@ -21,7 +21,17 @@ import torch
 import torch.nn.functional as F
 
 import opforge
-from opforge.benchmark import MALLOC_MODES, RESULTS, compare, peak_memory, plot, set_malloc, write_results
+from opforge.benchmark import (
+    MALLOC_MODES,
+    RESULTS,
+    compare,
+    malloc_note,
+    malloc_suffix,
+    peak_memory,
+    plot,
+    set_malloc,
+    write_results,
+)
 
 
 def eager(x, w, b):
@@ -44,9 +54,8 @@ def main(argv=None):
     p.add_argument("--malloc", choices=MALLOC_MODES, default="default")
     a = p.parse_args(argv)
     set_malloc(a.malloc)
-    suffix = "_malloc_keep" if a.malloc == "keep" else ""
     if a.only == "plain":
-        return plain_table(a.smoke, a.out, suffix)
+        return plain_table(a.smoke, a.out, a.malloc)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     compiled = torch.compile(eager, dynamic=False)
     f32 = torch.float32
@@ -105,7 +114,7 @@ def main(argv=None):
               f"{row['mem_saved_vs_eager_pct']:.0f}% less than eager, {row['mem_saved_vs_compile_pct']:.0f}% less than compile; "
               f"recompute=True: fwd+bwd {row['recompute_fwdbwd_vs_eager']:.2f}x eager, peak memory "
               f"{row['recompute_mem_saved_vs_eager_pct']:.0f}% less than eager", flush=True)
-    table = write_results("linear_gelu" + suffix, rows, [
+    table = write_results("linear_gelu" + malloc_suffix(a.malloc), rows, [
         f"ISA {opforge.get_isa()}; ratios = baseline time / opforge time (>1: opforge faster); bfloat16: "
         "opforge multiplies bfloat16 pairs (AVX512-BF16) where the ISA is avx512_bf16, else converts to float32 "
         "while packing; both accumulate in float32; eager runs torch's own bfloat16 kernels",
@@ -116,15 +125,15 @@ def main(argv=None):
         "peak memory: allocator high-water mark of one forward+backward (the running total of the torch "
         "profiler's memory events), inputs, parameters and the incoming gradient excluded, the same way for "
         "every variant; fwd_only: the same for a forward on inputs that need no gradient",
-        f"malloc: {a.malloc}",
+        malloc_note(a.malloc),
     ], a.out)
     fp32 = [r for r in rows if r["dtype"] == "float32"]
-    plot("linear_gelu" + suffix, [r["tokens"] * r["out"] for r in fp32],
+    plot("linear_gelu" + malloc_suffix(a.malloc), [r["tokens"] * r["out"] for r in fp32],
          {k: [r[k] for r in fp32] for k in ("fwd_vs_eager", "fwdbwd_vs_eager", "fwdbwd_vs_compile")},
          "tokens x out_features", "speed-up (x)", a.out)
     print(table)
     if a.only != "gelu":
-        plain_table(a.smoke, a.out, suffix)
+        plain_table(a.smoke, a.out, a.malloc)
 
 
 # the projections of bench_transformer.py's default model (batch 8 x sequence 256 = 2048 tokens, dim 512, 8
@@ -132,7 +141,7 @@ def main(argv=None):
 PROJECTIONS = [(512, 512), (512, 128), (512, 768), (512, 1408), (512, 2816), (1408, 512)]
 
 
-def plain_table(smoke: bool, out: str, suffix: str = ""):
+def plain_table(smoke: bool, out: str, malloc: str = "default"):
     """opforge.linear(x, w) against F.linear(x, w), forward+backward (x and w both needing gradients), in GEMM
     provider mode auto (the default) and forced own / torch."""
     tokens = 64 if smoke else 2048
@@ -170,7 +179,7 @@ def plain_table(smoke: bool, out: str, suffix: str = ""):
             print(f"{row['dtype']} {tokens}x{hin}->{hout}: fwd+bwd {row['fwdbwd_vs_F_linear']:.3f}x F.linear (best "
                   f"samples {row['best_vs_F_linear']:.3f}x); own GEMM {row['own_vs_F_linear']:.3f}x, torch's "
                   f"{row['torch_gemm_vs_F_linear']:.3f}x", flush=True)
-    table = write_results("linear" + suffix, rows, [
+    table = write_results("linear" + malloc_suffix(malloc), rows, [
         f"ISA {opforge.get_isa()}; opforge.linear(x, w) against F.linear(x, w), no bias, no activation, x and w "
         "both needing gradients: one forward+backward (three GEMMs: out, dx, dweight); >1: opforge faster",
         "shapes: the projections of bench_transformer.py's default model at 2048 tokens (q, o 512->512; k, v "
@@ -178,7 +187,7 @@ def plain_table(smoke: bool, out: str, suffix: str = ""):
         "fwdbwd_vs_F_linear: GEMM provider mode auto (the default: the faster of opforge's GEMM and torch's per "
         "class of product, measured on first use); own_ / torch_gemm_vs_F_linear: the mode forced; medians of "
         "interleaved samples, best_: of each variant's fastest sample",
-        "malloc: " + ("keep (glibc keeps freed memory for reuse; every variant alike)" if suffix else "glibc's default"),
+        malloc_note(malloc),
     ], out)
     print(table)
 

@@ -40,6 +40,8 @@ from opforge.benchmark import (  # noqa: E402
     RESULTS,
     Progress,
     compare,
+    malloc_note,
+    malloc_suffix,
     page_faults,
     peak_memory,
     set_malloc,
@@ -201,7 +203,7 @@ def main(argv=None):
                   f"{r['mem_saved_vs_eager_pct']:.0f}% less peak memory than eager", file=sys.stderr, flush=True)
     c = config
     stem = f"transformer_{shape}" if len(dtypes) == 2 else f"transformer_{shape}_{a.dtypes}"  # one dtype: its own file
-    stem += "_malloc_keep" if a.malloc == "keep" else ""
+    stem += malloc_suffix(a.malloc)
     table = write_results(stem, rows, [
         f"shape: batch {batch} x sequence {seq}; GPT dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads "
         f"({c.n_kv_heads} key/value heads), MLP {c.hidden_dim}, vocab {c.vocab_size}",
@@ -214,9 +216,8 @@ def main(argv=None):
         "peak memory: allocator high-water mark during one step above what was held before it, the same way for "
         "every variant",
         "faults_*: minor page faults per step (median of 3): memory paged in fresh, the C allocator's cost, "
-        "not the ops' work; malloc: " + ("keep (glibc keeps freed memory for reuse: no mmap of large blocks, "
-                                         "no trimming; every variant alike)" if a.malloc == "keep" else
-                                         "glibc's default (large blocks mapped fresh on every allocation)"),
+        "not the ops' work",
+        malloc_note(a.malloc),
     ], a.out)
     _plot(rows, stem, a.out)
     print(table)

@@ -156,13 +156,18 @@ static void linear_gemm_plan_claim(linear_gemm_plan *p, int64_t rsa, int64_t csa
 
 /* ---- forward ----------------------------------------------------------------------------------- */
 
+/* the product's workspace, then a float32 copy of the bias */
+static void fwd_layout(linear_fwd_plan *l, const linear_problem *p) {
+    l->bias = l->product.floats;
+    l->floats = l->bias + (p->bias ? p->n : 0);
+}
+
 linear_fwd_plan linear_fwd_plan_make(const gemm_kernels *gemm, const linear_problem *p, int64_t threads) {
     linear_fwd_plan l = {.gemm = gemm};
     if (p->dt == OPF_F64) return l;
     rows_view v = view_rows(&p->x);
     l.product = linear_gemm_plan_make(gemm, p->dt, v.rows, p->n, p->k, threads);
-    l.bias = l.product.floats;
-    l.floats = l.bias + p->n;
+    fwd_layout(&l, p);
     return l;
 }
 
@@ -171,8 +176,7 @@ void linear_fwd_plan_claim(linear_fwd_plan *plan, const linear_problem *p) {
     rows_view v = view_rows(&p->x);
     linear_gemm_plan_claim(&plan->product, v.rs, v.cs, p->weight_strides[1], p->weight_strides[0], p->bias != NULL,
                            p->act, p->preact != NULL);
-    plan->bias = plan->product.floats;
-    plan->floats = plan->bias + (p->bias ? p->n : 0);
+    fwd_layout(plan, p);
 }
 
 int64_t linear_fwd_workspace(const linear_fwd_plan *plan) { return plan->floats; }

@@ -23,8 +23,9 @@
  * (keyed by CPU model, torch version and build of opforge's library), on
  * disk, so a later process measures nothing it has measured before. A class
  * settled on torch's GEMM is claimed (provider_claims): linear's and
- * matmul's plans then run its products whole, with no opforge workspace. (A first version timed both GEMMs
- * on a corner of the first product into scratch outputs: the corner's ratio
+ * matmul's plans then run its products whole, with no opforge workspace.
+ * (A first version timed both GEMMs on a corner of the first product into
+ * scratch outputs: the corner's ratio
  * was not the whole product's -- at 2048^3 it chose torch's GEMM where
  * opforge's is 1.12x faster.)
  *
@@ -355,33 +356,24 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
 static int provider_run(const gemm_call *k) {
     const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
     if (md == MODE_OWN || !takes(k)) return 0;
-    if (k->claimed) { /* of a class settled for torch (provider_claims), merged or not: no sample, no workspace */
-        if (run_torch(k) != 0) {
-            opf_log(OPF_LOG_WARNING,
-                    "gemm: torch's GEMM failed on a %lld x %lld x %lld product; the op runs again on "
-                    "opforge's kernels",
-                    (long long)k->plan->m, (long long)k->plan->n, (long long)k->plan->k);
-            return 0;
-        }
-        if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("gemm", "torch_mm", k->plan->kern->isa);
-        return 1;
-    }
-    char key[160];
-    class_key(k, key, sizeof key);
-    opf_provider_turn turn;
+    opf_provider_turn turn = {.torch = 1}; /* a claimed call: of a class settled for torch, no sample */
     const double work = (double)k->plan->m * (double)k->plan->n * (double)k->plan->k;
-    const int on_torch = opf_provider_begin(key, &turn);
-    turn.fused = gemm_epilogue_needed(k->ep); /* a plain product fuses nothing: a near tie goes to the faster */
-    if (!on_torch) {                          /* opforge's kernels, timed here while the class is measured */
+    if (!k->claimed) {
+        char key[160];
+        class_key(k, key, sizeof key);
+        opf_provider_begin(key, &turn);
+        turn.fused = gemm_epilogue_needed(k->ep); /* a plain product fuses nothing: a near tie goes to the faster */
+    }
+    if (!turn.torch) { /* opforge's kernels, timed here while the class is measured (else declined) */
         if (!turn.measuring) return 0;
         const int rc = gemm_run_own(k->plan, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, k->c, k->rsc, k->ep,
                                     k->workspace, k->ws_floats);
         opf_provider_end(&turn, work, 0);
         return rc == 0;
     }
-    if (run_torch(k) != 0) {
+    if (run_torch(k) != 0) { /* declined: opforge's kernels run it (a claimed call: the op runs again unclaimed) */
         opf_provider_end(&turn, work, 1);
-        opf_log(OPF_LOG_WARNING, "gemm: torch's GEMM failed on a %lld x %lld x %lld product; opforge's kernels ran it",
+        opf_log(OPF_LOG_WARNING, "gemm: torch's GEMM failed on a %lld x %lld x %lld product; opforge's kernels run it",
                 (long long)k->plan->m, (long long)k->plan->n, (long long)k->plan->k);
         return 0;
     }

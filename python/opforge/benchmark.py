@@ -215,6 +215,19 @@ def set_malloc(mode: str) -> None:
         raise RuntimeError(f"set_malloc('keep'): glibc's mallopt refused (M_MMAP_MAX, M_TRIM_THRESHOLD: {done})")
 
 
+def malloc_suffix(mode: str) -> str:
+    """What a benchmark run in set_malloc's `mode` adds to its results' file names."""
+    return "_malloc_keep" if mode == "keep" else ""
+
+
+def malloc_note(mode: str) -> str:
+    """The results' header line saying how memory was allocated (set_malloc's `mode`)."""
+    if mode == "keep":
+        return ("malloc: keep (glibc keeps freed memory for reuse: no mmap of large blocks, no trimming; every "
+                "variant alike)")
+    return "malloc: glibc's default (large blocks mapped fresh on every allocation)"
+
+
 def peak_memory(fn: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator held during one call of fn, above what it
     held before: the high-water mark of the allocator's running total, read
