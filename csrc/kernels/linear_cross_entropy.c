@@ -106,6 +106,11 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
     }
     const int64_t budget = p->block_floats > 0 ? p->block_floats : LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
     const int half = p->grads_dt == OPF_BF16 || p->grads_dt == OPF_F16, grads = wants_grad(p);
+    /* bfloat16 operands: the logits block is bfloat16 (the GEMM's result rounded once, as eager's
+     * bfloat16 logits under autocast), and so is du, written over it by the row code, which both gradient
+     * GEMMs read as it is (they would each round a float32 du to bfloat16 on the way in) */
+    const int b16 = p->dt == OPF_BF16;
+    const opf_dtype du_dt = b16 ? OPF_BF16 : OPF_F32;
     block_shape(p->t, p->v, budget, &l.tc, &l.vb);
     /* the GEMMs of the full and the last block each way: logits (tc, vb, H), dhidden (tc, H, vb), dweight (vb,
      * H, tc); a GEMM's workspace is not monotonic in the rows */
@@ -114,8 +119,8 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
         for (int lv = 0; lv < 2; lv++) {
             const int64_t cols = lv ? p->v % l.vb : l.vb;
             l.logits[lt][lv] = gemm_plan_make(gemm, rows, cols, p->h, p->dt, p->dt, threads);
-            l.dhidden[lt][lv] = gemm_plan_make(gemm, rows, p->h, cols, OPF_F32, p->dt, threads);
-            l.dweight[lt][lv] = gemm_plan_make(gemm, cols, p->h, rows, OPF_F32, p->dt, threads);
+            l.dhidden[lt][lv] = gemm_plan_make(gemm, rows, p->h, cols, du_dt, p->dt, threads);
+            l.dweight[lt][lv] = gemm_plan_make(gemm, cols, p->h, rows, du_dt, p->dt, threads);
             if (rows == 0 || rows > p->t || cols == 0 || cols > p->v) continue; /* no such block */
             int64_t need[3] = {gemm_workspace(&l.logits[lt][lv]), grads ? gemm_workspace(&l.dhidden[lt][lv]) : 0,
                                grads ? gemm_workspace(&l.dweight[lt][lv]) : 0};
@@ -123,7 +128,9 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
         }
     }
     l.block = l.gemm_floats;
-    l.max = l.block + l.tc * l.vb;
+    /* float32 logits; with a bfloat16 block, the GEMM's partial sums only where H spans several K slices */
+    const int64_t c32 = !b16 || p->h > gemm_slice_depth(gemm, p->dt, p->dt) ? l.tc * l.vb : 0;
+    l.max = l.block + c32;
     l.sum = l.max + p->t;
     l.zsum = l.sum + p->t;
     l.zy = l.zsum + p->t;
@@ -131,7 +138,8 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
     l.dh = l.bias + (p->bias ? p->v : 0);
     l.dw = l.dh + (half && p->dhidden ? p->t * p->h : 0);
     l.db = l.dw + (half && p->dweight ? l.vb * p->h : 0);
-    l.floats = l.db + (half && p->dbias ? p->v : 0);
+    l.block16 = l.db + (half && p->dbias ? p->v : 0);
+    l.floats = l.block16 + (b16 ? (l.tc * l.vb + 1) / 2 : 0); /* 2-byte elements */
     return l;
 }
 
@@ -143,7 +151,8 @@ typedef struct linear_cross_entropy_job {
     const linear_cross_entropy_kernels *kern;
     const linear_cross_entropy_problem *p;
     const linear_cross_entropy_plan *l;
-    float *ws, *block;
+    float *ws, *block;          /* block: float32 logits, or (with block16) the GEMM's partial sums or NULL */
+    uint16_t *block16;          /* bfloat16 operands: the logits (rows, cols), then du over them; else NULL */
     int64_t t0, v0, rows, cols; /* the block: tokens [t0, t0 + rows), vocab [v0, v0 + cols) */
     double base;                /* the gradient of each token's loss before grad: 1/N (mean) or 1 */
     float cap, eps_v, one_eps;
@@ -153,18 +162,31 @@ static int ignored(const linear_cross_entropy_problem *p, int64_t t) {
     return p->target[t * p->target_stride] == p->ignore_index;
 }
 
+/* a bfloat16 block's rows are taken a segment at a time through float32 on the stack */
+enum { SEGMENT = 1024 };
+
 /* sweep 1, rows [r0, r1) of the block */
 static void lse_rows(int64_t r0, int64_t r1, void *ctx) {
     const linear_cross_entropy_job *job = ctx;
     const linear_cross_entropy_problem *p = job->p;
     float *mx = job->ws + job->l->max, *sm = job->ws + job->l->sum, *zs = job->ws + job->l->zsum;
     float *zy = job->ws + job->l->zy;
+    float seg[SEGMENT];
     for (int64_t r = r0; r < r1; r++) {
         const int64_t t = job->t0 + r;
-        const float *u = job->block + r * job->cols;
-        job->kern->lse_update(u, job->cols, job->cap, mx + t, sm + t, zs + t);
-        int64_t y = p->target[t * p->target_stride] - job->v0;
-        if (!ignored(p, t) && y >= 0 && y < job->cols) zy[t] = job->kern->capped(u, job->cols, y, job->cap);
+        const int64_t y = ignored(p, t) ? -1 : p->target[t * p->target_stride] - job->v0;
+        if (!job->block16) {
+            const float *u = job->block + r * job->cols;
+            job->kern->lse_update(u, job->cols, job->cap, mx + t, sm + t, zs + t);
+            if (y >= 0 && y < job->cols) zy[t] = job->kern->capped(u, job->cols, y, job->cap);
+            continue;
+        }
+        for (int64_t s0 = 0; s0 < job->cols; s0 += SEGMENT) { /* the online update folds a row in pieces */
+            const int64_t n = min64(SEGMENT, job->cols - s0);
+            job->l->gemm->cvt->to_f32(seg, job->block16 + r * job->cols + s0, OPF_BF16, n);
+            job->kern->lse_update(seg, n, job->cap, mx + t, sm + t, zs + t);
+            if (y >= s0 && y < s0 + n) zy[t] = job->kern->capped(seg, n, y - s0, job->cap);
+        }
     }
 }
 
@@ -181,22 +203,38 @@ static double token_scale(const linear_cross_entropy_job *job, int64_t t) {
 static void grad_rows(int64_t r0, int64_t r1, void *ctx) {
     const linear_cross_entropy_job *job = ctx;
     const linear_cross_entropy_problem *p = job->p;
+    const convert_kernels *cvt = job->l->gemm->cvt;
+    float seg[SEGMENT];
     for (int64_t r = r0; r < r1; r++) {
         const int64_t t = job->t0 + r;
-        float *u = job->block + r * job->cols;
+        float *u = job->block16 ? NULL : job->block + r * job->cols;
+        uint16_t *u16 = job->block16 ? job->block16 + r * job->cols : NULL;
         const float scale = (float)token_scale(job, t);
         if (scale == 0.0f) { /* ignored (or a zero gradient): no contribution, whatever the logits */
-            memset(u, 0, (size_t)job->cols * sizeof(float));
+            if (u) memset(u, 0, (size_t)job->cols * sizeof(float));
+            if (u16) memset(u16, 0, (size_t)job->cols * sizeof(uint16_t));
             continue;
         }
         int64_t y = p->target[t * p->target_stride] - job->v0;
         float dy = 0.0f; /* the target's -(1 - eps) term, times the cap's derivative at its logit */
         if (y >= 0 && y < job->cols) {
-            float z = job->kern->capped(u, job->cols, y, job->cap);
+            float uy;
+            if (u16) cvt->to_f32(&uy, u16 + y, OPF_BF16, 1);
+            float z = u ? job->kern->capped(u, job->cols, y, job->cap) : job->kern->capped(&uy, 1, 0, job->cap);
             dy = scale * job->one_eps * (job->cap > 0.0f ? 1.0f - (z / job->cap) * (z / job->cap) : 1.0f);
         }
-        job->kern->grad(u, job->cols, job->cap, p->lse[t], scale, job->eps_v);
-        if (y >= 0 && y < job->cols) u[y] -= dy;
+        if (u) {
+            job->kern->grad(u, job->cols, job->cap, p->lse[t], scale, job->eps_v);
+            if (y >= 0 && y < job->cols) u[y] -= dy;
+            continue;
+        }
+        for (int64_t s0 = 0; s0 < job->cols; s0 += SEGMENT) {
+            const int64_t n = min64(SEGMENT, job->cols - s0);
+            cvt->to_f32(seg, u16 + s0, OPF_BF16, n);
+            job->kern->grad(seg, n, job->cap, p->lse[t], scale, job->eps_v);
+            if (y >= s0 && y < s0 + n) seg[y - s0] -= dy;
+            cvt->from_f32(u16 + s0, seg, OPF_BF16, n);
+        }
     }
 }
 
@@ -208,7 +246,9 @@ static int logits_block(const linear_cross_entropy_job *job, float *ws) {
     const linear_cross_entropy_problem *p = job->p;
     const opf_dtype dt = p->dt;
     gemm_epilogue ep = {.bias = p->bias ? ws + job->l->bias + job->v0 : NULL,
-                        .bias_kind = p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE};
+                        .bias_kind = p->bias ? GEMM_BIAS_ROW : GEMM_BIAS_NONE,
+                        .out16 = job->block16,
+                        .out_dt = OPF_BF16};
     return gemm_run(&job->l->logits[job->rows < job->l->tc][job->cols < job->l->vb],
                     at(p->hidden, job->t0 * p->hidden_strides[0], dt), p->hidden_strides[0], p->hidden_strides[1],
                     at(p->weight, job->v0 * p->weight_strides[0], dt), p->weight_strides[1], p->weight_strides[0],
@@ -269,7 +309,8 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
                                     .p = p,
                                     .l = l,
                                     .ws = ws,
-                                    .block = ws + l->block,
+                                    .block = l->max > l->block ? ws + l->block : NULL,
+                                    .block16 = l->floats > l->block16 ? (uint16_t *)(ws + l->block16) : NULL,
                                     .cap = (float)p->softcap,
                                     .eps_v = p->v > 0 ? (float)(p->label_smoothing / (double)p->v) : 0.0f,
                                     .one_eps = (float)(1.0 - p->label_smoothing)};
@@ -311,19 +352,22 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
                 chunk_lse(p, &job);
             }
             opf_parallel_for(0, job.rows, row_grain(job.cols), grad_rows, &job);
+            const void *du = job.block16 ? (const void *)job.block16 : job.block; /* the GEMMs' A: du (rows, cols) */
             if (dh32) { /* dhidden rows (rows, H) (+)= du (rows, cols) . weight rows (cols, H) */
                 gemm_epilogue ep = {.beta = vbi ? 1.0f : 0.0f};
-                TRY(gemm_run(&l->dhidden[job.rows < l->tc][job.cols < l->vb], job.block, job.cols, 1,
+                TRY(gemm_run(&l->dhidden[job.rows < l->tc][job.cols < l->vb], du, job.cols, 1,
                              at(p->weight, job.v0 * p->weight_strides[0], dt), p->weight_strides[0],
                              p->weight_strides[1], dh32 + job.t0 * p->h, p->h, &ep, ws, l->gemm_floats));
             }
             if (dwb) { /* dweight rows (cols, H) (+)= du^T (cols, rows) . hidden rows (rows, H) */
                 gemm_epilogue ep = {.beta = tci ? 1.0f : 0.0f};
-                TRY(gemm_run(&l->dweight[job.rows < l->tc][job.cols < l->vb], job.block, 1, job.cols,
+                TRY(gemm_run(&l->dweight[job.rows < l->tc][job.cols < l->vb], du, 1, job.cols,
                              at(p->hidden, job.t0 * p->hidden_strides[0], dt), p->hidden_strides[0],
                              p->hidden_strides[1], dwb, p->h, &ep, ws, l->gemm_floats));
             }
-            if (db32) colsum_f32(gemm->cvt, db32 + job.v0, job.block, OPF_F32, job.cols, job.rows, job.cols, tci > 0);
+            if (db32)
+                colsum_f32(gemm->cvt, db32 + job.v0, du, job.block16 ? OPF_BF16 : OPF_F32, job.cols, job.rows, job.cols,
+                           tci > 0);
         }
         if (ntc == 0) { /* no tokens: zero gradients of weight and bias */
             for (int64_t e = 0; dwb && e < job.cols * p->h; e++) dwb[e] = 0.0f;
@@ -402,6 +446,7 @@ static void ref_row(const linear_cross_entropy_problem *p, int64_t t, double *z)
         for (int64_t k = 0; k < p->h; k++)
             u += ld(p->hidden, t * p->hidden_strides[0] + k * p->hidden_strides[1]) *
                  ld(p->weight, v * p->weight_strides[0] + k * p->weight_strides[1]);
+        if (p->logits_bf16) u = opf_bf16_to_f32(opf_f32_to_bf16((float)u)); /* the kernel's bfloat16 block */
         z[v] = p->softcap > 0.0 ? p->softcap * tanh(u / p->softcap) : u;
     }
 }

@@ -34,7 +34,16 @@
  * float32 accumulates dhidden, dweight and dbias in the outputs; bfloat16 and
  * float16 operands go through the GEMM's 16-bit paths (float32 accumulation)
  * and the gradients accumulate in float32 scratch (dhidden (T,H), one vocab
- * block of dweight, dbias) and are rounded once. float64 runs the reference
+ * block of dweight, dbias) and are rounded once. For bfloat16 operands the
+ * logits block is bfloat16, as eager's logits are under autocast: the GEMM
+ * rounds its float32 sums once into it, the row code reads it a segment at a
+ * time through float32 (the log-sum-exp and du are float32 as before) and
+ * writes du over it rounded to bfloat16, the operand both gradient GEMMs take
+ * (a float32 du was rounded so on its way into them, by each). Half the
+ * block's bytes, and none of the float32 block's passes (the result's
+ * conversion, the row code's float32 reads and writes, the GEMMs' rounding);
+ * the loss is that of the bfloat16 logits (torch's provider gave those
+ * already). float64 runs the reference
  * (linear_cross_entropy_ref_f64): the C tests' oracle and the op's path for gradcheck.
  *
  * dtypes: the loss and its gradient are promote(operands, float32)
@@ -104,6 +113,8 @@ typedef struct linear_cross_entropy_problem {
     double softcap;         /* > 0, or 0: none */
     int reduction;          /* linear_cross_entropy_reduction */
     int64_t block_floats;   /* the logits block's floats; 0: LINEAR_CROSS_ENTROPY_BLOCK_FLOATS */
+    int logits_bf16;        /* the float64 reference only: each logit rounded to bfloat16 (after the bias, before
+                             * the softcap), as the kernels' block holds them for bfloat16 operands */
     /* forward: loss (T) for reduction none, else one element; lse (T) float32.
      * lse_given: the backward's lse from the forward (sweep 1 is skipped). */
     void *loss;
@@ -150,13 +161,15 @@ int64_t linear_cross_entropy_bad_target(const linear_cross_entropy_problem *p);
  * the GEMMs' packing, the logits block, the per-token running max, sum and
  * sum of z and the target's z (sweep 1), a float32 bias, and for 16-bit
  * types the float32 gradients (dhidden (T,H), dweight of one vocab block,
- * dbias (V)). float64: one row of V doubles. */
+ * dbias (V)), and for bfloat16 operands du rounded to bfloat16 (one block),
+ * which both gradient GEMMs read (they would each round the float32 du so).
+ * float64: one row of V doubles. */
 typedef struct linear_cross_entropy_plan {
     const gemm_kernels *gemm;
     int64_t tc, vb;
     gemm_plan logits[2][2], dhidden[2][2], dweight[2][2];
     int64_t gemm_floats;
-    int64_t block, max, sum, zsum, zy, bias, dh, dw, db, floats;
+    int64_t block, max, sum, zsum, zy, bias, dh, dw, db, block16, floats;
 } linear_cross_entropy_plan;
 
 linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gemm,

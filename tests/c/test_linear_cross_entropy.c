@@ -5,10 +5,11 @@
  * them from lse with a scalar gradient (mean, sum) and with a non-uniform
  * per-token gradient (none), and the scaling backward; float32, bfloat16,
  * float16 (the loss, its gradient and the forward's gradients float32, the
- * loss as precise as float32's on the 16-bit operands); odd sizes T 1, 7, 37, H 1, 7, 123, V 1, 7, 123, 4097; ignored
+ * loss as precise as float32's on the 16-bit operands and, for bfloat16, on
+ * logits rounded to bfloat16 as the kernels' block holds them); odd sizes T 1, 7, 37, H 1, 7, 123, V 1, 7, 123, 4097; ignored
  * rows, bias, label smoothing, softcap; the default block plan and one of
  * 16-row blocks, so that both sweeps cross token and vocab block boundaries;
- * strided hidden and weight; the same bits at 1 and 2 threads; non-finite
+ * strided hidden and weight; bfloat16 with H past the GEMMs' K slice; the same bits at 1 and 2 threads; non-finite
  * logits (a -inf bias, a NaN hidden row) and one class. Every workspace sits
  * between guard words, sized exactly as linear_cross_entropy_workspace says.
  */
@@ -147,6 +148,7 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
         .block_floats = c->block_floats};
     linear_cross_entropy_problem ref = p;
     ref.dt = OPF_F64, ref.hidden = hid.hi, ref.weight = w.hi, ref.bias = c->bias ? b.hi : NULL;
+    ref.logits_bf16 = dt == OPF_BF16; /* bfloat16 operands: bfloat16 logits, as eager's */
     const int64_t nloss = c->reduction == LINEAR_CROSS_ENTROPY_NONE ? t : 1;
     arr loss = arr_empty(nloss, ldt), lref = arr_empty(nloss, OPF_F64);
     float *lse = malloc((size_t)(t + 1) * sizeof(float)), *lse_ref = malloc((size_t)(t + 1) * sizeof(float));
@@ -422,10 +424,28 @@ static void test_nonfinite(const linear_cross_entropy_kernels *kern) {
     test_one_class(kern, 2.5);
 }
 
+/* bfloat16 with H deeper than every GEMM table's K slice (2048 pairs at most): the bfloat16 logits block
+ * then takes the GEMM's float32 partial sums in a block of its own; both plans, bias and the extras */
+static void test_deep_bf16(const linear_cross_entropy_kernels *kern) {
+    for (int red = 0; red < 3; red++)
+        for (int extras = 0; extras < 2; extras++) {
+            cfg c = {.t = 21,
+                     .h = 2100,
+                     .v = 37,
+                     .dt = OPF_BF16,
+                     .reduction = red,
+                     .bias = 1,
+                     .extras = extras,
+                     .block_floats = extras ? 256 : 0};
+            test_case(kern, &c);
+        }
+}
+
 #define TEST_ALL(k)        \
     do {                   \
         test_variant(k);   \
         test_nonfinite(k); \
+        test_deep_bf16(k); \
     } while (0)
 
 /* The Python layer decides whether the blocks span the vocabulary as min(max(t, 1), CHUNK_TOKENS) * max(v, 1) <=

@@ -23,7 +23,8 @@ LCE = torch.ops.opforge.linear_cross_entropy.default
 LCE_NONE = torch.ops.opforge.linear_cross_entropy_none.default
 
 # The loss is a sum over V exp terms and H-deep dot products computed in float32 (float32, and 16-bit
-# inputs too: only the operands are rounded, and the reference reads the rounded operands), returned in
+# inputs too: only the operands are rounded, and the reference reads the rounded operands; bfloat16
+# operands' logits are rounded to bfloat16 as eager's are, and so are the reference's: LOGITS), returned in
 # float32 for 16-bit inputs (LOSS_DTYPE): float32's tolerance. The gradients accumulate in float32 and
 # round once to the dtype.
 TOL = {
@@ -44,8 +45,16 @@ GRAD_TOL = {
 LOSS_DTYPE = {dt: torch.promote_types(dt, torch.float32) for dt in TOL}
 
 
-def reference(h, w, y, b=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", softcap=None):
+# the dtype the kernel rounds the logits to for operands of each dtype (linear_cross_entropy.h: the bfloat16
+# block), or None: float32 logits
+LOGITS = {torch.bfloat16: torch.bfloat16}
+
+
+def reference(h, w, y, b=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", softcap=None,
+              logits=None):
     z = F.linear(h, w, b)
+    if logits is not None:  # the float32 sum rounded to the logits' dtype, as the kernel's block holds it
+        z = z.float().to(logits).to(z.dtype)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=ignore_index,
@@ -71,7 +80,7 @@ def check_against_reference(dtype, t, h, v, reduction, ignore, label_smoothing, 
     refs = [x.detach().double().requires_grad_() for x in leaves]
     kw = dict(ignore_index=-100, label_smoothing=label_smoothing, reduction=reduction, softcap=softcap)
     got = linear_cross_entropy(leaves[0], leaves[1], y, leaves[2] if bias else None, **kw)
-    want = reference(refs[0], refs[1], y, refs[2] if bias else None, **kw)
+    want = reference(refs[0], refs[1], y, refs[2] if bias else None, logits=LOGITS.get(dtype), **kw)
     assert got.dtype == LOSS_DTYPE[dtype] and got.shape == want.shape
     torch.testing.assert_close(got.double(), want.detach(), **TOL[got.dtype], equal_nan=True)  # mean of none: NaN
     # a non-uniform gradient for none: the per-token grads must weight each token's own gradient
@@ -261,7 +270,8 @@ def test_compile_fullgraph(dynamic, reduction):
 def test_autocast_runs_the_gemms_in_the_autocast_dtype(amp, reduction):
     # policy lower, as torch's autocast runs F.cross_entropy(F.linear(...)): float32 hidden, weight and bias are
     # cast to amp for the GEMMs, the log-sum-exp and the loss are float32, and the gradients of the float32 leaves
-    # come back in float32 through the cast. The loss is that of the amp-rounded operands to float32 rounding,
+    # come back in float32 through the cast. The loss is that of the amp-rounded operands (and, for bfloat16, the
+    # bfloat16 logits eager's F.linear gives too) to float32 rounding,
     # hundreds of times closer to it than to the loss of the float32 operands (what the old float32 policy gave).
     hid, w, b, y = inputs(16, 12, 20, torch.float32)
     leaves = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
@@ -270,7 +280,7 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype(amp, reduction):
         want = F.cross_entropy(F.linear(hid, w, b), y, reduction=reduction)
     assert got.dtype == want.dtype == torch.float32
     rounded = [x.detach().to(amp).double().requires_grad_() for x in (hid, w, b)]
-    want16 = reference(*rounded[:2], y, rounded[2], reduction=reduction)
+    want16 = reference(*rounded[:2], y, rounded[2], reduction=reduction, logits=LOGITS.get(amp))
     want32 = reference(hid.double(), w.double(), y, b.double(), reduction=reduction)
     err16, err32 = (got.double() - want16).abs().max(), (got.double() - want32).abs().max()
     assert err16 <= 1e-5 * (1 + want16.abs().max()) and err16 * 100 < err32, (float(err16), float(err32))
@@ -566,7 +576,6 @@ def test_log_names_the_row_code_that_ran():
 # smoothing, softcap, layouts, dtypes, ISAs and threads, against float64 torch
 
 LCE_MARKS = (1, 7, 16, 64, 2047, 2048, 2049, 4097)  # 2048 x 2048 logits blocks
-GEMM_PAIRS = ("avx512bf16_12x32", "amx_32x32")  # gemm.h: ukernel_pairs, which multiply bfloat16 pairs
 
 
 def _fuzz_draw(rng, c):
@@ -633,6 +642,7 @@ def _fuzz_check(c, gen, dtype, dt, call):
     b64 = refs[2].detach() if b is not None else torch.zeros(v, dtype=torch.float64)
     logits = h64 @ w64.T + b64
     eu = fuzz.sum_err(u, h + 1, h64.abs() @ w64.abs().T + b64.abs(), logits)
+    eu = eu + fuzz.rounding_err(c, "logits", logits.abs() + eu)  # the float32 sum, rounded where it is
     z = z.detach()
     dcap = 1 - (z / cap) ** 2 if cap is not None else torch.ones_like(z)
     ez = eu * dcap + (fuzz.C_FN * u * z.abs() if cap is not None else 0.0)  # tanhf, and the scaling around it
@@ -668,12 +678,12 @@ def _fuzz_check(c, gen, dtype, dt, call):
     e_du = e_graw * dcap.abs()
     if cap is not None:  # 1 - (z / c)^2 from the float32 z: z's error, and the few roundings of its own
         e_du = e_du + graw.abs() * (2 * z.abs() * ez / cap**2 + 4 * u * (1 + 2 * (z / cap) ** 2))
-    e_du16 = e_du + fuzz.rounding_err(c, "du", du)  # the operand of the dhidden and dweight products
+    e_du16 = e_du + fuzz.rounding_err(c, "du", du)  # the operand of the dhidden and dweight products, and dbias's
     dh, dw, db = du @ w64, du.T @ h64, du.sum(0)
     bounds = {
         "dhidden": e_du16 @ w64.abs() + fuzz.sum_err(u, v, du.abs() @ w64.abs(), dh),
         "dweight": e_du16.T @ h64.abs() + fuzz.sum_err(u, t, du.abs().T @ h64.abs(), dw),
-        "dbias": e_du.sum(0) + fuzz.sum_err(u, t, du.abs().sum(0), db),
+        "dbias": e_du16.sum(0) + fuzz.sum_err(u, t, du.abs().sum(0), db),
     }
     # reduction mean or sum over blocks that span the vocabulary (vocab_in_one_block): the forward makes the
     # gradients of a unit g in the loss's
@@ -691,9 +701,9 @@ FUZZ = {
             # rounded once (with reduction mean or sum over blocks that span the vocabulary the forward makes them in
             # float32, and the backward scales them by the incoming gradient and rounds them)
             ("*", "*"): (),
-            # ... and the pair variants round du beside the bfloat16 weight and hidden (dhidden = du W,
-            # dweight = du^T hidden; dbias sums the float32 du)
-            **{(v, "bfloat16"): ("du",) for v in GEMM_PAIRS},
+            # ... but bfloat16 operands' logits block is bfloat16 (the GEMM's float32 sums rounded once, as
+            # eager's logits), and du is rounded over it for both gradient products and dbias, whatever the GEMM
+            ("*", "bfloat16"): ("logits", "du"),
         }),
 }
 

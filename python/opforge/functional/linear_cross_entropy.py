@@ -71,13 +71,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     backward, which recomputes the blocks from the saved log-sum-exp. Only the gradients wanted are
     made: with a frozen weight (a frozen LM head, e.g. under LoRA) or hidden, the backward recomputes the
     blocks and runs no GEMM for, and writes nothing into, the gradient not wanted. float32; bfloat16 and float16 (the
-    GEMM's 16-bit paths, float32 accumulation, gradients accumulated in float32 and rounded once);
+    GEMM's 16-bit paths, float32 accumulation, gradients accumulated in float32 and rounded once; for
+    bfloat16 the logits block is bfloat16, as eager's logits, half the bytes);
     float64 a reference loop (for gradcheck). The loss is promote(hidden, float32): float32 for 16-bit
     hidden (the log-sum-exp is float32 inside: a 16-bit loss would only round it, and a float16 one would
     overflow GradScaler's scaled gradient, 65536 being past float16's range), float64 for float64.
     Deterministic: the same bits on any thread count. Under ``torch.autocast`` the op runs as torch runs
     ``F.cross_entropy(F.linear(...))``: float32 hidden, weight and bias are cast to the autocast dtype for
-    the GEMMs (their gradients come back in float32 through the cast), and the loss is float32.
+    the GEMMs (their gradients come back in float32 through the cast), and the loss is float32. With bfloat16
+    operands the logits are rounded to bfloat16 as ``F.linear``'s are (the log-sum-exp and the loss are still
+    float32 sums over them).
     """
     code = enum_code(REDUCTIONS, "linear_cross_entropy", "reduction", reduction)
     if hidden.dim() < 1:
