@@ -379,3 +379,36 @@ OPF_AOTI_SHIM(linear_backward_, 3,
               (AtenTensorHandle grad, AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle *bias,
                AtenTensorHandle preact, const char *activation, int64_t needs),
               grad, x, weight, bias, preact, activation, needs);
+
+/* Whether torch's GEMM runs every product of a plain linear (no activation) of these sizes and layouts
+ * on this thread count: x (m, k) of strides (rsx, csx), weight (n, k) of (rsw, csw), float32 or
+ * bfloat16 (bf16 set), with a bias or not, and, with grad set, its direct backward (a contiguous
+ * gradient: dx and dweight). The GEMM provider claims each of them (mode torch, or a class auto mode
+ * settled for torch). The op then fuses nothing that F.linear does not, and the Python layer calls
+ * F.linear instead: the same GEMM, without the custom op's autograd hop through Python. */
+OPF_EXPORT int opforge_linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsx, int64_t csx, int64_t rsw,
+                                       int64_t csw, int bf16, int bias, int grad, int64_t threads) {
+    if (m <= 0 || n <= 0 || k <= 0) return 0;
+    static const float mark; /* the claims read which pointers are set, never their data */
+    const int64_t xs[2] = {m, k}, xst[2] = {rsx, csx}, gs[2] = {m, n}, gst[2] = {n, 1};
+    linear_problem p = {.n = n,
+                        .k = k,
+                        .dt = bf16 ? OPF_BF16 : OPF_F32,
+                        .x = {.data = (void *)&mark, .ndim = 2, .sizes = xs, .strides = xst},
+                        .weight = &mark,
+                        .weight_strides = {rsw, csw},
+                        .bias = bias ? &mark : NULL,
+                        .bias_stride = 1,
+                        .out = (void *)&mark};
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    linear_fwd_plan fwd = linear_fwd_plan_make(gemm, &p, threads);
+    linear_fwd_plan_claim(&fwd, &p);
+    if (!fwd.product.claimed) return 0;
+    if (!grad) return 1;
+    p.grad = (linear_view){.data = (void *)&mark, .ndim = 2, .sizes = gs, .strides = gst};
+    p.dx = p.dweight = (void *)&mark;
+    p.dbias = bias ? (void *)&mark : NULL;
+    linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &p, 0, threads);
+    linear_bwd_plan_claim(&bwd, &p);
+    return bwd.strategy == LINEAR_BWD_DIRECT && bwd.in_place.dx.claimed && bwd.in_place.dweight.claimed;
+}

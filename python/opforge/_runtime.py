@@ -131,6 +131,7 @@ def set_isa(name: str) -> None:
     The same as starting with OPFORGE_ISA=name. Raises RuntimeError when this
     CPU lacks it or the name is unknown."""
     library._call("opforge_set_isa", name.encode())
+    TORCH_LINEARS.clear()  # the kernel table is part of the GEMM provider's classes
 
 
 def get_isa() -> str:
@@ -181,6 +182,12 @@ _dll.opforge_gemm_choice_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_
                                         ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
 
 
+# Plain linears (no activation) whose every product the GEMM provider runs on torch's GEMM: the
+# arguments of opforge_linear_on_torch that said so. Such a class stays torch's for the process unless
+# the mode or the ISA changes (set_gemm, set_isa empty it); opforge.linear calls F.linear for them.
+TORCH_LINEARS: set = set()
+
+
 def set_gemm(mode: str) -> None:
     """Who multiplies the matrices inside linear, matmul and linear_cross_entropy (forward and
     backward): "own" (opforge's kernels), "torch" (torch's own GEMM, aten::mm: MKL, oneDNN, AMX;
@@ -191,6 +198,7 @@ def set_gemm(mode: str) -> None:
     torch's fused CPU attention for the plain cases torch's kernel covers (float32 and bfloat16, no
     mask, no grouped-query heads, causal only with as many keys as queries)."""
     library._call("opforge_set_gemm", mode.encode())
+    TORCH_LINEARS.clear()
 
 
 def get_gemm() -> str:

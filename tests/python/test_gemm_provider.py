@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import opforge
+from opforge.functional.linear import _linear as _linear_op
+from opforge.functional.linear import _plain_on_torch
 
 
 @contextlib.contextmanager
@@ -64,13 +66,43 @@ def test_linear_on_torchs_gemm_matches_own(gemm_mode, dtype, act, tmp_path):
     for mode in ("own", "torch"):
         gemm_mode(mode)
         with _logged(tmp_path / f"{mode}.log"):
-            y = opforge.linear(x, w, b, act)
+            # the op itself: opforge.linear calls F.linear for a plain product all on torch's GEMM (below)
+            y = _linear_op(x, w, b, act, True)[0]
             runs[mode] = (y, *torch.autograd.grad(y, (x, w, b), g))
     assert "gemm:torch_mm" in (tmp_path / "torch.log").read_text()
     assert "gemm:torch_mm" not in (tmp_path / "own.log").read_text()
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for got, want in zip(runs["torch"], runs["own"]):
         torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_linear_on_torchs_gemm_is_f_linear(gemm_mode, dtype, tmp_path):
+    # activation "none" with every product (forward, dx, dweight) the provider's: opforge.linear is F.linear
+    # itself in eager mode (no op call, no log line, the same bits), and the op again where opforge's kernels
+    # run, where a product of it is not torch's, with an activation, and under torch.compile
+    x = torch.randn(3, 70, 96, dtype=dtype, requires_grad=True)
+    w = (torch.randn(130, 96) / 8).to(dtype).requires_grad_()
+    b = torch.randn(130, dtype=dtype, requires_grad=True)
+    for mode, routed in (("torch", True), ("own", False), ("torch", True)):  # set_gemm empties the cache
+        gemm_mode(mode)
+        for args in ((x, w, b), (x, w), (x.detach(), w.detach())):
+            log = tmp_path / f"{mode}-{len(args)}.log"
+            with _logged(log):
+                y = opforge.linear(*args)
+            assert ("opforge::linear" not in log.read_text()) == routed, (mode, len(args))
+            if routed:
+                assert torch.equal(y, F.linear(*args))
+        with _logged(tmp_path / "act.log"):
+            opforge.linear(x, w, b, "relu")
+        assert "opforge::linear" in (tmp_path / "act.log").read_text()
+    gemm_mode("auto")  # auto mode: the op until every class is settled (none yet in this fixture's cache)
+    assert not _plain_on_torch(torch.randn(37, 96, dtype=dtype), w, None, True)
+    torch._dynamo.reset()
+    with _logged(tmp_path / "compiled.log"):
+        gemm_mode("torch")
+        torch.compile(lambda a, c: opforge.linear(a, c), fullgraph=True)(x, w)
+    assert "opforge::linear" in (tmp_path / "compiled.log").read_text()
 
 
 def test_matmul_and_linear_cross_entropy_on_torchs_gemm(gemm_mode):

@@ -791,14 +791,15 @@ def _sweep_cases():
                 return (opforge.ops.linear_cross_entropy(x.reshape(t.numel(), x.shape[-1]), w, t.reshape(-1), b, -100, ls,
                                                          REDUCTIONS[red], cap, False)[0],)
 
-            def ref(x, w, t, b, red=red, ls=ls, cap=cap):
+            def ref(x, w, t, b, red=red, ls=ls, cap=cap, dtype=None):
                 loss = refs._lce_loss(x.reshape(t.numel(), x.shape[-1]), w, t.reshape(-1), b, -100, ls,
-                                      REDUCTIONS[red], cap)
+                                      REDUCTIONS[red], cap, logits=LOGITS.get(dtype))
                 return (loss.reshape(t.shape) if red == "none" else loss,)
 
             cases.append(thread_sweep.Case(f"linear_cross_entropy hidden={(*lead, h)} V={v} {red} bias={bias} "
                                            f"smoothing={ls} softcap={cap} compute_grad={cg}", make, fn, ref,
-                                           grads=(0, 1, 3) if bias else (0, 1), out_dtype=LOSS_DTYPE.get))
+                                           grads=(0, 1, 3) if bias else (0, 1), out_dtype=LOSS_DTYPE.get,
+                                           ref_takes_dtype=True))
     return cases
 
 

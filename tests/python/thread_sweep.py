@@ -5,6 +5,7 @@ module gives its cases in its SWEEP table (tests/python/discover.py), built from
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -47,6 +48,8 @@ class Case:
     retain_graph: bool = False  # the backward keeps the graph (linear: the saved pre-activation kept)
     # the outputs' dtype for the inputs' (default: the same; linear_cross_entropy: a float32 loss of 16-bit ones)
     out_dtype: Callable[[torch.dtype], torch.dtype] | None = None
+    # ref is called with dtype= the inputs' dtype (linear_cross_entropy: bfloat16 operands' logits are bfloat16)
+    ref_takes_dtype: bool = False
 
 
 def _run(fn, args, grads, cots, retain_graph=False):
@@ -118,7 +121,8 @@ def sweep(case: Case, dtype: torch.dtype):
             got, cots = _run(case.fn, args, case.grads, cots, case.retain_graph)
             if want is None:
                 nout = len(got) - len(case.grads)
-                want, _ = _run(case.ref, [_to64(a) for a in args], case.grads, [c.double() for c in cots or []])
+                ref = functools.partial(case.ref, dtype=dtype) if case.ref_takes_dtype else case.ref
+                want, _ = _run(ref, [_to64(a) for a in args], case.grads, [c.double() for c in cots or []])
             _check(got, want, dtype, nout, exact, what, case.out_dtype)
             if first is None:
                 first = (t, got)

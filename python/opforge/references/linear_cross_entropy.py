@@ -16,8 +16,10 @@ __all__ = ["_lce_loss", "linear_cross_entropy", "linear_cross_entropy_backward",
 _NAMES = {code: name for name, code in REDUCTIONS.items()}
 
 
-def _lce_loss(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap):
+def _lce_loss(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, logits=None):
     z = F.linear(hidden, weight, bias)
+    if logits is not None:  # the float32 sums rounded to the logits' dtype, as the kernel's bfloat16 block holds them
+        z = z.float().to(logits).to(z.dtype)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return F.cross_entropy(z, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
