@@ -86,8 +86,8 @@ def test_plain_linear_on_torchs_gemm_is_f_linear(gemm_mode, dtype, tmp_path):
     b = torch.randn(130, dtype=dtype, requires_grad=True)
     for mode, routed in (("torch", True), ("own", False), ("torch", True)):  # set_gemm empties the cache
         gemm_mode(mode)
-        for args in ((x, w, b), (x, w), (x.detach(), w.detach())):
-            log = tmp_path / f"{mode}-{len(args)}.log"
+        for args in ((x, w, b), (x, w), (x.detach(), w.detach()), (x, torch.nn.Parameter(w.detach()))):
+            log = tmp_path / f"{mode}-{len(args)}-{type(args[1]).__name__}.log"
             with _logged(log):
                 y = opforge.linear(*args)
             assert ("opforge::linear" not in log.read_text()) == routed, (mode, len(args))

@@ -24,7 +24,7 @@ def _linear(x, weight, bias, activation, save_preact=True):
 _on_torch = library.dll.opforge_linear_on_torch
 _on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3 + [ctypes.c_int64]
 _on_torch.restype = ctypes.c_int
-_PLAIN = (torch.Tensor, type(None))
+_PLAIN = (torch.Tensor, torch.nn.Parameter, type(None))  # no subclass with a behavior of its own
 
 
 def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
