@@ -218,8 +218,7 @@ static void grad_rows(int64_t r0, int64_t r1, void *ctx) {
         int64_t y = p->target[t * p->target_stride] - job->v0;
         float dy = 0.0f; /* the target's -(1 - eps) term, times the cap's derivative at its logit */
         if (y >= 0 && y < job->cols) {
-            float uy;
-            if (u16) cvt->to_f32(&uy, u16 + y, OPF_BF16, 1);
+            const float uy = u16 ? opf_bf16_to_f32(u16[y]) : 0.0f;
             float z = u ? job->kern->capped(u, job->cols, y, job->cap) : job->kern->capped(&uy, 1, 0, job->cap);
             dy = scale * job->one_eps * (job->cap > 0.0f ? 1.0f - (z / job->cap) * (z / job->cap) : 1.0f);
         }
