@@ -412,3 +412,26 @@ OPF_EXPORT int opforge_linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t 
     linear_bwd_plan_claim(&bwd, &p);
     return bwd.strategy == LINEAR_BWD_DIRECT && bwd.in_place.dx.claimed && bwd.in_place.dweight.claimed;
 }
+
+/* The same question for a 2-d matmul: a (m, k) of strides (rsa, csa) times b (k, n) of (rsb, csb), and,
+ * with needs set (1: da, 2: db, 3: both), the backward's products from a contiguous gradient. Python
+ * then calls torch.mm: the same GEMM, without the op's hop through the dispatcher and its autograd. */
+OPF_EXPORT int opforge_matmul_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,
+                                       int64_t csb, int bf16, int needs, int64_t threads) {
+    if (m <= 0 || n <= 0 || k <= 0) return 0;
+    static const float mark; /* the claims read which pointers are set, never their data */
+    const int64_t as[2] = {m, k}, ast[2] = {rsa, csa}, bs[2] = {k, n}, bst[2] = {rsb, csb}, gs[2] = {m, n},
+                  gst[2] = {n, 1};
+    const linear_view av = {.data = (void *)&mark, .ndim = 2, .sizes = as, .strides = ast},
+                      bv = {.data = (void *)&mark, .ndim = 2, .sizes = bs, .strides = bst},
+                      gv = {.data = (void *)&mark, .ndim = 2, .sizes = gs, .strides = gst};
+    const opf_dtype dt = bf16 ? OPF_BF16 : OPF_F32;
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    matmul_fwd_plan fwd = matmul_fwd_plan_make(gemm, dt, 1, m, n, k, threads);
+    matmul_fwd_plan_claim(&fwd, &av, &bv);
+    if (!fwd.product.claimed) return 0;
+    if (!needs) return 1;
+    matmul_bwd_plan bwd = matmul_bwd_plan_make(gemm, dt, 1, m, n, k, threads);
+    matmul_bwd_plan_claim(&bwd, &gv, &av, &bv);
+    return (!(needs & 1) || bwd.da.claimed) && (!(needs & 2) || bwd.db.claimed);
+}

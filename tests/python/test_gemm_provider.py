@@ -105,6 +105,45 @@ def test_plain_linear_on_torchs_gemm_is_f_linear(gemm_mode, dtype, tmp_path):
     assert "opforge::linear" in (tmp_path / "compiled.log").read_text()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_2d_matmul_on_torchs_gemm_is_torch_mm(gemm_mode, dtype, tmp_path):
+    # a 2-d matmul whose products (forward, and the backward's the gradients need) are the provider's is
+    # torch.mm itself in eager mode: no op call, the same bits; the op where opforge's kernels run, for
+    # batched operands, under autocast into another dtype only as torch.mm is, and under torch.compile
+    a = torch.randn(70, 96, dtype=dtype, requires_grad=True)
+    b = (torch.randn(96, 130) / 8).to(dtype).requires_grad_()
+    for mode, routed in (("torch", True), ("own", False), ("torch", True)):  # set_gemm empties the cache
+        gemm_mode(mode)
+        for args in ((a, b), (a.detach(), b), (a, b.detach()), (a.detach(), b.detach()), (b.t(), a.t()),
+                     (a, torch.nn.Parameter(b.detach()))):
+            log = tmp_path / f"{mode}.log"
+            with _logged(log):
+                c = opforge.matmul(*args)
+                grads = [t.requires_grad for t in args]
+                if c.requires_grad:
+                    got = torch.autograd.grad(c, [t for t in args if t.requires_grad], torch.ones_like(c))
+            assert ("opforge::matmul" not in log.read_text()) == routed, (mode, grads)
+            if routed:
+                assert torch.equal(c, torch.mm(*args))
+            if c.requires_grad:  # both sides' gradients: the op's (on the same GEMM, mode torch) or mm's
+                want = torch.autograd.grad(torch.mm(*args), [t for t in args if t.requires_grad], torch.ones_like(c))
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, **({} if mode == "torch" else dict(rtol=2e-2, atol=5e-2)))
+        batched = tmp_path / f"{mode}-3d.log"
+        with _logged(batched):
+            opforge.matmul(a.detach().expand(2, 70, 96), b.detach().expand(2, 96, 130))
+        assert "opforge::matmul" in batched.read_text()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c = opforge.matmul(a.float(), b.float())
+    assert c.dtype == torch.bfloat16 and torch.equal(c, torch.mm(a.detach().bfloat16(), b.detach().bfloat16()))
+    with _logged(tmp_path / "mixed.log"), pytest.raises(RuntimeError, match="opforge::matmul"):
+        opforge.matmul(a.detach().float(), b.detach().double())  # the op's error, not mm's
+    torch._dynamo.reset()
+    with _logged(tmp_path / "compiled.log"):
+        torch.compile(lambda p, q: opforge.matmul(p, q), fullgraph=True)(a, b)
+    assert "opforge::matmul" in (tmp_path / "compiled.log").read_text()
+
+
 def test_matmul_and_linear_cross_entropy_on_torchs_gemm(gemm_mode):
     a, b = torch.randn(4, 65, 80, requires_grad=True), torch.randn(4, 80, 70, requires_grad=True)
     h = torch.randn(300, 64, requires_grad=True)

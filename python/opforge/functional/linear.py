@@ -21,26 +21,59 @@ def _linear(x, weight, bias, activation, save_preact=True):
     """(out, preact): see linear."""
 
 
-_on_torch = library.dll.opforge_linear_on_torch
-_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3 + [ctypes.c_int64]
-_on_torch.restype = ctypes.c_int
-_PLAIN = (torch.Tensor, torch.nn.Parameter, type(None))  # no subclass with a behavior of its own
+_linear_on_torch = library.dll.opforge_linear_on_torch
+_linear_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3 + [ctypes.c_int64]
+_linear_on_torch.restype = ctypes.c_int
+_matmul_on_torch = library.dll.opforge_matmul_on_torch
+_matmul_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 2 + [ctypes.c_int64]
+_matmul_on_torch.restype = ctypes.c_int
+_TENSORS = (torch.Tensor, torch.nn.Parameter)  # no subclass with a behavior of its own
+_PLAIN = (*_TENSORS, type(None))
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_autocast, _autocast_dtype, _threads = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_num_threads
+
+
+def _operand_dtype(dtypes) -> torch.dtype | None:
+    """The dtype both the op and torch's function run these operands in (autocast's, as both cast), or
+    None where they differ (the op's error, not torch's) or opforge's GEMM provider has no torch side."""
+    if _autocast("cpu") and all(d in _FLOATS for d in dtypes):
+        dt = _autocast_dtype("cpu")
+    elif any(d != dtypes[0] for d in dtypes):
+        return None
+    else:
+        dt = dtypes[0]
+    return dt if dt in (torch.float32, torch.bfloat16) else None
+
+
+def _eager_key(a, b, c=None):
+    """What decides a product's routing beyond the op's arguments' sizes: the mode of the call (compile and
+    trace record the op; autocast's dtype), the thread count, and the tensors' types and devices. None:
+    never routed (compiling, tracing, a tensor subclass, or not a tensor: the op's own check)."""
+    ta, tb, tc = type(a), type(b), type(c)
+    if ta not in _TENSORS or tb not in _TENSORS or tc not in _PLAIN or _compiling() or _tracing():
+        return None
+    ac = _autocast("cpu") and _autocast_dtype("cpu")
+    if c is None:
+        return (ac, _threads(), ta, tb, a.is_cpu, b.is_cpu, a.dtype, b.dtype, a.shape, b.shape, a.stride(), b.stride())
+    return (ac, _threads(), ta, tb, a.is_cpu, b.is_cpu, a.dtype, b.dtype, a.shape, b.shape, a.stride(), b.stride(),
+            tc, c.is_cpu, c.dtype, c.shape)
 
 
 def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
     """Whether a plain linear (no activation) of these operands, eager and on plain CPU tensors, has every
     product on torch's GEMM (the provider's mode torch, or classes auto mode settled for torch): the op
-    would then fuse nothing F.linear does not, and only add its autograd hop through Python."""
-    if _compiling() or _tracing() or type(x) not in _PLAIN or type(weight) not in _PLAIN or type(bias) not in _PLAIN:
+    would then fuse nothing F.linear does not, and only add its autograd hop through Python. The key of
+    a positive answer is kept (TORCH_LINEARS): a known class costs one lookup (~1.5 us)."""
+    key = _eager_key(x, weight, bias)
+    if key is None:
         return False
-    if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2 or x.dim() < 1:
+    key = ("linear", needs_grad, *key)
+    if key in TORCH_LINEARS:
+        return True
+    if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)) or weight.dim() != 2 or x.dim() < 1:
         return False
-    dt = x.dtype
-    if torch.is_autocast_enabled("cpu") and dt in (torch.float32, torch.bfloat16, torch.float16):
-        dt = torch.get_autocast_dtype("cpu")  # the operands F.linear and the op would both run on
-    elif weight.dtype != dt or (bias is not None and bias.dtype != dt):
-        return False  # the op's error, not F.linear's
-    if dt not in (torch.float32, torch.bfloat16) or bias is not None and (bias.device.type != "cpu" or bias.dim() != 1):
+    dt = _operand_dtype([x.dtype, weight.dtype] + ([] if bias is None else [bias.dtype]))
+    if dt is None or bias is not None and bias.dim() != 1:
         return False
     k = x.shape[-1]
     if x.dim() == 2:
@@ -49,11 +82,27 @@ def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
         m, rsx, csx = x.numel() // max(k, 1), k, 1
     else:
         return False
-    key = (m, weight.shape[0], k, rsx, csx, *weight.stride(), dt == torch.bfloat16, bias is not None, needs_grad,
-           torch.get_num_threads())
+    if weight.shape[1] != k or not _linear_on_torch(m, weight.shape[0], k, rsx, csx, *weight.stride(),
+                                                    dt == torch.bfloat16, bias is not None, needs_grad, _threads()):
+        return False
+    TORCH_LINEARS.add(key)
+    return True
+
+
+def _mm_on_torch(a, b, needs) -> bool:
+    """The same for a 2-d matmul (needs: 1 a's gradient, 2 b's): torch.mm runs it then."""
+    key = _eager_key(a, b)
+    if key is None:
+        return False
+    key = ("matmul", needs, *key)
     if key in TORCH_LINEARS:
         return True
-    if weight.shape[1] != k or not _on_torch(*key):
+    if not (a.is_cpu and b.is_cpu) or a.dim() != 2 or b.dim() != 2:
+        return False
+    dt = _operand_dtype([a.dtype, b.dtype])
+    if dt is None or a.shape[1] != b.shape[0] or not _matmul_on_torch(a.shape[0], b.shape[1], a.shape[1], *a.stride(),
+                                                                       *b.stride(), dt == torch.bfloat16, needs,
+                                                                       _threads()):
         return False
     TORCH_LINEARS.add(key)
     return True
@@ -92,15 +141,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Python, costs ~60-140 us a step more than F.linear's. Auto mode's first calls of a class still run
     the op, which measures them; ``torch.compile`` and ``torch.jit.trace`` record the op.
     """
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                              or bias is not None and bias.requires_grad)
     if activation in (None, "none") and _plain_on_torch(x, weight, bias, needs_grad):
         return F.linear(x, weight, bias)
     return _linear(x, weight, bias, "none" if activation is None else activation, needs_grad and not recompute)[0]
 
 
 @op_function(ops.matmul.default)
+def _matmul(a, b):
+    """The op: see matmul."""
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for 2-d (M,K)·(K,N) or batched 3-d (B,M,K)·(B,K,N) tensors of
     any strides (transposed operands are read in place); float32, bfloat16 and
     float16 accumulate in float32, float64 runs a reference loop. Under autocast
-    it runs in the autocast dtype (policy lower), as torch.matmul does."""
+    it runs in the autocast dtype (policy lower), as torch.matmul does.
+
+    A 2-d product whose GEMMs, forward and the backward's that a gradient needs, the GEMM provider runs
+    on torch's own (``OPFORGE_GEMM=torch``, or classes auto mode measured faster there) is ``torch.mm``
+    itself in eager mode: the same GEMM, without the op's dispatch and autograd hop (4-6 us a call)."""
+    needs = torch.is_grad_enabled() and (getattr(a, "requires_grad", False) | getattr(b, "requires_grad", False) << 1)
+    if _mm_on_torch(a, b, needs):
+        return torch.mm(a, b)
+    return _matmul(a, b)
+
+
+matmul.op = _matmul.op  # what opforge.testing.check and opforge.benchmark.bench take it for
