@@ -77,29 +77,39 @@ static void compute_task(const gemm_job *job, int64_t task, float *own_a) {
         ap = own_a;
     }
     int64_t s_lo = slivers * jn / job->ntn, s_hi = slivers * (jn + 1) / job->ntn;
+    const int strip = job->pairs && kern->ukernel_strip ? GEMM_STRIP_MAX : 1;
     for (int64_t s = s_lo; s < s_hi; s++) { /* B sliver stays in cache across the rows */
         int64_t jj = s * kern->nr, n = job->nc - jj < kern->nr ? job->nc - jj : kern->nr, col = job->jc + jj;
-        for (int64_t i = i_lo; i < i_hi; i += kern->mr) {
-            int m = (int)(i_hi - i < kern->mr ? i_hi - i : kern->mr);
-            gemm_tile tile = {
-                .load_c = !first || ep->beta != 0.0f,
-                .beta = first ? ep->beta : 1.0f,
-                .bias_n = last && ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + col : NULL,
-                .bias_m = last && ep->bias_kind == GEMM_BIAS_COL ? ep->bias + i : NULL,
-                .act = last ? ep->act : ACT_NONE,
-                .pre = last && ep->preact ? ep->preact + i * ep->rsp + col : NULL,
-                .rsp = ep->rsp,
-                .c16 = last && ep->out16 ? (uint16_t *)ep->out16 + i * job->rsc + col : NULL,
-                .pre16 = last && ep->pre16 ? (uint16_t *)ep->pre16 + i * ep->rsp + col : NULL,
-                .dt16 = ep->out_dt,
-            };
-            const float *as = ap + ((i - i_lo) / kern->mr) * kern->mr * job->kp, *bs = job->bp + s * kern->nr * job->kp;
+        const float *bs = job->bp + s * kern->nr * job->kp;
+        for (int64_t i = i_lo; i < i_hi; i += (int64_t)strip * kern->mr) {
+            const int64_t rows = i_hi - i < (int64_t)strip * kern->mr ? i_hi - i : (int64_t)strip * kern->mr;
+            const int count = (int)((rows + kern->mr - 1) / kern->mr);
+            gemm_tile tiles[GEMM_STRIP_MAX];
+            for (int t = 0; t < count; t++) {
+                const int64_t r = i + (int64_t)t * kern->mr;
+                tiles[t] = (gemm_tile){
+                    .load_c = !first || ep->beta != 0.0f,
+                    .beta = first ? ep->beta : 1.0f,
+                    .bias_n = last && ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + col : NULL,
+                    .bias_m = last && ep->bias_kind == GEMM_BIAS_COL ? ep->bias + r : NULL,
+                    .act = last ? ep->act : ACT_NONE,
+                    .pre = last && ep->preact ? ep->preact + r * ep->rsp + col : NULL,
+                    .rsp = ep->rsp,
+                    .c16 = last && ep->out16 ? (uint16_t *)ep->out16 + r * job->rsc + col : NULL,
+                    .pre16 = last && ep->pre16 ? (uint16_t *)ep->pre16 + r * ep->rsp + col : NULL,
+                    .dt16 = ep->out_dt,
+                };
+            }
+            const float *as = ap + ((i - i_lo) / kern->mr) * kern->mr * job->kp;
             float *cs = job->c ? job->c + i * job->rsc + col : NULL; /* NULL: one slice into out16 */
-            if (job->pairs)
-                kern->ukernel_pairs(job->kp, (const uint32_t *)as, (const uint32_t *)bs, cs, job->rsc, m, (int)n,
-                                    &tile);
+            if (strip > 1)
+                kern->ukernel_strip(job->kp, (const uint32_t *)as, count, rows, (const uint32_t *)bs, cs, job->rsc,
+                                    (int)n, tiles);
+            else if (job->pairs)
+                kern->ukernel_pairs(job->kp, (const uint32_t *)as, (const uint32_t *)bs, cs, job->rsc, (int)rows,
+                                    (int)n, tiles);
             else
-                kern->ukernel(job->depth, as, bs, cs, job->rsc, m, (int)n, &tile);
+                kern->ukernel(job->depth, as, bs, cs, job->rsc, (int)rows, (int)n, tiles);
         }
     }
 }

@@ -85,12 +85,21 @@ typedef void (*gemm_ukernel_fn)(int64_t depth, const float *ap, const float *bp,
 typedef void (*gemm_ukernel_pairs_fn)(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc, int m,
                                       int n, const gemm_tile *t);
 
+/* The pair micro-kernel over a strip of `count` A slivers (packed one after another, MR * kp pairs
+ * apart; rows m in all, the last sliver may be short) against one B sliver: C tile s at c + s * MR * rsc
+ * (c NULL: each tile's c16 alone), with tiles[s]'s epilogue; the same sums, bit for bit, as the pair
+ * kernel sliver by sliver. (AMX: the products of the whole strip before any epilogue.) */
+typedef void (*gemm_ukernel_strip_fn)(int64_t kp, const uint32_t *ap, int count, int64_t m, const uint32_t *bp,
+                                      float *c, int64_t rsc, int n, const gemm_tile *tiles);
+enum { GEMM_STRIP_MAX = 8 }; /* A slivers of one strip call, at most */
+
 typedef struct gemm_kernels {
     OPF_VARIANT_HEAD;   /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32", "amx_32x32" */
     int mr, nr;         /* register block (of the pair kernel, where `f32` is set) */
     int64_t mc, kc, nc; /* cache blocks: A block MC x KC in L2, B panel KC x NC in L3 */
     gemm_ukernel_fn ukernel;
     gemm_ukernel_pairs_fn ukernel_pairs; /* NULL: bfloat16 operands are converted to float32 */
+    gemm_ukernel_strip_fn ukernel_strip; /* the pair kernel over a strip of A slivers; NULL: one at a time */
     /* The conversions of the same ISA (16-bit operands are converted while
      * packed), and the activations whose derivatives match this epilogue's
      * activations (the linear backward takes them from here) */

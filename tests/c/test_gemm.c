@@ -503,6 +503,53 @@ static void test_log_names_what_ran(const gemm_kernels *k) {
     opf_log_level_value = saved;
 }
 
+/* A table with a strip kernel against the same table one sliver at a time, bit for bit: bfloat16
+ * operands, strips of several slivers, K slices, partial slivers and columns, every epilogue, with and
+ * without a float32 C. */
+static void test_strip(const gemm_kernels *k) {
+    if (!k->ukernel_strip) return;
+    gemm_kernels one = *k;
+    one.ukernel_strip = NULL;
+    const shape shapes[] = {{300, 70, 100}, {37, 45, 2 * k->kc + 37}, {290, 333, 300}, {64, 64, 512}};
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        const shape s = shapes[si];
+        float *a32 = rand_buf(s.m * s.k, 41), *b32 = rand_buf(s.k * s.n, 42), *bias = rand_buf(s.n, 43);
+        uint16_t *a = malloc(sizeof *a * s.m * s.k), *b = malloc(sizeof *b * s.k * s.n);
+        for (int64_t i = 0; i < s.m * s.k; i++) a[i] = opf_f32_to_bf16(a32[i]);
+        for (int64_t i = 0; i < s.k * s.n; i++) b[i] = opf_f32_to_bf16(b32[i]);
+        for (int act = 0; act < ACT_COUNT; act++) {
+            const int out16 = act % 2 && s.k <= gemm_slice_depth(k, OPF_BF16, OPF_BF16);
+            float *c[2], *pre[2];
+            uint16_t *c16[2];
+            for (int v = 0; v < 2; v++) {
+                const gemm_kernels *kern = v ? &one : k;
+                gemm_plan plan = plan_of(kern, s.m, s.n, s.k, OPF_BF16, OPF_BF16);
+                float *ws = malloc(sizeof(float) * (plan.floats + 1));
+                c[v] = calloc((size_t)(s.m * s.n), sizeof(float));
+                pre[v] = calloc((size_t)(s.m * s.n), sizeof(float));
+                c16[v] = calloc((size_t)(s.m * s.n), sizeof(uint16_t));
+                gemm_epilogue ep = {.bias = bias,
+                                    .bias_kind = GEMM_BIAS_ROW,
+                                    .act = act,
+                                    .preact = act ? pre[v] : NULL,
+                                    .rsp = s.n,
+                                    .out16 = out16 ? c16[v] : NULL,
+                                    .out_dt = OPF_BF16};
+                int rc = gemm_run_own(&plan, a, s.k, 1, b, s.n, 1, out16 ? NULL : c[v], s.n, &ep, ws, plan.floats);
+                CHECK(rc == 0, "%s strip m=%lld: rc %d", k->name, (long long)s.m, rc);
+                free(ws);
+            }
+            CHECK(!memcmp(c[0], c[1], sizeof(float) * s.m * s.n) &&
+                      !memcmp(pre[0], pre[1], sizeof(float) * s.m * s.n) &&
+                      !memcmp(c16[0], c16[1], sizeof(uint16_t) * s.m * s.n),
+                  "%s strip kernel m=%lld n=%lld k=%lld act=%d out16=%d: not the bits of one sliver at a time", k->name,
+                  (long long)s.m, (long long)s.n, (long long)s.k, act, out16);
+            for (int v = 0; v < 2; v++) free(c[v]), free(pre[v]), free(c16[v]);
+        }
+        free(a32), free(b32), free(bias), free(a), free(b);
+    }
+}
+
 static void test_variant(const gemm_kernels *k) {
     test_log_names_what_ran(k);
     test_epilogue_special(k);
@@ -523,6 +570,7 @@ static void test_variant(const gemm_kernels *k) {
             run(k, e, 1, 0, 1.0f, bias, act, 0);
             run(k, e, 0, 0, 0.5f, bias, act, 1);
         }
+    test_strip(k);
 }
 
 /* A provider of the test's own (gemm.h): float32 products by the oracle, with no epilogue, into
