@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import opforge
 from opforge.functional.linear import _linear as _linear_op
-from opforge.functional.linear import _plain_on_torch
+from opforge.functional.linear import _mm_on_torch, _plain_on_torch
 
 
 @contextlib.contextmanager
@@ -133,6 +133,9 @@ def test_2d_matmul_on_torchs_gemm_is_torch_mm(gemm_mode, dtype, tmp_path):
         with _logged(batched):
             opforge.matmul(a.detach().expand(2, 70, 96), b.detach().expand(2, 96, 130))
         assert "opforge::matmul" in batched.read_text()
+    gemm_mode("auto")  # auto mode: the op until its classes are settled (none yet in this fixture's cache)
+    assert not _mm_on_torch(torch.randn(37, 96, dtype=dtype), b, 0)
+    gemm_mode("torch")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         c = opforge.matmul(a.float(), b.float())
     assert c.dtype == torch.bfloat16 and torch.equal(c, torch.mm(a.detach().bfloat16(), b.detach().bfloat16()))
