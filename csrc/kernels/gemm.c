@@ -270,6 +270,14 @@ int gemm_provider_claims(const gemm_plan *plan, int64_t rsa, int64_t csa, int64_
     return pv->claims(&call);
 }
 
+int gemm_provider_settled(const gemm_plan *plan, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,
+                          const gemm_epilogue *ep) {
+    const gemm_provider *pv = gemm_provider_get();
+    if (!pv || !pv->claims || plan->m <= 0 || plan->n <= 0 || plan->k <= 0) return 1;
+    const gemm_call call = {.plan = plan, .rsa = rsa, .csa = csa, .rsb = rsb, .csb = csb, .ep = ep};
+    return pv->settled && pv->settled(&call);
+}
+
 int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,
                  int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace, int64_t ws_floats) {
     const gemm_kernels *kern = plan->kern;

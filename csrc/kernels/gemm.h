@@ -223,6 +223,10 @@ typedef struct gemm_provider {
      * marked claimed onto its own GEMM, whatever its class (the caller may have merged several products
      * of the claimed class into one), or decline it. NULL: never. */
     int (*claims)(const gemm_call *call);
+    /* 1 where claims()' answer for calls like this one is final for the process: its mode puts every
+     * call on one GEMM, it never takes such a class, or it has decided the class; 0 while it may still
+     * change (a class still measured). NULL: never final. */
+    int (*settled)(const gemm_call *call);
 } gemm_provider;
 
 /* Installs p (NULL: none); products are offered to it from then on. */
@@ -233,6 +237,9 @@ const gemm_provider *gemm_provider_get(void);
  * call will have (which fields are set is read: any non-NULL out16 / pre16 / preact will do). */
 int gemm_provider_claims(const gemm_plan *plan, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,
                          const gemm_epilogue *ep);
+/* Whether that answer is final for the process (the provider's `settled`; no provider: never claimed). */
+int gemm_provider_settled(const gemm_plan *plan, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,
+                          const gemm_epilogue *ep);
 
 /* A claimed product (gemm_provider_claims said so for its class), with no workspace: offered to the
  * provider alone, marked claimed. 0, or -1 when it declines after all (its mode changed since, or its

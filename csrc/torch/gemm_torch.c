@@ -399,7 +399,22 @@ static int provider_claims(const gemm_call *k) {
     return torch;
 }
 
-static const gemm_provider torch_provider = {.name = "torch", .run = provider_run, .claims = provider_claims};
+/* Whether provider_claims' answer is final: modes own and torch, classes torch's GEMM never takes, and
+ * classes auto mode has decided (here or in the cache file) are; a class still measured is not. */
+static int provider_settled(const gemm_call *k) {
+    if (__atomic_load_n(&mode, __ATOMIC_RELAXED) != MODE_AUTO || !takes_class(k)) return 1;
+    char key[160];
+    class_key(k, key, sizeof key);
+    pthread_mutex_lock(&lock);
+    if (!cache_read) read_cache();
+    const choice *c = find(key);
+    const int decided = c && c->decided;
+    pthread_mutex_unlock(&lock);
+    return decided;
+}
+
+static const gemm_provider torch_provider = {
+    .name = "torch", .run = provider_run, .claims = provider_claims, .settled = provider_settled};
 
 /* ---- setting it up -------------------------------------------------------------- */
 

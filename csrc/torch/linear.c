@@ -380,12 +380,18 @@ OPF_AOTI_SHIM(linear_backward_, 3,
                AtenTensorHandle preact, const char *activation, int64_t needs),
               grad, x, weight, bias, preact, activation, needs);
 
+/* A product the provider did not claim: 0 where that is final for the process, -1 while it may change
+ * (auto mode still measuring the class) */
+static int unclaimed(const linear_gemm_plan *g) { return g->settled ? 0 : -1; }
+
 /* Whether torch's GEMM runs every product of a plain linear (no activation) of these sizes and layouts
  * on this thread count: x (m, k) of strides (rsx, csx), weight (n, k) of (rsw, csw), float32 or
  * bfloat16 (bf16 set), with a bias or not, and, with grad set, its direct backward (a contiguous
  * gradient: dx and dweight). The GEMM provider claims each of them (mode torch, or a class auto mode
  * settled for torch). The op then fuses nothing that F.linear does not, and the Python layer calls
- * F.linear instead: the same GEMM, without the custom op's autograd hop through Python. */
+ * F.linear instead: the same GEMM, without the custom op's autograd hop through Python. 1: yes; 0: no,
+ * for the rest of the process (until the mode or the ISA changes); -1: not now (a class of a product
+ * auto mode is still measuring). */
 OPF_EXPORT int opforge_linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsx, int64_t csx, int64_t rsw,
                                        int64_t csw, int bf16, int bias, int grad, int64_t threads) {
     if (m <= 0 || n <= 0 || k <= 0) return 0;
@@ -403,19 +409,22 @@ OPF_EXPORT int opforge_linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t 
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     linear_fwd_plan fwd = linear_fwd_plan_make(gemm, &p, threads);
     linear_fwd_plan_claim(&fwd, &p);
-    if (!fwd.product.claimed) return 0;
+    if (!fwd.product.claimed) return unclaimed(&fwd.product);
     if (!grad) return 1;
     p.grad = (linear_view){.data = (void *)&mark, .ndim = 2, .sizes = gs, .strides = gst};
     p.dx = p.dweight = (void *)&mark;
     p.dbias = bias ? (void *)&mark : NULL;
     linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &p, 0, threads);
     linear_bwd_plan_claim(&bwd, &p);
-    return bwd.strategy == LINEAR_BWD_DIRECT && bwd.in_place.dx.claimed && bwd.in_place.dweight.claimed;
+    if (bwd.strategy != LINEAR_BWD_DIRECT) return 0;
+    if (!bwd.in_place.dx.claimed) return unclaimed(&bwd.in_place.dx);
+    return bwd.in_place.dweight.claimed ? 1 : unclaimed(&bwd.in_place.dweight);
 }
 
 /* The same question for a 2-d matmul: a (m, k) of strides (rsa, csa) times b (k, n) of (rsb, csb), and,
  * with needs set (1: da, 2: db, 3: both), the backward's products from a contiguous gradient. Python
- * then calls torch.mm: the same GEMM, without the op's hop through the dispatcher and its autograd. */
+ * then calls torch.mm: the same GEMM, without the op's hop through the dispatcher and its autograd.
+ * 1, 0 or -1 as above. */
 OPF_EXPORT int opforge_matmul_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,
                                        int64_t csb, int bf16, int needs, int64_t threads) {
     if (m <= 0 || n <= 0 || k <= 0) return 0;
@@ -429,9 +438,10 @@ OPF_EXPORT int opforge_matmul_on_torch(int64_t m, int64_t n, int64_t k, int64_t 
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     matmul_fwd_plan fwd = matmul_fwd_plan_make(gemm, dt, 1, m, n, k, threads);
     matmul_fwd_plan_claim(&fwd, &av, &bv);
-    if (!fwd.product.claimed) return 0;
+    if (!fwd.product.claimed) return unclaimed(&fwd.product);
     if (!needs) return 1;
     matmul_bwd_plan bwd = matmul_bwd_plan_make(gemm, dt, 1, m, n, k, threads);
     matmul_bwd_plan_claim(&bwd, &gv, &av, &bv);
-    return (!(needs & 1) || bwd.da.claimed) && (!(needs & 2) || bwd.db.claimed);
+    if (needs & 1 && !bwd.da.claimed) return unclaimed(&bwd.da);
+    return needs & 2 && !bwd.db.claimed ? unclaimed(&bwd.db) : 1;
 }

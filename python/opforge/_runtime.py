@@ -182,12 +182,12 @@ _dll.opforge_gemm_choice_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_
                                         ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
 
 
-# Plain linears (no activation) and 2-d matmuls whose every product the GEMM provider runs on torch's
-# GEMM: the keys (operands' types, devices, dtypes, sizes, strides; autocast, threads, grads) of the calls
-# opforge_linear_on_torch / opforge_matmul_on_torch said so for. Such a class stays torch's for the
-# process unless the mode or the ISA changes (set_gemm, set_isa empty it); opforge.linear calls F.linear
-# and opforge.matmul torch.mm for them.
-TORCH_LINEARS: set = set()
+# Plain linears (no activation) and 2-d matmuls: whether the GEMM provider runs their every product on
+# torch's GEMM, per key (operands' types, devices, dtypes, sizes, strides; autocast, threads, grads), as
+# opforge_linear_on_torch / opforge_matmul_on_torch answered once the answer was final (not while auto
+# mode still measures a class). It stays so for the process unless the mode or the ISA changes (set_gemm,
+# set_isa empty it); opforge.linear calls F.linear and opforge.matmul torch.mm where it is True.
+TORCH_LINEARS: dict = {}
 
 
 def set_gemm(mode: str) -> None:

@@ -96,13 +96,33 @@ def test_plain_linear_on_torchs_gemm_is_f_linear(gemm_mode, dtype, tmp_path):
         with _logged(tmp_path / "act.log"):
             opforge.linear(x, w, b, "relu")
         assert "opforge::linear" in (tmp_path / "act.log").read_text()
-    gemm_mode("auto")  # auto mode: the op until every class is settled (none yet in this fixture's cache)
+    gemm_mode("auto")  # auto mode: the op until every class is settled (none yet in this fixture's cache),
     assert not _plain_on_torch(torch.randn(37, 96, dtype=dtype), w, None, True)
+    assert not opforge._runtime.TORCH_LINEARS  # an answer that may change, so asked again on the next call
+    gemm_mode("own")  # a final no is kept: the next call of the class asks nothing
+    assert not _plain_on_torch(torch.randn(37, 96, dtype=dtype), w, None, True)
+    assert list(opforge._runtime.TORCH_LINEARS.values()) == [False]
     torch._dynamo.reset()
     with _logged(tmp_path / "compiled.log"):
         gemm_mode("torch")
         torch.compile(lambda a, c: opforge.linear(a, c), fullgraph=True)(x, w)
     assert "opforge::linear" in (tmp_path / "compiled.log").read_text()
+
+
+def test_plain_linear_routing_is_kept_once_auto_mode_settles(gemm_mode, tmp_path):
+    # auto mode: the op (which measures the classes of its products) until the answer is final, then that
+    # answer for the rest of the process: F.linear where every product went to torch's GEMM, the op where
+    # one went to opforge's, without asking again
+    gemm_mode("auto")
+    x, w = torch.randn(64, 96, requires_grad=True), (torch.randn(130, 96) / 8).requires_grad_()
+    for _ in range(100):
+        opforge.linear(x, w).sum().backward()
+        if opforge._runtime.TORCH_LINEARS:
+            break
+    (routed,) = opforge._runtime.TORCH_LINEARS.values()
+    with _logged(tmp_path / "settled.log"):
+        opforge.linear(x, w).sum().backward()
+    assert ("opforge::linear" not in (tmp_path / "settled.log").read_text()) == routed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,7 +154,7 @@ def test_2d_matmul_on_torchs_gemm_is_torch_mm(gemm_mode, dtype, tmp_path):
             opforge.matmul(a.detach().expand(2, 70, 96), b.detach().expand(2, 96, 130))
         assert "opforge::matmul" in batched.read_text()
     gemm_mode("auto")  # auto mode: the op until its classes are settled (none yet in this fixture's cache)
-    assert not _mm_on_torch(torch.randn(37, 96, dtype=dtype), b, 0)
+    assert not _mm_on_torch(torch.randn(37, 96, dtype=dtype), b, 0) and not opforge._runtime.TORCH_LINEARS
     gemm_mode("torch")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         c = opforge.matmul(a.float(), b.float())

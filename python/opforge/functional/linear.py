@@ -62,14 +62,16 @@ def _eager_key(a, b, c=None):
 def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
     """Whether a plain linear (no activation) of these operands, eager and on plain CPU tensors, has every
     product on torch's GEMM (the provider's mode torch, or classes auto mode settled for torch): the op
-    would then fuse nothing F.linear does not, and only add its autograd hop through Python. The key of
-    a positive answer is kept (TORCH_LINEARS): a known class costs one lookup (~1.5 us)."""
+    would then fuse nothing F.linear does not, and only add its autograd hop through Python. An answer
+    that is final for the process is kept (TORCH_LINEARS): a known class costs one lookup (~1.5 us)."""
     key = _eager_key(x, weight, bias)
     if key is None:
         return False
     key = ("linear", needs_grad, *key)
-    if key in TORCH_LINEARS:
-        return True
+    known = TORCH_LINEARS.get(key)
+    if known is not None:
+        return known
+    TORCH_LINEARS[key] = False  # what follows depends on the key alone, until the C answer below
     if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)) or weight.dim() != 2 or x.dim() < 1:
         return False
     dt = _operand_dtype([x.dtype, weight.dtype] + ([] if bias is None else [bias.dtype]))
@@ -82,11 +84,20 @@ def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
         m, rsx, csx = x.numel() // max(k, 1), k, 1
     else:
         return False
-    if weight.shape[1] != k or not _linear_on_torch(m, weight.shape[0], k, rsx, csx, *weight.stride(),
-                                                    dt == torch.bfloat16, bias is not None, needs_grad, _threads()):
+    if weight.shape[1] != k:
         return False
-    TORCH_LINEARS.add(key)
-    return True
+    return _answer(key, _linear_on_torch(m, weight.shape[0], k, rsx, csx, *weight.stride(), dt == torch.bfloat16,
+                                         bias is not None, needs_grad, _threads()))
+
+
+def _answer(key, on_torch: int) -> bool:
+    """The C query's answer (1 yes, 0 no, both final; -1 not yet: auto mode still measures a product's
+    class, so the key is asked again next time)."""
+    if on_torch < 0:
+        del TORCH_LINEARS[key]
+    else:
+        TORCH_LINEARS[key] = on_torch == 1
+    return on_torch == 1
 
 
 def _mm_on_torch(a, b, needs) -> bool:
@@ -95,17 +106,17 @@ def _mm_on_torch(a, b, needs) -> bool:
     if key is None:
         return False
     key = ("matmul", needs, *key)
-    if key in TORCH_LINEARS:
-        return True
+    known = TORCH_LINEARS.get(key)
+    if known is not None:
+        return known
+    TORCH_LINEARS[key] = False
     if not (a.is_cpu and b.is_cpu) or a.dim() != 2 or b.dim() != 2:
         return False
     dt = _operand_dtype([a.dtype, b.dtype])
-    if dt is None or a.shape[1] != b.shape[0] or not _matmul_on_torch(a.shape[0], b.shape[1], a.shape[1], *a.stride(),
-                                                                       *b.stride(), dt == torch.bfloat16, needs,
-                                                                       _threads()):
+    if dt is None or a.shape[1] != b.shape[0]:
         return False
-    TORCH_LINEARS.add(key)
-    return True
+    return _answer(key, _matmul_on_torch(a.shape[0], b.shape[1], a.shape[1], *a.stride(), *b.stride(),
+                                         dt == torch.bfloat16, needs, _threads()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = "none",
