@@ -109,6 +109,17 @@ def test_plain_linear_on_torchs_gemm_is_f_linear(gemm_mode, dtype, tmp_path):
     assert "opforge::linear" in (tmp_path / "compiled.log").read_text()
 
 
+def test_routing_answers_are_bounded(gemm_mode, monkeypatch):
+    # one key per shape: a shape that changes every call (a growing sequence) starts the table again
+    L = sys.modules["opforge.functional.linear"]  # (the package's `linear` is the function)
+    monkeypatch.setattr(L, "_KEYS_MAX", 3)
+    gemm_mode("own")
+    w = torch.randn(16, 8)
+    for rows in range(1, 8):
+        assert not L._plain_on_torch(torch.randn(rows, 8), w, None, False)
+        assert 1 <= len(opforge._runtime.TORCH_LINEARS) <= 3
+
+
 def test_plain_linear_routing_is_kept_once_auto_mode_settles(gemm_mode, tmp_path):
     # auto mode: the op (which measures the classes of its products) until the answer is final, then that
     # answer for the rest of the process: F.linear where every product went to torch's GEMM, the op where
@@ -120,6 +131,7 @@ def test_plain_linear_routing_is_kept_once_auto_mode_settles(gemm_mode, tmp_path
         if opforge._runtime.TORCH_LINEARS:
             break
     (routed,) = opforge._runtime.TORCH_LINEARS.values()
+    assert isinstance(routed, bool)
     with _logged(tmp_path / "settled.log"):
         opforge.linear(x, w).sum().backward()
     assert ("opforge::linear" not in (tmp_path / "settled.log").read_text()) == routed

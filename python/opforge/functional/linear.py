@@ -71,7 +71,7 @@ def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
     known = TORCH_LINEARS.get(key)
     if known is not None:
         return known
-    TORCH_LINEARS[key] = False  # what follows depends on the key alone, until the C answer below
+    _hold(key)  # what follows depends on the key alone: no, until the C answer below
     if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)) or weight.dim() != 2 or x.dim() < 1:
         return False
     dt = _operand_dtype([x.dtype, weight.dtype] + ([] if bias is None else [bias.dtype]))
@@ -90,11 +90,21 @@ def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
                                          bias is not None, needs_grad, _threads()))
 
 
+_KEYS_MAX = 4096  # shapes that change call to call (a growing sequence) start the table again past this
+
+
+def _hold(key) -> None:
+    """Records key's answer as no until the checks give one."""
+    if len(TORCH_LINEARS) >= _KEYS_MAX:
+        TORCH_LINEARS.clear()
+    TORCH_LINEARS[key] = False
+
+
 def _answer(key, on_torch: int) -> bool:
     """The C query's answer (1 yes, 0 no, both final; -1 not yet: auto mode still measures a product's
     class, so the key is asked again next time)."""
     if on_torch < 0:
-        del TORCH_LINEARS[key]
+        TORCH_LINEARS.pop(key, None)
     else:
         TORCH_LINEARS[key] = on_torch == 1
     return on_torch == 1
@@ -109,7 +119,7 @@ def _mm_on_torch(a, b, needs) -> bool:
     known = TORCH_LINEARS.get(key)
     if known is not None:
         return known
-    TORCH_LINEARS[key] = False
+    _hold(key)
     if not (a.is_cpu and b.is_cpu) or a.dim() != 2 or b.dim() != 2:
         return False
     dt = _operand_dtype([a.dtype, b.dtype])
