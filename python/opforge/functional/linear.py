@@ -59,74 +59,67 @@ def _eager_key(a, b, c=None):
             tc, c.is_cpu, c.dtype, c.shape)
 
 
-def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
-    """Whether a plain linear (no activation) of these operands, eager and on plain CPU tensors, has every
-    product on torch's GEMM (the provider's mode torch, or classes auto mode settled for torch): the op
-    would then fuse nothing F.linear does not, and only add its autograd hop through Python. An answer
-    that is final for the process is kept (TORCH_LINEARS): a known class costs one lookup (~1.5 us)."""
-    key = _eager_key(x, weight, bias)
-    if key is None:
-        return False
-    key = ("linear", needs_grad, *key)
-    known = TORCH_LINEARS.get(key)
-    if known is not None:
-        return known
-    _hold(key)  # what follows depends on the key alone: no, until the C answer below
-    if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)) or weight.dim() != 2 or x.dim() < 1:
-        return False
-    dt = _operand_dtype([x.dtype, weight.dtype] + ([] if bias is None else [bias.dtype]))
-    if dt is None or bias is not None and bias.dim() != 1:
-        return False
-    k = x.shape[-1]
-    if x.dim() == 2:
-        m, (rsx, csx) = x.shape[0], x.stride()
-    elif x.is_contiguous():
-        m, rsx, csx = x.numel() // max(k, 1), k, 1
-    else:
-        return False
-    if weight.shape[1] != k:
-        return False
-    return _answer(key, _linear_on_torch(m, weight.shape[0], k, rsx, csx, *weight.stride(), dt == torch.bfloat16,
-                                         bias is not None, needs_grad, _threads()))
-
-
 _KEYS_MAX = 4096  # shapes that change call to call (a growing sequence) start the table again past this
 
 
-def _hold(key) -> None:
-    """Records key's answer as no until the checks give one."""
-    if len(TORCH_LINEARS) >= _KEYS_MAX:
-        TORCH_LINEARS.clear()
-    TORCH_LINEARS[key] = False
-
-
-def _answer(key, on_torch: int) -> bool:
-    """The C query's answer (1 yes, 0 no, both final; -1 not yet: auto mode still measures a product's
-    class, so the key is asked again next time)."""
-    if on_torch < 0:
-        TORCH_LINEARS.pop(key, None)
-    else:
+def _routed(kind: str, grads: int, query, a, b, c=None) -> bool:
+    """Whether the product `kind` of a, b (and c) runs on torch's function: the kept answer of its key
+    (TORCH_LINEARS: a known class costs one lookup, ~1.5 us), else query()'s (1 yes, 0 no, both final
+    and kept; -1 not yet: auto mode still measures a class, so the key is asked again next time)."""
+    key = _eager_key(a, b, c)
+    if key is None:
+        return False
+    key = (kind, grads, *key)
+    known = TORCH_LINEARS.get(key)
+    if known is not None:
+        return known
+    on_torch = query()  # depends on what the key holds alone
+    if on_torch >= 0:
+        if len(TORCH_LINEARS) >= _KEYS_MAX:
+            TORCH_LINEARS.clear()
         TORCH_LINEARS[key] = on_torch == 1
     return on_torch == 1
 
 
+def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
+    """Whether a plain linear (no activation) of these operands, eager and on plain CPU tensors, has every
+    product on torch's GEMM (the provider's mode torch, or classes auto mode settled for torch): the op
+    would then fuse nothing F.linear does not, and only add its autograd hop through Python."""
+
+    def query() -> int:
+        if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)) or weight.dim() != 2 or x.dim() < 1:
+            return 0
+        dt = _operand_dtype([x.dtype, weight.dtype] + ([] if bias is None else [bias.dtype]))
+        if dt is None or bias is not None and bias.dim() != 1:
+            return 0
+        k = x.shape[-1]
+        if x.dim() == 2:
+            m, (rsx, csx) = x.shape[0], x.stride()
+        elif x.is_contiguous():
+            m, rsx, csx = x.numel() // max(k, 1), k, 1
+        else:
+            return 0
+        if weight.shape[1] != k:
+            return 0
+        return _linear_on_torch(m, weight.shape[0], k, rsx, csx, *weight.stride(), dt == torch.bfloat16,
+                                bias is not None, needs_grad, _threads())
+
+    return _routed("linear", needs_grad, query, x, weight, bias)
+
+
 def _mm_on_torch(a, b, needs) -> bool:
     """The same for a 2-d matmul (needs: 1 a's gradient, 2 b's): torch.mm runs it then."""
-    key = _eager_key(a, b)
-    if key is None:
-        return False
-    key = ("matmul", needs, *key)
-    known = TORCH_LINEARS.get(key)
-    if known is not None:
-        return known
-    _hold(key)
-    if not (a.is_cpu and b.is_cpu) or a.dim() != 2 or b.dim() != 2:
-        return False
-    dt = _operand_dtype([a.dtype, b.dtype])
-    if dt is None or a.shape[1] != b.shape[0]:
-        return False
-    return _answer(key, _matmul_on_torch(a.shape[0], b.shape[1], a.shape[1], *a.stride(), *b.stride(),
-                                         dt == torch.bfloat16, needs, _threads()))
+
+    def query() -> int:
+        if not (a.is_cpu and b.is_cpu) or a.dim() != 2 or b.dim() != 2:
+            return 0
+        dt = _operand_dtype([a.dtype, b.dtype])
+        if dt is None or a.shape[1] != b.shape[0]:
+            return 0
+        return _matmul_on_torch(a.shape[0], b.shape[1], a.shape[1], *a.stride(), *b.stride(), dt == torch.bfloat16,
+                                needs, _threads())
+
+    return _routed("matmul", needs, query, a, b)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = "none",
