@@ -144,15 +144,14 @@ static void linear_gemm_plan_claim(linear_gemm_plan *p, int64_t rsa, int64_t csa
     if (p->dt == OPF_F64 || p->m <= 0 || p->n <= 0 || p->k <= 0) return;
     void *mark = (void *)&claim_mark;
     const gemm_epilogue ep = product_epilogue(p->dt, 0, 0, mark, pre ? mark : NULL, bias ? &claim_mark : NULL, act);
-    for (int part = 0; part < 2; part++) { /* the full chunks, and a shorter last one */
-        const gemm_plan *g = part ? &p->last : &p->full;
-        if (part && !(p->m % p->chunk)) break;
-        if (!gemm_provider_claims(g, rsa, csa, rsb, csb, &ep)) {
-            p->settled = gemm_provider_settled(g, rsa, csa, rsb, csb, &ep);
-            return;
-        }
-    }
-    p->settled = gemm_provider_settled(&p->full, rsa, csa, rsb, csb, &ep);
+    const gemm_plan *mine = NULL; /* the first product the provider does not claim: the full chunks', or a
+                                     shorter last chunk's */
+    if (!gemm_provider_claims(&p->full, rsa, csa, rsb, csb, &ep))
+        mine = &p->full;
+    else if (p->m % p->chunk && !gemm_provider_claims(&p->last, rsa, csa, rsb, csb, &ep))
+        mine = &p->last;
+    p->settled = gemm_provider_settled(mine ? mine : &p->full, rsa, csa, rsb, csb, &ep);
+    if (mine) return;
     const gemm_plan whole = gemm_plan_make(p->gemm, p->m, p->n, p->k, p->dt, p->dt, p->threads);
     p->claimed = 1;
     p->c_scratch = 0;

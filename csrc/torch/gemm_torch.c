@@ -382,35 +382,34 @@ static int provider_run(const gemm_call *k) {
     return 1;
 }
 
-/* Mode torch, or a class decided for torch (measured here or read from the cache file): provider_run
- * runs such a call, marked claimed, on torch's GEMM, which writes the result itself and needs no
- * workspace. */
-static int provider_claims(const gemm_call *k) {
-    const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
-    if (md == MODE_OWN || !takes_class(k)) return 0;
-    if (md == MODE_TORCH) return 1;
-    char key[160];
-    class_key(k, key, sizeof key);
-    pthread_mutex_lock(&lock);
-    if (!cache_read) read_cache();
-    const choice *c = find(key);
-    const int torch = c && c->decided && c->torch;
-    pthread_mutex_unlock(&lock);
-    return torch;
-}
-
-/* Whether provider_claims' answer is final: modes own and torch, classes torch's GEMM never takes, and
- * classes auto mode has decided (here or in the cache file) are; a class still measured is not. */
-static int provider_settled(const gemm_call *k) {
-    if (__atomic_load_n(&mode, __ATOMIC_RELAXED) != MODE_AUTO || !takes_class(k)) return 1;
+/* Whether auto mode has decided k's class (measured here or read from the cache file); *torch: for
+ * torch's GEMM */
+static int class_decided(const gemm_call *k, int *torch) {
     char key[160];
     class_key(k, key, sizeof key);
     pthread_mutex_lock(&lock);
     if (!cache_read) read_cache();
     const choice *c = find(key);
     const int decided = c && c->decided;
+    *torch = decided && c->torch;
     pthread_mutex_unlock(&lock);
     return decided;
+}
+
+/* Mode torch, or a class decided for torch: provider_run runs such a call, marked claimed, on torch's
+ * GEMM, which writes the result itself and needs no workspace. */
+static int provider_claims(const gemm_call *k) {
+    const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
+    if (md == MODE_OWN || !takes_class(k)) return 0;
+    int torch = md == MODE_TORCH;
+    return torch || (class_decided(k, &torch) && torch);
+}
+
+/* Whether provider_claims' answer is final: modes own and torch, classes torch's GEMM never takes, and
+ * classes auto mode has decided are; a class still measured is not. */
+static int provider_settled(const gemm_call *k) {
+    int torch;
+    return __atomic_load_n(&mode, __ATOMIC_RELAXED) != MODE_AUTO || !takes_class(k) || class_decided(k, &torch);
 }
 
 static const gemm_provider torch_provider = {
