@@ -101,10 +101,10 @@ static const attention_bf16_packing *packing_for(const attention_kernels *k, con
 }
 
 /* words of a packed A along its rows (rows x any k of one chunk), along its columns (k x
- * ATTENTION_PACK_MC), and of a packed B (k x n) */
+ * ATTENTION_PACK_MC), and of a packed B (k x n), K padded as a table may (attention_packed_pairs) */
 static int64_t packed_a_rows(int64_t rows) { return rows * ATTENTION_PACK_KP; }
-static int64_t packed_a_cols(int64_t k) { return (k + 1) / 2 * ATTENTION_PACK_MC; }
-static int64_t packed_b(int64_t k, int64_t n) { return cdiv(n, 32) * ((k + 1) / 2) * 32; }
+static int64_t packed_a_cols(int64_t k) { return attention_packed_pairs(k) * ATTENTION_PACK_MC; }
+static int64_t packed_b(int64_t k, int64_t n) { return cdiv(n, 32) * attention_packed_pairs(k) * 32; }
 
 /* ---- forward ------------------------------------------------------------------------------- */
 

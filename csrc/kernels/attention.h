@@ -100,6 +100,11 @@ typedef void (*attention_mm_fn)(int64_t m, int64_t n, int64_t k, const float *a,
  * column j at [q * 32 + j], zeros past n and past an odd k. */
 enum { ATTENTION_PACK_KP = 128, ATTENTION_PACK_MC = 64 };
 
+/* A table may pad K with zero pairs to whole tiles of 16 (AMX's: its tiles read 16 pairs at a time), so
+ * the buffers hold this many pairs of K: along A's columns (ATTENTION_PACK_MC rows of them, for a table
+ * that keeps that form in rows) and in each of B's slivers. */
+static inline int64_t attention_packed_pairs(int64_t k) { return ((k + 1) / 2 + 15) / 16 * 16; }
+
 typedef struct attention_bf16_packing {
     /* A (rows x k) along its rows, from 16-bit rows a[r * rs + p] or float32 rows (rounded) */
     void (*a_rows16)(uint32_t *ap, const uint16_t *a, int64_t rs, int64_t rows, int64_t k);

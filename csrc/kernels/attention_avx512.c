@@ -114,14 +114,6 @@ static inline uint32_t pair1(float x0, float x1) {
     return (uint32_t)opf_f32_to_bf16(x0) | (uint32_t)opf_f32_to_bf16(x1) << 16;
 }
 
-/* 16 pairs (x[2i], x[2i+1]) of n <= 32 consecutive floats (zeros past n), as 16 32-bit lanes: 16 floats
- * rounded and narrowed to 16 bfloat16 in order are 8 such pairs */
-static inline __m512i pairs_of32(const float *x, int64_t n) {
-    const __m256i p0 = _mm512_cvtepi32_epi16(bf16_lanes(_mm512_maskz_loadu_ps(tail16(n), x)));
-    const __m256i p1 = _mm512_cvtepi32_epi16(bf16_lanes(_mm512_maskz_loadu_ps(tail16(n - 16), x + 16)));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
-}
-
 /* A (rows x k) into pairs along its rows (row r's pair q at ap[r * KC2 + q], 16 pairs a vector) or along
  * its columns (at ap[q * MC + r], 16 rows a vector, from A(r, p) = a[r + p * cs]): attention_bf16_packing's */
 static void a_rows32(uint32_t *ap, const float *a, int64_t rs, int64_t rows, int64_t k) {
@@ -256,24 +248,8 @@ static void a_rows16(uint32_t *ap, const uint16_t *a, int64_t rs, int64_t rows, 
     }
 }
 
-/* 16 columns of two 16-bit rows (r1 NULL: zeros) as pairs; lanes past n zero */
-static inline __m512i pairs16_16(const uint16_t *r0, const uint16_t *r1, int64_t n) {
-    const __mmask16 m = tail16(n);
-    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0));
-    const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1)) : _mm512_setzero_si512();
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-}
-
 static void b16(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int64_t n) {
-    const int64_t kp = (k + 1) / 2;
-    for (int64_t j = 0; j < n; j += 32) {
-        uint32_t *sliver = bp + j / 32 * kp * 32;
-        for (int64_t q = 0; q < kp; q++) {
-            const uint16_t *r0 = b + 2 * q * rs + j, *r1 = 2 * q + 1 < k ? r0 + rs : NULL;
-            _mm512_storeu_si512(sliver + q * 32, pairs16_16(r0, r1, n - j));
-            _mm512_storeu_si512(sliver + q * 32 + 16, pairs16_16(r0 + 16, r1 ? r1 + 16 : NULL, n - j - 16));
-        }
-    }
+    b16_slivers(bp, b, rs, k, n, (k + 1) / 2);
 }
 
 static void bt16(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int64_t n) {

@@ -31,4 +31,41 @@ static inline void st16_f16(uint16_t *p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, round16x16(v, OPF_F16));
 }
 
+/* ---- bfloat16 pairs (two K steps in one 32-bit lane, the low half first), the form the AVX512-BF16
+ * and AMX-BF16 products read ---- */
+
+/* 16 pairs (x[2i], x[2i+1]) of n <= 32 consecutive floats (zeros past n), as 16 32-bit lanes: 16 floats
+ * rounded and narrowed to 16 bfloat16 in order are 8 such pairs */
+static inline __m512i pairs_of32(const float *x, int64_t n) {
+    const __m256i p0 = _mm512_cvtepi32_epi16(bf16_lanes(_mm512_maskz_loadu_ps(tail16(n), x)));
+    const __m256i p1 = _mm512_cvtepi32_epi16(bf16_lanes(_mm512_maskz_loadu_ps(tail16(n - 16), x + 16)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
+}
+
+/* 16 columns of two 16-bit rows (r1 NULL: zeros) as pairs; lanes past n zero */
+static inline __m512i pairs16_16(const uint16_t *r0, const uint16_t *r1, int64_t n) {
+    const __mmask16 m = tail16(n);
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0));
+    const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1)) : _mm512_setzero_si512();
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* B (k x n) from 16-bit rows (B(p, j) = b[p * rs + j]) as 32-column slivers of `pairs` >= (k + 1) / 2
+ * pair rows each (pair q of column j at sliver[q * 32 + j]), zeros past k and n */
+static inline void b16_slivers(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int64_t n, int64_t pairs) {
+    const int64_t kp = (k + 1) / 2;
+    for (int64_t j = 0; j < n; j += 32) {
+        uint32_t *sliver = bp + j / 32 * pairs * 32;
+        for (int64_t q = 0; q < kp; q++) {
+            const uint16_t *r0 = b + 2 * q * rs + j, *r1 = 2 * q + 1 < k ? r0 + rs : NULL;
+            _mm512_storeu_si512(sliver + q * 32, pairs16_16(r0, r1, n - j));
+            _mm512_storeu_si512(sliver + q * 32 + 16, pairs16_16(r0 + 16, r1 ? r1 + 16 : NULL, n - j - 16));
+        }
+        for (int64_t q = kp; q < pairs; q++) {
+            _mm512_storeu_si512(sliver + q * 32, _mm512_setzero_si512());
+            _mm512_storeu_si512(sliver + q * 32 + 16, _mm512_setzero_si512());
+        }
+    }
+}
+
 #endif

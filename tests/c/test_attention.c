@@ -338,8 +338,10 @@ static void test_packed_mm(const attention_kernels *k) {
                 b32[p * bs + j] = opf_bf16_to_f32(b16[p * bs + j]);
                 bt16[j * (kd + 1) + p] = b16[p * bs + j];
             }
-        uint32_t *ap = calloc((size_t)(m * ATTENTION_PACK_KP + (kd + 1) / 2 * ATTENTION_PACK_MC), sizeof(uint32_t));
-        uint32_t *bp = calloc((size_t)((n + 31) / 32 * ((kd + 1) / 2) * 32), sizeof(uint32_t));
+        /* the driver's buffers: ATTENTION_PACK_MC rows along K or K's padded pairs along columns */
+        const size_t apn = (size_t)(ATTENTION_PACK_MC * ATTENTION_PACK_KP),
+                     bpn = (size_t)((n + 31) / 32 * attention_packed_pairs(kd) * 32);
+        uint32_t *ap = malloc(apn * sizeof(uint32_t)), *bp = malloc(bpn * sizeof(uint32_t));
         float *want = malloc(sizeof(float) * (size_t)(m * (n + 1) + 1)),
               *got = malloc(sizeof(float) * (size_t)(m * (n + 1) + 1));
         for (int form = 0; form < 6; form++) { /* A: rows16, rows32, cols32; B: b16, bt16 */
@@ -347,6 +349,9 @@ static void test_packed_mm(const attention_kernels *k) {
             float *c0 = rand_tensor(m * (n + 1), OPF_F32, 33, 1.0);
             memcpy(want, c0, sizeof(float) * (size_t)(m * (n + 1)));
             memcpy(got, c0, sizeof(float) * (size_t)(m * (n + 1)));
+            /* what the workspace held before (NaN pairs): the packing writes every pair the product reads */
+            memset(ap, 0xff, apn * sizeof(uint32_t));
+            memset(bp, 0xff, bpn * sizeof(uint32_t));
             k->mm_bf16(m, n, kd, a32, rs, 1, b32, bs, want, n + 1, acc);
             if (af == 0) pk->a_rows16(ap, a16, rs, m, kd);
             if (af == 1) pk->a_rows32(ap, a32, rs, m, kd);

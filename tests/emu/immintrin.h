@@ -68,6 +68,7 @@
 #define _mm512_roundscale_ps simde_mm512_roundscale_ps
 #define _mm512_scalef_ps simde_mm512_scalef_ps
 #define _mm512_set1_epi32 simde_mm512_set1_epi32
+#define _mm512_shuffle_i32x4 simde_mm512_shuffle_i32x4
 #define _mm512_set1_epi64 simde_mm512_set1_epi64
 #define _mm512_set1_pd simde_mm512_set1_pd
 #define _mm512_set1_ps simde_mm512_set1_ps
@@ -80,6 +81,10 @@
 #define _mm512_storeu_ps simde_mm512_storeu_ps
 #define _mm512_storeu_si512 simde_mm512_storeu_si512
 #define _mm512_sub_ps simde_mm512_sub_ps
+#define _mm512_unpackhi_epi32 simde_mm512_unpackhi_epi32
+#define _mm512_unpackhi_epi64 simde_mm512_unpackhi_epi64
+#define _mm512_unpacklo_epi32 simde_mm512_unpacklo_epi32
+#define _mm512_unpacklo_epi64 simde_mm512_unpacklo_epi64
 #define _mm512_xor_si512 simde_mm512_xor_si512
 
 /* ---- written out here ---------------------------------------------------------------------- */
@@ -118,6 +123,11 @@ static inline __m256i emu_maskz_loadu_epi16(uint16_t k, const void *p) {
     uint16_t r[16];
     for (int i = 0; i < 16; i++) r[i] = (k >> i) & 1 ? ((const uint16_t *)p)[i] : 0;
     return _mm256_loadu_si256((const __m256i *)r);
+}
+static inline simde__m512i emu_maskz_loadu_epi16_512(uint32_t k, const void *p) {
+    simde__m512i_private r;
+    for (int i = 0; i < 32; i++) r.u16[i] = (k >> i) & 1 ? ((const uint16_t *)p)[i] : 0;
+    return simde__m512i_from_private(r);
 }
 static inline void emu_mask_storeu_epi16(void *p, uint16_t k, __m256i a) {
     uint16_t v[16];
@@ -190,6 +200,7 @@ static inline simde__m512 emu_permute_ps(simde__m512 a, int imm) { /* within eac
 #define _mm512_mask_storeu_pd emu_mask_storeu_pd
 #define _mm512_mask_storeu_epi32 emu_mask_storeu_epi32
 #define _mm256_maskz_loadu_epi16 emu_maskz_loadu_epi16
+#define _mm512_maskz_loadu_epi16 emu_maskz_loadu_epi16_512
 #define _mm256_mask_storeu_epi16 emu_mask_storeu_epi16
 #define _mm512_stream_ps emu_stream_ps
 #define _mm512_reduce_add_ps emu_reduce_add_ps
