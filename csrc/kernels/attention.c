@@ -142,14 +142,14 @@ typedef struct fwd_layout {
     int64_t floats;
 } fwd_layout;
 
-static fwd_layout fwd_layout_for(const attention_problem *p) {
+static fwd_layout fwd_layout_for(const attention_problem *p, int64_t bk) {
     const int64_t d_qk = p->d_qk, d_v = p->d_v;
     fwd_layout lay;
     int64_t at = 0;
     lay.qt = carve(&at, d_qk * BQ);   /* Q^T of the block */
-    lay.kbuf = carve(&at, BK * d_qk); /* K and V rows in float32, when not read in place */
-    lay.vbuf = carve(&at, BK * d_v);
-    lay.st = carve(&at, BK * BQ); /* S^T, then P^T */
+    lay.kbuf = carve(&at, bk * d_qk); /* K and V rows in float32, when not read in place */
+    lay.vbuf = carve(&at, bk * d_v);
+    lay.st = carve(&at, bk * BQ); /* S^T, then P^T */
     lay.o = carve(&at, BQ * d_v); /* O, unnormalised (split: the merged chunks) */
     lay.m = carve(&at, BQ);       /* the online softmax's running max, sum and rescale */
     lay.l = carve(&at, BQ);
@@ -157,28 +157,32 @@ static fwd_layout fwd_layout_for(const attention_problem *p) {
     lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
     const int packed = packs_shape(p); /* uint32 words, a float's size each */
     lay.pq = carve(&at, packed ? round16(packed_b(d_qk, BQ)) : 0);
-    lay.pk = carve(&at, packed ? round16(packed_a_rows(BK)) : 0);
-    lay.pp = carve(&at, packed ? round16(packed_a_cols(BK)) : 0);
-    lay.pv = carve(&at, packed ? round16(packed_b(BK, d_v)) : 0);
+    lay.pk = carve(&at, packed ? round16(packed_a_rows(bk)) : 0);
+    lay.pp = carve(&at, packed ? round16(packed_a_cols(bk)) : 0);
+    lay.pv = carve(&at, packed ? round16(packed_b(bk, d_v)) : 0);
     lay.floats = round16(at);
     return lay;
 }
 
 /* The query blocks' plan (attention_fwd_plan in attention.h) */
-static attention_fwd_plan blocks_plan(const attention_problem *p, int64_t threads) {
-    attention_fwd_plan pl = {.path = ATTENTION_PATH_BLOCKS, .nqb = cdiv(p->n, BQ), .chunks = 1, .span = p->s};
+static attention_fwd_plan blocks_plan(const attention_kernels *k, const attention_problem *p, int64_t threads) {
+    attention_fwd_plan pl = {.path = ATTENTION_PATH_BLOCKS,
+                             .nqb = cdiv(p->n, BQ),
+                             .bk = k->fwd_bk ? k->fwd_bk : BK,
+                             .chunks = 1,
+                             .span = p->s};
     pl.blocks = p->b * p->h * pl.nqb;
-    const int64_t kb = cdiv(p->causal && p->n < p->s ? p->n : p->s, BK); /* key blocks of the last query block */
+    const int64_t kb = cdiv(p->causal && p->n < p->s ? p->n : p->s, pl.bk); /* key blocks of the last query block */
     if (pl.blocks > 0 && pl.blocks < FWD_MIN_TASKS && kb >= 2) {
         const int64_t want = cdiv(FWD_MIN_TASKS, pl.blocks), per = cdiv(kb, want < kb ? want : kb);
-        pl.span = per * BK;
+        pl.span = per * pl.bk;
         pl.chunks = cdiv(kb, per);
     }
     pl.tasks = pl.blocks * pl.chunks;
     const int split = pl.chunks > 1;
     pl.rows = p->n < BQ ? p->n : BQ;
     pl.slot_floats = split ? round16(pl.rows * (p->d_v + 2)) : 0;
-    pl.per_worker = fwd_layout_for(p).floats;
+    pl.per_worker = fwd_layout_for(p, pl.bk).floats;
     int64_t at = 0;
     pl.slots = carve(&at, pl.tasks * pl.slot_floats);
     pl.counts = carve(&at, split ? round16(2 * pl.blocks) : 0);
@@ -229,7 +233,7 @@ static attention_decode_problem attention_decode_for(const attention_problem *p)
     return d;
 }
 
-attention_fwd_plan attention_fwd_plan_make(const attention_problem *p, int64_t threads) {
+attention_fwd_plan attention_fwd_plan_make(const attention_kernels *k, const attention_problem *p, int64_t threads) {
     if (p->dt == OPF_F64)
         return (attention_fwd_plan){.path = ATTENTION_PATH_REF, .floats = 2 * attention_ref_fwd_doubles(p)};
     if (fwd_as_decode(p)) {
@@ -238,7 +242,7 @@ attention_fwd_plan attention_fwd_plan_make(const attention_problem *p, int64_t t
         pl.floats = attention_decode_workspace(&pl.decode);
         return pl;
     }
-    return blocks_plan(p, threads);
+    return blocks_plan(k, p, threads);
 }
 
 int64_t attention_fwd_workspace(const attention_fwd_plan *plan) { return plan->floats; }
@@ -258,7 +262,7 @@ static void fwd_merge(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t nch, flo
     const int64_t d_v = p->d_v, rows = c->pl.rows, b = bh / p->h, h = bh % p->h;
     const int64_t i0 = qb * BQ, bq = p->n - i0 < BQ ? p->n - i0 : BQ;
     const float *slot0 = c->slots + (bh * c->pl.nqb + qb) * c->pl.chunks * c->pl.slot_floats;
-    float *restrict o = ws + fwd_layout_for(p).o;
+    float *restrict o = ws + fwd_layout_for(p, c->pl.bk).o;
     for (int64_t i = 0; i < bq; i++) {
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t ch = 0; ch < nch; ch++) mx = fmaxf(mx, slot0[ch * c->pl.slot_floats + rows * d_v + i]);
@@ -287,7 +291,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
     const int64_t jbeg = ch * c->pl.span, jend = kend - jbeg < c->pl.span ? kend : jbeg + c->pl.span;
     if (ch > 0 && jbeg >= kend) return; /* this block sees fewer keys than the most */
     const int split = c->pl.chunks > 1;
-    const fwd_layout lay = fwd_layout_for(p);
+    const fwd_layout lay = fwd_layout_for(p, c->pl.bk);
     float *qt = ws + lay.qt, *kbuf = ws + lay.kbuf, *vbuf = ws + lay.vbuf, *st = ws + lay.st, *o = ws + lay.o;
     float *m = ws + lay.m, *l = ws + lay.l, *alpha = ws + lay.alpha, *row = ws + lay.row;
     if (split) { /* O, m and l in the chunk's slot */
@@ -310,8 +314,8 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
     }
     memset(o, 0, sizeof(float) * (size_t)(bq * d_v));
     const int f32 = p->dt == OPF_F32;
-    for (int64_t j0 = jbeg; j0 < jend; j0 += BK) {
-        const int64_t bk = jend - j0 < BK ? jend - j0 : BK;
+    for (int64_t j0 = jbeg; j0 < jend; j0 += c->pl.bk) {
+        const int64_t bk = jend - j0 < c->pl.bk ? jend - j0 : c->pl.bk;
         /* S^T (bk x bq) = K_block Q^T: K rows are read in place in float32 */
         const float *ka = kbuf;
         int64_t rsk = d_qk, csk = 1;

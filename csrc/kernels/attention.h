@@ -143,6 +143,9 @@ typedef struct attention_kernels {
     void (*probs)(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag);
     /* dp = p * (dp - delta[i]) * scale (the gradient of the scaled scores) */
     void (*dscores)(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta, float scale);
+    /* keys per block of the forward: 0 for the driver's 64, or 128 (fewer rescales of O and fewer,
+     * larger products per key: AMX's) */
+    int64_t fwd_bk;
 } attention_kernels;
 
 extern const attention_kernels attention_kernels_ref;
@@ -187,6 +190,7 @@ typedef struct attention_fwd_plan {
     attention_path path;
     attention_decode_plan decode; /* ATTENTION_PATH_DECODE */
     int64_t nqb, blocks;          /* query blocks per head, of all heads */
+    int64_t bk;                   /* keys per block (the table's fwd_bk) */
     int64_t chunks;               /* the most chunks of a query block: 1 unless split */
     int64_t span;                 /* keys per chunk, a multiple of the key block when split */
     int64_t tasks, rows, slot_floats, per_worker, workers;
@@ -205,7 +209,8 @@ typedef struct attention_bwd_plan {
     int64_t delta, dq32, turns_at, slices, floats;
 } attention_bwd_plan;
 
-attention_fwd_plan attention_fwd_plan_make(const attention_problem *p, int64_t threads);
+/* The forward's plan is made for the table that runs it (its key block sets the workspace and the sums). */
+attention_fwd_plan attention_fwd_plan_make(const attention_kernels *k, const attention_problem *p, int64_t threads);
 attention_bwd_plan attention_bwd_plan_make(const attention_problem *p, int64_t threads);
 /* Floats of workspace for attention_fwd / attention_bwd under the plan (float64: the oracle's doubles). */
 int64_t attention_fwd_workspace(const attention_fwd_plan *plan);

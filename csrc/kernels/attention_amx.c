@@ -300,6 +300,7 @@ const attention_kernels attention_kernels_amx = {.name = "amx",
                                                  .mm = attention_mm_avx512,
                                                  .mm_bf16 = mm_amx,
                                                  .packing = &packing_amx,
+                                                 .fwd_bk = 128,
                                                  .softmax_cols = attention_softmax_cols_avx512,
                                                  .probs = attention_probs_avx512,
                                                  .dscores = attention_dscores_avx512};

@@ -254,6 +254,39 @@ static int sdpa_begin(const attention_problem *p, int backward, opf_provider_tur
     return opf_provider_begin(key, turn);
 }
 
+/* Whether an eager call of these operands (no mask; strides aside) runs torch's fused attention for
+ * its forward and, when a gradient is needed, its backward: 1 (the mode torch, or classes auto mode
+ * decided for torch: the Python wrapper then calls F.scaled_dot_product_attention itself, which runs
+ * the same kernel without the op's autograd hop and copies), 0 (final: not), -1 (auto mode still
+ * measures a class: ask again). */
+OPF_EXPORT int opforge_attention_on_torch(int64_t b, int64_t h, int64_t hkv, int64_t n, int64_t s, int64_t d_qk,
+                                          int64_t d_v, int bf16, int causal, int needs_grad) {
+    const attention_problem p = {.b = b,
+                                 .h = h,
+                                 .hkv = hkv,
+                                 .n = n,
+                                 .s = s,
+                                 .d_qk = d_qk,
+                                 .d_v = d_v,
+                                 .dt = bf16 ? OPF_BF16 : OPF_F32,
+                                 .causal = causal};
+    const int mode = opf_provider_mode();
+    if (mode == OPF_PROVIDER_OWN || !sdpa_takes(&p)) return 0;
+    if (mode == OPF_PROVIDER_TORCH) return 1;
+    int answer = 1;
+    for (int pass = 0; pass < 1 + (needs_grad != 0); pass++) {
+        char key[160];
+        sdpa_key(key, sizeof key, pass ? "bwd" : "fwd", &p);
+        int torch = 0;
+        if (!opf_provider_decided(key, &torch)) {
+            answer = -1;
+        } else if (!torch) {
+            return 0;
+        }
+    }
+    return answer;
+}
+
 static double sdpa_work(const attention_problem *p) { return (double)p->b * p->h * p->n * p->s * p->d_qk; }
 
 static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
@@ -289,10 +322,11 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
         if (on_torch && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("attention", "torch_sdpa", opf_isa_current());
     }
     if (!opf_is_meta(&a.q) && !on_torch) { /* the fake kernel's meta stand-ins are checked and shaped */
-        const attention_fwd_plan plan = attention_fwd_plan_make(p, opf_num_threads());
+        const attention_kernels *kern = attention_kernels_for(opf_isa_current());
+        const attention_fwd_plan plan = attention_fwd_plan_make(kern, p, opf_num_threads());
         float *ws = NULL;
         OPF_OWNED AtenTensorHandle ws_h = opf_workspace(ATTENTION, attention_fwd_workspace(&plan), &a.q, &ws);
-        attention_fwd(attention_kernels_for(opf_isa_current()), &plan, p, ws);
+        attention_fwd(kern, &plan, p, ws);
     }
     opf_provider_end(&turn, sdpa_work(p), 0);
     opf_log_call(ATTENTION, t0, 4, (opf_tensor[]){a.q, a.k, a.v, out});
@@ -421,7 +455,7 @@ OPF_EXPORT void opforge_attention_plan(int64_t b, int64_t h, int64_t hkv, int64_
     attention_problem p = {
         .b = b, .h = h, .hkv = hkv, .n = n, .s = s, .d_qk = d, .d_v = d, .dt = OPF_F32, .causal = causal, .scale = 1.0};
     for (int i = 0; i < 4; i++) p.qs[i] = p.os[i] = p.dos[i] = p.dqs[i] = st[i], p.ks[i] = p.vs[i] = kst[i];
-    const attention_fwd_plan f = attention_fwd_plan_make(&p, threads);
+    const attention_fwd_plan f = attention_fwd_plan_make(attention_kernels_for(opf_isa_current()), &p, threads);
     const attention_bwd_plan g = attention_bwd_plan_make(&p, threads);
     out[0] = f.tasks;
     out[1] = f.workers;

@@ -387,6 +387,10 @@ static int provider_run(const gemm_call *k) {
 static int class_decided(const gemm_call *k, int *torch) {
     char key[160];
     class_key(k, key, sizeof key);
+    return opf_provider_decided(key, torch);
+}
+
+int opf_provider_decided(const char *key, int *torch) {
     pthread_mutex_lock(&lock);
     if (!cache_read) read_cache();
     const choice *c = find(key);

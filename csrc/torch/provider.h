@@ -49,6 +49,10 @@ typedef struct opf_provider_turn {
  * samples. */
 int opf_provider_begin(const char *key, opf_provider_turn *turn);
 
+/* Whether auto mode has decided the class `key` (measured in this process or read from the cache file);
+ * *torch: for torch's kernel. */
+int opf_provider_decided(const char *key, int *torch);
+
 /* After the call: records a measuring call's time over `work` (multiply-adds, or any measure of the
  * call's size that the class's calls share), or, with failed, that torch's kernel could not run it
  * (the class stays with opforge's). Past SAMPLES calls of each kernel the class is decided and saved

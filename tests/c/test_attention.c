@@ -85,7 +85,7 @@ static void oracle_bwd(const attention_problem *p) {
 /* the driver under a plan made at this run's thread count, as the glue makes it, with a workspace of
  * exactly the plan's size between guard words */
 static void run_fwd(const attention_kernels *k, const attention_problem *p) {
-    const attention_fwd_plan plan = attention_fwd_plan_make(p, opf_num_threads());
+    const attention_fwd_plan plan = attention_fwd_plan_make(k, p, opf_num_threads());
     float *ws = check_ws_alloc(attention_fwd_workspace(&plan));
     attention_fwd(k, &plan, p, ws);
     check_ws_free(ws, "attention_fwd");

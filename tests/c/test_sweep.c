@@ -226,7 +226,7 @@ static void go_attn(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     p.dq = out_new(o, "dq", nq, dt), p.dk = out_new(o, "dk", nk, dt), p.dv = out_new(o, "dv", nv, dt);
     { /* float64: the drivers' oracle path */
         const attention_kernels *kern = attention_kernels_for(isa);
-        const attention_fwd_plan fwd = attention_fwd_plan_make(&p, threads_now());
+        const attention_fwd_plan fwd = attention_fwd_plan_make(kern, &p, threads_now());
         float *ws = ws_new(attention_fwd_workspace(&fwd));
         attention_fwd(kern, &fwd, &p, ws);
         ws_free(ws, "attention_fwd workspace");

@@ -323,7 +323,9 @@ def test_attention_on_torchs_kernel_matches_own(gemm_mode, dtype, causal, tmp_pa
             out, lse = torch.ops.opforge.attention(q, k, v, None, causal, None)
             y = opforge.scaled_dot_product_attention(q, k, v, is_causal=causal)
             runs[mode] = (out, lse, *torch.autograd.grad(y, (q, k, v), g))
-    assert (tmp_path / "torch.log").read_text().count("attention:torch_sdpa") == 3  # twice forward, once backward
+    # the op called itself runs torch's kernel; the wrapper is F.scaled_dot_product_attention itself (no op call)
+    assert (tmp_path / "torch.log").read_text().count("attention:torch_sdpa") == 1
+    assert (tmp_path / "torch.log").read_text().count("opforge::attention ") == 1
     assert "torch_sdpa" not in (tmp_path / "own.log").read_text()
     assert runs["torch"][0].stride() == runs["own"][0].stride() and runs["torch"][1].is_contiguous()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -334,6 +336,50 @@ def test_attention_on_torchs_kernel_matches_own(gemm_mode, dtype, causal, tmp_pa
     mixed = torch.ops.opforge.attention_backward(g, q, k, v, None, *runs["torch"][:2], causal, None)
     for got, want in zip(mixed, runs["own"][2:]):
         torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_on_torchs_kernel_is_torchs_sdpa(gemm_mode, dtype, tmp_path):
+    # an unmasked attention whose forward (and backward, with a gradient) the provider runs on torch's fused
+    # kernel is F.scaled_dot_product_attention itself in eager mode: torch's autograd node, the same bits; the
+    # op where opforge's kernel runs, for the cases torch's kernel lacks, and under torch.compile
+    q, k, v = (torch.randn(2, 160, 4, 64, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3))
+    torch_node = type(F.scaled_dot_product_attention(q, k, v).grad_fn)
+    for turn, (mode, routed) in enumerate((("torch", True), ("own", False), ("torch", True))):  # set_gemm
+        gemm_mode(mode)  # empties the kept answers
+        for causal in (False, True):
+            for i, args in enumerate(((q, k, v), (q.detach(), k, v), (q.detach(), k.detach(), v.detach()))):
+                log = tmp_path / f"{turn}-{causal}-{i}.log"
+                with _logged(log):
+                    y = opforge.scaled_dot_product_attention(*args, is_causal=causal)
+                assert ("opforge::attention " not in log.read_text()) == routed, (mode, causal)
+                assert (type(y.grad_fn) is torch_node) == (routed and y.requires_grad)
+                if routed:
+                    with torch.no_grad():
+                        assert torch.equal(y, F.scaled_dot_product_attention(*args, is_causal=causal))
+        y = opforge.scaled_dot_product_attention(q[0], k[0], v[0])  # 3-d: (B, N, D) with B = 4 here
+        assert y.shape == (4, 160, 64) and (type(y.grad_fn.next_functions[0][0]) is torch_node) == routed
+    mask = torch.rand(160, 160) > 0.2
+    with _logged(tmp_path / "cases.log"):  # what torch's kernel does not run: the op
+        opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        opforge.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True)
+        opforge.scaled_dot_product_attention(q[:, :, :100], k, v, is_causal=True)  # bottom-right causal
+        opforge.scaled_dot_product_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # strided rows
+    assert (tmp_path / "cases.log").read_text().count("opforge::attention ") == 4
+    torch._dynamo.reset()
+    with _logged(tmp_path / "compiled.log"):
+        torch.compile(lambda a, b, c: opforge.scaled_dot_product_attention(a, b, c), fullgraph=True)(q, k, v)
+    assert "opforge::attention " in (tmp_path / "compiled.log").read_text()
+    if dtype == torch.float32:  # under autocast: F.scaled_dot_product_attention's bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = opforge.scaled_dot_product_attention(q, k, v)
+            want = F.scaled_dot_product_attention(q, k, v)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    gemm_mode("auto")  # auto mode: the op until both passes' classes are settled (none yet in this cache)
+    q2 = torch.randn(1, 8, 512, 64, dtype=dtype, requires_grad=True)  # past the work torch's kernel is tried at
+    with _logged(tmp_path / "auto.log"):
+        opforge.scaled_dot_product_attention(q2, q2, q2)
+    assert "opforge::attention " in (tmp_path / "auto.log").read_text()
 
 
 def test_attention_cases_torch_lacks_stay_on_opforges_kernels(gemm_mode, tmp_path):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+import torch.nn.functional as F
 
 from .._lib import op_function
-from .._runtime import namespace, ops
+from .._runtime import library, namespace, ops
+from .linear import _operand_dtype, _routed
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -13,6 +17,33 @@ __all__ = ["scaled_dot_product_attention"]
 @op_function(ops.attention.default)
 def _attention(q, k, v, attn_mask, causal, scale):
     """(out, lse): see scaled_dot_product_attention."""
+
+
+_attention_on_torch = library.dll.opforge_attention_on_torch
+_attention_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3
+_attention_on_torch.restype = ctypes.c_int
+
+
+def _plain_on_torch(q, k, v, causal: bool, needs_grad: bool) -> bool:
+    """Whether an unmasked attention of these 4-d operands, eager and on plain CPU tensors, runs torch's
+    fused CPU attention for its forward and (needs_grad) its backward: the provider's mode torch, or
+    classes auto mode settled for torch (csrc/torch/attention.c: opforge_attention_on_torch). The op
+    would then only add its autograd hop through Python and its copies of the log-sum-exp."""
+
+    def query() -> int:
+        if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            return 0
+        dt = _operand_dtype([q.dtype, k.dtype, v.dtype])
+        # F.scaled_dot_product_attention takes torch's fused kernel for unit-stride rows only (its math path else)
+        if dt is None or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return 0
+        b, h, n, d = q.shape
+        if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+            return 0  # the op's error
+        return _attention_on_torch(b, h, k.shape[1], n, k.shape[2], d, v.shape[3], dt == torch.bfloat16, causal,
+                                   needs_grad)
+
+    return _routed("attention causal" if causal else "attention", needs_grad, query, q, k, v, (v.stride(),))
 
 
 def _sdpa_error(msg: str) -> RuntimeError:
@@ -47,6 +78,12 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     run to run and on any thread count. Empty shapes (B, H, N or S = 0)
     behave as torch's: S = 0 gives zeros. Under autocast it runs in the
     autocast dtype (policy lower), as F.scaled_dot_product_attention does.
+
+    An unmasked call whose forward and, with a gradient, backward the provider runs on torch's fused
+    CPU attention (``OPFORGE_GEMM=torch``, or classes auto mode measured faster there: float32 and
+    bfloat16, as many key/value heads as query heads, unit-stride rows) is
+    ``F.scaled_dot_product_attention`` itself in eager mode: the same kernel without the op's autograd
+    hop through Python and its copies. ``torch.compile`` and ``torch.jit.trace`` record the op.
     """
     if dropout_p != 0.0:
         raise _sdpa_error(f"argument 'dropout_p' must be 0.0 (dropout is not supported), got {dropout_p}")
@@ -63,5 +100,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)
-    out = _attention(query, key, value, attn_mask, bool(is_causal), scale)[0]
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if attn_mask is None and _plain_on_torch(query, key, value, bool(is_causal), needs_grad):
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=bool(is_causal), scale=scale)
+    else:
+        out = _attention(query, key, value, attn_mask, bool(is_causal), scale)[0]
     return out.squeeze(1) if nd == 3 else out

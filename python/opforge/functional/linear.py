@@ -62,14 +62,15 @@ def _eager_key(a, b, c=None):
 _KEYS_MAX = 4096  # shapes that change call to call (a growing sequence) start the table again past this
 
 
-def _routed(kind: str, grads: int, query, a, b, c=None) -> bool:
+def _routed(kind: str, grads: int, query, a, b, c=None, extra: tuple = ()) -> bool:
     """Whether the product `kind` of a, b (and c) runs on torch's function: the kept answer of its key
     (TORCH_LINEARS: a known class costs one lookup, ~1.5 us), else query()'s (1 yes, 0 no, both final
-    and kept; -1 not yet: auto mode still measures a class, so the key is asked again next time)."""
+    and kept; -1 not yet: auto mode still measures a class, so the key is asked again next time).
+    `extra`: what else the answer depends on."""
     key = _eager_key(a, b, c)
     if key is None:
         return False
-    key = (kind, grads, *key)
+    key = (kind, grads, *key, *extra)
     known = TORCH_LINEARS.get(key)
     if known is not None:
         return known
