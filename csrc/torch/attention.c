@@ -137,9 +137,14 @@ static attention_args check_attention(const char *op, AtenTensorHandle q_h, Aten
 
 enum { SDPA_MIN_WORK = 1 << 22 }; /* B H N S D multiply-adds at least */
 
-static int sdpa_takes(const attention_problem *p) {
+/* The cases torch's kernel computes as the op does */
+static int sdpa_covers(const attention_problem *p) {
     return (p->dt == OPF_F32 || p->dt == OPF_BF16) && !p->mask && p->h == p->hkv && p->d_qk == p->d_v &&
-           (!p->causal || p->n == p->s) && (double)p->b * p->h * p->n * p->s * p->d_qk >= SDPA_MIN_WORK;
+           (!p->causal || p->n == p->s);
+}
+
+static int sdpa_takes(const attention_problem *p) {
+    return sdpa_covers(p) && (double)p->b * p->h * p->n * p->s * p->d_qk >= SDPA_MIN_WORK;
 }
 
 static void sdpa_key(char *key, size_t len, const char *pass, const attention_problem *p) {
@@ -258,7 +263,9 @@ static int sdpa_begin(const attention_problem *p, int backward, opf_provider_tur
  * its forward and, when a gradient is needed, its backward: 1 (the mode torch, or classes auto mode
  * decided for torch: the Python wrapper then calls F.scaled_dot_product_attention itself, which runs
  * the same kernel without the op's autograd hop and copies), 0 (final: not), -1 (auto mode still
- * measures a class: ask again). */
+ * measures a class: ask again), 2 (auto mode, a case torch's kernel covers below the work the op
+ * offers it: the op's fixed costs, its autograd hop through Python among them, weigh most there, so
+ * the wrapper times whole calls of both instead). */
 OPF_EXPORT int opforge_attention_on_torch(int64_t b, int64_t h, int64_t hkv, int64_t n, int64_t s, int64_t d_qk,
                                           int64_t d_v, int bf16, int causal, int needs_grad) {
     const attention_problem p = {.b = b,
@@ -271,8 +278,9 @@ OPF_EXPORT int opforge_attention_on_torch(int64_t b, int64_t h, int64_t hkv, int
                                  .dt = bf16 ? OPF_BF16 : OPF_F32,
                                  .causal = causal};
     const int mode = opf_provider_mode();
-    if (mode == OPF_PROVIDER_OWN || !sdpa_takes(&p)) return 0;
+    if (mode == OPF_PROVIDER_OWN || !sdpa_covers(&p)) return 0;
     if (mode == OPF_PROVIDER_TORCH) return 1;
+    if (!sdpa_takes(&p)) return 2;
     int answer = 1;
     for (int pass = 0; pass < 1 + (needs_grad != 0); pass++) {
         char key[160];

@@ -150,10 +150,20 @@ def test_fully_masked_rows_give_zeros_and_zero_gradients_as_torch():
         torch.testing.assert_close(a, b, **GTOL[torch.float32])
 
 
+@pytest.fixture
+def own_kernels():
+    """opforge's kernels for the test (a plain call is F.scaled_dot_product_attention's under OPFORGE_GEMM=torch)"""
+    saved = opforge.get_gemm()
+    opforge.set_gemm("own")
+    yield
+    opforge.set_gemm(saved)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_nan_propagates_as_torch(dtype):
+def test_nan_propagates_as_torch(dtype, own_kernels):
     # against torch's math (softmax of the scores): its fused CPU kernel gives NaN rows on AVX2
-    # CPUs but zeros on AVX-512 ones
+    # CPUs but zeros on AVX-512 ones (so opforge's kernels here: the provider's mode torch would hand
+    # this plain call to F.scaled_dot_product_attention)
     q, k, v = qkv(n=6, s=9, dtype=dtype, grad=True)
     with torch.no_grad():
         q[0, 1, 2, 3] = float("nan")
@@ -603,7 +613,7 @@ def test_multihead_attention_unsupported_arguments():
         opforge.nn.MultiheadAttention(16, 2, dropout=0.1)(x, x, x)
 
 
-def test_log_and_profiler_name():
+def test_log_and_profiler_name(own_kernels):
     q, k, v = qkv(n=8, s=8)
     with torch.profiler.profile(record_shapes=True) as prof:
         opforge.scaled_dot_product_attention(q, k, v)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +26,41 @@ _attention_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3
 _attention_on_torch.restype = ctypes.c_int
 
 
-def _plain_on_torch(q, k, v, causal: bool, needs_grad: bool) -> bool:
+_SMALL_ROUNDS = 5  # timed calls of each side, interleaved, for a small class (after one warm-up call each)
+
+
+def _sdpa_faster_whole(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
+    """Whether F.scaled_dot_product_attention runs these operands faster than the op, timed whole (forward,
+    and backward when a gradient is needed; the best of _SMALL_ROUNDS interleaved calls each): for small
+    problems, where the op's fixed costs -- its autograd formula is Python's -- outweigh its kernel's
+    speed. On copies of the operands (same strides), in the caller's modes (grad, autocast); no RNG."""
+    args = [t.detach().clone().requires_grad_(needs_grad) for t in (q, k, v)]
+
+    def own():
+        return _attention(*args, None, causal, scale)[0]
+
+    def theirs():
+        return F.scaled_dot_product_attention(*args, is_causal=causal, scale=scale)
+
+    best = {"own": math.inf, "torch": math.inf}
+    for r in range(_SMALL_ROUNDS + 1):
+        for name, fn in (("own", own), ("torch", theirs)):
+            t0 = time.perf_counter()
+            out = fn()
+            if needs_grad:
+                torch.autograd.grad(out, args, torch.ones_like(out))
+            if r > 0:  # the first call of each warms up
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best["torch"] < best["own"]
+
+
+def _plain_on_torch(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
     """Whether an unmasked attention of these 4-d operands, eager and on plain CPU tensors, runs torch's
     fused CPU attention for its forward and (needs_grad) its backward: the provider's mode torch, or
     classes auto mode settled for torch (csrc/torch/attention.c: opforge_attention_on_torch). The op
-    would then only add its autograd hop through Python and its copies of the log-sum-exp."""
+    would then only add its autograd hop through Python and its copies of the log-sum-exp. Small
+    problems, which the op never offers torch's kernel, are timed whole on both sides once in auto mode
+    (_sdpa_faster_whole)."""
 
     def query() -> int:
         if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -40,8 +72,9 @@ def _plain_on_torch(q, k, v, causal: bool, needs_grad: bool) -> bool:
         b, h, n, d = q.shape
         if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
             return 0  # the op's error
-        return _attention_on_torch(b, h, k.shape[1], n, k.shape[2], d, v.shape[3], dt == torch.bfloat16, causal,
-                                   needs_grad)
+        on_torch = _attention_on_torch(b, h, k.shape[1], n, k.shape[2], d, v.shape[3], dt == torch.bfloat16, causal,
+                                       needs_grad)
+        return int(_sdpa_faster_whole(q, k, v, causal, scale, needs_grad)) if on_torch == 2 else on_torch
 
     return _routed("attention causal" if causal else "attention", needs_grad, query, q, k, v, (v.stride(),))
 
@@ -101,7 +134,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if attn_mask is None and _plain_on_torch(query, key, value, bool(is_causal), needs_grad):
+    if attn_mask is None and _plain_on_torch(query, key, value, bool(is_causal), scale, needs_grad):
         out = F.scaled_dot_product_attention(query, key, value, is_causal=bool(is_causal), scale=scale)
     else:
         out = _attention(query, key, value, attn_mask, bool(is_causal), scale)[0]
