@@ -295,6 +295,9 @@ OPF_EXPORT int opforge_attention_on_torch(int64_t b, int64_t h, int64_t hkv, int
     return answer;
 }
 
+/* The work (B H N S D multiply-adds) from which the op offers a call to torch's kernel */
+OPF_EXPORT int64_t opforge_attention_torch_min_work(void) { return SDPA_MIN_WORK; }
+
 static double sdpa_work(const attention_problem *p) { return (double)p->b * p->h * p->n * p->s * p->d_qk; }
 
 static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {

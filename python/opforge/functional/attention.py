@@ -24,6 +24,9 @@ def _attention(q, k, v, attn_mask, causal, scale):
 _attention_on_torch = library.dll.opforge_attention_on_torch
 _attention_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3
 _attention_on_torch.restype = ctypes.c_int
+library.dll.opforge_attention_torch_min_work.restype = ctypes.c_int64
+# B H N S D multiply-adds from which the op offers a call to torch's kernel (below: timed whole, with a gradient)
+_TORCH_MIN_WORK = library.dll.opforge_attention_torch_min_work()
 
 
 _SMALL_ROUNDS = 5  # timed calls of each side, interleaved, for a small class (after one warm-up call each)
@@ -134,7 +137,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if attn_mask is None and _plain_on_torch(query, key, value, bool(is_causal), scale, needs_grad):
+    # a small call without a gradient is the op's: its fixed costs there (~6 us more than SDPA's) are
+    # about what the routing check would cost
+    if attn_mask is None and (needs_grad or query.numel() * key.shape[-2] >= _TORCH_MIN_WORK) and \
+            _plain_on_torch(query, key, value, bool(is_causal), scale, needs_grad):
         out = F.scaled_dot_product_attention(query, key, value, is_causal=bool(is_causal), scale=scale)
     else:
         out = _attention(query, key, value, attn_mask, bool(is_causal), scale)[0]
