@@ -133,21 +133,18 @@ static void mm_amx(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa,
  * packs P and dS "along their columns" into rows by 16 x 16 transposes. The sums are mm_amx's, tile for
  * tile: zeroed accumulators, the K tiles in order, then C added. */
 
-/* Row r's pairs 0 .. kp of a packed A (already written), then zeros up to whole tiles */
-static void zero_pairs(uint32_t *row, int64_t kp) {
-    const int64_t kp16 = attention_packed_pairs(2 * kp);
-    if (kp16 > kp) memset(row + kp, 0, (size_t)(kp16 - kp) * sizeof *row);
+/* The 16-bit elements k0 .. k of a row, as 16 pairs (zeros past k) */
+static inline __m512i row_pairs16(const uint16_t *row, int64_t k0, int64_t k) {
+    const int64_t left = k - k0;
+    const __mmask32 m = left <= 0 ? 0 : left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1);
+    return _mm512_maskz_loadu_epi16(m, row + k0);
 }
 
 static void a_rows16_amx(uint32_t *ap, const uint16_t *a, int64_t rs, int64_t rows, int64_t k) {
-    const int64_t kp = (k + 1) / 2;
-    for (int64_t r = 0; r < rows; r++) { /* a row's pairs are its own 16-bit elements, two to a word */
-        const uint16_t *ar = a + r * rs;
-        uint32_t *dst = ap + r * ATTENTION_PACK_KP;
-        memcpy(dst, ar, (size_t)(k / 2) * sizeof *dst);
-        if (k % 2) dst[k / 2] = ar[k - 1];
-        zero_pairs(dst, kp);
-    }
+    const int64_t kp16 = attention_packed_pairs(k);
+    for (int64_t r = 0; r < rows; r++) /* a row's pairs are its own 16-bit elements, two to a word */
+        for (int64_t q = 0; q < kp16; q += 16)
+            _mm512_storeu_si512(ap + r * ATTENTION_PACK_KP + q, row_pairs16(a + r * rs, 2 * q, k));
 }
 
 static void a_rows32_amx(uint32_t *ap, const float *a, int64_t rs, int64_t rows, int64_t k) {
@@ -221,11 +218,8 @@ static void bt16_amx(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int
         uint32_t *sliver = bp + j0 / 32 * kp16 * 32 + j0 % 32;
         for (int64_t q0 = 0; q0 < kp16; q0 += 16) {
             __m512i v[16];
-            const __mmask32 m = q0 * 2 >= k        ? 0
-                                : k - q0 * 2 >= 32 ? 0xffffffffu
-                                                   : (__mmask32)((1u << (k - q0 * 2)) - 1);
             for (int64_t c = 0; c < 16; c++) /* lanes: pairs q0.. of row j0 + c (zeros past k and n) */
-                v[c] = j0 + c < n ? _mm512_maskz_loadu_epi16(m, b + (j0 + c) * rs + 2 * q0) : _mm512_setzero_si512();
+                v[c] = j0 + c < n ? row_pairs16(b + (j0 + c) * rs, 2 * q0, k) : _mm512_setzero_si512();
             transpose16(v);
             for (int64_t q = 0; q < 16; q++) _mm512_storeu_si512(sliver + (q0 + q) * 32, v[q]);
         }

@@ -42,24 +42,25 @@ static inline __m512i pairs_of32(const float *x, int64_t n) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
 }
 
-/* 16 columns of two 16-bit rows (r1 NULL: zeros) as pairs; lanes past n zero */
-static inline __m512i pairs16_16(const uint16_t *r0, const uint16_t *r1, int64_t n) {
-    const __mmask16 m = tail16(n);
-    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0));
-    const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1)) : _mm512_setzero_si512();
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-}
-
 /* B (k x n) from 16-bit rows (B(p, j) = b[p * rs + j]) as 32-column slivers of `pairs` >= (k + 1) / 2
- * pair rows each (pair q of column j at sliver[q * 32 + j]), zeros past k and n */
+ * pair rows each (pair q of column j at sliver[q * 32 + j]), zeros past k and n: two rows' 32 columns
+ * interleaved by 16-bit unpacks (pairs of columns 8L .. 8L + 3 and 8L + 4 .. 8L + 7 per 128-bit lane L),
+ * then put in column order */
 static inline void b16_slivers(uint32_t *bp, const uint16_t *b, int64_t rs, int64_t k, int64_t n, int64_t pairs) {
     const int64_t kp = (k + 1) / 2;
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0),
+                  second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
     for (int64_t j = 0; j < n; j += 32) {
         uint32_t *sliver = bp + j / 32 * pairs * 32;
+        const int64_t left = n - j;
+        const __mmask32 m = left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1);
         for (int64_t q = 0; q < kp; q++) {
-            const uint16_t *r0 = b + 2 * q * rs + j, *r1 = 2 * q + 1 < k ? r0 + rs : NULL;
-            _mm512_storeu_si512(sliver + q * 32, pairs16_16(r0, r1, n - j));
-            _mm512_storeu_si512(sliver + q * 32 + 16, pairs16_16(r0 + 16, r1 ? r1 + 16 : NULL, n - j - 16));
+            const uint16_t *r0 = b + 2 * q * rs + j;
+            const __m512i lo = _mm512_maskz_loadu_epi16(m, r0),
+                          hi = 2 * q + 1 < k ? _mm512_maskz_loadu_epi16(m, r0 + rs) : _mm512_setzero_si512();
+            const __m512i a = _mm512_unpacklo_epi16(lo, hi), c = _mm512_unpackhi_epi16(lo, hi);
+            _mm512_storeu_si512(sliver + q * 32, _mm512_permutex2var_epi64(a, first, c));
+            _mm512_storeu_si512(sliver + q * 32 + 16, _mm512_permutex2var_epi64(a, second, c));
         }
         for (int64_t q = kp; q < pairs; q++) {
             _mm512_storeu_si512(sliver + q * 32, _mm512_setzero_si512());

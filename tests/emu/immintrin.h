@@ -65,8 +65,10 @@
 #define _mm512_mul_pd simde_mm512_mul_pd
 #define _mm512_mul_ps simde_mm512_mul_ps
 #define _mm512_or_si512 simde_mm512_or_si512
+#define _mm512_permutex2var_epi64 simde_mm512_permutex2var_epi64
 #define _mm512_roundscale_ps simde_mm512_roundscale_ps
 #define _mm512_scalef_ps simde_mm512_scalef_ps
+#define _mm512_set_epi64 simde_mm512_set_epi64
 #define _mm512_set1_epi32 simde_mm512_set1_epi32
 #define _mm512_shuffle_i32x4 simde_mm512_shuffle_i32x4
 #define _mm512_set1_epi64 simde_mm512_set1_epi64
@@ -81,8 +83,10 @@
 #define _mm512_storeu_ps simde_mm512_storeu_ps
 #define _mm512_storeu_si512 simde_mm512_storeu_si512
 #define _mm512_sub_ps simde_mm512_sub_ps
+#define _mm512_unpackhi_epi16 simde_mm512_unpackhi_epi16
 #define _mm512_unpackhi_epi32 simde_mm512_unpackhi_epi32
 #define _mm512_unpackhi_epi64 simde_mm512_unpackhi_epi64
+#define _mm512_unpacklo_epi16 simde_mm512_unpacklo_epi16
 #define _mm512_unpacklo_epi32 simde_mm512_unpacklo_epi32
 #define _mm512_unpacklo_epi64 simde_mm512_unpacklo_epi64
 #define _mm512_xor_si512 simde_mm512_xor_si512
