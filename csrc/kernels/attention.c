@@ -452,8 +452,8 @@ static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p) {
     lay.kr = carve(&at, BK * d_qk);
     lay.dk = carve(&at, BK * d_qk); /* the block's dK and dV, accumulated */
     lay.dv = carve(&at, BK * d_v);
-    lay.qr = carve(&at, BQ * d_qk); /* Q and dO rows of a query block, when not read in place */
-    lay.dor = carve(&at, BQ * d_v);
+    lay.qr = carve(&at, BQ * d_qk);   /* Q and dO rows of a query block, when not read in place */
+    lay.dor = carve(&at, BQ * d_v);   /* packed: dO rows in 16 bits where its rows are not unit-stride */
     lay.scores = carve(&at, BQ * BK); /* S, then P */
     lay.dp = carve(&at, BQ * BK);     /* dP, then dS */
     lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
@@ -560,8 +560,15 @@ static void bwd_packed_block(bwd_ctx *c, const attention_bf16_packing *pk, int64
     uint32_t *pcols = (uint32_t *)(ws + lay->pcols), *pdsa = (uint32_t *)(ws + lay->pdsa);
     const uint16_t *q = (const uint16_t *)p->q + off4(p->qs, b, h, i0, 0);
     const uint16_t *dout = (const uint16_t *)p->dout + off4(p->dos, b, h, i0, 0);
+    int64_t ldo = p->dos[2];
+    if (p->dos[3] != 1) { /* a gradient whose rows are not unit-stride (an expanded one): the block's rows copied */
+        uint16_t *rows = (uint16_t *)(void *)(ws + lay->dor);
+        for (int64_t i = 0; i < bq; i++)
+            for (int64_t d = 0; d < d_v; d++) rows[i * d_v + d] = dout[i * p->dos[2] + d * p->dos[3]];
+        dout = rows, ldo = d_v;
+    }
     pk->a_rows16(pqa, q, p->qs[2], bq, d_qk);
-    pk->a_rows16(pdoa, dout, p->dos[2], bq, d_v);
+    pk->a_rows16(pdoa, dout, ldo, bq, d_v);
     pk->mm(bq, bk, d_qk, pqa, 1, pkt, scores, BK, 0); /* S = Q K^T */
     float scale;
     const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
@@ -569,7 +576,7 @@ static void bwd_packed_block(bwd_ctx *c, const attention_bf16_packing *pk, int64
     pk->mm(bq, bk, d_v, pdoa, 1, pvt, dp, BK, 0);                                   /* dP = dO V^T */
     k->dscores(dp, scores, BK, bq, bk, c->delta + bh * p->n + i0, (float)p->scale); /* dS */
     pk->a_cols32(pcols, scores, BK, bk, bq);
-    pk->b16(pdob, dout, p->dos[2], bq, d_v);
+    pk->b16(pdob, dout, ldo, bq, d_v);
     pk->mm(bk, d_v, bq, pcols, 0, pdob, dv, d_v, 1); /* dV += P^T dO */
     pk->a_cols32(pcols, dp, BK, bk, bq);
     pk->b16(pqb, q, p->qs[2], bq, d_qk);
@@ -594,7 +601,7 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
     const int64_t qstart = first_query(p, kb);
     memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
     memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
-    const attention_bf16_packing *pk = p->dos[3] == 1 ? packing_for(k, p) : NULL;
+    const attention_bf16_packing *pk = packing_for(k, p);
     uint32_t *pkt = (uint32_t *)(ws + lay.pkt), *pvt = (uint32_t *)(ws + lay.pvt), *pkr = (uint32_t *)(ws + lay.pk);
     if (pk && qstart < p->n) { /* K^T, V^T and K of the block as packed pairs, once for all its query blocks */
         const uint16_t *kb16 = (const uint16_t *)p->k + off4(p->ks, b, kvh, j0, 0);

@@ -32,10 +32,11 @@
  * a whole head group and walks its key blocks itself.
  *
  * bfloat16 inputs multiply bfloat16 pairs where the table has the product
- * (mm_bf16). With unit-stride rows and head dims up to 256 the operands are
- * packed into pairs straight from their 16-bit rows (no float32 copy), each
- * once where it is reused -- Q^T per forward task, K^T, V^T and K per
- * backward task -- and P and dS from the float32 tiles (packing below): the
+ * (mm_bf16). With unit-stride rows of Q, K and V and head dims up to 256 the
+ * operands are packed into pairs straight from their 16-bit rows (no float32
+ * copy; dO's rows, where they are not unit-stride, copied into 16-bit rows per
+ * query block first), each once where it is reused -- Q^T per forward task,
+ * K^T, V^T and K per backward task -- and P and dS from the float32 tiles (packing below): the
  * same sums as the staged products, so the same bits (a NaN input keeps its
  * payload into the sums, where staging makes it the one quiet NaN).
  *

@@ -197,7 +197,8 @@ static void check_packed_bits(const attention_kernels *k, attention_problem p, c
     free(go), free(gq), free(gk), free(gv), free(gl);
 }
 
-static void run(const attention_kernels *k, cfg c) {
+/* dout_expanded: dO one element broadcast (every stride 0), the gradient of out.sum() */
+static void run_dout(const attention_kernels *k, cfg c, int dout_expanded) {
     attention_problem p = {.b = c.b,
                            .h = c.h,
                            .hkv = c.hkv,
@@ -211,6 +212,7 @@ static void run(const attention_kernels *k, cfg c) {
     int64_t nq = layout(c.layout, c.b, c.h, c.n, c.d, p.qs), nk = layout(c.layout, c.b, c.hkv, c.s, c.d, p.ks);
     int64_t nv = layout(c.layout, c.b, c.hkv, c.s, c.dv, p.vs), no = layout(c.layout, c.b, c.h, c.n, c.dv, p.os);
     memcpy(p.dos, p.os, sizeof p.os), memcpy(p.dqs, p.qs, sizeof p.qs);
+    if (dout_expanded) memset(p.dos, 0, sizeof p.dos);
     memcpy(p.dks, p.ks, sizeof p.ks), memcpy(p.dvs, p.vs, sizeof p.vs);
     void *q = rand_tensor(nq, c.dt, 11 + (unsigned long long)c.n, 2.0), *kk = rand_tensor(nk, c.dt, 12, 2.0);
     void *v = rand_tensor(nv, c.dt, 13, 1.0), *dout = rand_tensor(no, c.dt, 14, 1.0);
@@ -278,6 +280,8 @@ static void run(const attention_kernels *k, cfg c) {
     free(q), free(kk), free(v), free(dout), free(mask), free(out), free(wout), free(lse), free(wlse);
     free(dq), free(dk), free(dv), free(wdq), free(wdk), free(wdv);
 }
+
+static void run(const attention_kernels *k, cfg c) { run_dout(k, c, 0); }
 
 static double as_bf16(float x) { return opf_bf16_to_f32(opf_f32_to_bf16(x)); }
 
@@ -409,6 +413,9 @@ static void test_variant(const attention_kernels *k) {
     run(k, (cfg){1, 3, 3, 130, 97, 33, 17, 1, 0, 0, OPF_BF16});   /* bfloat16, odd head dims */
     run(k, (cfg){1, 2, 1, 70, 66, 256, 256, 0, 2, 1, OPF_BF16});  /* bfloat16, head dims at one packed chunk */
     run(k, (cfg){1, 2, 2, 40, 70, 264, 264, 1, 0, 0, OPF_BF16});  /* bfloat16, past it: staged products */
+    /* bfloat16 with an expanded gradient (every dO stride 0): its rows copied before they are packed */
+    run_dout(k, (cfg){2, 4, 2, 129, 100, 64, 64, 1, 0, 0, OPF_BF16}, 1);
+    run_dout(k, (cfg){1, 2, 2, 70, 70, 80, 80, 0, 1, 1, OPF_BF16}, 1);
     /* few queries (N <= 4: the flash-decoding driver): every mask kind, both causal alignments' meeting
      * point (top-left here), GQA, strides, odd dims, keys over several decode chunks, bfloat16 */
     const int64_t few_n[] = {1, 2, 3, 4, 5}, few_s[] = {1, 5, 64, 300, 1500};
