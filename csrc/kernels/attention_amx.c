@@ -5,16 +5,14 @@
  * softmax, probabilities and score gradients are the AVX-512 kernels', and so
  * are float32 inputs' products.
  *
- * A product C (m x n) (+)= A (m x k) B (k x n): A is packed into tile rows
- * (16 rows x 16 K pairs, 64 bytes a row) -- a vector conversion where A's
- * rows run along K (csa = 1: a pair is two consecutive floats), pair by pair
- * otherwise -- and B a 32-column block at a time into pair rows by the
- * AVX512-BF16 kernel's packing (a K pair's 32 columns side by side, 128
- * bytes: two tiles of 16 columns); both padded
- * with zero pairs to whole tiles. A 32 x 32 block of C sums in tmm0-3 over
- * the K tiles (two A tiles, two B tiles, four TDPBF16PS per step), then goes
- * through a buffer into C, masked to the m x n that exist. K runs in chunks
- * of KP pairs, rows in chunks of MC, so the packed operands stay on the stack.
+ * A product C (m x n) (+)= A (m x k) B (k x n) runs on operands packed into
+ * bfloat16 pairs: A's rows of 16-pair tiles, B's 32-column slivers of pair
+ * rows (two tiles of 16 columns), K padded with zero pairs to whole tiles. A
+ * 32 x 32 block of C sums in tmm0-3 over the K tiles (two A tiles, two B
+ * tiles, four TDPBF16PS per step), then goes into C (through a buffer where C
+ * is added or the block is partial). mm_bf16 (mm_amx) packs its float32
+ * operands per product, K in chunks of KP pairs and rows in chunks of MC, so
+ * the packed operands stay on the stack.
  *
  * That per-product packing is the path of the shapes the driver does not pack once (strided rows, head
  * dims past 256). The packed path (packing_amx, below) feeds the tiles from operands packed once per
@@ -36,31 +34,6 @@
 #define KP 128 /* K pairs per chunk: 256 of K */
 #define MC 64  /* rows per chunk */
 
-/* A(r, p) = a[r*rsa + p*csa], r < mc, p < kc, as tile rows: at[(t * MC32 + r) * TP + q] holds the
- * pair (A(r, 2(16t+q)), A(r, 2(16t+q)+1)); rows up to mc32 and pairs up to kt tiles are zero */
-static void pack_a(uint32_t *at, const float *a, int64_t rsa, int64_t csa, int64_t mc, int64_t mc32, int64_t kc,
-                   int64_t kt) {
-    memset(at, 0, (size_t)(kt * mc32 * TP) * sizeof *at);
-    for (int64_t r = 0; r < mc; r++) {
-        const float *ar = a + r * rsa;
-        if (csa == 1) { /* consecutive floats: 16 of them are 8 pairs in order */
-            for (int64_t p0 = 0; p0 < kc; p0 += 16) {
-                const __mmask16 m = tail16(kc - p0);
-                const __m256i w = _mm512_cvtepi32_epi16(bf16_lanes(_mm512_maskz_loadu_ps(m, ar + p0)));
-                const int64_t q = p0 / 2; /* the first pair */
-                uint32_t *dst = at + ((q / TP) * mc32 + r) * TP + q % TP;
-                _mm256_storeu_si256((__m256i *)dst, w); /* 8 pairs; a tile row holds 16, so never straddles */
-            }
-        } else {
-            for (int64_t q = 0; 2 * q < kc; q++) {
-                const float x0 = ar[2 * q * csa], x1 = 2 * q + 1 < kc ? ar[(2 * q + 1) * csa] : 0.0f;
-                at[((q / TP) * mc32 + r) * TP + q % TP] = (uint32_t)opf_f32_to_bf16(x0) | (uint32_t)opf_f32_to_bf16(x1)
-                                                                                              << 16;
-            }
-        }
-    }
-}
-
 /* C's block (mb x nb <= 32 x 32, row stride ldc) = (acc ? C : 0) + the block's sums, left in buf (32 x
  * 32, the rows and columns past mb and nb unread) */
 static void block_into_c(const float *buf, float *c, int64_t ldc, int64_t mb, int64_t nb, int acc) {
@@ -75,53 +48,6 @@ static void block_into_c(const float *buf, float *c, int64_t ldc, int64_t mb, in
         _mm512_mask_storeu_ps(cr, m0, v0);
         _mm512_mask_storeu_ps(cr + 16, m1, v1);
     }
-}
-
-static void mm_amx(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
-                   int64_t ldb, float *c, int64_t ldc, int acc) {
-    if (k == 0 || m == 0 || n == 0) { /* no product: C = 0 (+ C) */
-        attention_mm_avx512(m, n, k, a, rsa, csa, b, ldb, c, ldc, acc);
-        return;
-    }
-    _Alignas(64) uint32_t at[(KP / TP) * MC * TP], bp[KP * 32];
-    _Alignas(64) float buf[32 * 32];
-    TILE_CONFIG();
-    for (int64_t k0 = 0; k0 < k; k0 += 2 * KP) {
-        const int64_t kc = k - k0 < 2 * KP ? k - k0 : 2 * KP, kt = ((kc + 1) / 2 + TP - 1) / TP;
-        const int accum = acc || k0 > 0;
-        for (int64_t i0 = 0; i0 < m; i0 += MC) {
-            const int64_t mc = m - i0 < MC ? m - i0 : MC, mc32 = (mc + 31) / 32 * 32;
-            pack_a(at, a + i0 * rsa + k0 * csa, rsa, csa, mc, mc32, kc, kt);
-            for (int64_t j = 0; j < n; j += 32) {
-                const int64_t nb = n - j < 32 ? n - j : 32;
-                attention_pack_b_bf16(bp, b + k0 * ldb + j, ldb, kc, nb); /* then zero pairs up to whole tiles */
-                memset(bp + (kc + 1) / 2 * 32, 0, (size_t)(kt * TP - (kc + 1) / 2) * 32 * sizeof *bp);
-                for (int64_t r0 = 0; r0 < mc; r0 += 32) {
-                    TILE_ZERO(0);
-                    TILE_ZERO(1);
-                    TILE_ZERO(2);
-                    TILE_ZERO(3);
-                    for (int64_t t = 0; t < kt; t++) {
-                        const uint32_t *a0 = at + (t * mc32 + r0) * TP, *bt = bp + t * TP * 32;
-                        TILE_LOAD(4, a0, TP * 4);
-                        TILE_LOAD(5, a0 + 16 * TP, TP * 4);
-                        TILE_LOAD(6, bt, 32 * 4);
-                        TILE_LOAD(7, bt + 16, 32 * 4);
-                        TILE_DP(0, 4, 6);
-                        TILE_DP(1, 4, 7);
-                        TILE_DP(2, 5, 6);
-                        TILE_DP(3, 5, 7);
-                    }
-                    TILE_STORE(0, buf, 32 * 4);
-                    TILE_STORE(1, buf + 16, 32 * 4);
-                    TILE_STORE(2, buf + 16 * 32, 32 * 4);
-                    TILE_STORE(3, buf + 16 * 32 + 16, 32 * 4);
-                    block_into_c(buf, c + (i0 + r0) * ldc + j, ldc, mc - r0 < 32 ? mc - r0 : 32, nb, accum);
-                }
-            }
-        }
-    }
-    tiles_release();
 }
 
 /* ---- the same products on operands packed once (attention_bf16_packing in attention.h) ----------------
@@ -279,6 +205,47 @@ static void mm_packed_amx(int64_t m, int64_t n, int64_t k, const uint32_t *ap, i
         }
     }
     tiles_release();
+}
+
+/* ---- mm_bf16: float32 operands rounded to bfloat16 per product (the shapes the driver does not pack
+ * once), in chunks of K and rows, on the packed path's tiles ---- */
+
+/* A(r, p) = a[r * rsa + p * csa], r < mc, p < kc, rounded into the rows a_rows32_amx writes */
+static void pack_a_rows(uint32_t *ap, const float *a, int64_t rsa, int64_t csa, int64_t mc, int64_t kc) {
+    if (csa == 1) {
+        a_rows32_amx(ap, a, rsa, mc, kc);
+        return;
+    }
+    const int64_t kp16 = attention_packed_pairs(kc);
+    for (int64_t r = 0; r < mc; r++)
+        for (int64_t q = 0; q < kp16; q++) {
+            const float *x = a + r * rsa + 2 * q * csa;
+            const float x0 = 2 * q < kc ? x[0] : 0.0f, x1 = 2 * q + 1 < kc ? x[csa] : 0.0f;
+            ap[r * ATTENTION_PACK_KP + q] = (uint32_t)opf_f32_to_bf16(x0) | (uint32_t)opf_f32_to_bf16(x1) << 16;
+        }
+}
+
+static void mm_amx(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+                   int64_t ldb, float *c, int64_t ldc, int acc) {
+    if (k == 0) { /* no product: C = 0 (+ C) */
+        mm_packed_amx(m, n, 0, NULL, 1, NULL, c, ldc, acc);
+        return;
+    }
+    _Alignas(64) uint32_t ap[MC * ATTENTION_PACK_KP], bp[KP * 32];
+    for (int64_t k0 = 0; k0 < k; k0 += 2 * KP) {
+        const int64_t kc = k - k0 < 2 * KP ? k - k0 : 2 * KP, kp = (kc + 1) / 2, kp16 = attention_packed_pairs(kc);
+        const int accum = acc || k0 > 0;
+        for (int64_t i0 = 0; i0 < m; i0 += MC) {
+            const int64_t mc = m - i0 < MC ? m - i0 : MC;
+            pack_a_rows(ap, a + i0 * rsa + k0 * csa, rsa, csa, mc, kc);
+            for (int64_t j = 0; j < n; j += 32) {
+                const int64_t nb = n - j < 32 ? n - j : 32;
+                attention_pack_b_bf16(bp, b + k0 * ldb + j, ldb, kc, nb); /* then zero pairs up to whole tiles */
+                memset(bp + kp * 32, 0, (size_t)((kp16 - kp) * 32) * sizeof *bp);
+                mm_packed_amx(mc, nb, kc, ap, 1, bp, c + i0 * ldc + j, ldc, accum);
+            }
+        }
+    }
 }
 
 static const attention_bf16_packing packing_amx = {.a_rows16 = a_rows16_amx,

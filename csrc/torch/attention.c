@@ -143,9 +143,9 @@ static int sdpa_covers(const attention_problem *p) {
            (!p->causal || p->n == p->s);
 }
 
-static int sdpa_takes(const attention_problem *p) {
-    return sdpa_covers(p) && (double)p->b * p->h * p->n * p->s * p->d_qk >= SDPA_MIN_WORK;
-}
+static double sdpa_work(const attention_problem *p) { return (double)p->b * p->h * p->n * p->s * p->d_qk; }
+
+static int sdpa_takes(const attention_problem *p) { return sdpa_covers(p) && sdpa_work(p) >= SDPA_MIN_WORK; }
 
 static void sdpa_key(char *key, size_t len, const char *pass, const attention_problem *p) {
     snprintf(key, len, "sdpa %s %s %c%s t%lld bh%d n%d s%d d%lld", pass, attention_kernels_for(opf_isa_current())->name,
@@ -297,8 +297,6 @@ OPF_EXPORT int opforge_attention_on_torch(int64_t b, int64_t h, int64_t hkv, int
 
 /* The work (B H N S D multiply-adds) from which the op offers a call to torch's kernel */
 OPF_EXPORT int64_t opforge_attention_torch_min_work(void) { return SDPA_MIN_WORK; }
-
-static double sdpa_work(const attention_problem *p) { return (double)p->b * p->h * p->n * p->s * p->d_qk; }
 
 static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     OPF_ARG_TENSOR(q, stack, 0);
