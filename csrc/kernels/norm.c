@@ -263,6 +263,8 @@ static void bwd_blocks(int64_t begin, int64_t end, void *ctx) {
     }
 }
 
+#define REDUCE_CHUNK 256
+
 /* dw[c] (db[c]) = the sum over blocks, in block order, of the slots' column c, rounded once. */
 static void reduce_cols(int64_t begin, int64_t end, void *ctx) {
     const norm_job *j = ctx;
@@ -277,10 +279,15 @@ static void reduce_cols(int64_t begin, int64_t end, void *ctx) {
             }
             continue;
         }
-        for (int64_t c = begin; c < end; c++) {
-            float t = 0;
-            for (int64_t blk = 0; blk < j->nblocks; blk++) t += ((const float *)slot(j, which, blk))[c];
-            opf_store_elem(out, c, j->sh->dt, t);
+        /* columns in chunks, blocks outer: each column's sum in block order, the column loop vectorised */
+        for (int64_t c0 = begin; c0 < end; c0 += REDUCE_CHUNK) {
+            const int64_t nc = end - c0 < REDUCE_CHUNK ? end - c0 : REDUCE_CHUNK;
+            float t[REDUCE_CHUNK] = {0};
+            for (int64_t blk = 0; blk < j->nblocks; blk++) {
+                const float *sl = (const float *)slot(j, which, blk) + c0;
+                for (int64_t c = 0; c < nc; c++) t[c] += sl[c];
+            }
+            for (int64_t c = 0; c < nc; c++) opf_store_elem(out, c0 + c, j->sh->dt, t[c]);
         }
     }
 }

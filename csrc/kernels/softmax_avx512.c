@@ -1,9 +1,10 @@
 /*
  * softmax / log_softmax, AVX-512 (F, BW, VL, DQ): the AVX2 file's passes on
- * 16 lanes, tails masked. float32 stores exp(x - max) in y while summing and
- * scales it in a third pass; halves compute exp twice; float64 runs the
- * reference. The strided-axis path takes 16 unit-stride lanes per pass, the
- * lanes left over masked.
+ * 16 lanes, tails masked, four accumulators per reduction. float32 stores
+ * exp(x - max) in y while summing and scales it in a third pass; halves keep
+ * it in a float32 stack buffer (rows of up to SOFTMAX_STACK_FLOATS; longer
+ * ones compute exp twice); float64 runs the reference. The strided-axis
+ * path takes 16 unit-stride lanes per pass, the lanes left over masked.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -12,57 +13,113 @@
 #include "rows_avx512.h"
 #include "softmax.h"
 
+/* The stack buffer of the 16-bit rows: 64 KiB, well inside any thread's stack (as the AVX2 file's). */
+#define SOFTMAX_STACK_FLOATS 16384
+
 #define SOFTMAX_ROWS(name, E, LD, ST, E_IN_Y)                                                                          \
-    static void row_fwd_##name(E *y, const E *x, int64_t n, int is_log) {                                              \
+    static float row_max_##name(const E *x, int64_t n) {                                                               \
         const __m512 ninf = _mm512_set1_ps(-INFINITY);                                                                 \
-        __m512 m0 = ninf, m1 = ninf;                                                                                   \
+        __m512 m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;                                                             \
         int64_t i = 0;                                                                                                 \
-        for (; i + 32 <= n; i += 32) {                                                                                 \
+        for (; i + 64 <= n; i += 64) {                                                                                 \
             m0 = _mm512_max_ps(m0, LD(x + i, 0xffff));                                                                 \
             m1 = _mm512_max_ps(m1, LD(x + i + 16, 0xffff));                                                            \
+            m2 = _mm512_max_ps(m2, LD(x + i + 32, 0xffff));                                                            \
+            m3 = _mm512_max_ps(m3, LD(x + i + 48, 0xffff));                                                            \
         }                                                                                                              \
         for (; i < n; i += 16) {                                                                                       \
             __mmask16 k = tail16(n - i);                                                                               \
             m0 = _mm512_mask_max_ps(m0, k, m0, LD(x + i, k));                                                          \
         }                                                                                                              \
-        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)));                                 \
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0;                                                                      \
-        for (i = 0; i + 32 <= n; i += 32) {                                                                            \
+        return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));                      \
+    }                                                                                                                  \
+    /* sum of exp(x - m); with e, the exps are also stored there (float32) */                                          \
+    static float row_sumexp_##name(float *e, const E *x, int64_t n, __m512 mv) {                                       \
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;                                                    \
+        int64_t i = 0;                                                                                                 \
+        for (; i + 64 <= n; i += 64) {                                                                                 \
             __m512 e0 = exp16z(_mm512_sub_ps(LD(x + i, 0xffff), mv));                                                  \
             __m512 e1 = exp16z(_mm512_sub_ps(LD(x + i + 16, 0xffff), mv));                                             \
+            __m512 e2 = exp16z(_mm512_sub_ps(LD(x + i + 32, 0xffff), mv));                                             \
+            __m512 e3 = exp16z(_mm512_sub_ps(LD(x + i + 48, 0xffff), mv));                                             \
             s0 = _mm512_add_ps(s0, e0), s1 = _mm512_add_ps(s1, e1);                                                    \
-            if (E_IN_Y && !is_log) ST(y + i, e0, 0xffff), ST(y + i + 16, e1, 0xffff);                                  \
+            s2 = _mm512_add_ps(s2, e2), s3 = _mm512_add_ps(s3, e3);                                                    \
+            if (e) {                                                                                                   \
+                _mm512_storeu_ps(e + i, e0), _mm512_storeu_ps(e + i + 16, e1);                                         \
+                _mm512_storeu_ps(e + i + 32, e2), _mm512_storeu_ps(e + i + 48, e3);                                    \
+            }                                                                                                          \
         }                                                                                                              \
         for (; i < n; i += 16) {                                                                                       \
             __mmask16 k = tail16(n - i);                                                                               \
-            __m512 e = _mm512_maskz_mov_ps(k, exp16z(_mm512_sub_ps(LD(x + i, k), mv)));                                \
-            s0 = _mm512_add_ps(s0, e);                                                                                 \
-            if (E_IN_Y && !is_log) ST(y + i, e, k);                                                                    \
+            __m512 ev = _mm512_maskz_mov_ps(k, exp16z(_mm512_sub_ps(LD(x + i, k), mv)));                               \
+            s0 = _mm512_add_ps(s0, ev);                                                                                \
+            if (e) _mm512_mask_storeu_ps(e + i, k, ev);                                                                \
         }                                                                                                              \
-        const float s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));                                                   \
+        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));                      \
+    }                                                                                                                  \
+    static void row_fwd_##name(E *y, const E *x, int64_t n, int is_log) {                                              \
+        const __m512 mv = _mm512_set1_ps(row_max_##name(x, n));                                                        \
+        int64_t i;                                                                                                     \
         if (is_log) {                                                                                                  \
-            const __m512 ls = _mm512_set1_ps(logf(s));                                                                 \
+            const __m512 ls = _mm512_set1_ps(logf(row_sumexp_##name(NULL, x, n, mv)));                                 \
             for (i = 0; i < n; i += 16) {                                                                              \
                 __mmask16 k = tail16(n - i);                                                                           \
                 ST(y + i, _mm512_sub_ps(_mm512_sub_ps(LD(x + i, k), mv), ls), k);                                      \
             }                                                                                                          \
-        } else {                                                                                                       \
-            const __m512 r = _mm512_set1_ps(1.0f / s);                                                                 \
+        } else if (E_IN_Y || n <= SOFTMAX_STACK_FLOATS) {                                                              \
+            _Alignas(64) float stack[E_IN_Y ? 1 : SOFTMAX_STACK_FLOATS];                                               \
+            float *e = E_IN_Y ? (float *)(void *)y : stack;                                                            \
+            const __m512 r = _mm512_set1_ps(1.0f / row_sumexp_##name(e, x, n, mv));                                    \
             for (i = 0; i < n; i += 16) {                                                                              \
                 __mmask16 k = tail16(n - i);                                                                           \
-                __m512 e = E_IN_Y ? LD(y + i, k) : exp16z(_mm512_sub_ps(LD(x + i, k), mv));                            \
-                ST(y + i, _mm512_mul_ps(e, r), k);                                                                     \
+                ST(y + i, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, e + i), r), k);                                       \
+            }                                                                                                          \
+        } else {                                                                                                       \
+            const __m512 r = _mm512_set1_ps(1.0f / row_sumexp_##name(NULL, x, n, mv));                                 \
+            for (i = 0; i < n; i += 16) {                                                                              \
+                __mmask16 k = tail16(n - i);                                                                           \
+                ST(y + i, _mm512_mul_ps(exp16z(_mm512_sub_ps(LD(x + i, k), mv)), r), k);                               \
             }                                                                                                          \
         }                                                                                                              \
     }                                                                                                                  \
-    static void row_bwd_##name(E *dx, const E *dy, const E *y, int64_t n, int is_log) {                                \
-        __m512 s0 = _mm512_setzero_ps();                                                                               \
-        for (int64_t i = 0; i < n; i += 16) {                                                                          \
-            __mmask16 k = tail16(n - i);                                                                               \
-            s0 = is_log ? _mm512_add_ps(s0, LD(dy + i, k)) : _mm512_fmadd_ps(LD(dy + i, k), LD(y + i, k), s0);         \
+    /* sum of dy (log) or of dy * y, four chains */                                                                    \
+    static float row_dot_##name(const E *dy, const E *y, int64_t n, int is_log) {                                      \
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;                                                    \
+        int64_t i = 0;                                                                                                 \
+        if (is_log) {                                                                                                  \
+            for (; i + 64 <= n; i += 64) {                                                                             \
+                s0 = _mm512_add_ps(s0, LD(dy + i, 0xffff)), s1 = _mm512_add_ps(s1, LD(dy + i + 16, 0xffff));           \
+                s2 = _mm512_add_ps(s2, LD(dy + i + 32, 0xffff)), s3 = _mm512_add_ps(s3, LD(dy + i + 48, 0xffff));      \
+            }                                                                                                          \
+            for (; i < n; i += 16) s0 = _mm512_add_ps(s0, LD(dy + i, tail16(n - i)));                                  \
+        } else {                                                                                                       \
+            for (; i + 64 <= n; i += 64) {                                                                             \
+                s0 = _mm512_fmadd_ps(LD(dy + i, 0xffff), LD(y + i, 0xffff), s0);                                       \
+                s1 = _mm512_fmadd_ps(LD(dy + i + 16, 0xffff), LD(y + i + 16, 0xffff), s1);                             \
+                s2 = _mm512_fmadd_ps(LD(dy + i + 32, 0xffff), LD(y + i + 32, 0xffff), s2);                             \
+                s3 = _mm512_fmadd_ps(LD(dy + i + 48, 0xffff), LD(y + i + 48, 0xffff), s3);                             \
+            }                                                                                                          \
+            for (; i < n; i += 16) {                                                                                   \
+                __mmask16 k = tail16(n - i);                                                                           \
+                s0 = _mm512_fmadd_ps(LD(dy + i, k), LD(y + i, k), s0);                                                 \
+            }                                                                                                          \
         }                                                                                                              \
-        const __m512 s = _mm512_set1_ps(_mm512_reduce_add_ps(s0));                                                     \
-        for (int64_t i = 0; i < n; i += 16) {                                                                          \
+        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));                      \
+    }                                                                                                                  \
+    static void row_bwd_##name(E *dx, const E *dy, const E *y, int64_t n, int is_log) {                                \
+        const __m512 s = _mm512_set1_ps(row_dot_##name(dy, y, n, is_log));                                             \
+        int64_t i = 0;                                                                                                 \
+        if (is_log) {                                                                                                  \
+            for (; i + 16 <= n; i += 16)                                                                               \
+                ST(dx + i, _mm512_fnmadd_ps(exp16z(LD(y + i, 0xffff)), s, LD(dy + i, 0xffff)), 0xffff);                \
+        } else {                                                                                                       \
+            for (; i + 32 <= n; i += 32) {                                                                             \
+                __m512 d0 = _mm512_mul_ps(LD(y + i, 0xffff), _mm512_sub_ps(LD(dy + i, 0xffff), s));                    \
+                __m512 d1 = _mm512_mul_ps(LD(y + i + 16, 0xffff), _mm512_sub_ps(LD(dy + i + 16, 0xffff), s));          \
+                ST(dx + i, d0, 0xffff), ST(dx + i + 16, d1, 0xffff);                                                   \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (; i < n; i += 16) {                                                                                       \
             __mmask16 k = tail16(n - i);                                                                               \
             __m512 g = LD(dy + i, k), yv = LD(y + i, k);                                                               \
             ST(dx + i, is_log ? _mm512_fnmadd_ps(exp16z(yv), s, g) : _mm512_mul_ps(yv, _mm512_sub_ps(g, s)), k);       \
