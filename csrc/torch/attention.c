@@ -129,7 +129,8 @@ static attention_args check_attention(const char *op, AtenTensorHandle q_h, Aten
  * Where torch's own flash attention (aten::_scaled_dot_product_flash_attention_for_cpu and its
  * backward, through their AOTInductor C shims: oneDNN/AMX for bfloat16 on Intel) is the faster one
  * for a class of problem (provider.h: OPFORGE_GEMM=own|torch|auto), the op runs it: float32 and
- * bfloat16, no mask, as many key/value heads as query heads, one head dim, causal only with as many
+ * bfloat16, no mask, key/value heads that divide the query heads (grouped-query attention: torch's
+ * kernel reads K and V per group, unrepeated, as the op's does), one head dim, causal only with as many
  * keys as queries (torch's causal mask is aligned top-left). Its output has opforge's layout
  * ((B, N, H, Dv) in memory) and is returned as it is; its log-sum-exp ((B, N, H) in memory) is
  * copied into the contiguous (B, H, N) one of the op's schema. Either backward runs on either
@@ -139,8 +140,8 @@ enum { SDPA_MIN_WORK = 1 << 22 }; /* B H N S D multiply-adds at least */
 
 /* The cases torch's kernel computes as the op does */
 static int sdpa_covers(const attention_problem *p) {
-    return (p->dt == OPF_F32 || p->dt == OPF_BF16) && !p->mask && p->h == p->hkv && p->d_qk == p->d_v &&
-           (!p->causal || p->n == p->s);
+    return (p->dt == OPF_F32 || p->dt == OPF_BF16) && !p->mask && p->hkv > 0 && p->h % p->hkv == 0 &&
+           p->d_qk == p->d_v && (!p->causal || p->n == p->s);
 }
 
 static double sdpa_work(const attention_problem *p) { return (double)p->b * p->h * p->n * p->s * p->d_qk; }
@@ -148,10 +149,10 @@ static double sdpa_work(const attention_problem *p) { return (double)p->b * p->h
 static int sdpa_takes(const attention_problem *p) { return sdpa_covers(p) && sdpa_work(p) >= SDPA_MIN_WORK; }
 
 static void sdpa_key(char *key, size_t len, const char *pass, const attention_problem *p) {
-    snprintf(key, len, "sdpa %s %s %c%s t%lld bh%d n%d s%d d%lld", pass, attention_kernels_for(opf_isa_current())->name,
-             p->dt == OPF_F32 ? 'f' : 'b', p->causal ? " causal" : "", (long long)opf_num_threads(),
-             opf_provider_log2_up(p->b * p->h), opf_provider_log2_up(p->n), opf_provider_log2_up(p->s),
-             (long long)p->d_qk);
+    snprintf(key, len, "sdpa %s %s %c%s t%lld bh%d g%lld n%d s%d d%lld", pass,
+             attention_kernels_for(opf_isa_current())->name, p->dt == OPF_F32 ? 'f' : 'b', p->causal ? " causal" : "",
+             (long long)opf_num_threads(), opf_provider_log2_up(p->b * p->h), (long long)(p->h / p->hkv),
+             opf_provider_log2_up(p->n), opf_provider_log2_up(p->s), (long long)p->d_qk);
 }
 
 /* dst (4-d, strides ds) = src (a tensor of the same sizes, any strides), elements of elem bytes */
@@ -189,7 +190,8 @@ static int sdpa_inputs(const attention_problem *p, int backward, AtenTensorHandl
     const void *data[6] = {p->q, p->k, p->v, p->dout, p->out, p->lse};
     const int64_t *st[6] = {p->qs, p->ks, p->vs, p->dos, p->os, NULL}, lst[3] = {p->h * p->n, p->n, 1};
     for (int i = 0; i < (backward ? 6 : 3); i++) {
-        const int64_t sz[4] = {p->b, p->h, i == 1 || i == 2 ? p->s : p->n, p->d_qk};
+        const int kv = i == 1 || i == 2;
+        const int64_t sz[4] = {p->b, kv ? p->hkv : p->h, kv ? p->s : p->n, p->d_qk};
         if (!(in[i] = i == 5 ? opf_provider_wrap(data[i], 3, sz, lst, OPF_F32)
                              : opf_provider_wrap(data[i], 4, sz, st[i], p->dt)))
             return -1;
@@ -237,7 +239,7 @@ static int sdpa_bwd(const attention_problem *p, AtenTensorHandle *grads) {
     void *mine[3] = {p->dq, p->dk, p->dv};
     const int64_t *mst[3] = {p->dqs, p->dks, p->dvs};
     for (int i = 0; i < 3; i++) {
-        const int64_t sz[4] = {p->b, p->h, i == 0 ? p->n : p->s, p->d_qk};
+        const int64_t sz[4] = {p->b, i == 0 ? p->h : p->hkv, i == 0 ? p->n : p->s, p->d_qk};
         if (!same_strides(grads[i], mst[i], 4)) { /* into the op's own */
             sdpa_copy(mine[i], mst[i], grads[i], sz, 4, p->dt == OPF_F32 ? 4 : 2);
             opf_provider_release(&grads[i], 1);

@@ -42,8 +42,10 @@ def _sdpa_faster_whole(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
     def own():
         return _attention(*args, None, causal, scale)[0]
 
+    gqa = q.shape[1] != k.shape[1]
+
     def theirs():
-        return F.scaled_dot_product_attention(*args, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(*args, is_causal=causal, scale=scale, enable_gqa=gqa)
 
     best = {"own": math.inf, "torch": math.inf}
     for r in range(_SMALL_ROUNDS + 1):
@@ -117,8 +119,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     An unmasked call whose forward and, with a gradient, backward the provider runs on torch's fused
     CPU attention (``OPFORGE_GEMM=torch``, or classes auto mode measured faster there: float32 and
-    bfloat16, as many key/value heads as query heads, unit-stride rows) is
-    ``F.scaled_dot_product_attention`` itself in eager mode: the same kernel without the op's autograd
+    bfloat16, key/value heads dividing the query heads, unit-stride rows) is
+    ``F.scaled_dot_product_attention`` itself in eager mode (``enable_gqa`` where they differ): the same kernel without the op's autograd
     hop through Python and its copies. ``torch.compile`` and ``torch.jit.trace`` record the op.
     """
     if dropout_p != 0.0:
@@ -141,7 +143,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     # about what the routing check would cost
     if attn_mask is None and (needs_grad or query.numel() * key.shape[-2] >= _TORCH_MIN_WORK) and \
             _plain_on_torch(query, key, value, bool(is_causal), scale, needs_grad):
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=bool(is_causal), scale=scale)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=bool(is_causal), scale=scale,
+                                             enable_gqa=query.shape[1] != key.shape[1])
     else:
         out = _attention(query, key, value, attn_mask, bool(is_causal), scale)[0]
     return out.squeeze(1) if nd == 3 else out
