@@ -83,7 +83,7 @@ build/ctest/test_attention_amx_emulated: tests/c/test_attention.c tests/c/check.
 
 # attention with the forward's keys split into chunks on (almost) every shape, not only the fewest query blocks
 build/ctest/test_attention_split: tests/c/test_attention.c tests/c/check.h $(CSRC) python/opforge/_build.py | $(VENV)/.installed
-	$(CBUILD) -D ATTN_FWD_MIN_TASKS=64
+	$(CBUILD) -D ATTENTION_FWD_MIN_TASKS=64
 
 # every tests/c/test_*.c and the AMX kernel over a model of its tile instructions; attention split
 # (the same test with the forward's keys split on every shape) runs in the full tier
@@ -211,7 +211,7 @@ $(SAN_DIR)/ctest/test_gemm_amx_emulated: tests/c/test_gemm.c tests/c/check.h $(C
 	$(PY) tests/sanitize.py test $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D OPF_AMX_EMULATE
 
 $(SAN_DIR)/ctest/test_attention_split: tests/c/test_attention.c tests/c/check.h $(CSRC) python/opforge/_build.py tests/sanitize.py | $(VENV)/.installed
-	$(PY) tests/sanitize.py test $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D ATTN_FWD_MIN_TASKS=64
+	$(PY) tests/sanitize.py test $@ $< $(wildcard csrc/runtime/*.c) $(wildcard csrc/kernels/*.c) -I csrc/include -D ATTENTION_FWD_MIN_TASKS=64
 
 $(SAN_DIR)/python/opforge/libopforge.so: $(CSRC) $(wildcard python/opforge/*.py) tests/sanitize.py | $(VENV)/.installed
 	$(PY) tests/sanitize.py library $(SAN_DIR)/python
