@@ -2,8 +2,8 @@
  * softmax / log_softmax, AVX-512 (F, BW, VL, DQ): the AVX2 file's passes on
  * 16 lanes, tails masked, four accumulators per reduction. float32 stores
  * exp(x - max) in y while summing and scales it in a third pass; halves keep
- * it in a float32 stack buffer (rows of up to SOFTMAX_STACK_FLOATS; longer
- * ones compute exp twice); float64 runs the reference. The strided-axis
+ * it in a float32 stack buffer (the first SOFTMAX_STACK_FLOATS of a row;
+ * exp is computed again past them); float64 runs the reference. The strided-axis
  * path takes 16 unit-stride lanes per pass, the lanes left over masked.
  */
 #include <immintrin.h>
@@ -33,8 +33,8 @@
         }                                                                                                              \
         return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));                      \
     }                                                                                                                  \
-    /* sum of exp(x - m); with e, the exps are also stored there (float32) */                                          \
-    static float row_sumexp_##name(float *e, const E *x, int64_t n, __m512 mv) {                                       \
+    /* sum of exp(x - m); the first `kept` exps are also stored in e (float32; a multiple of 64 or n) */               \
+    static float row_sumexp_##name(float *e, int64_t kept, const E *x, int64_t n, __m512 mv) {                         \
         __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;                                                    \
         int64_t i = 0;                                                                                                 \
         for (; i + 64 <= n; i += 64) {                                                                                 \
@@ -44,7 +44,7 @@
             __m512 e3 = exp16z(_mm512_sub_ps(LD(x + i + 48, 0xffff), mv));                                             \
             s0 = _mm512_add_ps(s0, e0), s1 = _mm512_add_ps(s1, e1);                                                    \
             s2 = _mm512_add_ps(s2, e2), s3 = _mm512_add_ps(s3, e3);                                                    \
-            if (e) {                                                                                                   \
+            if (i < kept) {                                                                                            \
                 _mm512_storeu_ps(e + i, e0), _mm512_storeu_ps(e + i + 16, e1);                                         \
                 _mm512_storeu_ps(e + i + 32, e2), _mm512_storeu_ps(e + i + 48, e3);                                    \
             }                                                                                                          \
@@ -53,7 +53,7 @@
             __mmask16 k = tail16(n - i);                                                                               \
             __m512 ev = _mm512_maskz_mov_ps(k, exp16z(_mm512_sub_ps(LD(x + i, k), mv)));                               \
             s0 = _mm512_add_ps(s0, ev);                                                                                \
-            if (e) _mm512_mask_storeu_ps(e + i, k, ev);                                                                \
+            if (i < kept) _mm512_mask_storeu_ps(e + i, k, ev);                                                         \
         }                                                                                                              \
         return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));                      \
     }                                                                                                                  \
@@ -61,22 +61,21 @@
         const __m512 mv = _mm512_set1_ps(row_max_##name(x, n));                                                        \
         int64_t i;                                                                                                     \
         if (is_log) {                                                                                                  \
-            const __m512 ls = _mm512_set1_ps(logf(row_sumexp_##name(NULL, x, n, mv)));                                 \
+            const __m512 ls = _mm512_set1_ps(logf(row_sumexp_##name(NULL, 0, x, n, mv)));                              \
             for (i = 0; i < n; i += 16) {                                                                              \
                 __mmask16 k = tail16(n - i);                                                                           \
                 ST(y + i, _mm512_sub_ps(_mm512_sub_ps(LD(x + i, k), mv), ls), k);                                      \
             }                                                                                                          \
-        } else if (E_IN_Y || n <= SOFTMAX_STACK_FLOATS) {                                                              \
+        } else { /* e in y (float32) or on the stack: the first SOFTMAX_STACK_FLOATS of a longer row */                \
             _Alignas(64) float stack[E_IN_Y ? 1 : SOFTMAX_STACK_FLOATS];                                               \
             float *e = E_IN_Y ? (float *)(void *)y : stack;                                                            \
-            const __m512 r = _mm512_set1_ps(1.0f / row_sumexp_##name(e, x, n, mv));                                    \
-            for (i = 0; i < n; i += 16) {                                                                              \
-                __mmask16 k = tail16(n - i);                                                                           \
+            const int64_t kept = E_IN_Y || n < SOFTMAX_STACK_FLOATS ? n : SOFTMAX_STACK_FLOATS;                        \
+            const __m512 r = _mm512_set1_ps(1.0f / row_sumexp_##name(e, kept, x, n, mv));                              \
+            for (i = 0; i < kept; i += 16) {                                                                           \
+                __mmask16 k = tail16(kept - i);                                                                        \
                 ST(y + i, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, e + i), r), k);                                       \
             }                                                                                                          \
-        } else {                                                                                                       \
-            const __m512 r = _mm512_set1_ps(1.0f / row_sumexp_##name(NULL, x, n, mv));                                 \
-            for (i = 0; i < n; i += 16) {                                                                              \
+            for (; i < n; i += 16) {                                                                                   \
                 __mmask16 k = tail16(n - i);                                                                           \
                 ST(y + i, _mm512_mul_ps(exp16z(_mm512_sub_ps(LD(x + i, k), mv)), r), k);                               \
             }                                                                                                          \
