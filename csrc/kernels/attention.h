@@ -195,7 +195,8 @@ typedef struct attention_fwd_plan {
     int64_t chunks;               /* the most chunks of a query block: 1 unless split */
     int64_t span;                 /* keys per chunk, a multiple of the key block when split */
     int64_t tasks, rows, slot_floats, per_worker, workers;
-    int64_t slots, counts, slices, floats;
+    int64_t kv_words; /* words of one key block's K and V packed up front (0: packed per task) */
+    int64_t slots, counts, slices, packed_kv, floats;
 } attention_fwd_plan;
 
 /* The backward's tasks and workspace: a task is a whole head group when there
