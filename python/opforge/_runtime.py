@@ -198,7 +198,8 @@ def set_gemm(mode: str) -> None:
     torch version). The same as starting with OPFORGE_GEMM=mode. "own" gives results that are
     bitwise the same at every thread count. The same mode chooses between opforge's attention and
     torch's fused CPU attention for the plain cases torch's kernel covers (float32 and bfloat16, no
-    mask, no grouped-query heads, causal only with as many keys as queries)."""
+    mask, key/value heads dividing the query heads, causal only with as many keys as queries), and
+    for small softmax / log_softmax calls with a gradient whether torch's function runs them."""
     library._call("opforge_set_gemm", mode.encode())
     TORCH_LINEARS.clear()
 

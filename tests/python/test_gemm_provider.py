@@ -432,3 +432,42 @@ def test_attention_cases_torch_lacks_stay_on_opforges_kernels(gemm_mode, tmp_pat
         opforge.scaled_dot_product_attention(q[:, :, :100], q, q, is_causal=True)  # bottom-right causal
     log = (tmp_path / "log").read_text()
     assert log.count("opforge::attention ") == 3 and "torch_sdpa" not in log
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_small_softmax_with_a_gradient_may_be_torchs(gemm_mode, name, tmp_path):
+    # an eager call with a gradient below 2^20 elements: mode torch runs torch's function (its autograd
+    # node, its bits), mode own the op; auto mode times both whole once per class, drawing no random
+    # numbers, and keeps the answer. Without a gradient, past the size, or in float64: the op
+    from opforge._runtime import TORCH_LINEARS
+
+    ours, theirs = getattr(opforge.functional, name), getattr(torch, name)
+    x = torch.randn(64, 96, requires_grad=True)
+    node = type(theirs(x, -1).grad_fn)
+    for mode, routed in (("torch", True), ("own", False)):
+        gemm_mode(mode)
+        with _logged(tmp_path / f"{mode}.log"):
+            y = ours(x, -1)
+        assert (type(y.grad_fn) is node) == routed
+        assert (f"opforge::{name} " in (tmp_path / f"{mode}.log").read_text()) != routed
+        if routed:
+            assert torch.equal(y, theirs(x, -1))
+        with torch.no_grad(), _logged(tmp_path / f"{mode}-nograd.log"):
+            ours(x, -1)
+        assert f"opforge::{name} " in (tmp_path / f"{mode}-nograd.log").read_text()
+    gemm_mode("torch")
+    assert type(ours(torch.randn(1024, 1024, requires_grad=True), -1).grad_fn) is not node
+    assert type(ours(x.detach().double().requires_grad_(), -1).grad_fn) is not node
+    gemm_mode("auto")
+    rng = torch.get_rng_state()
+    y = ours(x, 0)
+    assert torch.equal(torch.get_rng_state(), rng) and len(TORCH_LINEARS) == 1
+    (key, routed), = TORCH_LINEARS.items()
+    assert key[0] == name and key[1] == 1
+    z = ours(x, 0)
+    assert (type(z.grad_fn) is node) == routed and len(TORCH_LINEARS) == 1
+    assert torch.equal(y, z) and type(y.grad_fn) is type(z.grad_fn)  # the measured call took the answer too
+    torch.testing.assert_close(z, theirs(x, 0), rtol=1e-5, atol=1e-6)
+    (g,) = torch.autograd.grad(z, x, torch.ones_like(z))
+    (want,) = torch.autograd.grad(theirs(x, 0), x, torch.ones_like(z))
+    torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)

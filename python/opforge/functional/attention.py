@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import math
-import time
 
 import torch
 import torch.nn.functional as F
 
 from .._lib import op_function
 from .._runtime import library, namespace, ops
-from .linear import _operand_dtype, _routed
+from .linear import _operand_dtype, _routed, _torch_faster_whole
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -29,34 +27,14 @@ library.dll.opforge_attention_torch_min_work.restype = ctypes.c_int64
 _TORCH_MIN_WORK = library.dll.opforge_attention_torch_min_work()
 
 
-_SMALL_ROUNDS = 5  # timed calls of each side, interleaved, for a small class (after one warm-up call each)
-
-
 def _sdpa_faster_whole(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
-    """Whether F.scaled_dot_product_attention runs these operands faster than the op, timed whole (forward,
-    and backward when a gradient is needed; the best of _SMALL_ROUNDS interleaved calls each): for small
-    problems, where the op's fixed costs -- its autograd formula is Python's -- outweigh its kernel's
-    speed. On copies of the operands (same strides), in the caller's modes (grad, autocast); no RNG."""
-    args = [t.detach().clone().requires_grad_(needs_grad) for t in (q, k, v)]
-
-    def own():
-        return _attention(*args, None, causal, scale)[0]
-
+    """Whether F.scaled_dot_product_attention runs these operands faster than the op, timed whole
+    (_torch_faster_whole): for small problems, where the op's fixed costs outweigh its kernel's speed."""
     gqa = q.shape[1] != k.shape[1]
-
-    def theirs():
-        return F.scaled_dot_product_attention(*args, is_causal=causal, scale=scale, enable_gqa=gqa)
-
-    best = {"own": math.inf, "torch": math.inf}
-    for r in range(_SMALL_ROUNDS + 1):
-        for name, fn in (("own", own), ("torch", theirs)):
-            t0 = time.perf_counter()
-            out = fn()
-            if needs_grad:
-                torch.autograd.grad(out, args, torch.ones_like(out))
-            if r > 0:  # the first call of each warms up
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best["torch"] < best["own"]
+    return _torch_faster_whole(
+        lambda a, b, c: _attention(a, b, c, None, causal, scale)[0],
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal, scale=scale, enable_gqa=gqa),
+        (q, k, v), needs_grad)
 
 
 def _plain_on_torch(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:

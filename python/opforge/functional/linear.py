@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +82,28 @@ def _routed(kind: str, grads: int, query, a, b, c=None, extra: tuple = ()) -> bo
             TORCH_LINEARS.clear()
         TORCH_LINEARS[key] = on_torch == 1
     return on_torch == 1
+
+
+_SMALL_ROUNDS = 5  # timed calls of each side, interleaved, for a small class (after one warm-up call each)
+
+
+def _torch_faster_whole(own, theirs, inputs, needs_grad: bool) -> bool:
+    """Whether theirs(*inputs) runs faster than own(*inputs), timed whole: the forward, and the backward
+    of a gradient of ones when needs_grad, the best of _SMALL_ROUNDS interleaved calls each after a
+    warm-up call each. For small problems, where an op's fixed costs (its autograd formula is Python's)
+    can outweigh its kernel's speed. On copies of the inputs (same strides), in the caller's modes (grad,
+    autocast); draws no random numbers."""
+    args = [t.detach().clone().requires_grad_(needs_grad) for t in inputs]
+    best = [math.inf, math.inf]
+    for r in range(_SMALL_ROUNDS + 1):
+        for side, fn in enumerate((own, theirs)):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            if needs_grad:
+                torch.autograd.grad(out, args, torch.ones_like(out))
+            if r > 0:  # the first call of each warms up
+                best[side] = min(best[side], time.perf_counter() - t0)
+    return best[1] < best[0]
 
 
 def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
