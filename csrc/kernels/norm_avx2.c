@@ -96,16 +96,17 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
         int64_t i = 0;                                                                                              \
         for (; i + 16 <= n; i += 16) {                                                                              \
             __m256 w0 = w ? wn_##name(w + i, 8, offset) : one, w1 = w ? wn_##name(w + i + 8, 8, offset) : one;      \
-            __m256 t0 = _mm256_mul_ps(_mm256_mul_ps(LD(g + i), w0), _mm256_mul_ps(LD(x + i), vr));                  \
-            __m256 t1 = _mm256_mul_ps(_mm256_mul_ps(LD(g + i + 8), w1), _mm256_mul_ps(LD(x + i + 8), vr));          \
-            a0 = _mm256_add_ps(a0, t0);                                                                             \
-            a1 = _mm256_add_ps(a1, t1);                                                                             \
+            __m256 g0 = LD(g + i), g1 = LD(g + i + 8), xh0 = _mm256_mul_ps(LD(x + i), vr);                          \
+            __m256 xh1 = _mm256_mul_ps(LD(x + i + 8), vr);                                                          \
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_mul_ps(g0, w0), xh0));                                      \
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_mul_ps(g1, w1), xh1));                                      \
+            if (dw) acc_add(dw + i, _mm256_mul_ps(g0, xh0), 8), acc_add(dw + i + 8, _mm256_mul_ps(g1, xh1), 8);     \
         }                                                                                                           \
         for (; i < n; i += 8) {                                                                                     \
             __m256 we = w ? wn_##name(w + i, n - i, offset) : one;                                                  \
-            __m256 t = _mm256_mul_ps(_mm256_mul_ps(ldn_##name(g + i, n - i), we),                                   \
-                                     _mm256_mul_ps(ldn_##name(x + i, n - i), vr));                                  \
-            a0 = _mm256_add_ps(a0, t);                                                                              \
+            __m256 gi = ldn_##name(g + i, n - i), xh = _mm256_mul_ps(ldn_##name(x + i, n - i), vr);                 \
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_mul_ps(gi, we), xh));                                       \
+            if (dw) acc_add(dw + i, _mm256_mul_ps(gi, xh), n - i);                                                  \
         }                                                                                                           \
         const __m256 vc = _mm256_set1_ps(hsum8(_mm256_add_ps(a0, a1)) / (float)n);                                  \
         for (i = 0; i < n; i += 8) {                                                                                \
@@ -115,7 +116,6 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
             if (gs) d = _mm256_add_ps(d, ldn_##name(gs + i, n - i));                                                \
             stn_##name(dx + i, d, n - i);                                                                           \
             if (dr) stn_##name(dr + i, d, n - i);                                                                   \
-            if (dw) acc_add(dw + i, _mm256_mul_ps(gi, xh), n - i);                                                  \
         }                                                                                                           \
         (void)eps;                                                                                                  \
     }                                                                                                               \
@@ -169,21 +169,21 @@ static inline void acc_add(float *dw, __m256 v, int64_t n) {
         const E *g = g_, *x = x_, *w = w_;                                                                          \
         const __m256 vm = _mm256_set1_ps(mean), vr = _mm256_set1_ps(rstd), one = _mm256_set1_ps(1.0f);              \
         __m256 sg = _mm256_setzero_ps(), sgx = sg;                                                                  \
-        for (int64_t i = 0; i < n; i += 8) {                                                                        \
-            __m256 gw = _mm256_mul_ps(ldn_##name(g + i, n - i), w ? ldn_##name(w + i, n - i) : one);                \
+        for (int64_t i = 0; i < n; i += 8) { /* the sums, and dw, db while g and x come in */                       \
+            __m256 gi = ldn_##name(g + i, n - i);                                                                   \
+            __m256 gw = _mm256_mul_ps(gi, w ? ldn_##name(w + i, n - i) : one);                                      \
             __m256 xh = _mm256_mul_ps(_mm256_sub_ps(ldn_##name(x + i, n - i), vm), vr);                             \
             sg = _mm256_add_ps(sg, gw);                                                                             \
             sgx = _mm256_add_ps(sgx, _mm256_mul_ps(gw, xh));                                                        \
+            if (dw) acc_add(dw + i, _mm256_mul_ps(gi, xh), n - i);                                                  \
+            if (db) acc_add(db + i, gi, n - i);                                                                     \
         }                                                                                                           \
         const __m256 va = _mm256_set1_ps(hsum8(sg) / (float)n), vc = _mm256_set1_ps(hsum8(sgx) / (float)n);         \
         for (int64_t i = 0; i < n; i += 8) {                                                                        \
-            __m256 gi = ldn_##name(g + i, n - i);                                                                   \
             __m256 xh = _mm256_mul_ps(_mm256_sub_ps(ldn_##name(x + i, n - i), vm), vr);                             \
-            __m256 gw = _mm256_mul_ps(gi, w ? ldn_##name(w + i, n - i) : one);                                      \
+            __m256 gw = _mm256_mul_ps(ldn_##name(g + i, n - i), w ? ldn_##name(w + i, n - i) : one);                \
             __m256 d = _mm256_mul_ps(vr, _mm256_sub_ps(_mm256_sub_ps(gw, va), _mm256_mul_ps(xh, vc)));              \
             stn_##name(dx + i, d, n - i);                                                                           \
-            if (dw) acc_add(dw + i, _mm256_mul_ps(gi, xh), n - i);                                                  \
-            if (db) acc_add(db + i, gi, n - i);                                                                     \
         }                                                                                                           \
         (void)eps;                                                                                                  \
     }
