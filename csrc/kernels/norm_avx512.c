@@ -17,11 +17,6 @@ static inline __m512 rt_f32(__m512 v) { return v; }
 static inline __m512 rt_bf16(__m512 v) { return bf16_widen16(round16x16(v, OPF_BF16)); }
 static inline __m512 rt_f16(__m512 v) { return _mm512_cvtph_ps(round16x16(v, OPF_F16)); }
 
-/* the sum of four accumulators' lanes */
-static inline float sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
-}
-
 /* dw[0..16) += v in the lanes of m */
 static inline void acc_add(float *dw, __m512 v, __mmask16 m) {
     _mm512_mask_storeu_ps(dw, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, dw), v));
@@ -135,7 +130,7 @@ static inline void acc_add(float *dw, __m512 v, __mmask16 m) {
             a2 = _mm512_add_ps(a2, LD(x + i + 32, 0xffff)), a3 = _mm512_add_ps(a3, LD(x + i + 48, 0xffff));            \
         }                                                                                                              \
         for (; i < n; i += 16) a0 = _mm512_add_ps(a0, LD(x + i, tail16(n - i)));                                       \
-        const float mu = sum4(a0, a1, a2, a3) / (float)n;                                                              \
+        const float mu = sum4x16(a0, a1, a2, a3) / (float)n;                                                           \
         const __m512 vm = _mm512_set1_ps(mu);                                                                          \
         a0 = a1 = a2 = a3 = _mm512_setzero_ps();                                                                       \
         for (i = 0; i + 64 <= n; i += 64) {                                                                            \
@@ -149,7 +144,7 @@ static inline void acc_add(float *dw, __m512 v, __mmask16 m) {
             __m512 d = _mm512_maskz_sub_ps(m, LD(x + i, m), vm);                                                       \
             a0 = _mm512_fmadd_ps(d, d, a0);                                                                            \
         }                                                                                                              \
-        const float rs = 1.0f / sqrtf(sum4(a0, a1, a2, a3) / (float)n + (float)eps);                                   \
+        const float rs = 1.0f / sqrtf(sum4x16(a0, a1, a2, a3) / (float)n + (float)eps);                                \
         *mean = mu, *rstd = rs;                                                                                        \
         const __m512 vr = _mm512_set1_ps(rs);                                                                          \
         for (i = 0; i < n; i += 16) {                                                                                  \
@@ -174,27 +169,26 @@ static inline void acc_add(float *dw, __m512 v, __mmask16 m) {
         __m512 sg0 = _mm512_setzero_ps(), sg1 = sg0, sgx0 = sg0, sgx1 = sg0;                                           \
         int64_t i = 0;                                                                                                 \
         for (; i + 32 <= n; i += 32) {                                                                                 \
-            __m512 gw0 = _mm512_mul_ps(LD(g + i, 0xffff), w ? LD(w + i, 0xffff) : one);                                \
-            __m512 gw1 = _mm512_mul_ps(LD(g + i + 16, 0xffff), w ? LD(w + i + 16, 0xffff) : one);                      \
+            __m512 g0 = LD(g + i, 0xffff), g1 = LD(g + i + 16, 0xffff);                                                \
+            __m512 gw0 = _mm512_mul_ps(g0, w ? LD(w + i, 0xffff) : one);                                               \
+            __m512 gw1 = _mm512_mul_ps(g1, w ? LD(w + i + 16, 0xffff) : one);                                          \
             __m512 xh0 = _mm512_mul_ps(_mm512_sub_ps(LD(x + i, 0xffff), vm), vr);                                      \
             __m512 xh1 = _mm512_mul_ps(_mm512_sub_ps(LD(x + i + 16, 0xffff), vm), vr);                                 \
             sg0 = _mm512_add_ps(sg0, gw0), sg1 = _mm512_add_ps(sg1, gw1);                                              \
             sgx0 = _mm512_add_ps(sgx0, _mm512_mul_ps(gw0, xh0));                                                       \
             sgx1 = _mm512_add_ps(sgx1, _mm512_mul_ps(gw1, xh1));                                                       \
-            if (dw) {                                                                                                  \
-                acc_add(dw + i, _mm512_mul_ps(LD(g + i, 0xffff), xh0), 0xffff);                                        \
-                acc_add(dw + i + 16, _mm512_mul_ps(LD(g + i + 16, 0xffff), xh1), 0xffff);                              \
-            }                                                                                                          \
-            if (db) acc_add(db + i, LD(g + i, 0xffff), 0xffff), acc_add(db + i + 16, LD(g + i + 16, 0xffff), 0xffff);  \
+            if (dw)                                                                                                    \
+                acc_add(dw + i, _mm512_mul_ps(g0, xh0), 0xffff), acc_add(dw + i + 16, _mm512_mul_ps(g1, xh1), 0xffff); \
+            if (db) acc_add(db + i, g0, 0xffff), acc_add(db + i + 16, g1, 0xffff);                                     \
         }                                                                                                              \
         for (; i < n; i += 16) {                                                                                       \
             __mmask16 m = tail16(n - i);                                                                               \
-            __m512 gw = _mm512_mul_ps(LD(g + i, m), w ? LD(w + i, m) : one);                                           \
+            __m512 gi = LD(g + i, m), gw = _mm512_mul_ps(gi, w ? LD(w + i, m) : one);                                  \
             __m512 xh = _mm512_mul_ps(_mm512_sub_ps(LD(x + i, m), vm), vr);                                            \
             sg0 = _mm512_add_ps(sg0, gw);                                                                              \
             sgx0 = _mm512_add_ps(sgx0, _mm512_mul_ps(gw, xh));                                                         \
-            if (dw) acc_add(dw + i, _mm512_mul_ps(LD(g + i, m), xh), m);                                               \
-            if (db) acc_add(db + i, LD(g + i, m), m);                                                                  \
+            if (dw) acc_add(dw + i, _mm512_mul_ps(gi, xh), m);                                                         \
+            if (db) acc_add(db + i, gi, m);                                                                            \
         }                                                                                                              \
         const __m512 va = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_add_ps(sg0, sg1)) / (float)n);                    \
         const __m512 vc = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_add_ps(sgx0, sgx1)) / (float)n);                  \

@@ -18,6 +18,11 @@ static inline __mmask16 tail16(int64_t left) {
     return left <= 0 ? 0 : left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
+/* the sum of the lanes of four accumulators (a reduction's chains), (a + b) + (c + d) */
+static inline float sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+}
+
 static inline __m512 ld16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline void st16_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) { return bf16_widen16(_mm256_maskz_loadu_epi16(m, p)); }

@@ -55,7 +55,7 @@
             s0 = _mm512_add_ps(s0, ev);                                                                                \
             if (i < kept) _mm512_mask_storeu_ps(e + i, k, ev);                                                         \
         }                                                                                                              \
-        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));                      \
+        return sum4x16(s0, s1, s2, s3);                                                                                \
     }                                                                                                                  \
     static void row_fwd_##name(E *y, const E *x, int64_t n, int is_log) {                                              \
         const __m512 mv = _mm512_set1_ps(row_max_##name(x, n));                                                        \
@@ -103,7 +103,7 @@
                 s0 = _mm512_fmadd_ps(LD(dy + i, k), LD(y + i, k), s0);                                                 \
             }                                                                                                          \
         }                                                                                                              \
-        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));                      \
+        return sum4x16(s0, s1, s2, s3);                                                                                \
     }                                                                                                                  \
     static void row_bwd_##name(E *dx, const E *dy, const E *y, int64_t n, int is_log) {                                \
         const __m512 s = _mm512_set1_ps(row_dot_##name(dy, y, n, is_log));                                             \

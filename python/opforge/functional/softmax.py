@@ -6,7 +6,7 @@ import torch
 
 from .._lib import op_function
 from .._runtime import get_gemm, ops
-from .linear import _routed, _torch_faster_whole
+from .linear import _FLOATS, _routed, _torch_faster_whole
 
 __all__ = ["log_softmax", "softmax"]
 
@@ -23,7 +23,6 @@ def _log_softmax(x, dim):
 
 # elements below which a call with a gradient may run torch's function (_small_on_torch)
 _SMALL = 1 << 20
-_HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _small_on_torch(kind: str, own, theirs, x: torch.Tensor, dim: int) -> bool:
@@ -35,7 +34,7 @@ def _small_on_torch(kind: str, own, theirs, x: torch.Tensor, dim: int) -> bool:
     dtype, stays the op's)."""
 
     def query() -> int:
-        if not x.is_cpu or x.dtype not in _HALF_OR_FLOAT:
+        if not x.is_cpu or x.dtype not in _FLOATS:
             return 0
         mode = get_gemm()
         if mode != "auto":
