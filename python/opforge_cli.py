@@ -400,6 +400,12 @@ def info(args) -> int:
     for c in choices:
         lines.append(f"  {c['key']:<44} {c['provider']:<9} own {c['own_gflops']:.1f}, torch {c['torch_gflops']:.1f} "
                      "GFLOP/s")
+    thp = opforge._runtime.thp_mode()
+    lines.append(f"huge pages  {'on' if opforge.get_huge_pages() else 'off'} (OPFORGE_HUGE_PAGES="
+                 f"{os.environ.get('OPFORGE_HUGE_PAGES', 'unset')}): CPU outputs of 32 MiB or more advised "
+                 f"transparent huge pages; torch's own for all it allocates: THP_MEM_ALLOC_ENABLE="
+                 f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}; THP here: {thp}"
+                 + (" (the hints do nothing)" if thp == "never" else ""))
     cuda = opforge.cuda_status()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     if cuda["loaded"]:

@@ -427,12 +427,17 @@ def write_results(stem: str, rows: list[dict], notes: list[str] | None = None, o
 
 
 def environment(timed: bool = True) -> str:
-    from . import __version__, cpu_features, get_isa
+    from . import __version__, _runtime, cpu_features, get_huge_pages, get_isa
 
     cpu = cpu_features()["model"] or "unknown CPU"
+    pages = ""
+    if timed:  # who gets transparent huge pages for large fresh outputs: they change page-fault-bound timings
+        theirs = "on" if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0") else "off"
+        pages = (f" Huge pages for large outputs: opforge's {'on' if get_huge_pages() else 'off'} (OPFORGE_HUGE_PAGES), "
+                 f"torch's {theirs} (THP_MEM_ALLOC_ENABLE); THP {_runtime.thp_mode()}.")
     return (f"torch {torch.__version__}, opforge {__version__}, {cpu}, ISA {get_isa()}, "
             f"{torch.get_num_threads()} threads." + (" Ratios are medians of interleaved runs in one process."
-                                                     if timed else ""))
+                                                     if timed else "") + pages)
 
 
 def plot(stem: str, x: list, series: dict[str, list[float]], xlabel: str, ylabel: str, out_dir: str = RESULTS,

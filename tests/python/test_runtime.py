@@ -196,3 +196,43 @@ def test_unsupported_dtype_is_named(dtype):
 def test_dtype_without_a_name_gives_its_code(dtype):
     with pytest.raises(RuntimeError, match=r"argument 'x' .* got dtype code \d+$"):
         opforge.dispersion_correction(torch.empty(3, dtype=dtype), 1.0)
+
+
+def _vm_flags(addr: int) -> list[str] | None:
+    """The VmFlags of the mapping holding addr in /proc/self/smaps, or None where there is none."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or opforge._runtime.thp_mode() == "unknown",
+                    reason="needs Linux's /proc/self/smaps and a kernel with transparent huge pages")
+def test_large_outputs_are_advised_huge_pages_and_the_results_do_not_change():
+    """A CPU output of 32 MiB or more gets MADV_HUGEPAGE ("hg" in its mapping's flags) before the op
+    writes it, unless set_huge_pages(False) or OPFORGE_HUGE_PAGES=0; the values are the same."""
+    assert opforge.get_huge_pages()  # the default
+    g, u = torch.randn(2048, 4608), torch.randn(2048, 4608)  # 36 MiB outputs
+    on = opforge.swiglu(g, u)
+    assert "hg" in _vm_flags(on.data_ptr() + on.numel() * 2)
+    opforge.set_huge_pages(False)
+    try:
+        assert not opforge.get_huge_pages()
+        off = opforge.swiglu(g, u)
+        assert "hg" not in _vm_flags(off.data_ptr() + off.numel() * 2)
+    finally:
+        opforge.set_huge_pages(True)
+    assert torch.equal(on, off)
+
+
+def test_huge_pages_env_is_read_and_checked():
+    r = _run_python("import opforge; print(opforge.get_huge_pages())", OPFORGE_HUGE_PAGES="0")
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
+    r = _run_python("import opforge", OPFORGE_HUGE_PAGES="yes")
+    assert r.returncode != 0 and "OPFORGE_HUGE_PAGES=yes: expected 0" in r.stderr, r.stderr[-2000:]
