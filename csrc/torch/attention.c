@@ -199,9 +199,10 @@ static int sdpa_inputs(const attention_problem *p, int backward, AtenTensorHandl
     return 0;
 }
 
-/* The forward on torch's kernel, out and lse as attention_problem's; *out_ret receives torch's out
- * where it has the strides of the op's (p->os), which is then left unwritten. 0 or -1. */
-static int sdpa_fwd(const attention_problem *p, AtenTensorHandle *out_ret) {
+/* The forward on torch's kernel: lse written as attention_problem's, *theirs receives torch's out
+ * (the caller's), which the caller keeps where it has the op's strides and copies from otherwise:
+ * the op's own out is made only then, so that the two are never both held. 0 or -1. */
+static int sdpa_fwd(const attention_problem *p, AtenTensorHandle *theirs) {
     AtenTensorHandle in[3] = {NULL, NULL, NULL}, res[2] = {NULL, NULL};
     int rc = -1;
     if (sdpa_inputs(p, 0, in) != 0) goto done;
@@ -209,14 +210,10 @@ static int sdpa_fwd(const attention_problem *p, AtenTensorHandle *out_ret) {
     if (aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(in[0], in[1], in[2], 0.0, p->causal, NULL, &scale,
                                                                    &res[0], &res[1]) != OPF_AOTI_SUCCESS)
         goto done;
-    const int64_t osz[4] = {p->b, p->h, p->n, p->d_v}, lst[3] = {p->h * p->n, p->n, 1};
-    if (same_strides(res[0], p->os, 4)) { /* opforge's layout: returned as it is */
-        *out_ret = res[0];
-        res[0] = NULL;
-    } else {
-        sdpa_copy(p->out, p->os, res[0], osz, 4, p->dt == OPF_F32 ? 4 : 2);
-    }
-    sdpa_copy(p->lse, lst, res[1], osz, 3, sizeof(float));
+    const int64_t lsz[3] = {p->b, p->h, p->n}, lst[3] = {p->h * p->n, p->n, 1};
+    sdpa_copy(p->lse, lst, res[1], lsz, 3, sizeof(float));
+    *theirs = res[0];
+    res[0] = NULL;
     rc = 0;
 done:
     opf_provider_release(in, 3);
@@ -224,9 +221,8 @@ done:
     return rc;
 }
 
-/* The backward on torch's kernel: grads[0..3) receive dq, dk, dv, which the caller owns; where one's
- * strides are not those of the op's dq, dk, dv, it is copied into them and grads[] keeps NULL for
- * it. 0 or -1. */
+/* The backward on torch's kernel: grads[0..3) receive its dq, dk, dv (the caller's, who keeps each
+ * where it has the strides of the op's and copies from it otherwise). 0 or -1. */
 static int sdpa_bwd(const attention_problem *p, AtenTensorHandle *grads) {
     AtenTensorHandle in[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     int rc = -1;
@@ -234,21 +230,24 @@ static int sdpa_bwd(const attention_problem *p, AtenTensorHandle *grads) {
     double scale = p->scale;
     if (aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu_backward(in[3], in[0], in[1], in[2], in[4], in[5],
                                                                             0.0, p->causal, NULL, &scale, &grads[0],
-                                                                            &grads[1], &grads[2]) != OPF_AOTI_SUCCESS)
-        goto done;
-    void *mine[3] = {p->dq, p->dk, p->dv};
-    const int64_t *mst[3] = {p->dqs, p->dks, p->dvs};
-    for (int i = 0; i < 3; i++) {
-        const int64_t sz[4] = {p->b, i == 0 ? p->h : p->hkv, i == 0 ? p->n : p->s, p->d_qk};
-        if (!same_strides(grads[i], mst[i], 4)) { /* into the op's own */
-            sdpa_copy(mine[i], mst[i], grads[i], sz, 4, p->dt == OPF_F32 ? 4 : 2);
-            opf_provider_release(&grads[i], 1);
-        }
-    }
-    rc = 0;
+                                                                            &grads[1], &grads[2]) == OPF_AOTI_SUCCESS)
+        rc = 0;
 done:
     opf_provider_release(in, 6);
     return rc;
+}
+
+/* The op's output for a result of torch's kernel: theirs itself where it has the strides the op
+ * gives (want), else a new tensor of them holding a copy (theirs released). */
+static AtenTensorHandle sdpa_keep(const char *op, AtenTensorHandle theirs, const int64_t *sz, const int64_t *want,
+                                  int32_t dtype, const opf_tensor *like) {
+    if (same_strides(theirs, want, 4)) return theirs;
+    OPF_OWNED AtenTensorHandle from = theirs;
+    AtenTensorHandle mine = opf_empty_strided(op, 4, sz, want, dtype, like);
+    void *data = NULL;
+    aoti_torch_get_data_ptr(mine, &data);
+    sdpa_copy(data, want, from, sz, 4, aoti_torch_dtype_element_size(dtype));
+    return mine;
 }
 
 /* This call's kernel (provider.h): torch's where the mode or the class's choice says so; the class
@@ -314,24 +313,23 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     attention_problem *p = &a.p;
     const int64_t osz[4] = {p->b, p->h, p->n, p->d_v}, ost[4] = {p->n * p->h * p->d_v, p->d_v, p->h * p->d_v, 1};
     const int64_t lsz[3] = {p->b, p->h, p->n};
-    OPF_OWNED AtenTensorHandle out_h = opf_empty_strided(ATTENTION, 4, osz, ost, a.q.dtype, &a.q);
     OPF_OWNED AtenTensorHandle lse_h = opf_empty(ATTENTION, 3, lsz, aoti_torch_dtype_float32(), &a.q);
-    opf_tensor out = opf_tensor_info(ATTENTION, "out", out_h), lse = opf_tensor_info(ATTENTION, "lse", lse_h);
-    p->out = out.data, p->lse = lse.data;
-    for (int d = 0; d < 4; d++) p->os[d] = out.strides[d];
+    OPF_OWNED AtenTensorHandle out_h = NULL; /* made after torch's kernel declines: never two outputs at once */
+    opf_tensor lse = opf_tensor_info(ATTENTION, "lse", lse_h);
+    p->lse = lse.data;
+    for (int d = 0; d < 4; d++) p->os[d] = ost[d];
     int on_torch = 0;
     opf_provider_turn turn = {0};
     if (!opf_is_meta(&a.q) && sdpa_begin(p, 0, &turn)) { /* torch's kernel, where it is the faster one */
         AtenTensorHandle theirs = NULL;
         on_torch = sdpa_fwd(p, &theirs) == 0;
         if (!on_torch) opf_provider_end(&turn, 0, 1), turn.measuring = 0;
-        if (theirs) { /* its output, in opforge's layout, instead of ours */
-            aoti_torch_delete_tensor_object(out_h);
-            out_h = theirs;
-            out = opf_tensor_info(ATTENTION, "out", out_h);
-        }
+        if (on_torch) out_h = sdpa_keep(ATTENTION, theirs, osz, ost, a.q.dtype, &a.q);
         if (on_torch && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("attention", "torch_sdpa", opf_isa_current());
     }
+    if (!out_h) out_h = opf_empty_strided(ATTENTION, 4, osz, ost, a.q.dtype, &a.q);
+    opf_tensor out = opf_tensor_info(ATTENTION, "out", out_h);
+    p->out = out.data;
     if (!opf_is_meta(&a.q) && !on_torch) { /* the fake kernel's meta stand-ins are checked and shaped */
         const attention_kernels *kern = attention_kernels_for(opf_isa_current());
         const attention_fwd_plan plan = attention_fwd_plan_make(kern, p, opf_num_threads());
@@ -380,33 +378,38 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
                            (p->b > 1 && lse.strides[0] != p->h * p->n))))
         opf_fail(ATTENTION_BACKWARD, "argument 'lse' must be the contiguous float32 log-sum-exp returned by %s, got %s",
                  ATTENTION, opf_dtype_name(lse.dtype));
-    OPF_OWNED AtenTensorHandle dq_h = opf_empty_like(ATTENTION_BACKWARD, &a.q);
-    OPF_OWNED AtenTensorHandle dk_h = opf_empty_like(ATTENTION_BACKWARD, &a.k);
-    OPF_OWNED AtenTensorHandle dv_h = opf_empty_like(ATTENTION_BACKWARD, &a.v);
-    opf_tensor dq = opf_tensor_info(ATTENTION_BACKWARD, "dq", dq_h),
-               dk = opf_tensor_info(ATTENTION_BACKWARD, "dk", dk_h),
-               dv = opf_tensor_info(ATTENTION_BACKWARD, "dv", dv_h);
-    p->out = out.data, p->lse = lse.data, p->dout = g.data, p->dq = dq.data, p->dk = dk.data, p->dv = dv.data;
-    for (int d = 0; d < 4; d++) {
-        p->os[d] = out.strides[d], p->dos[d] = g.strides[d];
-        p->dqs[d] = dq.strides[d], p->dks[d] = dk.strides[d], p->dvs[d] = dv.strides[d];
-    }
+    p->out = out.data, p->lse = lse.data, p->dout = g.data;
+    for (int d = 0; d < 4; d++) p->os[d] = out.strides[d], p->dos[d] = g.strides[d];
+    /* the gradients are made after torch's kernel declines, or from its where it ran: never two sets
+     * at once */
+    const opf_tensor *like[3] = {&a.q, &a.k, &a.v};
+    int64_t grad_st[3][4];
+    for (int i = 0; i < 3; i++) opf_output_strides(4, like[i]->sizes, like[i]->strides, grad_st[i]);
+    OPF_OWNED AtenTensorHandle dq_h = NULL;
+    OPF_OWNED AtenTensorHandle dk_h = NULL;
+    OPF_OWNED AtenTensorHandle dv_h = NULL;
+    AtenTensorHandle *ours[3] = {&dq_h, &dk_h, &dv_h};
     int on_torch = 0;
     opf_provider_turn turn = {0};
     if (!opf_is_meta(&a.q) && sdpa_begin(p, 1, &turn)) { /* torch's kernel, where it is the faster one */
         AtenTensorHandle grads[3] = {NULL, NULL, NULL};
         on_torch = sdpa_bwd(p, grads) == 0;
         if (!on_torch) opf_provider_end(&turn, 0, 1), turn.measuring = 0;
-        AtenTensorHandle *ours[3] = {&dq_h, &dk_h, &dv_h};
-        for (int i = 0; on_torch && i < 3; i++) { /* theirs where they have the strides of ours */
-            if (!grads[i]) continue;              /* copied into ours */
-            aoti_torch_delete_tensor_object(*ours[i]);
-            *ours[i] = grads[i];
+        for (int i = 0; on_torch && i < 3; i++) {
+            *ours[i] = sdpa_keep(ATTENTION_BACKWARD, grads[i], like[i]->sizes, grad_st[i], a.q.dtype, like[i]);
             grads[i] = NULL;
         }
         opf_provider_release(grads, 3);
         if (on_torch && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("attention", "torch_sdpa", opf_isa_current());
     }
+    for (int i = 0; i < 3; i++)
+        if (!*ours[i])
+            *ours[i] = opf_empty_strided(ATTENTION_BACKWARD, 4, like[i]->sizes, grad_st[i], a.q.dtype, like[i]);
+    opf_tensor dq = opf_tensor_info(ATTENTION_BACKWARD, "dq", dq_h),
+               dk = opf_tensor_info(ATTENTION_BACKWARD, "dk", dk_h),
+               dv = opf_tensor_info(ATTENTION_BACKWARD, "dv", dv_h);
+    p->dq = dq.data, p->dk = dk.data, p->dv = dv.data;
+    for (int d = 0; d < 4; d++) p->dqs[d] = dq.strides[d], p->dks[d] = dk.strides[d], p->dvs[d] = dv.strides[d];
     if (!opf_is_meta(&a.q) && !on_torch) { /* the fake kernel's meta stand-ins are checked and shaped */
         const attention_bwd_plan plan = attention_bwd_plan_make(p, opf_num_threads());
         float *ws = NULL;

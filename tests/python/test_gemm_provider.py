@@ -471,3 +471,24 @@ def test_small_softmax_with_a_gradient_may_be_torchs(gemm_mode, name, tmp_path):
     (g,) = torch.autograd.grad(z, x, torch.ones_like(z))
     (want,) = torch.autograd.grad(theirs(x, 0), x, torch.ones_like(z))
     torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_on_torchs_kernel_holds_one_output(gemm_mode):
+    """Where the op runs torch's kernel, it keeps torch's out and gradients (in the op's layout) and makes
+    its own only where it must copy: its peak memory is torch's kernel's, plus the op's float32
+    log-sum-exp copy, never a second set of outputs."""
+    from opforge.benchmark import peak_memory
+
+    gemm_mode("torch")
+    q, k, v = (torch.randn(1, 1024, 8, 64).transpose(1, 2) for _ in range(3))  # 2 MiB each
+    lse_bytes = 8 * 1024 * 4
+    op = peak_memory(lambda: torch.ops.opforge.attention(q, k, v, None, False, None))
+    theirs = peak_memory(lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v))
+    assert 0 < op <= theirs + lse_bytes, (op, theirs)
+    out, lse = torch.ops.opforge.attention(q, k, v, None, False, None)
+    their_out, their_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+    g = torch.randn_like(out)
+    op = peak_memory(lambda: torch.ops.opforge.attention_backward(g, q, k, v, None, out, lse, False, None))
+    theirs = peak_memory(lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, their_out, their_lse, 0.0, False))
+    assert 0 < op <= theirs, (op, theirs)
