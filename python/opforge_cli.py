@@ -401,11 +401,9 @@ def info(args) -> int:
         lines.append(f"  {c['key']:<44} {c['provider']:<9} own {c['own_gflops']:.1f}, torch {c['torch_gflops']:.1f} "
                      "GFLOP/s")
     thp = opforge._runtime.thp_mode()
-    lines.append(f"huge pages  {'on' if opforge.get_huge_pages() else 'off'} (OPFORGE_HUGE_PAGES="
-                 f"{os.environ.get('OPFORGE_HUGE_PAGES', 'unset')}): CPU outputs of 32 MiB or more advised "
-                 f"transparent huge pages; torch's own for all it allocates: THP_MEM_ALLOC_ENABLE="
-                 f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}; THP here: {thp}"
-                 + (" (the hints do nothing)" if thp == "never" else ""))
+    lines.append(f"pages       {opforge.get_pages()} (OPFORGE_PAGES={os.environ.get('OPFORGE_PAGES', 'unset')}): how a "
+                 f"fresh CPU output of 4 MiB or more is paged in; THP here: {thp}; torch's own huge pages: "
+                 f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
     cuda = opforge.cuda_status()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     if cuda["loaded"]:

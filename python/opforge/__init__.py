@@ -5,9 +5,9 @@
     opforge.ops.dispersion_correction(x, 0.8)          # the same op, under the namespace built in
 """
 
-from ._runtime import (cpu_features, cuda_library_path, cuda_status, gemm_choices, get_gemm, get_huge_pages, get_isa,
-                       isa_best, kernel_variants, library, library_path, namespace, ops, set_gemm, set_huge_pages,
-                       set_isa, set_log_file, set_log_level, supported_isas)
+from ._runtime import (cpu_features, cuda_library_path, cuda_status, gemm_choices, get_gemm, get_isa, get_pages,
+                       isa_best, kernel_variants, library, library_path, namespace, ops, set_gemm, set_isa,
+                       set_pages, set_log_file, set_log_level, supported_isas)
 from . import functional, nn, optim
 from .aoti import aoti_config
 from .build import BuildError, load, load_library
@@ -29,8 +29,8 @@ __all__ = [
     "functional",
     "gemm_choices",
     "get_gemm",
-    "get_huge_pages",
     "get_isa",
+    "get_pages",
     "isa_best",
     "kernel_variants",
     "library",
@@ -45,8 +45,8 @@ __all__ = [
     "patch_hf",
     "PatchReport",
     "set_gemm",
-    "set_huge_pages",
     "set_isa",
+    "set_pages",
     "set_log_file",
     "set_log_level",
     "supported_isas",

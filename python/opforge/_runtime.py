@@ -248,24 +248,27 @@ def gemm_cache_file() -> str:
 
 
 
-# ---- page faults on large outputs (csrc/torch/glue.c) ---------------------------------
+# ---- how large fresh outputs are paged in (csrc/torch/glue.c) --------------------------
 
-_dll.opforge_set_huge_pages.argtypes = [ctypes.c_int]
-
-
-def set_huge_pages(on: bool) -> None:
-    """Whether a CPU output of 32 MiB or more is advised transparent huge pages before the op writes
-    it (on by default; OPFORGE_HUGE_PAGES=0 starts with it off). Such an output is a fresh mapping
-    under glibc's malloc, and its first writes otherwise fault it in 4 KiB at a time, which can cost
-    more than the op's own work; with the hint they take one fault per 2 MiB. Results do not change.
-    Where the kernel's THP setting is "never" the hint does nothing (``/sys/kernel/mm/
-    transparent_hugepage/enabled``)."""
-    _dll.opforge_set_huge_pages(1 if on else 0)
+_dll.opforge_pages.restype = ctypes.c_char_p
 
 
-def get_huge_pages() -> bool:
-    """Whether large CPU outputs are advised transparent huge pages (see :func:`set_huge_pages`)."""
-    return bool(_dll.opforge_huge_pages())
+def set_pages(mode: str) -> None:
+    """How an op pages in a CPU output of 4 MiB or more whose memory is fresh (not yet resident:
+    glibc maps large blocks anew on every allocation, and its first writes fault it in 4 KiB at a
+    time, which can cost more than the op's own work). "touch": nothing, the kernel's writes fault
+    it in, as eager's ops do; "populate" (the default): the threads fault it in first, in parallel,
+    without a trap per page (MADV_POPULATE_WRITE, Linux 5.14); "huge": transparent huge pages are
+    advised for it, then it is populated, one fault per 2 MiB (fastest where THP is enabled, but on a
+    VM a huge page the guest has not used before can cost far more than its 512 small ones, and
+    THP's defrag may stall a fault on compaction; /sys/kernel/mm/transparent_hugepage/). Values never
+    change. The same as starting with OPFORGE_PAGES=mode."""
+    library._call("opforge_set_pages", mode.encode())
+
+
+def get_pages() -> str:
+    """The mode of :func:`set_pages`: "touch", "populate" or "huge"."""
+    return _dll.opforge_pages().decode()
 
 
 def thp_mode() -> str:

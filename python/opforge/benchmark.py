@@ -427,14 +427,14 @@ def write_results(stem: str, rows: list[dict], notes: list[str] | None = None, o
 
 
 def environment(timed: bool = True) -> str:
-    from . import __version__, _runtime, cpu_features, get_huge_pages, get_isa
+    from . import __version__, _runtime, cpu_features, get_isa, get_pages
 
     cpu = cpu_features()["model"] or "unknown CPU"
     pages = ""
-    if timed:  # who gets transparent huge pages for large fresh outputs: they change page-fault-bound timings
+    if timed:  # how large fresh outputs are paged in changes page-fault-bound timings
         theirs = "on" if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0") else "off"
-        pages = (f" Huge pages for large outputs: opforge's {'on' if get_huge_pages() else 'off'} (OPFORGE_HUGE_PAGES), "
-                 f"torch's {theirs} (THP_MEM_ALLOC_ENABLE); THP {_runtime.thp_mode()}.")
+        pages = (f" Fresh outputs: opforge's paged in by '{get_pages()}' (OPFORGE_PAGES), torch's huge pages {theirs} "
+                 f"(THP_MEM_ALLOC_ENABLE); THP {_runtime.thp_mode()}.")
     return (f"torch {torch.__version__}, opforge {__version__}, {cpu}, ISA {get_isa()}, "
             f"{torch.get_num_threads()} threads." + (" Ratios are medians of interleaved runs in one process."
                                                      if timed else "") + pages)

@@ -214,25 +214,30 @@ def _vm_flags(addr: int) -> list[str] | None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or opforge._runtime.thp_mode() == "unknown",
                     reason="needs Linux's /proc/self/smaps and a kernel with transparent huge pages")
-def test_large_outputs_are_advised_huge_pages_and_the_results_do_not_change():
-    """A CPU output of 32 MiB or more gets MADV_HUGEPAGE ("hg" in its mapping's flags) before the op
-    writes it, unless set_huge_pages(False) or OPFORGE_HUGE_PAGES=0; the values are the same."""
-    assert opforge.get_huge_pages()  # the default
-    g, u = torch.randn(2048, 4608), torch.randn(2048, 4608)  # 36 MiB outputs
-    on = opforge.swiglu(g, u)
-    assert "hg" in _vm_flags(on.data_ptr() + on.numel() * 2)
-    opforge.set_huge_pages(False)
+def test_fresh_large_outputs_are_paged_in_as_the_mode_says_and_the_values_do_not_change():
+    """A fresh CPU output of 4 MiB or more: "huge" advises transparent huge pages before the op writes it
+    ("hg" in its mapping's flags); "populate" (the default) and "touch" do not; the values are the same."""
+    assert opforge.get_pages() == "populate"  # the default
+    g, u = torch.randn(2048, 4608), torch.randn(2048, 4608)  # 36 MiB outputs: glibc maps each fresh
+    outs, flags = {}, {}
     try:
-        assert not opforge.get_huge_pages()
-        off = opforge.swiglu(g, u)
-        assert "hg" not in _vm_flags(off.data_ptr() + off.numel() * 2)
+        for mode in ("touch", "populate", "huge"):
+            opforge.set_pages(mode)
+            assert opforge.get_pages() == mode
+            y = opforge.swiglu(g, u)
+            flags[mode] = _vm_flags(y.data_ptr() + y.numel() * 2)
+            outs[mode] = y
     finally:
-        opforge.set_huge_pages(True)
-    assert torch.equal(on, off)
+        opforge.set_pages("populate")
+    assert "hg" in flags["huge"] and "hg" not in flags["touch"] and "hg" not in flags["populate"], flags
+    assert torch.equal(outs["touch"], outs["populate"]) and torch.equal(outs["touch"], outs["huge"])
+    with pytest.raises(RuntimeError, match="pages mode 'always': expected one of touch, populate, huge"):
+        opforge.set_pages("always")
 
 
-def test_huge_pages_env_is_read_and_checked():
-    r = _run_python("import opforge; print(opforge.get_huge_pages())", OPFORGE_HUGE_PAGES="0")
-    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
-    r = _run_python("import opforge", OPFORGE_HUGE_PAGES="yes")
-    assert r.returncode != 0 and "OPFORGE_HUGE_PAGES=yes: expected 0" in r.stderr, r.stderr[-2000:]
+def test_pages_env_is_read_and_checked():
+    r = _run_python("import opforge; print(opforge.get_pages())", OPFORGE_PAGES="touch")
+    assert r.returncode == 0 and r.stdout.strip() == "touch", r.stderr[-2000:]
+    r = _run_python("import opforge", OPFORGE_PAGES="yes")
+    assert r.returncode != 0 and "OPFORGE_PAGES=yes is not a pages mode; expected one of touch, populate, huge" \
+        in r.stderr, r.stderr[-2000:]
