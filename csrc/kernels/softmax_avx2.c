@@ -11,9 +11,10 @@
  *
  * Rows (w == 1, unit strides), float32: max; e = exp(x - max) stored in y
  * while summed; y *= 1/sum (one exp per element, y re-read from cache).
- * Halves cannot hold e unrounded in y: rows of up to SOFTMAX_STACK_FLOATS
- * keep e in a float32 buffer on the stack, longer ones compute exp twice
- * (max; sum of exp; y = exp * (1/sum)). log_softmax: max; sum of exp; y = (x - max) - log(sum).
+ * Halves cannot hold e unrounded in y: a row keeps its first SOFTMAX_STACK_FLOATS
+ * exps in a float32 buffer on the stack, and a longer row computes the rest's
+ * exp twice (in the sum, then y = exp * (1/sum)): the same bits either way.
+ * log_softmax: max; sum of exp; y = (x - max) - log(sum).
  * Strided axis (w > 1): the same per 8 unit-stride lanes, the reduction
  * walking down the axis. Tails of fewer than 8 go through an 8-float buffer
  * (loads padded with -inf / 0), lanes left over (< 8) through the reference.
@@ -44,8 +45,8 @@
         if (i < n) m1 = _mm256_max_ps(m1, ldn_##name(x + i, n - i, -INFINITY));                                      \
         return hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));                                   \
     }                                                                                                                \
-    /* sum of exp(x - m); with e, the exps are also stored there (float32) */                                        \
-    static float row_sumexp_##name(float *e, const E *x, int64_t n, float m) {                                       \
+    /* sum of exp(x - m); the first `kept` exps are also stored in e (float32; a multiple of 32 or n) */             \
+    static float row_sumexp_##name(float *e, int64_t kept, const E *x, int64_t n, float m) {                         \
         const __m256 mv = _mm256_set1_ps(m);                                                                         \
         __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;                                                  \
         int64_t i = 0;                                                                                               \
@@ -54,17 +55,17 @@
             __m256 e2 = exp8z(_mm256_sub_ps(LD(x + i + 16), mv)), e3 = exp8z(_mm256_sub_ps(LD(x + i + 24), mv));     \
             s0 = _mm256_add_ps(s0, e0), s1 = _mm256_add_ps(s1, e1);                                                  \
             s2 = _mm256_add_ps(s2, e2), s3 = _mm256_add_ps(s3, e3);                                                  \
-            if (e) st_f32(e + i, e0), st_f32(e + i + 8, e1), st_f32(e + i + 16, e2), st_f32(e + i + 24, e3);         \
+            if (i < kept) st_f32(e + i, e0), st_f32(e + i + 8, e1), st_f32(e + i + 16, e2), st_f32(e + i + 24, e3);  \
         }                                                                                                            \
         for (; i + 8 <= n; i += 8) {                                                                                 \
             __m256 ev = exp8z(_mm256_sub_ps(LD(x + i), mv));                                                         \
             s0 = _mm256_add_ps(s0, ev);                                                                              \
-            if (e) st_f32(e + i, ev);                                                                                \
+            if (i < kept) st_f32(e + i, ev);                                                                         \
         }                                                                                                            \
         if (i < n) {                                                                                                 \
             __m256 ev = exp8z(_mm256_sub_ps(ldn_##name(x + i, n - i, -INFINITY), mv));                               \
             s1 = _mm256_add_ps(s1, ev);                                                                              \
-            if (e) stn_f32(e + i, n - i, ev);                                                                        \
+            if (i < kept) stn_f32(e + i, n - i, ev);                                                                 \
         }                                                                                                            \
         return hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));                                   \
     }                                                                                                                \
@@ -73,16 +74,15 @@
         const __m256 mv = _mm256_set1_ps(m);                                                                         \
         int64_t i = 0;                                                                                               \
         if (is_log) {                                                                                                \
-            const __m256 ls = _mm256_set1_ps(logf(row_sumexp_##name(NULL, x, n, m)));                                \
+            const __m256 ls = _mm256_set1_ps(logf(row_sumexp_##name(NULL, 0, x, n, m)));                             \
             for (; i + 8 <= n; i += 8) ST(y + i, _mm256_sub_ps(_mm256_sub_ps(LD(x + i), mv), ls));                   \
             if (i < n) stn_##name(y + i, n - i, _mm256_sub_ps(_mm256_sub_ps(ldn_##name(x + i, n - i, 0), mv), ls));  \
-        } else if (E_IN_Y || n <= SOFTMAX_STACK_FLOATS) {                                                            \
+        } else { /* e in y (float32) or on the stack: the first SOFTMAX_STACK_FLOATS of a longer row */              \
             float stack[E_IN_Y ? 1 : SOFTMAX_STACK_FLOATS], *e = E_IN_Y ? (float *)(void *)y : stack;                \
-            const __m256 r = _mm256_set1_ps(1.0f / row_sumexp_##name(e, x, n, m));                                   \
-            for (; i + 8 <= n; i += 8) ST(y + i, _mm256_mul_ps(ld_f32(e + i), r));                                   \
-            if (i < n) stn_##name(y + i, n - i, _mm256_mul_ps(ldn_f32(e + i, n - i, 0), r));                         \
-        } else {                                                                                                     \
-            const __m256 r = _mm256_set1_ps(1.0f / row_sumexp_##name(NULL, x, n, m));                                \
+            const int64_t kept = E_IN_Y || n <= SOFTMAX_STACK_FLOATS ? n : SOFTMAX_STACK_FLOATS;                     \
+            const __m256 r = _mm256_set1_ps(1.0f / row_sumexp_##name(e, kept, x, n, m));                             \
+            for (; i + 8 <= kept; i += 8) ST(y + i, _mm256_mul_ps(ld_f32(e + i), r));                                \
+            if (i < kept) stn_##name(y + i, kept - i, _mm256_mul_ps(ldn_f32(e + i, kept - i, 0), r)), i = kept;      \
             for (; i + 8 <= n; i += 8) ST(y + i, _mm256_mul_ps(exp8z(_mm256_sub_ps(LD(x + i), mv)), r));             \
             if (i < n)                                                                                               \
                 stn_##name(y + i, n - i,                                                                             \
