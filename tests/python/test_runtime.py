@@ -231,6 +231,13 @@ def test_fresh_large_outputs_are_paged_in_as_the_mode_says_and_the_values_do_not
         opforge.set_pages("populate")
     assert "hg" in flags["huge"] and "hg" not in flags["touch"] and "hg" not in flags["populate"], flags
     assert torch.equal(outs["touch"], outs["populate"]) and torch.equal(outs["touch"], outs["huge"])
+    threads = torch.get_num_threads()
+    try:  # the pages are populated by the threads in parallel, 2 MiB each: at odd and oversubscribed counts
+        for n in (1, 3, 16, 64):
+            torch.set_num_threads(n)
+            assert torch.equal(opforge.swiglu(g, u), outs["touch"]), n
+    finally:
+        torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="pages mode 'always': expected one of touch, populate, huge"):
         opforge.set_pages("always")
 
