@@ -492,3 +492,20 @@ def test_attention_on_torchs_kernel_holds_one_output(gemm_mode):
     theirs = peak_memory(lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         g, q, k, v, their_out, their_lse, 0.0, False))
     assert 0 < op <= theirs, (op, theirs)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 16, 64])
+def test_attention_on_torchs_kernel_copies_into_the_ops_layout_on_any_thread_count(gemm_mode, threads):
+    """torch's kernel returns (B, H, N, D) rows; the op's output is laid out (B, N, H, D): the copy runs
+    over the threads (oversubscribed here) and gives torch's values bit for bit."""
+    gemm_mode("torch")
+    q, k, v = (torch.randn(2, 3, 300, 40) for _ in range(3))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = torch.ops.opforge.attention(q, k, v, None, True, None)
+        want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    finally:
+        torch.set_num_threads(before)
+    assert out.stride() == (300 * 3 * 40, 40, 3 * 40, 1)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
