@@ -338,10 +338,10 @@ static void attention_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
     if (!opf_is_meta(&a.q) && sdpa_begin(p, 0, &turn)) { /* torch's kernel, where it is the faster one */
         AtenTensorHandle theirs = NULL;
         on_torch = sdpa_fwd(p, &theirs) == 0;
-        if (!on_torch) opf_provider_end(&turn, 0, 1), turn.measuring = 0;
-        /* the sample ends with torch's kernel: an eager call the class sends to torch's kernel is
-         * F.scaled_dot_product_attention itself, which returns torch's layout without this copy */
-        if (on_torch) opf_provider_end(&turn, sdpa_work(p), 0), turn.measuring = 0;
+        /* the sample ends with torch's kernel (or its failure): an eager call the class sends to
+         * torch's kernel is F.scaled_dot_product_attention itself, which returns torch's layout
+         * without the copy sdpa_keep may make */
+        opf_provider_end(&turn, on_torch ? sdpa_work(p) : 0, !on_torch), turn.measuring = 0;
         if (on_torch) out_h = sdpa_keep(ATTENTION, theirs, osz, ost, a.q.dtype, &a.q);
         if (on_torch && opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick("attention", "torch_sdpa", opf_isa_current());
     }
@@ -412,8 +412,7 @@ static void attention_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t n
     if (!opf_is_meta(&a.q) && sdpa_begin(p, 1, &turn)) { /* torch's kernel, where it is the faster one */
         AtenTensorHandle grads[3] = {NULL, NULL, NULL};
         on_torch = sdpa_bwd(p, grads) == 0;
-        if (!on_torch) opf_provider_end(&turn, 0, 1), turn.measuring = 0;
-        if (on_torch) opf_provider_end(&turn, sdpa_work(p), 0), turn.measuring = 0; /* as the forward's */
+        opf_provider_end(&turn, on_torch ? sdpa_work(p) : 0, !on_torch), turn.measuring = 0; /* as the forward's */
         for (int i = 0; on_torch && i < 3; i++) {
             *ours[i] = sdpa_keep(ATTENTION_BACKWARD, grads[i], like[i]->sizes, grad_st[i], a.q.dtype, like[i]);
             grads[i] = NULL;

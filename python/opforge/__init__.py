@@ -7,7 +7,7 @@
 
 from ._runtime import (cpu_features, cuda_library_path, cuda_status, gemm_choices, get_gemm, get_isa, get_pages,
                        isa_best, kernel_variants, library, library_path, namespace, ops, set_gemm, set_isa,
-                       set_pages, set_log_file, set_log_level, supported_isas)
+                       set_log_file, set_log_level, set_pages, supported_isas)
 from . import functional, nn, optim
 from .aoti import aoti_config
 from .build import BuildError, load, load_library
@@ -46,9 +46,9 @@ __all__ = [
     "PatchReport",
     "set_gemm",
     "set_isa",
-    "set_pages",
     "set_log_file",
     "set_log_level",
+    "set_pages",
     "supported_isas",
     *_ops,
 ]
