@@ -124,6 +124,16 @@ static int64_t packed_b(int64_t k, int64_t n) { return cdiv(n, 32) * attention_p
  * merged: ~2.5 us against ~14 us per 64 x 64 key block, D = 64), so a larger
  * minimum pays only on machines with more cores. (Under a causal mask a lone
  * query block sees at most BQ keys: at 2, only shapes without it split.) */
+/* Fewer query blocks (of all heads, times their key chunks) than threads: the blocks are cut to 32 rows,
+ * then to FWD_MIN_QROWS, while that leaves threads idle and adds blocks. Unlike the key split this may
+ * depend on the thread count: a query's row of S, its softmax and its row of P V are computed over the
+ * same key blocks whatever block holds the query (under a causal mask a shorter block's last key block
+ * ends at its diagonal: the keys left off are masked ones, whose zero terms add nothing), so the bits
+ * are the same on any thread count (test_attention, test_sweep and test_thread_sweep compare them).
+ * Measured on the Xeon with AMX (2 threads, float32): one head of N = 64, D = 64 ran on one thread in
+ * 16.1 us against F.scaled_dot_product_attention's 12.4 us (its blocks of 32 queries on both threads). */
+enum { FWD_MIN_QROWS = 16 };
+
 #ifndef ATTENTION_FWD_MIN_TASKS /* the C tests also build with a larger one, to split (almost) every shape */
 #define ATTENTION_FWD_MIN_TASKS 2
 #endif
@@ -177,6 +187,7 @@ static fwd_layout fwd_layout_for(const attention_problem *p, int64_t bk) {
 /* The query blocks' plan (attention_fwd_plan in attention.h) */
 static attention_fwd_plan blocks_plan(const attention_kernels *k, const attention_problem *p, int64_t threads) {
     attention_fwd_plan pl = {.path = ATTENTION_PATH_BLOCKS,
+                             .qrows = BQ,
                              .nqb = cdiv(p->n, BQ),
                              .bk = k->fwd_bk ? k->fwd_bk : BK,
                              .chunks = 1,
@@ -188,9 +199,16 @@ static attention_fwd_plan blocks_plan(const attention_kernels *k, const attentio
         pl.span = per * pl.bk;
         pl.chunks = cdiv(kb, per);
     }
+    /* fewer tasks than threads: query blocks of 32, then 16 rows, each size taken if it adds blocks */
+    for (int64_t qr = BQ / 2; qr >= FWD_MIN_QROWS && pl.blocks > 0 && pl.blocks * pl.chunks < threads; qr /= 2)
+        if (cdiv(p->n, qr) > pl.nqb) {
+            pl.qrows = qr;
+            pl.nqb = cdiv(p->n, qr);
+            pl.blocks = p->b * p->h * pl.nqb;
+        }
     pl.tasks = pl.blocks * pl.chunks;
     const int split = pl.chunks > 1;
-    pl.rows = p->n < BQ ? p->n : BQ;
+    pl.rows = p->n < pl.qrows ? p->n : pl.qrows;
     pl.slot_floats = split ? round16(pl.rows * (p->d_v + 2)) : 0;
     pl.per_worker = fwd_layout_for(p, pl.bk).floats;
     const int64_t kv_blocks = p->b * p->hkv * cdiv(p->s, pl.bk);
@@ -276,8 +294,8 @@ typedef struct fwd_ctx {
 /* Query block qb of head bh: merge its nch chunk slots, in chunk order, into out and lse. */
 static void fwd_merge(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t nch, float *ws) {
     const attention_problem *p = c->p;
-    const int64_t d_v = p->d_v, rows = c->pl.rows, b = bh / p->h, h = bh % p->h;
-    const int64_t i0 = qb * BQ, bq = p->n - i0 < BQ ? p->n - i0 : BQ;
+    const int64_t d_v = p->d_v, rows = c->pl.rows, b = bh / p->h, h = bh % p->h, qr = c->pl.qrows;
+    const int64_t i0 = qb * qr, bq = p->n - i0 < qr ? p->n - i0 : qr;
     const float *slot0 = c->slots + (bh * c->pl.nqb + qb) * c->pl.chunks * c->pl.slot_floats;
     float *restrict o = ws + fwd_layout_for(p, c->pl.bk).o;
     for (int64_t i = 0; i < bq; i++) {
@@ -326,7 +344,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
     const attention_problem *p = c->p;
     const attention_mm_fn mm = attention_mm_for(k, p);
     const int64_t d_qk = p->d_qk, d_v = p->d_v, b = bh / p->h, h = bh % p->h, kvh = h / (p->h / p->hkv);
-    const int64_t i0 = qb * BQ, bq = p->n - i0 < BQ ? p->n - i0 : BQ, kend = fwd_kend(p, i0, bq);
+    const int64_t qr = c->pl.qrows, i0 = qb * qr, bq = p->n - i0 < qr ? p->n - i0 : qr, kend = fwd_kend(p, i0, bq);
     const int64_t jbeg = ch * c->pl.span, jend = kend - jbeg < c->pl.span ? kend : jbeg + c->pl.span;
     if (ch > 0 && jbeg >= kend) return; /* this block sees fewer keys than the most */
     const int split = c->pl.chunks > 1;

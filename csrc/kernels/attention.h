@@ -190,6 +190,7 @@ typedef enum attention_path { ATTENTION_PATH_BLOCKS = 0, ATTENTION_PATH_DECODE, 
 typedef struct attention_fwd_plan {
     attention_path path;
     attention_decode_plan decode; /* ATTENTION_PATH_DECODE */
+    int64_t qrows;                /* queries per block: 64, fewer where the blocks leave threads idle */
     int64_t nqb, blocks;          /* query blocks per head, of all heads */
     int64_t bk;                   /* keys per block (the table's fwd_bk) */
     int64_t chunks;               /* the most chunks of a query block: 1 unless split */

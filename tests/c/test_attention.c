@@ -401,6 +401,9 @@ static void test_variant(const attention_kernels *k) {
         for (size_t b = 0; b < 8; b++)
             for (int causal = 0; causal < 2; causal++)
                 run(k, (cfg){1, 1, 1, split_n[a], split_s[b], 64, 64, causal, 0, 0, OPF_F32});
+    run(k, (cfg){1, 1, 1, 64, 64, 64, 64, 0, 0, 0, OPF_BF16}); /* bfloat16, one block: 32 and 16 queries */
+    run(k, (cfg){1, 1, 1, 64, 64, 64, 64, 1, 0, 1, OPF_BF16});
+    run(k, (cfg){1, 1, 1, 20, 50, 80, 80, 1, 2, 2, OPF_BF16});    /* bfloat16, 16 and 4 queries, mask */
     run(k, (cfg){1, 2, 1, 65, 300, 40, 40, 1, 1, 0, OPF_F32});    /* MQA, bool mask + causal */
     run(k, (cfg){1, 1, 1, 7, 1000, 24, 24, 0, 2, 2, OPF_F32});    /* additive mask, strided */
     run(k, (cfg){1, 1, 1, 50, 300, 16, 16, 0, 3, 0, OPF_F32});    /* fully masked rows */
@@ -486,6 +489,38 @@ static void test_oracle_scale(void) {
     }
 }
 
+/* The forward's query blocks: 64 queries, cut to 32 then 16 where the blocks (times their key
+ * chunks) leave threads idle and the cut adds blocks; shapes with one key block, which no build splits
+ * by keys. Their bits on 1, 2 and 4 threads: check_fwd_bits. */
+static void test_fwd_query_split(void) {
+    const attention_kernels *k = attention_kernels_for(opf_isa_best());
+    const struct {
+        int64_t b, h, n, s, threads, qrows, tasks;
+    } want[] = {
+        {1, 1, 64, 64, 1, 64, 1}, {1, 1, 64, 64, 2, 32, 2},  {1, 1, 64, 64, 3, 16, 4},   {1, 1, 64, 64, 64, 16, 4},
+        {1, 2, 64, 64, 2, 64, 2}, {1, 2, 64, 64, 16, 16, 8}, {1, 1, 200, 50, 2, 64, 4},  {1, 1, 200, 50, 8, 16, 13},
+        {1, 1, 20, 40, 2, 16, 2}, {1, 1, 5, 40, 64, 64, 1},  {2, 8, 64, 64, 16, 64, 16}, {1, 1, 33, 9, 4, 16, 3},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        const attention_problem p = {.b = want[i].b,
+                                     .h = want[i].h,
+                                     .hkv = want[i].h,
+                                     .n = want[i].n,
+                                     .s = want[i].s,
+                                     .d_qk = 64,
+                                     .d_v = 64,
+                                     .dt = OPF_F32};
+        const attention_fwd_plan pl = attention_fwd_plan_make(k, &p, want[i].threads);
+        CHECK(pl.qrows == want[i].qrows && pl.tasks == want[i].tasks && pl.chunks == 1 &&
+                  pl.workers == (want[i].tasks < want[i].threads ? want[i].tasks : want[i].threads),
+              "forward plan b=%lld h=%lld n=%lld s=%lld on %lld threads: %lld queries a block, %lld tasks, %lld "
+              "workers; want %lld, %lld",
+              (long long)p.b, (long long)p.h, (long long)p.n, (long long)p.s, (long long)want[i].threads,
+              (long long)pl.qrows, (long long)pl.tasks, (long long)pl.workers, (long long)want[i].qrows,
+              (long long)want[i].tasks);
+    }
+}
+
 int main(void) {
 #ifdef OPF_AMX_EMULATE
     /* the AMX table's bfloat16 products over the C model of the tile instructions (its other
@@ -496,10 +531,11 @@ int main(void) {
     } else {
         printf("skip %s over emulated tiles: the CPU lacks AVX512-BF16\n", attention_kernels_amx.name);
     }
-    (void)test_oracle_scale; /* the plain build's checks */
+    (void)test_oracle_scale, (void)test_fwd_query_split; /* the plain build's checks */
     return check_report("test_attention (AMX emulated)");
 #else
     test_oracle_scale();
+    test_fwd_query_split();
     CHECK_EACH_VARIANT(attention_kernels_for, test_variant);
     return check_report("test_attention");
 #endif

@@ -908,12 +908,13 @@ def attention64(q, k, v, keep, causal, scale):
     return torch.exp(scores - lse).nan_to_num(0.0) @ v
 
 
-# (B, H, Hkv, N, S, D, Dv); N <= 4 runs the flash-decoding driver, a lone query block over >= 2 key blocks splits
+# (B, H, Hkv, N, S, D, Dv); N <= 4 runs the flash-decoding driver, a lone query block over >= 2 key blocks splits,
+# fewer query blocks than threads are cut to 32 or 16 queries
 SWEEP_SHAPES = [(0, 2, 2, 5, 7, 8, 8), (2, 0, 0, 5, 7, 8, 8), (2, 0, 2, 5, 7, 8, 8), (2, 0, 0, 1, 7, 8, 8),
              (2, 0, 2, 1, 7, 8, 8), (2, 2, 2, 0, 7, 8, 8), (2, 4, 2, 5, 0, 8, 8), (2, 2, 1, 1, 0, 8, 8),
              (2, 4, 2, 0, 0, 8, 8), (1, 2, 2, 5, 7, 0, 8), (1, 2, 2, 2, 7, 0, 3), (1, 2, 2, 5, 7, 8, 0),
              (1, 1, 1, 1, 1, 1, 1), (1, 3, 1, 2, 3, 5, 3), (2, 4, 2, 5, 17, 7, 5), (1, 1, 1, 3, 70, 8, 8),
-             (1, 1, 1, 7, 130, 8, 8), (1, 6, 3, 4, 9, 4, 4), (3, 1, 1, 17, 5, 3, 2), (2, 4, 2, 130, 130, 16, 16)]
+             (1, 1, 1, 7, 130, 8, 8), (1, 1, 1, 64, 64, 16, 16), (1, 6, 3, 4, 9, 4, 4), (3, 1, 1, 17, 5, 3, 2), (2, 4, 2, 130, 130, 16, 16)]
 
 
 def _sweep_cases():
