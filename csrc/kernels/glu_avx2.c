@@ -38,7 +38,10 @@ GLU_BLOCK_IO(f16, uint16_t, ld_f16, st_f16)
 /* Unit-stride runs that write more than this stream their output past the caches: such an output cannot
  * stay cached anyway, and a non-temporal store skips reading each line before overwriting it (a quarter
  * of the forward's memory traffic, two sevenths of the backward's). The elements before the first
- * aligned block go through the same vector code as a padded block, so values do not change. */
+ * aligned block go through the same vector code as a padded block, so values do not change. A backward
+ * written over gate and up (glu_backward_) stores as usual: it has just read those lines, and a
+ * non-temporal store would write them back and store them again (2048 x 1408 float32 on the Xeon with
+ * AMX: 1.47x the time of the out-of-place call with non-temporal stores, 0.96x with plain ones). */
 #define GLU_STREAM_MIN_BYTES ((int64_t)8 << 20)
 
 /* elements before the first 8-element block of p aligned for a non-temporal store */
@@ -88,7 +91,7 @@ static inline int64_t glu_head(const void *p, size_t es) {
         const E *grad = grad_, *gate = gate_, *up = up_;                                                            \
         int64_t i = 0;                                                                                              \
         if (ds == 1 && rs == 1 && gs == 1 && us == 1 && 2 * n * (int64_t)sizeof(E) >= GLU_STREAM_MIN_BYTES &&       \
-            glu_head(dgate, sizeof(E)) == glu_head(dup, sizeof(E))) {                                               \
+            glu_head(dgate, sizeof(E)) == glu_head(dup, sizeof(E)) && dgate != gate) {                              \
             const int64_t head = glu_head(dgate, sizeof(E));                                                        \
             if (head > 0) glu_bwd8_##name(dgate, dup, grad, gate, up, head, 1, 1, 1, 1, act, 0);                    \
             for (i = head; i + 8 <= n; i += 8)                                                                      \

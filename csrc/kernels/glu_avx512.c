@@ -90,7 +90,7 @@ static inline int64_t glu_head(const void *p, size_t es) {
         const E *grad = grad_, *gate = gate_, *up = up_;                                                             \
         int64_t i = 0;                                                                                               \
         if (ds == 1 && rs == 1 && gs == 1 && us == 1 && 2 * n * (int64_t)sizeof(E) >= GLU_STREAM_MIN_BYTES &&        \
-            glu_head(dgate, sizeof(E)) == glu_head(dup, sizeof(E))) {                                                \
+            glu_head(dgate, sizeof(E)) == glu_head(dup, sizeof(E)) && dgate != gate) {                               \
             const int64_t head = glu_head(dgate, sizeof(E));                                                         \
             if (head > 0) glu_bwd16_##name(dgate, dup, grad, gate, up, head, 1, 1, 1, 1, act, 0);                    \
             for (i = head; i + 16 <= n; i += 16)                                                                     \

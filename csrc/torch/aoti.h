@@ -115,29 +115,33 @@ AOTITorchError opf_aoti_run(opf_aoti_site *site, opf_aoti_args *a, AtenTensorHan
     m(a, x);                      \
     OPF_EACH_15(m, a, __VA_ARGS__)
 
-#define OPF_RETS_1 AtenTensorHandle *ret0
+/* the output parameters after the arguments, and their pointers after a leading NULL (an op may
+ * return nothing: nout 0) */
+#define OPF_RETS_0
+#define OPF_RETS_1 , AtenTensorHandle *ret0
 #define OPF_RETS_2 OPF_RETS_1, AtenTensorHandle *ret1
 #define OPF_RETS_3 OPF_RETS_2, AtenTensorHandle *ret2
 #define OPF_RETS_4 OPF_RETS_3, AtenTensorHandle *ret3
 #define OPF_RETS_5 OPF_RETS_4, AtenTensorHandle *ret4
-#define OPF_RET_PTRS_1 ret0
+#define OPF_RET_PTRS_0
+#define OPF_RET_PTRS_1 , ret0
 #define OPF_RET_PTRS_2 OPF_RET_PTRS_1, ret1
 #define OPF_RET_PTRS_3 OPF_RET_PTRS_2, ret2
 #define OPF_RET_PTRS_4 OPF_RET_PTRS_3, ret3
 #define OPF_RET_PTRS_5 OPF_RET_PTRS_4, ret4
 
 /* The locals end in '_' so that no schema argument name (a, grad, ...) shadows them. */
-#define OPF_AOTI_SHIM(op, nout, params, ...)                                                              \
-    OPF_EXPORT AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params,                                       \
-                                                OPF_RETS_##nout) __asm__(OPF_NAMESPACE "_aoti_cpu_" #op); \
-    AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params, OPF_RETS_##nout) {                               \
-        static opf_aoti_site site_ = {#op, NULL};                                                         \
-        opf_aoti_args args_ = {.n = 0};                                                                   \
-        AtenTensorHandle *rets_[] = {OPF_RET_PTRS_##nout};                                                \
-        OPF_EACH(OPF_AOTI_ARG, &args_, __VA_ARGS__)                                                       \
-        return opf_aoti_run(&site_, &args_, rets_, nout);                                                 \
-    }                                                                                                     \
-    static const opf_aoti_shim_desc opf_aoti_desc_##op = {#op, #params, nout};                            \
+#define OPF_AOTI_SHIM(op, nout, params, ...)                                                                   \
+    OPF_EXPORT AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params OPF_RETS_##nout) __asm__(OPF_NAMESPACE      \
+                                                                                            "_aoti_cpu_" #op); \
+    AOTITorchError opf_aoti_cpu_##op(OPF_UNPAREN params OPF_RETS_##nout) {                                     \
+        static opf_aoti_site site_ = {#op, NULL};                                                              \
+        opf_aoti_args args_ = {.n = 0};                                                                        \
+        AtenTensorHandle *rets_[] = {NULL OPF_RET_PTRS_##nout};                                                \
+        OPF_EACH(OPF_AOTI_ARG, &args_, __VA_ARGS__)                                                            \
+        return opf_aoti_run(&site_, &args_, rets_ + 1, nout);                                                  \
+    }                                                                                                          \
+    static const opf_aoti_shim_desc opf_aoti_desc_##op = {#op, #params, nout};                                 \
     OPF_REG_ENTRY(opf_aoti_shims, const opf_aoti_shim_desc *) = &opf_aoti_desc_##op
 
 #endif

@@ -30,7 +30,8 @@ typedef struct glu_args {
  * (opf_check_device on the CPU, opf_check_cuda on the GPU). Then allocates the outputs like gate
  * (gate's strides when gate is dense, else contiguous) into *out_h and, in the backward, *dup_h:
  * handles the caller owns (OPF_OWNED, NULL before the call), so that they are released on every
- * path, a failure here included. */
+ * path, a failure here included. out_h NULL: the checks alone, no output (glu_backward_, which
+ * writes its outputs over gate and up). */
 glu_args glu_prepare(const char *op, __typeof__(opf_check_device) *check_device, AtenTensorHandle grad_h,
                      AtenTensorHandle gate_h, AtenTensorHandle up_h, AtenTensorHandle *out_h, AtenTensorHandle *dup_h);
 

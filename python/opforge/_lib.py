@@ -283,6 +283,8 @@ def _fake_from_kernel(op, args: tuple):
             for a in args
         ]
         outs = op.redispatch(_CPU_KEYS, *metas)
+    if outs is None:  # an op that returns nothing (it writes over its arguments)
+        return None
     single = not isinstance(outs, (tuple, list))
     outs = (outs,) if single else tuple(outs)
     fakes = tuple(like.new_empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device) for o in outs)
@@ -304,7 +306,7 @@ def _wire_fake(desc: OpDescriptor, argnames: list[str]) -> None:
             return _fake_from_kernel(op, args)
         # symbolic sizes (torch.compile(dynamic=True)): the descriptor's shape rules
         outs = tuple(r.evaluate(args) for r in rules)
-        return outs[0] if len(outs) == 1 else outs
+        return outs[0] if len(outs) == 1 else outs if outs else None
 
     torch.library.register_fake(f"{desc.namespace}::{desc.name}", fake, lib=_fragment(desc.namespace))
 
@@ -316,25 +318,34 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
     bwd = op_overload(desc, desc.backward)
     # how each backward argument is found: ("grad", i), ("saved", j) or ("const", j)
     plan, saved_from, const_from = [], [], []
-    donatable = None  # saved slot of an "outN!" argument
+    donatable = []  # saved slots of "outN!" and "ARG!" arguments: the backward's to overwrite when no one else's
+    written_over = {}  # "ARG!" input -> its saved slot: the in-place backward writes ARG's gradient over it
     for a in desc.backward_args:
+        name = a.rstrip("!")
         if a == "needs":  # which of backward_grads are wanted, a bit each (ctx.needs_input_grad)
             plan.append(("needs", 0))
         elif a.startswith("grad") and a[4:].isdigit():
             plan.append(("grad", int(a[4:])))
-        elif a.startswith("out") and a.rstrip("!")[3:].isdigit():
+        elif a.startswith("out") and name[3:].isdigit():
             if a.endswith("!"):
-                donatable = len(saved_from)
+                donatable.append(len(saved_from))
             plan.append(("saved", len(saved_from)))
-            saved_from.append(("out", int(a.rstrip("!")[3:])))
-        elif is_tensor[argnames.index(a)]:
+            saved_from.append(("out", int(name[3:])))
+        elif is_tensor[argnames.index(name)]:
+            if a.endswith("!"):
+                donatable.append(len(saved_from))
+                written_over[name] = len(saved_from)
             plan.append(("saved", len(saved_from)))
-            saved_from.append(("in", argnames.index(a)))
+            saved_from.append(("in", argnames.index(name)))
         else:
             plan.append(("const", len(const_from)))
             const_from.append(argnames.index(a))
-    bwd_inplace = op_overload(desc, desc.backward + "_") if donatable is not None else None
+    bwd_inplace = op_overload(desc, desc.backward + "_") if donatable else None
+    # the devices whose tensors the in-place backward takes (its CPU kernel; CUDA where it has one)
+    inplace_devices = ("cpu", "cuda") if bwd_inplace is not None and _private.has_kernel(bwd_inplace, "CUDA") else ("cpu",)
     grad_slots = [argnames.index(a) for a in desc.backward_grads]
+    # gradient b -> the saved slot the in-place backward wrote it over (it returns the others, in order)
+    over = {b: written_over[a] for b, a in enumerate(desc.backward_grads) if a in written_over}
     # outputs the backward never gets a gradient for are saved values (e.g. a
     # pre-activation): not differentiable, and no zeros are made for them
     used_grads = {i for k, i in plan if k == "grad"}
@@ -361,16 +372,22 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             )
         saved = list(ctx.saved_tensors)
         op = bwd
-        if donatable is not None and _private.may_donate(ctx, saved, donatable):
-            op = bwd_inplace  # the saved output is ours alone: the backward may overwrite it
+        if donatable and saved[donatable[0]].device.type in inplace_devices and \
+                all(saved[slot].is_contiguous() for slot in over.values()) and \
+                all(_private.may_donate(ctx, saved, slot) for slot in donatable):
+            op = bwd_inplace  # the saved values are ours alone: the backward may overwrite them
         args = [
             grads[i] if k == "grad" else saved[i] if k == "saved" else ctx.needs if k == "needs" else ctx.consts[i]
             for k, i in plan
         ]
+        overwritten = {b: saved[slot] for b, slot in over.items()} if op is bwd_inplace else None
         del saved
         recording = _grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         res = _call_below_autograd(op, args)
-        res = tuple(res) if isinstance(res, (tuple, list)) else (res,)
+        res = tuple(res) if isinstance(res, (tuple, list)) else () if res is None else (res,)
+        if overwritten:  # gradients written over saved inputs: those tensors, without their autograd history
+            rest = iter(res)
+            res = tuple(overwritten[b].detach() if b in overwritten else next(rest) for b in range(len(grad_slots)))
         if recording:  # create_graph=True: the results join the graph, and differentiating them raises
             res = _FirstOrderOnly.apply(qualname, res, *[a for a in args if isinstance(a, torch.Tensor)])
         out = [None] * len(argnames)

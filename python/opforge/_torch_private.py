@@ -252,9 +252,18 @@ def autograd_kernel(qualname: str, op, backward, setup_context):
 # ---- donating a saved output to the backward -----------------------------------------------
 
 
+def has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
+    """Whether op has a kernel registered for the dispatch key (False where torch no longer says)."""
+    query = _attr(_C, "_dispatch_has_kernel_for_dispatch_key")
+    try:
+        return bool(query(op.name(), key))
+    except Exception:
+        return False
+
+
 def may_donate(ctx, saved: list, slot: int) -> bool:
     """Whether the backward may overwrite saved[slot] (a forward output saved
-    only for it): eager mode, a graph that is not retained (the saved values
+    only for it, or an input whose gradient it writes over it): eager mode, a graph that is not retained (the saved values
     are used once), and after the node lets go of its saved values, nothing
     but `saved` refers to the tensor or its storage (not the caller, not a
     view, not a saved-tensor hook's cache). False when any count cannot be

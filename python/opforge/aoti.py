@@ -114,9 +114,9 @@ def shim_declarations(library: OpLibrary) -> dict[torch._ops.OpOverload, list[st
                 f"'{desc.schema}' gives ({derived}) and {len(schema.returns)}: update OPF_AOTI_OPS in "
                 "csrc/torch/aoti.c"
             )
-        rets = ", ".join(f"AtenTensorHandle *ret{i}" for i in range(nout))
+        c_args = ", ".join([params] + [f"AtenTensorHandle *ret{i}" for i in range(nout)])
         decls[overload] = [
-            f'AOTITorchError aoti_torch_cpu_{desc.name}({params}, {rets}) '
+            f'AOTITorchError aoti_torch_cpu_{desc.name}({c_args}) '
             f'__asm__("{desc.namespace}_aoti_cpu_{desc.name}")'
         ]
     return decls

@@ -3,7 +3,8 @@
  * scalar reference: all dtypes, the three activations, F = 1, 7, 123, 4097
  * over several rows, strided and broadcast (stride 0) operands, and the
  * threaded n-d driver (same bits serial and threaded), and float32 at
- * infinite, huge and NaN gates as the scalar reference. The vector variants
+ * infinite, huge and NaN gates as the scalar reference; the backward written over
+ * gate and up (glu_backward_) as out of place. The vector variants
  * use exp / erf / tanh approximations (~1-2 ulp in float32), so values are
  * compared within per-dtype tolerances, reporting index, both values and the
  * max error.
@@ -177,6 +178,19 @@ static void test_long_runs(const glu_kernels *k) {
         }
         CHECK(memcmp(a + es, b + es, (size_t)n * es) == 0 && memcmp(c + es, d + es, (size_t)n * es) == 0,
               "%s %s: streamed backward differs from short runs", k->name, DT_NAME[dt]);
+        /* written over gate and up (glu_backward_: plain stores), and over them at stride 2 */
+        memcpy(b, gate, nb), memcpy(d, up, nb);
+        k->bwd[dt](b + es, d + es, r1, b + es, d + es, n, 1, 1, 1, 1, ACT_GELU_TANH);
+        CHECK(memcmp(a + es, b + es, (size_t)n * es) == 0 && memcmp(c + es, d + es, (size_t)n * es) == 0,
+              "%s %s: backward written over gate and up differs", k->name, DT_NAME[dt]);
+        const int64_t half = n / 2;
+        k->bwd[dt](a, c, grad, gate, up, half, 2, 2, 2, 2, ACT_SILU);
+        memcpy(b, gate, nb), memcpy(d, up, nb);
+        k->bwd[dt](b, d, grad, b, d, half, 2, 2, 2, 2, ACT_SILU);
+        int same = 1;
+        for (int64_t i = 0; i < half; i++)
+            same &= memcmp(a + 2 * i * es, b + 2 * i * es, es) == 0 && memcmp(c + 2 * i * es, d + 2 * i * es, es) == 0;
+        CHECK(same, "%s %s: strided backward written over gate and up differs", k->name, DT_NAME[dt]);
         free(gate), free(up), free(grad), free(a), free(b), free(c), free(d);
     }
 }

@@ -130,6 +130,87 @@ def test_gradcheck_float64(name):
     assert torch.autograd.gradcheck(lambda t: F.swiglu(t), (x,))
 
 
+BWD_INPLACE = torch.ops.opforge.glu_backward_.default
+
+
+def _glu_backward_ops(make_gate_up, keep=False, retain=False, dtype=torch.float32):
+    """Gradients of x and the two weights through swiglu(x Wg^T, x Wu^T), and the glu backward ops the
+    autograd graph ran; keep: the caller still holds gate and up (returned, with copies of their values)."""
+    torch.manual_seed(3)
+    x = torch.randn(37, 24, dtype=dtype, requires_grad=True)
+    wg, wu = (torch.randn(4101, 24, dtype=dtype, requires_grad=True) for _ in range(2))
+    gate, up = make_gate_up(x, wg, wu)
+    y = F.swiglu(gate, up)
+    held = (gate, up, gate.detach().clone(), up.detach().clone()) if keep else None
+    del gate, up
+    with torch.profiler.profile() as prof:
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(4)).to(dtype), retain_graph=retain)
+    ran = sorted({e.name for e in prof.events() if e.name.startswith("opforge::glu_backward")})
+    return [t.grad for t in (x, wg, wu)], ran, held
+
+
+def _projections(x, wg, wu):
+    return x @ wg.t(), x @ wu.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backward_writes_over_gate_and_up_no_one_else_holds(dtype):
+    """gate and up saved for the backward alone (the MLP's projections, dropped after the forward) take
+    their gradients in place (glu_backward_): the same bits as the out-of-place backward's, which runs
+    when the caller still holds them (left unchanged) or the graph is retained."""
+    grads, ran, _ = _glu_backward_ops(_projections, dtype=dtype)
+    assert ran == ["opforge::glu_backward_"]
+    kept, ran_kept, held = _glu_backward_ops(_projections, keep=True, dtype=dtype)
+    assert ran_kept == ["opforge::glu_backward"]
+    assert torch.equal(held[0], held[2]) and torch.equal(held[1], held[3]), "a held gate or up was overwritten"
+    retained, ran_retained, _ = _glu_backward_ops(_projections, retain=True, dtype=dtype)
+    assert ran_retained == ["opforge::glu_backward"]
+    for a, b, c in zip(grads, kept, retained):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_backward_out_of_place_for_layouts_it_cannot_write_over():
+    """Transposed (non-contiguous) gate and up, and the packed form's two views of one tensor, keep
+    the out-of-place backward."""
+    _, ran, _ = _glu_backward_ops(lambda x, wg, wu: ((wg @ x.t()).t(), (wu @ x.t()).t()))
+    assert ran == ["opforge::glu_backward"]
+    x = torch.randn(5, 2 * 33, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        F.swiglu(x * 2).sum().backward()
+    assert sorted({e.name for e in prof.events() if e.name.startswith("opforge::glu_backward")}) == [
+        "opforge::glu_backward"]
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 123), (3, 1 << 21)])  # the second past the streaming stores' size
+def test_inplace_backward_op_equals_the_out_of_place_one(act, dtype, shape):
+    grad, gate, up = (torch.randn(shape).to(dtype) for _ in range(3))
+    dgate, dup = BWD(grad, gate, up, act)
+    assert BWD_INPLACE(grad, gate, up, act) is None
+    assert torch.equal(gate, dgate) and torch.equal(up, dup)
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda: BWD_INPLACE(torch.rand(4, 3), torch.rand(3, 4).t(), torch.rand(4, 3), "silu"),
+         r"\[opforge::glu_backward_\] arguments 'gate' and 'up' must be dense with the same strides .*"
+         r"got strides \(1, 4\) and \(3, 1\)"),
+        (lambda: BWD_INPLACE(torch.rand(4, 3), torch.rand(4, 6)[:, :3], torch.rand(4, 6)[:, :3], "silu"),
+         r"\[opforge::glu_backward_\] arguments 'gate' and 'up' must be dense with the same strides"),
+        (lambda: (lambda x: BWD_INPLACE(torch.rand(4), x[:4], x[2:], "silu"))(torch.rand(6)),
+         r"\[opforge::glu_backward_\] arguments 'gate' and 'up' must not overlap in memory"),
+        (lambda: BWD_INPLACE(torch.rand(3), torch.rand(3), torch.rand(3).double(), "silu"),
+         r"\[opforge::glu_backward_\] argument 'up' must have the dtype of 'gate' \(float32\), got float64"),
+    ],
+    ids=["strides", "not-dense", "overlap", "dtype"],
+)
+def test_inplace_backward_errors(call, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        call()
+
+
 @pytest.mark.parametrize(
     "gate, up",
     [inputs((7, 13), torch.float32), (torch.rand(5, 6).t(), torch.rand(6, 5)), torch.rand(3, 10).chunk(2, -1),

@@ -87,6 +87,12 @@ typedef struct opf_op_desc {
      * its scratch: when the graph is not retained and nothing else refers to
      * it, the wiring calls "<backward>_" instead, an op with the same
      * arguments that declares that one mutable (Tensor(a!)).
+     * "ARG!" (an input): the backward may write ARG's gradient over ARG: when
+     * the graph is not retained, every such input is contiguous and nothing
+     * else refers to it, the wiring calls "<backward>_", an op with the same
+     * arguments that declares them mutable and returns the other gradients
+     * of backward_grads in order ("-> ()" when there are none); the written
+     * inputs are those gradients (glu: "grad0,gate!,up!,act").
      * "needs": an int, bit i set when the i-th of backward_grads needs its
      * gradient (ctx.needs_input_grad): a backward may leave the outputs of
      * the others uncomputed (still allocated, of their usual shape, so the
