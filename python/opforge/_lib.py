@@ -372,7 +372,8 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             )
         saved = list(ctx.saved_tensors)
         op = bwd
-        if donatable and saved[donatable[0]].device.type in inplace_devices and \
+        if donatable and all(isinstance(saved[slot], torch.Tensor) and saved[slot].device.type in inplace_devices
+                             for slot in donatable) and \
                 all(saved[slot].is_contiguous() for slot in over.values()) and \
                 all(_private.may_donate(ctx, saved, slot) for slot in donatable):
             op = bwd_inplace  # the saved values are ours alone: the backward may overwrite them

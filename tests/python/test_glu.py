@@ -181,6 +181,20 @@ def test_backward_out_of_place_for_layouts_it_cannot_write_over():
         "opforge::glu_backward"]
 
 
+def test_backward_keeps_out_of_place_where_the_device_lacks_the_in_place_kernel():
+    """glu_backward_ has a CPU kernel alone: tensors of another device (meta here, CUDA on a GPU machine)
+    keep glu_backward, even where the CPU would write over them."""
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("opforge::glu_backward_", "CUDA")
+    x = torch.empty(37, 24, device="meta", requires_grad=True)
+    wg, wu = (torch.empty(4101, 24, device="meta", requires_grad=True) for _ in range(2))
+    y = F.swiglu(x @ wg.t(), x @ wu.t())
+    with torch.profiler.profile() as prof:
+        y.sum().backward()
+    assert sorted({e.name for e in prof.events() if e.name.startswith("opforge::glu_backward")}) == [
+        "opforge::glu_backward"]
+    assert x.grad.shape == x.shape
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7, 123), (3, 1 << 21)])  # the second past the streaming stores' size
