@@ -341,8 +341,12 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             plan.append(("const", len(const_from)))
             const_from.append(argnames.index(a))
     bwd_inplace = op_overload(desc, desc.backward + "_") if donatable else None
-    # the devices whose tensors the in-place backward takes (its CPU kernel; CUDA where it has one)
-    inplace_devices = ("cpu", "cuda") if bwd_inplace is not None and _private.has_kernel(bwd_inplace, "CUDA") else ("cpu",)
+
+    def inplace_takes(t) -> bool:
+        """Whether the in-place backward has a kernel for t's device: its CPU one, or a CUDA one, asked
+        at the call (the CUDA library registers its kernels after the ops are wired)."""
+        return isinstance(t, torch.Tensor) and (t.is_cpu or t.is_cuda and _private.has_kernel(bwd_inplace, "CUDA"))
+
     grad_slots = [argnames.index(a) for a in desc.backward_grads]
     # gradient b -> the saved slot the in-place backward wrote it over (it returns the others, in order)
     over = {b: written_over[a] for b, a in enumerate(desc.backward_grads) if a in written_over}
@@ -372,8 +376,7 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             )
         saved = list(ctx.saved_tensors)
         op = bwd
-        if donatable and all(isinstance(saved[slot], torch.Tensor) and saved[slot].device.type in inplace_devices
-                             for slot in donatable) and \
+        if donatable and all(inplace_takes(saved[slot]) for slot in donatable) and \
                 all(saved[slot].is_contiguous() for slot in over.values()) and \
                 all(_private.may_donate(ctx, saved, slot) for slot in donatable):
             op = bwd_inplace  # the saved values are ours alone: the backward may overwrite them
