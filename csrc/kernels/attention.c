@@ -157,7 +157,7 @@ static int64_t fwd_kend(const attention_problem *p, int64_t i0, int64_t bq) {
 /* A forward worker's slice of the workspace, as offsets: the one statement of
  * it (blocks_plan sizes with it, fwd_task carves with it) */
 typedef struct fwd_layout {
-    int64_t qt, kbuf, vbuf, st, o, m, l, alpha, row;
+    int64_t qt, kbuf, vbuf, st, o, m, l, alpha;
     int64_t pq, pk, pp, pv; /* packed (packs_shape): Q^T as B, the K block as A, P as A, the V block as B */
     int64_t floats;
 } fwd_layout;
@@ -167,14 +167,13 @@ static fwd_layout fwd_layout_for(const attention_problem *p, int64_t bk) {
     fwd_layout lay;
     int64_t at = 0;
     lay.qt = carve(&at, d_qk * BQ);   /* Q^T of the block */
-    lay.kbuf = carve(&at, bk * d_qk); /* K and V rows in float32, when not read in place */
+    lay.kbuf = carve(&at, bk * d_qk); /* K (first Q) and V rows in float32, when not read in place */
     lay.vbuf = carve(&at, bk * d_v);
     lay.st = carve(&at, bk * BQ); /* S^T, then P^T */
     lay.o = carve(&at, BQ * d_v); /* O, unnormalised (split: the merged chunks) */
     lay.m = carve(&at, BQ);       /* the online softmax's running max, sum and rescale */
     lay.l = carve(&at, BQ);
     lay.alpha = carve(&at, BQ);
-    lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
     const int packed = packs_shape(p); /* uint32 words, a float's size each */
     lay.pq = carve(&at, packed ? round16(packed_b(d_qk, BQ)) : 0);
     lay.pk = carve(&at, packed ? round16(packed_a_rows(bk)) : 0);
@@ -185,11 +184,20 @@ static fwd_layout fwd_layout_for(const attention_problem *p, int64_t bk) {
 }
 
 /* The query blocks' plan (attention_fwd_plan in attention.h) */
+/* Keys per block: the table's for its products (attention.h: fwd_bk, fwd_bk_plain), but float32 products
+ * keep BK where the keys are split into chunks (fewer query blocks than FWD_MIN_TASKS): a chunk is whole
+ * key blocks, and blocks of 64 even the chunks out (S = 300 in two chunks: 192 and 108 keys, where blocks
+ * of 256 would give 256 and 44). By the shape alone, as the split. */
+static int64_t fwd_bk(const attention_kernels *k, const attention_problem *p) {
+    if (attention_mm_for(k, p) != k->mm) return k->fwd_bk ? k->fwd_bk : BK;
+    if (p->b * p->h * cdiv(p->n, BQ) < FWD_MIN_TASKS) return BK;
+    return k->fwd_bk_plain ? k->fwd_bk_plain : BK;
+}
 static attention_fwd_plan blocks_plan(const attention_kernels *k, const attention_problem *p, int64_t threads) {
     attention_fwd_plan pl = {.path = ATTENTION_PATH_BLOCKS,
                              .qrows = BQ,
                              .nqb = cdiv(p->n, BQ),
-                             .bk = k->fwd_bk ? k->fwd_bk : BK,
+                             .bk = fwd_bk(k, p),
                              .chunks = 1,
                              .span = p->s};
     pl.blocks = p->b * p->h * pl.nqb;
@@ -350,7 +358,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
     const int split = c->pl.chunks > 1;
     const fwd_layout lay = fwd_layout_for(p, c->pl.bk);
     float *qt = ws + lay.qt, *kbuf = ws + lay.kbuf, *vbuf = ws + lay.vbuf, *st = ws + lay.st, *o = ws + lay.o;
-    float *m = ws + lay.m, *l = ws + lay.l, *alpha = ws + lay.alpha, *row = ws + lay.row;
+    float *m = ws + lay.m, *l = ws + lay.l, *alpha = ws + lay.alpha;
     if (split) { /* O, m and l in the chunk's slot */
         o = c->slots + ((bh * c->pl.nqb + qb) * c->pl.chunks + ch) * c->pl.slot_floats;
         m = o + c->pl.rows * d_v;
@@ -359,18 +367,18 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
     const attention_bf16_packing *pk = packing_for(k, p);
     uint32_t *pq = (uint32_t *)(ws + lay.pq), *pkb = (uint32_t *)(ws + lay.pk), *pp = (uint32_t *)(ws + lay.pp),
              *pv = (uint32_t *)(ws + lay.pv);
-    if (pk) /* Q^T of the block as packed pairs, once for all its key blocks */
-        pk->bt16(pq, (const uint16_t *)p->q + off4(p->qs, b, h, i0, 0), p->qs[2], d_qk, bq);
-    for (int64_t i = 0; i < bq; i++) { /* Q^T of the block, float32 */
-        if (!pk) {
-            load_row(k->cvt, row, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
-            for (int64_t d = 0; d < d_qk; d++) qt[d * BQ + i] = row[d];
-        }
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-    }
-    memset(o, 0, sizeof(float) * (size_t)(bq * d_v));
     const int f32 = p->dt == OPF_F32;
+    if (pk) { /* Q^T of the block as packed pairs, once for all its key blocks */
+        pk->bt16(pq, (const uint16_t *)p->q + off4(p->qs, b, h, i0, 0), p->qs[2], d_qk, bq);
+    } else if (f32 && p->qs[3] == 1) { /* Q^T of the block in float32: from Q's rows in place, or staged in kbuf */
+        k->transpose(qt, BQ, (const float *)p->q + off4(p->qs, b, h, i0, 0), p->qs[2], bq, d_qk);
+    } else {
+        for (int64_t i = 0; i < bq; i++)
+            load_row(k->cvt, kbuf + i * d_qk, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
+        k->transpose(qt, BQ, kbuf, d_qk, bq, d_qk);
+    }
+    for (int64_t i = 0; i < bq; i++) m[i] = -INFINITY, l[i] = 0.0f;
+    memset(o, 0, sizeof(float) * (size_t)(bq * d_v));
     for (int64_t j0 = jbeg; j0 < jend; j0 += c->pl.bk) {
         const int64_t bk = jend - j0 < c->pl.bk ? jend - j0 : c->pl.bk;
         /* S^T (bk x bq) = K_block Q^T: K rows are read in place in float32 */
@@ -396,9 +404,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
         float scale;
         const int64_t diag = tile_diag(p, st, 1, BQ, b, h, i0, bq, j0, bk, &scale);
         k->softmax_cols(st, BQ, bk, bq, scale, m, l, alpha, diag);
-        for (int64_t i = 0; i < bq && j0 > jbeg; i++) /* O is still zero on the first */
-            if (alpha[i] != 1.0f)
-                for (int64_t d = 0; d < d_v; d++) o[i * d_v + d] *= alpha[i];
+        if (j0 > jbeg) k->scale_rows(o, d_v, o, d_v, bq, d_v, alpha); /* O is still zero on the first */
         /* O (bq x Dv) += P V_block, P(i, j) = st[j*BQ + i] */
         if (pk) {
             pk->a_cols32(pp, st, BQ, bq, bk);
@@ -423,11 +429,16 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
         return;
     }
     for (int64_t i = 0; i < bq; i++) {
-        const float inv = l[i] == 0.0f ? 0.0f : 1.0f / l[i]; /* a NaN score keeps the row NaN */
-        for (int64_t d = 0; d < d_v; d++) o[i * d_v + d] *= inv;
-        store_row(k->cvt, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * d_v, d_v, p->dt);
+        alpha[i] = l[i] == 0.0f ? 0.0f : 1.0f / l[i]; /* a NaN score keeps the row NaN */
         p->lse[bh * p->n + i0 + i] = l[i] == 0.0f ? -INFINITY : m[i] + logf(l[i]);
     }
+    if (f32 && p->os[3] == 1) { /* normalised straight into out's rows */
+        k->scale_rows((float *)p->out + off4(p->os, b, h, i0, 0), p->os[2], o, d_v, bq, d_v, alpha);
+        return;
+    }
+    k->scale_rows(o, d_v, o, d_v, bq, d_v, alpha);
+    for (int64_t i = 0; i < bq; i++)
+        store_row(k->cvt, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * d_v, d_v, p->dt);
 }
 
 static void fwd_worker(int64_t w0, int64_t w1, void *arg) {

@@ -7,7 +7,8 @@
  * contiguous: the log-sum-exp of each row, saved for the backward.
  *
  * Forward: each task is one block of BQ queries of one head. Q^T of the block
- * is made once; K/V are streamed in blocks of BK keys: the score tile S^T =
+ * is made once (transposed by the table); K/V are streamed in blocks of keys
+ * (the table's: BK = 64, 128 or 256, attention.c: fwd_bk): the score tile S^T =
  * K Q^T (keys x queries) is formed by the ISA's matmul, the online softmax
  * runs down its columns (one query per vector lane), and O += P V. Masked
  * tiles are only those on the causal diagonal or under an explicit mask;
@@ -144,9 +145,16 @@ typedef struct attention_kernels {
     void (*probs)(float *scores, int64_t ld, int64_t bq, int64_t bk, float scale, const float *lse, int64_t diag);
     /* dp = p * (dp - delta[i]) * scale (the gradient of the scaled scores) */
     void (*dscores)(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta, float scale);
-    /* keys per block of the forward: 0 for the driver's 64, or 128 (fewer rescales of O and fewer,
-     * larger products per key: AMX's) */
-    int64_t fwd_bk;
+    /* dst (cols x rows, row stride ldd) = src (rows x cols, row stride lds) transposed: a forward block's Q^T */
+    void (*transpose)(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols);
+    /* row i of dst (rows x cols, row stride ldd) = row i of src (row stride lds) times f[i]; dst may be src:
+     * the forward's rescale of O by alpha and its normalisation by 1 / l */
+    void (*scale_rows)(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols,
+                       const float *f);
+    /* keys per block of the forward's bfloat16 products (mm_bf16 and packing: the same blocks, the same
+     * bits), and of its float32 ones (mm: float32 inputs, and any the table has no bfloat16 product for):
+     * 0 for the driver's 64; more keys rescale O less often and take fewer, larger products */
+    int64_t fwd_bk, fwd_bk_plain;
 } attention_kernels;
 
 extern const attention_kernels attention_kernels_ref;
@@ -192,7 +200,7 @@ typedef struct attention_fwd_plan {
     attention_decode_plan decode; /* ATTENTION_PATH_DECODE */
     int64_t qrows;                /* queries per block: 64, fewer where the blocks leave threads idle */
     int64_t nqb, blocks;          /* query blocks per head, of all heads */
-    int64_t bk;                   /* keys per block (the table's fwd_bk) */
+    int64_t bk;                   /* keys per block (the table's fwd_bk or fwd_bk_plain) */
     int64_t chunks;               /* the most chunks of a query block: 1 unless split */
     int64_t span;                 /* keys per chunk, a multiple of the key block when split */
     int64_t tasks, rows, slot_floats, per_worker, workers;

@@ -264,4 +264,7 @@ const attention_kernels attention_kernels_amx = {.name = "amx",
                                                  .fwd_bk = 128,
                                                  .softmax_cols = attention_softmax_cols_avx512,
                                                  .probs = attention_probs_avx512,
-                                                 .dscores = attention_dscores_avx512};
+                                                 .fwd_bk_plain = 256,
+                                                 .dscores = attention_dscores_avx512,
+                                                 .transpose = attention_transpose_avx512,
+                                                 .scale_rows = attention_scale_rows_avx512};

@@ -177,10 +177,50 @@ static void dscores_avx2(float *dp, const float *p, int64_t ld, int64_t bq, int6
     }
 }
 
+/* whole 8 x 8 blocks in registers (unpack, shuffle, then swap the 128-bit halves), the edges element by element */
+static void transpose_avx2(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols) {
+    const int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+    for (int64_t r0 = 0; r0 < r8; r0 += 8)
+        for (int64_t c0 = 0; c0 < c8; c0 += 8) {
+            __m256 x[8], t[8];
+            for (int i = 0; i < 8; i++) x[i] = _mm256_loadu_ps(src + (r0 + i) * lds + c0);
+            for (int i = 0; i < 4; i++) {
+                t[2 * i] = _mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+                t[2 * i + 1] = _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+            }
+            for (int i = 0; i < 2; i++) { /* x[4i + j]: column j (low half) and 4 + j (high half) of rows 4i.. */
+                x[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+                x[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+                x[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+                x[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+            }
+            for (int j = 0; j < 4; j++) {
+                _mm256_storeu_ps(dst + (c0 + j) * ldd + r0, _mm256_permute2f128_ps(x[j], x[4 + j], 0x20));
+                _mm256_storeu_ps(dst + (c0 + 4 + j) * ldd + r0, _mm256_permute2f128_ps(x[j], x[4 + j], 0x31));
+            }
+        }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = r < r8 ? c8 : 0; c < cols; c++) dst[c * ldd + r] = src[r * lds + c];
+}
+
+static void scale_rows_avx2(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols,
+                            const float *f) {
+    for (int64_t r = 0; r < rows; r++) {
+        const __m256 vf = _mm256_set1_ps(f[r]);
+        float *d = dst + r * ldd;
+        const float *s = src + r * lds;
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) _mm256_storeu_ps(d + c, _mm256_mul_ps(_mm256_loadu_ps(s + c), vf));
+        for (; c < cols; c++) d[c] = s[c] * f[r];
+    }
+}
+
 const attention_kernels attention_kernels_avx2 = {.name = "avx2",
                                                   .isa = OPF_ISA_AVX2,
                                                   .cvt = &convert_kernels_avx2,
                                                   .mm = mm_avx2,
                                                   .softmax_cols = softmax_cols_avx2,
                                                   .probs = probs_avx2,
-                                                  .dscores = dscores_avx2};
+                                                  .dscores = dscores_avx2,
+                                                  .transpose = transpose_avx2,
+                                                  .scale_rows = scale_rows_avx2};

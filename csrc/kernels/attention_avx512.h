@@ -18,5 +18,9 @@ void attention_probs_avx512(float *scores, int64_t ld, int64_t bq, int64_t bk, f
 void attention_pack_b_bf16(uint32_t *bp, const float *b, int64_t ldb, int64_t kc, int64_t nb);
 void attention_dscores_avx512(float *dp, const float *p, int64_t ld, int64_t bq, int64_t bk, const float *delta,
                               float scale);
+/* attention_kernels' transpose and scale_rows */
+void attention_transpose_avx512(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols);
+void attention_scale_rows_avx512(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols,
+                                 const float *f);
 
 #endif

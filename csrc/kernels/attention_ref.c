@@ -50,13 +50,26 @@ static void dscores_ref(float *dp, const float *p, int64_t ld, int64_t bq, int64
         for (int64_t j = 0; j < bk; j++) dp[i * ld + j] = p[i * ld + j] * (dp[i * ld + j] - delta[i]) * scale;
 }
 
+static void transpose_ref(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[c * ldd + r] = src[r * lds + c];
+}
+
+static void scale_rows_ref(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols,
+                           const float *f) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[r * ldd + c] = src[r * lds + c] * f[r];
+}
+
 const attention_kernels attention_kernels_ref = {.name = "ref",
                                                  .isa = OPF_ISA_REF,
                                                  .cvt = &convert_kernels_ref,
                                                  .mm = mm_ref,
                                                  .softmax_cols = softmax_cols_ref,
                                                  .probs = probs_ref,
-                                                 .dscores = dscores_ref};
+                                                 .dscores = dscores_ref,
+                                                 .transpose = transpose_ref,
+                                                 .scale_rows = scale_rows_ref};
 
 /* ---- oracle: row by row in double ---------------------------------------------------------- */
 

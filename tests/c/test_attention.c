@@ -322,6 +322,38 @@ static void test_mm(const attention_kernels *k) {
     }
 }
 
+/* transpose and scale_rows: exact (a copy; one product an element), so bit for bit the scalar result, on
+ * every tail of a 16 x 16 (8 x 8) block, row strides wider than the rows, elements around left alone; NaN
+ * and infinite factors and values pass through as the scalar product's */
+static void test_rows(const attention_kernels *k) {
+    const int64_t shapes[][2] = {{1, 1}, {64, 64}, {16, 16}, {17, 33}, {5, 80}, {64, 7}, {31, 256}, {8, 9}};
+    for (size_t t = 0; t < sizeof shapes / sizeof shapes[0]; t++) {
+        const int64_t rows = shapes[t][0], cols = shapes[t][1], lds = cols + 3, ldd = rows + 5;
+        float *src = rand_tensor(rows * lds, OPF_F32, 11 + t, 2.0), *dst = rand_tensor(cols * ldd, OPF_F32, 5, 1.0);
+        float *want = malloc(sizeof(float) * (size_t)(cols * ldd));
+        memcpy(want, dst, sizeof(float) * (size_t)(cols * ldd));
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) want[c * ldd + r] = src[r * lds + c];
+        k->transpose(dst, ldd, src, lds, rows, cols);
+        CHECK(memcmp(dst, want, sizeof(float) * (size_t)(cols * ldd)) == 0, "%s transpose %lldx%lld: differs", k->name,
+              (long long)rows, (long long)cols);
+        float *f = rand_tensor(rows, OPF_F32, 7, 3.0), *out = rand_tensor(rows * (cols + 1), OPF_F32, 8, 1.0);
+        f[0] = rows > 1 ? NAN : 1.0f, f[rows - 1] = rows > 2 ? INFINITY : f[rows - 1];
+        src[lds - 1] = rows > 1 ? -INFINITY : src[lds - 1];
+        float *want2 = malloc(sizeof(float) * (size_t)(rows * (cols + 1)));
+        memcpy(want2, out, sizeof(float) * (size_t)(rows * (cols + 1)));
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) want2[r * (cols + 1) + c] = src[r * lds + c] * f[r];
+        k->scale_rows(out, cols + 1, src, lds, rows, cols, f);
+        k->scale_rows(src, lds, src, lds, rows, cols, f); /* in place */
+        int same = memcmp(out, want2, sizeof(float) * (size_t)(rows * (cols + 1))) == 0;
+        for (int64_t r = 0; r < rows; r++)
+            same = same && memcmp(src + r * lds, want2 + r * (cols + 1), sizeof(float) * (size_t)cols) == 0;
+        CHECK(same, "%s scale_rows %lldx%lld: differs", k->name, (long long)rows, (long long)cols);
+        free(src), free(dst), free(want), free(f), free(out), free(want2);
+    }
+}
+
 /* The packed products (where the table has them) against mm_bf16 on the same values, bit for bit: A from
  * 16-bit rows, float32 rows and float32 columns; B from 16-bit rows and 16-bit rows read as columns */
 static void test_packed_mm(const attention_kernels *k) {
@@ -374,6 +406,7 @@ static void test_packed_mm(const attention_kernels *k) {
 
 static void test_variant(const attention_kernels *k) {
     test_mm(k);
+    test_rows(k);
     test_packed_mm(k);
     const int64_t lens[] = {1, 7, 129};
     const int64_t dims[] = {16, 40, 64, 80, 128, 256};

@@ -70,7 +70,9 @@
 #define _mm512_scalef_ps simde_mm512_scalef_ps
 #define _mm512_set_epi64 simde_mm512_set_epi64
 #define _mm512_set1_epi32 simde_mm512_set1_epi32
+#define _mm512_shuffle_f32x4 simde_mm512_shuffle_f32x4
 #define _mm512_shuffle_i32x4 simde_mm512_shuffle_i32x4
+#define _mm512_shuffle_ps simde_mm512_shuffle_ps
 #define _mm512_set1_epi64 simde_mm512_set1_epi64
 #define _mm512_set1_pd simde_mm512_set1_pd
 #define _mm512_set1_ps simde_mm512_set1_ps
@@ -86,9 +88,11 @@
 #define _mm512_unpackhi_epi16 simde_mm512_unpackhi_epi16
 #define _mm512_unpackhi_epi32 simde_mm512_unpackhi_epi32
 #define _mm512_unpackhi_epi64 simde_mm512_unpackhi_epi64
+#define _mm512_unpackhi_ps simde_mm512_unpackhi_ps
 #define _mm512_unpacklo_epi16 simde_mm512_unpacklo_epi16
 #define _mm512_unpacklo_epi32 simde_mm512_unpacklo_epi32
 #define _mm512_unpacklo_epi64 simde_mm512_unpacklo_epi64
+#define _mm512_unpacklo_ps simde_mm512_unpacklo_ps
 #define _mm512_xor_si512 simde_mm512_xor_si512
 
 /* ---- written out here ---------------------------------------------------------------------- */
