@@ -510,7 +510,7 @@ static int whole_groups(const attention_problem *p, int64_t threads) { return p-
 /* A backward worker's slice of the workspace, as offsets: the one statement
  * of it (attention_bwd_plan_make sizes with it, bwd_task carves with it) */
 typedef struct bwd_worker_layout {
-    int64_t kt, vt, kr, dk, dv, qr, dor, scores, dp, row;
+    int64_t kt, vt, kr, dk, dv, qr, dor, scores, dp;
     /* packed (packs_shape): K^T, V^T and K as B (once per key block); Q and dO rows as A, dO and Q as B,
      * P^T or dS^T and dS as A (per query block) */
     int64_t pkt, pvt, pk, pqa, pdoa, pdob, pqb, pcols, pdsa;
@@ -521,16 +521,15 @@ static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p) {
     const int64_t d_qk = p->d_qk, d_v = p->d_v;
     bwd_worker_layout lay;
     int64_t at = 0;
-    lay.kt = carve(&at, d_qk * BK); /* K^T, V^T and the K rows of the key block, float32 */
+    lay.kt = carve(&at, d_qk * BK); /* K^T, V^T and the K rows (when not read in place) of the key block */
     lay.vt = carve(&at, d_v * BK);
     lay.kr = carve(&at, BK * d_qk);
-    lay.dk = carve(&at, BK * d_qk); /* the block's dK and dV, accumulated */
+    lay.dk = carve(&at, BK * d_qk); /* the block's dK and dV, accumulated (dV first stages V's rows) */
     lay.dv = carve(&at, BK * d_v);
-    lay.qr = carve(&at, BQ * d_qk);   /* Q and dO rows of a query block, when not read in place */
-    lay.dor = carve(&at, BQ * d_v);   /* packed: dO rows in 16 bits where its rows are not unit-stride */
-    lay.scores = carve(&at, BQ * BK); /* S, then P */
-    lay.dp = carve(&at, BQ * BK);     /* dP, then dS */
-    lay.row = carve(&at, d_qk > d_v ? d_qk : d_v);
+    lay.qr = carve(&at, BQ * d_qk);    /* Q and dO rows of a query block, when not read in place */
+    lay.dor = carve(&at, BQ * d_v);    /* packed: dO rows in 16 bits where its rows are not unit-stride */
+    lay.scores = carve(&at, BQ * BK);  /* S, then P */
+    lay.dp = carve(&at, BQ * BK);      /* dP, then dS */
     const int packed = packs_shape(p); /* uint32 words, a float's size each */
     lay.pkt = carve(&at, packed ? round16(packed_b(d_qk, BK)) : 0);
     lay.pvt = carve(&at, packed ? round16(packed_b(d_v, BK)) : 0);
@@ -671,10 +670,8 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
     const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK;
     const bwd_worker_layout lay = bwd_worker_layout_for(p);
     float *kt = ws + lay.kt, *vt = ws + lay.vt, *kr = ws + lay.kr, *dk = ws + lay.dk, *dv = ws + lay.dv;
-    float *qr = ws + lay.qr, *dor = ws + lay.dor, *scores = ws + lay.scores, *dp = ws + lay.dp, *row = ws + lay.row;
+    float *qr = ws + lay.qr, *dor = ws + lay.dor, *scores = ws + lay.scores, *dp = ws + lay.dp;
     const int64_t qstart = first_query(p, kb);
-    memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
-    memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
     const attention_bf16_packing *pk = packing_for(k, p);
     uint32_t *pkt = (uint32_t *)(ws + lay.pkt), *pvt = (uint32_t *)(ws + lay.pvt), *pkr = (uint32_t *)(ws + lay.pk);
     if (pk && qstart < p->n) { /* K^T, V^T and K of the block as packed pairs, once for all its query blocks */
@@ -683,13 +680,28 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
         pk->bt16(pvt, (const uint16_t *)p->v + off4(p->vs, b, kvh, j0, 0), p->vs[2], d_v, bk);
         pk->b16(pkr, kb16, p->ks[2], bk, d_qk);
     }
-    for (int64_t j = 0; j < bk && qstart < p->n && !pk; j++) { /* K rows, K^T and V^T of the block, float32 */
-        load_row(k->cvt, kr + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
-        for (int64_t d = 0; d < d_qk; d++) kt[d * BK + j] = kr[j * d_qk + d];
-        load_row(k->cvt, row, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
-        for (int64_t d = 0; d < d_v; d++) vt[d * BK + j] = row[d];
-    }
     const int f32 = p->dt == OPF_F32;
+    const float *krow = kr; /* K rows of the block in float32: read in place, or staged in kr */
+    int64_t ldk = d_qk;
+    if (!pk && qstart < p->n) { /* K rows, K^T and V^T of the block, float32 (V's rows staged in dv) */
+        if (f32 && p->ks[3] == 1) {
+            krow = (const float *)p->k + off4(p->ks, b, kvh, j0, 0);
+            ldk = p->ks[2];
+        } else {
+            for (int64_t j = 0; j < bk; j++)
+                load_row(k->cvt, kr + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
+        }
+        k->transpose(kt, BK, krow, ldk, bk, d_qk);
+        if (f32 && p->vs[3] == 1) {
+            k->transpose(vt, BK, (const float *)p->v + off4(p->vs, b, kvh, j0, 0), p->vs[2], bk, d_v);
+        } else {
+            for (int64_t j = 0; j < bk; j++)
+                load_row(k->cvt, dv + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
+            k->transpose(vt, BK, dv, d_v, bk, d_v);
+        }
+    }
+    memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
+    memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
     for (int64_t hl = 0; hl < g && qstart < p->n; hl++) {
         const int64_t h = kvh * g + hl, bh = b * p->h + h;
         float *dqh = c->dq32 + off4(c->dq32s, b, h, 0, 0);
@@ -726,7 +738,7 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
             mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                               /* dK += dS^T Q */
             atomic_llong *turn = c->turns ? &c->turns[bh * cdiv(p->n, BQ) + i0 / BQ] : NULL;
             if (turn) wait_turn(c, turn, kb);
-            mm(bq, d_qk, bk, dp, BK, 1, kr, d_qk, dqh + i0 * lddq, lddq, 1); /* dQ += dS K */
+            mm(bq, d_qk, bk, dp, BK, 1, krow, ldk, dqh + i0 * lddq, lddq, 1); /* dQ += dS K */
             if (turn) pass_turn(c, turn, kb);
         }
     }
@@ -752,12 +764,19 @@ static void rows_in(const bwd_ctx *c, int64_t bh0, int64_t bh1) {
             float lanes[8] = {0};
             for (int64_t e0 = 0; e0 < p->d_v; e0 += 64) {
                 const int64_t n = p->d_v - e0 < 64 ? p->d_v - e0 : 64;
-                load_row(c->k->cvt, dor, p->dout, off4(p->dos, b, h, i, e0), p->dos[3], n, p->dt);
-                load_row(c->k->cvt, outr, p->out, off4(p->os, b, h, i, e0), p->os[3], n, p->dt);
+                const float *x = dor, *y = outr; /* float32 rows read in place */
+                if (p->dt == OPF_F32 && p->dos[3] == 1)
+                    x = (const float *)p->dout + off4(p->dos, b, h, i, e0);
+                else
+                    load_row(c->k->cvt, dor, p->dout, off4(p->dos, b, h, i, e0), p->dos[3], n, p->dt);
+                if (p->dt == OPF_F32 && p->os[3] == 1)
+                    y = (const float *)p->out + off4(p->os, b, h, i, e0);
+                else
+                    load_row(c->k->cvt, outr, p->out, off4(p->os, b, h, i, e0), p->os[3], n, p->dt);
                 int64_t e = 0;
                 for (; e + 8 <= n; e += 8)
-                    for (int l = 0; l < 8; l++) lanes[l] += dor[e + l] * outr[e + l];
-                for (; e < n; e++) lanes[e % 8] += dor[e] * outr[e];
+                    for (int l = 0; l < 8; l++) lanes[l] += x[e + l] * y[e + l];
+                for (; e < n; e++) lanes[e % 8] += x[e] * y[e];
             }
             float sum = 0.0f;
             for (int l = 0; l < 8; l++) sum += lanes[l];
