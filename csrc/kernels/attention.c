@@ -106,6 +106,19 @@ static int64_t packed_a_rows(int64_t rows) { return rows * ATTENTION_PACK_KP; }
 static int64_t packed_a_cols(int64_t k) { return attention_packed_pairs(k) * ATTENTION_PACK_MC; }
 static int64_t packed_b(int64_t k, int64_t n) { return cdiv(n, 32) * attention_packed_pairs(k) * 32; }
 
+/* Rows i0 .. i0 + rows of head (b, h) of x (strides st, cols elements a row) in float32: where they are
+ * (float32, unit-stride rows), else staged in buf (rows x cols); *ld is their row stride */
+static const float *rows_f32(const attention_kernels *k, float *buf, const void *x, const int64_t *st, opf_dtype dt,
+                             int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t cols, int64_t *ld) {
+    if (dt == OPF_F32 && st[3] == 1) {
+        *ld = st[2];
+        return (const float *)x + off4(st, b, h, i0, 0);
+    }
+    for (int64_t i = 0; i < rows; i++) load_row(k->cvt, buf + i * cols, x, off4(st, b, h, i0 + i, 0), st[3], cols, dt);
+    *ld = cols;
+    return buf;
+}
+
 /* ---- forward ------------------------------------------------------------------------------- */
 
 /* Split-K. A task is one query block of one head while there are enough of
@@ -370,12 +383,10 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
     const int f32 = p->dt == OPF_F32;
     if (pk) { /* Q^T of the block as packed pairs, once for all its key blocks */
         pk->bt16(pq, (const uint16_t *)p->q + off4(p->qs, b, h, i0, 0), p->qs[2], d_qk, bq);
-    } else if (f32 && p->qs[3] == 1) { /* Q^T of the block in float32: from Q's rows in place, or staged in kbuf */
-        k->transpose(qt, BQ, (const float *)p->q + off4(p->qs, b, h, i0, 0), p->qs[2], bq, d_qk);
-    } else {
-        for (int64_t i = 0; i < bq; i++)
-            load_row(k->cvt, kbuf + i * d_qk, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
-        k->transpose(qt, BQ, kbuf, d_qk, bq, d_qk);
+    } else { /* Q^T of the block in float32, from Q's rows (staged in kbuf where they must be) */
+        int64_t ldq;
+        const float *qrows = rows_f32(k, kbuf, p->q, p->qs, p->dt, b, h, i0, bq, d_qk, &ldq);
+        k->transpose(qt, BQ, qrows, ldq, bq, d_qk);
     }
     for (int64_t i = 0; i < bq; i++) m[i] = -INFINITY, l[i] = 0.0f;
     memset(o, 0, sizeof(float) * (size_t)(bq * d_v));
@@ -412,15 +423,8 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
             pk->mm(bq, d_v, bk, pp, 0, kvp ? kvp + packed_v_offset(c) : pv, o, d_v, 1);
             continue;
         }
-        const float *vb = vbuf;
-        int64_t ldv = d_v;
-        if (f32 && p->vs[3] == 1) {
-            vb = (const float *)p->v + off4(p->vs, b, kvh, j0, 0);
-            ldv = p->vs[2];
-        } else {
-            for (int64_t j = 0; j < bk; j++)
-                load_row(k->cvt, vbuf + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
-        }
+        int64_t ldv;
+        const float *vb = rows_f32(k, vbuf, p->v, p->vs, p->dt, b, kvh, j0, bk, d_v, &ldv);
         mm(bq, d_v, bk, st, 1, BQ, vb, ldv, o, d_v, 1);
     }
     if (split) { /* the last chunk of the block to finish merges them (the atomic orders the slots' writes) */
@@ -680,25 +684,14 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
         pk->bt16(pvt, (const uint16_t *)p->v + off4(p->vs, b, kvh, j0, 0), p->vs[2], d_v, bk);
         pk->b16(pkr, kb16, p->ks[2], bk, d_qk);
     }
-    const int f32 = p->dt == OPF_F32;
     const float *krow = kr; /* K rows of the block in float32: read in place, or staged in kr */
     int64_t ldk = d_qk;
     if (!pk && qstart < p->n) { /* K rows, K^T and V^T of the block, float32 (V's rows staged in dv) */
-        if (f32 && p->ks[3] == 1) {
-            krow = (const float *)p->k + off4(p->ks, b, kvh, j0, 0);
-            ldk = p->ks[2];
-        } else {
-            for (int64_t j = 0; j < bk; j++)
-                load_row(k->cvt, kr + j * d_qk, p->k, off4(p->ks, b, kvh, j0 + j, 0), p->ks[3], d_qk, p->dt);
-        }
+        krow = rows_f32(k, kr, p->k, p->ks, p->dt, b, kvh, j0, bk, d_qk, &ldk);
         k->transpose(kt, BK, krow, ldk, bk, d_qk);
-        if (f32 && p->vs[3] == 1) {
-            k->transpose(vt, BK, (const float *)p->v + off4(p->vs, b, kvh, j0, 0), p->vs[2], bk, d_v);
-        } else {
-            for (int64_t j = 0; j < bk; j++)
-                load_row(k->cvt, dv + j * d_v, p->v, off4(p->vs, b, kvh, j0 + j, 0), p->vs[3], d_v, p->dt);
-            k->transpose(vt, BK, dv, d_v, bk, d_v);
-        }
+        int64_t ldv;
+        const float *vrows = rows_f32(k, dv, p->v, p->vs, p->dt, b, kvh, j0, bk, d_v, &ldv);
+        k->transpose(vt, BK, vrows, ldv, bk, d_v);
     }
     memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
     memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
@@ -712,22 +705,9 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
                 bwd_packed_block(c, pk, b, h, i0, bq, kb, j0, bk, ws, &lay, dqh + i0 * lddq, lddq);
                 continue;
             }
-            const float *q = qr, *dout = dor;
-            int64_t ldq = d_qk, lddo = d_v;
-            if (f32 && p->qs[3] == 1) {
-                q = (const float *)p->q + off4(p->qs, b, h, i0, 0);
-                ldq = p->qs[2];
-            } else {
-                for (int64_t i = 0; i < bq; i++)
-                    load_row(k->cvt, qr + i * d_qk, p->q, off4(p->qs, b, h, i0 + i, 0), p->qs[3], d_qk, p->dt);
-            }
-            if (f32 && p->dos[3] == 1) {
-                dout = (const float *)p->dout + off4(p->dos, b, h, i0, 0);
-                lddo = p->dos[2];
-            } else {
-                for (int64_t i = 0; i < bq; i++)
-                    load_row(k->cvt, dor + i * d_v, p->dout, off4(p->dos, b, h, i0 + i, 0), p->dos[3], d_v, p->dt);
-            }
+            int64_t ldq, lddo;
+            const float *q = rows_f32(k, qr, p->q, p->qs, p->dt, b, h, i0, bq, d_qk, &ldq);
+            const float *dout = rows_f32(k, dor, p->dout, p->dos, p->dt, b, h, i0, bq, d_v, &lddo);
             mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
             float scale;
             const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
