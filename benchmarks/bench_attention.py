@@ -11,7 +11,7 @@ on the sliced cache (enable_gqa=True) and torch.compile of it, with the bandwidt
     python benchmarks/bench_attention.py [--smoke] [--only train|decode] [--small] [--out DIR]
 
 --small: the training part on small shapes only (B x H of 1 and 2, N 64 to 256, where the query blocks
-alone are too few to keep the cores busy), with (4, 8, 128, 64) for comparison.
+alone are too few to keep the cores busy), with (4, 8, 128, 64) for comparison, into attention_small.md.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def unmasked_pairs(n: int, s: int, causal: bool) -> int:
     return sum(min(i + 1, s) for i in range(n))
 
 
-def bar_plot(rows, out_dir):
+def bar_plot(rows, out_dir, stem="attention"):
     """fwd+bwd speed-ups per configuration, as bars (configs differ in more than one dimension)."""
     try:
         import matplotlib
@@ -68,7 +68,7 @@ def bar_plot(rows, out_dir):
     ax.set_title("attention (B x H, N, D; c = causal)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "attention.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, f"{stem}.png"), dpi=110)
     plt.close(fig)
 
 
@@ -200,7 +200,8 @@ def main(argv=None):
                   f"{row['fwdbwd_vs_sdpa']:.2f}x sdpa {row['fwdbwd_vs_math']:.2f}x math; peak memory "
                   f"{row['mem_saved_vs_sdpa_pct']:.0f}% less than sdpa, {row['mem_saved_vs_math_pct']:.0f}% less than math",
                   flush=True)
-    table = write_results("attention", rows, [
+    stem = "attention_small" if a.small else "attention"  # a file of its own: a full run's is kept
+    table = write_results(stem, rows, [
         f"ISA {opforge.get_isa()}; ratios = baseline time / opforge time (>1: opforge faster); sdpa = "
         "F.scaled_dot_product_attention (PyTorch's fused CPU kernel), math = softmax(q k^T * scale) v in eager ops",
         f"fwd_pct_peak: unmasked forward FLOPs (4 D per kept query-key pair) / time / FMA peak: a single-thread "
@@ -208,7 +209,7 @@ def main(argv=None):
         "peak memory: allocator high-water mark of one forward+backward (the running total of the torch "
         "profiler's memory events), inputs excluded, the same way for every variant",
     ], a.out)
-    bar_plot(rows, a.out)
+    bar_plot(rows, a.out, stem)
     print(table)
 
 
