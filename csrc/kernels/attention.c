@@ -106,15 +106,15 @@ static int64_t packed_a_rows(int64_t rows) { return rows * ATTENTION_PACK_KP; }
 static int64_t packed_a_cols(int64_t k) { return attention_packed_pairs(k) * ATTENTION_PACK_MC; }
 static int64_t packed_b(int64_t k, int64_t n) { return cdiv(n, 32) * attention_packed_pairs(k) * 32; }
 
-/* Rows i0 .. i0 + rows of head (b, h) of x (strides st, cols elements a row) in float32: where they are
- * (float32, unit-stride rows), else staged in buf (rows x cols); *ld is their row stride */
+/* Rows i0 .. i0 + rows of head (b, h) of x (strides st), cols elements of each from element d0, in float32:
+ * where they are (float32, unit-stride rows), else staged in buf (rows x cols); *ld is their row stride */
 static const float *rows_f32(const attention_kernels *k, float *buf, const void *x, const int64_t *st, opf_dtype dt,
-                             int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t cols, int64_t *ld) {
+                             int64_t b, int64_t h, int64_t i0, int64_t d0, int64_t rows, int64_t cols, int64_t *ld) {
     if (dt == OPF_F32 && st[3] == 1) {
         *ld = st[2];
-        return (const float *)x + off4(st, b, h, i0, 0);
+        return (const float *)x + off4(st, b, h, i0, d0);
     }
-    for (int64_t i = 0; i < rows; i++) load_row(k->cvt, buf + i * cols, x, off4(st, b, h, i0 + i, 0), st[3], cols, dt);
+    for (int64_t i = 0; i < rows; i++) load_row(k->cvt, buf + i * cols, x, off4(st, b, h, i0 + i, d0), st[3], cols, dt);
     *ld = cols;
     return buf;
 }
@@ -196,7 +196,6 @@ static fwd_layout fwd_layout_for(const attention_problem *p, int64_t bk) {
     return lay;
 }
 
-/* The query blocks' plan (attention_fwd_plan in attention.h) */
 /* Keys per block: the table's for its products (attention.h: fwd_bk, fwd_bk_plain), but float32 products
  * keep BK where the keys are split into chunks (fewer query blocks than FWD_MIN_TASKS): a chunk is whole
  * key blocks, and blocks of 64 even the chunks out (S = 300 in two chunks: 192 and 108 keys, where blocks
@@ -206,6 +205,8 @@ static int64_t fwd_bk(const attention_kernels *k, const attention_problem *p) {
     if (p->b * p->h * cdiv(p->n, BQ) < FWD_MIN_TASKS) return BK;
     return k->fwd_bk_plain ? k->fwd_bk_plain : BK;
 }
+
+/* The query blocks' plan (attention_fwd_plan in attention.h) */
 static attention_fwd_plan blocks_plan(const attention_kernels *k, const attention_problem *p, int64_t threads) {
     attention_fwd_plan pl = {.path = ATTENTION_PATH_BLOCKS,
                              .qrows = BQ,
@@ -385,7 +386,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
         pk->bt16(pq, (const uint16_t *)p->q + off4(p->qs, b, h, i0, 0), p->qs[2], d_qk, bq);
     } else { /* Q^T of the block in float32, from Q's rows (staged in kbuf where they must be) */
         int64_t ldq;
-        const float *qrows = rows_f32(k, kbuf, p->q, p->qs, p->dt, b, h, i0, bq, d_qk, &ldq);
+        const float *qrows = rows_f32(k, kbuf, p->q, p->qs, p->dt, b, h, i0, 0, bq, d_qk, &ldq);
         k->transpose(qt, BQ, qrows, ldq, bq, d_qk);
     }
     for (int64_t i = 0; i < bq; i++) m[i] = -INFINITY, l[i] = 0.0f;
@@ -424,7 +425,7 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
             continue;
         }
         int64_t ldv;
-        const float *vb = rows_f32(k, vbuf, p->v, p->vs, p->dt, b, kvh, j0, bk, d_v, &ldv);
+        const float *vb = rows_f32(k, vbuf, p->v, p->vs, p->dt, b, kvh, j0, 0, bk, d_v, &ldv);
         mm(bq, d_v, bk, st, 1, BQ, vb, ldv, o, d_v, 1);
     }
     if (split) { /* the last chunk of the block to finish merges them (the atomic orders the slots' writes) */
@@ -687,10 +688,10 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
     const float *krow = kr; /* K rows of the block in float32: read in place, or staged in kr */
     int64_t ldk = d_qk;
     if (!pk && qstart < p->n) { /* K rows, K^T and V^T of the block, float32 (V's rows staged in dv) */
-        krow = rows_f32(k, kr, p->k, p->ks, p->dt, b, kvh, j0, bk, d_qk, &ldk);
+        krow = rows_f32(k, kr, p->k, p->ks, p->dt, b, kvh, j0, 0, bk, d_qk, &ldk);
         k->transpose(kt, BK, krow, ldk, bk, d_qk);
         int64_t ldv;
-        const float *vrows = rows_f32(k, dv, p->v, p->vs, p->dt, b, kvh, j0, bk, d_v, &ldv);
+        const float *vrows = rows_f32(k, dv, p->v, p->vs, p->dt, b, kvh, j0, 0, bk, d_v, &ldv);
         k->transpose(vt, BK, vrows, ldv, bk, d_v);
     }
     memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
@@ -706,8 +707,8 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
                 continue;
             }
             int64_t ldq, lddo;
-            const float *q = rows_f32(k, qr, p->q, p->qs, p->dt, b, h, i0, bq, d_qk, &ldq);
-            const float *dout = rows_f32(k, dor, p->dout, p->dos, p->dt, b, h, i0, bq, d_v, &lddo);
+            const float *q = rows_f32(k, qr, p->q, p->qs, p->dt, b, h, i0, 0, bq, d_qk, &ldq);
+            const float *dout = rows_f32(k, dor, p->dout, p->dos, p->dt, b, h, i0, 0, bq, d_v, &lddo);
             mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
             float scale;
             const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
@@ -744,15 +745,9 @@ static void rows_in(const bwd_ctx *c, int64_t bh0, int64_t bh1) {
             float lanes[8] = {0};
             for (int64_t e0 = 0; e0 < p->d_v; e0 += 64) {
                 const int64_t n = p->d_v - e0 < 64 ? p->d_v - e0 : 64;
-                const float *x = dor, *y = outr; /* float32 rows read in place */
-                if (p->dt == OPF_F32 && p->dos[3] == 1)
-                    x = (const float *)p->dout + off4(p->dos, b, h, i, e0);
-                else
-                    load_row(c->k->cvt, dor, p->dout, off4(p->dos, b, h, i, e0), p->dos[3], n, p->dt);
-                if (p->dt == OPF_F32 && p->os[3] == 1)
-                    y = (const float *)p->out + off4(p->os, b, h, i, e0);
-                else
-                    load_row(c->k->cvt, outr, p->out, off4(p->os, b, h, i, e0), p->os[3], n, p->dt);
+                int64_t ld;
+                const float *x = rows_f32(c->k, dor, p->dout, p->dos, p->dt, b, h, i, e0, 1, n, &ld);
+                const float *y = rows_f32(c->k, outr, p->out, p->os, p->dt, b, h, i, e0, 1, n, &ld);
                 int64_t e = 0;
                 for (; e + 8 <= n; e += 8)
                     for (int l = 0; l < 8; l++) lanes[l] += x[e + l] * y[e + l];

@@ -430,8 +430,9 @@ void attention_scale_rows_avx512(float *dst, int64_t ldd, const float *src, int6
 }
 
 /* fwd_bk_plain = 256 (the AMX table's too): float32 forwards in key blocks of 256, measured on the Xeon
- * with AMX (2 threads, no mask, D 64-128, N 256-2048, alternating in one process): 1.02-1.14x blocks of
- * 64, 1.0-1.08x blocks of 128. On the AVX2 table (the same machine) the three were within 2%. */
+ * with AMX (2 threads, no mask, D 64-128, N 256-4096, alternating in one process, two runs): against blocks
+ * of 64 1.03-1.17x on most shapes, against 128 0.97-1.08x; one run had N = 2048 at 0.95x / 0.97x. On the
+ * AVX2 table (the same machine) the three were within 2%. */
 const attention_kernels attention_kernels_avx512 = {.name = "avx512",
                                                     .isa = OPF_ISA_AVX512,
                                                     .cvt = &convert_kernels_avx512,
