@@ -28,7 +28,7 @@ _TORCH_MIN_WORK = library.dll.opforge_attention_torch_min_work()
 
 
 def _sdpa_faster_whole(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
-    """Whether F.scaled_dot_product_attention runs these operands faster than the op, timed whole
+    """Whether F.scaled_dot_product_attention runs these operands about as fast as the op or faster, timed whole
     (_torch_faster_whole): for small problems, where the op's fixed costs outweigh its kernel's speed."""
     gqa = q.shape[1] != k.shape[1]
     return _torch_faster_whole(
@@ -59,7 +59,7 @@ def _plain_on_torch(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
                                        needs_grad)
         return int(_sdpa_faster_whole(q, k, v, causal, scale, needs_grad)) if on_torch == 2 else on_torch
 
-    return _routed("attention causal" if causal else "attention", needs_grad, query, q, k, v, (v.stride(),))
+    return _routed("attention causal" if causal else "attention", needs_grad, query, q, k, v)
 
 
 def _sdpa_error(msg: str) -> RuntimeError:

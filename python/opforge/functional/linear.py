@@ -29,8 +29,7 @@ _linear_on_torch.restype = ctypes.c_int
 _matmul_on_torch = library.dll.opforge_matmul_on_torch
 _matmul_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 2 + [ctypes.c_int64]
 _matmul_on_torch.restype = ctypes.c_int
-_TENSORS = (torch.Tensor, torch.nn.Parameter)  # no subclass with a behavior of its own
-_PLAIN = (*_TENSORS, type(None))
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter  # no subclass with a behavior of its own
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _autocast, _autocast_dtype, _threads = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_num_threads
 
@@ -47,32 +46,31 @@ def _operand_dtype(dtypes) -> torch.dtype | None:
     return dt if dt in (torch.float32, torch.bfloat16) else None
 
 
-def _eager_key(a, b, c=None):
-    """What decides a product's routing beyond the op's arguments' sizes: the mode of the call (compile and
-    trace record the op; autocast's dtype), the thread count, and the tensors' types and devices. None:
-    never routed (compiling, tracing, a tensor subclass, or not a tensor: the op's own check)."""
-    ta, tb, tc = type(a), type(b), type(c)
-    if ta not in _TENSORS or tb not in _TENSORS or tc not in _PLAIN or _compiling() or _tracing():
-        return None
-    ac = _autocast("cpu") and _autocast_dtype("cpu")
-    if c is None:
-        return (ac, _threads(), ta, tb, a.is_cpu, b.is_cpu, a.dtype, b.dtype, a.shape, b.shape, a.stride(), b.stride())
-    return (ac, _threads(), ta, tb, a.is_cpu, b.is_cpu, a.dtype, b.dtype, a.shape, b.shape, a.stride(), b.stride(),
-            tc, c.is_cpu, c.dtype, c.shape)
-
-
 _KEYS_MAX = 4096  # shapes that change call to call (a growing sequence) start the table again past this
 
 
-def _routed(kind: str, grads: int, query, a, b, c=None, extra: tuple = ()) -> bool:
-    """Whether the product `kind` of a, b (and c) runs on torch's function: the kept answer of its key
-    (TORCH_LINEARS: a known class costs one lookup, ~1.5 us), else query()'s (1 yes, 0 no, both final
+def _routed(kind: str, grads: int, query, a, b=None, c=None, extra: tuple = ()) -> bool:
+    """Whether the product `kind` of a (and b, c) runs on torch's function: the kept answer of its key
+    (TORCH_LINEARS: a known class costs one lookup, ~2 us), else query()'s (1 yes, 0 no, both final
     and kept; -1 not yet: auto mode still measures a class, so the key is asked again next time).
-    `extra`: what else the answer depends on."""
-    key = _eager_key(a, b, c)
-    if key is None:
+    The key is what decides beyond the arguments' sizes: the mode of the call (autocast's dtype),
+    the thread count, each tensor's device, dtype, shape and strides, and `extra`. Never routed (the
+    op's own path and checks): while compiling or tracing (which record the op), or where an argument
+    is a tensor subclass (its own behavior) or not a tensor. Built flat, in one tuple: this runs on
+    every eager call of a routed op, and a small call's whole time is tens of microseconds."""
+    ta, tb, tc = type(a), type(b), type(c)
+    if ta is not _TENSOR and ta is not _PARAMETER or b is not None and tb is not _TENSOR and tb is not _PARAMETER \
+            or c is not None and tc is not _TENSOR and tc is not _PARAMETER or _compiling() or _tracing():
         return False
-    key = (kind, grads, *key, *extra)
+    ac = _autocast("cpu") and _autocast_dtype("cpu")
+    if b is None:
+        key = (kind, grads, ac, _threads(), a.is_cpu, a.dtype, a.shape, a.stride(), *extra)
+    elif c is None:
+        key = (kind, grads, ac, _threads(), a.is_cpu, b.is_cpu, a.dtype, b.dtype, a.shape, b.shape, a.stride(),
+               b.stride(), *extra)
+    else:
+        key = (kind, grads, ac, _threads(), a.is_cpu, b.is_cpu, c.is_cpu, a.dtype, b.dtype, c.dtype, a.shape, b.shape,
+               c.shape, a.stride(), b.stride(), c.stride(), *extra)
     known = TORCH_LINEARS.get(key)
     if known is not None:
         return known
@@ -84,26 +82,32 @@ def _routed(kind: str, grads: int, query, a, b, c=None, extra: tuple = ()) -> bo
     return on_torch == 1
 
 
-_SMALL_ROUNDS = 5  # timed calls of each side, interleaved, for a small class (after one warm-up call each)
+_SMALL_ROUNDS = 6  # timed calls of each side for a small class (after one warm-up call each), in alternating order
+# the op's best time must beat torch's by this factor: a near tie takes torch's function (the op's side of a
+# small call pays Python's autograd hop, whose cost varies more than a kernel's)
+_OWN_MARGIN = 1.03
 
 
 def _torch_faster_whole(own, theirs, inputs, needs_grad: bool) -> bool:
-    """Whether theirs(*inputs) runs faster than own(*inputs), timed whole: the forward, and the backward
-    of a gradient of ones when needs_grad, the best of _SMALL_ROUNDS interleaved calls each after a
-    warm-up call each. For small problems, where an op's fixed costs (its autograd formula is Python's)
-    can outweigh its kernel's speed. On copies of the inputs (same strides), in the caller's modes (grad,
-    autocast); draws no random numbers."""
+    """Whether theirs(*inputs) runs about as fast as own(*inputs) or faster, timed whole: the forward,
+    and the backward of a gradient of ones when needs_grad, the best of _SMALL_ROUNDS calls each after a
+    warm-up call each, the two sides' order swapped every round (whichever runs second finds the other's
+    memory freed and its caches warm). The op keeps a class only where it wins by _OWN_MARGIN. For small
+    problems, where an op's fixed costs (its autograd formula is Python's) can outweigh its kernel's
+    speed. On copies of the inputs (same strides), in the caller's modes (grad, autocast); draws no
+    random numbers."""
     args = [t.detach().clone().requires_grad_(needs_grad) for t in inputs]
     best = [math.inf, math.inf]
+    sides = ((0, own), (1, theirs))
     for r in range(_SMALL_ROUNDS + 1):
-        for side, fn in enumerate((own, theirs)):
+        for side, fn in sides if r % 2 else sides[::-1]:
             t0 = time.perf_counter()
             out = fn(*args)
             if needs_grad:
                 torch.autograd.grad(out, args, torch.ones_like(out))
             if r > 0:  # the first call of each warms up
                 best[side] = min(best[side], time.perf_counter() - t0)
-    return best[1] < best[0]
+    return best[1] <= best[0] * _OWN_MARGIN
 
 
 def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
