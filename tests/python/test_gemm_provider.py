@@ -509,3 +509,29 @@ def test_attention_on_torchs_kernel_copies_into_the_ops_layout_on_any_thread_cou
         torch.set_num_threads(before)
     assert out.stride() == (300 * 3 * 40, 40, 3 * 40, 1)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@pytest.mark.parametrize("own_us, theirs_us, on_torch", [(100, 101, True), (100, 102.9, True), (100, 104, False),
+                                                         (100, 90, True)])
+def test_small_class_timing_prefers_torch_on_near_ties(monkeypatch, own_us, theirs_us, on_torch):
+    """The whole-call timing that settles a small class (_torch_faster_whole) on a clock that each call
+    advances by its side's fixed time: the op keeps the class only where it wins by _OWN_MARGIN, and the
+    two sides run in alternating order, each once to warm up first."""
+    lin = sys.modules["opforge.functional.linear"]  # the module (the package's `linear` is the function)
+    clock, calls = [0.0], []
+
+    def side(name, us):
+        def fn(t):
+            calls.append(name)
+            clock[0] += us * 1e-6
+            return t * 2
+
+        return fn
+
+    monkeypatch.setattr(lin.time, "perf_counter", lambda: clock[0])
+    x = torch.randn(3, 5)
+    assert lin._torch_faster_whole(side("own", own_us), side("theirs", theirs_us), (x,), True) == on_torch
+    rounds = [tuple(calls[i:i + 2]) for i in range(0, len(calls), 2)]
+    assert len(rounds) == lin._SMALL_ROUNDS + 1
+    assert rounds[::2] == [("theirs", "own")] * len(rounds[::2]) and rounds[1::2] == [("own", "theirs")] * len(
+        rounds[1::2])
