@@ -212,11 +212,13 @@ int opf_arg_optional_int(StableIValue v, int64_t *out) {
 opf_tensor opf_tensor_info(const char *op, const char *arg, AtenTensorHandle h) {
     opf_tensor t = {.h = h};
     int64_t *sizes = NULL, *strides = NULL;
-    if (h == NULL) opf_fail(op, "argument '%s' must be a tensor, got None", arg);
-    OPF_TRY(op, aoti_torch_get_dim(h, &t.ndim));
-    OPF_TRY(op, aoti_torch_get_numel(h, &t.numel));
-    OPF_TRY(op, aoti_torch_get_sizes(h, &sizes));
-    OPF_TRY(op, aoti_torch_get_strides(h, &strides));
+    bool defined = h != NULL;
+    /* None for a (non-optional) Tensor argument arrives as an undefined tensor, whose strides cannot be read */
+    if (defined && aoti_torch_is_defined && aoti_torch_is_defined(h, &defined) != OPF_AOTI_SUCCESS) defined = false;
+    if (!defined || aoti_torch_get_dim(h, &t.ndim) != OPF_AOTI_SUCCESS ||
+        aoti_torch_get_numel(h, &t.numel) != OPF_AOTI_SUCCESS || aoti_torch_get_sizes(h, &sizes) != OPF_AOTI_SUCCESS ||
+        aoti_torch_get_strides(h, &strides) != OPF_AOTI_SUCCESS)
+        opf_fail(op, "argument '%s' must be a tensor, got None", arg);
     OPF_TRY(op, aoti_torch_get_dtype(h, &t.dtype));
     OPF_TRY(op, aoti_torch_get_device_type(h, &t.device_type));
     OPF_TRY(op, aoti_torch_get_data_ptr(h, &t.data));

@@ -142,6 +142,7 @@ class OpLibrary:
             count += 1
         # every descriptor is checked before any op is registered: a bad one leaves the namespace free
         self.ops = [self._descriptor(table[i]) for i in range(count)]
+        _check_backwards(self.ops)
         if runtime is None:
             # opforge's own library registered its schemas and CPU kernels as it was loaded (as a C++
             # extension does, so that a deployed program needs only torch.ops.load_library); what is
@@ -199,6 +200,67 @@ class OpLibrary:
             if desc.name == name:
                 return desc
         raise KeyError(f"op library '{self.namespace}' has no op '{name}'")
+
+
+_POLICIES = (AUTOCAST_NONE, AUTOCAST_LOWER, AUTOCAST_FP32, AUTOCAST_PROMOTE, AUTOCAST_FOLLOW)
+
+
+def _check_backwards(ops: list[OpDescriptor]) -> None:
+    """The descriptors' fields that name other things, checked against the schemas before anything is
+    registered, so that a mistake is an error at load naming the op and the field (not a ValueError, or
+    a failure at the first backward): .backward names an op of the same table, whose arguments
+    .backward_args lists one for one and whose results .backward_grads names; every item of those is a
+    gradN / outN / needs or an argument of the op; .flops' numel(ARG) and size(ARG, d) name tensor
+    arguments; .autocast and .autocast_cuda are policies."""
+    by_name = {d.name: d for d in ops}
+    for d in ops:
+        op = f"{d.namespace}::{d.name}"
+        schema = torch._C.parse_schema(d.schema)
+        args = [a.name for a in schema.arguments]
+        tensors = [a.name for a in schema.arguments if is_tensor_arg(a)]
+        listed = f"(its arguments: {', '.join(args)})"
+        for field, value in (("autocast", d.autocast), ("autocast_cuda", d.autocast_cuda)):
+            if value not in _POLICIES:
+                raise RuntimeError(f"[{op}] .{field} must be one of the OPF_AUTOCAST_* policies (0-{len(_POLICIES) - 1}), "
+                                   f"got {value}")
+        for term in (d.flops or "").replace(" ", "").split("*"):
+            m = _FLOP_FACTOR.match(term)
+            if term and m is None:
+                raise RuntimeError(f"[{op}] .flops: bad term '{term}' in '{d.flops}' (a product of integers, "
+                                   "numel(ARG) and size(ARG,d))")
+            named = m and (m.group(2) or m.group(3))
+            if named and named not in tensors:
+                raise RuntimeError(f"[{op}] .flops names '{named}', which is not a tensor argument of the op "
+                                   f"(its tensor arguments: {', '.join(tensors)})")
+        if not d.backward:
+            continue
+        bwd = by_name.get(d.backward)
+        if bwd is None:
+            raise RuntimeError(f"[{op}] .backward names '{d.backward}', which this library's op table does not "
+                               f"declare (its ops: {', '.join(by_name)})")
+        for name in d.backward_grads:
+            if name not in tensors:
+                raise RuntimeError(f"[{op}] .backward_grads names '{name}', which is not a tensor argument of the op "
+                                   f"(its tensor arguments: {', '.join(tensors)})")
+        returns = len(schema.returns)
+        for item in d.backward_args:
+            name = item.rstrip("!")
+            numbered = re.fullmatch(r"(grad|out)(\d+)", name)
+            if item == "needs" or name in args and item.count("!") <= 1 and not (name != item and name not in tensors):
+                continue
+            if numbered and int(numbered.group(2)) < returns and not (numbered.group(1) == "grad" and name != item):
+                continue
+            raise RuntimeError(f"[{op}] .backward_args: '{item}' is none of gradI, outI, outI! (I < {returns}, the "
+                               f"op's results), needs, or an argument of the op, ARG! for a tensor {listed}")
+        bwd_args = [a.name for a in torch._C.parse_schema(bwd.schema).arguments]
+        if len(bwd_args) != len(d.backward_args):
+            raise RuntimeError(f"[{op}] .backward_args lists {len(d.backward_args)} values "
+                               f"({', '.join(d.backward_args)}), but {d.namespace}::{bwd.name} takes "
+                               f"{len(bwd_args)} ({', '.join(bwd_args)})")
+        bwd_returns = len(torch._C.parse_schema(bwd.schema).returns)
+        if bwd_returns != len(d.backward_grads):
+            raise RuntimeError(f"[{op}] .backward_grads names {len(d.backward_grads)} gradients "
+                               f"({', '.join(d.backward_grads)}), but {d.namespace}::{bwd.name} returns {bwd_returns}")
 
 
 def _enums(op: str, schema, text: str | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -607,6 +669,72 @@ _tracing = _private.jit_tracing()
 _unpack_dual = _forward_ad.unpack_dual
 
 
+def require_tensors(qualname: str, **named) -> None:
+    """For a Python function that reads its tensors before its op checks them: the op's error for an
+    argument that is not a tensor ("[ns::op] argument 'x' must be a tensor, got None")."""
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise RuntimeError(f"[{qualname}] argument '{name}' must be a tensor, got "
+                               f"{'None' if t is None else type(t).__name__}")
+
+
+_MISSING = object()
+
+
+def _binder(op: torch._ops.OpOverload):
+    """bind(args, kwargs) -> the op's arguments in schema order, positional: keywords by name, and the
+    schema's defaults for those left out, as torch.ops.<ns>.<op> takes them; a clear RuntimeError
+    naming the op and the argument otherwise. Its attributes: count (the schema's arguments) and
+    signature (an inspect.Signature of them, for help() and inspect)."""
+    import inspect
+
+    arguments = list(op._schema.arguments)
+    names = [a.name for a in arguments]
+    index = {name: i for i, name in enumerate(names)}
+    defaults = [a.default_value if a.has_default_value() else _MISSING for a in arguments]
+    qualname = op.name()
+
+    def described() -> str:
+        return ", ".join(n if d is _MISSING else f"{n}={d!r}" for n, d in zip(names, defaults))
+
+    def bind(args: tuple, kwargs: dict) -> tuple:
+        if len(args) > len(names):
+            raise RuntimeError(f"[{qualname}] takes {len(names)} arguments ({described()}), got {len(args)}")
+        full = list(args) + [_MISSING] * (len(names) - len(args))
+        for key, value in kwargs.items():
+            i = index.get(key)
+            if i is None:
+                raise RuntimeError(f"[{qualname}] got an unexpected keyword argument '{key}'; its arguments are "
+                                   f"({described()})")
+            if full[i] is not _MISSING:
+                raise RuntimeError(f"[{qualname}] got two values for argument '{key}'")
+            full[i] = value
+        for i, value in enumerate(full):
+            if value is _MISSING:
+                if defaults[i] is _MISSING:
+                    raise RuntimeError(f"[{qualname}] missing argument '{names[i]}' (its arguments are "
+                                       f"({described()}))")
+                full[i] = defaults[i]
+        return tuple(full)
+
+    required = [i for i, a in enumerate(arguments) if a.type.kind() == "TensorType"]
+
+    def check_tensors(args: tuple) -> None:
+        """Raises the clear error for a required Tensor argument given None."""
+        for i in required:
+            if args[i] is None:
+                raise RuntimeError(f"[{qualname}] argument '{names[i]}' must be a tensor, got None")
+
+    bind.check_tensors = check_tensors
+    kinds = [inspect.Parameter.KEYWORD_ONLY if a.kwarg_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+             for a in arguments]
+    bind.count = len(names)
+    bind.signature = inspect.Signature(
+        [inspect.Parameter(n, k, default=inspect.Parameter.empty if d is _MISSING else d)
+         for n, k, d in zip(names, kinds, defaults)])
+    return bind
+
+
 def op_function(op: torch._ops.OpOverload):
     """Decorator: turns a documented stub into the Python entry point of ``op``.
 
@@ -632,30 +760,38 @@ def op_function(op: torch._ops.OpOverload):
     may_skip, set_excluded, _ = tls or (None, None, None)
     tensors = [i for i, a in enumerate(op._schema.arguments) if is_tensor_arg(a)]
     qualname, plain = op.name(), _private.plain_eager_check(may_skip)
+    bind = _binder(op)
 
-    def fast(*args):
-        if _compiling() or _tracing():
-            # dynamo traces OpOverloads, not the raw builtin; torch.jit.trace records the op where it is called,
-            # so every traced call comes through here (its check compares the recorded source lines)
-            return op(*args)
-        if _grad_enabled():
-            for i in tensors:
-                t = args[i]
-                if t is not None and getattr(t, "requires_grad", False):
-                    direct = _DIRECT.get(qualname)
-                    if direct is not None and plain is not None and plain(args, tensors):
-                        return direct(*args)  # what the autograd key would run, without the hop into it
-                    return call(*args)
-        if tls is None or not may_skip():
-            return call(*args)
-        set_excluded(True)
+    def fast(*args, **kwargs):
+        if kwargs or len(args) != bind.count:
+            args = bind(args, kwargs)
         try:
-            return call(*args)
-        finally:
-            set_excluded(False)
+            if _compiling() or _tracing():
+                # dynamo traces OpOverloads, not the raw builtin; torch.jit.trace records the op where it is
+                # called, so every traced call comes through here (its check compares the recorded source lines)
+                return op(*args)
+            if _grad_enabled():
+                for i in tensors:
+                    t = args[i]
+                    if t is not None and getattr(t, "requires_grad", False):
+                        direct = _DIRECT.get(qualname)
+                        if direct is not None and plain is not None and plain(args, tensors):
+                            return direct(*args)  # what the autograd key would run, without the hop into it
+                        return call(*args)
+            if tls is None or not may_skip():
+                return call(*args)
+            set_excluded(True)
+            try:
+                return call(*args)
+            finally:
+                set_excluded(False)
+        except NotImplementedError:  # the dispatcher's, when no argument is a tensor: name the first None
+            bind.check_tensors(args)
+            raise
 
     def wrap(stub):
         functools.update_wrapper(fast, stub)
+        fast.__signature__ = bind.signature  # the schema's names and defaults, which the call takes
         fast.op = op  # what opforge.testing.check and opforge.benchmark.bench take it for
         return fast
 

@@ -23,9 +23,12 @@ tensors on a GPU too, with the same schema, autograd and fake kernel.
 
 from __future__ import annotations
 
+import ast
+import copy
 import importlib.util
 import keyword
 import os
+import re
 from string import Template
 
 SCALAR_TYPES = {"float": ("float", "float", "(float)opf_arg_double"), "int": ("int", "int64_t", "opf_arg_int"),
@@ -94,8 +97,10 @@ class Signature:
             bad(f"--inputs takes at most {MAX_INPUTS} tensors, got {len(self.inputs)}")
         names = self.inputs + [s for s, _ in self.scalars]
         for n in names:
-            if not n.isidentifier() or keyword.iskeyword(n) or n in RESERVED or n.startswith("_") or n == self.name:
-                bad(f"{n!r} cannot name an argument (not an identifier, or a name the generated C uses)")
+            if n in RESERVED:
+                bad(f"{n!r} cannot name an argument: the generated C uses it (reserved: {', '.join(sorted(RESERVED))})")
+            if not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_") or n == self.name:
+                bad(f"{n!r} cannot name an argument (not an identifier, or the op's own name)")
         if len(set(names)) != len(names):
             bad(f"argument names must differ, got {', '.join(names)}")
         for n in self.inputs:
@@ -942,7 +947,46 @@ def files(sig: Signature) -> dict[str, str]:
 
 def new(sig: Signature, directory: str | None = None) -> str:
     """Writes the project into DIR/NAME (never over a non-empty folder); returns its path."""
+    refuse_used_name(sig, files)
     return write_project(sig.name, files(sig), directory)
+
+
+_PROBE_NAME = "opforge_name_probe"
+
+
+def _identifiers(file: str, text: str) -> set[str]:
+    """The names a generated file's code uses (Python: names, functions, arguments and imports; C: identifiers
+    outside comments and strings)."""
+    if file.endswith(".py"):
+        out = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Name):
+                out.add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.arg):
+                out.add(node.arg)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                out.update((a.asname or a.name).split(".")[0] for a in node.names)
+                if isinstance(node, ast.ImportFrom) and node.module:  # `from ops import NAME`: NAME beside ops
+                    out.add(node.module.split(".")[0])
+        return out
+    if file.endswith((".c", ".h", ".cu")):
+        code = re.sub(r'/\*.*?\*/|//[^\n]*|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', " ", text, flags=re.S)
+        return set(re.findall(r"\b[A-Za-z_]\w*\b", code))
+    return set()
+
+
+def refuse_used_name(sig, render) -> None:
+    """Both scaffolds' check of NAME against the project itself: rendered under another name, no generated
+    file may use NAME (a module the tests import, a helper, a local of the kernels), which the op's own
+    name would shadow or be shadowed by (`opforge new torch`, `ops`, `reference`, `n`)."""
+    probe = copy.copy(sig)
+    probe.name = _PROBE_NAME
+    for file, text in render(probe).items():
+        if sig.name in _identifiers(file, text):
+            raise SystemExit(f"opforge new: NAME {sig.name!r} is a name the generated project uses itself (in "
+                             f"{file.replace(_PROBE_NAME, sig.name)}); pick another")
 
 
 def write_project(name: str, texts: dict[str, str], directory: str | None = None) -> str:

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from string import Template
 
-from .scaffold import BEGIN, CONVERT_C, END, _templates, write_project
+from .scaffold import BEGIN, CONVERT_C, END, _templates, refuse_used_name, write_project
 
 # schema type -> kind
 KINDS = {"Tensor": "tensor", "Optional[Tensor]": "tensor?", "float": "float", "Optional[float]": "float?",
@@ -104,6 +104,9 @@ class SchemaSig:
         args = []
         for a in parsed.arguments:
             ty = str(a.type)
+            if a.alias_info is not None or a.kwarg_only:
+                _bad(f"argument '{a.name}': the scaffold writes ops whose arguments are read-only and positional, "
+                     f"got {'an alias annotation (Tensor(a!): an op that writes its input)' if a.alias_info is not None else 'a keyword-only one (after *)'}")
             if ty not in KINDS:
                 _bad(f"argument '{a.name}': the scaffold handles Tensor, Tensor?, float, float?, int, int?, int[], bool "
                      f"and str; got {ty}")
@@ -159,9 +162,13 @@ class SchemaSig:
     def _check(self) -> None:
         names = [a.name for a in self.args]
         for n in names:
-            if not n.isidentifier() or keyword.iskeyword(n) or n in RESERVED or n.startswith("_") or n == self.name \
+            if n in RESERVED:
+                _bad(f"{n!r} cannot name an argument here: the generated C uses it (reserved: "
+                     f"{', '.join(sorted(RESERVED))})")
+            if not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_") or n == self.name \
                     or n.endswith("_h") or n.upper() == n:
-                _bad(f"{n!r} cannot name an argument here (not an identifier, or a name the generated C uses)")
+                _bad(f"{n!r} cannot name an argument here (not an identifier, the op's own name, or a name the "
+                     "generated C derives: ending in _h, or all capitals)")
         syms = {s for d in self.dims.values() for s in d}
         for sym in syms:
             if sym in names or sym in RESERVED or keyword.iskeyword(sym) or sym.startswith("has_"):
@@ -1164,4 +1171,5 @@ def files(sig: SchemaSig) -> dict[str, str]:
 
 def new(sig: SchemaSig, directory: str | None = None) -> str:
     """Writes the project into DIR/NAME (never over a non-empty folder); returns its path."""
+    refuse_used_name(sig, files)
     return write_project(sig.name, files(sig), directory)

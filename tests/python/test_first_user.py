@@ -20,6 +20,8 @@ the tests that would have caught them:
     test_scaffold_runs_bfloat16_and_autocast (and each project's own generated tests)
 (8) README venv step, bench noise, RUNPATH: test_readme_says_to_activate_the_venv_first,
     test_noisy_timings_are_flagged, test_runtime_library_carries_no_build_path
+(9) lib.<op>(x, w) of a schema with defaults failing with an IndexError, keywords refused, None for a
+    tensor an "internal error": test_op_functions_take_keywords_and_defaults, test_none_for_a_tensor_is_named
 """
 
 import math
@@ -27,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -343,3 +346,66 @@ def test_scaffold_runs_bfloat16_and_autocast(tmp_path, cache):
         torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=1e-3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert lib.halves_fu(a, b, 0.5).dtype == torch.bfloat16  # lower policy: runs in the autocast dtype
+
+
+def test_op_functions_take_keywords_and_defaults(tmp_path, cache):
+    """lib.<op> and opforge's own op functions take arguments as torch.ops.<ns>.<op> does: by keyword, and
+    the schema's defaults where left out; inspect shows the schema's names and defaults."""
+    import inspect
+
+    lib = opforge.load("kwargs_op", [_tutorial(tmp_path, "kwargs_op")])
+    x = torch.rand(33) + 0.1
+    want = ot.dispersion_correction(x, 0.8)
+    for got in (lib.dispersion(x, alpha=0.8), lib.dispersion(alpha=0.8, x=x), opforge.dispersion_correction(x, alpha=0.8)):
+        torch.testing.assert_close(got, want)
+    assert str(inspect.signature(lib.dispersion)) == "(x, alpha)"
+    from opforge.functional.linear import _linear
+
+    assert str(inspect.signature(_linear)) == "(x, weight, bias, activation, save_preact=True)"
+    w = torch.randn(5, 33)
+    torch.testing.assert_close(_linear(x[None], w, None, activation="gelu")[0], torch.nn.functional.gelu(x[None] @ w.t()))
+    for call, msg in ((lambda: lib.dispersion(x), r"\[kwargs_op::dispersion\] missing argument 'alpha' \(its arguments are \(x, alpha\)\)"),
+                      (lambda: lib.dispersion(x, beta=1.0), r"unexpected keyword argument 'beta'; its arguments are \(x, alpha\)"),
+                      (lambda: lib.dispersion(x, 0.5, alpha=1.0), "two values for argument 'alpha'"),
+                      (lambda: lib.dispersion(x, 0.5, 1.0), r"takes 2 arguments \(x, alpha\), got 3")):
+        with pytest.raises(RuntimeError, match=msg):
+            call()
+
+
+@pytest.mark.parametrize("call, op, arg", [
+    (lambda x: torch.ops.opforge.linear(x, None, None, "none"), "linear", "weight"),
+    (lambda x: opforge.linear(x, None), "linear", "weight"),
+    (lambda x: opforge.rms_norm(None), "rms_norm", "x"),
+    (lambda x: opforge.softmax(None), "softmax", "x"),
+    (lambda x: opforge.add_rms_norm(x, None), "add_rms_norm", "residual"),
+    (lambda x: opforge.swiglu(None), "swiglu", "gate"),
+    (lambda x: opforge.scaled_dot_product_attention(x, None, x), "scaled_dot_product_attention", "key"),
+    (lambda x: opforge.rope(x, x, None, x), "rope", "cos"),
+    (lambda x: opforge.linear_cross_entropy(x, x, None), "linear_cross_entropy", "target"),
+])
+def test_none_for_a_tensor_is_named(call, op, arg):
+    """None where a tensor belongs: the op and the argument named, from the C glue (an undefined tensor) or
+    from the Python function that reads it first; never an internal error or an AttributeError."""
+    with pytest.raises(RuntimeError, match=rf"\[opforge::{op}\] argument '{arg}' must be a tensor, got None"):
+        call(torch.randn(2, 4, 8))
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ('.backward_grads = "x"', '.backward_grads = "c"', r"\.backward_grads names 'c', which is not a tensor argument of the op \(its tensor arguments: x\)"),
+    ('.backward_args = "grad0,x,alpha"', '.backward_args = "grad0,x,zz"', r"\.backward_args: 'zz' is none of gradI, outI"),
+    ('.backward_args = "grad0,x,alpha"', '.backward_args = "grad0,x"', r"\.backward_args lists 2 values \(grad0, x\), but \w+::dispersion_backward takes 3"),
+    ('.backward = "dispersion_backward"', '.backward = "dispersion_bwd"', r"\.backward names 'dispersion_bwd', which this library's op table does not declare"),
+    ('.flops = "3*numel(x)"', '.flops = "3*numel(q)"', r"\.flops names 'q', which is not a tensor argument"),
+    ('.autocast = OPF_AUTOCAST_FP32', '.autocast = 42', r"\.autocast must be one of the OPF_AUTOCAST_\* policies"),
+])
+def test_descriptor_mistakes_fail_at_load_and_leave_the_namespace_free(tmp_path, cache, old, new, message):
+    """A descriptor field naming something the schemas do not have fails at load, naming the op and the field;
+    nothing is registered, so the corrected file loads under the same namespace in the same process."""
+    ns = f"desc_{zlib.crc32(new.encode())}"
+    with pytest.raises(RuntimeError, match=rf"\[{ns}::dispersion\] {message}"):
+        opforge.load(ns, [_tutorial(tmp_path, ns, lambda s: s.replace(old, new, 1))])
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    lib = opforge.load(ns, [_tutorial(fixed, ns)])
+    x = torch.rand(9) + 0.1
+    torch.testing.assert_close(lib.dispersion(x, 0.8), ot.dispersion_correction(x, 0.8))

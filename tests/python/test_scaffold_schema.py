@@ -53,6 +53,9 @@ def _load(tmp_path, schema, **opts):
     ("f(Tensor x, float alpha) -> Tensor", dict(dims=["x=alpha"]), "--dims name 'alpha' clashes"),
     ("f(Tensor w, Tensor dw) -> Tensor", {}, "names 'w''s gradient 'dw'"),
     ("f(Tensor x, int N) -> Tensor", {}, "'N' cannot name an argument here"),
+    ("f(Tensor x, int n) -> Tensor", {}, "'n' cannot name an argument here: the generated C uses it \\(reserved: "),
+    ("f(Tensor(a!) x) -> Tensor", {}, "argument 'x': .*read-only and positional, got an alias annotation"),
+    ("f(Tensor x, *, float alpha) -> Tensor", {}, "argument 'alpha': .*got a keyword-only one"),
     ("f(Tensor x -> Tensor", {}, "cannot parse the schema"),
 ])
 def test_bad_schemas_are_refused_with_a_reason(schema, opts, why):
@@ -159,3 +162,16 @@ def test_generated_projects_pass_their_own_tests(tmp_path, schema, opts):
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=dest, env=env,
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["torch", "ops", "reference", "n", "pytest"])
+def test_a_name_the_project_uses_is_refused(tmp_path, name):
+    """NAME may not be a name the generated project uses itself (the op's name would shadow a module the
+    tests import, or a local of the kernels): refused before anything is written, by both scaffolds."""
+    from opforge import scaffold
+
+    for make in (lambda: ss.new(ss.SchemaSig.parse(f"{name}(Tensor x) -> Tensor"), str(tmp_path)),
+                 lambda: scaffold.new(scaffold.Signature.parse(name, None, None, None), str(tmp_path))):
+        with pytest.raises(SystemExit, match=f"NAME '{name}' is a name the generated project uses itself"):
+            make()
+    assert not os.listdir(tmp_path)

@@ -133,16 +133,19 @@ typedef void (*OpfBoxedKernel)(StableIValue *stack, uint64_t num_args, uint64_t 
 #define OPF_SHIM_CUDA_LOOKUP(X) \
     X(AOTITorchError, aoti_torch_get_current_cuda_stream, (int32_t device_index, void **ret_stream))
 
-/* Present from torch 2.12 / 2.13 only: declared weak so that older releases still load. */
-#define OPF_SHIM_WEAK_FUNCTIONS(X)                                          \
-    X(int32_t, aoti_torch_dtype_float8_e8m0fnu, (void))                     \
-    X(int32_t, aoti_torch_dtype_float4_e2m1fn_x2, (void))                   \
-    X(int32_t, torch_tag_pt2_compliant_tag, (void))                         \
-    X(AOTITorchError, torch_new_stable_ivalue, (StableIValue * *ret_value)) \
-    X(AOTITorchError, torch_delete_stable_ivalue, (StableIValue * value))   \
-    X(AOTITorchError, torch_library_set_python_module,                      \
-      (TorchLibraryHandle self, const char *pymodule, const char *context)) \
-    X(AOTITorchError, torch_library_def_with_tags,                          \
+/* Present from torch 2.12 / 2.13 only, or not promised by the minimum release: declared weak so that older
+ * releases still load (aoti_torch_is_defined: where it is missing, an undefined tensor is told by its
+ * getters failing). */
+#define OPF_SHIM_WEAK_FUNCTIONS(X)                                                            \
+    X(AOTITorchError, aoti_torch_is_defined, (AtenTensorHandle tensor, bool *ret_is_defined)) \
+    X(int32_t, aoti_torch_dtype_float8_e8m0fnu, (void))                                       \
+    X(int32_t, aoti_torch_dtype_float4_e2m1fn_x2, (void))                                     \
+    X(int32_t, torch_tag_pt2_compliant_tag, (void))                                           \
+    X(AOTITorchError, torch_new_stable_ivalue, (StableIValue * *ret_value))                   \
+    X(AOTITorchError, torch_delete_stable_ivalue, (StableIValue * value))                     \
+    X(AOTITorchError, torch_library_set_python_module,                                        \
+      (TorchLibraryHandle self, const char *pymodule, const char *context))                   \
+    X(AOTITorchError, torch_library_def_with_tags,                                            \
       (TorchLibraryHandle self, const char *schema, const int32_t *tags, int32_t num_tags))
 
 #define OPF_SHIM_DECLARE(ret, name, params) ret name params;

@@ -7,7 +7,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from .._lib import op_function
+from .._lib import op_function, require_tensors
 from .._runtime import library, namespace, ops
 from .linear import _operand_dtype, _routed, _torch_faster_whole
 
@@ -106,6 +106,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise _sdpa_error("argument 'attn_mask' requires grad, but opforge computes no gradient for the mask: "
                           "pass attn_mask.detach()")
+    require_tensors(f"{namespace}::scaled_dot_product_attention", query=query, key=key, value=value)
     nd = query.dim()
     if nd not in (3, 4) or key.dim() != nd or value.dim() != nd:
         raise _sdpa_error(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._lib import op_function
+from .._lib import op_function, require_tensors
 from .._runtime import library, namespace, ops
 
 __all__ = ["GLU_ACTIVATIONS", "geglu", "swiglu"]
@@ -21,6 +21,7 @@ def _glu(gate, up, act):
 
 def _glu_halves(name: str, gate: torch.Tensor, up: torch.Tensor | None):
     """(gate, up), splitting a packed (..., 2F) gate as x.chunk(2, -1) does: two views, no copy."""
+    require_tensors(f"{namespace}::{name}", gate=gate)
     if up is not None:
         return gate, up
     if gate.dim() == 0 or gate.shape[-1] % 2 != 0:

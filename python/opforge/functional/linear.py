@@ -49,7 +49,10 @@ def _operand_dtype(dtypes) -> torch.dtype | None:
 _KEYS_MAX = 4096  # shapes that change call to call (a growing sequence) start the table again past this
 
 
-def _routed(kind: str, grads: int, query, a, b=None, c=None, extra: tuple = ()) -> bool:
+_ABSENT = object()  # _routed's b when the op has one tensor (None is a caller's None: never routed)
+
+
+def _routed(kind: str, grads: int, query, a, b=_ABSENT, c=None, extra: tuple = ()) -> bool:
     """Whether the product `kind` of a (and b, c) runs on torch's function: the kept answer of its key
     (TORCH_LINEARS: a known class costs one lookup, ~2 us), else query()'s (1 yes, 0 no, both final
     and kept; -1 not yet: auto mode still measures a class, so the key is asked again next time).
@@ -59,11 +62,11 @@ def _routed(kind: str, grads: int, query, a, b=None, c=None, extra: tuple = ()) 
     is a tensor subclass (its own behavior) or not a tensor. Built flat, in one tuple: this runs on
     every eager call of a routed op, and a small call's whole time is tens of microseconds."""
     ta, tb, tc = type(a), type(b), type(c)
-    if ta is not _TENSOR and ta is not _PARAMETER or b is not None and tb is not _TENSOR and tb is not _PARAMETER \
+    if ta is not _TENSOR and ta is not _PARAMETER or b is not _ABSENT and tb is not _TENSOR and tb is not _PARAMETER \
             or c is not None and tc is not _TENSOR and tc is not _PARAMETER or _compiling() or _tracing():
         return False
     ac = _autocast("cpu") and _autocast_dtype("cpu")
-    if b is None:
+    if b is _ABSENT:
         key = (kind, grads, ac, _threads(), a.is_cpu, a.dtype, a.shape, a.stride(), *extra)
     elif c is None:
         key = (kind, grads, ac, _threads(), a.is_cpu, b.is_cpu, a.dtype, b.dtype, a.shape, b.shape, a.stride(),
@@ -184,8 +187,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Python, costs ~60-140 us a step more than F.linear's. Auto mode's first calls of a class still run
     the op, which measures them; ``torch.compile`` and ``torch.jit.trace`` record the op.
     """
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                              or bias is not None and bias.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or getattr(weight, "requires_grad", False)
+                                              or getattr(bias, "requires_grad", False))  # the op checks the types
     if activation in (None, "none") and _plain_on_torch(x, weight, bias, needs_grad):
         return F.linear(x, weight, bias)
     return _linear(x, weight, bias, "none" if activation is None else activation, needs_grad and not recompute)[0]

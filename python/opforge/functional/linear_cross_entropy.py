@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from .._lib import op_function
+from .._lib import op_function, require_tensors
 from .._runtime import enum_code, library, namespace, ops
 from .cross_entropy import REDUCTIONS
 
@@ -83,6 +83,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     float32 sums over them).
     """
     code = enum_code(REDUCTIONS, "linear_cross_entropy", "reduction", reduction)
+    require_tensors(f"{namespace}::linear_cross_entropy", hidden=hidden, weight=weight, target=target)
     if hidden.dim() < 1:
         raise RuntimeError(f"[{namespace}::linear_cross_entropy] argument 'hidden' must have at least 1 dim "
                            "(..., hidden), got a 0-d tensor")

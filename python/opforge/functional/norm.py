@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .._lib import op_function
-from .._runtime import ops
+from .._lib import op_function, require_tensors
+from .._runtime import namespace, ops
 
 __all__ = ["add_rms_norm", "layer_norm", "rms_norm"]
 
@@ -80,6 +80,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     (a copy of the narrower), as eager ``x + residual`` promotes; outside
     autocast they must have one dtype.
     """
+    require_tensors(f"{namespace}::add_rms_norm", x=x, residual=residual)
     if x.dtype != residual.dtype and torch.is_autocast_enabled(x.device.type):
         # autocast adds a 16-bit branch output to a float32 stream: x + residual is then float32, as in eager
         wide = torch.promote_types(x.dtype, residual.dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._lib import op_function
+from .._lib import op_function, require_tensors
 from .._runtime import namespace, ops
 
 __all__ = ["rope"]
@@ -46,6 +46,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     does: 16-bit q and k with float32 cos / sin (Hugging Face's Llama under
     autocast) give float32, all 16-bit gives 16-bit.
     """
+    require_tensors(f"{namespace}::rope", q=q, k=k, cos=cos, sin=sin)
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise RuntimeError(f"[{namespace}::rope] arguments 'cos' and 'sin' must not require grad: opforge computes no "
                            "gradient for them (pass cos.detach() and sin.detach())")

@@ -66,7 +66,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     is ``torch.softmax`` itself: there the op's autograd formula, which is
     Python's, costs more than its kernels save.
     """
-    if x.requires_grad and x.numel() < _SMALL and torch.is_grad_enabled() and \
+    if getattr(x, "requires_grad", False) and x.numel() < _SMALL and torch.is_grad_enabled() and \
             _small_on_torch("softmax", _softmax, torch.softmax, x, dim):
         return torch.softmax(x, dim)
     return _softmax(x, dim)
@@ -81,7 +81,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     ``dx = dy - exp(y) * sum(dy)``. Small eager calls with a gradient may be
     ``torch.log_softmax`` itself, as for :func:`softmax`.
     """
-    if x.requires_grad and x.numel() < _SMALL and torch.is_grad_enabled() and \
+    if getattr(x, "requires_grad", False) and x.numel() < _SMALL and torch.is_grad_enabled() and \
             _small_on_torch("log_softmax", _log_softmax, torch.log_softmax, x, dim):
         return torch.log_softmax(x, dim)
     return _log_softmax(x, dim)
