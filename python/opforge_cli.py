@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import traceback
 
 
 def new(name: str, directory: str | None = None, inputs: str | None = None, scalars: str | None = None,
@@ -74,11 +75,17 @@ def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
     if not sep:
         ns, name = opforge.namespace, op_name
     if sources:
-        opforge.load(ns, sources)
+        try:
+            opforge.load(ns, sources)
+        except (opforge.BuildError, ImportError, OSError, ValueError, RuntimeError) as e:
+            raise SystemExit(f"opforge: --load: {e}") from None
     try:
         op = getattr(getattr(torch.ops, ns), name).default
     except (AttributeError, RuntimeError):
-        raise SystemExit(f"opforge: no op {ns}::{name} (load its C sources with --load)") from None
+        hint = "load its C sources with --load"
+        if ns == opforge.namespace:  # opforge's own: the ops' names, which differ from some functions' (swiglu: glu)
+            hint = f"opforge's ops: {', '.join(sorted(d.name for d in opforge.library.ops))}"
+        raise SystemExit(f"opforge: no op {ns}::{name} ({hint})") from None
     if reference:
         ref = _load_function(reference, "--reference")
     elif ns == opforge.namespace and name in ot.REFERENCES:
@@ -88,9 +95,16 @@ def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
     return op, ref
 
 
-def _dtypes(names):
+_DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+_SIZES = f"{1 << 12},{1 << 16},{1 << 20},{1 << 22}"  # bench's default 1-d input sizes
+
+
+def _dtypes(names, option: str):
     import torch
 
+    for n in names:
+        if n not in _DTYPE_NAMES:
+            raise SystemExit(f"opforge: {option} {n}: expected {', '.join(_DTYPE_NAMES[:-1])} or {_DTYPE_NAMES[-1]}")
     return [getattr(torch, n) for n in names]
 
 
@@ -121,6 +135,8 @@ def _shapes(op, specs: list[str] | None) -> dict[str, tuple[int, ...]]:
             shapes[name] = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
         except ValueError:
             raise SystemExit(f"opforge: --shape must be NAME=D0,D1,... (e.g. x=64,512), got {spec!r}") from None
+        if any(d < 0 for d in shapes[name]):
+            raise SystemExit(f"opforge: --shape {spec}: sizes must be 0 or more") from None
     return shapes
 
 
@@ -203,10 +219,25 @@ def _tolerances(specs: list[str] | None, option: str):
     return {d: per.get(d, every) for d in ot.DTYPES if per.get(d, every) is not None}
 
 
+def _user_frame(e: BaseException) -> str:
+    """' (FILE:LINE, in FUNCTION)' of the innermost frame of e's traceback outside opforge and torch: where the
+    user's reference or inputs function raised, or ''."""
+    import torch
+
+    import opforge
+
+    ours = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (opforge, torch))
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not os.path.abspath(f.filename).startswith(ours) and os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    return f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+
+
 def _failed(cmd: str, e: Exception) -> SystemExit:
-    """The op or its reference refused the inputs: one clear line, no traceback."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return SystemExit(f"opforge {cmd}: {first}\n(inputs are 1-d from the schema unless given: "
+    """The op or its reference refused the inputs, or the user's reference or inputs function raised: one
+    clear line (with where, in the user's code), no traceback."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    kind = "" if isinstance(e, RuntimeError) and first.startswith("[") else f"{type(e).__name__}: "
+    return SystemExit(f"opforge {cmd}: {kind}{first}{_user_frame(e)}\n(inputs are 1-d from the schema unless given: "
                       "--shape NAME=D0,D1 per argument, or --inputs FILE.py:FUNCTION returning the argument tuple)")
 
 
@@ -230,10 +261,10 @@ def check(args) -> int:
     scalars = _scalars(op, args.arg)
     try:
         report = ot.check(op, ref, inputs=(lambda dt: [given(dt)]) if args.inputs else None,
-                          dtypes=_dtypes(args.dtypes), grad=not args.no_grad, atol=_tolerances(args.atol, "--atol"),
+                          dtypes=_dtypes(args.dtypes, "--dtypes"), grad=not args.no_grad, atol=_tolerances(args.atol, "--atol"),
                           rtol=_tolerances(args.rtol, "--rtol"), device=_device(args.device), scalars=scalars,
                           shapes=_shapes(op, args.shape) if args.shape else None)
-    except (RuntimeError, ValueError, TypeError) as e:
+    except Exception as e:  # the op's refusal, or the user's reference or inputs function raising
         raise _failed("check", e) from None
     print(report)
     if not any(r.supported for r in report.results):
@@ -246,12 +277,19 @@ def bench(args) -> int:
     import opforge.testing as ot
 
     op, ref = _resolve(args.op, args.load, args.reference)
-    dtype = _dtypes([args.dtype])[0]
+    dtype = _dtypes([args.dtype], "--dtype")[0]
     given = _given_inputs(op, args)
+    if given and args.sizes:
+        raise SystemExit("opforge bench: --sizes sizes the default 1-d inputs: not with --shape or --inputs")
     if given:  # one input set: its size is its elements
         sizes, make_inputs = [sum(a.numel() for a in given(dtype) if ot._is_float_tensor(a))], lambda n, dt: given(dt)
     else:
-        sizes, make_inputs = [int(s) for s in args.sizes.split(",")], None
+        try:
+            sizes, make_inputs = [int(s) for s in (args.sizes or _SIZES).split(",")], None
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            raise SystemExit(f"opforge bench: --sizes takes element counts above 0, comma-separated, got {args.sizes!r}")
         if args.smoke:
             sizes = sizes[:1]
     stem = f"bench_{args.op.replace('::', '_')}_{args.dtype}" + ("_cuda" if args.device == "cuda" else "")
@@ -260,14 +298,18 @@ def bench(args) -> int:
         rows = ob.bench(op, ref, sizes=sizes, dtype=dtype, make_inputs=make_inputs, backward=not args.no_backward,
                         atol=_tolerances(args.atol, "--atol"), rtol=_tolerances(args.rtol, "--rtol"),
                         device=_device(args.device), **timing)
-    except (RuntimeError, ValueError, TypeError, AssertionError) as e:
+    except Exception as e:  # the op's refusal, or the user's reference or inputs function raising
         raise _failed("bench", e) from None
-    table = ob.write_results(stem, rows, out_dir=args.out)
-    ob.plot(stem, [r["size"] for r in rows],
-            {k: [r[k] for r in rows] for k in rows[0] if k.endswith(("_vs_eager", "_vs_compile"))},
-            "elements", "ratio (>1: op better)", out_dir=args.out)
+    try:
+        table = ob.write_results(stem, rows, out_dir=args.out)
+        png = ob.plot(stem, [r["size"] for r in rows],
+                      {k: [r[k] for r in rows] for k in rows[0] if k.endswith(("_vs_eager", "_vs_compile"))},
+                      "elements", "ratio (>1: op better)", out_dir=args.out)
+    except OSError as e:
+        raise SystemExit(f"opforge bench: --out {args.out}: cannot write the results: {e}") from None
     print(table)
-    print(f"\nwrote {os.path.join(args.out, stem)}.{{csv,md,png}}")
+    print(f"\nwrote {os.path.join(args.out, stem)}.{{csv,md{',png' if png else ''}}}"
+          + ("" if png else " (no .png: matplotlib is not installed)"))
     return 0
 
 
@@ -449,7 +491,7 @@ def main(argv=None) -> int:
     n.add_argument("--backward", metavar="A,B|none", help="the tensors that get gradients (default: every one)")
     for cmd in ("check", "bench"):
         c = sub.add_parser(cmd, help=f"{cmd} an op against a PyTorch reference")
-        c.add_argument("op", help="dispersion_correction, or NS::NAME of a user op")
+        c.add_argument("op", help="one of opforge's ops (dispersion_correction, linear, ...), or NS::NAME of a user op")
         c.add_argument("--load", nargs="+", metavar="FILE.c", help="C sources of a user op library (namespace NS)")
         c.add_argument("--reference", metavar="FILE.py:FUNCTION", help="the PyTorch reference")
         c.add_argument("--shape", action="append", metavar="NAME=D0,D1",
@@ -463,25 +505,31 @@ def main(argv=None) -> int:
         c.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                        help="where the op runs (cuda: its CUDA kernel; the reference stays on the CPU in float64)")
         if cmd == "check":
-            c.add_argument("--dtypes", nargs="+", default=["float64", "float32", "bfloat16", "float16"])
+            c.add_argument("--dtypes", nargs="+", default=list(_DTYPE_NAMES), metavar="DTYPE",
+                           help=f"the dtypes compared (default: {' '.join(_DTYPE_NAMES)})")
             c.add_argument("--no-grad", action="store_true", help="skip the gradient comparison")
             c.add_argument("--arg", action="append", metavar="NAME=VALUE",
                            help="a scalar argument's value, instead of the generated one (repeat per argument); "
                            "a bool or enum given is not swept")
         else:
-            c.add_argument("--dtype", default="float32")
-            c.add_argument("--sizes", default=f"{1 << 12},{1 << 16},{1 << 20},{1 << 22}",
-                           help="elements of the default 1-d inputs (not with --shape or --inputs)")
-            c.add_argument("--no-backward", action="store_true")
+            c.add_argument("--dtype", default="float32", choices=_DTYPE_NAMES, help="the dtype timed")
+            c.add_argument("--sizes", default=None, metavar="N,N,...",
+                           help=f"elements of the default 1-d inputs (default {_SIZES}; not with --shape or --inputs)")
+            c.add_argument("--no-backward", action="store_true", help="time the forward alone")
             c.add_argument("--smoke", action="store_true",
                            help="the first size only, a few short samples: checks that it runs (timings not to quote)")
-            c.add_argument("--out", default=os.path.join(os.getcwd(), "results"))
+            c.add_argument("--out", default=os.path.join(os.getcwd(), "results"),
+                           help="folder of the results (CSV, markdown, PNG; default ./results)")
     a = p.parse_args(argv)
     if a.cmd == "new":
         new(a.name, a.dir, a.inputs, a.scalars, a.reduce, a.cuda,
             dict(enum=a.enum, dims=a.dims, shape=a.shape, backward=a.backward))
         return 0
-    return {"info": info, "check": check, "bench": bench}[a.cmd](a)
+    try:
+        return {"info": info, "check": check, "bench": bench}[a.cmd](a)
+    except BrokenPipeError:  # `opforge info | head`: the reader left; no traceback, and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -151,6 +151,9 @@ def load(name: str, sources: list[str] | str, extra_cflags: list[str] | None = N
 def load_library(path: str, namespace: str) -> OpLibrary:
     """Loads an op library built ahead of time (CExtension) and registers its ops
     as ``torch.ops.<namespace>.*``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"[opforge.load_library] {path} does not exist (a library built by CExtension, "
+                                "lib<name>.so)")
     with _lock:
         if namespace in _loaded:
             return _loaded[namespace][1]

@@ -105,6 +105,8 @@ def patch(model: torch.nn.Module) -> PatchReport:
     """Swaps opforge's fused modules into ``model`` in place (see the module's
     docstring for what is swapped) and returns a :class:`PatchReport`."""
     report = PatchReport()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"opforge.patch: expected a torch.nn.Module, got {type(model).__name__}")
     if type(model) in _SWAPS:
         raise TypeError(f"opforge.patch: the model itself is a {type(model).__name__}; patch the module that holds it")
 

@@ -993,6 +993,8 @@ def write_project(name: str, texts: dict[str, str], directory: str | None = None
     """texts (file name -> text) into DIR/NAME, never over a non-empty folder; returns its path. Both
     scaffolds' `new`."""
     dest = os.path.join(directory or os.getcwd(), name)
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise SystemExit(f"opforge new: {dest} exists and is not a folder")
     if os.path.exists(dest) and os.listdir(dest):
         raise SystemExit(f"opforge new: {dest} exists and is not empty")
     os.makedirs(dest, exist_ok=True)

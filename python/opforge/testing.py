@@ -480,6 +480,21 @@ def check(
     return report
 
 
+def _check_reference_outputs(out, want) -> None:
+    """The reference's results against the op's: a tensor of the op's shape for each (the op may return
+    more: saved values the reference does not make). A ValueError otherwise, which check lets through:
+    the reference is wrong, not the op unsupported for a dtype."""
+    outs, wants = _tuple(out), _tuple(want) if want is not None else ()
+    if not wants:
+        raise ValueError(f"the reference returned {'None' if want is None else 'nothing'}: it must return what the "
+                         "op does (a tensor, or a tuple of them)")
+    for k, (o, w) in enumerate(zip(outs, wants)):
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"the reference's result {k} is a {type(w).__name__}, not a tensor")
+        if tuple(w.shape) != tuple(o.shape):
+            raise ValueError(f"the reference's result {k} has shape {tuple(w.shape)}, the op's {tuple(o.shape)}")
+
+
 def _check_dtype(op, reference, samples, dtype, grad, atol, rtol, device, combo) -> DtypeResult:
     tol = tolerance(dtype, atol, rtol)
     r = DtypeResult(dtype, atol=tol["atol"], rtol=tol["rtol"], combination=combo)
@@ -490,6 +505,7 @@ def _check_dtype(op, reference, samples, dtype, grad, atol, rtol, device, combo)
         for s, args in enumerate(samples(True)):
             out = op(*[to_device(a, device) for a in args])
             want = reference(*[_to64(a) for a in args])
+            _check_reference_outputs(out, want)
             for k, (o, w) in enumerate(zip(_tuple(out), _tuple(want))):
                 j = _judge(o, w, dtype, tol)
                 _compare(j, dtype, acc)

@@ -26,6 +26,7 @@ the tests that would have caught them:
 
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -409,3 +410,41 @@ def test_descriptor_mistakes_fail_at_load_and_leave_the_namespace_free(tmp_path,
     lib = opforge.load(ns, [_tutorial(fixed, ns)])
     x = torch.rand(9) + 0.1
     torch.testing.assert_close(lib.dispersion(x, 0.8), ot.dispersion_correction(x, 0.8))
+
+
+def test_cli_mistakes_are_one_line_each(tmp_path, cache, capsys):
+    """check / bench / new given a user's mistake: one line naming it (and, for an error in the user's own
+    reference or inputs function, where in it), never a traceback."""
+    import opforge_cli
+
+    src = _tutorial(tmp_path, "cli_mistakes")
+    ref = tmp_path / "ref.py"
+    ref.write_text("def none(x, alpha):\n    return None\n\n\ndef wide(x, alpha):\n    return x[:, None].expand(-1, 2)\n"
+                   "\n\ndef typo(x, alpha):\n    return x * alphaa\n\n\ndef good(x, alpha):\n    return x\n")
+    (tmp_path / "taken").write_text("")
+    op = ["cli_mistakes::dispersion", "--load", src]
+    for argv, message in [
+        (["check", "cli_mistakes::dispersion", "--load", str(tmp_path / "missing.c")], r"^opforge: --load: .*missing\.c does not exist$"),
+        (["check", *op, "--reference", f"{ref}:good", "--dtypes", "float33"], r"^opforge: --dtypes float33: expected float64, float32, bfloat16 or float16$"),
+        (["check", *op, "--reference", f"{ref}:good", "--dtypes", "int32"], "--dtypes int32: expected"),
+        (["check", *op, "--reference", f"{ref}:none"], r"^opforge check: ValueError: the reference returned None"),
+        (["check", *op, "--reference", f"{ref}:wide"], r"the reference's result 0 has shape \(\d+, 2\), the op's \(\d+,\)"),
+        (["check", *op, "--reference", f"{ref}:typo"], rf"^opforge check: NameError: name 'alphaa' is not defined \({ref}:10, in typo\)"),
+        (["check", *op, "--reference", f"{ref}:good", "--shape", "x=-1,8"], "--shape x=-1,8: sizes must be 0 or more"),
+        (["check", "swiglu"], r"^opforge: no op \w+::swiglu \(opforge's ops: .*\bglu\b"),
+        (["bench", "dispersion_correction", "--sizes", "abc"], "--sizes takes element counts above 0"),
+        (["bench", "dispersion_correction", "--sizes", "0"], "--sizes takes element counts above 0"),
+        (["bench", "dispersion_correction", "--shape", "x=64", "--sizes", "100"], "not with --shape or --inputs"),
+        (["bench", "dispersion_correction", "--smoke", "--out", str(tmp_path / "taken" / "sub")], "--out .*cannot write"),
+        (["new", "taken", "--dir", str(tmp_path)], "exists and is not a folder"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            opforge_cli.main(argv)
+        assert isinstance(e.value.code, str) and re.search(message, e.value.code.splitlines()[0]), (argv, e.value.code)
+
+
+def test_api_mistakes_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"\[opforge.load_library\] .*nope\.so does not exist"):
+        opforge.load_library(str(tmp_path / "libnope.so"), "nope")
+    with pytest.raises(TypeError, match="opforge.patch: expected a torch.nn.Module, got int"):
+        opforge.patch(42)
