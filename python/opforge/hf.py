@@ -62,9 +62,30 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     elif (attention_mask is not None and attention_mask.shape[-1] == key.shape[2] > query.shape[2]
           and not torch.compiler.is_compiling()):
         key, value, attention_mask = _attended_keys(key, value, attention_mask)
+    if kwargs.get("output_attentions"):  # asked per call: the weights, as eager attention makes them
+        return _attention_with_weights(query, key, value, attention_mask, causal, scaling)
     out = OF.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                           scale=scaling)
     return out.transpose(1, 2), None
+
+
+def _attention_with_weights(query, key, value, mask, causal: bool, scaling):
+    """(out (B, N, H, D), weights (B, H, N, S)) in eager ops, as transformers' eager attention computes them
+    (masked scores at the dtype's lowest value, softmax in float32, rounded to the query's dtype): a call
+    that asks for output_attentions gets them, which the fused kernel never builds."""
+    h, hkv = query.shape[1], key.shape[1]
+    if h != hkv:
+        key, value = key.repeat_interleave(h // hkv, 1), value.repeat_interleave(h // hkv, 1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    low = torch.finfo(scores.dtype).min  # eager's fill: a row with no key left averages, as eager's does
+    if mask is not None:
+        scores = scores.masked_fill(~mask, low) if mask.dtype == torch.bool else scores + mask
+    if causal:
+        n, s = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, s, dtype=torch.bool, device=scores.device).triu(1), low)
+    weights = torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2), weights
 
 
 def _attended_keys(key, value, mask):

@@ -78,7 +78,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     output projection.
 
     Differences: ``need_weights`` defaults to False and True is an error (the
-    attention weights are never materialised); ``batch_first`` must be True;
+    attention weights are never materialised), except in a module that
+    :func:`opforge.patch` swapped in (``weights_on_torch``), which keeps
+    torch's default (True) and answers it with torch's own attention, weights
+    included: there ``need_weights=False`` runs the fused kernel; ``batch_first`` must be True;
     ``add_bias_kv``, ``add_zero_attn`` and dropout during training are not
     supported (clear errors). ``is_causal=True`` applies the causal mask
     itself (``attn_mask`` may be None; if given, it is taken to be that
@@ -93,9 +96,15 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             raise _mha_error("'add_bias_kv' and 'add_zero_attn' are not supported")
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first=True, device=device, dtype=dtype)
+        self.weights_on_torch = False  # opforge.patch's modules: need_weights as torch's (default True, on torch's)
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=None, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
+        if need_weights is None:  # the module's default: False, or torch's True where patch() swapped it in
+            need_weights = self.weights_on_torch
+        if need_weights and self.weights_on_torch:
+            return torch.nn.MultiheadAttention.forward(self, query, key, value, key_padding_mask, True, attn_mask,
+                                                       average_attn_weights, is_causal)
         if need_weights:
             raise _mha_error("need_weights=True is not supported: the attention weights are never materialised")
         if self.training and self.dropout > 0.0:
@@ -134,8 +143,9 @@ class RMSNorm(torch.nn.Module):
 
     Loads the state_dict of ``torch.nn.RMSNorm`` and of Hugging Face's
     ``LlamaRMSNorm`` (both keep one key, ``weight``). ``eps`` (also readable
-    and settable as ``variance_epsilon``, the Hugging Face name) may be None,
-    as in torch's module: ``torch.finfo(x.dtype).eps`` then. ``offset=True``
+    and settable as ``variance_epsilon``, the Hugging Face name) defaults to
+    1e-6, as LlamaRMSNorm's (``torch.nn.RMSNorm``'s default is None); None
+    gives ``torch.finfo(x.dtype).eps``, as in torch's module. ``offset=True``
     scales by ``1 + weight`` (Gemma) and initialises the weight to zeros.
     ``hidden_size`` may be given as torch's ``normalized_shape`` (an int or a
     1-tuple).
@@ -260,9 +270,10 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     (:func:`opforge.functional.cross_entropy`): the same constructor
     arguments (weight kept as the same buffer) plus ``softcap``.
 
-    Class-index targets only; the class dim is the LAST dim of the input
-    ((N, C) and (C,) as torch's; torch's (N, C, d1, ...) is ours
-    (N, d1, ..., C)).
+    Class-index targets only. Inputs as torch's module takes them: (C,),
+    (N, C), and (N, C, d1, ...) with the class dim at 1, read in place as
+    the op's class-last (N, d1, ..., C) view (``movedim(1, -1)``: no copy).
+    :func:`opforge.functional.cross_entropy` itself takes the class dim last.
     """
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
@@ -271,6 +282,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         self.softcap = softcap
 
     def forward(self, input, target):
+        if isinstance(input, torch.Tensor) and input.dim() > 2:  # torch's (N, C, d1, ...): the op's class dim is last
+            input = input.movedim(1, -1)
         return F.cross_entropy(input, target, self.weight, self.ignore_index, self.label_smoothing, self.reduction,
                                self.softcap)
 

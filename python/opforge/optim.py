@@ -45,7 +45,9 @@ class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update (decoupled weight decay, ``maximize``), fused in C.
 
     Arguments as ``torch.optim.AdamW``; ``lr`` and ``betas`` are floats and ``amsgrad`` must be
-    False (both refused otherwise, naming what to use instead). Parameters are float32 or bfloat16
+    False (both refused otherwise, naming what to use instead); ``foreach`` and ``fused``, which pick
+    among torch's kernels, are taken and change nothing (the step is this one fused kernel), and
+    ``capturable`` / ``differentiable`` must be False. Parameters are float32 or bfloat16
     CPU tensors, dense (contiguous in any order of their dims) with gradients of the same layout;
     a parameter without a gradient is skipped, a sparse gradient refused.
 
@@ -60,7 +62,15 @@ class AdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False):
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None):
+        # torch.optim.AdamW's implementation switches: foreach and fused choose among torch's kernels (this
+        # step is one fused kernel whatever they say), so they are taken and the same step runs; capturable
+        # and differentiable ask for what it does not do
+        if capturable or differentiable:
+            raise ValueError("opforge.optim.AdamW: capturable=True and differentiable=True are not supported (a CPU "
+                             "step outside autograd): use torch.optim.AdamW for them")
         if amsgrad:
             raise ValueError("opforge.optim.AdamW: amsgrad=True is not supported (the fused step keeps no "
                              "max_exp_avg_sq): use torch.optim.AdamW(..., amsgrad=True, fused=True)")

@@ -10,7 +10,10 @@
 - ``nn.LayerNorm`` over one dimension: :class:`opforge.nn.LayerNorm`;
 - ``nn.RMSNorm`` over one dimension: :class:`opforge.nn.RMSNorm`;
 - ``nn.MultiheadAttention(batch_first=True)`` without ``add_bias_kv`` /
-  ``add_zero_attn`` / dropout: :class:`opforge.nn.MultiheadAttention`.
+  ``add_zero_attn`` / dropout: :class:`opforge.nn.MultiheadAttention`, fused
+  for calls with ``need_weights=False`` (as torch's own fast path); torch's
+  default ``need_weights=True`` still returns the weights, from torch's
+  attention.
 
 The new modules hold the very ``Parameter`` objects of the old ones (an
 optimizer built before patching keeps working) and compute the same function.
@@ -32,16 +35,19 @@ _ACTIVATIONS = {torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` did: (module name, old type, new type) per swap and
-    (module name, type, reason) per module it left."""
+    """What :func:`patch` did: (module name, old type, new type) per swap,
+    (module name, type, reason) per module it left, and (module name, what)
+    where a replaced module serves some calls on torch's kernels."""
 
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
     left: list[tuple[str, str, str]] = field(default_factory=list)
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (module name, how a replaced one behaves)
 
     def __str__(self) -> str:
         lines = [f"opforge.patch: {len(self.replaced)} module(s) replaced, {len(self.left)} left"]
         lines += [f"  replaced {name or '<root>'}: {old} -> {new}" for name, old, new in self.replaced]
         lines += [f"  left     {name or '<root>'} ({kind}): {why}" for name, kind, why in self.left]
+        lines += [f"  note     {name or '<root>'}: {what}" for name, what in self.notes]
         return "\n".join(lines)
 
 
@@ -94,6 +100,7 @@ def _mha(old: torch.nn.MultiheadAttention) -> onn.MultiheadAttention | str:
     for name, p in old.named_parameters(recurse=False):
         setattr(new, name, p)
     new.out_proj.weight, new.out_proj.bias = old.out_proj.weight, old.out_proj.bias
+    new.weights_on_torch = True  # torch's need_weights=True default, and its weights, kept
     new.train(old.training)
     return new
 
@@ -126,6 +133,9 @@ def patch(model: torch.nn.Module) -> PatchReport:
                 else:
                     setattr(parent, name, new)
                     report.replaced.append((full, type(child).__name__, f"opforge.nn.{type(new).__name__}"))
+                    if getattr(new, "weights_on_torch", False):
+                        report.notes.append((full, "fused where called with need_weights=False; torch's default, "
+                                             "need_weights=True, runs torch's attention, which returns the weights"))
                 continue
             if type(child) is torch.nn.Linear:
                 nxt = children[i + 1][1] if i + 1 < len(children) else None

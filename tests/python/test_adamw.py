@@ -238,6 +238,24 @@ def test_refuses_amsgrad_and_tensor_hyperparameters():
     p[0].grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="amsgrad=True"):
         opt.step()
+    for flag in ("capturable", "differentiable"):
+        with pytest.raises(ValueError, match="capturable=True and differentiable=True are not supported"):
+            AdamW(p, **{flag: True})
+
+
+def test_takes_torchs_implementation_switches():
+    """Code written for torch's AdamW(..., fused=True) or foreach=...: the same step (the switches pick among
+    torch's kernels; this is one kernel whatever they say)."""
+    steps = []
+    for kw in ({}, dict(fused=True), dict(foreach=False), dict(fused=False, foreach=True)):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5, 3))
+        opt = AdamW([p], lr=1e-2, **kw)
+        for _ in range(3):
+            p.grad = torch.randn(5, 3)
+            opt.step()
+        steps.append(p.detach().clone())
+    assert all(torch.equal(s, steps[0]) for s in steps)
 
 
 def test_refuses_sparse_gradients():

@@ -7,6 +7,7 @@ error."""
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,6 +261,17 @@ def test_nn_module_is_a_drop_in():
     capped = opforge.nn.CrossEntropyLoss(reduction="sum", softcap=5.0)
     torch.testing.assert_close(capped(x, t), F.cross_entropy(5.0 * torch.tanh(x / 5.0), t, reduction="sum"),
                                **TOL[torch.float32])
+    # torch's layouts: (C,), and (N, C, d1, ...) with the class dim at 1, also where d1 == C (a class-last
+    # reading would pass the target's shape check there and be silently wrong)
+    for shape in [(10,), (4, 10, 10), (3, 10, 5, 2)]:
+        x = torch.randn(*shape, requires_grad=True)
+        t = torch.randint(0, 10, shape[:1] + shape[2:] if len(shape) > 1 else ())
+        for reduction in ("mean", "none"):
+            a = torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.05, reduction=reduction)(x, t)
+            b = opforge.nn.CrossEntropyLoss(weight=w, label_smoothing=0.05, reduction=reduction)(x, t)
+            torch.testing.assert_close(b, a, **TOL[torch.float32])
+            torch.testing.assert_close(torch.autograd.grad(b.sum(), x)[0], torch.autograd.grad(a.sum(), x)[0],
+                                       **TOL[torch.float32])
 
 
 @pytest.mark.parametrize(
@@ -268,6 +280,9 @@ def test_nn_module_is_a_drop_in():
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 5, 1])),
          r"\[opforge::cross_entropy\] argument 'target' must hold class indices in \[0, 5\) or ignore_index \(-100\), got 5 at row 1"),
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, -3])), r"got -3 at row 2"),
+        (lambda: OF.cross_entropy(torch.randn(2, 5, 3), torch.randint(0, 5, (2, 3))),
+         r"\[opforge::cross_entropy\] argument 'target' \[2, 3\] has the shape of torch's \(N, C, d1, ...\) layout, "
+         r"but the class dim is logits' LAST here: pass logits.movedim\(1, -1\)"),
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0.0, 1.0, 2.0])),
          r"argument 'target' must be int64 class indices, got float32"),
         (lambda: OF.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1])),
@@ -465,3 +480,11 @@ def _sweep_cases():
 
 
 SWEEP = {"cross_entropy": _sweep_cases}
+
+
+def test_torchs_positional_order_is_named():
+    x, t = torch.randn(3, 5), torch.randint(0, 5, (3,))
+    with pytest.raises(RuntimeError, match=r"\[opforge::cross_entropy\] argument 'ignore_index' must be an int, got "
+                                           r"None: .*not F.cross_entropy's positional order"):
+        OF.cross_entropy(x, t, None, None, -100)
+    torch.testing.assert_close(OF.cross_entropy(x, t, ignore_index=np.int64(2)), F.cross_entropy(x, t, ignore_index=2))

@@ -193,3 +193,24 @@ def test_patched_model_runs_opforge_ops(kind):
                                                      {"rms_norm", "rope", "glu"})
     missing = {op for op in want if f"{ns}::{op}" not in names}
     assert not missing, f"opforge ops not run: {missing}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_output_attentions_per_call_gives_eager_weights(kind):
+    """A model of eager attention asked for output_attentions=True in one call: the patched copy returns the
+    weights eager attention makes (and the same logits), left padding included; without it, none are built."""
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation="eager")
+    patched = copy.deepcopy(model)
+    opforge.patch_hf(patched)
+    ids = _batch(5, b=2, n=9)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, output_attentions=True)
+        got = patched(ids, attention_mask=mask, output_attentions=True)
+        plain = patched(ids, attention_mask=mask)
+    assert len(got.attentions) == len(want.attentions) == 2 and not plain.attentions
+    for g, w in zip(got.attentions, want.attentions):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)

@@ -130,6 +130,14 @@ def test_patch_swaps_in_place_and_matches():
     assert "nothing to fuse" in left["mlp.2"]
     assert isinstance(model.mlp[1], torch.nn.Identity)
     assert "replaced attn" in str(report)
+    assert dict(report.notes)["attn"].startswith("fused where called with need_weights=False")
+    # torch's default (need_weights=True) keeps returning torch's weights; False is the fused kernel's call
+    x = torch.randn(2, 9, 32)
+    for kw in ({}, dict(need_weights=True, average_attn_weights=False)):
+        (out, w), (out_ref, w_ref) = model.attn(x, x, x, **kw), ref.attn(x, x, x, **kw)
+        torch.testing.assert_close(out, out_ref, atol=0, rtol=0)
+        torch.testing.assert_close(w, w_ref, atol=0, rtol=0)
+    assert model.attn(x, x, x, need_weights=False)[1] is None
 
     x = torch.randn(2, 9, 32, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()

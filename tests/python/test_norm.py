@@ -648,3 +648,17 @@ def _sweep_cases():
 
 
 SWEEP = dict.fromkeys(("rms_norm", "add_rms_norm", "layer_norm"), _sweep_cases)
+
+
+def test_torch_argument_forms():
+    """eps=None as F.rms_norm (the dtype's machine epsilon); torch's normalized_shape in the weight's place
+    is named, not a dispatcher type error."""
+    OF = opforge.functional
+    x = torch.full((2, 5), 1e-4)
+    torch.testing.assert_close(OF.rms_norm(x, None, None), F.rms_norm(x, (5,), None, None), rtol=0, atol=0)
+    torch.testing.assert_close(OF.add_rms_norm(x, x, None, None)[0], F.rms_norm(2 * x, (5,), None, None), rtol=0,
+                               atol=0)
+    for call in (lambda: OF.rms_norm(x, (5,)), lambda: OF.layer_norm(x, [5])):
+        with pytest.raises(RuntimeError, match=r"argument 'weight' must be a tensor or None, got .*normalises the "
+                                               r"last dim, with no normalized_shape argument"):
+            call()

@@ -103,6 +103,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """
     if dropout_p != 0.0:
         raise _sdpa_error(f"argument 'dropout_p' must be 0.0 (dropout is not supported), got {dropout_p}")
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        raise _sdpa_error(f"argument 'attn_mask' must be a tensor or None, got {type(attn_mask).__name__}")
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise _sdpa_error("argument 'attn_mask' requires grad, but opforge computes no gradient for the mask: "
                           "pass attn_mask.detach()")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from .._lib import op_function
-from .._runtime import enum, enum_code, ops
+from .._lib import op_function, require_tensors
+from .._runtime import enum, enum_code, namespace, ops
 
 __all__ = ["REDUCTIONS", "cross_entropy"]
 
@@ -51,6 +53,19 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     (policy fp32), as torch's autocast runs F.cross_entropy.
     """
     code = enum_code(REDUCTIONS, "cross_entropy", "reduction", reduction)
+    require_tensors(f"{namespace}::cross_entropy", logits=logits, target=target)
+    for arg, value, kind in (("ignore_index", ignore_index, numbers.Integral), ("label_smoothing", label_smoothing,
+                                                                                  numbers.Real)):
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise RuntimeError(f"[{namespace}::cross_entropy] argument '{arg}' must be "
+                               f"{'an int' if kind is numbers.Integral else 'a float'}, "
+                               f"got {value!r}: the arguments are (logits, target, weight, ignore_index, "
+                               "label_smoothing, reduction, softcap), not F.cross_entropy's positional order "
+                               "(size_average, reduce): pass them by keyword")
+    if logits.dim() > 2 and target.shape != logits.shape[:-1] and target.shape == logits.shape[:1] + logits.shape[2:]:
+        raise RuntimeError(f"[{namespace}::cross_entropy] argument 'target' {list(target.shape)} has the shape of torch's "
+                           f"(N, C, d1, ...) layout, but the class dim is logits' LAST here: pass logits.movedim(1, -1) "
+                           "(a view), or use opforge.nn.CrossEntropyLoss, which takes torch's layout")
     losses, loss, _ = _cross_entropy(logits, target, weight, int(ignore_index), float(label_smoothing), code,
                                      None if softcap is None else float(softcap))
     return losses if reduction == "none" else loss

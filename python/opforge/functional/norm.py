@@ -25,7 +25,7 @@ def _layer_norm(x, weight, bias, eps):
     """(y, mean, rstd): see layer_norm."""
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = 1e-6,
              offset: bool = False) -> torch.Tensor:
     """RMSNorm over the last dimension: ``x * rsqrt(mean(x**2, -1) + eps) * weight``.
 
@@ -38,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
             not contiguous runs the scalar loop).
         weight: (H,) of x's dtype, or None (no scaling).
         eps: > 0, added to the mean of squares (rounded to float32 except for
-            float64).
+            float64); None, as F.rms_norm: ``torch.finfo(x.dtype).eps``.
         offset: scale by ``1 + weight`` (Gemma) instead of ``weight``.
 
     Numerics: float32 and the 16-bit types compute in float32 (16-bit values
@@ -54,10 +54,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     activations, so float32 parameters are cast to a 16-bit x's dtype (a cast
     in the graph: their gradients come back in float32).
     """
+    if isinstance(weight, (int, tuple, list, torch.Size)):
+        _shape_given("rms_norm", weight)
+    if eps is None and isinstance(x, torch.Tensor):  # as F.rms_norm: the machine epsilon of x's dtype
+        eps = torch.finfo(x.dtype).eps
     return _rms_norm(x, weight, eps, offset)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = 1e-6,
                  offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + residual; (rms_norm(s, weight, eps, offset), s)`` in one pass:
     the pre-norm residual stream of Llama-style blocks.
@@ -81,6 +85,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     autocast they must have one dtype.
     """
     require_tensors(f"{namespace}::add_rms_norm", x=x, residual=residual)
+    if eps is None:  # as F.rms_norm: the machine epsilon of the sum's dtype
+        eps = torch.finfo(torch.promote_types(x.dtype, residual.dtype)).eps
     if x.dtype != residual.dtype and torch.is_autocast_enabled(x.device.type):
         # autocast adds a 16-bit branch output to a float32 stream: x + residual is then float32, as in eager
         wide = torch.promote_types(x.dtype, residual.dtype)
@@ -107,4 +113,14 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
     counts. Under autocast the op runs in x's dtype (policy follow), as torch's
     does (float32 parameters cast as :func:`rms_norm` casts them).
     """
+    if isinstance(weight, (int, tuple, list, torch.Size)):
+        _shape_given("layer_norm", weight)
     return _layer_norm(x, weight, bias, eps)[0]
+
+
+def _shape_given(name: str, shape) -> None:
+    """torch's F.rms_norm / F.layer_norm take normalized_shape second; these normalise the last dim and take the
+    weight there: say so, rather than the dispatcher's type error."""
+    raise RuntimeError(f"[{namespace}::{name}] argument 'weight' must be a tensor or None, got {shape!r}: "
+                       f"opforge.{name} normalises the last dim, with no normalized_shape argument "
+                       f"(F.{name}(x, normalized_shape, weight, ...) is opforge.{name}(x, weight, ...))")
