@@ -944,3 +944,20 @@ def _sweep_cases():
 
 
 SWEEP = {"attention": _sweep_cases}
+
+
+@pytest.mark.parametrize("qb, kb", [(3, 1), (1, 3)])
+def test_batch_of_one_broadcasts_as_torchs(qb, kb):
+    """A batch of 1 beside a batch of B, as F.scaled_dot_product_attention broadcasts it (a stride-0 view the
+    kernels read in place): values and gradients against torch in float64, with a mask and causal."""
+    g = torch.Generator().manual_seed(qb * 10 + kb)
+    q = torch.randn(qb, 4, 7, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(kb, 2, 9, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.rand(7, 9, generator=g) > 0.2
+    for kw in (dict(is_causal=True), dict(attn_mask=mask)):
+        got = opforge.scaled_dot_product_attention(q, k, v, **kw)
+        want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)),
+                        torch.autograd.grad(want.square().sum(), (q, k, v))):
+            torch.testing.assert_close(a, b)

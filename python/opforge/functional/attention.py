@@ -78,7 +78,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             ``x.view(B, N, H, D).transpose(1, 2)`` is read in place.
         key, value: (B, Hkv, S, D) and (B, Hkv, S, Dv); Hkv may divide H
             (grouped-query / multi-query attention: K and V are not repeated
-            in memory; ``enable_gqa`` is accepted and not required).
+            in memory; ``enable_gqa`` is accepted and not required). A batch
+            of 1 beside a batch of B is broadcast, as torch's (a view).
         attn_mask: bool (True = attend) or the dtype of query (added to the
             scores), broadcastable to (B, H, N, S).
         dropout_p: must be 0.0 (dropout is not supported).
@@ -119,6 +120,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)
+    sizes = {query.shape[0], key.shape[0], value.shape[0]}
+    if len(sizes) == 2 and 1 in sizes:  # torch broadcasts a batch of 1: a stride-0 view, read in place
+        b = max(sizes)
+        query, key, value = (t if t.shape[0] == b else t.expand(b, *t.shape[1:]) for t in (query, key, value))
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     # a small call without a gradient is the op's: its fixed costs there (~6 us more than SDPA's) are
     # about what the routing check would cost
