@@ -961,3 +961,15 @@ def test_batch_of_one_broadcasts_as_torchs(qb, kb):
         for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)),
                         torch.autograd.grad(want.square().sum(), (q, k, v))):
             torch.testing.assert_close(a, b)
+
+
+def test_float_mask_of_another_dtype_is_rounded_to_the_querys():
+    """A float32 additive mask beside bfloat16 q, k, v (torch's takes it): rounded to bfloat16, then as a
+    bfloat16 mask."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g).bfloat16() for _ in range(3))
+    mask = torch.randn(5, 5, generator=g)
+    torch.testing.assert_close(opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask.bfloat16()), atol=0, rtol=0)
+    torch.testing.assert_close(opforge.scaled_dot_product_attention(q, k, v, attn_mask=mask).float(),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float(), atol=2e-2, rtol=2e-2)

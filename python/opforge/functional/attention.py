@@ -80,8 +80,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             (grouped-query / multi-query attention: K and V are not repeated
             in memory; ``enable_gqa`` is accepted and not required). A batch
             of 1 beside a batch of B is broadcast, as torch's (a view).
-        attn_mask: bool (True = attend) or the dtype of query (added to the
-            scores), broadcastable to (B, H, N, S).
+        attn_mask: bool (True = attend) or a float dtype (added to the
+            scores; another float dtype than query's is rounded to it, a
+            copy), broadcastable to (B, H, N, S).
         dropout_p: must be 0.0 (dropout is not supported).
         is_causal: top-left aligned causal mask (query i sees keys j <= i), as
             torch's; may be combined with attn_mask (both apply).
@@ -106,6 +107,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise _sdpa_error(f"argument 'dropout_p' must be 0.0 (dropout is not supported), got {dropout_p}")
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
         raise _sdpa_error(f"argument 'attn_mask' must be a tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask is not None and attn_mask.is_floating_point() and isinstance(query, torch.Tensor) and \
+            attn_mask.dtype != query.dtype and query.is_floating_point() and not torch.is_autocast_enabled(query.device.type):
+        attn_mask = attn_mask.to(query.dtype)  # as torch's takes a float32 mask beside bfloat16 q: rounded (a copy)
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise _sdpa_error("argument 'attn_mask' requires grad, but opforge computes no gradient for the mask: "
                           "pass attn_mask.detach()")
