@@ -13,6 +13,8 @@ from .linear import _operand_dtype, _routed, _torch_faster_whole
 
 __all__ = ["scaled_dot_product_attention"]
 
+_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
+
 
 @op_function(ops.attention.default)
 def _attention(q, k, v, attn_mask, causal, scale):
@@ -113,7 +115,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise _sdpa_error("argument 'attn_mask' requires grad, but opforge computes no gradient for the mask: "
                           "pass attn_mask.detach()")
-    require_tensors(f"{namespace}::scaled_dot_product_attention", query=query, key=key, value=value)
+    if not (isinstance(query, _T) and isinstance(key, _T) and isinstance(value, _T)):  # the check alone: per call
+        require_tensors(f"{namespace}::scaled_dot_product_attention", query=query, key=key, value=value)
     nd = query.dim()
     if nd not in (3, 4) or key.dim() != nd or value.dim() != nd:
         raise _sdpa_error(
@@ -124,9 +127,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)
-    sizes = {query.shape[0], key.shape[0], value.shape[0]}
-    if len(sizes) == 2 and 1 in sizes:  # torch broadcasts a batch of 1: a stride-0 view, read in place
-        b = max(sizes)
+    b, bk, bv = query.shape[0], key.shape[0], value.shape[0]
+    if (bk != b or bv != b) and len({b, bk, bv} - {1}) == 1:  # torch broadcasts a batch of 1: a stride-0 view
+        b = max(b, bk, bv)
         query, key, value = (t if t.shape[0] == b else t.expand(b, *t.shape[1:]) for t in (query, key, value))
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     # a small call without a gradient is the op's: its fixed costs there (~6 us more than SDPA's) are

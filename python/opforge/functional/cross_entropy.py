@@ -14,6 +14,8 @@ __all__ = ["REDUCTIONS", "cross_entropy"]
 # reduction name -> the code cross_entropy and linear_cross_entropy take, read from the library
 REDUCTIONS = enum("reduction")
 
+_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
+
 
 @op_function(ops.cross_entropy.default)
 def _cross_entropy(logits, target, weight, ignore_index, label_smoothing, reduction, softcap):
@@ -53,10 +55,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     (policy fp32), as torch's autocast runs F.cross_entropy.
     """
     code = enum_code(REDUCTIONS, "cross_entropy", "reduction", reduction)
-    require_tensors(f"{namespace}::cross_entropy", logits=logits, target=target)
-    for arg, value, kind in (("ignore_index", ignore_index, numbers.Integral), ("label_smoothing", label_smoothing,
-                                                                                  numbers.Real)):
-        if isinstance(value, bool) or not isinstance(value, kind):
+    if not (isinstance(logits, _T) and isinstance(target, _T)):
+        require_tensors(f"{namespace}::cross_entropy", logits=logits, target=target)
+    for arg, value, kind, fast in (("ignore_index", ignore_index, numbers.Integral, (int,)),
+                                   ("label_smoothing", label_smoothing, numbers.Real, (int, float))):
+        if type(value) not in fast and (isinstance(value, bool) or not isinstance(value, kind)):
             raise RuntimeError(f"[{namespace}::cross_entropy] argument '{arg}' must be "
                                f"{'an int' if kind is numbers.Integral else 'a float'}, "
                                f"got {value!r}: the arguments are (logits, target, weight, ignore_index, "

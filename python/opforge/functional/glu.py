@@ -13,6 +13,8 @@ __all__ = ["GLU_ACTIVATIONS", "geglu", "swiglu"]
 GLU_ACTIVATIONS = library.descriptor("glu").enum_values("act")
 GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
+_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
+
 
 @op_function(ops.glu.default)
 def _glu(gate, up, act):
@@ -21,7 +23,8 @@ def _glu(gate, up, act):
 
 def _glu_halves(name: str, gate: torch.Tensor, up: torch.Tensor | None):
     """(gate, up), splitting a packed (..., 2F) gate as x.chunk(2, -1) does: two views, no copy."""
-    require_tensors(f"{namespace}::{name}", gate=gate)
+    if not isinstance(gate, _T):
+        require_tensors(f"{namespace}::{name}", gate=gate)
     if up is not None:
         return gate, up
     if gate.dim() == 0 or gate.shape[-1] % 2 != 0:
