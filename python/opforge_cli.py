@@ -65,6 +65,17 @@ def _new_from_schema(schema: str, directory, inputs, scalars, reduce, cuda, enum
 # ---- resolving OP and its reference ---------------------------------------------------
 
 
+def _loading(what: str, load):
+    """load(): a user's op library, or the one line naming what failed (a build error, a missing or wrong
+    file, a bad descriptor), no traceback."""
+    import opforge
+
+    try:
+        return load()
+    except (opforge.BuildError, ImportError, OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"{what}: {e}") from None
+
+
 def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
     import torch
 
@@ -75,10 +86,7 @@ def _resolve(op_name: str, sources: list[str] | None, reference: str | None):
     if not sep:
         ns, name = opforge.namespace, op_name
     if sources:
-        try:
-            opforge.load(ns, sources)
-        except (opforge.BuildError, ImportError, OSError, ValueError, RuntimeError) as e:
-            raise SystemExit(f"opforge: --load: {e}") from None
+        _loading("opforge: --load", lambda: opforge.load(ns, sources))
     try:
         op = getattr(getattr(torch.ops, ns), name).default
     except (AttributeError, RuntimeError):
@@ -328,13 +336,10 @@ def _library_info(paths: list[str], ns: str | None) -> int:
 
     stem = os.path.splitext(os.path.basename(paths[0]))[0]
     ns = ns or (stem[3:] if stem.startswith("lib") and paths[0].endswith(".so") else stem)
-    try:
-        if len(paths) == 1 and paths[0].endswith(".so"):
-            lib = opforge.load_library(paths[0], ns)
-        else:
-            lib = opforge.load(ns, paths)
-    except (opforge.BuildError, ImportError, OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"opforge info --load: {e}") from None
+    if len(paths) == 1 and paths[0].endswith(".so"):
+        lib = _loading("opforge info --load", lambda: opforge.load_library(paths[0], ns))
+    else:
+        lib = _loading("opforge info --load", lambda: opforge.load(ns, paths))
     lines = [f"library     {lib.path}", f"namespace   {ns} (torch.ops.{ns}.*)", "ops"]
     for d in lib.ops:
         lines.append(f"  {d.schema}")
@@ -512,7 +517,7 @@ def main(argv=None) -> int:
                            help="a scalar argument's value, instead of the generated one (repeat per argument); "
                            "a bool or enum given is not swept")
         else:
-            c.add_argument("--dtype", default="float32", choices=_DTYPE_NAMES, help="the dtype timed")
+            c.add_argument("--dtype", default="float32", help=f"the dtype timed (one of {', '.join(_DTYPE_NAMES)})")
             c.add_argument("--sizes", default=None, metavar="N,N,...",
                            help=f"elements of the default 1-d inputs (default {_SIZES}; not with --shape or --inputs)")
             c.add_argument("--no-backward", action="store_true", help="time the forward alone")

@@ -142,7 +142,7 @@ class OpLibrary:
             count += 1
         # every descriptor is checked before any op is registered: a bad one leaves the namespace free
         self.ops = [self._descriptor(table[i]) for i in range(count)]
-        _check_backwards(self.ops)
+        _check_fields(self.ops)
         if runtime is None:
             # opforge's own library registered its schemas and CPU kernels as it was loaded (as a C++
             # extension does, so that a deployed program needs only torch.ops.load_library); what is
@@ -205,30 +205,25 @@ class OpLibrary:
 _POLICIES = (AUTOCAST_NONE, AUTOCAST_LOWER, AUTOCAST_FP32, AUTOCAST_PROMOTE, AUTOCAST_FOLLOW)
 
 
-def _check_backwards(ops: list[OpDescriptor]) -> None:
+def _check_fields(ops: list[OpDescriptor]) -> None:
     """The descriptors' fields that name other things, checked against the schemas before anything is
     registered, so that a mistake is an error at load naming the op and the field (not a ValueError, or
     a failure at the first backward): .backward names an op of the same table, whose arguments
     .backward_args lists one for one and whose results .backward_grads names; every item of those is a
-    gradN / outN / needs or an argument of the op; .flops' numel(ARG) and size(ARG, d) name tensor
-    arguments; .autocast and .autocast_cuda are policies."""
+    gradN / outN / needs or an argument of the op; .flops is a product of terms (_flop_factors) whose
+    numel(ARG) and size(ARG, d) name tensor arguments; .autocast and .autocast_cuda are policies."""
     by_name = {d.name: d for d in ops}
     for d in ops:
         op = f"{d.namespace}::{d.name}"
         schema = torch._C.parse_schema(d.schema)
         args = [a.name for a in schema.arguments]
         tensors = [a.name for a in schema.arguments if is_tensor_arg(a)]
-        listed = f"(its arguments: {', '.join(args)})"
         for field, value in (("autocast", d.autocast), ("autocast_cuda", d.autocast_cuda)):
             if value not in _POLICIES:
-                raise RuntimeError(f"[{op}] .{field} must be one of the OPF_AUTOCAST_* policies (0-{len(_POLICIES) - 1}), "
-                                   f"got {value}")
-        for term in (d.flops or "").replace(" ", "").split("*"):
-            m = _FLOP_FACTOR.match(term)
-            if term and m is None:
-                raise RuntimeError(f"[{op}] .flops: bad term '{term}' in '{d.flops}' (a product of integers, "
-                                   "numel(ARG) and size(ARG,d))")
-            named = m and (m.group(2) or m.group(3))
+                raise RuntimeError(f"[{op}] .{field} must be one of the OPF_AUTOCAST_* policies "
+                                   f"(0-{len(_POLICIES) - 1}), got {value}")
+        for _, numel_arg, size_arg, _ in _flop_factors(d):
+            named = numel_arg or size_arg
             if named and named not in tensors:
                 raise RuntimeError(f"[{op}] .flops names '{named}', which is not a tensor argument of the op "
                                    f"(its tensor arguments: {', '.join(tensors)})")
@@ -244,20 +239,23 @@ def _check_backwards(ops: list[OpDescriptor]) -> None:
                                    f"(its tensor arguments: {', '.join(tensors)})")
         returns = len(schema.returns)
         for item in d.backward_args:
-            name = item.rstrip("!")
+            donated = item.endswith("!")  # ARG! or outI!: the backward may write over it
+            name = item[:-1] if donated else item
             numbered = re.fullmatch(r"(grad|out)(\d+)", name)
-            if item == "needs" or name in args and item.count("!") <= 1 and not (name != item and name not in tensors):
+            if item == "needs" or name in args and (not donated or name in tensors):
                 continue
-            if numbered and int(numbered.group(2)) < returns and not (numbered.group(1) == "grad" and name != item):
+            if numbered and int(numbered.group(2)) < returns and not (donated and numbered.group(1) == "grad"):
                 continue
             raise RuntimeError(f"[{op}] .backward_args: '{item}' is none of gradI, outI, outI! (I < {returns}, the "
-                               f"op's results), needs, or an argument of the op, ARG! for a tensor {listed}")
-        bwd_args = [a.name for a in torch._C.parse_schema(bwd.schema).arguments]
+                               "op's results), needs, or an argument of the op, ARG! for a tensor (its arguments: "
+                               f"{', '.join(args)})")
+        bwd_schema = torch._C.parse_schema(bwd.schema)
+        bwd_args = [a.name for a in bwd_schema.arguments]
         if len(bwd_args) != len(d.backward_args):
             raise RuntimeError(f"[{op}] .backward_args lists {len(d.backward_args)} values "
                                f"({', '.join(d.backward_args)}), but {d.namespace}::{bwd.name} takes "
                                f"{len(bwd_args)} ({', '.join(bwd_args)})")
-        bwd_returns = len(torch._C.parse_schema(bwd.schema).returns)
+        bwd_returns = len(bwd_schema.returns)
         if bwd_returns != len(d.backward_grads):
             raise RuntimeError(f"[{op}] .backward_grads names {len(d.backward_grads)} gradients "
                                f"({', '.join(d.backward_grads)}), but {d.namespace}::{bwd.name} returns {bwd_returns}")
@@ -606,14 +604,22 @@ def _wire_autocast(desc: OpDescriptor) -> None:
 _FLOP_FACTOR = re.compile(r"^(?:(\d+)|numel\((\w+)\)|size\((\w+),(-?\d+)\))$")
 
 
-def _wire_flops(desc: OpDescriptor, argnames: list[str]) -> None:
-    """Registers the descriptor's FLOP estimate with torch.utils.flop_counter."""
+def _flop_factors(desc: OpDescriptor) -> list[tuple]:
+    """The terms of the descriptor's .flops (none without one), each (integer, numel's argument, size's
+    argument, size's dim) with the others None."""
     factors = []
-    for term in desc.flops.replace(" ", "").split("*"):
+    for term in desc.flops.replace(" ", "").split("*") if desc.flops else ():
         m = _FLOP_FACTOR.match(term)
         if not m:
-            raise RuntimeError(f"opforge: {desc.name}: bad flops term '{term}' in '{desc.flops}'")
+            raise RuntimeError(f"[{desc.namespace}::{desc.name}] .flops: bad term '{term}' in '{desc.flops}' (a "
+                               "product of integers, numel(ARG) and size(ARG,d))")
         factors.append(m.groups())
+    return factors
+
+
+def _wire_flops(desc: OpDescriptor, argnames: list[str]) -> None:
+    """Registers the descriptor's FLOP estimate with torch.utils.flop_counter."""
+    factors = _flop_factors(desc)  # checked against the schema at load (_check_fields)
 
     def formula(*args, out_val=None, **kwargs):
         total = 1
@@ -718,14 +724,8 @@ def _binder(op: torch._ops.OpOverload):
         return tuple(full)
 
     required = [i for i, a in enumerate(arguments) if a.type.kind() == "TensorType"]
-
-    def check_tensors(args: tuple) -> None:
-        """Raises the clear error for a required Tensor argument given None."""
-        for i in required:
-            if args[i] is None:
-                raise RuntimeError(f"[{qualname}] argument '{names[i]}' must be a tensor, got None")
-
-    bind.check_tensors = check_tensors
+    # raises the clear error for a required Tensor argument given None
+    bind.check_tensors = lambda args: require_tensors(qualname, **{names[i]: args[i] for i in required})
     kinds = [inspect.Parameter.KEYWORD_ONLY if a.kwarg_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
              for a in arguments]
     bind.count = len(names)

@@ -13,9 +13,6 @@ from .linear import _operand_dtype, _routed, _torch_faster_whole
 
 __all__ = ["scaled_dot_product_attention"]
 
-_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
-
-
 @op_function(ops.attention.default)
 def _attention(q, k, v, attn_mask, causal, scale):
     """(out, lse): see scaled_dot_product_attention."""
@@ -30,8 +27,8 @@ _TORCH_MIN_WORK = library.dll.opforge_attention_torch_min_work()
 
 
 def _sdpa_faster_whole(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
-    """Whether F.scaled_dot_product_attention runs these operands about as fast as the op or faster, timed whole
-    (_torch_faster_whole): for small problems, where the op's fixed costs outweigh its kernel's speed."""
+    """Whether F.scaled_dot_product_attention runs these operands about as fast as the op or faster, timed
+    whole (_torch_faster_whole): for small problems, where the op's fixed costs outweigh its kernel's speed."""
     gqa = q.shape[1] != k.shape[1]
     return _torch_faster_whole(
         lambda a, b, c: _attention(a, b, c, None, causal, scale)[0],
@@ -109,14 +106,14 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise _sdpa_error(f"argument 'dropout_p' must be 0.0 (dropout is not supported), got {dropout_p}")
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
         raise _sdpa_error(f"argument 'attn_mask' must be a tensor or None, got {type(attn_mask).__name__}")
-    if attn_mask is not None and attn_mask.is_floating_point() and isinstance(query, torch.Tensor) and \
-            attn_mask.dtype != query.dtype and query.is_floating_point() and not torch.is_autocast_enabled(query.device.type):
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+        require_tensors(f"{namespace}::scaled_dot_product_attention", query=query, key=key, value=value)
+    if attn_mask is not None and attn_mask.is_floating_point() and query.is_floating_point() and \
+            attn_mask.dtype != query.dtype and not torch.is_autocast_enabled(query.device.type):
         attn_mask = attn_mask.to(query.dtype)  # as torch's takes a float32 mask beside bfloat16 q: rounded (a copy)
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise _sdpa_error("argument 'attn_mask' requires grad, but opforge computes no gradient for the mask: "
                           "pass attn_mask.detach()")
-    if not (isinstance(query, _T) and isinstance(key, _T) and isinstance(value, _T)):  # the check alone: per call
-        require_tensors(f"{namespace}::scaled_dot_product_attention", query=query, key=key, value=value)
     nd = query.dim()
     if nd not in (3, 4) or key.dim() != nd or value.dim() != nd:
         raise _sdpa_error(

@@ -14,9 +14,6 @@ __all__ = ["REDUCTIONS", "cross_entropy"]
 # reduction name -> the code cross_entropy and linear_cross_entropy take, read from the library
 REDUCTIONS = enum("reduction")
 
-_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
-
-
 @op_function(ops.cross_entropy.default)
 def _cross_entropy(logits, target, weight, ignore_index, label_smoothing, reduction, softcap):
     """(losses, loss, lse): see cross_entropy."""
@@ -55,7 +52,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     (policy fp32), as torch's autocast runs F.cross_entropy.
     """
     code = enum_code(REDUCTIONS, "cross_entropy", "reduction", reduction)
-    if not (isinstance(logits, _T) and isinstance(target, _T)):
+    if not (isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor)):
         require_tensors(f"{namespace}::cross_entropy", logits=logits, target=target)
     for arg, value, kind, fast in (("ignore_index", ignore_index, numbers.Integral, (int,)),
                                    ("label_smoothing", label_smoothing, numbers.Real, (int, float))):
@@ -66,9 +63,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                                "label_smoothing, reduction, softcap), not F.cross_entropy's positional order "
                                "(size_average, reduce): pass them by keyword")
     if logits.dim() > 2 and target.shape != logits.shape[:-1] and target.shape == logits.shape[:1] + logits.shape[2:]:
-        raise RuntimeError(f"[{namespace}::cross_entropy] argument 'target' {list(target.shape)} has the shape of torch's "
-                           f"(N, C, d1, ...) layout, but the class dim is logits' LAST here: pass logits.movedim(1, -1) "
-                           "(a view), or use opforge.nn.CrossEntropyLoss, which takes torch's layout")
+        raise RuntimeError(f"[{namespace}::cross_entropy] argument 'target' {list(target.shape)} has the shape of "
+                           "torch's (N, C, d1, ...) layout, but the class dim is logits' LAST here: pass "
+                           "logits.movedim(1, -1) (a view), or use opforge.nn.CrossEntropyLoss, which takes torch's "
+                           "layout")
     losses, loss, _ = _cross_entropy(logits, target, weight, int(ignore_index), float(label_smoothing), code,
                                      None if softcap is None else float(softcap))
     return losses if reduction == "none" else loss

@@ -13,9 +13,6 @@ __all__ = ["GLU_ACTIVATIONS", "geglu", "swiglu"]
 GLU_ACTIVATIONS = library.descriptor("glu").enum_values("act")
 GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
-_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
-
-
 @op_function(ops.glu.default)
 def _glu(gate, up, act):
     """act(gate) * up, act one of GLU_ACTIVATIONS: see swiglu and geglu."""
@@ -23,7 +20,7 @@ def _glu(gate, up, act):
 
 def _glu_halves(name: str, gate: torch.Tensor, up: torch.Tensor | None):
     """(gate, up), splitting a packed (..., 2F) gate as x.chunk(2, -1) does: two views, no copy."""
-    if not isinstance(gate, _T):
+    if not isinstance(gate, torch.Tensor):
         require_tensors(f"{namespace}::{name}", gate=gate)
     if up is not None:
         return gate, up

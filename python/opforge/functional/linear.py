@@ -187,8 +187,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Python, costs ~60-140 us a step more than F.linear's. Auto mode's first calls of a class still run
     the op, which measures them; ``torch.compile`` and ``torch.jit.trace`` record the op.
     """
-    needs_grad = torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or getattr(weight, "requires_grad", False)
-                                              or getattr(bias, "requires_grad", False))  # the op checks the types
+    needs_grad = torch.is_grad_enabled() and (  # getattr: the op checks the types, and names a None
+        getattr(x, "requires_grad", False) or getattr(weight, "requires_grad", False)
+        or getattr(bias, "requires_grad", False))
     if activation in (None, "none") and _plain_on_torch(x, weight, bias, needs_grad):
         return F.linear(x, weight, bias)
     return _linear(x, weight, bias, "none" if activation is None else activation, needs_grad and not recompute)[0]

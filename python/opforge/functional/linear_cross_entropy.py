@@ -17,8 +17,6 @@ library.dll.opforge_linear_cross_entropy_chunk_tokens.restype = ctypes.c_int64
 BLOCK_FLOATS = library.dll.opforge_linear_cross_entropy_block_floats()  # the kernel's logits block, read from C
 CHUNK_TOKENS = library.dll.opforge_linear_cross_entropy_chunk_tokens()  # the fewest tokens of a chunk, from C
 
-_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
-
 
 def vocab_in_one_block(tokens, vocab) -> bool:
     """Whether the kernel's logits blocks span the vocabulary: a chunk of CHUNK_TOKENS tokens (all of
@@ -85,7 +83,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     float32 sums over them).
     """
     code = enum_code(REDUCTIONS, "linear_cross_entropy", "reduction", reduction)
-    if not (isinstance(hidden, _T) and isinstance(weight, _T) and isinstance(target, _T)):
+    if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and isinstance(target, torch.Tensor)):
         require_tensors(f"{namespace}::linear_cross_entropy", hidden=hidden, weight=weight, target=target)
     if hidden.dim() < 1:
         raise RuntimeError(f"[{namespace}::linear_cross_entropy] argument 'hidden' must have at least 1 dim "

@@ -9,9 +9,6 @@ from .._runtime import namespace, ops
 
 __all__ = ["add_rms_norm", "layer_norm", "rms_norm"]
 
-_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
-
-
 @op_function(ops.rms_norm.default)
 def _rms_norm(x, weight, eps, offset):
     """(y, rstd): see rms_norm."""
@@ -86,7 +83,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     (a copy of the narrower), as eager ``x + residual`` promotes; outside
     autocast they must have one dtype.
     """
-    if not (isinstance(x, _T) and isinstance(residual, _T)):
+    if not (isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor)):
         require_tensors(f"{namespace}::add_rms_norm", x=x, residual=residual)
     if eps is None:  # as F.rms_norm: the machine epsilon of the sum's dtype
         eps = torch.finfo(torch.promote_types(x.dtype, residual.dtype)).eps

@@ -9,9 +9,6 @@ from .._runtime import namespace, ops
 
 __all__ = ["rope"]
 
-_T = torch.Tensor  # the per-call argument checks: isinstance, and the message only on failure
-
-
 @op_function(ops.rope.default)
 def _rope(q, k, cos, sin, position_ids, interleaved):
     """(q_out, k_out): see rope."""
@@ -48,7 +45,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     does: 16-bit q and k with float32 cos / sin (Hugging Face's Llama under
     autocast) give float32, all 16-bit gives 16-bit.
     """
-    if not (isinstance(q, _T) and isinstance(k, _T) and isinstance(cos, _T) and isinstance(sin, _T)):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(cos, torch.Tensor)
+            and isinstance(sin, torch.Tensor)):
         require_tensors(f"{namespace}::rope", q=q, k=k, cos=cos, sin=sin)
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise RuntimeError(f"[{namespace}::rope] arguments 'cos' and 'sin' must not require grad: opforge computes no "

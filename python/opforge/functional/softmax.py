@@ -29,9 +29,9 @@ def _small_on_torch(kind: str, own, theirs, x: torch.Tensor, dim: int) -> bool:
     """Whether a small eager call with a gradient runs torch's function instead of the op: the op's fixed
     costs (its autograd formula is Python's, ~25 us a forward and backward) outweigh its kernels' speed
     on small tensors. Auto mode times both whole once per class (_torch_faster_whole: the op against
-    torch.softmax / torch.log_softmax, forward and backward) and keeps the op only where it is 3% faster; mode torch always
-    routes such calls, mode own never. CPU tensors of float32, bfloat16, float16 (float64, gradcheck's
-    dtype, stays the op's)."""
+    torch.softmax / torch.log_softmax, forward and backward) and keeps the op only where it is 3% faster;
+    mode torch always routes such calls, mode own never. CPU tensors of float32, bfloat16, float16
+    (float64, gradcheck's dtype, stays the op's)."""
 
     def query() -> int:
         if not x.is_cpu or x.dtype not in _FLOATS:
