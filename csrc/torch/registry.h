@@ -65,7 +65,7 @@ typedef struct opf_cuda_kernel {
     static const opf_cuda_kernel OPF_REG_CAT(opf_cuda_kernel_, op) = {#op, kernel}; \
     OPF_REG_ENTRY(opf_cuda_kernels, const opf_cuda_kernel *) = &OPF_REG_CAT(opf_cuda_kernel_, op)
 
-/* ---- the generic wiring's own calls (ops.c, glue.c), for the other generic files ---- */
+/* ---- the generic wiring's own calls (ops.c, glue.c, register.c), for the other generic files ---- */
 
 /* Every op of the library as one table ended by OPF_OP_END (a copy in static storage), or NULL with a
  * message in err. */
