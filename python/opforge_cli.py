@@ -429,7 +429,8 @@ def info(args) -> int:
     lines.append(f"stable ABI  torch reports {v >> 56}.{(v >> 48) & 0xff}; opforge supports 2.10 and newer "
                  f"(declarations checked against 2.13)")
     feats = opforge.cpu_features()
-    lines.append(f"cpu         {feats.pop('model') or 'unknown'} ({os.cpu_count()} logical CPUs)")
+    signature = f"family {feats.pop('family')} model {feats.pop('model_number')} stepping {feats.pop('stepping')}"
+    lines.append(f"cpu         {feats.pop('model') or 'unknown'} ({signature}; {os.cpu_count()} logical CPUs)")
     lines.append("features    " + " ".join(k for k, on in feats.items() if on and not k.startswith("os_")))
     lines.append(f"isa         {opforge.get_isa()} (best here: {opforge.isa_best()}; OPFORGE_ISA="
                  f"{os.environ.get('OPFORGE_ISA', 'unset')})")

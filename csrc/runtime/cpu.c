@@ -23,6 +23,10 @@ static uint64_t xgetbv0(void) {
 static void detect(opf_cpu_features *f) {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    const unsigned base_family = (a >> 8) & 0xf, base_model = (a >> 4) & 0xf;
+    f->family = (int)(base_family + (base_family == 0xf ? (a >> 20) & 0xff : 0));
+    f->model_number = (int)(base_model + (base_family == 0x6 || base_family == 0xf ? ((a >> 16) & 0xf) << 4 : 0));
+    f->stepping = (int)(a & 0xf);
     int osxsave = (c >> 27) & 1;
     f->fma = (c >> 12) & 1;
     f->f16c = (c >> 29) & 1;

@@ -37,8 +37,8 @@ typedef struct opf_provider_turn {
     int torch;     /* 1: the call runs torch's kernel */
     int measuring; /* the call is a sample of its class: time it between begin and end */
     int fused;     /* 1 (begin's default): opforge's kernel fuses work torch's leaves to another pass (an
-                      epilogue): a near tie (within 3%) stays with it; 0 (the caller's, before end): the
-                      faster wins */
+                      epilogue): a near tie (within 3%) stays with it; 0 (the caller's, before end): it
+                      must be 5% faster than torch's */
     double t0;
     char key[160];
 } opf_provider_turn;
@@ -56,7 +56,7 @@ int opf_provider_decided(const char *key, int *torch);
 /* After the call: records a measuring call's time over `work` (multiply-adds, or any measure of the
  * call's size that the class's calls share), or, with failed, that torch's kernel could not run it
  * (the class stays with opforge's). Past SAMPLES calls of each kernel the class is decided and saved
- * (up to MORE_SAMPLES while the two are within 8%). */
+ * (up to MORE_SAMPLES while the two are within 8% of the margin's line). */
 void opf_provider_end(const opf_provider_turn *turn, double work, int failed);
 
 #endif

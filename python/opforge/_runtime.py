@@ -228,7 +228,8 @@ def gemm_choices() -> list[dict]:
 
 
 def gemm_cache_file() -> str:
-    """Where auto mode keeps its choices: per CPU model, torch version and build of opforge's library
+    """Where auto mode keeps its choices: per CPU model (brand string and cpuid signature: hypervisors
+    give several generations one brand string), torch version and build of opforge's library
     (its size and modification time: a rebuilt or reinstalled library, whose kernels may have changed
     speed, measures its classes again instead of trusting another build's choices), under the build
     cache ($OPFORGE_CACHE_DIR or ~/.cache/opforge)."""
@@ -236,8 +237,10 @@ def gemm_cache_file() -> str:
 
     from .build import cache_dir
 
-    model = cpu_features()["model"] or "unknown-cpu"
+    cpu = cpu_features()
+    model = cpu["model"] or "unknown-cpu"
     slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in model).strip("-")
+    slug += f"-{cpu['family']}.{cpu['model_number']}.{cpu['stepping']}"
     try:
         st = os.stat(library.path)
         build = hashlib.blake2b(f"{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=4).hexdigest()
@@ -297,7 +300,7 @@ class _CpuFeatures(ctypes.Structure):
         for name in (
             "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512bf16 amx_tile amx_bf16 os_avx os_avx512 os_amx"
         ).split()
-    ] + [("model", ctypes.c_char * 64)]
+    ] + [("model", ctypes.c_char * 64)] + [(name, ctypes.c_int) for name in ("family", "model_number", "stepping")]
 
 
 _dll.opforge_cpu_features.restype = ctypes.POINTER(_CpuFeatures)
@@ -306,8 +309,9 @@ _dll.opforge_cpu_features.restype = ctypes.POINTER(_CpuFeatures)
 def cpu_features() -> dict:
     """What cpuid reports, as the runtime sees it."""
     f = _dll.opforge_cpu_features().contents
-    out = {name: bool(getattr(f, name)) for name, _ in _CpuFeatures._fields_ if name != "model"}
+    out = {name: bool(getattr(f, name)) for name, _ in _CpuFeatures._fields_[:-4]}
     out["model"] = f.model.decode(errors="replace")
+    out.update((name, getattr(f, name)) for name in ("family", "model_number", "stepping"))
     return out
 
 

@@ -429,7 +429,8 @@ def write_results(stem: str, rows: list[dict], notes: list[str] | None = None, o
 def environment(timed: bool = True) -> str:
     from . import __version__, _runtime, cpu_features, get_isa, get_pages
 
-    cpu = cpu_features()["model"] or "unknown CPU"
+    feats = cpu_features()
+    cpu = f"{feats['model'] or 'unknown CPU'} (family {feats['family']} model {feats['model_number']})"
     pages = ""
     if timed:  # how large fresh outputs are paged in changes page-fault-bound timings
         theirs = "on" if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0") else "off"

@@ -281,13 +281,17 @@ def test_auto_times_a_class_on_its_first_calls_and_keeps_the_choice_on_disk(tmp_
     first = run()
     keys = [c["key"] for c in first["choices"]]
     assert len(keys) == 3 and len(set(keys)) == 3  # forward, dx and dweight: three classes
-    for c in first["choices"]:  # each timed 3 times on each GEMM (up to 8 while a near tie), then decided
-        near_tie = min(c["own_gflops"], c["torch_gflops"]) >= 0.92 * max(c["own_gflops"], c["torch_gflops"])
+    for c in first["choices"]:  # each timed 3 times on each GEMM (up to 8 near the line), then decided
+        # own's rate against the line it must clear: 3% behind with an epilogue (a near tie stays with the
+        # kernel that fuses it), 5% ahead for a plain product (a near tie goes to torch's)
+        own = c["own_gflops"] / (0.97 if c["key"].split()[2] == "e" else 1.05)
+        near_tie = min(own, c["torch_gflops"]) >= 0.92 * max(own, c["torch_gflops"])
         assert c["here"] and 6 <= c["samples"] <= 16 and c["provider"] in ("own", "torch"), c
         assert c["samples"] == 16 or not near_tie, c  # decided before 8 each only once the two are apart
         assert c["own_gflops"] > 0 and c["torch_gflops"] > 0
-        fused = c["key"].split()[2] == "e"  # an epilogue: a near tie (3%) stays with opforge's kernel
-        assert c["provider"] == ("torch" if c["torch_gflops"] > c["own_gflops"] / (0.97 if fused else 1.0) else "own")
+        assert c["provider"] == ("torch" if c["torch_gflops"] > own else "own"), c
+    cpu = opforge.cpu_features()  # the file is per CPU: brand string and cpuid signature
+    assert f"-{cpu['family']}.{cpu['model_number']}.{cpu['stepping']}-torch-" in first["file"], first["file"]
     assert first["file"].startswith(str(tmp_path)) and "torch-" + torch.__version__.replace("+", "-") in first["file"]
     lines = open(first["file"]).read().splitlines()
     assert sorted(line.split("\t")[0] for line in lines) == sorted(keys)

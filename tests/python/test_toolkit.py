@@ -177,6 +177,25 @@ def test_info_command():
     assert bad.returncode == 1 and "OPFORGE_ISA=sse9 is not valid here" in bad.stdout
 
 
+def test_cpu_signature_is_the_kernels():
+    """cpu_features' family / model / stepping (the provider cache's key beside the brand string) are
+    what Linux read from cpuid; the features stay booleans (`opforge info` lists the true ones)."""
+    feats = opforge.cpu_features()
+    assert all(type(v) is bool for k, v in feats.items() if k not in ("model", "family", "model_number", "stepping"))
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if fields.get("vendor_id") not in ("GenuineIntel", "AuthenticAMD"):
+        pytest.skip("not an x86 CPU that Linux describes with family / model / stepping")
+    assert (feats["family"], feats["model_number"], feats["stepping"]) == (
+        int(fields["cpu family"]), int(fields["model"]), int(fields["stepping"]))
+    assert f"family {feats['family']} model {feats['model_number']}" in _cli("info").stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "script, outputs",

@@ -35,6 +35,9 @@ typedef struct opf_cpu_features {
     int os_avx, os_avx512; /* XCR0 lets us use the registers */
     int os_amx;            /* XCR0 has the tile state (XTILECFG, XTILEDATA) */
     char model[64];
+    /* cpuid leaf 1's signature (family and model extended as Intel and AMD define them): one brand
+     * string ("Intel(R) Xeon(R) Processor" under many hypervisors) can name several generations */
+    int family, model_number, stepping;
 } opf_cpu_features;
 
 const opf_cpu_features *opf_cpu(void);
