@@ -340,6 +340,11 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
           *db32 = !p->dbias ? NULL
                   : half    ? ws + l->db
                             : p->dbias;
+    /* 16-bit gradients of one token chunk: each dweight block is one product (no sum over chunks), which
+     * the GEMM rounds once straight into the result (the float32 scratch then holds at most the partial sums
+     * of earlier K slices): no float32 block written, read back and converted, and on torch's GEMM a
+     * bfloat16 product (oneDNN's AMX tiles) where the float32 one went through a rounded copy */
+    const int dw_direct = half && ntc == 1;
     for (int64_t vbi = 0; vbi < nvb; vbi++) {
         job.v0 = vbi * l->vb, job.cols = min64(l->vb, p->v - job.v0);
         float *dwb = !p->dweight ? NULL : half ? dw32 : (float *)p->dweight + job.v0 * p->h;
@@ -360,6 +365,10 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
             }
             if (dwb) { /* dweight rows (cols, H) (+)= du^T (cols, rows) . hidden rows (rows, H) */
                 gemm_epilogue ep = {.beta = tci ? 1.0f : 0.0f};
+                if (dw_direct) { /* one chunk: the product is the block's sum, rounded once into the result */
+                    ep.out16 = (char *)p->dweight + job.v0 * p->h * 2;
+                    ep.out_dt = gdt;
+                }
                 TRY(gemm_run(&l->dweight[job.rows < l->tc][job.cols < l->vb], du, 1, job.cols,
                              at(p->hidden, job.t0 * p->hidden_strides[0], dt), p->hidden_strides[0],
                              p->hidden_strides[1], dwb, p->h, &ep, ws, l->gemm_floats));
@@ -372,7 +381,7 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
             for (int64_t e = 0; dwb && e < job.cols * p->h; e++) dwb[e] = 0.0f;
             for (int64_t e = 0; db32 && e < job.cols; e++) db32[job.v0 + e] = 0.0f;
         }
-        if (dwb && half)
+        if (dwb && half && !dw_direct)
             convert_store_f32(gemm->cvt, (char *)p->dweight + job.v0 * p->h * 2, gdt, dwb, job.cols * p->h);
     }
     if (fused) store_loss(p, &job);

@@ -34,7 +34,9 @@
  * float32 accumulates dhidden, dweight and dbias in the outputs; bfloat16 and
  * float16 operands go through the GEMM's 16-bit paths (float32 accumulation)
  * and the gradients accumulate in float32 scratch (dhidden (T,H), one vocab
- * block of dweight, dbias) and are rounded once. For bfloat16 operands the
+ * block of dweight, dbias) and are rounded once (with one token chunk a
+ * dweight block is one product, which the GEMM rounds straight into the
+ * 16-bit result: the scratch block is not written). For bfloat16 operands the
  * logits block is bfloat16, as eager's logits are under autocast: the GEMM
  * rounds its float32 sums once into it, the row code reads it a segment at a
  * time through float32 (the log-sum-exp and du are float32 as before) and

@@ -3,6 +3,7 @@ gradient over reduction x ignore_index x label_smoothing x bias x softcap per dt
 gradcheck, opcheck, torch.compile, autocast, thread-count determinism, all-ignored batches, the nn
 module and each error message."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -204,6 +205,42 @@ def test_a_frozen_head_or_hidden_gets_no_gradient_work(reduction, vocab, frozen,
         else:
             assert got.grad is None
     assert asked == ([] if reduction == "none" else [False])  # no gradients asked of the forward
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "float16", "autocast", "float32"])
+def test_a_large_bfloat16_head_gets_its_gradients_from_the_backward(case, monkeypatch):
+    # bfloat16 operands (explicit, or float32 under bfloat16 autocast) with a head past FORWARD_GRADS_BF16_MAX
+    # weight elements: the forward makes no float32 gradients, the backward recomputes the blocks (each
+    # dweight block of one token chunk rounded straight into the bfloat16 result); the gradients are those the
+    # forward's path gives, to the dtype's rounding. float32 and float16 operands keep the forward's
+    # gradients. (Several
+    # token chunks, whose dweight blocks sum in float32 scratch: TRAINING's big linear_cross_entropy case.)
+    module = sys.modules[linear_cross_entropy.__module__]
+    dtype = torch.float32 if case in ("autocast", "float32") else getattr(torch, case)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
+    hid, w, b, y = inputs(40, 24, 300, dtype)
+    grads = {}
+    for limit in (1 << 30, 24 * 300 - 1):  # the forward's gradients, then the backward's
+        monkeypatch.setattr(module, "FORWARD_GRADS_BF16_MAX", limit)
+        asked, forward = [], module._linear_cross_entropy
+        monkeypatch.setattr(module, "_linear_cross_entropy", lambda *a: asked.append(a[-1]) or forward(*a))
+        leaves = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
+        with amp:
+            loss = linear_cross_entropy(*leaves[:2], y, leaves[2])
+        loss.backward()
+        monkeypatch.setattr(module, "_linear_cross_entropy", forward)
+        assert asked == [limit > 24 * 300 or case in ("float32", "float16")], (limit, asked)
+        grads[limit] = [x.grad for x in leaves]
+    tol = GRAD_TOL[torch.bfloat16 if case == "autocast" else dtype]
+    for name, a, r in zip(("hidden", "weight", "bias"), *grads.values()):
+        assert a.dtype == r.dtype == dtype
+        torch.testing.assert_close(r.double(), a.double(), **tol, msg=lambda m: f"d{name}: {m}")
+    rounded = [x.detach().to(torch.bfloat16 if case == "autocast" else dtype).double().requires_grad_()
+               for x in (hid, w, b)]
+    ref = reference(*rounded[:2], y, rounded[2], logits=LOGITS.get(torch.bfloat16 if case == "autocast" else dtype))
+    ref.backward()
+    for name, r, want in zip(("hidden", "weight", "bias"), grads[24 * 300 - 1], rounded):
+        torch.testing.assert_close(r.double(), want.grad, **tol, msg=lambda m: f"d{name} vs float64: {m}")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
