@@ -137,7 +137,10 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
     l.bias = l.zy + p->t;
     l.dh = l.bias + (p->bias ? p->v : 0);
     l.dw = l.dh + (half && p->dhidden ? p->t * p->h : 0);
-    l.db = l.dw + (half && p->dweight ? l.vb * p->h : 0);
+    /* a float32 dweight block: the sum over token chunks, or with one chunk (run_f32's dw_direct) the GEMM's
+     * partial sums where the tokens span several K slices; none where they fit one */
+    const int dw_direct = half && l.tc >= p->t && p->t > 0, one_slice = p->t <= gemm_slice_depth(gemm, du_dt, p->dt);
+    l.db = l.dw + (half && p->dweight && !(dw_direct && one_slice) ? l.vb * p->h : 0);
     l.block16 = l.db + (half && p->dbias ? p->v : 0);
     l.floats = l.block16 + (b16 ? (l.tc * l.vb + 1) / 2 : 0); /* 2-byte elements */
     return l;
@@ -344,10 +347,11 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
      * the GEMM rounds once straight into the result (the float32 scratch then holds at most the partial sums
      * of earlier K slices): no float32 block written, read back and converted, and on torch's GEMM a
      * bfloat16 product (oneDNN's AMX tiles) where the float32 one went through a rounded copy */
-    const int dw_direct = half && ntc == 1;
+    const int dw_direct = half && ntc == 1; /* plan_make sized the scratch dweight block (dw) for this */
     for (int64_t vbi = 0; vbi < nvb; vbi++) {
         job.v0 = vbi * l->vb, job.cols = min64(l->vb, p->v - job.v0);
         float *dwb = !p->dweight ? NULL : half ? dw32 : (float *)p->dweight + job.v0 * p->h;
+        float *dw_c = dw_direct && l->db == l->dw ? NULL : dwb; /* the GEMM's C: NULL with no scratch block */
         for (int64_t tci = 0; tci < ntc; tci++) {
             job.t0 = tci * l->tc, job.rows = min64(l->tc, p->t - job.t0);
             TRY(logits_block(&job, ws));
@@ -371,7 +375,7 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
                 }
                 TRY(gemm_run(&l->dweight[job.rows < l->tc][job.cols < l->vb], du, 1, job.cols,
                              at(p->hidden, job.t0 * p->hidden_strides[0], dt), p->hidden_strides[0],
-                             p->hidden_strides[1], dwb, p->h, &ep, ws, l->gemm_floats));
+                             p->hidden_strides[1], dw_c, p->h, &ep, ws, l->gemm_floats));
             }
             if (db32)
                 colsum_f32(gemm->cvt, db32 + job.v0, du, job.block16 ? OPF_BF16 : OPF_F32, job.cols, job.rows, job.cols,

@@ -208,17 +208,19 @@ def test_a_frozen_head_or_hidden_gets_no_gradient_work(reduction, vocab, frozen,
 
 
 @pytest.mark.parametrize("case", ["bfloat16", "float16", "autocast", "float32"])
-def test_a_large_bfloat16_head_gets_its_gradients_from_the_backward(case, monkeypatch):
+@pytest.mark.parametrize("tokens", [40, 1500], ids=["one-k-slice", "k-slices"])
+def test_a_large_bfloat16_head_gets_its_gradients_from_the_backward(case, tokens, monkeypatch):
     # bfloat16 operands (explicit, or float32 under bfloat16 autocast) with a head past FORWARD_GRADS_BF16_MAX
     # weight elements: the forward makes no float32 gradients, the backward recomputes the blocks (each
     # dweight block of one token chunk rounded straight into the bfloat16 result); the gradients are those the
     # forward's path gives, to the dtype's rounding. float32 and float16 operands keep the forward's
-    # gradients. (Several
+    # gradients. 1500 tokens: one chunk over several of the GEMM's K slices, whose partial sums go through a
+    # float32 dweight block (40: none is allocated). (Several
     # token chunks, whose dweight blocks sum in float32 scratch: TRAINING's big linear_cross_entropy case.)
     module = sys.modules[linear_cross_entropy.__module__]
     dtype = torch.float32 if case in ("autocast", "float32") else getattr(torch, case)
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
-    hid, w, b, y = inputs(40, 24, 300, dtype)
+    hid, w, b, y = inputs(tokens, 24, 300, dtype)
     grads = {}
     for limit in (1 << 30, 24 * 300 - 1):  # the forward's gradients, then the backward's
         monkeypatch.setattr(module, "FORWARD_GRADS_BF16_MAX", limit)
