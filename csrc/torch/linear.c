@@ -190,8 +190,12 @@ static linear_args check_linear(const char *op, AtenTensorHandle x_h, AtenTensor
     l.k = l.x.sizes[l.x.ndim - 1];
     l.n = l.w.sizes[0];
     if (l.w.sizes[1] != l.k)
-        opf_fail(op, "argument 'weight' must have %lld columns (in_features, the last dim of 'x'), got %lld",
-                 (long long)l.k, (long long)l.w.sizes[1]);
+        opf_fail(op,
+                 "the last dim of argument 'x' (%lld) must equal the columns of argument 'weight' (its in_features; "
+                 "weight is (out_features, in_features) = (%lld, %lld)): a weight of %lld columns, or an x whose "
+                 "last dim is %lld",
+                 (long long)l.k, (long long)l.w.sizes[0], (long long)l.w.sizes[1], (long long)l.k,
+                 (long long)l.w.sizes[1]);
     if (l.has_bias) {
         l.bias = opf_tensor_info(op, "bias", b_h);
         check_operand(op, "bias", &l.bias, "x", &l.x);
