@@ -139,8 +139,9 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
     l.dw = l.dh + (half && p->dhidden ? p->t * p->h : 0);
     /* a float32 dweight block: the sum over token chunks, or with one chunk (run_f32's dw_direct) the GEMM's
      * partial sums where the tokens span several K slices; none where they fit one */
-    const int dw_direct = half && l.tc >= p->t && p->t > 0, one_slice = p->t <= gemm_slice_depth(gemm, du_dt, p->dt);
-    l.db = l.dw + (half && p->dweight && !(dw_direct && one_slice) ? l.vb * p->h : 0);
+    l.dw_direct = half && l.tc >= p->t && p->t > 0;
+    const int one_slice = p->t <= gemm_slice_depth(gemm, du_dt, p->dt);
+    l.db = l.dw + (half && p->dweight && !(l.dw_direct && one_slice) ? l.vb * p->h : 0);
     l.block16 = l.db + (half && p->dbias ? p->v : 0);
     l.floats = l.block16 + (b16 ? (l.tc * l.vb + 1) / 2 : 0); /* 2-byte elements */
     return l;
@@ -343,11 +344,12 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
           *db32 = !p->dbias ? NULL
                   : half    ? ws + l->db
                             : p->dbias;
-    /* 16-bit gradients of one token chunk: each dweight block is one product (no sum over chunks), which
-     * the GEMM rounds once straight into the result (the float32 scratch then holds at most the partial sums
-     * of earlier K slices): no float32 block written, read back and converted, and on torch's GEMM a
-     * bfloat16 product (oneDNN's AMX tiles) where the float32 one went through a rounded copy */
-    const int dw_direct = half && ntc == 1; /* plan_make sized the scratch dweight block (dw) for this */
+    /* 16-bit gradients of one token chunk (plan_make's dw_direct): each dweight block is one product (no
+     * sum over chunks), which the GEMM rounds once straight into the result (the float32 scratch then holds
+     * at most the partial sums of earlier K slices): no float32 block written, read back and converted, and
+     * on torch's GEMM a bfloat16 product (oneDNN's AMX tiles) where the float32 one went through a rounded
+     * copy */
+    const int dw_direct = l->dw_direct;
     for (int64_t vbi = 0; vbi < nvb; vbi++) {
         job.v0 = vbi * l->vb, job.cols = min64(l->vb, p->v - job.v0);
         float *dwb = !p->dweight ? NULL : half ? dw32 : (float *)p->dweight + job.v0 * p->h;

@@ -172,6 +172,7 @@ typedef struct linear_cross_entropy_plan {
     gemm_plan logits[2][2], dhidden[2][2], dweight[2][2];
     int64_t gemm_floats;
     int64_t block, max, sum, zsum, zy, bias, dh, dw, db, block16, floats;
+    int dw_direct; /* 16-bit gradients of one token chunk: dweight rounded by the GEMM into the result */
 } linear_cross_entropy_plan;
 
 linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gemm,

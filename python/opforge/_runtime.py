@@ -294,13 +294,16 @@ def set_log_file(path: str | None) -> None:
     library._call("opforge_set_log_file", (path or "").encode())
 
 
+_SIGNATURE = ("family", "model_number", "stepping")  # cpuid leaf 1's, after the brand string
+
+
 class _CpuFeatures(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int)
         for name in (
             "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512bf16 amx_tile amx_bf16 os_avx os_avx512 os_amx"
         ).split()
-    ] + [("model", ctypes.c_char * 64)] + [(name, ctypes.c_int) for name in ("family", "model_number", "stepping")]
+    ] + [("model", ctypes.c_char * 64)] + [(name, ctypes.c_int) for name in _SIGNATURE]
 
 
 _dll.opforge_cpu_features.restype = ctypes.POINTER(_CpuFeatures)
@@ -309,9 +312,10 @@ _dll.opforge_cpu_features.restype = ctypes.POINTER(_CpuFeatures)
 def cpu_features() -> dict:
     """What cpuid reports, as the runtime sees it."""
     f = _dll.opforge_cpu_features().contents
-    out = {name: bool(getattr(f, name)) for name, _ in _CpuFeatures._fields_[:-4]}
+    out = {name: bool(getattr(f, name)) for name, kind in _CpuFeatures._fields_
+           if kind is ctypes.c_int and name not in _SIGNATURE}
     out["model"] = f.model.decode(errors="replace")
-    out.update((name, getattr(f, name)) for name in ("family", "model_number", "stepping"))
+    out.update((name, getattr(f, name)) for name in _SIGNATURE)
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 from .._lib import op_function, require_tensors
 from .._runtime import enum_code, library, namespace, ops
 from .cross_entropy import REDUCTIONS
+from .linear import _operand_dtype
 
 __all__ = ["linear_cross_entropy"]
 
@@ -36,15 +37,6 @@ def vocab_in_one_block(tokens, vocab) -> bool:
 # gradients (2.4x eager under autocast). float16 keeps them at any size: its GEMMs are opforge's, where the
 # fourth GEMM costs more than the float32 gradient (0.43x -> 0.37x eager at vocab 32000, 64 tokens).
 FORWARD_GRADS_BF16_MAX = 1 << 24
-
-
-def _bfloat16(hidden) -> bool:
-    """Whether the op runs on bfloat16 operands: bfloat16 hidden, or float32 hidden under CPU autocast to
-    bfloat16 (the op's autocast policy casts it so)."""
-    if hidden.dtype == torch.bfloat16:
-        return True
-    return (hidden.dtype == torch.float32 and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
 
 
 @op_function(ops.linear_cross_entropy.default)
@@ -85,11 +77,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     instead of the four a recomputing backward runs), in the loss's dtype (rounded to float16 before
     GradScaler's scale, small ones would underflow); they are held from forward to backward, which only
     scales them by the incoming gradient and rounds them once to hidden's dtype (dweight and dhidden
-    twice at the peak: 20 MB at vocabulary 8192 x 512 and 2048 tokens in float32). With 16-bit operands
-    (or under 16-bit autocast) only for heads of at most ``FORWARD_GRADS_BF16_MAX`` (2**24) weight
+    twice at the peak: 20 MB at vocabulary 8192 x 512 and 2048 tokens in float32). With bfloat16 operands
+    (or under bfloat16 autocast) only for heads of at most ``FORWARD_GRADS_BF16_MAX`` (2**24) weight
     elements: a larger head's float32 weight gradient would cost more than the GEMM it saves, and the
     backward recomputes the blocks (each weight-gradient block of a single token chunk rounded by the GEMM
-    straight into the 16-bit result).
+    straight into the bfloat16 result).
     Larger vocabularies keep only each token's log-sum-exp (T floats) for the backward, which recomputes
     the blocks: a block then covers part of the vocabulary, a token's log-sum-exp is final only after its
     last one, and the gradients' second sweep must recompute every block wherever it runs. With "none" the per-token gradients are known only in the
@@ -128,6 +120,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     # hidden) the backward recomputes the blocks and makes only the wanted ones
     compute_grad = (torch.is_grad_enabled() and hidden.requires_grad and weight.requires_grad
                     and vocab_in_one_block(h2.shape[0], weight.shape[0])
-                    and (weight.shape[0] * weight.shape[1] <= FORWARD_GRADS_BF16_MAX or not _bfloat16(hidden)))
+                    and (weight.shape[0] * weight.shape[1] <= FORWARD_GRADS_BF16_MAX
+                         or _operand_dtype([hidden.dtype]) != torch.bfloat16))  # autocast's, where it casts
     return _linear_cross_entropy(h2, weight, t1, bias, ignore_index, float(label_smoothing), code, softcap,
                                  compute_grad)[0]
