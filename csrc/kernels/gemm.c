@@ -90,6 +90,7 @@ static void compute_task(const gemm_job *job, int64_t task, float *own_a) {
                 tiles[t] = (gemm_tile){
                     .load_c = !first || ep->beta != 0.0f,
                     .beta = first ? ep->beta : 1.0f,
+                    .alpha = ep->alpha,
                     .bias_n = last && ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + col : NULL,
                     .bias_m = last && ep->bias_kind == GEMM_BIAS_COL ? ep->bias + r : NULL,
                     .act = last ? ep->act : ACT_NONE,
@@ -174,6 +175,7 @@ static void finish_range(int64_t b0, int64_t b1, void *ctx) {
             gemm_tile tile = {
                 .load_c = job->with_c && ep->beta != 0.0f,
                 .beta = ep->beta,
+                .alpha = ep->alpha,
                 .bias_n = ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + j : NULL,
                 .bias_m = ep->bias_kind == GEMM_BIAS_COL ? ep->bias + i : NULL,
                 .act = ep->act,

@@ -1,9 +1,10 @@
 /*
  * GEMM, float32, BLIS-style:
- *     C (M,N) = act( A (M,K) . B (K,N) + beta * C + bias )
+ *     C (M,N) = act( alpha * A (M,K) . B (K,N) + beta * C + bias )
  * A(i,k) = a[i*rsa + k*csa] and B(k,j) = b[k*rsb + j*csb]: any strides, so a
  * transposed operand is read in place (packing reorders it). C(i,j) =
- * c[i*rsc + j] (unit column stride). beta = 0 never reads C.
+ * c[i*rsc + j] (unit column stride). beta = 0 never reads C; alpha is 1
+ * unless the epilogue points at one.
  *
  * Blocking: for each NC-wide panel of B and KC-deep slice of K, B is packed
  * into NR-wide slivers and A into MR-tall slivers (zero padded), then an
@@ -42,6 +43,7 @@ typedef enum gemm_bias_kind {
 
 typedef struct gemm_epilogue {
     float beta;
+    const float *alpha; /* the product's factor; NULL: 1 (a zeroed epilogue multiplies by 1) */
     const float *bias;
     gemm_bias_kind bias_kind;
     act_kind act;
@@ -57,7 +59,8 @@ typedef struct gemm_epilogue {
 } gemm_epilogue;
 
 /* What one micro-kernel call finishes: C tile (m <= MR rows, n <= NR cols).
- * load_c: C = beta * C + acc, else C = acc. On the last K slice also bias
+ * acc is first multiplied by *alpha where alpha is set (every K slice: each
+ * adds its share). load_c: C = beta * C + acc, else C = acc. On the last K slice also bias
  * (bias_n: per column, bias_m: per row; already offset to the tile), the
  * activation, and the pre-activation store (pre, rsp). With c16 the result
  * goes to c16 (row stride rsc) and the pre-activation to pre16 (rsp), both
@@ -65,6 +68,7 @@ typedef struct gemm_epilogue {
 typedef struct gemm_tile {
     int load_c;
     float beta;
+    const float *alpha;
     const float *bias_n, *bias_m;
     act_kind act;
     float *pre;
@@ -194,7 +198,7 @@ int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, con
  * The op library's glue may install a provider: torch's own GEMM
  * (csrc/torch/gemm_torch.c), which is near the machine's peak where MKL and
  * oneDNN are (Intel, AMX). gemm_run offers it each product first; it computes
- * the product (A B, then beta C) by its own means and finishes it with
+ * the product (alpha A B, then beta C) by its own means and finishes it with
  * gemm_finish, so every epilogue (bias, activation, pre-activation, 16-bit
  * results) and every caller's fusion around the GEMM stays the same; or it
  * declines (its choice for the product's class, or a product it cannot take)
@@ -255,7 +259,8 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
 /* Finishes a product another GEMM made as gemm_run's epilogue would: prod
  * (plan->m, plan->n), row stride rs_prod, float32 or 16-bit (prod_dt), is
  * A B, or already beta C + A B when with_c is 0; with_c: beta C is added here
- * (ep->beta). Then bias, the pre-activation store and the activation, into C
+ * (ep->beta); ep->alpha, where set, multiplies prod first (a provider whose GEMM
+ * applied it clears it). Then bias, the pre-activation store and the activation, into C
  * or ep->out16 / ep->pre16, through the ISA's micro-kernel epilogue (the
  * `store` of plan->kern's float32 table), threaded over row blocks. prod may
  * be C or ep->out16 itself (each tile is read before it is written). */

@@ -23,6 +23,7 @@ static inline void st16(uint16_t *p, __m256 v, opf_dtype dt) {
 /* 8 columns of one row: c / pre are float32 (NULL when unused), c16 / pre16 16-bit */
 static inline void store8(float *c, float *pre, uint16_t *c16, uint16_t *pre16, __m256 v, const gemm_tile *t,
                           const float *bias_n, float bias_m) {
+    if (t->alpha) v = _mm256_mul_ps(v, _mm256_set1_ps(*t->alpha));
     if (t->load_c) v = _mm256_fmadd_ps(_mm256_set1_ps(t->beta), _mm256_loadu_ps(c), v);
     if (bias_n) v = _mm256_add_ps(v, _mm256_loadu_ps(bias_n));
     if (t->bias_m) v = _mm256_add_ps(v, _mm256_set1_ps(bias_m));

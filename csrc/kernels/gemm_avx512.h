@@ -16,6 +16,7 @@
 /* 16 columns of one row: c / pre are float32 (NULL when unused), c16 / pre16 16-bit */
 static inline void store16(float *c, float *pre, uint16_t *c16, uint16_t *pre16, __m512 v, const gemm_tile *t,
                            const float *bias_n, float bias_m) {
+    if (t->alpha) v = _mm512_mul_ps(v, _mm512_set1_ps(*t->alpha));
     if (t->load_c) v = _mm512_fmadd_ps(_mm512_set1_ps(t->beta), _mm512_loadu_ps(c), v);
     if (bias_n) v = _mm512_add_ps(v, _mm512_loadu_ps(bias_n));
     if (t->bias_m) v = _mm512_add_ps(v, _mm512_set1_ps(bias_m));

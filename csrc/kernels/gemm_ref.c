@@ -14,7 +14,7 @@ static inline uint16_t round16(float v, opf_dtype dt) {
 void gemm_tile_store(const float *acc, int nr, float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
     for (int i = 0; i < m; i++) {
         for (int j = 0; j < n; j++) {
-            float v = acc[i * nr + j];
+            float v = t->alpha ? acc[i * nr + j] * *t->alpha : acc[i * nr + j];
             if (t->load_c) v += t->beta == 1.0f ? c[i * rsc + j] : t->beta * c[i * rsc + j];
             if (t->bias_n) v += t->bias_n[j];
             if (t->bias_m) v += t->bias_m[i];
@@ -36,7 +36,7 @@ void gemm_ref_f32(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, 
         for (int64_t j = 0; j < n; j++) {
             double s = 0;
             for (int64_t p = 0; p < k; p++) s += (double)a[i * rsa + p * csa] * b[p * rsb + j * csb];
-            float v = (float)s;
+            float v = (float)(ep->alpha ? s * *ep->alpha : s);
             if (ep->beta != 0.0f) v += ep->beta * c[i * rsc + j];
             if (ep->bias_kind == GEMM_BIAS_ROW) v += ep->bias[j];
             if (ep->bias_kind == GEMM_BIAS_COL) v += ep->bias[i];

@@ -97,6 +97,8 @@ int linear_cross_entropy_vocab_in_one_block(int64_t t, int64_t v) {
     return vb >= v;
 }
 
+static void plan_layout(linear_cross_entropy_plan *l, const linear_cross_entropy_problem *p);
+
 linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gemm,
                                                          const linear_cross_entropy_problem *p, int64_t threads) {
     linear_cross_entropy_plan l = {.gemm = gemm};
@@ -105,13 +107,18 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
         return l;
     }
     const int64_t budget = p->block_floats > 0 ? p->block_floats : LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
-    const int half = p->grads_dt == OPF_BF16 || p->grads_dt == OPF_F16, grads = wants_grad(p);
+    const int grads = wants_grad(p);
     /* bfloat16 operands: the logits block is bfloat16 (the GEMM's result rounded once, as eager's
      * bfloat16 logits under autocast), and so is du, written over it by the row code, which both gradient
      * GEMMs read as it is (they would each round a float32 du to bfloat16 on the way in) */
     const int b16 = p->dt == OPF_BF16;
     const opf_dtype du_dt = b16 ? OPF_BF16 : OPF_F32;
+    const int kept_bwd = p->dlogits && p->lse_given;
     block_shape(p->t, p->v, budget, &l.tc, &l.vb);
+    if (kept_bwd) { /* du is all there: each gradient one whole product (the classes a provider claims) */
+        l.tc = max64(p->t, 1);
+        l.vb = max64(p->v, 1);
+    }
     /* the GEMMs of the full and the last block each way: logits (tc, vb, H), dhidden (tc, H, vb), dweight (vb,
      * H, tc); a GEMM's workspace is not monotonic in the rows */
     for (int lt = 0; lt < 2; lt++) {
@@ -127,24 +134,61 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
             for (int g = 0; g < 3; g++) l.gemm_floats = max64(l.gemm_floats, need[g]);
         }
     }
-    l.block = l.gemm_floats;
-    /* float32 logits; with a bfloat16 block, the GEMM's partial sums only where H spans several K slices */
-    const int64_t c32 = !b16 || p->h > gemm_slice_depth(gemm, p->dt, p->dt) ? l.tc * l.vb : 0;
-    l.max = l.block + c32;
-    l.sum = l.max + p->t;
-    l.zsum = l.sum + p->t;
-    l.zy = l.zsum + p->t;
-    l.bias = l.zy + p->t;
-    l.dh = l.bias + (p->bias ? p->v : 0);
-    l.dw = l.dh + (half && p->dhidden ? p->t * p->h : 0);
+    plan_layout(&l, p);
+    return l;
+}
+
+/* The workspace after the GEMMs' packing (l->gemm_floats): the logits block, sweep 1's per-token sums,
+ * the float32 bias and the 16-bit gradients' float32 scratch (none that a claimed plan's products write
+ * themselves) */
+static void plan_layout(linear_cross_entropy_plan *l, const linear_cross_entropy_problem *p) {
+    const gemm_kernels *gemm = l->gemm;
+    const int half = p->grads_dt == OPF_BF16 || p->grads_dt == OPF_F16, b16 = p->dt == OPF_BF16;
+    const opf_dtype du_dt = b16 ? OPF_BF16 : OPF_F32;
+    const int kept_bwd = p->dlogits && p->lse_given;
+    l->block = l->gemm_floats;
+    /* float32 logits; with a bfloat16 block, the GEMM's partial sums only where H spans several K slices;
+     * none where float32 logits go straight into a kept du, or a backward reads the kept du (no block) */
+    const int64_t c32 = kept_bwd || (p->dlogits && !b16)                      ? 0
+                        : !b16 || p->h > gemm_slice_depth(gemm, p->dt, p->dt) ? l->tc * l->vb
+                                                                              : 0;
+    l->max = l->block + c32;
+    l->sum = l->max + p->t;
+    l->zsum = l->sum + p->t;
+    l->zy = l->zsum + p->t;
+    l->bias = l->zy + p->t;
+    l->dh = l->bias + (p->bias ? p->v : 0);
+    /* dhidden: the float32 sum over vocab blocks, or with one block (run_f32's dh_direct) the GEMM's partial
+     * sums where the vocabulary spans several K slices */
+    l->dh_direct = half && l->vb >= p->v && p->v > 0;
+    const int v_one_slice = p->v <= gemm_slice_depth(gemm, du_dt, p->dt);
+    l->dw = l->dh + (half && p->dhidden && !l->claimed && !(l->dh_direct && v_one_slice) ? p->t * p->h : 0);
     /* a float32 dweight block: the sum over token chunks, or with one chunk (run_f32's dw_direct) the GEMM's
      * partial sums where the tokens span several K slices; none where they fit one */
-    l.dw_direct = half && l.tc >= p->t && p->t > 0;
+    l->dw_direct = half && l->tc >= p->t && p->t > 0;
     const int one_slice = p->t <= gemm_slice_depth(gemm, du_dt, p->dt);
-    l.db = l.dw + (half && p->dweight && !(l.dw_direct && one_slice) ? l.vb * p->h : 0);
-    l.block16 = l.db + (half && p->dbias ? p->v : 0);
-    l.floats = l.block16 + (b16 ? (l.tc * l.vb + 1) / 2 : 0); /* 2-byte elements */
-    return l;
+    l->db = l->dw + (half && p->dweight && !l->claimed && !(l->dw_direct && one_slice) ? l->vb * p->h : 0);
+    l->block16 = l->db + (half && p->dbias ? p->v : 0);
+    l->floats = l->block16 + (b16 && !kept_bwd ? (l->tc * l->vb + 1) / 2 : 0); /* 2-byte elements */
+}
+
+/* any non-NULL pointer: a claim reads which of the epilogue's pointers are set, never their data */
+static const float claim_mark;
+
+void linear_cross_entropy_plan_claim(linear_cross_entropy_plan *l, const linear_cross_entropy_problem *p) {
+    if (!p->dlogits || !p->lse_given || p->dt == OPF_F64 || p->t <= 0 || p->v <= 0 || p->h <= 0) return;
+    const int half = p->grads_dt == OPF_BF16 || p->grads_dt == OPF_F16;
+    /* as run_f32 runs them: du (T, V) row-major, 16-bit results rounded straight into the gradients */
+    const gemm_epilogue ep = {.out16 = half ? (void *)&claim_mark : NULL, .out_dt = p->grads_dt};
+    if (p->dhidden &&
+        !gemm_provider_claims(&l->dhidden[0][0], p->v, 1, p->weight_strides[0], p->weight_strides[1], &ep))
+        return;
+    if (p->dweight &&
+        !gemm_provider_claims(&l->dweight[0][0], 1, p->v, p->hidden_strides[0], p->hidden_strides[1], &ep))
+        return;
+    l->claimed = 1;
+    l->gemm_floats = 0;
+    plan_layout(l, p);
 }
 
 int64_t linear_cross_entropy_workspace(const linear_cross_entropy_plan *plan) { return plan->floats; }
@@ -158,6 +202,8 @@ typedef struct linear_cross_entropy_job {
     float *ws, *block;          /* block: float32 logits, or (with block16) the GEMM's partial sums or NULL */
     uint16_t *block16;          /* bfloat16 operands: the logits (rows, cols), then du over them; else NULL */
     int64_t t0, v0, rows, cols; /* the block: tokens [t0, t0 + rows), vocab [v0, v0 + cols) */
+    int64_t rs;                 /* the block's row stride: cols, or V where it lies in the kept du */
+    uint16_t *kept16;           /* bfloat16 logits kept: the block's place in dlogits (row stride V), or NULL */
     double base;                /* the gradient of each token's loss before grad: 1/N (mean) or 1 */
     float cap, eps_v, one_eps;
 } linear_cross_entropy_job;
@@ -180,7 +226,7 @@ static void lse_rows(int64_t r0, int64_t r1, void *ctx) {
         const int64_t t = job->t0 + r;
         const int64_t y = ignored(p, t) ? -1 : p->target[t * p->target_stride] - job->v0;
         if (!job->block16) {
-            const float *u = job->block + r * job->cols;
+            const float *u = job->block + r * job->rs;
             job->kern->lse_update(u, job->cols, job->cap, mx + t, sm + t, zs + t);
             if (y >= 0 && y < job->cols) zy[t] = job->kern->capped(u, job->cols, y, job->cap);
             continue;
@@ -191,6 +237,7 @@ static void lse_rows(int64_t r0, int64_t r1, void *ctx) {
             job->kern->lse_update(seg, n, job->cap, mx + t, sm + t, zs + t);
             if (y >= s0 && y < s0 + n) zy[t] = job->kern->capped(seg, n, y - s0, job->cap);
         }
+        if (job->kept16) memcpy(job->kept16 + r * p->v, job->block16 + r * job->cols, (size_t)job->cols * 2);
     }
 }
 
@@ -211,8 +258,8 @@ static void grad_rows(int64_t r0, int64_t r1, void *ctx) {
     float seg[SEGMENT];
     for (int64_t r = r0; r < r1; r++) {
         const int64_t t = job->t0 + r;
-        float *u = job->block16 ? NULL : job->block + r * job->cols;
-        uint16_t *u16 = job->block16 ? job->block16 + r * job->cols : NULL;
+        float *u = job->block16 ? NULL : job->block + r * job->rs;
+        uint16_t *u16 = job->block16 ? job->block16 + r * job->rs : NULL;
         const float scale = (float)token_scale(job, t);
         if (scale == 0.0f) { /* ignored (or a zero gradient): no contribution, whatever the logits */
             if (u) memset(u, 0, (size_t)job->cols * sizeof(float));
@@ -255,7 +302,19 @@ static int logits_block(const linear_cross_entropy_job *job, float *ws) {
     return gemm_run(&job->l->logits[job->rows < job->l->tc][job->cols < job->l->vb],
                     at(p->hidden, job->t0 * p->hidden_strides[0], dt), p->hidden_strides[0], p->hidden_strides[1],
                     at(p->weight, job->v0 * p->weight_strides[0], dt), p->weight_strides[1], p->weight_strides[0],
-                    job->block, job->cols, &ep, ws, job->l->gemm_floats);
+                    job->block, job->rs, &ep, ws, job->l->gemm_floats);
+}
+
+/* A gradient GEMM: the provider's with no workspace where the plan is claimed (declined after all:
+ * LINEAR_CROSS_ENTROPY_ERR_DECLINED, the caller runs the problem again unclaimed), else gemm_run */
+static int grad_gemm(const linear_cross_entropy_plan *l, const gemm_plan *g, const void *a, int64_t rsa, int64_t csa,
+                     const void *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep,
+                     float *ws) {
+    if (l->claimed)
+        return gemm_run_claimed(g, a, rsa, csa, b, rsb, csb, c, rsc, ep) == 0 ? 0 : LINEAR_CROSS_ENTROPY_ERR_DECLINED;
+    return gemm_run(g, a, rsa, csa, b, rsb, csb, c, rsc, ep, ws, l->gemm_floats) == 0
+               ? 0
+               : LINEAR_CROSS_ENTROPY_ERR_WORKSPACE;
 }
 
 #define TRY(call)                                                   \
@@ -319,6 +378,9 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
                                     .one_eps = (float)(1.0 - p->label_smoothing)};
     if (p->bias) convert_load_f32(gemm->cvt, ws + l->bias, p->bias, dt, p->v, p->bias_stride);
     const int64_t ntc = (p->t + l->tc - 1) / l->tc, nvb = (p->v + l->vb - 1) / l->vb;
+    /* du kept: made here (forward) or read (backward); of dt's element size (float32 or bfloat16) */
+    const int kept_fwd = p->dlogits && !p->lse_given, kept_bwd = p->dlogits && p->lse_given;
+    const opf_dtype du_dt = dt == OPF_BF16 ? OPF_BF16 : OPF_F32;
     /* blocks that span the vocabulary, in a forward asked for the gradients: both sweeps a chunk at a time */
     const int fused = !p->lse_given && wants_grad(p) && nvb == 1;
     if (!p->lse_given) { /* sweep 1: lse and the loss */
@@ -328,16 +390,31 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
     if (!p->lse_given && !fused) {
         for (int64_t b = 0; b < ntc * nvb; b++) {
             job.t0 = b / nvb * l->tc, job.v0 = b % nvb * l->vb;
-            job.rows = min64(l->tc, p->t - job.t0), job.cols = min64(l->vb, p->v - job.v0);
+            job.rows = min64(l->tc, p->t - job.t0), job.cols = min64(l->vb, p->v - job.v0), job.rs = job.cols;
+            if (kept_fwd && job.block16) /* lse_rows copies each bfloat16 row there */
+                job.kept16 = (uint16_t *)p->dlogits + job.t0 * p->v + job.v0;
+            else if (kept_fwd) /* float32 logits straight into their place */
+                job.block = (float *)p->dlogits + job.t0 * p->v + job.v0, job.rs = p->v;
             TRY(logits_block(&job, ws));
             opf_parallel_for(0, job.rows, row_grain(job.cols), lse_rows, &job);
         }
+        job.kept16 = NULL;
         store_loss(p, &job);
+    }
+    if (kept_fwd) { /* every lse final: du of the whole (T, V) in place, for a loss gradient of 1 */
+        job.base = p->reduction == LINEAR_CROSS_ENTROPY_MEAN ? 1.0 / (double)valid_tokens(p) : 1.0;
+        job.t0 = job.v0 = 0, job.rows = p->t, job.cols = job.rs = p->v;
+        job.block = du_dt == OPF_F32 ? p->dlogits : NULL;
+        job.block16 = du_dt == OPF_BF16 ? p->dlogits : NULL;
+        opf_parallel_for(0, p->t, row_grain(p->v), grad_rows, &job);
+        return 0;
     }
     if (!wants_grad(p)) return 0;
     /* sweep 2: the gradients, vocab blocks outer, token chunks inner */
     job.base = p->reduction == LINEAR_CROSS_ENTROPY_MEAN ? 1.0 / (double)valid_tokens(p) : 1.0;
-    float *dh32 = !p->dhidden ? NULL : half ? ws + l->dh : p->dhidden;
+    /* dhidden's float32 C: the result, or the scratch sum (NULL where dh_direct needs none) */
+    const int dh_direct = l->dh_direct;
+    float *dh32 = !p->dhidden ? NULL : !half ? p->dhidden : l->dw > l->dh ? ws + l->dh : NULL;
     float *dw32 = !p->dweight ? NULL
                   : half      ? ws + l->dw
                               : NULL,
@@ -350,38 +427,51 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
      * on torch's GEMM a bfloat16 product (oneDNN's AMX tiles) where the float32 one went through a rounded
      * copy */
     const int dw_direct = l->dw_direct;
+    /* with du kept, each product times the scalar gradient (du is made for 1): the GEMM's alpha */
+    const float g = kept_bwd && p->grad ? (float)opf_load_elem(p->grad, 0, p->loss_dt) : 1.0f;
+    const float *alpha = g != 1.0f ? &g : NULL;
     for (int64_t vbi = 0; vbi < nvb; vbi++) {
         job.v0 = vbi * l->vb, job.cols = min64(l->vb, p->v - job.v0);
         float *dwb = !p->dweight ? NULL : half ? dw32 : (float *)p->dweight + job.v0 * p->h;
         float *dw_c = dw_direct && l->db == l->dw ? NULL : dwb; /* the GEMM's C: NULL with no scratch block */
         for (int64_t tci = 0; tci < ntc; tci++) {
-            job.t0 = tci * l->tc, job.rows = min64(l->tc, p->t - job.t0);
-            TRY(logits_block(&job, ws));
-            if (fused) { /* the chunk's sweep 1 on its one block: its lse is final */
-                opf_parallel_for(0, job.rows, row_grain(job.cols), lse_rows, &job);
-                chunk_lse(p, &job);
+            job.t0 = tci * l->tc, job.rows = min64(l->tc, p->t - job.t0), job.rs = job.cols;
+            const void *du; /* the GEMMs' A: du (rows, cols), row stride rs */
+            if (kept_bwd) {
+                du = (const char *)p->dlogits + (job.t0 * p->v + job.v0) * (int64_t)opf_dtype_size(du_dt);
+                job.rs = p->v;
+            } else {
+                TRY(logits_block(&job, ws));
+                if (fused) { /* the chunk's sweep 1 on its one block: its lse is final */
+                    opf_parallel_for(0, job.rows, row_grain(job.cols), lse_rows, &job);
+                    chunk_lse(p, &job);
+                }
+                opf_parallel_for(0, job.rows, row_grain(job.cols), grad_rows, &job);
+                du = job.block16 ? (const void *)job.block16 : job.block;
             }
-            opf_parallel_for(0, job.rows, row_grain(job.cols), grad_rows, &job);
-            const void *du = job.block16 ? (const void *)job.block16 : job.block; /* the GEMMs' A: du (rows, cols) */
-            if (dh32) { /* dhidden rows (rows, H) (+)= du (rows, cols) . weight rows (cols, H) */
-                gemm_epilogue ep = {.beta = vbi ? 1.0f : 0.0f};
-                TRY(gemm_run(&l->dhidden[job.rows < l->tc][job.cols < l->vb], du, job.cols, 1,
-                             at(p->weight, job.v0 * p->weight_strides[0], dt), p->weight_strides[0],
-                             p->weight_strides[1], dh32 + job.t0 * p->h, p->h, &ep, ws, l->gemm_floats));
+            if (p->dhidden) { /* dhidden rows (rows, H) (+)= du (rows, cols) . weight rows (cols, H) */
+                gemm_epilogue ep = {.beta = vbi ? 1.0f : 0.0f, .alpha = alpha};
+                if (dh_direct) { /* one vocab block: the chunk's rows are one product, rounded once */
+                    ep.out16 = (char *)p->dhidden + job.t0 * p->h * 2;
+                    ep.out_dt = gdt;
+                }
+                const int rc = grad_gemm(l, &l->dhidden[job.rows < l->tc][job.cols < l->vb], du, job.rs, 1,
+                                         at(p->weight, job.v0 * p->weight_strides[0], dt), p->weight_strides[0],
+                                         p->weight_strides[1], dh32 ? dh32 + job.t0 * p->h : NULL, p->h, &ep, ws);
+                if (rc) return rc;
             }
             if (dwb) { /* dweight rows (cols, H) (+)= du^T (cols, rows) . hidden rows (rows, H) */
-                gemm_epilogue ep = {.beta = tci ? 1.0f : 0.0f};
+                gemm_epilogue ep = {.beta = tci ? 1.0f : 0.0f, .alpha = alpha};
                 if (dw_direct) { /* one chunk: the product is the block's sum, rounded once into the result */
                     ep.out16 = (char *)p->dweight + job.v0 * p->h * 2;
                     ep.out_dt = gdt;
                 }
-                TRY(gemm_run(&l->dweight[job.rows < l->tc][job.cols < l->vb], du, 1, job.cols,
-                             at(p->hidden, job.t0 * p->hidden_strides[0], dt), p->hidden_strides[0],
-                             p->hidden_strides[1], dw_c, p->h, &ep, ws, l->gemm_floats));
+                const int rc = grad_gemm(l, &l->dweight[job.rows < l->tc][job.cols < l->vb], du, 1, job.rs,
+                                         at(p->hidden, job.t0 * p->hidden_strides[0], dt), p->hidden_strides[0],
+                                         p->hidden_strides[1], dw_c, p->h, &ep, ws);
+                if (rc) return rc;
             }
-            if (db32)
-                colsum_f32(gemm->cvt, db32 + job.v0, du, job.block16 ? OPF_BF16 : OPF_F32, job.cols, job.rows, job.cols,
-                           tci > 0);
+            if (db32) colsum_f32(gemm->cvt, db32 + job.v0, du, du_dt, job.rs, job.rows, job.cols, tci > 0);
         }
         if (ntc == 0) { /* no tokens: zero gradients of weight and bias */
             for (int64_t e = 0; dwb && e < job.cols * p->h; e++) dwb[e] = 0.0f;
@@ -391,8 +481,9 @@ static int run_f32(const linear_cross_entropy_kernels *kern, const linear_cross_
             convert_store_f32(gemm->cvt, (char *)p->dweight + job.v0 * p->h * 2, gdt, dwb, job.cols * p->h);
     }
     if (fused) store_loss(p, &job);
+    for (int64_t e = 0; alpha && db32 && e < p->v; e++) db32[e] *= g;             /* the column sums of du made for 1 */
     if (nvb == 0 && dh32) memset(dh32, 0, (size_t)(p->t * p->h) * sizeof(float)); /* no vocab: zero dhidden */
-    if (half && dh32) convert_store_f32(gemm->cvt, p->dhidden, gdt, dh32, p->t * p->h);
+    if (half && dh32 && !dh_direct) convert_store_f32(gemm->cvt, p->dhidden, gdt, dh32, p->t * p->h);
     if (half && db32) convert_store_f32(gemm->cvt, p->dbias, gdt, db32, p->v);
     return 0;
 }

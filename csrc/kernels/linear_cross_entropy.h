@@ -31,6 +31,16 @@
  * blocks runs in this fixed order and the GEMM splits no sum across threads:
  * the same bits at any thread count.
  *
+ * Kept du (dlogits): a forward given a (T, V) dlogits writes each block's
+ * logits into it during sweep 1 and, its log-sum-exps final, turns it into du
+ * (for a loss gradient of 1) row by row; no gradient GEMM runs. The backward
+ * given it runs sweep 2's two GEMMs per block on its blocks, each product
+ * times the scalar gradient (the GEMM's alpha), with no recompute: eager's
+ * three GEMMs, holding T x V elements where the forward's gradients hold
+ * V x H + T x H (so the Python layer keeps du only for T <= H). du is the
+ * block's dtype: bfloat16 for bfloat16 operands, else float32 (the glue keeps
+ * it for float32 and bfloat16 operands, as a tensor of hidden's dtype).
+ *
  * float32 accumulates dhidden, dweight and dbias in the outputs; bfloat16 and
  * float16 operands go through the GEMM's 16-bit paths (float32 accumulation)
  * and the gradients accumulate in float32 scratch (dhidden (T,H), one vocab
@@ -72,7 +82,7 @@
 #include "opforge/half.h"
 #include "opforge/runtime.h"
 
-enum { LINEAR_CROSS_ENTROPY_ERR_WORKSPACE = -1 };
+enum { LINEAR_CROSS_ENTROPY_ERR_WORKSPACE = -1, LINEAR_CROSS_ENTROPY_ERR_DECLINED = -2 };
 typedef enum linear_cross_entropy_reduction {
     LINEAR_CROSS_ENTROPY_NONE = 0,
     LINEAR_CROSS_ENTROPY_MEAN = 1,
@@ -127,6 +137,10 @@ typedef struct linear_cross_entropy_problem {
     /* gradient of the loss: NULL is 1; reduction none: (T) via grad_stride, else one element */
     const void *grad;
     int64_t grad_stride;
+    /* du kept (T, V), contiguous, bfloat16 for bfloat16 operands and float32 for the others (float64: the
+     * reference, which keeps none), or NULL: made by a forward (not lse_given; the gradients then NULL), read
+     * by a backward (lse_given, reduction mean / sum) */
+    void *dlogits;
 } linear_cross_entropy_problem;
 
 /* Row code of the two sweeps on one row of a float32 logits block (n raw
@@ -165,6 +179,8 @@ int64_t linear_cross_entropy_bad_target(const linear_cross_entropy_problem *p);
  * types the float32 gradients (dhidden (T,H), dweight of one vocab block,
  * dbias (V)), and for bfloat16 operands du rounded to bfloat16 (one block),
  * which both gradient GEMMs read (they would each round the float32 du so).
+ * With du kept, no float32 logits block (the GEMM writes float32 logits into
+ * du itself), and a backward reading it has no block at all.
  * float64: one row of V doubles. */
 typedef struct linear_cross_entropy_plan {
     const gemm_kernels *gemm;
@@ -173,15 +189,27 @@ typedef struct linear_cross_entropy_plan {
     int64_t gemm_floats;
     int64_t block, max, sum, zsum, zy, bias, dh, dw, db, block16, floats;
     int dw_direct; /* 16-bit gradients of one token chunk: dweight rounded by the GEMM into the result */
+    int dh_direct; /* 16-bit gradients of one vocab block: dhidden likewise */
+    int claimed;   /* linear_cross_entropy_plan_claim's: the gradient products on the provider, no workspace */
 } linear_cross_entropy_plan;
 
 linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gemm,
                                                          const linear_cross_entropy_problem *p, int64_t threads);
+/* A backward reading kept du runs each gradient as one whole product (tc = T, vb = V). Where the GEMM
+ * provider claims those products (gemm_provider_claims: classes settled on its own GEMM, which writes
+ * the results itself), the plan is remade to run them with no workspace: no packing, no float32
+ * scratch of 16-bit gradients (the provider rounds them straight into the results). A claimed product
+ * the provider then declines after all (its mode changed since, or its GEMM failed) makes
+ * linear_cross_entropy_run return LINEAR_CROSS_ENTROPY_ERR_DECLINED, the gradients unfinished: the
+ * caller runs it again under the unclaimed plan. Any other problem: the plan is left as it is. */
+void linear_cross_entropy_plan_claim(linear_cross_entropy_plan *plan, const linear_cross_entropy_problem *p);
 /* Floats of workspace linear_cross_entropy_run needs under the plan. */
 int64_t linear_cross_entropy_workspace(const linear_cross_entropy_plan *plan);
 /* Sweep 1 (loss, lse) unless lse_given, then sweep 2 when a gradient pointer
  * is set. The backward of reduction none (and of a forward that made no
- * gradients) is this with lse_given and grad. */
+ * gradients) is this with lse_given and grad. With dlogits: a forward makes
+ * du there after sweep 1 (no gradients), a backward (lse_given) runs sweep
+ * 2's GEMMs on it, times *grad. */
 int linear_cross_entropy_run(const linear_cross_entropy_kernels *kern, const linear_cross_entropy_plan *plan,
                              const linear_cross_entropy_problem *p, float *ws, int64_t ws_floats);
 

@@ -123,12 +123,14 @@ AOTITorchError opf_aoti_run(opf_aoti_site *site, opf_aoti_args *a, AtenTensorHan
 #define OPF_RETS_3 OPF_RETS_2, AtenTensorHandle *ret2
 #define OPF_RETS_4 OPF_RETS_3, AtenTensorHandle *ret3
 #define OPF_RETS_5 OPF_RETS_4, AtenTensorHandle *ret4
+#define OPF_RETS_6 OPF_RETS_5, AtenTensorHandle *ret5
 #define OPF_RET_PTRS_0
 #define OPF_RET_PTRS_1 , ret0
 #define OPF_RET_PTRS_2 OPF_RET_PTRS_1, ret1
 #define OPF_RET_PTRS_3 OPF_RET_PTRS_2, ret2
 #define OPF_RET_PTRS_4 OPF_RET_PTRS_3, ret3
 #define OPF_RET_PTRS_5 OPF_RET_PTRS_4, ret4
+#define OPF_RET_PTRS_6 OPF_RET_PTRS_5, ret5
 
 /* The locals end in '_' so that no schema argument name (a, grad, ...) shadows them. */
 #define OPF_AOTI_SHIM(op, nout, params, ...)                                                                   \

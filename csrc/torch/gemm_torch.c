@@ -159,6 +159,8 @@ static int run_torch(const gemm_call *k) {
     const int into_c = dt == OPF_F32 && !ep->out16, into_out16 = dt == OPF_BF16 && ep->out16 && ep->out_dt == OPF_BF16;
     const int beta_c = into_c && ep->beta != 0.0f;
     gemm_epilogue rest = *ep;
+    const double alpha = ep->alpha ? (double)*ep->alpha : 1.0; /* in torch's product, not the finish */
+    rest.alpha = NULL;
     void *out = into_c       ? (void *)k->c
                 : into_out16 ? ep->out16
                              : (prod = alloc((size_t)(m * n) * (dt == OPF_F32 ? 4 : 2)));
@@ -166,7 +168,7 @@ static int run_torch(const gemm_call *k) {
     if (!out || !(tout = wrap(out, m, n, rs_out, 1, dt))) goto done;
     AOTITorchError e;
     if (beta_c) {
-        e = aoti_torch_cpu_addmm_out(tout, tout, ta, tb, ep->beta, 1.0);
+        e = aoti_torch_cpu_addmm_out(tout, tout, ta, tb, ep->beta, alpha);
     } else if (ep->bias_kind != GEMM_BIAS_NONE) {
         const int64_t len = ep->bias_kind == GEMM_BIAS_ROW ? n : m;
         const void *bias = ep->bias;
@@ -177,9 +179,11 @@ static int run_torch(const gemm_call *k) {
         }
         if (!(tbias = ep->bias_kind == GEMM_BIAS_ROW ? wrap(bias, m, n, 0, 1, dt) : wrap(bias, m, n, 1, 0, dt)))
             goto done;
-        e = aoti_torch_cpu_addmm_out(tout, tbias, ta, tb, 1.0, 1.0);
+        e = aoti_torch_cpu_addmm_out(tout, tbias, ta, tb, 1.0, alpha);
         rest.bias_kind = GEMM_BIAS_NONE;
         rest.bias = NULL;
+    } else if (alpha != 1.0) { /* beta 0: addmm does not read self */
+        e = aoti_torch_cpu_addmm_out(tout, tout, ta, tb, 0.0, alpha);
     } else {
         e = aoti_torch_cpu_mm_out(tout, ta, tb);
     }

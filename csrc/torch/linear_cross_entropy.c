@@ -1,13 +1,17 @@
 /*
  * torch glue of the fused LM head + cross-entropy (csrc/kernels/linear_cross_entropy.h):
  *   linear_cross_entropy(hidden (T,H), weight (V,H), target (T) int64, bias (V)?, ignore_index,
- *                        label_smoothing, reduction (1 mean, 2 sum), softcap?, compute_grad)
- *       -> (loss [], lse (T) float32, dhidden (T,H), dweight (V,H), dbias (V))
+ *                        label_smoothing, reduction (1 mean, 2 sum), softcap?, compute_grad, keep_dlogits)
+ *       -> (loss [], lse (T) float32, dhidden (T,H), dweight (V,H), dbias (V), dlogits (T,V))
  *       compute_grad: the gradients of the loss (for a gradient of 1) are made in the same call,
- *       else the last three are empty; the backward scales them by the scalar gradient.
- *   linear_cross_entropy_backward(grad [], hidden, weight, target, bias?, lse, dhidden, dweight, dbias, ...)
- *       -> (dhidden, dweight, dbias): grad * the forward's gradients, or (a forward that made none)
- *       recomputed from lse.
+ *       else those three are empty; the backward scales them by the scalar gradient.
+ *       keep_dlogits (float32 and bfloat16 hidden; not with compute_grad): the loss's gradient with
+ *       respect to the logits (for a gradient of 1), of hidden's dtype, else empty; the backward's two
+ *       GEMMs read it, times the scalar gradient.
+ *   linear_cross_entropy_backward(grad [], hidden, weight, target, bias?, lse, dhidden, dweight, dbias, ...,
+ *                                 dlogits?)
+ *       -> (dhidden, dweight, dbias): grad * the forward's gradients, from the kept dlogits, or (a
+ *       forward that made neither) recomputed from lse.
  *   linear_cross_entropy_none(hidden, weight, target, bias?, ignore_index, label_smoothing, softcap?)
  *       -> (loss (T), lse (T) float32)
  *   linear_cross_entropy_none_backward(grad (T), hidden, weight, target, bias?, lse, ...)
@@ -109,13 +113,24 @@ static linear_cross_entropy_args check_lce(const char *op, AtenTensorHandle h_h,
     return a;
 }
 
+/* plan = make, claim (a backward reading kept dlogits whose products the GEMM provider runs itself needs
+ * no workspace for them), then run on a workspace of the plan's size; where the provider declines a
+ * claimed product after all (LINEAR_CROSS_ENTROPY_ERR_DECLINED: its mode changed since, its GEMM failed),
+ * plan = make again, unclaimed, and run once more on its workspace. */
 static void run(const char *op, const linear_cross_entropy_args *a) {
-    const linear_cross_entropy_plan plan =
-        linear_cross_entropy_plan_make(gemm_kernels_for(opf_isa_current()), &a->p, opf_num_threads());
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    const linear_cross_entropy_kernels *kern = linear_cross_entropy_kernels_for(opf_isa_current());
+    linear_cross_entropy_plan plan = linear_cross_entropy_plan_make(gemm, &a->p, opf_num_threads());
+    linear_cross_entropy_plan_claim(&plan, &a->p);
     float *ws = NULL;
     OPF_OWNED AtenTensorHandle ws_h = opf_workspace(op, linear_cross_entropy_workspace(&plan), &a->hidden, &ws);
-    check_ran(op, linear_cross_entropy_run(linear_cross_entropy_kernels_for(opf_isa_current()), &plan, &a->p, ws,
-                                           linear_cross_entropy_workspace(&plan)));
+    int rc = linear_cross_entropy_run(kern, &plan, &a->p, ws, linear_cross_entropy_workspace(&plan));
+    if (rc == LINEAR_CROSS_ENTROPY_ERR_DECLINED) {
+        plan = linear_cross_entropy_plan_make(gemm, &a->p, opf_num_threads());
+        OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(op, linear_cross_entropy_workspace(&plan), &a->hidden, &ws);
+        rc = linear_cross_entropy_run(kern, &plan, &a->p, ws, linear_cross_entropy_workspace(&plan));
+    }
+    check_ran(op, rc);
 }
 
 /* contiguous (1-d or 2-d; strides of size-1 dims do not matter) */
@@ -166,17 +181,28 @@ static void forward_impl(StableIValue *stack, int per_token) {
     const double label_smoothing = opf_arg_double(stack[5]);
     const int64_t reduction = per_token ? LINEAR_CROSS_ENTROPY_NONE : opf_arg_int(stack[6]);
     const int compute_grad = per_token ? 0 : opf_arg_bool(stack[8]);
+    const int keep = per_token ? 0 : opf_arg_bool(stack[9]);
     if (!per_token && reduction != LINEAR_CROSS_ENTROPY_MEAN && reduction != LINEAR_CROSS_ENTROPY_SUM)
         opf_fail(op, "argument 'reduction' must be 1 (mean) or 2 (sum) (reduction none is %s), got %lld", LCEN,
                  (long long)reduction);
     linear_cross_entropy_args a = check_lce(op, hidden_h, weight_h, target_h, bias_h, ignore_index, label_smoothing,
                                             reduction, has_softcap, softcap);
+    if (keep && compute_grad)
+        opf_fail(op, "arguments 'compute_grad' and 'keep_dlogits' exclude each other (the gradients are made in the "
+                     "forward, or from the kept dlogits in the backward), got both true");
+    if (keep && a.p.dt != OPF_F32 && a.p.dt != OPF_BF16)
+        opf_fail(op, "argument 'keep_dlogits' needs float32 or bfloat16 hidden (dlogits is of its dtype), got %s",
+                 opf_dtype_name(a.hidden.dtype));
     OPF_OWNED AtenTensorHandle loss_h = opf_empty(op, per_token ? 1 : 0, &a.p.t, loss_dtype(&a), &a.hidden);
     OPF_OWNED AtenTensorHandle lse_h = opf_empty(op, 1, &a.p.t, aoti_torch_dtype_float32(), &a.hidden);
     grads g = {0};
     a.p.grads_dt = a.p.loss_dt; /* made for a unit loss gradient: the backward scales and rounds them once */
     if (!per_token) alloc_grads(op, &a, compute_grad, &g);
     OPF_OWNED AtenTensorHandle dh_h = g.dh, dw_h = g.dw, db_h = g.db;
+    int64_t empty = 0, tv[2] = {a.p.t, a.p.v};
+    OPF_OWNED AtenTensorHandle dl_h =
+        per_token ? NULL : opf_empty(op, keep ? 2 : 1, keep ? tv : &empty, a.hidden.dtype, &a.hidden);
+    if (keep) a.p.dlogits = opf_tensor_info(op, "dlogits", dl_h).data;
     a.p.loss = opf_tensor_info(op, "loss", loss_h).data;
     a.p.lse = opf_tensor_info(op, "lse", lse_h).data;
     if (!opf_is_meta(&a.hidden)) run(op, &a);
@@ -187,6 +213,7 @@ static void forward_impl(StableIValue *stack, int per_token) {
     OPF_RETURN(stack, 2, dh_h);
     OPF_RETURN(stack, 3, dw_h);
     OPF_RETURN(stack, 4, db_h);
+    OPF_RETURN(stack, 5, dl_h);
 }
 
 static void linear_cross_entropy_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) { forward_impl(stack, 0); }
@@ -196,7 +223,7 @@ static void linear_cross_entropy_none_cpu(StableIValue *stack, uint64_t nin, uin
 
 /* grad, hidden, weight, target, bias?, lse, [dhidden, dweight, dbias,] ignore_index, label_smoothing,
  * [reduction,] softcap?, needs (bit 0 dhidden, bit 1 dweight, bit 2 dbias: the gradients not wanted are
- * returned uncomputed, their GEMMs skipped) */
+ * returned uncomputed, their GEMMs skipped)[, dlogits?] */
 static void backward_impl(StableIValue *stack, int per_token) {
     const char *op = per_token ? LCENB : LCEB;
     const int k = per_token ? 6 : 9; /* the first non-tensor argument */
@@ -212,6 +239,7 @@ static void backward_impl(StableIValue *stack, int per_token) {
     double softcap = 0.0;
     const int has_softcap = opf_arg_optional_double(stack[per_token ? k + 2 : k + 3], &softcap);
     const int64_t needs = opf_arg_int(stack[per_token ? k + 3 : k + 4]);
+    OPF_OWNED AtenTensorHandle sdl_h = per_token ? NULL : opf_arg_optional_tensor(stack[k + 5]);
     double t0 = opf_log_enabled(OPF_LOG_INFO) ? opf_now_us() : 0;
     const int64_t ignore_index = opf_arg_int(stack[k]);
     const double label_smoothing = opf_arg_double(stack[k + 1]);
@@ -251,6 +279,18 @@ static void backward_impl(StableIValue *stack, int per_token) {
                              "the forward");
         }
     }
+    /* the forward's kept dlogits (T, V) of hidden's dtype, or empty / None */
+    opf_tensor sdl = sdl_h ? opf_tensor_info(op, "dlogits", sdl_h) : (opf_tensor){0};
+    const int kept = sdl.ndim == 2;
+    if (kept) {
+        opf_tensor want_dl = {.ndim = 2, .sizes = (int64_t[2]){a.p.t, a.p.v}};
+        opf_check_same_shape(op, "dlogits", &sdl, "(tokens, vocab)", &want_dl);
+        opf_check_device(op, "dlogits", &sdl, "hidden", &a.hidden);
+        opf_check_same_dtype(op, "dlogits", &sdl, "hidden", &a.hidden);
+        if (saved || !row_major(&sdl) || (a.p.dt != OPF_F32 && a.p.dt != OPF_BF16))
+            opf_fail(op, "argument 'dlogits' must be the contiguous float32 or bfloat16 dlogits a forward without "
+                         "gradients kept (dhidden, dweight and dbias empty)");
+    }
     grads out = {0};
     alloc_grads(op, &a, 1, &out);
     OPF_OWNED AtenTensorHandle dh_h = out.dh, dw_h = out.dw, db_h = out.db;
@@ -270,6 +310,7 @@ static void backward_impl(StableIValue *stack, int per_token) {
             a.p.lse_given = 1;
             a.p.grad = g.data;
             a.p.grad_stride = per_token && a.p.t > 0 ? g.strides[0] : 0;
+            a.p.dlogits = kept ? sdl.data : NULL;
             run(op, &a);
         }
     }
@@ -303,16 +344,17 @@ OPF_EXPORT int64_t opforge_linear_cross_entropy_block_floats(void) { return LINE
 static const opf_op_desc opf_linear_cross_entropy_ops[] = {
     {
         .schema = "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
-                  "float label_smoothing, int reduction, float? softcap, bool compute_grad) "
-                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+                  "float label_smoothing, int reduction, float? softcap, bool compute_grad, bool keep_dlogits=False) "
+                  "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         .cpu = linear_cross_entropy_cpu,
         .shape = "[] dtype=promote(hidden,float32); [target[0]] dtype=float32; "
                  "[hidden[:]] dtype=promote(hidden,float32) if compute_grad; "
                  "[weight[:]] dtype=promote(hidden,float32) if compute_grad; "
-                 "[bias[:]] dtype=promote(hidden,float32) if compute_grad and bias",
+                 "[bias[:]] dtype=promote(hidden,float32) if compute_grad and bias; "
+                 "[hidden[0],weight[0]] dtype=hidden if keep_dlogits",
         .backward = "linear_cross_entropy_backward",
         .backward_args = "grad0,hidden,weight,target,bias,out1,out2,out3,out4,ignore_index,label_smoothing,"
-                         "reduction,softcap,needs",
+                         "reduction,softcap,needs,out5",
         .backward_grads = "hidden,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER, /* see the note above the table */
         .flops = "2*numel(hidden)*size(weight,0)",
@@ -321,7 +363,8 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
     {
         .schema = "linear_cross_entropy_backward(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
                   "Tensor? bias, Tensor lse, Tensor dhidden, Tensor dweight, Tensor dbias, int ignore_index, "
-                  "float label_smoothing, int reduction, float? softcap, int needs=7) -> (Tensor, Tensor, Tensor)",
+                  "float label_smoothing, int reduction, float? softcap, int needs=7, Tensor? dlogits=None) "
+                  "-> (Tensor, Tensor, Tensor)",
         .cpu = linear_cross_entropy_backward_cpu,
         .shape = "[hidden[:]]; [weight[:]] dtype=hidden; [bias[:]] dtype=hidden if bias",
         .flops = "4*numel(hidden)*size(weight,0)",
@@ -354,17 +397,19 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
 OPF_REGISTER_OPS(opf_linear_cross_entropy_ops);
 OPF_REGISTER_FAMILY(linear_cross_entropy_variants);
 
-OPF_AOTI_SHIM(linear_cross_entropy, 5,
+OPF_AOTI_SHIM(linear_cross_entropy, 6,
               (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle *bias,
-               int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap, int32_t compute_grad),
-              hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, compute_grad);
+               int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap, int32_t compute_grad,
+               int32_t keep_dlogits),
+              hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, compute_grad,
+              keep_dlogits);
 OPF_AOTI_SHIM(linear_cross_entropy_backward, 3,
               (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,
                AtenTensorHandle *bias, AtenTensorHandle lse, AtenTensorHandle dhidden, AtenTensorHandle dweight,
                AtenTensorHandle dbias, int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap,
-               int64_t needs),
+               int64_t needs, AtenTensorHandle *dlogits),
               grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias, ignore_index, label_smoothing,
-              reduction, softcap, needs);
+              reduction, softcap, needs, dlogits);
 OPF_AOTI_SHIM(linear_cross_entropy_none, 2,
               (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle *bias,
                int64_t ignore_index, double label_smoothing, double *softcap),

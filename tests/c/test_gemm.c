@@ -1,7 +1,7 @@
 /*
  * Every compiled GEMM variant against the double-accumulating oracle, on
  * shapes that are not multiples of the register or cache blocks, with
- * transposed and strided operands and every epilogue (beta, bias per row and
+ * transposed and strided operands and every epilogue (alpha, beta, bias per row and
  * per column, each activation, the pre-activation store); the activations
  * and their derivatives at infinities, huge values and NaN as the scalar
  * ones; the log naming the table whose kernel ran for each operand type.
@@ -32,7 +32,8 @@ static float *rand_buf(int64_t n, unsigned long long seed) {
 
 /* one product: A stored (m,k) or transposed (k,m); B (k,n) or (n,k); A's rows
  * spaced by an extra pad to make it strided */
-static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, int bias_kind, int act, int preact) {
+static void run_scaled(const gemm_kernels *kern, shape s, int ta, int tb, float alpha, float beta, int bias_kind,
+                       int act, int preact) {
     const int64_t pad = 3;
     int64_t lda = (ta ? s.m : s.k) + pad;
     float *a = rand_buf((ta ? s.k : s.m) * lda, 1 + (unsigned long long)s.m);
@@ -45,6 +46,7 @@ static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, i
     int64_t rsa = ta ? 1 : lda, csa = ta ? lda : 1, rsb = tb ? 1 : s.n, csb = tb ? s.k : 1;
     gemm_epilogue ep = {
         .beta = beta, .bias = bias, .bias_kind = bias_kind, .act = act, .preact = preact ? pre : NULL, .rsp = s.n};
+    if (alpha != 1.0f) ep.alpha = &alpha;
     gemm_epilogue ep_ref = ep;
     ep_ref.preact = preact ? pre_want : NULL;
     gemm_ref_f32(s.m, s.n, s.k, a, rsa, csa, b, rsb, csb, want, s.n, &ep_ref);
@@ -66,12 +68,16 @@ static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, i
         if (e > maxerr) maxerr = e;
     }
     CHECK(bad == 0,
-          "%s m=%lld n=%lld k=%lld ta=%d tb=%d beta=%g bias=%d act=%s pre=%d: %lld bad, first (%lld,%lld) "
+          "%s m=%lld n=%lld k=%lld ta=%d tb=%d alpha=%g beta=%g bias=%d act=%s pre=%d: %lld bad, first (%lld,%lld) "
           "got %.7g want %.7g, max err %.3g",
-          kern->name, (long long)s.m, (long long)s.n, (long long)s.k, ta, tb, beta, bias_kind, ACT[act], preact,
+          kern->name, (long long)s.m, (long long)s.n, (long long)s.k, ta, tb, alpha, beta, bias_kind, ACT[act], preact,
           (long long)bad, first < 0 ? -1LL : (long long)(first / s.n), first < 0 ? -1LL : (long long)(first % s.n),
           first < 0 ? 0.0 : c[first], first < 0 ? 0.0 : want[first], maxerr);
     free(a), free(b), free(bias), free(c), free(want), free(pre), free(pre_want);
+}
+
+static void run(const gemm_kernels *kern, shape s, int ta, int tb, float beta, int bias_kind, int act, int preact) {
+    run_scaled(kern, s, ta, tb, 1.0f, beta, bias_kind, act, preact);
 }
 
 static void test_act_grad(const act_kernels *k) {
@@ -281,9 +287,16 @@ static void test_out16(const gemm_kernels *k) {
             const gemm_plan plan = plan_of(k, s.m, s.n, s.k, OPF_F32, OPF_F32);
             const int64_t wsn = gemm_workspace(&plan);
             float *ws = check_ws_alloc(wsn);
-            gemm_epilogue ref = {.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = act, .preact = pre_want, .rsp = s.n};
+            float alpha = 0.625f; /* on the shape of several K slices: each slice's share scaled */
+            gemm_epilogue ref = {.alpha = si == 2 ? &alpha : NULL,
+                                 .bias = bias,
+                                 .bias_kind = GEMM_BIAS_ROW,
+                                 .act = act,
+                                 .preact = pre_want,
+                                 .rsp = s.n};
             gemm_ref_f32(s.m, s.n, s.k, a, s.k, 1, b, 1, s.k, want, s.n, &ref);
-            gemm_epilogue ep = {.bias = bias,
+            gemm_epilogue ep = {.alpha = ref.alpha,
+                                .bias = bias,
                                 .bias_kind = GEMM_BIAS_ROW,
                                 .act = act,
                                 .rsp = s.n,
@@ -569,7 +582,9 @@ static void test_variant(const gemm_kernels *k) {
             run(k, e, 0, 1, 0.0f, bias, act, 1);
             run(k, e, 1, 0, 1.0f, bias, act, 0);
             run(k, e, 0, 0, 0.5f, bias, act, 1);
+            run_scaled(k, e, 1, 1, -0.375f, 0.5f, bias, act, 1); /* alpha: each K slice's share scaled */
         }
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) run_scaled(k, shapes[i], 0, 1, 3.0f, 0.0f, 0, 0, 0);
     test_strip(k);
 }
 
@@ -613,6 +628,7 @@ static void test_provider(const gemm_kernels *k) {
             run(k, e, 0, 1, 0.0f, bias, act, 1);
             run(k, e, 1, 0, 1.0f, bias, act, 0);
             run(k, e, 0, 0, 0.5f, bias, act, 1);
+            run_scaled(k, e, 1, 1, -0.375f, 0.5f, bias, act, 1);
         }
     CHECK(provider_calls > 50, "%s: the provider ran %d products", k->name, provider_calls);
     provider_in_place = 1;

@@ -105,6 +105,67 @@ static int run(const linear_cross_entropy_kernels *kern, const gemm_kernels *gem
     return rc;
 }
 
+/* du kept (mean / sum; float32, bfloat16 for bfloat16 operands): a forward given dlogits makes the loss and lse as before and du
+ * (for a gradient of 1), running no gradient GEMM; the backward given it runs the two GEMMs per block on it,
+ * times a scalar gradient of gscalar and of 1 (the GEMM's alpha, and none), against the reference's gradients
+ * for gscalar (want: rdh, rdw, rdb); the same bits at 1 and 2 threads. p / bp: test_case's forward (its
+ * gradient pointers cleared here) and backward problems. */
+static void test_kept(const linear_cross_entropy_kernels *kern, const cfg *c, const linear_cross_entropy_problem *p,
+                      const linear_cross_entropy_problem *bp, const arr *lref, const arr *rdh, const arr *rdw,
+                      const arr *rdb, const float *lse_ref, double gscalar) {
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    const int64_t t = c->t, h = c->h, v = c->v, nloss = 1;
+    const opf_dtype dt = c->dt, ldt = p->loss_dt;
+    const size_t es = opf_dtype_size(dt);
+    arr dl = arr_empty(t * v, dt == OPF_BF16 ? OPF_BF16 : OPF_F32), loss = arr_empty(1, ldt), dh = arr_empty(t * h, dt),
+        dw = arr_empty(v * h, dt);
+    arr db = arr_empty(v, dt), want_h = arr_empty(t * h, OPF_F64), want_w = arr_empty(v * h, OPF_F64);
+    arr want_b = arr_empty(v, OPF_F64);
+    float *lse = malloc((size_t)(t + 1) * sizeof(float));
+    double *lse_hi = malloc((size_t)(t + 1) * sizeof(double));
+    linear_cross_entropy_problem f = *p;
+    f.dhidden = f.dweight = f.dbias = NULL;
+    f.dlogits = dl.lo, f.loss = loss.lo, f.lse = lse;
+    if (run(kern, gemm, &f, "forward, du kept") == 0) {
+        compare("loss (du kept)", c, kern->name, loss.lo, ldt, lref->hi, nloss, LOSS_TOL);
+        for (int64_t i = 0; i < t; i++) lse_hi[i] = lse_ref[i];
+        compare("lse (du kept)", c, kern->name, lse, OPF_F32, lse_hi, t, LOSS_TOL);
+    }
+    for (int unit = 0; unit < 2; unit++) {
+        const double g = unit ? 1.0 : gscalar;
+        float g32 = (float)g; /* the loss's dtype: float32 for these operands */
+        for (int64_t i = 0; i < t * h; i++) want_h.hi[i] = rdh->hi[i] * g / gscalar;
+        for (int64_t i = 0; i < v * h; i++) want_w.hi[i] = rdw->hi[i] * g / gscalar;
+        for (int64_t i = 0; i < v; i++) want_b.hi[i] = rdb->hi[i] * g / gscalar;
+        linear_cross_entropy_problem b = *bp;
+        b.dlogits = dl.lo, b.lse = lse, b.grad = &g32;
+        b.dhidden = dh.lo, b.dweight = dw.lo, b.dbias = c->bias ? db.lo : NULL;
+        memset(dh.lo, 0xff, (size_t)(t * h > 0 ? t * h : 1) * es); /* NaN: all must be rewritten */
+        memset(dw.lo, 0xff, (size_t)(v * h > 0 ? v * h : 1) * es);
+        if (run(kern, gemm, &b, unit ? "backward, du kept, gradient 1" : "backward, du kept") != 0) continue;
+        compare(unit ? "dhidden (du kept, 1)" : "dhidden (du kept)", c, kern->name, dh.lo, dt, want_h.hi, t * h,
+                tol_of(dt));
+        compare(unit ? "dweight (du kept, 1)" : "dweight (du kept)", c, kern->name, dw.lo, dt, want_w.hi, v * h,
+                tol_of(dt));
+        if (c->bias)
+            compare(unit ? "dbias (du kept, 1)" : "dbias (du kept)", c, kern->name, db.lo, dt, want_b.hi, v,
+                    tol_of(dt));
+        if (unit || t * h == 0 || v * h == 0) continue;
+        void *dh2 = malloc((size_t)(t * h) * es), *dw2 = malloc((size_t)(v * h) * es);
+        memcpy(dh2, dh.lo, (size_t)(t * h) * es), memcpy(dw2, dw.lo, (size_t)(v * h) * es);
+        set_threads(1);
+        run(kern, gemm, &b, "backward, du kept, 1 thread");
+        set_threads(2);
+        CHECK(memcmp(dh2, dh.lo, (size_t)(t * h) * es) == 0 && memcmp(dw2, dw.lo, (size_t)(v * h) * es) == 0,
+              "%s: T=%lld H=%lld V=%lld dt=%d: du kept, gradients differ between 1 and 2 threads", kern->name,
+              (long long)t, (long long)h, (long long)v, (int)dt);
+        free(dh2), free(dw2);
+    }
+    arr_free(&dl), arr_free(&loss), arr_free(&dh), arr_free(&dw), arr_free(&db);
+    arr_free(&want_h), arr_free(&want_w), arr_free(&want_b);
+    free(lse), free(lse_hi);
+}
+
 static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     const int64_t t = c->t, h = c->h, v = c->v, hs = c->extras ? 2 : 1; /* strided: every other column */
@@ -203,6 +264,8 @@ static void test_case(const linear_cross_entropy_kernels *kern, const cfg *c) {
         compare("dweight", c, name, dw.lo, dt, rdw.hi, v * h, tol_of(dt));
         if (c->bias) compare("dbias", c, name, db.lo, dt, rdb.hi, v, tol_of(dt));
     }
+
+    if (fused) test_kept(kern, c, &p, &bp, &lref, &rdh, &rdw, &rdb, lse_ref, gscalar);
 
     /* the same bits at 1 and 2 threads: the backward again at the other count */
     if (t * h > 0 && v * h > 0) {
@@ -478,9 +541,109 @@ static void test_vocab_in_one_block_rule(void) {
     }
 }
 
+/* A provider of the test's own: claims every product and runs it on opforge's kernels with a workspace
+ * (and a float32 C for partial sums) of its own; or, declining, takes nothing. */
+static int provider_declines, provider_ran;
+
+static int own_run(const gemm_call *k) {
+    if (provider_declines) return 0;
+    const gemm_plan *g = k->plan;
+    const int64_t floats = gemm_workspace(g);
+    float *ws = malloc((size_t)(floats > 0 ? floats : 1) * sizeof(float));
+    float *c = k->c ? k->c : malloc((size_t)(g->m * k->rsc) * sizeof(float)); /* out16's partial sums */
+    const int rc = gemm_run_own(g, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, c, k->rsc, k->ep, ws, floats);
+    if (c != k->c) free(c);
+    free(ws);
+    provider_ran++;
+    return rc == 0;
+}
+
+static int claims_all(const gemm_call *k) { return 1; }
+
+/* The backward reading kept du under a provider that claims its products: the plan claimed (no packing,
+ * no float32 scratch of 16-bit gradients), the gradients those of the unclaimed plan; a provider that
+ * declines the claimed products after all: LINEAR_CROSS_ENTROPY_ERR_DECLINED, and the unclaimed plan runs. */
+static void test_kept_claimed(void) {
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    const linear_cross_entropy_kernels *kern = linear_cross_entropy_kernels_for(opf_isa_current());
+    static const gemm_provider claiming = {.name = "claiming", .run = own_run, .claims = claims_all};
+    for (int di = 0; di < 2; di++) {
+        const opf_dtype dt = di ? OPF_BF16 : OPF_F32;
+        const int64_t t = 37, h = 123, v = 4097;
+        const size_t es = opf_dtype_size(dt);
+        arr hid = arr_rand(t * h, dt, 1, 1.0), w = arr_rand(v * h, dt, 2, 0.2), b = arr_rand(v, dt, 3, 0.5);
+        int64_t *target = malloc((size_t)t * sizeof(int64_t));
+        for (int64_t i = 0; i < t; i++) target[i] = i % 5 == 2 ? -100 : (i * 811) % v;
+        float loss, *lse = malloc((size_t)t * sizeof(float)), g = 0.625f;
+        void *dl = malloc((size_t)(t * v) * es);
+        linear_cross_entropy_problem p = {.t = t,
+                                          .h = h,
+                                          .v = v,
+                                          .dt = dt,
+                                          .loss_dt = OPF_F32,
+                                          .grads_dt = dt,
+                                          .hidden = hid.lo,
+                                          .hidden_strides = {h, 1},
+                                          .weight = w.lo,
+                                          .weight_strides = {h, 1},
+                                          .target = target,
+                                          .target_stride = 1,
+                                          .bias = b.lo,
+                                          .bias_stride = 1,
+                                          .ignore_index = -100,
+                                          .reduction = LINEAR_CROSS_ENTROPY_MEAN,
+                                          .loss = &loss,
+                                          .lse = lse,
+                                          .dlogits = dl};
+        run(kern, gemm, &p, "forward, du kept");
+        void *got[2][3];
+        for (int claimed = 0; claimed < 2; claimed++) {
+            linear_cross_entropy_problem q = p;
+            q.lse_given = 1, q.grad = &g;
+            q.dhidden = got[claimed][0] = malloc((size_t)(t * h) * es);
+            q.dweight = got[claimed][1] = malloc((size_t)(v * h) * es);
+            q.dbias = got[claimed][2] = malloc((size_t)v * es);
+            gemm_provider_set(claimed ? &claiming : NULL);
+            linear_cross_entropy_plan plan = linear_cross_entropy_plan_make(gemm, &q, opf_num_threads());
+            const int64_t unclaimed = linear_cross_entropy_workspace(&plan);
+            linear_cross_entropy_plan_claim(&plan, &q);
+            CHECK(plan.claimed == claimed, "dt=%d: claimed %d under %s", (int)dt, plan.claimed,
+                  claimed ? "a claiming provider" : "none");
+            int64_t floats = linear_cross_entropy_workspace(&plan);
+            if (claimed) /* the per-token sums, the bias and dbias' float32 scratch: no packing, no dhidden block */
+                CHECK(floats == 4 * t + 2 * v * (dt == OPF_BF16) + v * (dt == OPF_F32) && floats < unclaimed,
+                      "dt=%d: a claimed plan's workspace is %lld floats (unclaimed %lld)", (int)dt, (long long)floats,
+                      (long long)unclaimed);
+            float *ws = check_ws_alloc(floats);
+            provider_ran = 0;
+            provider_declines = 0;
+            int rc = linear_cross_entropy_run(kern, &plan, &q, ws, floats);
+            CHECK(rc == 0 && provider_ran == 2 * claimed, "dt=%d claimed=%d: rc %d, the provider ran %d products",
+                  (int)dt, claimed, rc, provider_ran);
+            if (claimed) { /* declined after all: the caller runs it again unclaimed */
+                provider_declines = 1;
+                rc = linear_cross_entropy_run(kern, &plan, &q, ws, floats);
+                CHECK(rc == LINEAR_CROSS_ENTROPY_ERR_DECLINED, "dt=%d: a declined claimed product returned %d", (int)dt,
+                      rc);
+            }
+            check_ws_free(ws, "kept du, claimed");
+            gemm_provider_set(NULL);
+        }
+        const int64_t counts[3] = {t * h, v * h, v};
+        for (int k = 0; k < 3; k++)
+            CHECK(memcmp(got[0][k], got[1][k], (size_t)counts[k] * es) == 0,
+                  "dt=%d: gradient %d differs between the claimed and the unclaimed plan", (int)dt, k);
+        for (int c = 0; c < 2; c++)
+            for (int k = 0; k < 3; k++) free(got[c][k]);
+        arr_free(&hid), arr_free(&w), arr_free(&b);
+        free(target), free(lse), free(dl);
+    }
+}
+
 int main(void) {
     set_threads(2);
     CHECK_EACH_VARIANT(linear_cross_entropy_kernels_for, TEST_ALL);
+    test_kept_claimed();
     test_short_workspace();
     test_vocab_in_one_block_rule();
     return check_report("test_linear_cross_entropy");

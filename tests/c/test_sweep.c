@@ -568,6 +568,17 @@ typedef struct linear_cross_entropy_cfg {
     int64_t block_floats;        /* 0: one block (the default); 16: blocks of a few tokens and vocab rows */
 } linear_cross_entropy_cfg;
 
+/* linear_cross_entropy_run under a plan at this call's thread count, on a guarded workspace of its size */
+static void lce_run(const linear_cross_entropy_kernels *kern, const gemm_kernels *gemm,
+                    const linear_cross_entropy_problem *p, const char *what) {
+    const linear_cross_entropy_plan plan = linear_cross_entropy_plan_make(gemm, p, threads_now());
+    const int64_t floats = linear_cross_entropy_workspace(&plan);
+    float *ws = ws_new(floats);
+    CHECK(linear_cross_entropy_run(kern, &plan, p, ws, floats) == 0,
+          "%s: linear_cross_entropy_run (%s) refused %lld floats", ctx, what, (long long)floats);
+    ws_free(ws, "lce workspace");
+}
+
 static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     const linear_cross_entropy_cfg *c = cv;
     const int64_t t = c->t, h = c->h, v = c->v;
@@ -612,12 +623,7 @@ static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
         p.dweight = out_new(o, "dweight (forward)", v * h, ldt);
         p.dbias = c->bias ? out_new(o, "dbias (forward)", v, ldt) : NULL;
     }
-    const linear_cross_entropy_plan fwd = linear_cross_entropy_plan_make(gemm, &p, threads_now());
-    int64_t floats = linear_cross_entropy_workspace(&fwd);
-    float *ws = ws_new(floats);
-    CHECK(linear_cross_entropy_run(kern, &fwd, &p, ws, floats) == 0,
-          "%s: linear_cross_entropy_run (forward) refused %lld floats", ctx, (long long)floats);
-    ws_free(ws, "lce forward workspace");
+    lce_run(kern, gemm, &p, "forward");
     if (fused) /* the backward of a forward that made the gradients */
         linear_cross_entropy_scale(gemm->cvt, dt, out_new(o, "dhidden (scaled)", t * h, dt), ldt, dh, t * h, gsc);
     /* the backward from lse: a scalar gradient (mean, sum), the per-token one (none) */
@@ -626,12 +632,28 @@ static void go_lce(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     b.grad = fused ? gsc : gtok, b.grad_stride = 1;
     b.dhidden = out_new(o, "dhidden", t * h, dt), b.dweight = out_new(o, "dweight", v * h, dt);
     b.dbias = c->bias ? out_new(o, "dbias", v, dt) : NULL;
-    const linear_cross_entropy_plan bwd = linear_cross_entropy_plan_make(gemm, &b, threads_now());
-    floats = linear_cross_entropy_workspace(&bwd);
-    ws = ws_new(floats);
-    CHECK(linear_cross_entropy_run(kern, &bwd, &b, ws, floats) == 0,
-          "%s: linear_cross_entropy_run (backward) refused %lld floats", ctx, (long long)floats);
-    ws_free(ws, "lce backward workspace");
+    lce_run(kern, gemm, &b, "backward");
+    if (fused && dt == OPF_F64) { /* the oracle of the kept du's results: the same values as above */
+        memcpy(out_new(o, "loss (du kept)", 1, ldt), p.loss, opf_dtype_size(ldt));
+        memcpy(out_new(o, "lse (du kept)", t, OPF_F32), p.lse, (size_t)t * sizeof(float));
+        memcpy(out_new(o, "dhidden (du kept)", t * h, dt), b.dhidden, (size_t)(t * h) * opf_dtype_size(dt));
+        memcpy(out_new(o, "dweight (du kept)", v * h, dt), b.dweight, (size_t)(v * h) * opf_dtype_size(dt));
+        if (c->bias) memcpy(out_new(o, "dbias (du kept)", v, dt), b.dbias, (size_t)v * opf_dtype_size(dt));
+    } else if (
+        fused) { /* du kept (float32; bfloat16 operands: bfloat16): the forward makes it, the backward reads it */
+        linear_cross_entropy_problem k = p;
+        k.dhidden = k.dweight = k.dbias = NULL;
+        k.loss = out_new(o, "loss (du kept)", 1, ldt), k.lse = out_new(o, "lse (du kept)", t, OPF_F32);
+        k.dlogits = arr_new(t * v, dt == OPF_BF16 ? 2 : 4); /* not a result: the oracle has none */
+        lce_run(kern, gemm, &k, "forward, du kept");
+        linear_cross_entropy_problem kb = b;
+        kb.dlogits = k.dlogits, kb.lse = k.lse;
+        kb.dhidden = out_new(o, "dhidden (du kept)", t * h, dt),
+        kb.dweight = out_new(o, "dweight (du kept)", v * h, dt);
+        kb.dbias = c->bias ? out_new(o, "dbias (du kept)", v, dt) : NULL;
+        lce_run(kern, gemm, &kb, "backward, du kept");
+        arr_free(k.dlogits, "dlogits");
+    }
     arr_free(hid, "hidden"), arr_free(w, "weight"), arr_free(bias, "bias"), arr_free(gtok, "grad (per token)");
     arr_free(gsc, "grad"), arr_free(target, "target");
 }

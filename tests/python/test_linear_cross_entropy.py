@@ -100,8 +100,11 @@ def check_against_reference(dtype, t, h, v, reduction, ignore, label_smoothing, 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["no-cap", "cap"])
-def test_values_and_gradients(dtype, reduction, ignore, label_smoothing, bias, softcap):
-    check_against_reference(dtype, 37, 48, 123, reduction, ignore, label_smoothing, bias, softcap)
+@pytest.mark.parametrize("hidden", [48, 24], ids=["tokens-le-hidden", "tokens-gt-hidden"])
+def test_values_and_gradients(dtype, reduction, ignore, label_smoothing, bias, softcap, hidden):
+    # 37 tokens <= 48 hidden: mean / sum keep dlogits (float32, bfloat16) for the backward's GEMMs;
+    # > 24: the forward makes the gradients (its blocks span the vocabulary)
+    check_against_reference(dtype, 37, hidden, 123, reduction, ignore, label_smoothing, bias, softcap)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -115,7 +118,7 @@ def test_gradients_made_in_the_forward_over_several_blocks():
     # the raw op with compute_grad: sweep 2 in the forward over 2 x 2 blocks, then the scaling backward
     hid, w, b, y = inputs(2100, 16, 2500, torch.float32)
     leaves = [x.requires_grad_() for x in (hid, w, b)]
-    loss, lse, dh, dw, db = LCE(*leaves[:2], y, leaves[2], -100, 0.1, 1, 5.0, True)
+    loss, lse, dh, dw, db, _ = LCE(*leaves[:2], y, leaves[2], -100, 0.1, 1, 5.0, True)
     assert dh.shape == hid.shape and dw.shape == w.shape and db.shape == b.shape
     loss.backward(torch.tensor(0.5))
     refs = [x.detach().double().requires_grad_() for x in leaves]
@@ -166,7 +169,7 @@ def test_reduction_none_backward_is_not_a_scaled_uniform_gradient():
 
 def test_no_gradient_means_no_gradient_work():
     hid, w, b, y = inputs(8, 6, 10, torch.float32)
-    loss, lse, dh, dw, db = LCE(hid, w, y, b, -100, 0.0, 1, None, False)
+    loss, lse, dh, dw, db, _ = LCE(hid, w, y, b, -100, 0.0, 1, None, False)
     assert dh.numel() == dw.numel() == db.numel() == 0
     torch.testing.assert_close(lse.double(), torch.logsumexp(F.linear(hid, w, b).double(), -1), **TOL[torch.float32])
     with torch.no_grad():  # the functional asks for no gradients when none can flow
@@ -196,7 +199,7 @@ def test_a_frozen_head_or_hidden_gets_no_gradient_work(reduction, vocab, frozen,
             b.detach().clone().requires_grad_()]
     module = sys.modules[linear_cross_entropy.__module__]
     asked, forward = [], module._linear_cross_entropy
-    monkeypatch.setattr(module, "_linear_cross_entropy", lambda *a: asked.append(a[-1]) or forward(*a))
+    monkeypatch.setattr(module, "_linear_cross_entropy", lambda *a: asked.append(a[-2]) or forward(*a))
     loss = linear_cross_entropy(*part[:2], y, part[2], reduction=reduction)
     (loss.sum() if reduction == "none" else loss).backward()
     for got, want in zip(part, full):
@@ -225,7 +228,7 @@ def test_a_large_bfloat16_head_gets_its_gradients_from_the_backward(case, tokens
     for limit in (1 << 30, 24 * 300 - 1):  # the forward's gradients, then the backward's
         monkeypatch.setattr(module, "FORWARD_GRADS_BF16_MAX", limit)
         asked, forward = [], module._linear_cross_entropy
-        monkeypatch.setattr(module, "_linear_cross_entropy", lambda *a: asked.append(a[-1]) or forward(*a))
+        monkeypatch.setattr(module, "_linear_cross_entropy", lambda *a: asked.append(a[-2]) or forward(*a))
         leaves = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
         with amp:
             loss = linear_cross_entropy(*leaves[:2], y, leaves[2])
@@ -243,6 +246,43 @@ def test_a_large_bfloat16_head_gets_its_gradients_from_the_backward(case, tokens
     ref.backward()
     for name, r, want in zip(("hidden", "weight", "bias"), grads[24 * 300 - 1], rounded):
         torch.testing.assert_close(r.double(), want.grad, **tol, msg=lambda m: f"d{name} vs float64: {m}")
+
+
+@pytest.mark.parametrize("case", ["float32", "bfloat16", "autocast"])
+@pytest.mark.parametrize("frozen", ["none", "weight", "hidden"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_tokens_up_to_hidden_keep_dlogits_for_the_backward(case, frozen, reduction, monkeypatch):
+    # T <= H, float32 or bfloat16 operands (explicit, or float32 under bfloat16 autocast): the forward keeps
+    # dlogits (T x V, no larger than the weight) and makes no gradients; the backward runs its GEMMs (the wanted
+    # ones only: a frozen head or hidden gets none, and no gradient) on it, each product times the incoming
+    # gradient: 1 (no scaling) and 0.37. Against float64 on the same rounded operands.
+    module = sys.modules[linear_cross_entropy.__module__]
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    runs_in = torch.bfloat16 if case == "autocast" else dtype
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
+    hid, w, b, y = inputs(40, 64, 3000, dtype)
+    asked, forward = [], module._linear_cross_entropy
+    monkeypatch.setattr(module, "_linear_cross_entropy", lambda *a: asked.append(a[-2:]) or forward(*a))
+    for scale in (1.0, 0.37):
+        leaves = [hid.detach().clone().requires_grad_(frozen != "hidden"),
+                  w.detach().clone().requires_grad_(frozen != "weight"), b.detach().clone().requires_grad_()]
+        with amp:
+            loss = linear_cross_entropy(*leaves[:2], y, leaves[2], label_smoothing=0.1, reduction=reduction,
+                                        softcap=30.0)
+        (loss if scale == 1.0 else loss * scale).backward()
+        assert asked[-1] == (False, True), asked  # dlogits kept, no gradients made in the forward
+        rounded = [x.detach().to(runs_in).double().requires_grad_() for x in (hid, w, b)]
+        want = reference(*rounded[:2], y, rounded[2], label_smoothing=0.1, reduction=reduction, softcap=30.0,
+                         logits=LOGITS.get(runs_in))
+        torch.testing.assert_close(loss.double(), want.detach(), **TOL[torch.float32])
+        (want * scale).backward()
+        for name, leaf, ref in zip(("hidden", "weight", "bias"), leaves, rounded):
+            if not leaf.requires_grad:
+                assert leaf.grad is None
+                continue
+            assert leaf.grad.dtype == dtype
+            torch.testing.assert_close(leaf.grad.double(), ref.grad, **GRAD_TOL[runs_in],
+                                       msg=lambda m: f"d{name} (gradient {scale}): {m}")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -264,9 +304,10 @@ def test_opcheck():
     hid, w, b, y = inputs(6, 5, 7, torch.float32)
     hid.requires_grad_(), w.requires_grad_(), b.requires_grad_()
     for reduction in (1, 2):
-        for compute_grad in (False, True):
-            opcheck(LCE, (hid, w, y, b, -100, 0.1, reduction, 2.0, compute_grad))
+        for compute_grad, keep in ((False, False), (True, False), (False, True)):
+            opcheck(LCE, (hid, w, y, b, -100, 0.1, reduction, 2.0, compute_grad, keep))
     opcheck(LCE, (hid, w, y, None, -100, 0.0, 1, None, True))
+    opcheck(LCE, (hid, w, y, None, -100, 0.0, 1, None, False, True))
     opcheck(LCE_NONE, (hid, w, y, b, -100, 0.1, 2.0))
     opcheck(LCE_NONE, (hid, w, y, None, -100, 0.0, None))
 
@@ -278,15 +319,21 @@ def test_opcheck_loss_dtypes(dtype):
     hid, w, b, y = (x.requires_grad_() if x.is_floating_point() else x for x in inputs(6, 5, 7, dtype))
     for compute_grad in (False, True):
         out = LCE(hid, w, y, b, -100, 0.1, 1, 2.0, compute_grad)
-        assert [o.dtype for o in out] == [LOSS_DTYPE[dtype], torch.float32] + [LOSS_DTYPE[dtype]] * 3
+        assert [o.dtype for o in out] == [LOSS_DTYPE[dtype], torch.float32] + [LOSS_DTYPE[dtype]] * 3 + [dtype]
+        assert out[5].shape == (0,)  # no dlogits kept
         opcheck(LCE, (hid, w, y, b, -100, 0.1, 1, 2.0, compute_grad))
+    if dtype == torch.bfloat16:  # dlogits kept: of hidden's dtype, (tokens, vocab)
+        out = LCE(hid, w, y, b, -100, 0.1, 1, 2.0, False, True)
+        assert out[5].dtype == dtype and out[5].shape == (6, 7) and out[2].shape == (0,)
+        opcheck(LCE, (hid, w, y, b, -100, 0.1, 1, 2.0, False, True))
     assert LCE_NONE(hid, w, y, b, -100, 0.1, 2.0)[0].dtype == LOSS_DTYPE[dtype]
     opcheck(LCE_NONE, (hid, w, y, b, -100, 0.1, 2.0))
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compile_fullgraph(dynamic, reduction):
+@pytest.mark.parametrize("hidden", [8, 16], ids=["tokens-gt-hidden", "tokens-le-hidden"])  # 16: dlogits kept
+def test_compile_fullgraph(dynamic, reduction, hidden):
     torch._dynamo.reset()
 
     def step(hid, w, y, b):
@@ -294,7 +341,7 @@ def test_compile_fullgraph(dynamic, reduction):
 
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
     for t in (9, 13):
-        hid, w, b, y = inputs(t, 8, 11, torch.float32, seed=t)
+        hid, w, b, y = inputs(t, hidden, 11, torch.float32, seed=t)
         leaves = [x.requires_grad_() for x in (hid, w, b)]
         compiled(leaves[0], leaves[1], y, leaves[2]).backward()
         refs = [x.detach().double().requires_grad_() for x in leaves]
@@ -352,7 +399,8 @@ def test_float16_gradients_made_in_the_forward_do_not_underflow_before_the_scale
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compile_fullgraph_under_autocast(dynamic, reduction):
+@pytest.mark.parametrize("hidden", [8, 16], ids=["tokens-gt-hidden", "tokens-le-hidden"])  # 16: dlogits kept
+def test_compile_fullgraph_under_autocast(dynamic, reduction, hidden):
     # the fake kernel (the glue on meta tensors for static sizes, the shape rules for symbolic ones) gives the
     # loss and the forward's gradients the dtypes the kernel gives them: float32 from bfloat16 operands
     torch._dynamo.reset()
@@ -363,7 +411,7 @@ def test_compile_fullgraph_under_autocast(dynamic, reduction):
 
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
     for t in (9, 13):
-        hid, w, b, y = inputs(t, 8, 11, torch.float32, seed=t)
+        hid, w, b, y = inputs(t, hidden, 11, torch.float32, seed=t)
         leaves = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
         eager = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
         got, want = compiled(*leaves[:2], y, leaves[2]), step(*eager[:2], y, eager[2])
@@ -459,6 +507,16 @@ F32 = dict(dtype=torch.float32)
         (lambda: LCE(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64), None, -100, 0.0, 0,
                      None, False),
          r"argument 'reduction' must be 1 \(mean\) or 2 \(sum\)"),
+        (lambda: LCE(torch.randn(3, 5, dtype=torch.float16), torch.randn(4, 5, dtype=torch.float16),
+                     torch.zeros(3, dtype=torch.int64), None, -100, 0.0, 1, None, False, True),
+         r"argument 'keep_dlogits' needs float32 or bfloat16 hidden \(dlogits is of its dtype\), got float16"),
+        (lambda: LCE(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64), None, -100, 0.0, 1,
+                     None, True, True),
+         r"arguments 'compute_grad' and 'keep_dlogits' exclude each other"),
+        (lambda: torch.ops.opforge.linear_cross_entropy_backward(
+            torch.tensor(1.0), torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64), None,
+            torch.zeros(3), torch.empty(0), torch.empty(0), torch.empty(0), -100, 0.0, 1, None, 7, torch.zeros(4, 3)),
+         r"\[opforge::linear_cross_entropy_backward\] argument 'dlogits' .*\[4, 3\]"),
         (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(4, dtype=torch.int64)),
          r"argument 'target' must have the leading dims of 'hidden' \[3\], got \[4\]"),
         (lambda: LCE(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(2, dtype=torch.int64), None, -100, 0.0, 1,
@@ -813,7 +871,7 @@ def _sweep_cases():
     cases = []
     # (T lead dims, H, V); V = 0 only with every target ignored
     shapes = [((0,), 4, 5), ((3,), 0, 5), ((3,), 4, 0), ((1,), 4, 5), ((3,), 1, 5), ((3,), 4, 1), ((1,), 1, 1),
-              ((0,), 0, 0), ((7,), 9, 11), ((2, 0), 3, 4), ((2, 3), 5, 7), ((64,), 32, 300)]
+              ((0,), 0, 0), ((7,), 9, 11), ((2, 0), 3, 4), ((2, 3), 5, 7), ((64,), 32, 300), ((40,), 64, 300)]
     variants = [("mean", False, 0.0, None, True), ("sum", True, 0.1, 2.0, True), ("none", True, 0.0, None, True),
                 ("mean", True, 0.2, 4.0, False)]  # last: the op asked for no gradients in the forward
     for lead, h, v in shapes:

@@ -41,8 +41,8 @@ FORWARD_GRADS_BF16_MAX = 1 << 24
 
 @op_function(ops.linear_cross_entropy.default)
 def _linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap,
-                          compute_grad):
-    """(loss, lse, dhidden, dweight, dbias) for reduction mean / sum: see linear_cross_entropy."""
+                          compute_grad, keep_dlogits):
+    """(loss, lse, dhidden, dweight, dbias, dlogits) for reduction mean / sum: see linear_cross_entropy."""
 
 
 @op_function(ops.linear_cross_entropy_none.default)
@@ -55,7 +55,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          reduction: str = "mean", softcap: float | None = None) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` (an LM head and its loss) without
     the (tokens, vocab) logits: they are made a block of about 2048 tokens x 2048 vocab rows at a time on
-    opforge's GEMM, folded into an online log-sum-exp per token, and dropped.
+    opforge's GEMM, folded into an online log-sum-exp per token, and dropped (with at most as many tokens as
+    hidden features, their gradient is kept for the backward instead: see below).
 
     Args:
         hidden: (..., H); its leading dims are flattened to T tokens (``reshape``: a copy only when they
@@ -70,7 +71,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         softcap: Gemma-2's logit soft-capping, ``softcap * tanh(logits / softcap)`` before the softmax;
             None for none.
 
-    With reduction "mean" or "sum", the gradients of hidden and weight both needed (grad mode on) and
+    With reduction "mean" or "sum", a gradient needed (grad mode on), float32 or bfloat16 operands and at
+    most as many tokens as hidden features (T <= H), the forward keeps the loss's gradient with respect to
+    the logits (for a gradient of 1; T x V elements of hidden's dtype, no more than the weight's V x H),
+    made from the blocks once each token's log-sum-exp is final, and the backward's GEMMs read it, each
+    product times the incoming gradient: eager's three GEMMs (forward, dhidden, dweight), none recomputed
+    and nothing scaled or copied, holding half or less of what eager holds (its logits and their
+    log-softmax). Else, with the gradients of hidden and weight both needed and
     blocks that span the vocabulary (:func:`vocab_in_one_block`: 256 tokens by the vocabulary within
     about 4M floats, e.g. a vocabulary up to 16384), the call also makes the gradients of
     hidden, weight and bias from each chunk's block while it is in the scratch (three GEMMs per block
@@ -116,11 +123,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if reduction == "none":
         return _linear_cross_entropy_none(h2, weight, t1, bias, ignore_index, float(label_smoothing), softcap)[0].view(
             lead)
-    # the forward makes the gradients when hidden's and weight's are both wanted; else (a frozen head or
-    # hidden) the backward recomputes the blocks and makes only the wanted ones
-    compute_grad = (torch.is_grad_enabled() and hidden.requires_grad and weight.requires_grad
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                        or isinstance(bias, torch.Tensor) and bias.requires_grad)
+    runs_in = _operand_dtype([hidden.dtype])  # autocast's, where it casts
+    # at most as many tokens as hidden features: du (T x V) is no larger than the weight (V x H), and the
+    # backward's GEMMs read it (eager's three GEMMs); else the forward makes the gradients when hidden's and
+    # weight's are both wanted and the blocks span the vocabulary; else (a frozen head or hidden, a large
+    # vocabulary) the backward recomputes the blocks and makes only the wanted ones
+    keep = grad and h2.shape[0] <= h2.shape[1] and runs_in in (torch.float32, torch.bfloat16)
+    compute_grad = (grad and not keep and hidden.requires_grad and weight.requires_grad
                     and vocab_in_one_block(h2.shape[0], weight.shape[0])
-                    and (weight.shape[0] * weight.shape[1] <= FORWARD_GRADS_BF16_MAX
-                         or _operand_dtype([hidden.dtype]) != torch.bfloat16))  # autocast's, where it casts
+                    and (weight.shape[0] * weight.shape[1] <= FORWARD_GRADS_BF16_MAX or runs_in != torch.bfloat16))
     return _linear_cross_entropy(h2, weight, t1, bias, ignore_index, float(label_smoothing), code, softcap,
-                                 compute_grad)[0]
+                                 compute_grad, keep)[0]

@@ -27,8 +27,8 @@ def _lce_loss(hidden, weight, target, bias, ignore_index, label_smoothing, reduc
 
 
 def linear_cross_entropy(hidden, weight, target, bias, ignore_index: int, label_smoothing: float, reduction: int,
-                         softcap: float | None, compute_grad: bool):
-    """(loss,): lse and the gradients the op may make are checked through the backward ops."""
+                         softcap: float | None, compute_grad: bool, keep_dlogits: bool = False):
+    """(loss,): lse and the gradients (or dlogits) the op may make are checked through the backward ops."""
     return (_lce_loss(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap),)
 
 
@@ -48,7 +48,7 @@ def _lce_grads(grad, hidden, weight, target, bias, ignore_index, label_smoothing
 
 def linear_cross_entropy_backward(grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias,
                                   ignore_index: int, label_smoothing: float, reduction: int, softcap: float | None,
-                                  needs: int = 7):
+                                  needs: int = 7, dlogits=None):
     """(dhidden, dweight, dbias) of grad * loss, dbias empty without a bias. The op leaves the ones needs does
     not ask for uncomputed, so the samples ask for all."""
     return _lce_grads(grad, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap)
