@@ -91,6 +91,15 @@ static void block_shape(int64_t t, int64_t v, int64_t budget, int64_t *tc, int64
     *tc = min64(max64(t, 1), max64(1, budget / *vb));
 }
 
+/* p->block_floats, or the default budget; a float32 forward that makes the gradients takes blocks up to the
+ * weight's size (LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX) */
+static int64_t block_budget(const linear_cross_entropy_problem *p) {
+    if (p->block_floats > 0) return p->block_floats;
+    if (p->dt == OPF_F32 && !p->lse_given && !p->dlogits && wants_grad(p))
+        return max64(LINEAR_CROSS_ENTROPY_BLOCK_FLOATS, min64(p->v * p->h, LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX));
+    return LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
+}
+
 int linear_cross_entropy_vocab_in_one_block(int64_t t, int64_t v) {
     int64_t tc, vb;
     block_shape(t, v, LINEAR_CROSS_ENTROPY_BLOCK_FLOATS, &tc, &vb);
@@ -106,7 +115,7 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
         l.floats = 2 * max64(p->v, 1);
         return l;
     }
-    const int64_t budget = p->block_floats > 0 ? p->block_floats : LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
+    const int64_t budget = block_budget(p);
     const int grads = wants_grad(p);
     /* bfloat16 operands: the logits block is bfloat16 (the GEMM's result rounded once, as eager's
      * bfloat16 logits under autocast), and so is du, written over it by the row code, which both gradient

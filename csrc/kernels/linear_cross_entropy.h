@@ -93,6 +93,16 @@ typedef enum linear_cross_entropy_reduction {
  * 2048 vocab rows, large enough that every GEMM of sweep 2 has K >= 2048. */
 #define LINEAR_CROSS_ENTROPY_BLOCK_FLOATS ((int64_t)4 << 20)
 
+/* The block budget of a float32 forward that makes the gradients: the weight's size (V x H floats), at
+ * least LINEAR_CROSS_ENTROPY_BLOCK_FLOATS and at most this (256 MiB), so that the blocks span the
+ * vocabulary with chunks of many tokens (about H, 2048 at vocabulary 32000 x 2048): three GEMMs where a
+ * recomputing backward runs four (0.86-0.91x eager at 4096 tokens x 2048 -> 32000 on the AMX Xeon), and
+ * each chunk's dweight product deep enough that adding it to the sum over chunks costs little. It holds
+ * the block and the float32 gradients (dweight: the weight's size) from forward to backward, less than
+ * eager's three T x V logits-sized tensors whenever T > H. bfloat16 keeps the default budget (its large
+ * heads recompute: FORWARD_GRADS_BF16_MAX in the Python layer), and so does float16. */
+#define LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX ((int64_t)64 << 20)
+
 /* promote(dt, float32): float32 for float32 and 16-bit operands, float64 for float64. */
 static inline opf_dtype linear_cross_entropy_loss_dtype(opf_dtype dt) { return dt == OPF_F64 ? OPF_F64 : OPF_F32; }
 

@@ -340,6 +340,9 @@ static void linear_cross_entropy_none_backward_cpu(StableIValue *stack, uint64_t
  * graph (whose sizes may be symbolic) makes the same choice. */
 OPF_EXPORT int64_t opforge_linear_cross_entropy_chunk_tokens(void) { return LINEAR_CROSS_ENTROPY_CHUNK_TOKENS; }
 OPF_EXPORT int64_t opforge_linear_cross_entropy_block_floats(void) { return LINEAR_CROSS_ENTROPY_BLOCK_FLOATS; }
+OPF_EXPORT int64_t opforge_linear_cross_entropy_grad_block_floats_max(void) {
+    return LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX;
+}
 
 static const opf_op_desc opf_linear_cross_entropy_ops[] = {
     {

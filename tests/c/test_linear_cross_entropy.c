@@ -541,6 +541,33 @@ static void test_vocab_in_one_block_rule(void) {
     }
 }
 
+/* A float32 forward that makes the gradients takes blocks up to the weight's size (between the default
+ * budget and LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX): chunks of 256 tokens by the whole vocabulary at
+ * 260 x 256 -> 16400 (past the default budget); the backward, bfloat16 and an explicit budget keep theirs. */
+static void test_grads_block_budget(void) {
+    const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
+    float dummy;
+    linear_cross_entropy_problem p = {
+        .t = 260, .h = 256, .v = 16400, .dt = OPF_F32, .grads_dt = OPF_F32, .dhidden = &dummy, .dweight = &dummy};
+    linear_cross_entropy_plan l = linear_cross_entropy_plan_make(gemm, &p, 2);
+    CHECK(l.tc == 256 && l.vb == 16400, "float32 forward with gradients: blocks %lld x %lld, want 256 x 16400",
+          (long long)l.tc, (long long)l.vb);
+    linear_cross_entropy_problem q = p;
+    q.lse_given = 1;
+    l = linear_cross_entropy_plan_make(gemm, &q, 2);
+    CHECK(l.vb < q.v, "the backward keeps the default budget: blocks %lld x %lld", (long long)l.tc, (long long)l.vb);
+    q = p, q.dt = OPF_BF16;
+    l = linear_cross_entropy_plan_make(gemm, &q, 2);
+    CHECK(l.vb < q.v, "bfloat16 keeps the default budget: blocks %lld x %lld", (long long)l.tc, (long long)l.vb);
+    q = p, q.block_floats = 256;
+    l = linear_cross_entropy_plan_make(gemm, &q, 2);
+    CHECK(l.tc * l.vb <= 256, "an explicit budget holds: blocks %lld x %lld", (long long)l.tc, (long long)l.vb);
+    q = p, q.v = 1 << 20, q.h = 4096; /* a weight of 4G floats: the block is capped */
+    l = linear_cross_entropy_plan_make(gemm, &q, 2);
+    CHECK(l.tc * l.vb <= LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX && l.tc * l.vb > LINEAR_CROSS_ENTROPY_BLOCK_FLOATS,
+          "the budget is capped: blocks %lld x %lld", (long long)l.tc, (long long)l.vb);
+}
+
 /* A provider of the test's own: claims every product and runs it on opforge's kernels with a workspace
  * (and a float32 C for partial sums) of its own; or, declining, takes nothing. */
 static int provider_declines, provider_ran;
@@ -646,5 +673,6 @@ int main(void) {
     test_kept_claimed();
     test_short_workspace();
     test_vocab_in_one_block_rule();
+    test_grads_block_budget();
     return check_report("test_linear_cross_entropy");
 }

@@ -248,6 +248,29 @@ def test_a_large_bfloat16_head_gets_its_gradients_from_the_backward(case, tokens
         torch.testing.assert_close(r.double(), want.grad, **tol, msg=lambda m: f"d{name} vs float64: {m}")
 
 
+def test_a_float32_forward_makes_the_gradients_in_blocks_up_to_the_weights_size(monkeypatch):
+    # 600 tokens > 256 hidden, vocabulary 16400: 256 x 16400 logits are past the default budget (4M), not past
+    # the weight's size (4.2M): the forward makes the gradients in chunks of 256, 256 and 88 tokens by the whole
+    # vocabulary (three GEMMs a chunk, dweight summed over the chunks) where it recomputed before
+    module = sys.modules[linear_cross_entropy.__module__]
+    assert not module.vocab_in_one_block(600, 16400)
+    assert module.vocab_in_one_block(600, 16400, module.grads_block_floats(16400, 256))
+    asked, forward = [], module._linear_cross_entropy
+    monkeypatch.setattr(module, "_linear_cross_entropy", lambda *a: asked.append(a[-2:]) or forward(*a))
+    hid, w, b, y = inputs(600, 256, 16400, torch.float32)
+    leaves = [x.detach().clone().requires_grad_() for x in (hid, w, b)]
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    got = linear_cross_entropy(*leaves[:2], y, leaves[2], label_smoothing=0.1, softcap=20.0)
+    assert asked == [(True, False)], asked
+    want = reference(*refs[:2], y, refs[2], label_smoothing=0.1, softcap=20.0)
+    torch.testing.assert_close(got.double(), want.detach(), **TOL[torch.float32])
+    (got * 0.5).backward()
+    (want * 0.5).backward()
+    for name, leaf, ref in zip(("hidden", "weight", "bias"), leaves, refs):
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, **GRAD_TOL[torch.float32],
+                                   msg=lambda m: f"d{name}: {m}")
+
+
 @pytest.mark.parametrize("case", ["float32", "bfloat16", "autocast"])
 @pytest.mark.parametrize("frozen", ["none", "weight", "hidden"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -15,16 +15,26 @@ __all__ = ["linear_cross_entropy"]
 
 library.dll.opforge_linear_cross_entropy_block_floats.restype = ctypes.c_int64
 library.dll.opforge_linear_cross_entropy_chunk_tokens.restype = ctypes.c_int64
+library.dll.opforge_linear_cross_entropy_grad_block_floats_max.restype = ctypes.c_int64
 BLOCK_FLOATS = library.dll.opforge_linear_cross_entropy_block_floats()  # the kernel's logits block, read from C
 CHUNK_TOKENS = library.dll.opforge_linear_cross_entropy_chunk_tokens()  # the fewest tokens of a chunk, from C
+# a float32 forward that makes the gradients: blocks up to the weight's size, at most this many floats (C's)
+GRAD_BLOCK_FLOATS_MAX = library.dll.opforge_linear_cross_entropy_grad_block_floats_max()
 
 
-def vocab_in_one_block(tokens, vocab) -> bool:
+def vocab_in_one_block(tokens, vocab, budget=BLOCK_FLOATS) -> bool:
     """Whether the kernel's logits blocks span the vocabulary: a chunk of CHUNK_TOKENS tokens (all of
-    them, if fewer) and the whole vocabulary fit its BLOCK_FLOATS (csrc/kernels/linear_cross_entropy.h),
-    so that a forward asked for the gradients makes them on the way at no extra GEMM. Sizes may be
-    symbolic (a compiled graph guards on the comparison)."""
-    return min(max(tokens, 1), CHUNK_TOKENS) * max(vocab, 1) <= BLOCK_FLOATS
+    them, if fewer) and the whole vocabulary fit its budget (BLOCK_FLOATS, or a float32 forward's that
+    makes the gradients: :func:`grads_block_floats`; csrc/kernels/linear_cross_entropy.h), so that a
+    forward asked for the gradients makes them on the way at no extra GEMM. Sizes may be symbolic (a
+    compiled graph guards on the comparison)."""
+    return min(max(tokens, 1), CHUNK_TOKENS) * max(vocab, 1) <= budget
+
+
+def grads_block_floats(vocab, hidden) -> int:
+    """The block budget of a float32 forward that makes the gradients, as the kernel sets it: the weight's
+    size, at least BLOCK_FLOATS and at most GRAD_BLOCK_FLOATS_MAX."""
+    return max(BLOCK_FLOATS, min(vocab * hidden, GRAD_BLOCK_FLOATS_MAX))
 
 
 # bfloat16 operands: the gradients a forward makes are float32 (the loss's dtype), held to the backward
@@ -79,7 +89,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     and nothing scaled or copied, holding half or less of what eager holds (its logits and their
     log-softmax). Else, with the gradients of hidden and weight both needed and
     blocks that span the vocabulary (:func:`vocab_in_one_block`: 256 tokens by the vocabulary within
-    about 4M floats, e.g. a vocabulary up to 16384), the call also makes the gradients of
+    about 4M floats, e.g. a vocabulary up to 16384; for float32, within the weight's size up to 64M floats
+    (:func:`grads_block_floats`): any vocabulary up to 262144 with 256 or more hidden features, in chunks
+    of about H tokens), the call also makes the gradients of
     hidden, weight and bias from each chunk's block while it is in the scratch (three GEMMs per block
     instead of the four a recomputing backward runs), in the loss's dtype (rounded to float16 before
     GradScaler's scale, small ones would underflow); they are held from forward to backward, which only
@@ -131,8 +143,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     # weight's are both wanted and the blocks span the vocabulary; else (a frozen head or hidden, a large
     # vocabulary) the backward recomputes the blocks and makes only the wanted ones
     keep = grad and h2.shape[0] <= h2.shape[1] and runs_in in (torch.float32, torch.bfloat16)
+    budget = grads_block_floats(weight.shape[0], weight.shape[1]) if runs_in == torch.float32 else BLOCK_FLOATS
     compute_grad = (grad and not keep and hidden.requires_grad and weight.requires_grad
-                    and vocab_in_one_block(h2.shape[0], weight.shape[0])
+                    and vocab_in_one_block(h2.shape[0], weight.shape[0], budget)
                     and (weight.shape[0] * weight.shape[1] <= FORWARD_GRADS_BF16_MAX or runs_in != torch.bfloat16))
     return _linear_cross_entropy(h2, weight, t1, bias, ignore_index, float(label_smoothing), code, softcap,
                                  compute_grad, keep)[0]
