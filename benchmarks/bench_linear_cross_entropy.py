@@ -220,9 +220,10 @@ def main(argv=None):
         "in a fresh process per variant, at mem_tokens tokens; inputs and parameters excluded, the gradients "
         "made (hidden.grad + weight.grad = grads_MiB) included; *_no_grads: the same less the gradients (the "
         "temporaries alone); rss_MiB_*: the resident-set high-water mark above the resident set before the call",
-        "opforge: opforge.functional.linear_cross_entropy (lse kept, gradients recomputed in the backward above "
-        "one 4M-logit block); opforge_fwd_grads: the raw op with compute_grad=True (gradients made in the "
-        "forward, held, and scaled into new tensors by the backward)",
+        "opforge: opforge.functional.linear_cross_entropy (tokens <= hidden: the logits' gradient kept for the "
+        "backward's two GEMMs; else float32 makes the gradients in the forward in chunks up to the weight's size, "
+        "and bfloat16 keeps lse and recomputes the blocks in the backward); opforge_fwd_grads: the raw op with "
+        "compute_grad=True (gradients made in the forward, held, and scaled into new tensors by the backward)",
         "compile: torch.compile of the eager code (the memory child compiles with dynamic=True, warmed on 64 "
         "tokens)",
     ]
