@@ -282,6 +282,9 @@ static void backward_impl(StableIValue *stack, int per_token) {
     /* the forward's kept dlogits (T, V) of hidden's dtype, or empty / None */
     opf_tensor sdl = sdl_h ? opf_tensor_info(op, "dlogits", sdl_h) : (opf_tensor){0};
     const int kept = sdl.ndim == 2;
+    if (sdl_h && !kept && sdl.numel != 0)
+        opf_fail(op, "argument 'dlogits' must be the (tokens, vocab) dlogits the forward kept, or empty, got %lld dims",
+                 (long long)sdl.ndim);
     if (kept) {
         opf_tensor want_dl = {.ndim = 2, .sizes = (int64_t[2]){a.p.t, a.p.v}};
         opf_check_same_shape(op, "dlogits", &sdl, "(tokens, vocab)", &want_dl);

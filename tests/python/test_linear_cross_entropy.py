@@ -540,6 +540,10 @@ F32 = dict(dtype=torch.float32)
             torch.tensor(1.0), torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64), None,
             torch.zeros(3), torch.empty(0), torch.empty(0), torch.empty(0), -100, 0.0, 1, None, 7, torch.zeros(4, 3)),
          r"\[opforge::linear_cross_entropy_backward\] argument 'dlogits' .*\[4, 3\]"),
+        (lambda: torch.ops.opforge.linear_cross_entropy_backward(
+            torch.tensor(1.0), torch.randn(3, 5), torch.randn(4, 5), torch.zeros(3, dtype=torch.int64), None,
+            torch.zeros(3), torch.empty(0), torch.empty(0), torch.empty(0), -100, 0.0, 1, None, 7, torch.zeros(12)),
+         r"argument 'dlogits' must be the \(tokens, vocab\) dlogits the forward kept, or empty, got 1 dims"),
         (lambda: linear_cross_entropy(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(4, dtype=torch.int64)),
          r"argument 'target' must have the leading dims of 'hidden' \[3\], got \[4\]"),
         (lambda: LCE(torch.randn(3, 5), torch.randn(4, 5), torch.zeros(2, dtype=torch.int64), None, -100, 0.0, 1,
