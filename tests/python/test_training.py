@@ -235,17 +235,20 @@ def test_checkpointed_blocks_give_bitwise_the_same_gradients(amp):
 
 
 @pytest.mark.slow
-def test_compile_whole_model_dynamic_two_lengths_no_recompile():
+@pytest.mark.parametrize("lengths", [(24, 30), (33, 37)], ids=["tokens-le-hidden", "tokens-gt-hidden"])
+def test_compile_whole_model_dynamic_two_lengths_no_recompile(lengths):
     """torch.compile(fused GPT, fullgraph=True, dynamic=True): one graph (fullgraph raises on a break), a
     second sequence length runs the same compiled code (set_stance('fail_on_recompile') raises otherwise),
-    and the loss and every gradient match eager at both lengths. The static compile of the forward is
-    test_models.py's."""
+    and the loss and every gradient match eager at both lengths. Both lengths on one side of the loss head's
+    path rule (linear_cross_entropy keeps the logits' gradient for tokens <= hidden, 2 x 32 = 64 here: a
+    guard, so that a length across it compiles a second graph), each side tested. The static compile of the
+    forward is test_models.py's."""
     _, eager = _pair(seed=14)
     model = copy.deepcopy(eager)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # the session's earlier compiles count there too
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
-    for n, seed, stance in ((24, 5, "default"), (37, 6, "fail_on_recompile")):
+    for n, seed, stance in ((lengths[0], 5, "default"), (lengths[1], 6, "fail_on_recompile")):
         idx, tgt = _batch(seed, n=n)
         want = eager(idx, tgt)[1]
         eager.zero_grad(set_to_none=True)
