@@ -170,13 +170,12 @@ static void plan_layout(linear_cross_entropy_plan *l, const linear_cross_entropy
     /* dhidden: the float32 sum over vocab blocks, or with one block (run_f32's dh_direct) the GEMM's partial
      * sums where the vocabulary spans several K slices */
     l->dh_direct = half && l->vb >= p->v && p->v > 0;
-    const int v_one_slice = p->v <= gemm_slice_depth(gemm, du_dt, p->dt);
-    l->dw = l->dh + (half && p->dhidden && !l->claimed && !(l->dh_direct && v_one_slice) ? p->t * p->h : 0);
+    const int64_t depth = gemm_slice_depth(gemm, du_dt, p->dt); /* of both gradient GEMMs (du, operands) */
+    l->dw = l->dh + (half && p->dhidden && !l->claimed && !(l->dh_direct && p->v <= depth) ? p->t * p->h : 0);
     /* a float32 dweight block: the sum over token chunks, or with one chunk (run_f32's dw_direct) the GEMM's
      * partial sums where the tokens span several K slices; none where they fit one */
     l->dw_direct = half && l->tc >= p->t && p->t > 0;
-    const int one_slice = p->t <= gemm_slice_depth(gemm, du_dt, p->dt);
-    l->db = l->dw + (half && p->dweight && !l->claimed && !(l->dw_direct && one_slice) ? l->vb * p->h : 0);
+    l->db = l->dw + (half && p->dweight && !l->claimed && !(l->dw_direct && p->t <= depth) ? l->vb * p->h : 0);
     l->block16 = l->db + (half && p->dbias ? p->v : 0);
     l->floats = l->block16 + (b16 && !kept_bwd ? (l->tc * l->vb + 1) / 2 : 0); /* 2-byte elements */
 }

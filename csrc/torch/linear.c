@@ -25,6 +25,7 @@
 #include "../kernels/linear.h"
 #include "aoti.h"
 #include "namespace.h"
+#include "provider.h"
 #include "opforge/op.h"
 
 static const char MATMUL[] = OPF_QUALNAME("matmul");
@@ -45,34 +46,9 @@ static act_kind arg_activation(const char *op, StableIValue v) {
     return (act_kind)opf_arg_enum(op, "activation", v, ACT_NAMES);
 }
 
-/* a kernel that refuses its workspace was given one sized for another problem: a bug of ours, which the
- * error names instead of writing past the workspace */
-static void check_ran(const char *op, int rc) {
-    if (rc != 0)
-        opf_fail(op, "internal error: the workspace is smaller than the plan needs (please report it with the "
-                     "shapes)");
-}
-
-/* plan = make, claim (the products the GEMM provider runs itself need no workspace), then run (an
- * expression of plan, ws and wsn) on a workspace of the plan's size; where the provider declines a
- * claimed product after all (its mode changed since, its GEMM failed: LINEAR_ERR_DECLINED, before any
- * output is final), plan = make again, unclaimed, and run once more on its workspace. */
-#define RUN_CLAIMED(op, like, plan, workspace_of, make, claim, run)                   \
-    do {                                                                              \
-        (plan) = (make);                                                              \
-        claim;                                                                        \
-        float *ws = NULL;                                                             \
-        int64_t wsn = workspace_of(&(plan));                                          \
-        OPF_OWNED AtenTensorHandle ws_h = opf_workspace((op), wsn, (like), &ws);      \
-        int rc = (run);                                                               \
-        if (rc == LINEAR_ERR_DECLINED) {                                              \
-            (plan) = (make);                                                          \
-            wsn = workspace_of(&(plan));                                              \
-            OPF_OWNED AtenTensorHandle ws2_h = opf_workspace((op), wsn, (like), &ws); \
-            rc = (run);                                                               \
-        }                                                                             \
-        check_ran((op), rc);                                                          \
-    } while (0)
+/* provider.h's OPF_RUN_CLAIMED with linear.h's code of a declined claim */
+#define RUN_CLAIMED(op, like, plan, workspace_of, make, claim, run) \
+    OPF_RUN_CLAIMED(op, like, plan, workspace_of, make, claim, run, LINEAR_ERR_DECLINED)
 
 static linear_view view_of(const opf_tensor *t) {
     return (linear_view){.data = t->data, .ndim = t->ndim, .sizes = t->sizes, .strides = t->strides};

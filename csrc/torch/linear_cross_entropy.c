@@ -27,6 +27,7 @@
 #include "../kernels/linear_cross_entropy.h"
 #include "aoti.h"
 #include "namespace.h"
+#include "provider.h"
 #include "opforge/op.h"
 
 static const char LCE[] = OPF_QUALNAME("linear_cross_entropy");
@@ -41,12 +42,6 @@ typedef struct linear_cross_entropy_args {
     int has_bias;
     linear_cross_entropy_problem p;
 } linear_cross_entropy_args;
-
-static void check_ran(const char *op, int rc) {
-    if (rc != 0)
-        opf_fail(op, "internal error: the workspace is smaller than the plan needs (please report it with the "
-                     "shapes)");
-}
 
 /* every argument of the forward, checked before anything is computed */
 static linear_cross_entropy_args check_lce(const char *op, AtenTensorHandle h_h, AtenTensorHandle w_h,
@@ -113,24 +108,16 @@ static linear_cross_entropy_args check_lce(const char *op, AtenTensorHandle h_h,
     return a;
 }
 
-/* plan = make, claim (a backward reading kept dlogits whose products the GEMM provider runs itself needs
- * no workspace for them), then run on a workspace of the plan's size; where the provider declines a
- * claimed product after all (LINEAR_CROSS_ENTROPY_ERR_DECLINED: its mode changed since, its GEMM failed),
- * plan = make again, unclaimed, and run once more on its workspace. */
+/* the plan claimed where the GEMM provider runs a backward's products on kept dlogits itself (no
+ * workspace for them), rerun unclaimed where it declines one after all: provider.h's OPF_RUN_CLAIMED */
 static void run(const char *op, const linear_cross_entropy_args *a) {
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     const linear_cross_entropy_kernels *kern = linear_cross_entropy_kernels_for(opf_isa_current());
-    linear_cross_entropy_plan plan = linear_cross_entropy_plan_make(gemm, &a->p, opf_num_threads());
-    linear_cross_entropy_plan_claim(&plan, &a->p);
-    float *ws = NULL;
-    OPF_OWNED AtenTensorHandle ws_h = opf_workspace(op, linear_cross_entropy_workspace(&plan), &a->hidden, &ws);
-    int rc = linear_cross_entropy_run(kern, &plan, &a->p, ws, linear_cross_entropy_workspace(&plan));
-    if (rc == LINEAR_CROSS_ENTROPY_ERR_DECLINED) {
-        plan = linear_cross_entropy_plan_make(gemm, &a->p, opf_num_threads());
-        OPF_OWNED AtenTensorHandle ws2_h = opf_workspace(op, linear_cross_entropy_workspace(&plan), &a->hidden, &ws);
-        rc = linear_cross_entropy_run(kern, &plan, &a->p, ws, linear_cross_entropy_workspace(&plan));
-    }
-    check_ran(op, rc);
+    linear_cross_entropy_plan plan;
+    OPF_RUN_CLAIMED(op, &a->hidden, plan, linear_cross_entropy_workspace,
+                    linear_cross_entropy_plan_make(gemm, &a->p, opf_num_threads()),
+                    linear_cross_entropy_plan_claim(&plan, &a->p),
+                    linear_cross_entropy_run(kern, &plan, &a->p, ws, wsn), LINEAR_CROSS_ENTROPY_ERR_DECLINED);
 }
 
 /* contiguous (1-d or 2-d; strides of size-1 dims do not matter) */

@@ -59,4 +59,29 @@ int opf_provider_decided(const char *key, int *torch);
  * (up to MORE_SAMPLES while the two are within 8% of the margin's line). */
 void opf_provider_end(const opf_provider_turn *turn, double work, int failed);
 
+/* plan = make, claim (the products the GEMM provider runs itself need no workspace), then run (an
+ * expression of plan, ws and wsn) on a workspace of the plan's size; where run returns declined (the
+ * provider declined a claimed product after all: its mode changed since, its GEMM failed, before any
+ * output is final), plan = make again, unclaimed, and run once more on its workspace. Any other nonzero
+ * result is a kernel refusing a workspace sized for another problem: a bug of ours, which the error names
+ * instead of writing past the workspace. */
+#define OPF_RUN_CLAIMED(op, like, plan, workspace_of, make, claim, run, declined)                            \
+    do {                                                                                                     \
+        (plan) = (make);                                                                                     \
+        claim;                                                                                               \
+        float *ws = NULL;                                                                                    \
+        int64_t wsn = workspace_of(&(plan));                                                                 \
+        OPF_OWNED AtenTensorHandle ws_h = opf_workspace((op), wsn, (like), &ws);                             \
+        int rc = (run);                                                                                      \
+        if (rc == (declined)) {                                                                              \
+            (plan) = (make);                                                                                 \
+            wsn = workspace_of(&(plan));                                                                     \
+            OPF_OWNED AtenTensorHandle ws2_h = opf_workspace((op), wsn, (like), &ws);                        \
+            rc = (run);                                                                                      \
+        }                                                                                                    \
+        if (rc != 0)                                                                                         \
+            opf_fail((op), "internal error: the workspace is smaller than the plan needs (please report it " \
+                           "with the shapes)");                                                              \
+    } while (0)
+
 #endif

@@ -143,9 +143,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     # weight's are both wanted and the blocks span the vocabulary; else (a frozen head or hidden, a large
     # vocabulary) the backward recomputes the blocks and makes only the wanted ones
     keep = grad and h2.shape[0] <= h2.shape[1] and runs_in in (torch.float32, torch.bfloat16)
-    budget = grads_block_floats(weight.shape[0], weight.shape[1]) if runs_in == torch.float32 else BLOCK_FLOATS
+    # the budget is asked only here: with symbolic sizes each comparison in it is a guard of the graph
     compute_grad = (grad and not keep and hidden.requires_grad and weight.requires_grad
-                    and vocab_in_one_block(h2.shape[0], weight.shape[0], budget)
+                    and vocab_in_one_block(h2.shape[0], weight.shape[0],
+                                           grads_block_floats(weight.shape[0], weight.shape[1])
+                                           if runs_in == torch.float32 else BLOCK_FLOATS)
                     and (weight.shape[0] * weight.shape[1] <= FORWARD_GRADS_BF16_MAX or runs_in != torch.bfloat16))
     return _linear_cross_entropy(h2, weight, t1, bias, ignore_index, float(label_smoothing), code, softcap,
                                  compute_grad, keep)[0]
