@@ -9,6 +9,11 @@ GPT-2 (``*ForCausalLM``, ``*Model``) built by ``transformers``:
 - the gated MLP (``gate_proj``/``up_proj``/``down_proj`` with silu or gelu)
   -> the same projections around ``swiglu`` / ``geglu``; GPT-2's MLP -> one
   fused linear + gelu_tanh;
+- the projections of those MLPs and attentions (plain ``nn.Linear`` modules
+  without hooks; adapters and quantized layers run as they are) ->
+  ``opforge.linear``: opforge's GEMM or torch's, whichever is faster for the
+  class of product on this machine (on CPUs without native bfloat16, torch's
+  bfloat16 GEMM is 20-30 times slower than opforge's);
 - attention -> the rotary embedding through ``rope`` and the attention itself
   through opforge's fused kernel, registered in transformers' own
   ``AttentionInterface`` under the name "opforge" and selected for this model's
@@ -115,18 +120,27 @@ def _subclass(module: torch.nn.Module, forward) -> None:
                                                     "__qualname__": cls.__qualname__, "__module__": cls.__module__})
 
 
+def _proj(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A projection on ``opforge.linear`` (opforge's GEMM or torch's, whichever is faster for the class of
+    product here); a module that is not a plain ``nn.Linear`` (an adapter, a quantized layer) or has hooks
+    runs as it is."""
+    if type(m) is torch.nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
+        return OF.linear(x, m.weight, m.bias)
+    return m(x)
+
+
 def _rope_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                             past_key_values=None, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(hidden_shape)
-    k = self.k_proj(hidden_states).view(hidden_shape)
+    q = _proj(self.q_proj, hidden_states).view(hidden_shape)
+    k = _proj(self.k_proj, hidden_states).view(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
         q, k = self.q_norm(q), self.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = _proj(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     q, k = OF.rope(q, k, cos, sin)
     if past_key_values is not None:
@@ -135,17 +149,17 @@ def _rope_attention_forward(self, hidden_states, position_embeddings=None, atten
     out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
                              self.attention_dropout, scaling=self.scaling,
                              sliding_window=getattr(self, "sliding_window", None), **kwargs)
-    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+    return _proj(self.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def _glu_forward(kind):
     def forward(self, x):
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = _proj(self.gate_proj, x), _proj(self.up_proj, x)
         if kind == "swiglu":
             h = OF.swiglu(gate, up)
         else:
             h = OF.geglu(gate, up, approximate=kind.split(":")[1])
-        return self.down_proj(h)
+        return _proj(self.down_proj, h)
 
     return forward
 

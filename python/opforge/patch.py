@@ -5,8 +5,11 @@
 - ``nn.Linear`` directly followed, inside an ``nn.Sequential``, by ``nn.ReLU``,
   ``nn.GELU`` (exact or tanh) or ``nn.SiLU``: one :class:`opforge.nn.Linear`
   with that activation fused, the activation module replaced by
-  ``nn.Identity`` (a Linear anywhere else is left: what follows it is code,
-  which patching cannot see);
+  ``nn.Identity``; any other ``nn.Linear``: ``opforge.nn.Linear`` without
+  activation (what follows it is code, which patching cannot see), whose GEMM
+  is opforge's or torch's, whichever is faster for the class of product on
+  this machine (on CPUs without native bfloat16, torch's bfloat16 GEMM is
+  20-30 times slower than opforge's);
 - ``nn.LayerNorm`` over one dimension: :class:`opforge.nn.LayerNorm`;
 - ``nn.RMSNorm`` over one dimension: :class:`opforge.nn.RMSNorm`;
 - ``nn.MultiheadAttention(batch_first=True)`` without ``add_bias_kv`` /
@@ -17,8 +20,9 @@
 
 The new modules hold the very ``Parameter`` objects of the old ones (an
 optimizer built before patching keeps working) and compute the same function.
-Everything else, and any of the above with a configuration opforge cannot
-honour, is left as it is and listed in the report with the reason: nothing is
+Everything else, any of the above with a configuration opforge cannot
+honour, and a module with forward hooks (which the new module would not run),
+is left as it is and listed in the report with the reason: nothing is
 patched silently wrong. Classes are never patched globally.
 """
 
@@ -125,6 +129,11 @@ def patch(model: torch.nn.Module) -> PatchReport:
             full = f"{prefix}{name}"
             if isinstance(child, onn.Linear | onn.LayerNorm | onn.RMSNorm | onn.MultiheadAttention):
                 continue  # already opforge's
+            if (type(child) in _SWAPS or type(child) is torch.nn.Linear) and (child._forward_hooks or
+                                                                               child._forward_pre_hooks):
+                report.left.append((full, type(child).__name__, "has forward hooks, which a swapped module would "
+                                    "not run"))
+                continue
             swap = _SWAPS.get(type(child))
             if swap is not None:
                 new = swap(child)
@@ -140,9 +149,9 @@ def patch(model: torch.nn.Module) -> PatchReport:
             if type(child) is torch.nn.Linear:
                 nxt = children[i + 1][1] if i + 1 < len(children) else None
                 act = _activation_name(nxt) if isinstance(parent, torch.nn.Sequential) and nxt is not None else None
-                if act is None:
-                    report.left.append((full, "Linear", "not followed by an activation in an nn.Sequential: "
-                                        "nothing to fuse"))
+                if act is None:  # nothing to fuse: the faster GEMM of the class
+                    setattr(parent, name, _linear(child, "none"))
+                    report.replaced.append((full, "Linear", "opforge.nn.Linear('none')"))
                     continue
                 setattr(parent, name, _linear(child, act))
                 setattr(parent, children[i + 1][0], torch.nn.Identity())

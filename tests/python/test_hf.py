@@ -195,6 +195,43 @@ def test_patched_model_runs_opforge_ops(kind):
     assert not missing, f"opforge ops not run: {missing}"
 
 
+def test_projections_run_opforge_linear_unless_wrapped_or_hooked():
+    """The attention and MLP projections of a patched model are opforge.linear (own kernels here: the op
+    itself); a projection with a forward hook, or one that is not a plain nn.Linear, runs as the module."""
+    saved = opforge.get_gemm()
+    opforge.set_gemm("own")
+    try:
+        model, patched, _ = _pair("llama")
+        layers = model.config.num_hidden_layers
+        ids = _batch(6)
+        with torch.profiler.profile() as prof:
+            patched(ids, labels=ids)
+        assert sum(e.name == f"{opforge.namespace}::linear" for e in prof.events()) == 7 * layers
+        seen = []
+        patched.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        lora = patched.model.layers[1].self_attn.q_proj = _Wrapped(patched.model.layers[1].self_attn.q_proj)
+        with torch.profiler.profile() as prof:
+            out = patched(ids, labels=ids)
+        assert sum(e.name == f"{opforge.namespace}::linear" for e in prof.events()) == 7 * layers - 2
+        assert seen == [(*ids.shape, model.config.hidden_size)] and lora.calls == 1
+        model.model.layers[1].self_attn.q_proj = _Wrapped(model.model.layers[1].self_attn.q_proj)
+        torch.testing.assert_close(out.loss, model(ids, labels=ids).loss, atol=1e-5, rtol=1e-5)
+    finally:
+        opforge.set_gemm(saved)
+
+
+class _Wrapped(torch.nn.Module):
+    """An adapter around a projection (as peft's LoRA layers are): not a plain nn.Linear."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x) * 1.5
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_output_attentions_per_call_gives_eager_weights(kind):
     """A model of eager attention asked for output_attentions=True in one call: the patched copy returns the

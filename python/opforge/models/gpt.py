@@ -4,8 +4,9 @@ Llama-shaped: token embedding, rotary positions (half-split), pre-norm blocks
 of grouped-query attention and a SwiGLU MLP, RMSNorm, a head tied to the
 embedding, and the next-token loss. ``GPT(config, fused=False)`` runs torch's
 own functions; ``fused=True`` (or :meth:`GPT.set_fused`) runs the same
-parameters through opforge: ``add_rms_norm`` for the residual stream, ``rope``,
-fused attention, ``swiglu`` and, when targets are given, ``linear_cross_entropy``
+parameters through opforge: ``linear`` for the projections (opforge's GEMM or
+torch's, whichever is faster for the class of product on this machine),
+``add_rms_norm`` for the residual stream, ``rope``, fused attention, ``swiglu`` and, when targets are given, ``linear_cross_entropy``
 (the (tokens, vocab) logits are never built). The parameter names are the same
 either way (and follow Hugging Face's Llama: ``layers.0.self_attn.q_proj`` ...),
 so one state_dict loads into both.
@@ -56,6 +57,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _Fusable(torch.nn.Module):
     fused = False
 
+    def proj(self, m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """A projection: ``opforge.linear`` fused (the faster GEMM per class of product, own or torch's),
+        the module itself plain."""
+        return OF.linear(x, m.weight, m.bias) if self.fused else m(x)
+
 
 class RMSNorm(_Fusable):
     def __init__(self, dim: int, eps: float):
@@ -87,9 +93,9 @@ class Attention(_Fusable):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.proj(self.q_proj, x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.proj(self.k_proj, x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.proj(self.v_proj, x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         if self.fused:
             q, k = OF.rope(q, k, cos, sin)
@@ -97,7 +103,7 @@ class Attention(_Fusable):
         else:
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             out = TF.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return self.proj(self.o_proj, out.transpose(1, 2).reshape(b, n, -1))
 
 
 class MLP(_Fusable):
@@ -108,8 +114,8 @@ class MLP(_Fusable):
         self.down_proj = torch.nn.Linear(c.hidden_dim, c.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(OF.swiglu(gate, up) if self.fused else TF.silu(gate) * up)
+        gate, up = self.proj(self.gate_proj, x), self.proj(self.up_proj, x)
+        return self.proj(self.down_proj, OF.swiglu(gate, up) if self.fused else TF.silu(gate) * up)
 
 
 class Block(torch.nn.Module):
@@ -180,7 +186,7 @@ class GPT(torch.nn.Module):
         if targets is not None and self.fused:
             loss = OF.linear_cross_entropy(h.reshape(-1, h.shape[-1]), head, targets.reshape(-1))
             return None, loss
-        logits = TF.linear(h, head)
+        logits = OF.linear(h, head) if self.fused else TF.linear(h, head)
         if targets is None:
             return logits, None
         return logits, TF.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
