@@ -16,7 +16,10 @@ class Linear(torch.nn.Linear):
     (a checkpoint of one loads into the other); ``activation`` is "none",
     "relu", "gelu", "gelu_tanh" or "silu". ``recompute=True`` keeps no
     pre-activation for the backward, which recomputes it (see
-    :func:`opforge.functional.linear`).
+    :func:`opforge.functional.linear`). Without activation, off the CPU
+    (opforge's linear has CPU kernels only) it is ``torch.nn.functional.linear``:
+    what :func:`opforge.patch` makes of a plain ``nn.Linear`` keeps working on a
+    model moved to the GPU.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none",
@@ -27,6 +30,8 @@ class Linear(torch.nn.Linear):
         self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "none" and x.device.type != "cpu":  # opforge's linear has CPU kernels only
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias, self.activation, self.recompute)
 
     def extra_repr(self) -> str:

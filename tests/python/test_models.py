@@ -190,6 +190,23 @@ def test_patch_leaves_a_module_with_hooks():
     assert type(model[0]) is torch.nn.Linear and type(model[1]) is torch.nn.LayerNorm
 
 
+def test_patched_plain_linear_off_the_cpu_is_torchs():
+    """opforge's linear has CPU kernels only: a patched plain Linear on another device (meta here, as a
+    model moved to the GPU) runs torch's F.linear, and the fused GPT's projections their modules."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6))
+    opforge.patch(model)
+    model.to("meta")
+    with torch.profiler.profile() as prof:
+        out = model(torch.empty(3, 8, device="meta"))
+    assert out.shape == (3, 6) and out.device.type == "meta"
+    assert _op_calls(prof, "linear") == 0
+    _, fused = _pair()
+    x = torch.empty(2, 5, SMALL.dim, device="meta")
+    with torch.profiler.profile() as prof:
+        out = fused.to("meta").layers[0].mlp(x)
+    assert out.shape == x.shape and _op_calls(prof, "linear") == 0
+
+
 def test_patch_refuses_a_bare_leaf():
     with pytest.raises(TypeError, match="patch the module that holds it"):
         opforge.patch(torch.nn.LayerNorm(8))

@@ -58,9 +58,9 @@ class _Fusable(torch.nn.Module):
     fused = False
 
     def proj(self, m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """A projection: ``opforge.linear`` fused (the faster GEMM per class of product, own or torch's),
-        the module itself plain."""
-        return OF.linear(x, m.weight, m.bias) if self.fused else m(x)
+        """A projection: ``opforge.linear`` fused on the CPU (the faster GEMM per class of product, own or
+        torch's), the module itself plain or on another device (opforge's linear has CPU kernels only)."""
+        return OF.linear(x, m.weight, m.bias) if self.fused and x.device.type == "cpu" else m(x)
 
 
 class RMSNorm(_Fusable):
