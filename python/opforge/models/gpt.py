@@ -186,7 +186,7 @@ class GPT(torch.nn.Module):
         if targets is not None and self.fused:
             loss = OF.linear_cross_entropy(h.reshape(-1, h.shape[-1]), head, targets.reshape(-1))
             return None, loss
-        logits = OF.linear(h, head) if self.fused else TF.linear(h, head)
+        logits = OF.linear(h, head) if self.fused and h.device.type == "cpu" else TF.linear(h, head)
         if targets is None:
             return logits, None
         return logits, TF.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
