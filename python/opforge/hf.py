@@ -122,9 +122,9 @@ def _subclass(module: torch.nn.Module, forward) -> None:
 
 def _proj(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A projection on ``opforge.linear`` (opforge's GEMM or torch's, whichever is faster for the class of
-    product here); a module that is not a plain ``nn.Linear`` (an adapter, a quantized layer) or has hooks,
-    and a call off the CPU (opforge's linear has CPU kernels only), runs as it is."""
-    if type(m) is torch.nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) and x.device.type == "cpu":
+    product here; ``F.linear`` off the CPU); a module that is not a plain ``nn.Linear`` (an adapter, a
+    quantized layer) or has hooks runs as it is."""
+    if type(m) is torch.nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         return OF.linear(x, m.weight, m.bias)
     return m(x)
 

@@ -205,6 +205,17 @@ def test_patched_plain_linear_off_the_cpu_is_torchs():
     with torch.profiler.profile() as prof:
         out = fused.to("meta").layers[0].mlp(x)
     assert out.shape == x.shape and _op_calls(prof, "linear") == 0
+    # the rule sits in opforge.linear itself: a plain product off the CPU is F.linear's, an activation or
+    # operands on two devices still reach the op (its fake kernel on meta; its error for mixed devices)
+    w, b = torch.empty(6, 8, device="meta"), torch.empty(6, device="meta")
+    with torch.profiler.profile() as prof:
+        assert opforge.linear(torch.empty(3, 8, device="meta"), w, b).shape == (3, 6)
+    assert _op_calls(prof, "linear") == 0
+    with torch.profiler.profile() as prof:
+        assert opforge.linear(torch.empty(3, 8, device="meta"), w, b, "gelu").shape == (3, 6)
+    assert _op_calls(prof, "linear") == 1
+    with pytest.raises(RuntimeError, match=r"argument 'weight' must be on the device of 'x' \(cpu\), got meta"):
+        opforge.linear(torch.empty(3, 8), w, b)
 
 
 def test_patch_refuses_a_bare_leaf():

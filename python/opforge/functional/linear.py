@@ -113,6 +113,12 @@ def _torch_faster_whole(own, theirs, inputs, needs_grad: bool) -> bool:
     return best[1] <= best[0] * _OWN_MARGIN
 
 
+def _off_the_cpu(x, weight, bias) -> bool:
+    """Whether x, weight and bias (when given) are all tensors, none of them on the CPU."""
+    return isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and not (x.is_cpu or weight.is_cpu) \
+        and (bias is None or isinstance(bias, torch.Tensor) and not bias.is_cpu)
+
+
 def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
     """Whether a plain linear (no activation) of these operands, eager and on plain CPU tensors, has every
     product on torch's GEMM (the provider's mode torch, or classes auto mode settled for torch): the op
@@ -186,7 +192,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     itself in eager mode: the op would fuse nothing there, and its autograd formula, registered from
     Python, costs ~60-140 us a step more than F.linear's. Auto mode's first calls of a class still run
     the op, which measures them; ``torch.compile`` and ``torch.jit.trace`` record the op.
+
+    opforge's linear has CPU kernels only: a plain product whose operands all lie on another device (a
+    model moved to the GPU, the meta device) is ``F.linear`` there, in every mode, so a model whose
+    projections call this function runs wherever its parameters are. With an activation, or with
+    operands on different devices, the op runs and names what it refuses.
     """
+    if activation in (None, "none") and _off_the_cpu(x, weight, bias):
+        return F.linear(x, weight, bias)
     needs_grad = torch.is_grad_enabled() and (  # getattr: the op checks the types, and names a None
         getattr(x, "requires_grad", False) or getattr(weight, "requires_grad", False)
         or getattr(bias, "requires_grad", False))

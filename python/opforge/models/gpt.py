@@ -58,9 +58,9 @@ class _Fusable(torch.nn.Module):
     fused = False
 
     def proj(self, m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """A projection: ``opforge.linear`` fused on the CPU (the faster GEMM per class of product, own or
-        torch's), the module itself plain or on another device (opforge's linear has CPU kernels only)."""
-        return OF.linear(x, m.weight, m.bias) if self.fused and x.device.type == "cpu" else m(x)
+        """A projection: ``opforge.linear`` fused (the faster GEMM per class of product, own or torch's;
+        ``F.linear`` off the CPU), the module itself plain."""
+        return OF.linear(x, m.weight, m.bias) if self.fused else m(x)
 
 
 class RMSNorm(_Fusable):
@@ -186,7 +186,7 @@ class GPT(torch.nn.Module):
         if targets is not None and self.fused:
             loss = OF.linear_cross_entropy(h.reshape(-1, h.shape[-1]), head, targets.reshape(-1))
             return None, loss
-        logits = OF.linear(h, head) if self.fused and h.device.type == "cpu" else TF.linear(h, head)
+        logits = OF.linear(h, head) if self.fused else TF.linear(h, head)
         if targets is None:
             return logits, None
         return logits, TF.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
