@@ -50,12 +50,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=RESULTS)
-    p.add_argument("--only", choices=("gelu", "plain"), help="one of the two tables")
+    p.add_argument("--only", choices=("gelu", "plain", "decode"), help="one of the three tables")
     p.add_argument("--malloc", choices=MALLOC_MODES, default="default")
     a = p.parse_args(argv)
     set_malloc(a.malloc)
     if a.only == "plain":
         return plain_table(a.smoke, a.out, a.malloc)
+    if a.only == "decode":
+        return decode_table(a.smoke, a.out)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     compiled = torch.compile(eager, dynamic=False)
     f32 = torch.float32
@@ -134,6 +136,7 @@ def main(argv=None):
     print(table)
     if a.only != "gelu":
         plain_table(a.smoke, a.out, a.malloc)
+        decode_table(a.smoke, a.out)
 
 
 # the projections of bench_transformer.py's default model (batch 8 x sequence 256 = 2048 tokens, dim 512, 8
@@ -188,6 +191,59 @@ def plain_table(smoke: bool, out: str, malloc: str = "default"):
         "class of product, measured on first use); own_ / torch_gemm_vs_F_linear: the mode forced; medians of "
         "interleaved samples, best_: of each variant's fastest sample",
         malloc_note(malloc),
+    ], out)
+    print(table)
+
+
+# decoding's products: a few tokens against the default model's projections and LM head (512 -> 8192), and a
+# 4096-wide layer as larger models have
+DECODE = [(512, 512), (512, 1408), (1408, 512), (512, 8192), (4096, 4096)]
+
+
+def decode_table(smoke: bool, out: str):
+    """opforge.linear(x, w) against F.linear(x, w) for a few tokens, inference (no gradient): the products of
+    decoding, where the weight is read once per call (opforge's skinny GEMM path)."""
+    token_counts = [1, 4] if smoke else [1, 4, 16]
+    shapes = DECODE[:1] if smoke else DECODE
+    mode_before = opforge.get_gemm()
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for hin, hout in shapes:
+            w = (torch.randn(hout, hin) / hin**0.5).to(dtype)
+            for tokens in token_counts:
+                x = torch.randn(tokens, hin).to(dtype)
+                tol = 1e-4 if dtype == torch.float32 else 3e-2
+                torch.testing.assert_close(opforge.linear(x, w).float(), F.linear(x.double(), w.double()).float(),
+                                           rtol=tol, atol=tol)
+
+                def call(f, mode=None):
+                    if mode and opforge.get_gemm() != mode:  # once per variant's run of calls, as a user sets it
+                        opforge.set_gemm(mode)
+                    with torch.no_grad():
+                        f(x, w)
+
+                variants = {"F.linear": lambda: call(F.linear), "auto": lambda: call(opforge.linear, "auto"),
+                            "own": lambda: call(opforge.linear, "own"), "torch": lambda: call(opforge.linear, "torch")}
+                med = compare(variants, reps=3 if smoke else 15, target_s=0.01 if smoke else 0.1)
+                opforge.set_gemm(mode_before)
+                wbytes = w.numel() * w.element_size()
+                row = {"dtype": str(dtype).split(".")[1], "tokens": tokens, "in": hin, "out": hout,
+                       "F_linear_us": med["F.linear"] * 1e6, "opforge_us": med["auto"] * 1e6,
+                       "vs_F_linear": med["F.linear"] / med["auto"], "own_vs_F_linear": med["F.linear"] / med["own"],
+                       "torch_gemm_vs_F_linear": med["F.linear"] / med["torch"],
+                       "opforge_weight_GBps": wbytes / med["auto"] / 1e9, "F_linear_weight_GBps": wbytes / med["F.linear"] / 1e9}
+                rows.append(row)
+                print(f"{row['dtype']} {tokens}x{hin}->{hout}: {row['vs_F_linear']:.2f}x F.linear (own GEMM "
+                      f"{row['own_vs_F_linear']:.2f}x, torch's {row['torch_gemm_vs_F_linear']:.2f}x); weight read at "
+                      f"{row['opforge_weight_GBps']:.1f} GB/s against {row['F_linear_weight_GBps']:.1f}", flush=True)
+    table = write_results("linear_decode", rows, [
+        f"ISA {opforge.get_isa()}; opforge.linear(x, w) against F.linear(x, w) under torch.no_grad(), no bias, "
+        "for 1-16 tokens (decoding): the products where each call reads the weight once; >1: opforge faster",
+        "shapes: the default model's projections (512->512, 512->1408, 1408->512) and LM head (512->8192), and a "
+        "4096->4096 layer",
+        "vs_F_linear: GEMM provider mode auto (the default); own_ / torch_gemm_vs_F_linear: the mode forced; up to "
+        "16 rows opforge's own GEMM runs the skinny path (dot products streamed from the weight's rows, no "
+        "packing); *_weight_GBps: the weight's bytes over the call's time; medians of interleaved samples",
     ], out)
     print(table)
 

@@ -12,6 +12,14 @@
  * pre-activation store run in the micro-kernel on the last K slice, while the
  * tile is in registers. Block sizes per ISA live in the gemm_kernels tables.
  *
+ * Skinny products (up to GEMM_SKINNY_M rows of A, B read along K: a linear's
+ * weight as nn.Linear stores it, at decoding's few tokens) skip the packing:
+ * A's rows are converted once, and each output is a dot product streamed from
+ * B's row (gemm_skinny_fn), the weight read once from memory; where the
+ * blocked kernels pack B first, that costs as much as the product. On Zen 4
+ * (2 threads) against torch's F.linear: float32 2-7x at 1-16 tokens, bfloat16
+ * 1.1-2.6x (benchmarks/results/linear_decode.md).
+ *
  * A product runs under a plan made once per call (gemm_plan_make): the table
  * whose micro-kernel multiplies, the blocking over the thread count the
  * caller read once, and the workspace that blocking carves. The caller sizes
@@ -97,6 +105,21 @@ typedef void (*gemm_ukernel_strip_fn)(int64_t kp, const uint32_t *ap, int count,
                                       float *c, int64_t rsc, int n, const gemm_tile *tiles);
 enum { GEMM_STRIP_MAX = 8 }; /* A slivers of one strip call, at most */
 
+/* The skinny product: few rows of A against a B read along K (a linear's weight, rows of K contiguous
+ * elements), as dot products streamed from memory without packing B (decoding's products: a few tokens
+ * against a weight read once, where the blocked kernels' packing of B costs as much as the product):
+ * out(i, j) = sum_kk a[i * k + kk] * B(kk, j) for i < m <= GEMM_SKINNY_M and j in [j0, j1), where
+ * B(kk, j) = b[j * ldb + kk] is float32 or bfloat16 (b16); a is float32, rows of k. Each sum in a fixed
+ * order whatever the columns' split: the same bits at any thread count. */
+typedef void (*gemm_skinny_fn)(int64_t m, int64_t k, const float *a, const void *b, int b16, int64_t ldb, int64_t j0,
+                               int64_t j1, float *out, int64_t ldo);
+enum { GEMM_SKINNY_M = 16 }; /* rows of A, at most, of a skinny product */
+/* The same product on bfloat16 pairs (a plan that multiplies pairs, B bfloat16): a16 rows of k bfloat16
+ * (row stride lda, even), B(kk, j) = b[j * ldb + kk]; consecutive elements of a row are the pairs, each
+ * pair's two products exact in float32 and summed in float32, as the pair micro-kernel sums them */
+typedef void (*gemm_skinny_pairs_fn)(int64_t m, int64_t k, const uint16_t *a16, int64_t lda, const uint16_t *b,
+                                     int64_t ldb, int64_t j0, int64_t j1, float *out, int64_t ldo);
+
 typedef struct gemm_kernels {
     OPF_VARIANT_HEAD;   /* "ref_4x4", "avx2_6x16", "avx512_12x32", "avx512bf16_12x32", "amx_32x32" */
     int mr, nr;         /* register block (of the pair kernel, where `f32` is set) */
@@ -127,6 +150,10 @@ typedef struct gemm_kernels {
      * row stride NR (gemm_finish: a product another GEMM made); NULL: the
      * scalar gemm_tile_store */
     void (*store)(const float *acc, float *c, int64_t rsc, int m, int n, const gemm_tile *t);
+    /* The skinny product (gemm_skinny_fn); NULL: every product runs blocked. skinny_pairs: the product of
+     * a plan on pairs with a bfloat16 B (gemm_skinny_pairs_fn); NULL: skinny (B widened to float32) */
+    gemm_skinny_fn skinny;
+    gemm_skinny_pairs_fn skinny_pairs;
 } gemm_kernels;
 
 extern const gemm_kernels gemm_kernels_ref;
@@ -168,6 +195,11 @@ typedef struct gemm_plan {
     int64_t workers, kc_max;
     int own_a;
     int64_t b_offset, floats; /* workspace: B's panel at b_offset; floats in all (0: nothing to pack) */
+    /* m <= GEMM_SKINNY_M on a table with a skinny kernel, B float32 or bfloat16 and not rounded to pairs:
+     * a B of unit stride along K runs the skinny product (A converted to float32 rows, or bfloat16 rows for
+     * skinny_pairs, then the products, into C or scratch finished by gemm_finish: m * (k + n) + k floats,
+     * within `floats`), any other blocked */
+    int skinny;
 } gemm_plan;
 
 gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t k, opf_dtype ta, opf_dtype tb,

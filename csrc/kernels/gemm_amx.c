@@ -120,4 +120,6 @@ const gemm_kernels gemm_kernels_amx = {.name = "amx_32x32",
                                        .act = &act_kernels_avx2,
                                        .tile_pairs = TP,
                                        .f32 = &gemm_kernels_avx512,
-                                       .release = tiles_release};
+                                       .release = tiles_release,
+                                       .skinny = gemm_skinny_avx512,
+                                       .skinny_pairs = gemm_skinny_avx512bf16};

@@ -38,11 +38,11 @@ static inline void store8(float *c, float *pre, uint16_t *c16, uint16_t *pre16, 
 #define MR 6
 #define NR 16
 
-/* the epilogue of a tile from its accumulators: in registers for a full
- * tile, through the scalar epilogue for a partial one */
+/* the epilogue of a tile from its accumulators: in registers for a tile of full rows (any number of them:
+ * a product's last rows, a skinny product's few), through the scalar epilogue for one with partial rows */
 static inline void finish_tile(__m256 acc[MR][2], float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
-    if (m == MR && n == NR) {
-        for (int i = 0; i < MR; i++) {
+    if (n == NR) {
+        for (int i = 0; i < m; i++) {
             float *ci = t->c16 && !t->load_c ? NULL : c + i * rsc, *pre = t->pre ? t->pre + i * t->rsp : NULL;
             uint16_t *c16 = t->c16 ? t->c16 + i * rsc : NULL, *pre16 = t->pre16 ? t->pre16 + i * t->rsp : NULL;
             float bm = t->bias_m ? t->bias_m[i] : 0.0f;
@@ -97,16 +97,84 @@ static void ukernel_avx2_6x16(int64_t depth, const float *ap, const float *bp, f
 
 /* the epilogue alone, from an accumulator in memory (gemm_finish) */
 static void store_avx2(const float *buf, float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
-    if (m != MR || n != NR) {
+    if (n != NR) {
         gemm_tile_store(buf, NR, c, rsc, m, n, t);
         return;
     }
     __m256 acc[MR][2];
-    for (int i = 0; i < MR; i++) {
-        acc[i][0] = _mm256_loadu_ps(buf + i * NR);
-        acc[i][1] = _mm256_loadu_ps(buf + i * NR + 8);
+    for (int i = 0; i < MR; i++) { /* rows past m: not read (gemm_finish fills only the tile's rows) */
+        acc[i][0] = i < m ? _mm256_loadu_ps(buf + i * NR) : _mm256_setzero_ps();
+        acc[i][1] = i < m ? _mm256_loadu_ps(buf + i * NR + 8) : _mm256_setzero_ps();
     }
     finish_tile(acc, c, rsc, m, n, t);
+}
+
+/* ---- the skinny product (gemm_skinny_fn): R rows of A x 2 columns of B as 2R dot products ---------------- */
+
+/* 8 elements of a B row from element off (bfloat16 widened exactly) */
+static inline __attribute__((always_inline)) __m256 skinny_b(const void *b, const int b16, int64_t off) {
+    if (b16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)b + off))), 16));
+    return _mm256_loadu_ps((const float *)b + off);
+}
+
+static inline __attribute__((always_inline)) float skinny_b1(const void *b, const int b16, int64_t off) {
+    return b16 ? opf_bf16_to_f32(((const uint16_t *)b)[off]) : ((const float *)b)[off];
+}
+
+/* rows 0..R-1 of a (R <= 4) by columns j, j+1 (cn of them real: the other repeats column j, computed and
+ * not stored); 8 lanes per step, then the K tail one element at a time, each sum in one fixed order; R and
+ * b16 are constants of each instantiation */
+static inline __attribute__((always_inline)) void skinny_block(const int R, const int b16, int64_t k, const float *a,
+                                                               const void *b, int64_t ldb, int64_t j, int cn,
+                                                               float *out, int64_t ldo) {
+    const int64_t o[2] = {j * ldb, (cn > 1 ? j + 1 : j) * ldb}, kv = k & ~(int64_t)7;
+    __m256 acc[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < kv; kk += 8) {
+        const __m256 b0 = skinny_b(b, b16, o[0] + kk), b1 = skinny_b(b, b16, o[1] + kk);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256 av = _mm256_loadu_ps(a + r * k + kk);
+            acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < cn; q++) {
+            float sum = hsum8(acc[r][q]);
+            for (int64_t kk = kv; kk < k; kk++) sum += a[r * k + kk] * skinny_b1(b, b16, o[q] + kk);
+            out[r * ldo + j + q] = sum;
+        }
+}
+
+static inline __attribute__((always_inline)) void skinny_rows(const int b16, int64_t m, int64_t k, const float *a,
+                                                              const void *b, int64_t ldb, int64_t j0, int64_t j1,
+                                                              float *out, int64_t ldo) {
+    for (int64_t j = j0; j < j1; j += 2) {
+        const int cn = j1 - j < 2 ? (int)(j1 - j) : 2;
+        for (int64_t i = 0; i < m; i += 4) { /* the columns' B rows stay in L1 across the row groups */
+            const float *ai = a + i * k;
+            float *oi = out + i * ldo;
+            switch (m - i < 4 ? m - i : 4) {
+            case 1: skinny_block(1, b16, k, ai, b, ldb, j, cn, oi, ldo); break;
+            case 2: skinny_block(2, b16, k, ai, b, ldb, j, cn, oi, ldo); break;
+            case 3: skinny_block(3, b16, k, ai, b, ldb, j, cn, oi, ldo); break;
+            default: skinny_block(4, b16, k, ai, b, ldb, j, cn, oi, ldo); break;
+            }
+        }
+    }
+}
+
+static void skinny_avx2(int64_t m, int64_t k, const float *a, const void *b, int b16, int64_t ldb, int64_t j0,
+                        int64_t j1, float *out, int64_t ldo) {
+    if (b16)
+        skinny_rows(1, m, k, a, b, ldb, j0, j1, out, ldo);
+    else
+        skinny_rows(0, m, k, a, b, ldb, j0, j1, out, ldo);
 }
 
 const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16",
@@ -119,4 +187,5 @@ const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16",
                                         .ukernel = ukernel_avx2_6x16,
                                         .cvt = &convert_kernels_avx2,
                                         .act = &act_kernels_avx2,
-                                        .store = store_avx2};
+                                        .store = store_avx2,
+                                        .skinny = skinny_avx2};

@@ -23,12 +23,13 @@
 #define MR 12
 #define NR 32
 
-/* the epilogue of a tile from its accumulators: in registers for a full
- * tile, through the scalar epilogue for a partial one */
+/* the epilogue of a tile from its accumulators: in registers for a tile of full rows (any number of them:
+ * a product's last rows, a skinny product's few), through the scalar epilogue for one with partial rows */
 static inline void finish_tile(__m512 acc[MR][2], float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
-    if (m == MR && n == NR) {
+    if (n == NR) {
 #pragma GCC unroll 12
-        for (int i = 0; i < MR; i++) store_row32(c, rsc, i, acc[i][0], acc[i][1], t);
+        for (int i = 0; i < MR; i++)
+            if (i < m) store_row32(c, rsc, i, acc[i][0], acc[i][1], t);
         return;
     }
     float buf[MR * NR];
@@ -42,15 +43,15 @@ static inline void finish_tile(__m512 acc[MR][2], float *c, int64_t rsc, int m, 
 
 /* the epilogue alone, from an accumulator in memory (gemm_finish) */
 static void store_avx512(const float *buf, float *c, int64_t rsc, int m, int n, const gemm_tile *t) {
-    if (m != MR || n != NR) {
+    if (n != NR) {
         gemm_tile_store(buf, NR, c, rsc, m, n, t);
         return;
     }
     __m512 acc[MR][2];
 #pragma GCC unroll 12
-    for (int i = 0; i < MR; i++) {
-        acc[i][0] = _mm512_loadu_ps(buf + i * NR);
-        acc[i][1] = _mm512_loadu_ps(buf + i * NR + 16);
+    for (int i = 0; i < MR; i++) { /* rows past m: not read (gemm_finish fills only the tile's rows) */
+        acc[i][0] = i < m ? _mm512_loadu_ps(buf + i * NR) : _mm512_setzero_ps();
+        acc[i][1] = i < m ? _mm512_loadu_ps(buf + i * NR + 16) : _mm512_setzero_ps();
     }
     finish_tile(acc, c, rsc, m, n, t);
 }
@@ -100,6 +101,129 @@ ukernel_avx512bf16_12x32(int64_t kp, const uint32_t *ap, const uint32_t *bp, flo
 }
 
 /* the activation gradient is the AVX2 one: the epilogue's activations are the AVX2 ones too */
+/* ---- the skinny product (gemm_skinny_fn): R rows of A x 4 columns of B as 4R dot products ---------------- */
+
+/* 16 elements of a B row from element off (bfloat16 widened exactly), lanes past the mask zero */
+static inline __attribute__((always_inline)) __m512 skinny_b(const void *b, const int b16, int64_t off,
+                                                             __mmask16 mask) {
+    if (b16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)b + off)), 16));
+    return _mm512_maskz_loadu_ps(mask, (const float *)b + off);
+}
+
+/* the 4 sums of x0..x3 (lane q: the sum of xq's 16 lanes), in one fixed order */
+static inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
+    const __m256 y0 = _mm256_add_ps(_mm512_castps512_ps256(x0), _mm512_extractf32x8_ps(x0, 1));
+    const __m256 y1 = _mm256_add_ps(_mm512_castps512_ps256(x1), _mm512_extractf32x8_ps(x1, 1));
+    const __m256 y2 = _mm256_add_ps(_mm512_castps512_ps256(x2), _mm512_extractf32x8_ps(x2, 1));
+    const __m256 y3 = _mm256_add_ps(_mm512_castps512_ps256(x3), _mm512_extractf32x8_ps(x3, 1));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(y0, y1), _mm256_hadd_ps(y2, y3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* The 4 x 4 block's start: B's column offsets (columns past cn repeat column j: computed, not stored) and
+ * the accumulators zeroed; its end: the sums reduced and the cn real columns of R rows stored. */
+#define SKINNY_BEGIN                                                                                        \
+    const int64_t o[4] = {j * ldb, (cn > 1 ? j + 1 : j) * ldb, (cn > 2 ? j + 2 : j) * ldb,                  \
+                          (cn > 3 ? j + 3 : j) * ldb};                                                      \
+    __m512 acc[4][4];                                                                                       \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) \
+        acc[r][q] = _mm512_setzero_ps();                                                                    \
+    int64_t kk = 0
+#define SKINNY_END                                      \
+    const __mmask8 store = (__mmask8)((1u << cn) - 1);  \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) \
+        _mm_mask_storeu_ps(out + r * ldo + j, store, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]))
+
+/* The column groups of [j0, j1), each against the rows of A four at a time (the group's B rows stay in L1
+ * across them): BLOCK(R, ai, oi) runs one block of R rows, a constant in each of its four instantiations. */
+#define SKINNY_ROWS(BLOCK, a_row)                      \
+    for (int64_t j = j0; j < j1; j += 4) {             \
+        const int cn = j1 - j < 4 ? (int)(j1 - j) : 4; \
+        for (int64_t i = 0; i < m; i += 4) {           \
+            float *oi = out + i * ldo;                 \
+            switch (m - i < 4 ? m - i : 4) {           \
+            case 1: BLOCK(1, a_row(i), oi); break;     \
+            case 2: BLOCK(2, a_row(i), oi); break;     \
+            case 3: BLOCK(3, a_row(i), oi); break;     \
+            default: BLOCK(4, a_row(i), oi); break;    \
+            }                                          \
+        }                                              \
+    }
+
+/* the K steps from kk on (16 lanes each; mask: the last, partial one) into acc */
+#define SKINNY_STEP(mask)                                                                                          \
+    do {                                                                                                           \
+        __m512 bv[4];                                                                                              \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) bv[q] = skinny_b(b, B16, o[q] + kk, mask);             \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                      \
+            const __m512 av = _mm512_maskz_loadu_ps(mask, a + r * k + kk);                                         \
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) acc[r][q] = _mm512_fmadd_ps(av, bv[q], acc[r][q]); \
+        }                                                                                                          \
+    } while (0)
+
+/* rows 0..R-1 of a (R <= 4) by columns j..j+3, cn of them real; R and B16 are constants of each
+ * instantiation */
+static inline __attribute__((always_inline)) void skinny_block(const int R, const int B16, int64_t k, const float *a,
+                                                               const void *b, int64_t ldb, int64_t j, int cn,
+                                                               float *out, int64_t ldo) {
+    SKINNY_BEGIN;
+    for (; kk + 16 <= k; kk += 16) SKINNY_STEP((__mmask16)0xffff);
+    if (kk < k) SKINNY_STEP((__mmask16)((1u << (k - kk)) - 1));
+    SKINNY_END;
+}
+
+static inline __attribute__((always_inline)) void skinny_rows(const int B16, int64_t m, int64_t k, const float *a,
+                                                              const void *b, int64_t ldb, int64_t j0, int64_t j1,
+                                                              float *out, int64_t ldo) {
+#define F32_ROW(i) (a + (i)*k)
+#define F32_BLOCK(R, ai, oi) skinny_block(R, B16, k, ai, b, ldb, j, cn, oi, ldo)
+    SKINNY_ROWS(F32_BLOCK, F32_ROW)
+#undef F32_ROW
+#undef F32_BLOCK
+}
+
+void gemm_skinny_avx512(int64_t m, int64_t k, const float *a, const void *b, int b16, int64_t ldb, int64_t j0,
+                        int64_t j1, float *out, int64_t ldo) {
+    if (b16)
+        skinny_rows(1, m, k, a, b, ldb, j0, j1, out, ldo);
+    else
+        skinny_rows(0, m, k, a, b, ldb, j0, j1, out, ldo);
+}
+
+/* the pair form (gemm_skinny_pairs_fn, AVX512-BF16): 32 elements of K per step, 16 pairs per vdpbf16ps; a
+ * B row's last element, when k is odd, pairs with a zero (the mask) */
+#define SKINNY_PAIR_STEP(mask)                                                                                      \
+    do {                                                                                                            \
+        __m512bh bv[4];                                                                                             \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) bv[q] =                                                 \
+            (__m512bh)_mm512_maskz_loadu_epi16(mask, b + o[q] + kk);                                                \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                       \
+            const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(mask, a + r * lda + kk);                         \
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], av, bv[q]); \
+        }                                                                                                           \
+    } while (0)
+
+__attribute__((target("avx512bf16"))) static inline __attribute__((always_inline)) void
+skinny_pair_block(const int R, int64_t k, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb, int64_t j,
+                  int cn, float *out, int64_t ldo) {
+    SKINNY_BEGIN;
+    for (; kk + 32 <= k; kk += 32) SKINNY_PAIR_STEP((__mmask32)0xffffffffu);
+    if (kk < k) SKINNY_PAIR_STEP((__mmask32)((1ull << (k - kk)) - 1));
+    SKINNY_END;
+}
+
+__attribute__((target("avx512bf16"))) void gemm_skinny_avx512bf16(int64_t m, int64_t k, const uint16_t *a16,
+                                                                  int64_t lda, const uint16_t *b, int64_t ldb,
+                                                                  int64_t j0, int64_t j1, float *out, int64_t ldo) {
+#define PAIR_ROW(i) (a16 + (i)*lda)
+#define PAIR_BLOCK(R, ai, oi) skinny_pair_block(R, k, ai, lda, b, ldb, j, cn, oi, ldo)
+    SKINNY_ROWS(PAIR_BLOCK, PAIR_ROW)
+#undef PAIR_ROW
+#undef PAIR_BLOCK
+}
+
 const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32",
                                           .isa = OPF_ISA_AVX512,
                                           .mr = MR,
@@ -110,7 +234,8 @@ const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32",
                                           .ukernel = ukernel_avx512_12x32,
                                           .cvt = &convert_kernels_avx512,
                                           .act = &act_kernels_avx2,
-                                          .store = store_avx512};
+                                          .store = store_avx512,
+                                          .skinny = gemm_skinny_avx512};
 
 const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .isa = OPF_ISA_AVX512_BF16,
@@ -124,4 +249,6 @@ const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .cvt = &convert_kernels_avx512,
                                                .act = &act_kernels_avx2,
                                                .f32 = &gemm_kernels_avx512,
-                                               .store = store_avx512};
+                                               .store = store_avx512,
+                                               .skinny = gemm_skinny_avx512,
+                                               .skinny_pairs = gemm_skinny_avx512bf16};

@@ -13,6 +13,13 @@
 #include "gemm.h"
 #include "half_avx512.h"
 
+/* The skinny product of the AVX-512 tables (gemm_skinny_fn; gemm_avx512.c) */
+void gemm_skinny_avx512(int64_t m, int64_t k, const float *a, const void *b, int b16, int64_t ldb, int64_t j0,
+                        int64_t j1, float *out, int64_t ldo);
+/* ... and its pair form (gemm_skinny_pairs_fn), for the tables with AVX512-BF16 */
+void gemm_skinny_avx512bf16(int64_t m, int64_t k, const uint16_t *a16, int64_t lda, const uint16_t *b, int64_t ldb,
+                            int64_t j0, int64_t j1, float *out, int64_t ldo);
+
 /* 16 columns of one row: c / pre are float32 (NULL when unused), c16 / pre16 16-bit */
 static inline void store16(float *c, float *pre, uint16_t *c16, uint16_t *pre16, __m512 v, const gemm_tile *t,
                            const float *bias_n, float bias_m) {

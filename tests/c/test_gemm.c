@@ -171,8 +171,8 @@ static void test_act_grad_rows(const act_kernels *k) {
 
 /* bfloat16 / float16 operands, converted while packed: against the oracle on
  * the same (rounded) values */
-static void test_half_operands(const gemm_kernels *k) {
-    const int64_t m = 37, n = 45, kd = 300;
+static void test_half_operands_m(const gemm_kernels *k, int64_t m) {
+    const int64_t n = 45, kd = 300;
     float *a = rand_buf(m * kd, 11), *b = rand_buf(kd * n, 12), *want = malloc(sizeof(float) * m * n);
     float *got = malloc(sizeof(float) * m * n);
     uint16_t *ah = malloc(2 * (size_t)(m * kd)), *bh = malloc(2 * (size_t)(kd * n));
@@ -195,6 +195,11 @@ static void test_half_operands(const gemm_kernels *k) {
         free(ar), free(br);
     }
     free(a), free(b), free(want), free(got), free(ah), free(bh);
+}
+
+static void test_half_operands(const gemm_kernels *k) {
+    test_half_operands_m(k, 37);
+    test_half_operands_m(k, 3); /* skinny: a bfloat16 B read along K as it is */
 }
 
 /* One product on bfloat16 pairs: A and B each bfloat16 or float32 (at least
@@ -262,7 +267,10 @@ static void test_pair_operands(const gemm_kernels *k) {
                             {13, 33, 257},
                             {123, 77, 301},
                             {300, 70, 100},
-                            {37, 45, 2 * k->kc + 37}}; /* 300 rows: blocks of A per worker */
+                            {37, 45, 2 * k->kc + 37}, /* 300 rows: blocks of A per worker */
+                            {3, 45, 37},              /* skinny (B read along K, not float32 rounded to pairs) */
+                            {8, 70, 300},
+                            {5, 33, 2 * k->kc + 37}};
     const opf_dtype types[3][2] = {{OPF_BF16, OPF_BF16}, {OPF_F32, OPF_BF16}, {OPF_BF16, OPF_F32}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         for (int ta = 0; ta < 2; ta++)
@@ -274,7 +282,7 @@ static void test_pair_operands(const gemm_kernels *k) {
 /* 16-bit results written by the epilogue (out16 / pre16): one K slice with
  * no float32 C, and several slices with C holding the partial sums. */
 static void test_out16(const gemm_kernels *k) {
-    const shape shapes[] = {{7, 13, 5}, {123, 77, 301}, {37, 45, 4 * k->kc + 37}};
+    const shape shapes[] = {{7, 13, 5}, {123, 77, 301}, {37, 45, 4 * k->kc + 37}, {3, 45, 37}, {5, 13, 4 * k->kc + 37}};
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
         shape s = shapes[si];
         for (int dt = OPF_BF16; dt <= OPF_F16; dt++) {
@@ -288,7 +296,7 @@ static void test_out16(const gemm_kernels *k) {
             const int64_t wsn = gemm_workspace(&plan);
             float *ws = check_ws_alloc(wsn);
             float alpha = 0.625f; /* on the shape of several K slices: each slice's share scaled */
-            gemm_epilogue ref = {.alpha = si == 2 ? &alpha : NULL,
+            gemm_epilogue ref = {.alpha = si == 2 || si == 4 ? &alpha : NULL,
                                  .bias = bias,
                                  .bias_kind = GEMM_BIAS_ROW,
                                  .act = act,
@@ -563,12 +571,38 @@ static void test_strip(const gemm_kernels *k) {
     }
 }
 
+/* The skinny product (few rows of A, B read along K): every epilogue against the oracle on odd shapes,
+ * K below, at and past one vector and across several of the blocked kernels' slices, A plain and
+ * transposed; B stored the other way runs blocked (the same checks). */
+static void test_skinny(const gemm_kernels *k) {
+    const gemm_plan p = plan_of(k, 4, 9, 5, OPF_F32, OPF_F32);
+    CHECK(p.skinny == (k->skinny != NULL), "%s: a 4-row product's plan skinny=%d", k->name, p.skinny);
+    CHECK(!plan_of(k, GEMM_SKINNY_M + 1, 9, 5, OPF_F32, OPF_F32).skinny, "%s: 9 rows planned skinny", k->name);
+    const int64_t ms[] = {1, 2, 3, 4, 5, 8}, ns[] = {1, 3, 45, 133}, ks[] = {1, 7, 16, 37, 300};
+    for (size_t i = 0; i < sizeof ms / sizeof *ms; i++)
+        for (size_t j = 0; j < sizeof ns / sizeof *ns; j++)
+            for (size_t q = 0; q < sizeof ks / sizeof *ks; q++) {
+                const shape s = {ms[i], ns[j], ks[q]};
+                for (int ta = 0; ta < 2; ta++) run(k, s, ta, 1, 0.0f, GEMM_BIAS_NONE, ACT_NONE, 0);
+                run(k, s, 0, 0, 0.0f, GEMM_BIAS_NONE, ACT_NONE, 0);
+            }
+    const shape e[] = {{3, 45, 37}, {7, 13, 2 * k->kc + 37}, {1, 133, 300}};
+    for (size_t i = 0; i < sizeof e / sizeof *e; i++)
+        for (int act = 0; act < ACT_COUNT; act++)
+            for (int bias = 0; bias < 3; bias++) {
+                run(k, e[i], 0, 1, 0.0f, bias, act, 1);
+                run(k, e[i], 1, 1, 1.0f, bias, act, 0);
+                run_scaled(k, e[i], 0, 1, -0.375f, 0.5f, bias, act, 1);
+            }
+}
+
 static void test_variant(const gemm_kernels *k) {
     test_log_names_what_ran(k);
     test_epilogue_special(k);
     test_workspace_plans(k);
     test_half_operands(k);
     test_out16(k);
+    test_skinny(k);
     if (k->ukernel_pairs) test_pair_operands(k);
     const shape shapes[] = {{1, 1, 1},       {7, 13, 5},      {6, 16, 1},      {13, 33, 257}, {123, 77, 301},
                             {1, 4096, 4096}, {4096, 1, 4096}, {130, 3100, 20}, {0, 5, 3},     {5, 4, 0}};

@@ -500,6 +500,32 @@ def test_16bit_matmul_last_row_chunk(dtype, m, kd, threads):
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2 * kd ** 0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16, 17])
+def test_few_tokens_on_every_isa_and_thread_count(tokens, dtype):
+    """Decoding's products (up to 16 rows, the weight read along K as nn.Linear stores it: the GEMM's skinny
+    path, dot products streamed from the weight's rows; 17 rows: the blocked kernels) against float64 on every
+    ISA, with bias and activation, 16-bit results included, and the same bits at 1, 2 and 3 threads."""
+    k, n = 300, 133  # K past several vectors with a tail, N not a multiple of the kernels' column blocks
+    x, w, b = torch.randn(tokens, k).to(dtype), (torch.randn(n, k) / 8).to(dtype), torch.randn(n).to(dtype)
+    saved, mode = torch.get_num_threads(), opforge.get_gemm()
+    try:
+        opforge.set_gemm("own")
+        for isa in opforge.supported_isas():
+            opforge.set_isa(isa)
+            for act in ("none", "gelu"):
+                outs = []
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    with torch.no_grad():
+                        outs.append(opforge.linear(x, w, b, act))
+                torch.testing.assert_close(outs[0].double(), reference(x, w, b, act), **TOL[dtype],
+                                           msg=f"{isa} {act}")
+                assert all(torch.equal(o, outs[0]) for o in outs[1:]), f"{isa} {act}: bits change with the threads"
+    finally:
+        opforge.set_isa("auto"), opforge.set_gemm(mode), torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
 def test_gradients_do_not_depend_on_the_thread_count(act):
     # the activation's derivative ran a scalar libm path at the end of each thread's column range, so the
