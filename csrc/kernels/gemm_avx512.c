@@ -122,6 +122,17 @@ static inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* the first cn of v's 4 lanes to dst */
+static inline void store4(float *dst, int cn, __m128 v) {
+    if (cn == 4) {
+        _mm_storeu_ps(dst, v);
+        return;
+    }
+    float t[4];
+    _mm_storeu_ps(t, v);
+    for (int q = 0; q < cn; q++) dst[q] = t[q];
+}
+
 /* The 4 x 4 block's start: B's column offsets (columns past cn repeat column j: computed, not stored) and
  * the accumulators zeroed; its end: the sums reduced and the cn real columns of R rows stored. */
 #define SKINNY_BEGIN                                                                                        \
@@ -132,9 +143,8 @@ static inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
         acc[r][q] = _mm512_setzero_ps();                                                                    \
     int64_t kk = 0
 #define SKINNY_END                                      \
-    const __mmask8 store = (__mmask8)((1u << cn) - 1);  \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) \
-        _mm_mask_storeu_ps(out + r * ldo + j, store, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]))
+        store4(out + r * ldo + j, cn, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]))
 
 /* The column groups of [j0, j1), each against the rows of A four at a time (the group's B rows stay in L1
  * across them): BLOCK(R, ai, oi) runs one block of R rows, a constant in each of its four instantiations. */
