@@ -54,8 +54,9 @@ gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t
     const int64_t nc = n < kern->nc ? n : kern->nc;
     p.b_offset = (p.own_a ? p.workers * p.mc : round_up(m, kern->mr)) * p.kc_max;
     p.floats = p.b_offset + round_up(nc, kern->nr) * p.kc_max;
-    /* a float32 B rounded to pairs is not what the skinny kernel reads (it reads B's values as they are) */
-    p.skinny = m <= GEMM_SKINNY_M && kern->skinny && (tb == OPF_BF16 || (tb == OPF_F32 && !p.pairs));
+    /* a plan on pairs: the pair form, for a bfloat16 B (a float32 B rounded to pairs is not a row it reads) */
+    p.skinny = m <= GEMM_SKINNY_M &&
+               (p.pairs ? kern->skinny_pairs && tb == OPF_BF16 : kern->skinny && (tb == OPF_F32 || tb == OPF_BF16));
     if (p.skinny && p.floats < m * (k + n) + k) p.floats = m * (k + n) + k; /* A, the product, a row's staging */
     return p;
 }
@@ -80,35 +81,33 @@ static void skinny_range(int64_t g0, int64_t g1, void *ctx) {
         j->fn(j->m, j->k, j->a, j->b, j->b16, j->ldb, j0, j1, j->out, j->ldo);
 }
 
-/* The skinny product (plan->skinny, B of unit stride along K): A's rows converted to float32 (rounded to
- * bfloat16 first where the plan multiplies pairs: the pair kernel's products), the dot products over
- * column groups in parallel, into C where nothing follows them, else into scratch that gemm_finish
- * finishes as another GEMM's product */
+/* The skinny product (plan->skinny, B of unit stride along K): A's rows converted to float32, or on pairs
+ * to bfloat16 rows (a float32 row rounded as the pair packing rounds it), the dot products over column
+ * groups in parallel, into C where nothing follows them, else into scratch that gemm_finish finishes as
+ * another GEMM's product */
 static void run_skinny(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t csb,
                        float *c, int64_t rsc, const gemm_epilogue *ep, float *ws) {
     const gemm_kernels *kern = plan->kern;
     const int64_t m = plan->m, n = plan->n, k = plan->k, es = (int64_t)opf_dtype_size(plan->ta);
-    const int b16 = plan->tb == OPF_BF16, on_pairs = plan->pairs && b16 && kern->skinny_pairs;
+    const int b16 = plan->tb == OPF_BF16;
     const int64_t lda16 = (k + 1) / 2 * 2; /* bfloat16 rows in the first m * k floats: m * lda16 / 2 of them */
     for (int64_t i = 0; i < m; i++) {
-        float *row = ws + i * k;
-        if (on_pairs) { /* through a float32 row staged past A (in the product's room, not yet written) */
-            float *tmp = ws + m * k;
-            convert_load_f32(kern->cvt, tmp, (const char *)a + i * rsa * es, plan->ta, k, csa);
-            uint16_t *r16 = (uint16_t *)ws + i * lda16;
-            for (int64_t e = 0; e < k; e++) r16[e] = opf_f32_to_bf16(tmp[e]);
-            if (lda16 > k) r16[k] = 0;
+        const void *ai = (const char *)a + i * rsa * es;
+        if (!plan->pairs) {
+            convert_load_f32(kern->cvt, ws + i * k, ai, plan->ta, k, csa);
             continue;
         }
-        convert_load_f32(kern->cvt, row, (const char *)a + i * rsa * es, plan->ta, k, csa);
-        if (plan->pairs && plan->ta == OPF_F32)
-            for (int64_t e = 0; e < k; e++) row[e] = opf_bf16_to_f32(opf_f32_to_bf16(row[e]));
+        float *staged = ws + m * k; /* past A, in the product's room (not yet written) */
+        uint16_t *r16 = (uint16_t *)ws + i * lda16;
+        convert_load_f32(kern->cvt, staged, ai, plan->ta, k, csa);
+        kern->cvt->from_f32(r16, staged, OPF_BF16, k);
+        if (lda16 > k) r16[k] = 0;
     }
     const int direct = c && ep->beta == 0.0f && !ep->alpha && !ep->out16 && !gemm_epilogue_needed(ep);
     /* columns in groups of 4 (the kernels' column block); a task reads at least ~32 KiB of B */
     const int64_t group = 4, groups = (n + group - 1) / group, per = group * k * (b16 ? 2 : 4);
     skinny_job job = {.fn = kern->skinny,
-                      .pairs_fn = on_pairs ? kern->skinny_pairs : NULL,
+                      .pairs_fn = plan->pairs ? kern->skinny_pairs : NULL,
                       .m = m,
                       .k = k,
                       .n = n,

@@ -151,7 +151,7 @@ typedef struct gemm_kernels {
      * scalar gemm_tile_store */
     void (*store)(const float *acc, float *c, int64_t rsc, int m, int n, const gemm_tile *t);
     /* The skinny product (gemm_skinny_fn); NULL: every product runs blocked. skinny_pairs: the product of
-     * a plan on pairs with a bfloat16 B (gemm_skinny_pairs_fn); NULL: skinny (B widened to float32) */
+     * a plan on pairs with a bfloat16 B (gemm_skinny_pairs_fn); NULL: such plans run blocked */
     gemm_skinny_fn skinny;
     gemm_skinny_pairs_fn skinny_pairs;
 } gemm_kernels;
@@ -195,7 +195,8 @@ typedef struct gemm_plan {
     int64_t workers, kc_max;
     int own_a;
     int64_t b_offset, floats; /* workspace: B's panel at b_offset; floats in all (0: nothing to pack) */
-    /* m <= GEMM_SKINNY_M on a table with a skinny kernel, B float32 or bfloat16 and not rounded to pairs:
+    /* m <= GEMM_SKINNY_M on a table with a skinny kernel (the pair form for a plan on pairs, B bfloat16;
+     * else B float32 or bfloat16):
      * a B of unit stride along K runs the skinny product (A converted to float32 rows, or bfloat16 rows for
      * skinny_pairs, then the products, into C or scratch finished by gemm_finish: m * (k + n) + k floats,
      * within `floats`), any other blocked */
