@@ -7,6 +7,7 @@ pass, the tasks per thread and the largest idle share at 16 and 64 threads, read
 
 idle share: 1 - tasks / (threads x the most tasks one worker runs); tasks are equal row blocks x
 column chunks of one K slice of one N panel, so this is the share of thread-time a pass leaves idle.
+packers: the threads busy packing B's slice before each pass (and A's, where its blocks are shared).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ _plan.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.PO
 
 
 def plan(m, n, k, bf16, threads):
-    out = (ctypes.c_int64 * 5)()
+    out = (ctypes.c_int64 * 7)()
     _plan(m, n, k, int(bf16), threads, out)
-    tasks, workers, mblocks, ntn, panels = out
+    tasks, workers, mblocks, ntn, panels, pack_b, pack_a = out
     most = math.ceil(tasks / workers) if workers else 0
     return {"tasks": tasks, "row_blocks": mblocks, "col_chunks": ntn, "panels": panels,
+            "packers": f"{min(threads, pack_b)}" + (f"+{min(threads, pack_a)}" if pack_a else ""),
             "tasks_per_thread": tasks / threads, "idle": 1 - tasks / (threads * most) if most else 1.0}
 
 
@@ -85,12 +87,15 @@ def main(argv=None):
             row[f"tasks_{th}"] = pl["tasks"]
             row[f"per_thread_{th}"] = round(pl["tasks_per_thread"], 2)
             row[f"idle_{th}"] = f"{100 * pl['idle']:.0f}%"
+            row[f"packers_{th}"] = pl["packers"]
         rows.append(row)
     print(write_results("attention_plan", attention_rows(counts), [
         "tasks of attention's forward and backward plans, per thread"], a.out, timed=False))
     print(write_results("gemm_plan", rows, [
         f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); tasks of one pass over one K slice "
-        "of one N panel; idle: the share of thread-time that pass leaves idle"], a.out, timed=False))
+        "of one N panel; idle: the share of thread-time that pass leaves idle",
+        "packers: the threads that pack a K slice of B's panel before the pass (+ those that pack A, where its "
+        "blocks are shared by the tasks rather than packed by each worker)"], a.out, timed=False))
 
 
 if __name__ == "__main__":

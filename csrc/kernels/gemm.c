@@ -126,6 +126,11 @@ static void run_skinny(const gemm_plan *plan, const void *a, int64_t rsa, int64_
 
 int64_t gemm_workspace(const gemm_plan *plan) { return plan->floats; }
 
+int64_t gemm_pack_grain(int w, int64_t kp) {
+    const int64_t bytes = (int64_t)w * kp * (int64_t)sizeof(float);
+    return bytes >= 32768 ? 1 : 32768 / bytes;
+}
+
 /* A task: a row block and a column chunk of the panel. Blocks of its own A:
  * one chunk (the whole panel). Shared A: the tasks of one column chunk are
  * consecutive, so a worker's share is whole column chunks across all rows
@@ -394,8 +399,9 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
             job.depth = k - pc < max_depth ? k - pc : max_depth;
             job.kp = job.pairs ? (job.depth + 1) / 2 : job.depth;
             if (job.pairs && kern->tile_pairs) job.kp = round_up(job.kp, kern->tile_pairs);
-            opf_parallel_for(0, nslivers, 16, gemm_pack_b_range, &job);
-            if (!plan->own_a) opf_parallel_for(0, mslivers, 16, gemm_pack_a_range, &job); /* blocks shared by tasks */
+            opf_parallel_for(0, nslivers, gemm_pack_grain(kern->nr, job.kp), gemm_pack_b_range, &job);
+            if (!plan->own_a) /* blocks shared by tasks */
+                opf_parallel_for(0, mslivers, gemm_pack_grain(kern->mr, job.kp), gemm_pack_a_range, &job);
             opf_parallel_for(0, job.plan.workers, 1, compute_workers, &job);
         }
     }

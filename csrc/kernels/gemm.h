@@ -210,6 +210,10 @@ gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t
  * counts up to twice that, the one whose tasks leave the smallest share of the threads' rounds idle
  * (132 tasks on 64 threads would run 3 rounds, a third of them idle; 176 run 3 with 8% idle). */
 int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers);
+/* Slivers (w rows of kp packed words each: MR for A, NR for B) per packing task of a K slice: ~32 KiB
+ * written at least, so a slice of a few deep slivers is still packed by as many threads as it has
+ * slivers (a pass packs B before any thread multiplies it; one thread packing it all idles the rest). */
+int64_t gemm_pack_grain(int w, int64_t kp);
 
 /* Floats of workspace the plan's product needs. */
 int64_t gemm_workspace(const gemm_plan *plan);

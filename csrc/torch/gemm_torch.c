@@ -497,7 +497,8 @@ OPF_EXPORT int opforge_gemm_choice_at(int i, char *key, size_t keylen, int *stat
 
 /* How opforge's GEMM splits an m x n x k product (float32 operands, or bfloat16 with bf16 set) at a
  * thread count, from its plan: out[0] tasks of a panel's pass (row blocks x column chunks), out[1]
- * the workers that run them, out[2] row blocks, out[3] column chunks, out[4] panels of N. */
+ * the workers that run them, out[2] row blocks, out[3] column chunks, out[4] panels of N, out[5] the
+ * tasks that pack the first K slice of B's first panel, out[6] those that pack A's (0: not shared). */
 OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int64_t threads, int64_t *out) {
     const opf_dtype dt = bf16 ? OPF_BF16 : OPF_F32;
     const gemm_plan p = gemm_plan_make(gemm_kernels_for(opf_isa_current()), m, n, k, dt, dt, threads);
@@ -509,6 +510,13 @@ OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int
     out[2] = p.mblocks;
     out[3] = ntn;
     out[4] = (n + kern->nc - 1) / kern->nc;
+    /* packing tasks of the first K slice: B's panel, and A's whole when it is shared (0: each worker packs its own) */
+    const int64_t depth = k < gemm_slice_depth(kern, dt, dt) ? k : gemm_slice_depth(kern, dt, dt);
+    int64_t kp = p.pairs ? (depth + 1) / 2 : depth;
+    if (p.pairs && kern->tile_pairs) kp = (kp + kern->tile_pairs - 1) / kern->tile_pairs * kern->tile_pairs;
+    const int64_t gb = gemm_pack_grain(kern->nr, kp), ga = gemm_pack_grain(kern->mr, kp);
+    out[5] = (nslivers + gb - 1) / gb;
+    out[6] = p.own_a ? 0 : (p.slivers + ga - 1) / ga;
 }
 
 /* The class key of matmul's m x n x k product (row-major operands, float32 or bfloat16 with bf16 set,

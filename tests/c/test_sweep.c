@@ -415,9 +415,10 @@ static void go_gemm(const void *cv, opf_isa isa, opf_dtype dt, outs *o) {
     arr_free(a, "a"), arr_free(b, "b"), arr_free(bias, "bias");
 }
 
-static const int64_t MKN[][3] = {
-    {0, 5, 3},  {5, 0, 3}, {5, 3, 0},  {1, 5, 3},   {5, 1, 3},     {5, 3, 1},    {1, 1, 1}, {0, 0, 0},
-    {7, 17, 5}, {2, 3, 2}, {17, 7, 3}, {13, 2, 33}, {70, 64, 130}, {37, 64, 600}}; /* (M, K, N); the last two split over threads */
+/* (M, K, N); the last three split over threads, the last as a few deep slivers (a packing task each) */
+static const int64_t MKN[][3] = {{0, 5, 3},  {5, 0, 3},   {5, 3, 0},     {1, 5, 3},     {5, 1, 3},
+                                 {5, 3, 1},  {1, 1, 1},   {0, 0, 0},     {7, 17, 5},    {2, 3, 2},
+                                 {17, 7, 3}, {13, 2, 33}, {70, 64, 130}, {37, 64, 600}, {37, 256, 70}};
 
 static void sweep_gemm(opf_isa isa) {
     for (size_t i = 0; i < sizeof MKN / sizeof *MKN; i++)
