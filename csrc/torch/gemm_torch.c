@@ -18,7 +18,8 @@
  * against best sample; a product with an epilogue stays on opforge's kernel
  * within 3%, a plain product needs opforge's kernel 5% ahead: a near tie
  * goes to torch's, the GEMM eager runs) runs every product of the class from
- * then on. The measuring costs
+ * then on; a class kept on opforge's kernel is re-checked on later calls
+ * (RECHECK_FIRST). The measuring costs
  * no extra work: the products are the caller's own, on their own operands and
  * outputs, at their own sizes; only those few calls may run the slower GEMM.
  * Choices are kept for the process and, where the Python layer names a file
@@ -67,6 +68,13 @@ enum { MIN_WORK = 1 << 18 }; /* 64^3 multiply-adds */
  * MORE_SAMPLES times (the extra calls cost at most that gap each). */
 enum { SAMPLES = 3, MORE_SAMPLES = 8 };
 #define CLOSE 0.92
+/* A class decided for opforge's kernel is sampled again on torch's, then on its own, at its calls number
+ * RECHECK_FIRST, twice that, ... up to RECHECK_LAST in a process (7 pairs of samples at most): the first
+ * calls' samples run among cold caches and fresh pages, and a rate a busy moment cut short would
+ * otherwise keep a class on the slower kernel for good (the decision moves to torch's where its best
+ * sample then clears the margin). A class on torch's kernel runs whole without opforge's workspace
+ * (claimed), so it is not sampled again. */
+enum { RECHECK_FIRST = 32, RECHECK_LAST = 2048 };
 /* own's best rate over torch's that keeps a class on opforge's kernel (opf_provider_end) */
 #define OWN_FUSED_MARGIN 0.97
 #define OWN_PLAIN_MARGIN 1.05
@@ -77,6 +85,8 @@ typedef struct choice {
     int n_own, n_torch;          /* the samples taken (of a class still being measured) */
     double own_rate, torch_rate; /* the best samples, in multiply-adds per nanosecond */
     int here;                    /* measured in this process (0: read from the cache file) */
+    int calls;                   /* calls since it was decided, in this process (the re-checks' count) */
+    int recheck_own;             /* a re-check's sample of torch's kernel was taken: own's comes next */
 } choice;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -320,6 +330,15 @@ int opf_provider_begin(const char *key, opf_provider_turn *turn) {
         turn->torch = 0;
     } else if (c->decided) {
         turn->torch = c->torch;
+        if (!c->torch && c->calls <= RECHECK_LAST) { /* a re-check's samples: torch's, then own's */
+            c->calls++;
+            if (c->recheck_own || (c->calls >= RECHECK_FIRST && !(c->calls & (c->calls - 1)))) {
+                turn->torch = !c->recheck_own;
+                c->recheck_own = turn->torch;
+                turn->measuring = 1;
+                snprintf(turn->key, sizeof turn->key, "%s", key);
+            }
+        }
     } else { /* a sample of the side with fewer, opforge's first */
         turn->torch = c->n_torch < c->n_own;
         turn->measuring = 1;
@@ -335,7 +354,23 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
     const double rate = work / ((opf_now_us() - turn->t0) * 1e3 + 1.0); /* per nanosecond */
     pthread_mutex_lock(&lock);
     choice *c = find(turn->key);
-    if (c && !c->decided) {
+    if (c && c->decided && !c->torch) { /* a re-check (opf_provider_begin) */
+        if (failed) {
+            c->calls = RECHECK_LAST + 1, c->recheck_own = 0; /* torch's kernel cannot run it: no more */
+        } else if (turn->torch) {
+            c->n_torch++;
+            if (rate > c->torch_rate) c->torch_rate = rate;
+        } else {
+            c->n_own++;
+            if (rate > c->own_rate) c->own_rate = rate;
+            if (c->torch_rate > c->own_rate / (turn->fused ? OWN_FUSED_MARGIN : OWN_PLAIN_MARGIN)) {
+                c->torch = 1, c->here = 1;
+                save(c);
+                opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: own %.1f, torch %.1f GFLOP/s: torch",
+                        c->key, c->calls, 2 * c->own_rate, 2 * c->torch_rate);
+            }
+        }
+    } else if (c && !c->decided) {
         if (failed) { /* torch's kernel could not run it: opforge's, for good */
             c->decided = 1, c->torch = 0, c->here = 1;
         } else if (turn->torch) {

@@ -300,6 +300,53 @@ def test_auto_times_a_class_on_its_first_calls_and_keeps_the_choice_on_disk(tmp_
     assert not any(c["here"] or c["samples"] for c in second["choices"])
 
 
+def _matmul_key(m, n, k, dtype=torch.float32):
+    import ctypes
+
+    dll = opforge.library.dll
+    dll.opforge_gemm_matmul_key.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_char_p,
+                                                                   ctypes.c_size_t]
+    key = ctypes.create_string_buffer(256)
+    dll.opforge_gemm_matmul_key(m, n, k, int(dtype == torch.bfloat16), torch.get_num_threads(), key, 256)
+    return key.value.decode()
+
+
+def test_a_class_on_opforges_kernel_is_checked_again_on_later_calls(gemm_mode, tmp_path):
+    """A class auto mode gave to opforge's kernel (here from a cache file whose rates are far too low, as
+    a busy moment's first samples could be) is sampled again at its 32nd call on torch's GEMM, at the
+    33rd on opforge's, and goes to torch's where torch's best then clears the margin; one given to
+    torch's is never sampled again."""
+    a, b = torch.randn(96, 160), torch.randn(160, 128)
+    c2, d2 = torch.randn(64, 96), torch.randn(96, 80)
+    own_key, torch_key = _matmul_key(96, 128, 160), _matmul_key(64, 80, 96)
+    path = tmp_path / "rechecked.tsv"
+    path.write_text(f"{own_key}\town\t1e-06\t1e-06\n{torch_key}\ttorch\t1e-06\t1e-06\n")
+    gemm_mode("auto")
+    _set_cache(path)
+
+    def choice(key):
+        (c,) = [c for c in opforge.gemm_choices() if c["key"] == key]
+        return c
+
+    want = a @ b
+    with torch.no_grad():
+        for call in range(1, 34):
+            torch.testing.assert_close(opforge.matmul(a, b), want, rtol=1e-5, atol=1e-5)
+            opforge.matmul(c2, d2)
+            c = choice(own_key)
+            if call < 32:
+                assert c["samples"] == 0 and c["provider"] == "own" and c["own_gflops"] < 1e-3, (call, c)
+            elif call == 32:  # torch's GEMM sampled
+                assert c["samples"] == 1 and c["torch_gflops"] > 1e-3 and c["own_gflops"] < 1e-3, (call, c)
+            else:  # then opforge's, and the two best samples decide again (5% ahead to stay: a plain product)
+                assert c["samples"] == 2 and c["own_gflops"] > 1e-3, (call, c)
+                assert c["provider"] == ("torch" if c["torch_gflops"] > c["own_gflops"] / 1.05 else "own"), c
+    t = choice(torch_key)
+    assert t["provider"] == "torch" and t["samples"] == 0 and t["torch_gflops"] < 1e-3, t
+    if choice(own_key)["provider"] == "torch":  # the change is kept on disk, a line after the first
+        assert path.read_text().splitlines()[-1].split("\t")[:2] == [own_key, "torch"]
+
+
 def test_a_class_being_measured_gives_the_results_of_either_gemm(gemm_mode):
     gemm_mode("own")
     x, w = torch.randn(300, 96), torch.randn(160, 96)
