@@ -354,32 +354,22 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
     const double rate = work / ((opf_now_us() - turn->t0) * 1e3 + 1.0); /* per nanosecond */
     pthread_mutex_lock(&lock);
     choice *c = find(turn->key);
-    if (c && c->decided && !c->torch) { /* a re-check (opf_provider_begin) */
-        if (failed) {
-            c->calls = RECHECK_LAST + 1, c->recheck_own = 0; /* torch's kernel cannot run it: no more */
-        } else if (turn->torch) {
-            c->n_torch++;
-            if (rate > c->torch_rate) c->torch_rate = rate;
-        } else {
-            c->n_own++;
-            if (rate > c->own_rate) c->own_rate = rate;
-            if (c->torch_rate > c->own_rate / (turn->fused ? OWN_FUSED_MARGIN : OWN_PLAIN_MARGIN)) {
-                c->torch = 1, c->here = 1;
-                save(c);
-                opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: own %.1f, torch %.1f GFLOP/s: torch",
-                        c->key, c->calls, 2 * c->own_rate, 2 * c->torch_rate);
-            }
-        }
+    const int rechecked = c && c->decided && !c->torch; /* a re-check's sample (opf_provider_begin) */
+    if (c && failed) { /* torch's kernel could not run it: opforge's, for good, and no more re-checks */
+        c->decided = 1, c->torch = 0, c->here = rechecked ? c->here : 1;
+        c->calls = RECHECK_LAST + 1, c->recheck_own = 0;
+    } else if (c && (rechecked || !c->decided)) { /* the side's best sample */
+        *(turn->torch ? &c->n_torch : &c->n_own) += 1;
+        double *best = turn->torch ? &c->torch_rate : &c->own_rate;
+        if (rate > *best) *best = rate;
+    }
+    if (rechecked && !failed && !turn->torch &&
+        c->torch_rate > c->own_rate / (turn->fused ? OWN_FUSED_MARGIN : OWN_PLAIN_MARGIN)) {
+        c->torch = 1, c->here = 1;
+        save(c);
+        opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: own %.1f, torch %.1f GFLOP/s: torch", c->key,
+                c->calls, 2 * c->own_rate, 2 * c->torch_rate);
     } else if (c && !c->decided) {
-        if (failed) { /* torch's kernel could not run it: opforge's, for good */
-            c->decided = 1, c->torch = 0, c->here = 1;
-        } else if (turn->torch) {
-            c->n_torch++;
-            if (rate > c->torch_rate) c->torch_rate = rate;
-        } else {
-            c->n_own++;
-            if (rate > c->own_rate) c->own_rate = rate;
-        }
         /* own's rate is set against torch's over the margin it must clear: within 3% behind where it
          * fuses an epilogue (a near tie stays with the kernel that saves a pass), 5% ahead for a plain
          * product (a near tie goes to torch's GEMM: on Zen 4 bf16 products measured within 3% on their
