@@ -362,8 +362,12 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
         return 0;
     }
     if (ws_floats < plan->floats) return -1; /* a caller that sized for another product */
-    if (opf_log_enabled(OPF_LOG_INFO)) opf_log_note_pick(gemm_variants.family, kern->name, kern->isa);
-    if (plan->skinny && rsb == 1) {
+    const int skinny = plan->skinny && rsb == 1;
+    if (opf_log_enabled(OPF_LOG_INFO)) { /* the path's name: the skinny product's, else the table's */
+        const char *name = !skinny ? NULL : plan->pairs ? kern->skinny_pairs_name : kern->skinny_name;
+        opf_log_note_pick(gemm_variants.family, name ? name : kern->name, kern->isa);
+    }
+    if (skinny) {
         run_skinny(plan, a, rsa, csa, b, csb, c, rsc, ep, workspace);
         return 0;
     }

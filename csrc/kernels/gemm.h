@@ -154,6 +154,8 @@ typedef struct gemm_kernels {
      * a plan on pairs with a bfloat16 B (gemm_skinny_pairs_fn); NULL: such plans run blocked */
     gemm_skinny_fn skinny;
     gemm_skinny_pairs_fn skinny_pairs;
+    /* the names the log gives those two paths (the table's own name where NULL) */
+    const char *skinny_name, *skinny_pairs_name;
 } gemm_kernels;
 
 extern const gemm_kernels gemm_kernels_ref;

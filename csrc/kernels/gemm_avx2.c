@@ -188,4 +188,5 @@ const gemm_kernels gemm_kernels_avx2 = {.name = "avx2_6x16",
                                         .cvt = &convert_kernels_avx2,
                                         .act = &act_kernels_avx2,
                                         .store = store_avx2,
-                                        .skinny = skinny_avx2};
+                                        .skinny = skinny_avx2,
+                                        .skinny_name = "avx2_skinny_4x2"};

@@ -245,7 +245,8 @@ const gemm_kernels gemm_kernels_avx512 = {.name = "avx512_12x32",
                                           .cvt = &convert_kernels_avx512,
                                           .act = &act_kernels_avx2,
                                           .store = store_avx512,
-                                          .skinny = gemm_skinny_avx512};
+                                          .skinny = gemm_skinny_avx512,
+                                          .skinny_name = "avx512_skinny_4x4"};
 
 const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .isa = OPF_ISA_AVX512_BF16,
@@ -261,4 +262,6 @@ const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .f32 = &gemm_kernels_avx512,
                                                .store = store_avx512,
                                                .skinny = gemm_skinny_avx512,
-                                               .skinny_pairs = gemm_skinny_avx512bf16};
+                                               .skinny_pairs = gemm_skinny_avx512bf16,
+                                               .skinny_name = "avx512_skinny_4x4",
+                                               .skinny_pairs_name = "avx512bf16_skinny_4x4"};

@@ -493,6 +493,26 @@ static void test_log_names_what_ran(const gemm_kernels *k) {
     char names[128];
     const int saved = opf_log_level_value;
     opf_log_level_value = OPF_LOG_INFO; /* picks are noted at info */
+    /* B along K (a linear's weight: the skinny path at these M rows, where the table has one): its name */
+    for (size_t t = 0; t < sizeof types / sizeof *types; t++) {
+        const opf_dtype ta = types[t][0], tb = types[t][1];
+        const gemm_plan plan = plan_of(gemm_kernels_for(k->isa), M, N, KD, ta, tb);
+        const char *want = !plan.skinny ? NULL : plan.pairs ? plan.kern->skinny_pairs_name : plan.kern->skinny_name;
+        if (!want) want = plan.kern->name;
+        gemm_epilogue ep = {0};
+        double t0 = opf_now_us();
+        const int64_t wsn = gemm_workspace(&plan);
+        float *ws = check_ws_alloc(wsn);
+        CHECK(gemm_run(&plan, ta == OPF_F32 ? (void *)a : a16, KD, 1, tb == OPF_F32 ? (void *)b : b16, 1, KD, c, N, &ep,
+                       ws, wsn) == 0,
+              "%s: workspace refused", k->name);
+        check_ws_free(ws, k->name);
+        opf_log_take_picks(t0, names, sizeof names);
+        CHECK(strncmp(names, "gemm:", 5) == 0 && strcmp(names + 5, want) == 0 &&
+                  (!k->skinny || tb == OPF_F16 || plan.skinny),
+              "%s %s x %s, B along K: the log names '%s', not '%s' (skinny %d)", k->name, dt_name[ta], dt_name[tb],
+              names, want, plan.skinny);
+    }
     for (size_t t = 0; t < sizeof types / sizeof *types; t++) {
         const opf_dtype ta = types[t][0], tb = types[t][1];
         const int pairs = k->ukernel_pairs && (ta == OPF_BF16 || tb == OPF_BF16) && ta != OPF_F16 && tb != OPF_F16;
