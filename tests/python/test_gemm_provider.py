@@ -347,6 +347,41 @@ def test_a_class_on_opforges_kernel_is_checked_again_on_later_calls(gemm_mode, t
         assert path.read_text().splitlines()[-1].split("\t")[:2] == [own_key, "torch"]
 
 
+def test_attention_classes_on_opforges_kernel_are_checked_again(gemm_mode):
+    """Attention's classes take the same re-checks: a class auto mode kept on opforge's kernel is sampled on
+    torch's kernel and on its own again at its 32nd and 33rd calls after the decision (forward and backward
+    each), and every call's results stay those of either kernel."""
+    gemm_mode("auto")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, requires_grad=True) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+
+    def call():
+        out = opforge.scaled_dot_product_attention(q, k, v, is_causal=True)
+        got = torch.autograd.grad(out, (q, k, v), g.float())
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x.double(), y.double(), rtol=1e-3, atol=1e-3)
+
+    def sdpa():
+        return {c["key"]: c for c in opforge.gemm_choices() if c["key"].startswith("sdpa")}
+
+    for _ in range(16):  # each class's measuring calls (6, or 16 on a near tie)
+        call()
+    before = sdpa()
+    assert len(before) == 2 and all(c["provider"] in ("own", "torch") for c in before.values()), before
+    for _ in range(40):  # past the 33rd call after each decision
+        call()
+    for key, c in sdpa().items():
+        if before[key]["provider"] == "own":
+            assert c["samples"] == before[key]["samples"] + 2, (before[key], c)
+            assert c["provider"] == ("torch" if c["torch_gflops"] > c["own_gflops"] / 0.97 else "own"), c
+        else:  # torch's: the op is F.scaled_dot_product_attention, never sampled again
+            assert c == before[key], (before[key], c)
+
+
 def test_a_class_being_measured_gives_the_results_of_either_gemm(gemm_mode):
     gemm_mode("own")
     x, w = torch.randn(300, 96), torch.randn(160, 96)
