@@ -114,6 +114,23 @@ enum { GEMM_STRIP_MAX = 8 }; /* A slivers of one strip call, at most */
 typedef void (*gemm_skinny_fn)(int64_t m, int64_t k, const float *a, const void *b, int b16, int64_t ldb, int64_t j0,
                                int64_t j1, float *out, int64_t ldo);
 enum { GEMM_SKINNY_M = 16 }; /* rows of A, at most, of a skinny product */
+/* A skinny kernel's loops (with m, j0, j1, out and ldo in scope): the column groups of [j0, j1), CN
+ * columns each (j the first, cn how many), each against the rows of A four at a time (the group's B
+ * rows stay in L1 across them): BLOCK(R, ai, oi) runs one block of R rows from A's row ai = a_row(i)
+ * into oi = out + i * ldo, R a constant in each of its four instantiations. */
+#define GEMM_SKINNY_ROWS(CN, BLOCK, a_row)               \
+    for (int64_t j = j0; j < j1; j += CN) {              \
+        const int cn = j1 - j < CN ? (int)(j1 - j) : CN; \
+        for (int64_t i = 0; i < m; i += 4) {             \
+            float *oi = out + i * ldo;                   \
+            switch (m - i < 4 ? m - i : 4) {             \
+            case 1: BLOCK(1, a_row(i), oi); break;       \
+            case 2: BLOCK(2, a_row(i), oi); break;       \
+            case 3: BLOCK(3, a_row(i), oi); break;       \
+            default: BLOCK(4, a_row(i), oi); break;      \
+            }                                            \
+        }                                                \
+    }
 /* The same product on bfloat16 pairs (a plan that multiplies pairs, B bfloat16): a16 rows of k bfloat16
  * (row stride lda, even), B(kk, j) = b[j * ldb + kk]; consecutive elements of a row are the pairs, each
  * pair's two products exact in float32 and summed in float32, as the pair micro-kernel sums them */

@@ -154,19 +154,11 @@ static inline __attribute__((always_inline)) void skinny_block(const int R, cons
 static inline __attribute__((always_inline)) void skinny_rows(const int b16, int64_t m, int64_t k, const float *a,
                                                               const void *b, int64_t ldb, int64_t j0, int64_t j1,
                                                               float *out, int64_t ldo) {
-    for (int64_t j = j0; j < j1; j += 2) {
-        const int cn = j1 - j < 2 ? (int)(j1 - j) : 2;
-        for (int64_t i = 0; i < m; i += 4) { /* the columns' B rows stay in L1 across the row groups */
-            const float *ai = a + i * k;
-            float *oi = out + i * ldo;
-            switch (m - i < 4 ? m - i : 4) {
-            case 1: skinny_block(1, b16, k, ai, b, ldb, j, cn, oi, ldo); break;
-            case 2: skinny_block(2, b16, k, ai, b, ldb, j, cn, oi, ldo); break;
-            case 3: skinny_block(3, b16, k, ai, b, ldb, j, cn, oi, ldo); break;
-            default: skinny_block(4, b16, k, ai, b, ldb, j, cn, oi, ldo); break;
-            }
-        }
-    }
+#define ROW(i) (a + (i)*k)
+#define BLOCK(R, ai, oi) skinny_block(R, b16, k, ai, b, ldb, j, cn, oi, ldo)
+    GEMM_SKINNY_ROWS(2, BLOCK, ROW)
+#undef ROW
+#undef BLOCK
 }
 
 static void skinny_avx2(int64_t m, int64_t k, const float *a, const void *b, int b16, int64_t ldb, int64_t j0,

@@ -146,22 +146,6 @@ static inline void store4(float *dst, int cn, __m128 v) {
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) \
         store4(out + r * ldo + j, cn, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]))
 
-/* The column groups of [j0, j1), each against the rows of A four at a time (the group's B rows stay in L1
- * across them): BLOCK(R, ai, oi) runs one block of R rows, a constant in each of its four instantiations. */
-#define SKINNY_ROWS(BLOCK, a_row)                      \
-    for (int64_t j = j0; j < j1; j += 4) {             \
-        const int cn = j1 - j < 4 ? (int)(j1 - j) : 4; \
-        for (int64_t i = 0; i < m; i += 4) {           \
-            float *oi = out + i * ldo;                 \
-            switch (m - i < 4 ? m - i : 4) {           \
-            case 1: BLOCK(1, a_row(i), oi); break;     \
-            case 2: BLOCK(2, a_row(i), oi); break;     \
-            case 3: BLOCK(3, a_row(i), oi); break;     \
-            default: BLOCK(4, a_row(i), oi); break;    \
-            }                                          \
-        }                                              \
-    }
-
 /* the K steps from kk on (16 lanes each; mask: the last, partial one) into acc */
 #define SKINNY_STEP(mask)                                                                                          \
     do {                                                                                                           \
@@ -189,7 +173,7 @@ static inline __attribute__((always_inline)) void skinny_rows(const int B16, int
                                                               float *out, int64_t ldo) {
 #define F32_ROW(i) (a + (i)*k)
 #define F32_BLOCK(R, ai, oi) skinny_block(R, B16, k, ai, b, ldb, j, cn, oi, ldo)
-    SKINNY_ROWS(F32_BLOCK, F32_ROW)
+    GEMM_SKINNY_ROWS(4, F32_BLOCK, F32_ROW)
 #undef F32_ROW
 #undef F32_BLOCK
 }
@@ -229,7 +213,7 @@ __attribute__((target("avx512bf16"))) void gemm_skinny_avx512bf16(int64_t m, int
                                                                   int64_t j0, int64_t j1, float *out, int64_t ldo) {
 #define PAIR_ROW(i) (a16 + (i)*lda)
 #define PAIR_BLOCK(R, ai, oi) skinny_pair_block(R, k, ai, lda, b, ldb, j, cn, oi, ldo)
-    SKINNY_ROWS(PAIR_BLOCK, PAIR_ROW)
+    GEMM_SKINNY_ROWS(4, PAIR_BLOCK, PAIR_ROW)
 #undef PAIR_ROW
 #undef PAIR_BLOCK
 }
