@@ -126,6 +126,12 @@ static void run_skinny(const gemm_plan *plan, const void *a, int64_t rsa, int64_
 
 int64_t gemm_workspace(const gemm_plan *plan) { return plan->floats; }
 
+int64_t gemm_slice_kp(const gemm_plan *plan, int64_t depth) {
+    if (!plan->pairs) return depth;
+    const int64_t kp = (depth + 1) / 2;
+    return plan->kern->tile_pairs ? round_up(kp, plan->kern->tile_pairs) : kp;
+}
+
 int64_t gemm_pack_grain(int w, int64_t kp) {
     const int64_t bytes = (int64_t)w * kp * (int64_t)sizeof(float);
     return bytes >= 32768 ? 1 : 32768 / bytes;
@@ -401,8 +407,7 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
         for (int64_t pc = 0; pc < k; pc += max_depth) {
             job.pc = pc;
             job.depth = k - pc < max_depth ? k - pc : max_depth;
-            job.kp = job.pairs ? (job.depth + 1) / 2 : job.depth;
-            if (job.pairs && kern->tile_pairs) job.kp = round_up(job.kp, kern->tile_pairs);
+            job.kp = gemm_slice_kp(plan, job.depth);
             opf_parallel_for(0, nslivers, gemm_pack_grain(kern->nr, job.kp), gemm_pack_b_range, &job);
             if (!plan->own_a) /* blocks shared by tasks */
                 opf_parallel_for(0, mslivers, gemm_pack_grain(kern->mr, job.kp), gemm_pack_a_range, &job);

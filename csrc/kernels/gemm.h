@@ -233,6 +233,9 @@ int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers);
  * written at least, so a slice of a few deep slivers is still packed by as many threads as it has
  * slivers (a pass packs B before any thread multiplies it; one thread packing it all idles the rest). */
 int64_t gemm_pack_grain(int w, int64_t kp);
+/* The packed words per sliver row of a K slice `depth` deep: depth floats, or on pairs its pairs, padded
+ * to whole tiles where the pair kernel works in tiles (tile_pairs) */
+int64_t gemm_slice_kp(const gemm_plan *plan, int64_t depth);
 
 /* Floats of workspace the plan's product needs. */
 int64_t gemm_workspace(const gemm_plan *plan);

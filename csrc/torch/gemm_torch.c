@@ -536,9 +536,7 @@ OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int
     out[3] = ntn;
     out[4] = (n + kern->nc - 1) / kern->nc;
     /* packing tasks of the first K slice: B's panel, and A's whole when it is shared (0: each worker packs its own) */
-    const int64_t depth = k < gemm_slice_depth(kern, dt, dt) ? k : gemm_slice_depth(kern, dt, dt);
-    int64_t kp = p.pairs ? (depth + 1) / 2 : depth;
-    if (p.pairs && kern->tile_pairs) kp = (kp + kern->tile_pairs - 1) / kern->tile_pairs * kern->tile_pairs;
+    const int64_t max_depth = gemm_slice_depth(kern, dt, dt), kp = gemm_slice_kp(&p, k < max_depth ? k : max_depth);
     const int64_t gb = gemm_pack_grain(kern->nr, kp), ga = gemm_pack_grain(kern->mr, kp);
     out[5] = (nslivers + gb - 1) / gb;
     out[6] = p.own_a ? 0 : (p.slivers + ga - 1) / ga;
