@@ -168,7 +168,9 @@ typedef struct gemm_kernels {
      * scalar gemm_tile_store */
     void (*store)(const float *acc, float *c, int64_t rsc, int m, int n, const gemm_tile *t);
     /* The skinny product (gemm_skinny_fn); NULL: every product runs blocked. skinny_pairs: the product of
-     * a plan on pairs with a bfloat16 B (gemm_skinny_pairs_fn); NULL: such plans run blocked */
+     * a plan on pairs with a bfloat16 B (gemm_skinny_pairs_fn); NULL: such plans run blocked. A pair
+     * table sets skinny_pairs alone: its other products are planned on its `f32` table, and run that
+     * table's skinny product */
     gemm_skinny_fn skinny;
     gemm_skinny_pairs_fn skinny_pairs;
     /* the names the log gives those two paths (the table's own name where NULL) */

@@ -121,7 +121,5 @@ const gemm_kernels gemm_kernels_amx = {.name = "amx_32x32",
                                        .tile_pairs = TP,
                                        .f32 = &gemm_kernels_avx512,
                                        .release = tiles_release,
-                                       .skinny = gemm_skinny_avx512,
                                        .skinny_pairs = gemm_skinny_avx512bf16,
-                                       .skinny_name = "avx512_skinny_4x4",
                                        .skinny_pairs_name = "avx512bf16_skinny_4x4"};

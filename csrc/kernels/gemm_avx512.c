@@ -245,7 +245,5 @@ const gemm_kernels gemm_kernels_avx512_bf16 = {.name = "avx512bf16_12x32",
                                                .act = &act_kernels_avx2,
                                                .f32 = &gemm_kernels_avx512,
                                                .store = store_avx512,
-                                               .skinny = gemm_skinny_avx512,
                                                .skinny_pairs = gemm_skinny_avx512bf16,
-                                               .skinny_name = "avx512_skinny_4x4",
                                                .skinny_pairs_name = "avx512bf16_skinny_4x4"};

@@ -508,8 +508,9 @@ static void test_log_names_what_ran(const gemm_kernels *k) {
               "%s: workspace refused", k->name);
         check_ws_free(ws, k->name);
         opf_log_take_picks(t0, names, sizeof names);
+        const int has_form = plan.pairs ? plan.kern->skinny_pairs != NULL : plan.kern->skinny != NULL;
         CHECK(strncmp(names, "gemm:", 5) == 0 && strcmp(names + 5, want) == 0 &&
-                  (!k->skinny || tb == OPF_F16 || plan.skinny),
+                  (!has_form || tb == OPF_F16 || plan.skinny),
               "%s %s x %s, B along K: the log names '%s', not '%s' (skinny %d)", k->name, dt_name[ta], dt_name[tb],
               names, want, plan.skinny);
     }
@@ -596,7 +597,7 @@ static void test_strip(const gemm_kernels *k) {
  * transposed; B stored the other way runs blocked (the same checks). */
 static void test_skinny(const gemm_kernels *k) {
     const gemm_plan p = plan_of(k, 4, 9, 5, OPF_F32, OPF_F32);
-    CHECK(p.skinny == (k->skinny != NULL), "%s: a 4-row product's plan skinny=%d", k->name, p.skinny);
+    CHECK(p.skinny == (p.kern->skinny != NULL), "%s: a 4-row product's plan skinny=%d", k->name, p.skinny);
     CHECK(!plan_of(k, GEMM_SKINNY_M + 1, 9, 5, OPF_F32, OPF_F32).skinny, "%s: 9 rows planned skinny", k->name);
     const int64_t ms[] = {1, 2, 3, 4, 5, 8}, ns[] = {1, 3, 45, 133}, ks[] = {1, 7, 16, 37, 300};
     for (size_t i = 0; i < sizeof ms / sizeof *ms; i++)
