@@ -113,10 +113,7 @@ static void store_avx2(const float *buf, float *c, int64_t rsc, int m, int n, co
 
 /* 8 elements of a B row from element off (bfloat16 widened exactly) */
 static inline __attribute__((always_inline)) __m256 skinny_b(const void *b, const int b16, int64_t off) {
-    if (b16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)b + off))), 16));
-    return _mm256_loadu_ps((const float *)b + off);
+    return b16 ? ld_bf16((const uint16_t *)b + off) : _mm256_loadu_ps((const float *)b + off);
 }
 
 static inline __attribute__((always_inline)) float skinny_b1(const void *b, const int b16, int64_t off) {

@@ -106,10 +106,8 @@ ukernel_avx512bf16_12x32(int64_t kp, const uint32_t *ap, const uint32_t *bp, flo
 /* 16 elements of a B row from element off (bfloat16 widened exactly), lanes past the mask zero */
 static inline __attribute__((always_inline)) __m512 skinny_b(const void *b, const int b16, int64_t off,
                                                              __mmask16 mask) {
-    if (b16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)b + off)), 16));
-    return _mm512_maskz_loadu_ps(mask, (const float *)b + off);
+    return b16 ? bf16_widen16(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)b + off))
+               : _mm512_maskz_loadu_ps(mask, (const float *)b + off);
 }
 
 /* the 4 sums of x0..x3 (lane q: the sum of xq's 16 lanes), in one fixed order */
