@@ -236,25 +236,30 @@ def test_products_torchs_gemm_runs_take_no_workspace(gemm_mode, dtype):
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+def _matmul_key(m, n, k, dtype=torch.float32):
+    import ctypes
+
+    dll = opforge.library.dll
+    dll.opforge_gemm_matmul_key.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_char_p,
+                                                                   ctypes.c_size_t]
+    key = ctypes.create_string_buffer(256)
+    dll.opforge_gemm_matmul_key(m, n, k, int(dtype == torch.bfloat16), torch.get_num_threads(), key, 256)
+    return key.value.decode()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_auto_mode_claims_the_classes_it_gave_to_torch(gemm_mode, dtype):
     # once auto has measured a class, a product of it decided for torch runs without opforge's workspace
     # (peak memory: torch's own), one decided for opforge's kernels with it
-    import ctypes
-
     import opforge.benchmark as ob
 
     gemm_mode("auto")
     a, m = torch.randn(2, 320, 640, dtype=dtype), (torch.randn(2, 640, 384) / 25).to(dtype)
     for _ in range(20):  # past the class's measuring calls (6, or 16 on a near tie; 2 products a call)
         opforge.matmul(a, m)
-    dll = opforge.library.dll
-    dll.opforge_gemm_matmul_key.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_char_p,
-                                                                   ctypes.c_size_t]
-    key = ctypes.create_string_buffer(256)
-    dll.opforge_gemm_matmul_key(320, 384, 640, int(dtype == torch.bfloat16), torch.get_num_threads(), key, 256)
-    choice = [c["provider"] for c in opforge.gemm_choices() if c["key"] == key.value.decode()]
-    assert choice in (["own"], ["torch"]), (key.value, opforge.gemm_choices())
+    key = _matmul_key(320, 384, 640, dtype)
+    choice = [c["provider"] for c in opforge.gemm_choices() if c["key"] == key]
+    assert choice in (["own"], ["torch"]), (key, opforge.gemm_choices())
     peak, eager = ob.peak_memory(lambda: opforge.matmul(a, m)), ob.peak_memory(lambda: torch.matmul(a, m))
     assert (peak <= eager + 320 * 384 * a.element_size() // 2) == (choice == ["torch"]), (peak, eager, choice)
 
@@ -298,17 +303,6 @@ def test_auto_times_a_class_on_its_first_calls_and_keeps_the_choice_on_disk(tmp_
     second = run()  # a later process reads the choices and times nothing
     assert {c["key"]: c["provider"] for c in second["choices"]} == {c["key"]: c["provider"] for c in first["choices"]}
     assert not any(c["here"] or c["samples"] for c in second["choices"])
-
-
-def _matmul_key(m, n, k, dtype=torch.float32):
-    import ctypes
-
-    dll = opforge.library.dll
-    dll.opforge_gemm_matmul_key.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_char_p,
-                                                                   ctypes.c_size_t]
-    key = ctypes.create_string_buffer(256)
-    dll.opforge_gemm_matmul_key(m, n, k, int(dtype == torch.bfloat16), torch.get_num_threads(), key, 256)
-    return key.value.decode()
 
 
 def test_a_class_on_opforges_kernel_is_checked_again_on_later_calls(gemm_mode, tmp_path):
