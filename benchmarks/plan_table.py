@@ -7,7 +7,8 @@ pass, the tasks per thread and the largest idle share at 16 and 64 threads, read
 
 idle share: 1 - tasks / (threads x the most tasks one worker runs); tasks are equal row blocks x
 column chunks of one K slice of one N panel, so this is the share of thread-time a pass leaves idle.
-packers: the threads busy packing B's slice before each pass (and A's, where its blocks are shared).
+packers: the threads busy packing B's slice before each pass (and A's, where its blocks are shared); a panel
+with fewer slivers than threads has each sliver's packing cut into runs along K (gemm_pack_b_parts).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def main(argv=None):
         f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); tasks of one pass over one K slice "
         "of one N panel; idle: the share of thread-time that pass leaves idle",
         "packers: the threads that pack a K slice of B's panel before the pass (+ those that pack A, where its "
-        "blocks are shared by the tasks rather than packed by each worker)"], a.out, timed=False))
+        "blocks are shared by the tasks rather than packed by each worker); where the panel has fewer slivers "
+        "than threads, each sliver's packing is cut into runs along K of 16 KiB or more"], a.out, timed=False))
 
 
 if __name__ == "__main__":

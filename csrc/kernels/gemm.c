@@ -137,6 +137,13 @@ int64_t gemm_pack_grain(int w, int64_t kp) {
     return bytes >= 32768 ? 1 : 32768 / bytes;
 }
 
+int64_t gemm_pack_b_parts(const gemm_plan *plan, int64_t nslivers, int64_t kp) {
+    const int64_t bytes = (int64_t)plan->kern->nr * kp * (int64_t)sizeof(float), most = bytes / GEMM_PACK_PART_MIN;
+    if (nslivers <= 0 || nslivers >= plan->threads || most < 2) return 1;
+    const int64_t parts = (plan->threads + nslivers - 1) / nslivers;
+    return parts < most ? parts : most;
+}
+
 /* A task: a row block and a column chunk of the panel. Blocks of its own A:
  * one chunk (the whole panel). Shared A: the tasks of one column chunk are
  * consecutive, so a worker's share is whole column chunks across all rows
@@ -408,7 +415,11 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
             job.pc = pc;
             job.depth = k - pc < max_depth ? k - pc : max_depth;
             job.kp = gemm_slice_kp(plan, job.depth);
-            opf_parallel_for(0, nslivers, gemm_pack_grain(kern->nr, job.kp), gemm_pack_b_range, &job);
+            job.b_parts = gemm_pack_b_parts(plan, nslivers, job.kp);
+            if (job.b_parts > 1)
+                opf_parallel_for(0, nslivers * job.b_parts, 1, gemm_pack_b_parts_range, &job);
+            else
+                opf_parallel_for(0, nslivers, gemm_pack_grain(kern->nr, job.kp), gemm_pack_b_range, &job);
             if (!plan->own_a) /* blocks shared by tasks */
                 opf_parallel_for(0, mslivers, gemm_pack_grain(kern->mr, job.kp), gemm_pack_a_range, &job);
             opf_parallel_for(0, job.plan.workers, 1, compute_workers, &job);

@@ -235,6 +235,11 @@ int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers);
  * written at least, so a slice of a few deep slivers is still packed by as many threads as it has
  * slivers (a pass packs B before any thread multiplies it; one thread packing it all idles the rest). */
 int64_t gemm_pack_grain(int w, int64_t kp);
+/* K runs each B sliver's packing is cut into: 1 where the panel has a sliver for every thread; else as
+ * many as leave no thread without one, each at least GEMM_PACK_PART_MIN bytes written (a 512-wide panel
+ * is 16 slivers: 64 threads packed it 16 at a time, 48 waiting) */
+enum { GEMM_PACK_PART_MIN = 16384 };
+int64_t gemm_pack_b_parts(const gemm_plan *plan, int64_t nslivers, int64_t kp);
 /* The packed words per sliver row of a K slice `depth` deep: depth floats, or on pairs its pairs, padded
  * to whole tiles where the pair kernel works in tiles (tile_pairs) */
 int64_t gemm_slice_kp(const gemm_plan *plan, int64_t depth);

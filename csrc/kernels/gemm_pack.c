@@ -188,27 +188,27 @@ static void pack_lines_pairs(uint32_t *dst, const void *src, opf_dtype dt, int64
     zero_pairs(dst, slivers, w, kp, kps);
 }
 
-/* Slivers of `rows` rows of an operand (row stride rs, K stride cs) over the
- * K slice, w rows each (the last zero padded), into dst: sliver s at
- * dst + s * w * kp, float32 or pairs */
+/* Slivers of `rows` rows of an operand (row stride rs, K stride cs) over `depth` of the K slice from src,
+ * w rows each (the last zero padded), into dst: sliver s at dst + s * w * kps, float32 or pairs (kps:
+ * words per sliver row, the pairs from depth's up to kps zero; float32: kps == depth where rows > w) */
 static void pack_slivers(const gemm_job *job, float *dst, const void *src, opf_dtype dt, int64_t rs, int64_t cs,
-                         int64_t rows, int w) {
+                         int64_t rows, int w, int64_t depth, int64_t kps) {
     if (rs == 1 && cs != 1 && (job->pairs || dt == OPF_F32)) { /* pairs come from bfloat16 or float32 */
         if (job->pairs)
-            pack_lines_pairs((uint32_t *)dst, src, dt, cs, rows, job->depth, w, job->kp);
+            pack_lines_pairs((uint32_t *)dst, src, dt, cs, rows, depth, w, kps);
         else
-            pack_lines_f32(dst, src, cs, rows, job->depth, w);
+            pack_lines_f32(dst, src, cs, rows, depth, w);
         return;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += w) {
         const void *s0 = elem_ptr(src, r0 * rs, dt);
         int64_t n = rows - r0 < w ? rows - r0 : w;
-        float *d = dst + r0 / w * w * job->kp;
+        float *d = dst + r0 / w * w * kps;
         if (job->pairs) {
-            pack_pairs((uint32_t *)d, s0, dt, rs, cs, n, job->depth, w);
-            zero_pairs((uint32_t *)d, 1, w, (job->depth + 1) / 2, job->kp);
+            pack_pairs((uint32_t *)d, s0, dt, rs, cs, n, depth, w);
+            zero_pairs((uint32_t *)d, 1, w, (depth + 1) / 2, kps);
         } else {
-            pack_sliver(job->kern, d, s0, dt, rs, cs, n, job->depth, w);
+            pack_sliver(job->kern, d, s0, dt, rs, cs, n, depth, w);
         }
     }
 }
@@ -258,7 +258,8 @@ void gemm_pack_a(const gemm_job *job, float *dst, int64_t base, int64_t begin, i
     if (job->pairs && job->kern->tile_pairs)
         pack_tile_rows(job, dst + (begin - base) * mr * job->kp, src, job->ta, job->rsa, job->csa, i1 - i0);
     else
-        pack_slivers(job, dst + (begin - base) * mr * job->kp, src, job->ta, job->rsa, job->csa, i1 - i0, mr);
+        pack_slivers(job, dst + (begin - base) * mr * job->kp, src, job->ta, job->rsa, job->csa, i1 - i0, mr,
+                     job->depth, job->kp);
 }
 
 void gemm_pack_a_range(int64_t begin, int64_t end, void *ctx) {
@@ -273,5 +274,23 @@ void gemm_pack_b_range(int64_t begin, int64_t end, void *ctx) {
     int64_t j0 = begin * nr, j1 = end * nr < job->nc ? end * nr : job->nc;
     pack_slivers(job, job->bp + begin * nr * job->kp,
                  elem_ptr(job->b, job->pc * job->rsb + (job->jc + j0) * job->csb, job->tb), job->tb, job->csb, job->rsb,
-                 j1 - j0, nr);
+                 j1 - j0, nr, job->depth, job->kp);
+}
+
+/* Task t: part t % b_parts of B's sliver t / b_parts, a run of its K slice (whole pairs; the last part
+ * also writes the zero pairs up to kp): the words the whole sliver's packing writes there */
+void gemm_pack_b_parts_range(int64_t begin, int64_t end, void *ctx) {
+    const gemm_job *job = ctx;
+    const int nr = job->kern->nr;
+    const int64_t parts = job->b_parts, units = job->pairs ? (job->depth + 1) / 2 : job->depth;
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t s = t / parts, part = t % parts, j0 = s * nr, cols = job->nc - j0 < nr ? job->nc - j0 : nr;
+        const int64_t u0 = units * part / parts, u1 = units * (part + 1) / parts;
+        const int64_t k0 = job->pairs ? 2 * u0 : u0, k1 = job->pairs && 2 * u1 > job->depth ? job->depth
+                                                          : job->pairs                      ? 2 * u1
+                                                                                            : u1;
+        pack_slivers(job, job->bp + (s * job->kp + u0) * nr,
+                     elem_ptr(job->b, (job->pc + k0) * job->rsb + (job->jc + j0) * job->csb, job->tb), job->tb,
+                     job->csb, job->rsb, cols, nr, k1 - k0, part == parts - 1 ? job->kp - u0 : u1 - u0);
+    }
 }

@@ -21,10 +21,11 @@ typedef struct gemm_job {
     opf_dtype ta, tb;
     int64_t rsa, csa, rsb, csb, rsc;
     float *c, *ap, *bp;
-    gemm_plan plan; /* the caller's, workers set per column panel */
-    int64_t ntn;    /* column chunks per row block in the compute phase (1 when plan.own_a) */
-    int pairs;      /* packed as bfloat16 pairs for kern->ukernel_pairs */
-    int64_t kp;     /* packed depth of the K slice: depth, or its pairs */
+    gemm_plan plan;  /* the caller's, workers set per column panel */
+    int64_t ntn;     /* column chunks per row block in the compute phase (1 when plan.own_a) */
+    int pairs;       /* packed as bfloat16 pairs for kern->ukernel_pairs */
+    int64_t kp;      /* packed depth of the K slice: depth, or its pairs */
+    int64_t b_parts; /* K runs each B sliver's packing is cut into (gemm_pack_b_parts) */
 } gemm_job;
 
 /* A slivers [begin, end) of the K slice into dst (sliver s at (s - base) * mr * kp) */
@@ -32,5 +33,7 @@ void gemm_pack_a(const gemm_job *job, float *dst, int64_t base, int64_t begin, i
 /* opf_range_fn over slivers: A's into job->ap (the whole of A, shared), B's into job->bp */
 void gemm_pack_a_range(int64_t begin, int64_t end, void *ctx);
 void gemm_pack_b_range(int64_t begin, int64_t end, void *ctx);
+/* opf_range_fn over B's slivers times job->b_parts: a run of one sliver's K slice each */
+void gemm_pack_b_parts_range(int64_t begin, int64_t end, void *ctx);
 
 #endif

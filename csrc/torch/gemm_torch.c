@@ -538,7 +538,8 @@ OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int
     /* packing tasks of the first K slice: B's panel, and A's whole when it is shared (0: each worker packs its own) */
     const int64_t max_depth = gemm_slice_depth(kern, dt, dt), kp = gemm_slice_kp(&p, k < max_depth ? k : max_depth);
     const int64_t gb = gemm_pack_grain(kern->nr, kp), ga = gemm_pack_grain(kern->mr, kp);
-    out[5] = (nslivers + gb - 1) / gb;
+    const int64_t parts = gemm_pack_b_parts(&p, nslivers, kp);
+    out[5] = parts > 1 ? nslivers * parts : (nslivers + gb - 1) / gb;
     out[6] = p.own_a ? 0 : (p.slivers + ga - 1) / ga;
 }
 
