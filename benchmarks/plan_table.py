@@ -52,13 +52,30 @@ def products():
     return out
 
 
-_attn = opforge._runtime._dll.opforge_attention_plan
-_attn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+
+
+_attn_costs = opforge._runtime._dll.opforge_attention_plan_costs
+_attn_costs.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                               ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+_attn_costs.restype = ctypes.c_int64
+
+
+def pulled_idle(costs, threads) -> float:
+    """The share of thread-time idle when `threads` workers pull tasks of these costs in order, each the
+    next task as soon as it is free (as attention's workers pull from their counter): 1 - work /
+    (threads x the last finish)."""
+    free = [0] * threads
+    for c in costs:
+        i = min(range(threads), key=free.__getitem__)
+        free[i] += c
+    end = max(free) if costs else 0
+    return 1 - sum(costs) / (threads * end) if end else 0.0
 
 
 def attention_rows(counts):
     """Attention: tasks (query blocks x heads x key splits forward; head groups or key blocks
-    backward) per thread; causal tasks differ in cost, so no idle share is given for them."""
+    backward) per thread, and the idle share of the workers pulling them (pulled_idle), each task's
+    cost the query-key pairs it computes (causal tasks differ)."""
     rows = []
     for where, b, h, hkv, n, causal in (("GPT attention (B8 H8 Hkv2 N256 D64, causal)", 8, 8, 2, 256, True),
                                         ("bench_attention B4 H8 N1024 D64", 4, 8, 8, 1024, False),
@@ -66,10 +83,12 @@ def attention_rows(counts):
                                         ("bench_attention B1 H8 N1024 D64", 1, 8, 8, 1024, False)):
         row = {"product": where}
         for th in counts:
-            out = (ctypes.c_int64 * 4)()
-            _attn(b, h, hkv, n, n, 64, int(causal), th, out)
-            row[f"fwd_tasks_{th}"], row[f"fwd_per_thread_{th}"] = out[0], round(out[0] / th, 2)
-            row[f"bwd_tasks_{th}"], row[f"bwd_per_thread_{th}"] = out[2], round(out[2] / th, 2)
+            for part, bwd in (("fwd", 0), ("bwd", 1)):
+                tasks = _attn_costs(b, h, hkv, n, n, 64, int(causal), th, bwd, None, 0)
+                costs = (ctypes.c_int64 * max(tasks, 1))()
+                _attn_costs(b, h, hkv, n, n, 64, int(causal), th, bwd, costs, tasks)
+                row[f"{part}_tasks_{th}"], row[f"{part}_per_thread_{th}"] = tasks, round(tasks / th, 2)
+                row[f"{part}_idle_{th}"] = f"{100 * pulled_idle(list(costs)[:tasks], th):.0f}%"
         rows.append(row)
     return rows
 
@@ -91,7 +110,10 @@ def main(argv=None):
             row[f"packers_{th}"] = pl["packers"]
         rows.append(row)
     print(write_results("attention_plan", attention_rows(counts), [
-        "tasks of attention's forward and backward plans, per thread"], a.out, timed=False))
+        "tasks of attention's forward and backward plans, per thread; idle: the share of thread-time left "
+        "idle by the workers pulling the tasks in the plan's order, each the next as soon as it is free, a "
+        "task's cost the query-key pairs it computes (the backward's waits for its turn to add into dQ "
+        "are not counted: a lower bound there)"], a.out, timed=False))
     print(write_results("gemm_plan", rows, [
         f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); tasks of one pass over one K slice "
         "of one N panel; idle: the share of thread-time that pass leaves idle",

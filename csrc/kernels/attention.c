@@ -446,22 +446,34 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
         store_row(k->cvt, p->out, off4(p->os, b, h, i0 + i, 0), p->os[3], o + i * d_v, d_v, p->dt);
 }
 
+/* The forward's task t, in the order the workers pull them: head by head, so that a head's K and V stay
+ * in cache across its query blocks; within a head the last blocks first: under a causal mask they are
+ * the most work, and the cheap ones at the end even out the threads; a block's chunks in order */
+static void fwd_task_at(const attention_fwd_plan *pl, int64_t t, int64_t *bh, int64_t *qb, int64_t *ch) {
+    const int64_t per_head = pl->nqb * pl->chunks, r = t % per_head;
+    *bh = t / per_head, *qb = pl->nqb - 1 - r / pl->chunks, *ch = r % pl->chunks;
+}
+
 static void fwd_worker(int64_t w0, int64_t w1, void *arg) {
     fwd_ctx *c = arg;
-    const int64_t per_head = c->pl.nqb * c->pl.chunks;
     for (int64_t w = w0; w < w1; w++) {
         float *ws = c->ws + w * c->pl.per_worker;
         for (;;) {
-            int64_t t = atomic_fetch_add(&c->next, 1);
+            int64_t t = atomic_fetch_add(&c->next, 1), bh, qb, ch;
             if (t >= c->pl.tasks) break;
-            /* head by head, so that a head's K and V stay in cache across its
-             * query blocks; within a head the last blocks first: under a
-             * causal mask they are the most work, and the cheap ones at the
-             * end even out the threads; a block's chunks in order */
-            const int64_t r = t % per_head;
-            fwd_task(c, t / per_head, c->pl.nqb - 1 - r / c->pl.chunks, r % c->pl.chunks, ws);
+            fwd_task_at(&c->pl, t, &bh, &qb, &ch);
+            fwd_task(c, bh, qb, ch, ws);
         }
     }
+}
+
+int64_t attention_fwd_task_cost(const attention_fwd_plan *pl, const attention_problem *p, int64_t t) {
+    if (pl->path != ATTENTION_PATH_BLOCKS || t < 0 || t >= pl->tasks) return 0;
+    int64_t bh, qb, ch;
+    fwd_task_at(pl, t, &bh, &qb, &ch);
+    const int64_t i0 = qb * pl->qrows, bq = p->n - i0 < pl->qrows ? p->n - i0 : pl->qrows, kend = fwd_kend(p, i0, bq);
+    const int64_t jbeg = ch * pl->span, jend = kend - jbeg < pl->span ? kend : jbeg + pl->span;
+    return jend > jbeg ? bq * (jend - jbeg) : 0;
 }
 
 void attention_fwd(const attention_kernels *k, const attention_fwd_plan *plan, const attention_problem *p,
@@ -575,6 +587,7 @@ attention_bwd_plan attention_bwd_plan_make(const attention_problem *p, int64_t t
 
 int64_t attention_bwd_workspace(const attention_bwd_plan *plan) { return plan->floats; }
 
+
 typedef struct bwd_ctx {
     const attention_kernels *k;
     const attention_problem *p;
@@ -592,6 +605,17 @@ typedef struct bwd_ctx {
 
 /* The first query that sees key block kb: under a causal mask, none before its first key. */
 static int64_t first_query(const attention_problem *p, int64_t kb) { return p->causal ? kb * BK : 0; }
+
+int64_t attention_bwd_task_cost(const attention_bwd_plan *pl, const attention_problem *p, int64_t t) {
+    if (pl->path != ATTENTION_PATH_BLOCKS || t < 0 || t >= pl->tasks) return 0;
+    const int64_t kb0 = pl->whole ? 0 : t % pl->key_blocks, kb1 = pl->whole ? pl->key_blocks : kb0 + 1;
+    int64_t cost = 0;
+    for (int64_t kb = kb0; kb < kb1; kb++) { /* the query rows of every head of the group that see the block */
+        const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK, q0 = first_query(p, kb);
+        if (q0 < p->n) cost += p->h / p->hkv * (p->n - q0) * bk;
+    }
+    return cost;
+}
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -226,6 +226,11 @@ attention_bwd_plan attention_bwd_plan_make(const attention_problem *p, int64_t t
 /* Floats of workspace for attention_fwd / attention_bwd under the plan (float64: the oracle's doubles). */
 int64_t attention_fwd_workspace(const attention_fwd_plan *plan);
 int64_t attention_bwd_workspace(const attention_bwd_plan *plan);
+/* The work of a blocks plan's task t (0 <= t < tasks, in the order the workers pull them), in query-key
+ * pairs computed: the plan tables' idle shares (benchmarks/plan_table.py) schedule them as the workers
+ * do. 0 for another path. */
+int64_t attention_fwd_task_cost(const attention_fwd_plan *pl, const attention_problem *p, int64_t t);
+int64_t attention_bwd_task_cost(const attention_bwd_plan *pl, const attention_problem *p, int64_t t);
 void attention_fwd(const attention_kernels *k, const attention_fwd_plan *plan, const attention_problem *p,
                    float *workspace);
 /* Needs p->out and p->lse from attention_fwd, p->dout; writes dq, dk, dv. */

@@ -479,18 +479,22 @@ OPF_AOTI_SHIM(attention_backward, 3,
                AtenTensorHandle *attn_mask, AtenTensorHandle out, AtenTensorHandle lse, int32_t causal, double *scale),
               grad, q, k, v, attn_mask, out, lse, causal, scale);
 
-/* How attention's plans split a problem at a thread count (float32, no mask): out[0] the
- * forward's tasks, out[1] its workers, out[2] the backward's tasks, out[3] its workers. */
-OPF_EXPORT void opforge_attention_plan(int64_t b, int64_t h, int64_t hkv, int64_t n, int64_t s, int64_t d, int causal,
-                                       int64_t threads, int64_t *out) {
+/* How attention's plans split a problem of contiguous float32 (B, H, N, D) tensors, no mask, at a thread
+ * count (benchmarks/plan_table.py): the work of each task of the forward's plan (bwd 0) or the
+ * backward's (bwd 1), in the order the workers pull them (attention_fwd_task_cost), the first `cap` into
+ * costs; returns the tasks. */
+OPF_EXPORT int64_t opforge_attention_plan_costs(int64_t b, int64_t h, int64_t hkv, int64_t n, int64_t s, int64_t d,
+                                                int causal, int64_t threads, int bwd, int64_t *costs, int64_t cap) {
     const int64_t st[4] = {h * n * d, n * d, d, 1}, kst[4] = {hkv * s * d, s * d, d, 1};
     attention_problem p = {
         .b = b, .h = h, .hkv = hkv, .n = n, .s = s, .d_qk = d, .d_v = d, .dt = OPF_F32, .causal = causal, .scale = 1.0};
     for (int i = 0; i < 4; i++) p.qs[i] = p.os[i] = p.dos[i] = p.dqs[i] = st[i], p.ks[i] = p.vs[i] = kst[i];
+    if (bwd) {
+        const attention_bwd_plan g = attention_bwd_plan_make(&p, threads);
+        for (int64_t t = 0; t < g.tasks && t < cap; t++) costs[t] = attention_bwd_task_cost(&g, &p, t);
+        return g.tasks;
+    }
     const attention_fwd_plan f = attention_fwd_plan_make(attention_kernels_for(opf_isa_current()), &p, threads);
-    const attention_bwd_plan g = attention_bwd_plan_make(&p, threads);
-    out[0] = f.tasks;
-    out[1] = f.workers;
-    out[2] = g.tasks;
-    out[3] = g.workers;
+    for (int64_t t = 0; t < f.tasks && t < cap; t++) costs[t] = attention_fwd_task_cost(&f, &p, t);
+    return f.tasks;
 }
