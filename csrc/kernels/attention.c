@@ -606,9 +606,21 @@ typedef struct bwd_ctx {
 /* The first query that sees key block kb: under a causal mask, none before its first key. */
 static int64_t first_query(const attention_problem *p, int64_t kb) { return p->causal ? kb * BK : 0; }
 
+/* The backward's task t of one key block, in the order the workers pull them: key block by key block
+ * across the head groups. Under a causal mask the first key blocks are the most work (every later query
+ * sees them): they start first, and the short ones even out the threads. A task waits only for its
+ * group's earlier key blocks (its turns to add into dQ), which start before it, and seldom long: the
+ * block before it started alongside the blocks of other groups, not just ahead of it. (Group by group,
+ * the default GPT's backward left 17% of 16 threads idle, and measured 0-5% slower on 2.) */
+static void bwd_task_at(int64_t tasks, int64_t key_blocks, int64_t t, int64_t *grp, int64_t *kb) {
+    const int64_t groups = tasks / key_blocks;
+    *grp = t % groups, *kb = t / groups;
+}
+
 int64_t attention_bwd_task_cost(const attention_bwd_plan *pl, const attention_problem *p, int64_t t) {
     if (pl->path != ATTENTION_PATH_BLOCKS || t < 0 || t >= pl->tasks) return 0;
-    const int64_t kb0 = pl->whole ? 0 : t % pl->key_blocks, kb1 = pl->whole ? pl->key_blocks : kb0 + 1;
+    int64_t grp, kb0 = 0, kb1 = pl->key_blocks;
+    if (!pl->whole) bwd_task_at(pl->tasks, pl->key_blocks, t, &grp, &kb0), kb1 = kb0 + 1;
     int64_t cost = 0;
     for (int64_t kb = kb0; kb < kb1; kb++) { /* the query rows of every head of the group that see the block */
         const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK, q0 = first_query(p, kb);
@@ -806,7 +818,9 @@ static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
         float *ws = c->ws + w * c->per_worker;
         for (int64_t t; (t = atomic_fetch_add(&c->next, 1)) < c->tasks;) {
             if (!c->whole) {
-                bwd_task(c, t / c->nkb, t % c->nkb, ws);
+                int64_t grp, kb;
+                bwd_task_at(c->tasks, c->nkb, t, &grp, &kb);
+                bwd_task(c, grp, kb, ws);
                 continue;
             }
             const int64_t bh0 = t / p->hkv * p->h + t % p->hkv * g;

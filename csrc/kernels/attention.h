@@ -28,9 +28,11 @@
  * reads it: P is recomputed from lse, dS = P * (dP - delta) with delta =
  * rowsum(dO * out) computed once, dK and dV accumulate in the task, and dQ takes dS K of
  * each key block in key-block order whatever the threads (bitwise the same on
- * any thread count): straight into dQ, or through a ring of per-task slots
- * added in task order. With enough key/value heads for every thread a task is
- * a whole head group and walks its key blocks itself.
+ * any thread count): straight into dQ, or into a float32 copy of it, each
+ * query block's rows taking the key blocks' turns. Tasks are pulled key block
+ * by key block across the head groups: under a causal mask the first blocks,
+ * the most work, start first. With enough key/value heads for every thread a
+ * task is a whole head group and walks its key blocks itself.
  *
  * bfloat16 inputs multiply bfloat16 pairs where the table has the product
  * (mm_bf16). With unit-stride rows of Q, K and V and head dims up to 256 the
