@@ -602,7 +602,6 @@ attention_bwd_plan attention_bwd_plan_make(const attention_problem *p, int64_t t
 
 int64_t attention_bwd_workspace(const attention_bwd_plan *plan) { return plan->floats; }
 
-
 typedef struct bwd_ctx {
     const attention_kernels *k;
     const attention_problem *p;
@@ -626,7 +625,8 @@ static int64_t first_query(const attention_problem *p, int64_t kb) { return p->c
  * sees them): they start first, and the short ones even out the threads. A task waits only for its
  * group's earlier key blocks (its turns to add into dQ), which start before it, and seldom long: the
  * block before it started alongside the blocks of other groups, not just ahead of it. (Group by group,
- * the default GPT's backward left 17% of 16 threads idle, and measured 0-5% slower on 2.) */
+ * the default GPT's backward left 17% of 16 threads idle, and one batch of 1-2 key/value heads ran 0-5%
+ * slower on 2 threads.) */
 static void bwd_task_at(int64_t tasks, int64_t key_blocks, int64_t t, int64_t *grp, int64_t *kb) {
     const int64_t groups = tasks / key_blocks;
     *grp = t % groups, *kb = t / groups;
