@@ -52,8 +52,6 @@ def products():
     return out
 
 
-
-
 _attn_costs = opforge._runtime._dll.opforge_attention_plan_costs
 _attn_costs.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int,
                                                ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]

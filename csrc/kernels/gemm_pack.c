@@ -286,11 +286,10 @@ void gemm_pack_b_parts_range(int64_t begin, int64_t end, void *ctx) {
     for (int64_t t = begin; t < end; t++) {
         const int64_t s = t / parts, part = t % parts, j0 = s * nr, cols = job->nc - j0 < nr ? job->nc - j0 : nr;
         const int64_t u0 = units * part / parts, u1 = units * (part + 1) / parts;
-        const int64_t k0 = job->pairs ? 2 * u0 : u0, k1 = job->pairs && 2 * u1 > job->depth ? job->depth
-                                                          : job->pairs                      ? 2 * u1
-                                                                                            : u1;
+        const int64_t k0 = job->pairs ? 2 * u0 : u0, k1 = job->pairs ? 2 * u1 : u1;
         pack_slivers(job, job->bp + (s * job->kp + u0) * nr,
                      elem_ptr(job->b, (job->pc + k0) * job->rsb + (job->jc + j0) * job->csb, job->tb), job->tb,
-                     job->csb, job->rsb, cols, nr, k1 - k0, part == parts - 1 ? job->kp - u0 : u1 - u0);
+                     job->csb, job->rsb, cols, nr, (k1 < job->depth ? k1 : job->depth) - k0, /* an odd K: a half pair */
+                     part == parts - 1 ? job->kp - u0 : u1 - u0);
     }
 }
