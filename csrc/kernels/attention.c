@@ -4,7 +4,8 @@
  * See attention.h. One file past the usual length on purpose: the forward and
  * backward drivers share the block sizes, the workspace carving, the masking
  * of a tile and the packing predicate, and the two layouts are the one
- * statement of the workspace their plans size.
+ * statement of the workspace their plans size; the plans' task costs (for the
+ * plan tables) read the same task orders the workers pull, so they sit here too.
  */
 #include "attention.h"
 
