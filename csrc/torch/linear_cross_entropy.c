@@ -12,6 +12,10 @@
  *                                 dlogits?)
  *       -> (dhidden, dweight, dbias): grad * the forward's gradients, from the kept dlogits, or (a
  *       forward that made neither) recomputed from lse.
+ *   linear_cross_entropy_backward_(..., dhidden!, dweight!, dbias!, ...) -> (): the forward's gradients
+ *       of hidden's dtype (float32 and float64) scaled by grad where they are, for the autograd wiring to
+ *       return them (when nothing else refers to them): the backward's peak then holds one copy of the
+ *       gradients, not the forward's and new ones; at grad 1 (loss.backward()) nothing is written.
  *   linear_cross_entropy_none(hidden, weight, target, bias?, ignore_index, label_smoothing, softcap?)
  *       -> (loss (T), lse (T) float32)
  *   linear_cross_entropy_none_backward(grad (T), hidden, weight, target, bias?, lse, ...)
@@ -32,6 +36,7 @@
 
 static const char LCE[] = OPF_QUALNAME("linear_cross_entropy");
 static const char LCEB[] = OPF_QUALNAME("linear_cross_entropy_backward");
+static const char LCEB_INPLACE[] = OPF_QUALNAME("linear_cross_entropy_backward_");
 static const char LCEN[] = OPF_QUALNAME("linear_cross_entropy_none");
 static const char LCENB[] = OPF_QUALNAME("linear_cross_entropy_none_backward");
 
@@ -211,8 +216,8 @@ static void linear_cross_entropy_none_cpu(StableIValue *stack, uint64_t nin, uin
 /* grad, hidden, weight, target, bias?, lse, [dhidden, dweight, dbias,] ignore_index, label_smoothing,
  * [reduction,] softcap?, needs (bit 0 dhidden, bit 1 dweight, bit 2 dbias: the gradients not wanted are
  * returned uncomputed, their GEMMs skipped)[, dlogits?] */
-static void backward_impl(StableIValue *stack, int per_token) {
-    const char *op = per_token ? LCENB : LCEB;
+static void backward_impl(StableIValue *stack, int per_token, int inplace) {
+    const char *op = per_token ? LCENB : inplace ? LCEB_INPLACE : LCEB;
     const int k = per_token ? 6 : 9; /* the first non-tensor argument */
     OPF_ARG_TENSOR(grad, stack, 0);
     OPF_ARG_TENSOR(hidden, stack, 1);
@@ -281,6 +286,23 @@ static void backward_impl(StableIValue *stack, int per_token) {
             opf_fail(op, "argument 'dlogits' must be the contiguous float32 or bfloat16 dlogits a forward without "
                          "gradients kept (dhidden, dweight and dbias empty)");
     }
+    if (inplace) { /* the forward's gradients, in hidden's dtype, become the results */
+        if (!saved || a.p.dt != a.p.loss_dt)
+            opf_fail(op,
+                     "arguments 'dhidden', 'dweight' and 'dbias' must be the gradients a forward with "
+                     "compute_grad made for %s hidden (the loss's dtype, so they are scaled where they are), got "
+                     "%s",
+                     opf_dtype_name(a.hidden.dtype), saved ? opf_dtype_name(sdh.dtype) : "empty tensors");
+        if (!opf_is_meta(&a.hidden) && opf_load_elem(g.data, 0, a.p.loss_dt) != 1.0) {
+            const convert_kernels *cvt = convert_kernels_for(opf_isa_current());
+            if (needs & 1) linear_cross_entropy_scale(cvt, a.p.dt, sdh.data, a.p.loss_dt, sdh.data, sdh.numel, g.data);
+            if (needs & 2) linear_cross_entropy_scale(cvt, a.p.dt, sdw.data, a.p.loss_dt, sdw.data, sdw.numel, g.data);
+            if ((needs & 4) && a.has_bias)
+                linear_cross_entropy_scale(cvt, a.p.dt, sdb.data, a.p.loss_dt, sdb.data, sdb.numel, g.data);
+        }
+        opf_log_call(op, t0, 3, (opf_tensor[]){g, a.hidden, a.weight});
+        return;
+    }
     grads out = {0};
     alloc_grads(op, &a, 1, &out);
     OPF_OWNED AtenTensorHandle dh_h = out.dh, dw_h = out.dw, db_h = out.db;
@@ -311,10 +333,13 @@ static void backward_impl(StableIValue *stack, int per_token) {
 }
 
 static void linear_cross_entropy_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
-    backward_impl(stack, 0);
+    backward_impl(stack, 0, 0);
+}
+static void linear_cross_entropy_backward_inplace_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
+    backward_impl(stack, 0, 1);
 }
 static void linear_cross_entropy_none_backward_cpu(StableIValue *stack, uint64_t nin, uint64_t nout) {
-    backward_impl(stack, 1);
+    backward_impl(stack, 1, 0);
 }
 
 /* Autocast runs the op in the autocast dtype, as torch's autocast runs F.cross_entropy(F.linear(h, w), t):
@@ -346,7 +371,8 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
                  "[bias[:]] dtype=promote(hidden,float32) if compute_grad and bias; "
                  "[hidden[0],weight[0]] dtype=hidden if keep_dlogits",
         .backward = "linear_cross_entropy_backward",
-        .backward_args = "grad0,hidden,weight,target,bias,out1,out2,out3,out4,ignore_index,label_smoothing,"
+        .backward_args = "grad0,hidden,weight,target,bias,out1,out2!hidden,out3!weight,out4!bias,ignore_index,"
+                         "label_smoothing,"
                          "reduction,softcap,needs,out5",
         .backward_grads = "hidden,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER, /* see the note above the table */
@@ -361,6 +387,16 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
         .cpu = linear_cross_entropy_backward_cpu,
         .shape = "[hidden[:]]; [weight[:]] dtype=hidden; [bias[:]] dtype=hidden if bias",
         .flops = "4*numel(hidden)*size(weight,0)",
+        .meta = 1,
+    },
+    {
+        .schema = "linear_cross_entropy_backward_(Tensor grad, Tensor hidden, Tensor weight, Tensor target, "
+                  "Tensor? bias, Tensor lse, Tensor(a!) dhidden, Tensor(b!) dweight, Tensor(c!) dbias, "
+                  "int ignore_index, float label_smoothing, int reduction, float? softcap, int needs=7, "
+                  "Tensor? dlogits=None) -> ()",
+        .cpu = linear_cross_entropy_backward_inplace_cpu,
+        .shape = "",
+        .flops = "numel(weight)",
         .meta = 1,
     },
     {

@@ -239,16 +239,17 @@ def _check_fields(ops: list[OpDescriptor]) -> None:
                                    f"(its tensor arguments: {', '.join(tensors)})")
         returns = len(schema.returns)
         for item in d.backward_args:
-            donated = item.endswith("!")  # ARG! or outI!: the backward may write over it
-            name = item[:-1] if donated else item
+            # ARG! or outI!: the backward may write over it; outI!ARG: it writes ARG's gradient over output I
+            name, donated, onto = item.partition("!")
             numbered = re.fullmatch(r"(grad|out)(\d+)", name)
-            if item == "needs" or name in args and (not donated or name in tensors):
+            if item == "needs" or name in args and (not donated or name in tensors) and not onto:
                 continue
-            if numbered and int(numbered.group(2)) < returns and not (donated and numbered.group(1) == "grad"):
+            if numbered and int(numbered.group(2)) < returns and not (donated and numbered.group(1) == "grad") and \
+                    (not onto or onto in d.backward_grads):
                 continue
-            raise RuntimeError(f"[{op}] .backward_args: '{item}' is none of gradI, outI, outI! (I < {returns}, the "
-                               "op's results), needs, or an argument of the op, ARG! for a tensor (its arguments: "
-                               f"{', '.join(args)})")
+            raise RuntimeError(f"[{op}] .backward_args: '{item}' is none of gradI, outI, outI!, outI!ARG (I < "
+                               f"{returns}, the op's results; ARG one of .backward_grads), needs, or an argument of "
+                               f"the op, ARG! for a tensor (its arguments: {', '.join(args)})")
         bwd_schema = torch._C.parse_schema(bwd.schema)
         bwd_args = [a.name for a in bwd_schema.arguments]
         if len(bwd_args) != len(d.backward_args):
@@ -379,20 +380,25 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
     # how each backward argument is found: ("grad", i), ("saved", j) or ("const", j)
     plan, saved_from, const_from = [], [], []
     donatable = []  # saved slots of "outN!" and "ARG!" arguments: the backward's to overwrite when no one else's
-    written_over = {}  # "ARG!" input -> its saved slot: the in-place backward writes ARG's gradient over it
+    # "ARG!" input or "outN!ARG" output -> its saved slot: the in-place backward writes ARG's gradient over it
+    written_over = {}
+    onto_out = {}  # "outN!ARG": ARG -> N, an output that must have ARG's shape and dtype to take its gradient
     for a in desc.backward_args:
-        name = a.rstrip("!")
+        name, bang, onto = a.partition("!")
         if a == "needs":  # which of backward_grads are wanted, a bit each (ctx.needs_input_grad)
             plan.append(("needs", 0))
         elif a.startswith("grad") and a[4:].isdigit():
             plan.append(("grad", int(a[4:])))
         elif a.startswith("out") and name[3:].isdigit():
-            if a.endswith("!"):
+            if bang:
                 donatable.append(len(saved_from))
+            if onto:
+                written_over[onto] = len(saved_from)
+                onto_out[onto] = int(name[3:])
             plan.append(("saved", len(saved_from)))
             saved_from.append(("out", int(name[3:])))
         elif is_tensor[argnames.index(name)]:
-            if a.endswith("!"):
+            if bang:
                 donatable.append(len(saved_from))
                 written_over[name] = len(saved_from)
             plan.append(("saved", len(saved_from)))
@@ -410,6 +416,9 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
     grad_slots = [argnames.index(a) for a in desc.backward_grads]
     # gradient b -> the saved slot the in-place backward wrote it over (it returns the others, in order)
     over = {b: written_over[a] for b, a in enumerate(desc.backward_grads) if a in written_over}
+    # gradient b -> (its input, the output written over): the output takes it when it has the input's shape,
+    # dtype and device (a forward may leave it empty, or of another dtype: the out-of-place backward then runs)
+    onto = [(b, grad_slots[b], onto_out[a]) for b, a in enumerate(desc.backward_grads) if a in onto_out]
     # outputs the backward never gets a gradient for are saved values (e.g. a
     # pre-activation): not differentiable, and no zeros are made for them
     used_grads = {i for k, i in plan if k == "grad"}
@@ -428,6 +437,9 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         # absent optional tensor is never wanted, so it gets no gradient
         ctx.needs = sum(1 << b for b, i in enumerate(grad_slots)
                         if isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad)
+        ctx.onto_fits = all(not ctx.needs >> b & 1 or (outs[o].shape == inputs[i].shape and
+                                                       outs[o].dtype == inputs[i].dtype and
+                                                       outs[o].device == inputs[i].device) for b, i, o in onto)
 
     def backward(ctx, *grads):
         if saved_only:  # grads are not materialised: zeros only where the backward needs one
@@ -436,7 +448,7 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
             )
         saved = list(ctx.saved_tensors)
         op = bwd
-        if donatable and all(inplace_takes(saved[slot]) for slot in donatable) and \
+        if donatable and ctx.onto_fits and all(inplace_takes(saved[slot]) for slot in donatable) and \
                 all(saved[slot].is_contiguous() for slot in over.values()) and \
                 all(_private.may_donate(ctx, saved, slot) for slot in donatable):
             op = bwd_inplace  # the saved values are ours alone: the backward may overwrite them

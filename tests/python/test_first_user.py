@@ -394,6 +394,7 @@ def test_none_for_a_tensor_is_named(call, op, arg):
 @pytest.mark.parametrize("old, new, message", [
     ('.backward_grads = "x"', '.backward_grads = "c"', r"\.backward_grads names 'c', which is not a tensor argument of the op \(its tensor arguments: x\)"),
     ('.backward_args = "grad0,x,alpha"', '.backward_args = "grad0,x,zz"', r"\.backward_args: 'zz' is none of gradI, outI"),
+    ('.backward_args = "grad0,x,alpha"', '.backward_args = "grad0,out0!alpha,alpha"', r"\.backward_args: 'out0!alpha' is none of gradI, outI, outI!, outI!ARG \(I < 1, the op's results; ARG one of \.backward_grads\)"),
     ('.backward_args = "grad0,x,alpha"', '.backward_args = "grad0,x"', r"\.backward_args lists 2 values \(grad0, x\), but \w+::dispersion_backward takes 3"),
     ('.backward = "dispersion_backward"', '.backward = "dispersion_bwd"', r"\.backward names 'dispersion_bwd', which this library's op table does not declare"),
     ('.flops = "3*numel(x)"', '.flops = "3*numel(q)"', r"\.flops names 'q', which is not a tensor argument"),

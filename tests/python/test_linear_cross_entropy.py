@@ -271,6 +271,90 @@ def test_a_float32_forward_makes_the_gradients_in_blocks_up_to_the_weights_size(
                                    msg=lambda m: f"d{name}: {m}")
 
 
+LCEB = torch.ops.opforge.linear_cross_entropy_backward.default
+LCEB_INPLACE = torch.ops.opforge.linear_cross_entropy_backward_.default
+
+
+def _backward_ops(fn) -> list:
+    """The linear_cross_entropy backward ops fn runs"""
+    with torch.profiler.profile() as prof:
+        fn()
+    return sorted({e.name for e in prof.events() if e.name.startswith("opforge::linear_cross_entropy_backward")})
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_backward_returns_the_gradients_the_forward_made(dtype, scale, bias):
+    """More tokens than hidden features: the forward makes the gradients (in the loss's dtype: hidden's for
+    float32 and float64), and the backward scales them where they are (linear_cross_entropy_backward_;
+    nothing is written at a gradient of 1) and returns them: the leaves' .grad are the very tensors the
+    forward made, so the backward's peak holds one copy of the gradients, not two. The same bits as the
+    out-of-place backward, which runs when the graph is retained or the caller holds a forward's gradient
+    (left unchanged)."""
+    hid, w, b, y = inputs(300, 16, 700, dtype)
+
+    def run(retain=False, hold=False):
+        leaves = [x.detach().clone().requires_grad_() for x in ((hid, w, b) if bias else (hid, w))]
+        loss, _, dh, dw, db, _ = LCE(leaves[0], leaves[1], y, leaves[2] if bias else None, -100, 0.1, 1, None,
+                                     True)
+        made = (dh, dw, db)[:len(leaves)]
+        ptrs, held = [t.data_ptr() for t in made], [t.clone() for t in made] if hold else None
+        made = made if hold else None
+        del dh, dw, db
+        ran = _backward_ops(lambda: (loss * scale).backward(retain_graph=retain))
+        if hold:
+            assert all(torch.equal(a, c) for a, c in zip(made, held)), "a held gradient was written over"
+        return ran, [x.grad for x in leaves], ptrs
+
+    ran, grads, ptrs = run()
+    assert ran == ["opforge::linear_cross_entropy_backward_"]
+    assert [g.data_ptr() for g in grads] == ptrs, "the backward's gradients are not the forward's tensors"
+    for retain, hold in ((True, False), (False, True)):
+        ran_other, other, _ = run(retain, hold)
+        assert ran_other == ["opforge::linear_cross_entropy_backward"]
+        assert all(torch.equal(a, c) for a, c in zip(grads, other))
+    refs = [x.detach().double().requires_grad_() for x in ((hid, w, b) if bias else (hid, w))]
+    (scale * reference(refs[0], refs[1], y, refs[2] if bias else None, label_smoothing=0.1)).backward()
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g.double(), r.grad, **GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "frozen", "keep"])
+def test_backward_out_of_place_where_the_forwards_gradients_cannot_be_the_results(case):
+    """Forward's gradients of another dtype than the operands' (float32 for bfloat16), none made (a frozen
+    head recomputes) or the kept dlogits (T <= H): the out-of-place backward."""
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    hid, w, b, y = inputs(40 if case == "keep" else 300, 64 if case == "keep" else 16, 700, dtype)
+    hid.requires_grad_(), b.requires_grad_()
+    w.requires_grad_(case != "frozen")
+    assert _backward_ops(lambda: linear_cross_entropy(hid, w, y, b).backward()) == [
+        "opforge::linear_cross_entropy_backward"]
+    assert hid.grad.dtype == dtype and (w.grad is None) == (case == "frozen")
+
+
+def test_inplace_backward_op():
+    """linear_cross_entropy_backward_ scales the forward's gradients where they are: the out-of-place
+    backward's values (and opcheck's checks of a mutating op); gradients it cannot scale in place are an
+    error naming them."""
+    hid, w, b, y = inputs(30, 8, 50, torch.float32)
+    _, lse, dh, dw, db, _ = LCE(hid, w, y, b, -100, 0.1, 1, 2.0, True)
+    args = lambda g, dh, dw, db: (g, hid, w, y, b, lse, dh, dw, db, -100, 0.1, 1, 2.0)  # noqa: E731
+    want = LCEB(*args(torch.tensor(0.25), dh, dw, db))
+    got = [t.clone() for t in (dh, dw, db)]
+    assert LCEB_INPLACE(*args(torch.tensor(0.25), *got)) is None
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+    opcheck(LCEB_INPLACE, args(torch.tensor(0.25), *[t.clone() for t in (dh, dw, db)]))
+    with pytest.raises(RuntimeError, match=r"\[opforge::linear_cross_entropy_backward_\] arguments 'dhidden', "
+                                           r"'dweight' and 'dbias' must be the gradients a forward with compute_grad "
+                                           r"made for float32 hidden .*got empty tensors"):
+        LCEB_INPLACE(*args(torch.tensor(1.0), torch.empty(0), torch.empty(0), torch.empty(0)))
+    hb, wb = hid.bfloat16(), w.bfloat16()
+    _, lse_b, dh, dw, db, _ = LCE(hb, wb, y, b.bfloat16(), -100, 0.1, 1, 2.0, True)
+    with pytest.raises(RuntimeError, match=r"made for bfloat16 hidden .*got float32"):
+        LCEB_INPLACE(torch.tensor(1.0), hb, wb, y, b.bfloat16(), lse_b, dh, dw, db, -100, 0.1, 1, 2.0)
+
+
 @pytest.mark.parametrize("case", ["float32", "bfloat16", "autocast"])
 @pytest.mark.parametrize("frozen", ["none", "weight", "hidden"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -93,6 +93,11 @@ typedef struct opf_op_desc {
      * arguments that declares them mutable and returns the other gradients
      * of backward_grads in order ("-> ()" when there are none); the written
      * inputs are those gradients (glu: "grad0,gate!,up!,act").
+     * "outN!ARG": output N, a tensor of ARG's shape (the forward made ARG's
+     * gradient for a unit upstream gradient, say): "<backward>_", called as
+     * for "ARG!" when output N also has ARG's dtype and device and nothing
+     * else refers to it, writes ARG's gradient over it, and output N is that
+     * gradient (linear_cross_entropy: "...,out2!hidden,out3!weight,...").
      * "needs": an int, bit i set when the i-th of backward_grads needs its
      * gradient (ctx.needs_input_grad): a backward may leave the outputs of
      * the others uncomputed (still allocated, of their usual shape, so the

@@ -95,8 +95,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     hidden, weight and bias from each chunk's block while it is in the scratch (three GEMMs per block
     instead of the four a recomputing backward runs), in the loss's dtype (rounded to float16 before
     GradScaler's scale, small ones would underflow); they are held from forward to backward, which only
-    scales them by the incoming gradient and rounds them once to hidden's dtype (dweight and dhidden
-    twice at the peak: 20 MB at vocabulary 8192 x 512 and 2048 tokens in float32). With bfloat16 operands
+    scales them by the incoming gradient (nothing at a gradient of 1) and, for float32 operands, returns
+    them as they are when nothing else refers to them (the graph not retained): the backward's peak holds
+    one copy of the gradients (16-bit operands: the float32 ones and their rounding to hidden's dtype, made
+    in the backward). With bfloat16 operands
     (or under bfloat16 autocast) only for heads of at most ``FORWARD_GRADS_BF16_MAX`` (2**24) weight
     elements: a larger head's float32 weight gradient would cost more than the GEMM it saves, and the
     backward recomputes the blocks (each weight-gradient block of a single token chunk rounded by the GEMM
