@@ -124,6 +124,12 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
     const opf_dtype du_dt = b16 ? OPF_BF16 : OPF_F32;
     const int kept_bwd = p->dlogits && p->lse_given;
     block_shape(p->t, p->v, budget, &l.tc, &l.vb);
+    /* a float32 forward that makes the gradients, its blocks spanning the vocabulary: a chunk of tokens as
+     * deep as the GEMM's K slice, no deeper. Each chunk's dweight product adds into the sum over chunks, one
+     * pass over dweight a chunk, and the GEMM makes one such pass a slice whatever the chunk; deeper chunks
+     * only hold a larger block (vocabulary 32000 x hidden 2048: 250 MiB at 2048 tokens, 125 at 1024) */
+    if (p->dt == OPF_F32 && !p->lse_given && !p->dlogits && grads && l.vb >= p->v)
+        l.tc = min64(l.tc, max64(LINEAR_CROSS_ENTROPY_CHUNK_TOKENS, gemm_slice_depth(gemm, OPF_F32, OPF_F32)));
     if (kept_bwd) { /* du is all there: each gradient one whole product (the classes a provider claims) */
         l.tc = max64(p->t, 1);
         l.vb = max64(p->v, 1);

@@ -95,12 +95,14 @@ typedef enum linear_cross_entropy_reduction {
 
 /* The block budget of a float32 forward that makes the gradients: the weight's size (V x H floats), at
  * least LINEAR_CROSS_ENTROPY_BLOCK_FLOATS and at most this (256 MiB), so that the blocks span the
- * vocabulary with chunks of many tokens (about H, 2048 at vocabulary 32000 x 2048): three GEMMs where a
- * recomputing backward runs four (0.86-0.91x eager at 4096 tokens x 2048 -> 32000 on the AMX Xeon), and
- * each chunk's dweight product deep enough that adding it to the sum over chunks costs little. It holds
- * the block and the float32 gradients (dweight: the weight's size) from forward to backward, less than
- * eager's three T x V logits-sized tensors whenever T > H. bfloat16 keeps the default budget (its large
- * heads recompute: FORWARD_GRADS_BF16_MAX in the Python layer), and so does float16. */
+ * vocabulary with chunks of many tokens: three GEMMs where a recomputing backward runs four (0.86-0.91x
+ * eager at 4096 tokens x 2048 -> 32000 on the AMX Xeon). A chunk is at most as deep as the GEMM's K slice
+ * (1024 tokens with AVX-512, 384 with AVX2; at least LINEAR_CROSS_ENTROPY_CHUNK_TOKENS): each chunk's
+ * dweight product then adds into the sum over chunks no more often than one product over all the tokens
+ * would, slice by slice (linear_cross_entropy_plan_make). The call holds the block during the forward and
+ * the float32 gradients (dweight: the weight's size) from forward to backward, less than eager's three
+ * T x V logits-sized tensors whenever T > H. bfloat16 keeps the default budget (its large heads recompute:
+ * FORWARD_GRADS_BF16_MAX in the Python layer), and so does float16. */
 #define LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX ((int64_t)64 << 20)
 
 /* promote(dt, float32): float32 for float32 and 16-bit operands, float64 for float64. */

@@ -329,6 +329,12 @@ static void test_variant(const linear_cross_entropy_kernels *kern) {
                                      .block_floats = (ti + hi + red) % 2 ? 256 : 0};
                             test_case(kern, &c);
                         }
+    /* more tokens than any GEMM's K slice is deep (1024 with AVX-512, 384 with AVX2, 256 in the reference): a
+     * float32 forward making the gradients runs chunks of one slice's depth over the whole vocabulary */
+    for (int red = 0; red < 3; red++) {
+        cfg c = {.t = 1100, .h = 9, .v = 60, .dt = OPF_F32, .reduction = red, .bias = 1, .extras = red == 1};
+        test_case(kern, &c);
+    }
 }
 
 /* the plan's errors: a workspace one float short is refused, not overrun */

@@ -91,7 +91,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     blocks that span the vocabulary (:func:`vocab_in_one_block`: 256 tokens by the vocabulary within
     about 4M floats, e.g. a vocabulary up to 16384; for float32, within the weight's size up to 64M floats
     (:func:`grads_block_floats`): any vocabulary up to 262144 with 256 or more hidden features, in chunks
-    of about H tokens), the call also makes the gradients of
+    of up to the GEMM's K slice, 1024 tokens with AVX-512), the call also makes the gradients of
     hidden, weight and bias from each chunk's block while it is in the scratch (three GEMMs per block
     instead of the four a recomputing backward runs), in the loss's dtype (rounded to float16 before
     GradScaler's scale, small ones would underflow); they are held from forward to backward, which only
