@@ -372,8 +372,7 @@ static const opf_op_desc opf_linear_cross_entropy_ops[] = {
                  "[hidden[0],weight[0]] dtype=hidden if keep_dlogits",
         .backward = "linear_cross_entropy_backward",
         .backward_args = "grad0,hidden,weight,target,bias,out1,out2!hidden,out3!weight,out4!bias,ignore_index,"
-                         "label_smoothing,"
-                         "reduction,softcap,needs,out5",
+                         "label_smoothing,reduction,softcap,needs,out5",
         .backward_grads = "hidden,weight,bias",
         .autocast = OPF_AUTOCAST_LOWER, /* see the note above the table */
         .flops = "2*numel(hidden)*size(weight,0)",
