@@ -438,6 +438,13 @@ OPF_AOTI_SHIM(linear_cross_entropy_backward, 3,
                int64_t needs, AtenTensorHandle *dlogits),
               grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias, ignore_index, label_smoothing,
               reduction, softcap, needs, dlogits);
+OPF_AOTI_SHIM(linear_cross_entropy_backward_, 0,
+              (AtenTensorHandle grad, AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target,
+               AtenTensorHandle *bias, AtenTensorHandle lse, AtenTensorHandle dhidden, AtenTensorHandle dweight,
+               AtenTensorHandle dbias, int64_t ignore_index, double label_smoothing, int64_t reduction, double *softcap,
+               int64_t needs, AtenTensorHandle *dlogits),
+              grad, hidden, weight, target, bias, lse, dhidden, dweight, dbias, ignore_index, label_smoothing,
+              reduction, softcap, needs, dlogits);
 OPF_AOTI_SHIM(linear_cross_entropy_none, 2,
               (AtenTensorHandle hidden, AtenTensorHandle weight, AtenTensorHandle target, AtenTensorHandle *bias,
                int64_t ignore_index, double label_smoothing, double *softcap),
