@@ -286,37 +286,34 @@ static void backward_impl(StableIValue *stack, int per_token, int inplace) {
             opf_fail(op, "argument 'dlogits' must be the contiguous float32 or bfloat16 dlogits a forward without "
                          "gradients kept (dhidden, dweight and dbias empty)");
     }
-    if (inplace) { /* the forward's gradients, in hidden's dtype, become the results */
+    grads out = {0};
+    if (inplace) { /* the forward's gradients, in hidden's dtype, become the results: scaled where they are */
         if (!saved || a.p.dt != a.p.loss_dt)
             opf_fail(op,
                      "arguments 'dhidden', 'dweight' and 'dbias' must be the gradients a forward with "
                      "compute_grad made for %s hidden (the loss's dtype, so they are scaled where they are), got "
                      "%s",
                      opf_dtype_name(a.hidden.dtype), saved ? opf_dtype_name(sdh.dtype) : "empty tensors");
-        if (!opf_is_meta(&a.hidden) && opf_load_elem(g.data, 0, a.p.loss_dt) != 1.0) {
-            const convert_kernels *cvt = convert_kernels_for(opf_isa_current());
-            if (needs & 1) linear_cross_entropy_scale(cvt, a.p.dt, sdh.data, a.p.loss_dt, sdh.data, sdh.numel, g.data);
-            if (needs & 2) linear_cross_entropy_scale(cvt, a.p.dt, sdw.data, a.p.loss_dt, sdw.data, sdw.numel, g.data);
-            if ((needs & 4) && a.has_bias)
-                linear_cross_entropy_scale(cvt, a.p.dt, sdb.data, a.p.loss_dt, sdb.data, sdb.numel, g.data);
-        }
-        opf_log_call(op, t0, 3, (opf_tensor[]){g, a.hidden, a.weight});
-        return;
+        a.p.dhidden = sdh.data, a.p.dweight = sdw.data, a.p.dbias = a.has_bias ? sdb.data : NULL;
+    } else {
+        alloc_grads(op, &a, 1, &out);
     }
-    grads out = {0};
-    alloc_grads(op, &a, 1, &out);
-    OPF_OWNED AtenTensorHandle dh_h = out.dh, dw_h = out.dw, db_h = out.db;
+    OPF_OWNED AtenTensorHandle dh_h = out.dh, dw_h = out.dw, db_h = out.db; /* none in place */
     if (!(needs & 1)) a.p.dhidden = NULL;
     if (!(needs & 2)) a.p.dweight = NULL;
     if (!(needs & 4)) a.p.dbias = NULL;
     if (!opf_is_meta(&a.hidden)) {
         if (saved) {
             const convert_kernels *cvt = convert_kernels_for(opf_isa_current());
-            if (a.p.dhidden)
-                linear_cross_entropy_scale(cvt, a.p.dt, a.p.dhidden, a.p.loss_dt, sdh.data, sdh.numel, g.data);
-            if (a.p.dweight)
-                linear_cross_entropy_scale(cvt, a.p.dt, a.p.dweight, a.p.loss_dt, sdw.data, sdw.numel, g.data);
-            if (a.p.dbias) linear_cross_entropy_scale(cvt, a.p.dt, a.p.dbias, a.p.loss_dt, sdb.data, sdb.numel, g.data);
+            /* in place at a gradient of 1 (loss.backward()) the results are the forward's as they are */
+            if (!inplace || opf_load_elem(g.data, 0, a.p.loss_dt) != 1.0) {
+                if (a.p.dhidden)
+                    linear_cross_entropy_scale(cvt, a.p.dt, a.p.dhidden, a.p.loss_dt, sdh.data, sdh.numel, g.data);
+                if (a.p.dweight)
+                    linear_cross_entropy_scale(cvt, a.p.dt, a.p.dweight, a.p.loss_dt, sdw.data, sdw.numel, g.data);
+                if (a.p.dbias)
+                    linear_cross_entropy_scale(cvt, a.p.dt, a.p.dbias, a.p.loss_dt, sdb.data, sdb.numel, g.data);
+            }
         } else {
             a.p.lse = l.data;
             a.p.lse_given = 1;
@@ -327,6 +324,7 @@ static void backward_impl(StableIValue *stack, int per_token, int inplace) {
         }
     }
     opf_log_call(op, t0, 3, (opf_tensor[]){g, a.hidden, a.weight});
+    if (inplace) return; /* "-> ()" */
     OPF_RETURN(stack, 0, dh_h);
     OPF_RETURN(stack, 1, dw_h);
     OPF_RETURN(stack, 2, db_h);
