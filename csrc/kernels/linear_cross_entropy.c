@@ -91,11 +91,16 @@ static void block_shape(int64_t t, int64_t v, int64_t budget, int64_t *tc, int64
     *tc = min64(max64(t, 1), max64(1, budget / *vb));
 }
 
+/* a float32 forward that makes the gradients (LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX) */
+static int f32_forward_grads(const linear_cross_entropy_problem *p) {
+    return p->dt == OPF_F32 && !p->lse_given && !p->dlogits && wants_grad(p);
+}
+
 /* p->block_floats, or the default budget; a float32 forward that makes the gradients takes blocks up to the
  * weight's size (LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX) */
 static int64_t block_budget(const linear_cross_entropy_problem *p) {
     if (p->block_floats > 0) return p->block_floats;
-    if (p->dt == OPF_F32 && !p->lse_given && !p->dlogits && wants_grad(p))
+    if (f32_forward_grads(p))
         return max64(LINEAR_CROSS_ENTROPY_BLOCK_FLOATS, min64(p->v * p->h, LINEAR_CROSS_ENTROPY_GRAD_BLOCK_FLOATS_MAX));
     return LINEAR_CROSS_ENTROPY_BLOCK_FLOATS;
 }
@@ -128,7 +133,7 @@ linear_cross_entropy_plan linear_cross_entropy_plan_make(const gemm_kernels *gem
      * deep as the GEMM's K slice, no deeper. Each chunk's dweight product adds into the sum over chunks, one
      * pass over dweight a chunk, and the GEMM makes one such pass a slice whatever the chunk; deeper chunks
      * only hold a larger block (vocabulary 32000 x hidden 2048: 250 MiB at 2048 tokens, 125 at 1024) */
-    if (p->dt == OPF_F32 && !p->lse_given && !p->dlogits && grads && l.vb >= p->v)
+    if (f32_forward_grads(p) && l.vb >= p->v)
         l.tc = min64(l.tc, max64(LINEAR_CROSS_ENTROPY_CHUNK_TOKENS, gemm_slice_depth(gemm, OPF_F32, OPF_F32)));
     if (kept_bwd) { /* du is all there: each gradient one whole product (the classes a provider claims) */
         l.tc = max64(p->t, 1);
