@@ -437,9 +437,9 @@ def _wire_autograd(desc: OpDescriptor, schema) -> None:
         # absent optional tensor is never wanted, so it gets no gradient
         ctx.needs = sum(1 << b for b, i in enumerate(grad_slots)
                         if isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad)
-        ctx.onto_fits = all(not ctx.needs >> b & 1 or (outs[o].shape == inputs[i].shape and
-                                                       outs[o].dtype == inputs[i].dtype and
-                                                       outs[o].device == inputs[i].device) for b, i, o in onto)
+        ctx.onto_fits = not onto or all(
+            not ctx.needs >> b & 1 or (outs[o].shape == inputs[i].shape and outs[o].dtype == inputs[i].dtype and
+                                       outs[o].device == inputs[i].device) for b, i, o in onto)
 
     def backward(ctx, *grads):
         if saved_only:  # grads are not materialised: zeros only where the backward needs one
