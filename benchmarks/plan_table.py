@@ -110,8 +110,8 @@ def main(argv=None):
     print(write_results("attention_plan", attention_rows(counts), [
         "tasks of attention's forward and backward plans, per thread; idle: the share of thread-time left "
         "idle by the workers pulling the tasks in the plan's order, each the next as soon as it is free, a "
-        "task's cost the query-key pairs it computes (the backward's waits for its turn to add into dQ "
-        "are not counted: a lower bound there)"], a.out, timed=False))
+        "task's cost the query-key pairs it computes (the backward's waits for its turns to add into dQ "
+        "and into a cut key block's dK and dV are not counted: a lower bound there)"], a.out, timed=False))
     print(write_results("gemm_plan", rows, [
         f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); tasks of one pass over one K slice "
         "of one N panel; idle: the share of thread-time that pass leaves idle",

@@ -540,6 +540,72 @@ _Static_assert(BQ == BK, "the backward's per-query-block turns need query and ke
 /* A task per head group when there are enough groups for every thread: decided by the plan, once per call */
 static int whole_groups(const attention_problem *p, int64_t threads) { return p->b * p->hkv >= 2 * threads; }
 
+/* Too few key-block tasks (the head groups times their key blocks) for 64 threads, or blocks of unequal
+ * work (a causal mask: key block kb is seen by the query blocks from kb on), leave threads idle: the default
+ * GPT's causal backward (16 groups of 4 key blocks, 4, 3, 2 and 1 query blocks each) left 38% of 64
+ * threads idle. Below BWD_MIN_TASKS such tasks, each key block's (head, query block) pairs, in the order
+ * its task walks them (head by head, query blocks in order), are cut into chunks of span pairs, the largest
+ * span (at least BWD_MIN_SPAN) that makes BWD_MIN_TASKS chunk tasks. A chunk's dK and dV are added into its
+ * key block's float32 sums in chunk order: chunk 0 sets them, each next one adds its own, the last one adds
+ * them into its own and stores (one float addition each, which commutes), so the block's sums are
+ * ((p0 + p1) + p2) + ..., the same bits on any thread count and in a whole group's task, which runs the
+ * chunks one after another. By the shape alone, never the thread count. BWD_MIN_SPAN = 2: a chunk task
+ * stages its key block's K^T and V^T itself (~1-2 us a block, against ~35 us per pair on a core) and moves
+ * its dK and dV through the sums. */
+enum { BWD_MIN_TASKS = 256, BWD_MIN_SPAN = 2 };
+
+/* The first query that sees key block kb: under a causal mask, none before its first key. */
+static int64_t first_query(const attention_problem *p, int64_t kb) { return p->causal ? kb * BK : 0; }
+
+/* The (head, query block) pairs of key block kb of one head group: its g heads times the query blocks that see it */
+static int64_t kb_pairs(const attention_problem *p, int64_t kb) {
+    const int64_t q0 = first_query(p, kb);
+    return q0 < p->n && p->hkv > 0 ? p->h / p->hkv * cdiv(p->n - q0, BQ) : 0;
+}
+
+/* Chunks of key block kb (one where it has no pair) */
+static int64_t kb_chunks(const attention_problem *p, int64_t span, int64_t kb) {
+    const int64_t pairs = kb_pairs(p, kb);
+    return pairs > span ? cdiv(pairs, span) : 1;
+}
+
+/* Chunk tasks of one head group */
+static int64_t group_chunks(const attention_problem *p, int64_t span, int64_t key_blocks) {
+    int64_t n = 0;
+    for (int64_t kb = 0; kb < key_blocks; kb++) n += kb_chunks(p, span, kb);
+    return n;
+}
+
+/* Pairs per chunk: the most a key block has (key block 0's: no cut) with BWD_MIN_TASKS key-block tasks,
+ * else as many chunks as the largest span at least BWD_MIN_SPAN that makes BWD_MIN_TASKS chunk tasks (else
+ * BWD_MIN_SPAN's), in the smallest span that makes as many: the chunks as even as a span makes them (16
+ * pairs in 2 chunks are 8 and 8, not 15 and 1). The chunk tasks fall as the span grows. */
+static int64_t bwd_span(const attention_problem *p, int64_t key_blocks) {
+    const int64_t groups = p->b * p->hkv;
+    if (groups == 0 || key_blocks == 0) return 1;
+    const int64_t most = kb_pairs(p, 0) > 1 ? kb_pairs(p, 0) : 1;
+    if (groups * key_blocks >= BWD_MIN_TASKS || most <= BWD_MIN_SPAN) return most;
+    int64_t lo = BWD_MIN_SPAN, hi = most;
+    if (groups * group_chunks(p, lo, key_blocks) < BWD_MIN_TASKS) return lo;
+    while (lo < hi) { /* the largest span with BWD_MIN_TASKS chunk tasks */
+        const int64_t mid = lo + (hi - lo + 1) / 2;
+        if (groups * group_chunks(p, mid, key_blocks) >= BWD_MIN_TASKS)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const int64_t chunks = group_chunks(p, lo, key_blocks);
+    hi = lo, lo = BWD_MIN_SPAN;
+    while (lo < hi) { /* the smallest span with no more chunks */
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (group_chunks(p, mid, key_blocks) <= chunks)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
 /* A backward worker's slice of the workspace, as offsets: the one statement
  * of it (attention_bwd_plan_make sizes with it, bwd_task carves with it) */
 typedef struct bwd_worker_layout {
@@ -547,10 +613,11 @@ typedef struct bwd_worker_layout {
     /* packed (packs_shape): K^T, V^T and K as B (once per key block); Q and dO rows as A, dO and Q as B,
      * P^T or dS^T and dS as A (per query block) */
     int64_t pkt, pvt, pk, pqa, pdoa, pdob, pqb, pcols, pdsa;
+    int64_t sums; /* a whole group's task: the float32 dK and dV sums of the key block whose chunks it runs */
     int64_t floats;
 } bwd_worker_layout;
 
-static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p) {
+static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p, int sums) {
     const int64_t d_qk = p->d_qk, d_v = p->d_v;
     bwd_worker_layout lay;
     int64_t at = 0;
@@ -573,6 +640,7 @@ static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p) {
     lay.pqb = carve(&at, packed ? round16(packed_b(BQ, d_qk)) : 0);
     lay.pcols = carve(&at, packed ? round16(packed_a_cols(BQ)) : 0);
     lay.pdsa = carve(&at, packed ? round16(packed_a_rows(BQ)) : 0);
+    lay.sums = carve(&at, sums ? BK * (d_qk + d_v) : 0);
     lay.floats = round16(at);
     return lay;
 }
@@ -582,20 +650,28 @@ static int dq_in_place(const attention_problem *p) { return p->dt == OPF_F32 && 
 
 /* The backward's workspace (attention_bwd_plan in attention.h): the one statement
  * of it, attention_bwd_workspace sizes with it, attention_bwd carves with it. The query
- * blocks of all heads have a turn each with per-key-block tasks. */
+ * blocks of all heads have a turn each with chunk tasks, and so do the key blocks of all
+ * groups where a key block is cut; their sums are then the plan's (chunk tasks) or the
+ * worker's (a whole group's task). */
 attention_bwd_plan attention_bwd_plan_make(const attention_problem *p, int64_t threads) {
     if (p->dt == OPF_F64)
         return (attention_bwd_plan){.path = ATTENTION_PATH_REF, .floats = 2 * attention_ref_bwd_doubles(p)};
     attention_bwd_plan pl = {
         .path = ATTENTION_PATH_BLOCKS, .whole = whole_groups(p, threads), .key_blocks = cdiv(p->s, BK)};
-    pl.tasks = p->b * p->hkv * (pl.whole ? 1 : pl.key_blocks);
+    const int64_t groups = p->b * p->hkv;
+    pl.span = bwd_span(p, pl.key_blocks);
+    pl.cut = groups > 0 && pl.key_blocks > 0 && kb_pairs(p, 0) > pl.span;
+    pl.tasks = pl.whole ? groups : groups * group_chunks(p, pl.span, pl.key_blocks);
     pl.turns = pl.whole || pl.tasks == 0 ? 0 : p->b * p->h * cdiv(p->n, BQ);
+    const int64_t cut_blocks = pl.cut && !pl.whole ? groups * pl.key_blocks : 0;
     pl.workers = workers_for(pl.tasks, threads);
-    pl.per_worker = bwd_worker_layout_for(p).floats;
+    pl.per_worker = bwd_worker_layout_for(p, pl.cut && pl.whole).floats;
     int64_t at = 0;
     pl.delta = carve(&at, round16(p->b * p->h * p->n));
     pl.dq32 = dq_in_place(p) ? -1 : carve(&at, round16(p->b * p->h * p->n * p->d_qk));
     pl.turns_at = carve(&at, round16(2 * pl.turns));
+    pl.kv_turns_at = carve(&at, round16(2 * cut_blocks));
+    pl.kv_sums = carve(&at, cut_blocks * BK * (p->d_qk + p->d_v));
     pl.slices = carve(&at, pl.workers * pl.per_worker);
     pl.floats = at;
     return pl;
@@ -607,41 +683,65 @@ typedef struct bwd_ctx {
     const attention_kernels *k;
     const attention_problem *p;
     float *delta, *dq32, *ws;
+    float *kv_sums; /* chunk tasks: per (group, key block), its dK and dV sums over the chunks so far */
     int64_t dq32s[4];
-    int64_t per_worker, tasks, nkb;
+    int64_t per_worker, tasks, nkb, span;
     int whole;    /* a task per head group (the plan's) */
     int in_place; /* dQ accumulated in p->dq itself */
     atomic_llong next;
-    atomic_llong *turns;  /* per (b, h, query block): key blocks added into its dQ rows */
-    pthread_mutex_t lock; /* guards waiting; a worker waiting for a turn sleeps on moved */
+    atomic_llong *turns;    /* per (b, h, query block): key blocks added into its dQ rows */
+    atomic_llong *kv_turns; /* chunk tasks: per (group, key block), its chunks added into its sums */
+    pthread_mutex_t lock;   /* guards waiting; a worker waiting for a turn sleeps on moved */
     pthread_cond_t moved;
     int64_t waiting;
 } bwd_ctx;
 
-/* The first query that sees key block kb: under a causal mask, none before its first key. */
-static int64_t first_query(const attention_problem *p, int64_t kb) { return p->causal ? kb * BK : 0; }
+/* The backward's chunk task t, in the order the workers pull them: key block by key block, within a key
+ * block chunk by chunk, across the head groups. Under a causal mask the first key blocks are the most work
+ * (every later query sees them): they start first, and the short ones even out the threads. A task waits
+ * only for its group's earlier key blocks (its turns to add into dQ) and its key block's earlier chunks
+ * (its turn to add into the block's sums), which start before it, and seldom long: the block before it
+ * started alongside the blocks of other groups, not just ahead of it. (Group by group, the default GPT's
+ * backward left 17% of 16 threads idle, and one batch of 1-2 key/value heads ran 0-5% slower on 2
+ * threads.) */
+static void bwd_task_at(const attention_problem *p, int64_t span, int64_t t, int64_t *grp, int64_t *kb, int64_t *ch) {
+    const int64_t groups = p->b * p->hkv;
+    int64_t k = 0;
+    for (int64_t n; t >= (n = groups * kb_chunks(p, span, k));) t -= n, k++;
+    *kb = k, *ch = t / groups, *grp = t % groups;
+}
 
-/* The backward's task t of one key block, in the order the workers pull them: key block by key block
- * across the head groups. Under a causal mask the first key blocks are the most work (every later query
- * sees them): they start first, and the short ones even out the threads. A task waits only for its
- * group's earlier key blocks (its turns to add into dQ), which start before it, and seldom long: the
- * block before it started alongside the blocks of other groups, not just ahead of it. (Group by group,
- * the default GPT's backward left 17% of 16 threads idle, and one batch of 1-2 key/value heads ran 0-5%
- * slower on 2 threads.) */
-static void bwd_task_at(int64_t tasks, int64_t key_blocks, int64_t t, int64_t *grp, int64_t *kb) {
-    const int64_t groups = tasks / key_blocks;
-    *grp = t % groups, *kb = t / groups;
+/* The pairs of chunk ch of key block kb: e0 .. e1 */
+static void chunk_pairs(const attention_problem *p, int64_t span, int64_t kb, int64_t ch, int64_t *e0, int64_t *e1) {
+    const int64_t pairs = kb_pairs(p, kb);
+    *e0 = pairs > span ? ch * span : 0;
+    *e1 = pairs > span && *e0 + span < pairs ? *e0 + span : pairs;
+}
+
+/* Query-key pairs of chunk ch of key block kb: the query rows of its (head, query block) pairs times its keys */
+static int64_t chunk_cost(const attention_problem *p, int64_t span, int64_t kb, int64_t ch) {
+    const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK, q0 = first_query(p, kb);
+    if (q0 >= p->n) return 0;
+    const int64_t nq = cdiv(p->n - q0, BQ);
+    int64_t e0, e1, rows = 0;
+    chunk_pairs(p, span, kb, ch, &e0, &e1);
+    for (int64_t e = e0; e < e1; e++) {
+        const int64_t i0 = q0 + e % nq * BQ;
+        rows += p->n - i0 < BQ ? p->n - i0 : BQ;
+    }
+    return rows * bk;
 }
 
 int64_t attention_bwd_task_cost(const attention_bwd_plan *pl, const attention_problem *p, int64_t t) {
     if (pl->path != ATTENTION_PATH_BLOCKS || t < 0 || t >= pl->tasks) return 0;
-    int64_t grp, kb0 = 0, kb1 = pl->key_blocks;
-    if (!pl->whole) bwd_task_at(pl->tasks, pl->key_blocks, t, &grp, &kb0), kb1 = kb0 + 1;
-    int64_t cost = 0;
-    for (int64_t kb = kb0; kb < kb1; kb++) { /* the query rows of every head of the group that see the block */
-        const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK, q0 = first_query(p, kb);
-        if (q0 < p->n) cost += p->h / p->hkv * (p->n - q0) * bk;
+    if (!pl->whole) {
+        int64_t grp, kb, ch;
+        bwd_task_at(p, pl->span, t, &grp, &kb, &ch);
+        return chunk_cost(p, pl->span, kb, ch);
     }
+    int64_t cost = 0;
+    for (int64_t kb = 0; kb < pl->key_blocks; kb++)
+        for (int64_t ch = 0; ch < kb_chunks(p, pl->span, kb); ch++) cost += chunk_cost(p, pl->span, kb, ch);
     return cost;
 }
 
@@ -718,62 +818,98 @@ static void bwd_packed_block(bwd_ctx *c, const attention_bf16_packing *pk, int64
     if (turn) pass_turn(c, turn, kb);
 }
 
-/* Key block kb of head group grp: dK and dV of its keys; dS K into dQ, by turns when c->turns */
-static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, float *ws) {
+/* A worker's staged key block: which (group x key blocks + key block) its workspace holds (K^T, V^T,
+ * the K rows; packed: their packed pairs), and where its float32 K rows are */
+typedef struct bwd_staged {
+    int64_t block;
+    const float *krow;
+    int64_t ldk;
+} bwd_staged;
+
+/* Chunk ch of nch of a cut key block: its dK and dV (dk, dv: BK rows each) into the block's sums, in chunk
+ * order (their turn: chunks added; NULL in a whole group's task, which runs the chunks in order). The last
+ * chunk leaves the block's dK and dV in dk and dv. */
+static void add_chunk(bwd_ctx *c, float *sums, atomic_llong *turn, int64_t ch, int64_t nch, float *dk, float *dv) {
+    const int64_t nk = BK * c->p->d_qk, nv = BK * c->p->d_v;
+    if (turn) wait_turn(c, turn, ch);
+    if (ch == 0) {
+        memcpy(sums, dk, sizeof(float) * (size_t)nk);
+        memcpy(sums + nk, dv, sizeof(float) * (size_t)nv);
+    } else if (ch < nch - 1) {
+        for (int64_t i = 0; i < nk; i++) sums[i] += dk[i];
+        for (int64_t i = 0; i < nv; i++) sums[nk + i] += dv[i];
+    } else {
+        for (int64_t i = 0; i < nk; i++) dk[i] += sums[i];
+        for (int64_t i = 0; i < nv; i++) dv[i] += sums[nk + i];
+    }
+    if (turn) pass_turn(c, turn, ch);
+}
+
+/* Chunk ch of key block kb of head group grp (the whole block unless cut): dK and dV of its keys over the
+ * chunk's (head, query block) pairs, stored by the block's last chunk; dS K into dQ, by turns when c->turns */
+static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, int64_t ch, float *ws, bwd_staged *st) {
     const attention_kernels *k = c->k;
     const attention_problem *p = c->p;
     const attention_mm_fn mm = attention_mm_for(k, p);
     const int64_t d_qk = p->d_qk, d_v = p->d_v, g = p->h / p->hkv, b = grp / p->hkv, kvh = grp % p->hkv;
-    const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK;
-    const bwd_worker_layout lay = bwd_worker_layout_for(p);
+    const int64_t j0 = kb * BK, bk = p->s - j0 < BK ? p->s - j0 : BK, nch = kb_chunks(p, c->span, kb);
+    const bwd_worker_layout lay = bwd_worker_layout_for(p, c->whole);
     float *kt = ws + lay.kt, *vt = ws + lay.vt, *kr = ws + lay.kr, *dk = ws + lay.dk, *dv = ws + lay.dv;
     float *qr = ws + lay.qr, *dor = ws + lay.dor, *scores = ws + lay.scores, *dp = ws + lay.dp;
-    const int64_t qstart = first_query(p, kb);
+    const int64_t qstart = first_query(p, kb), nq = qstart < p->n ? cdiv(p->n - qstart, BQ) : 0;
+    int64_t e0, e1;
+    chunk_pairs(p, c->span, kb, ch, &e0, &e1);
     const attention_bf16_packing *pk = packing_for(k, p);
     uint32_t *pkt = (uint32_t *)(ws + lay.pkt), *pvt = (uint32_t *)(ws + lay.pvt), *pkr = (uint32_t *)(ws + lay.pk);
-    if (pk && qstart < p->n) { /* K^T, V^T and K of the block as packed pairs, once for all its query blocks */
-        const uint16_t *kb16 = (const uint16_t *)p->k + off4(p->ks, b, kvh, j0, 0);
-        pk->bt16(pkt, kb16, p->ks[2], d_qk, bk);
-        pk->bt16(pvt, (const uint16_t *)p->v + off4(p->vs, b, kvh, j0, 0), p->vs[2], d_v, bk);
-        pk->b16(pkr, kb16, p->ks[2], bk, d_qk);
+    const int64_t block = grp * c->nkb + kb;
+    if (e0 < e1 && st->block != block) { /* the block staged once for all its query blocks in this workspace */
+        st->block = block, st->krow = kr, st->ldk = d_qk;
+        if (pk) { /* K^T, V^T and K of the block as packed pairs */
+            const uint16_t *kb16 = (const uint16_t *)p->k + off4(p->ks, b, kvh, j0, 0);
+            pk->bt16(pkt, kb16, p->ks[2], d_qk, bk);
+            pk->bt16(pvt, (const uint16_t *)p->v + off4(p->vs, b, kvh, j0, 0), p->vs[2], d_v, bk);
+            pk->b16(pkr, kb16, p->ks[2], bk, d_qk);
+        } else { /* K rows (read in place, or staged in kr), K^T and V^T of the block, float32 (V's rows staged in dv) */
+            st->krow = rows_f32(k, kr, p->k, p->ks, p->dt, b, kvh, j0, 0, bk, d_qk, &st->ldk);
+            k->transpose(kt, BK, st->krow, st->ldk, bk, d_qk);
+            int64_t ldv;
+            const float *vrows = rows_f32(k, dv, p->v, p->vs, p->dt, b, kvh, j0, 0, bk, d_v, &ldv);
+            k->transpose(vt, BK, vrows, ldv, bk, d_v);
+        }
     }
-    const float *krow = kr; /* K rows of the block in float32: read in place, or staged in kr */
-    int64_t ldk = d_qk;
-    if (!pk && qstart < p->n) { /* K rows, K^T and V^T of the block, float32 (V's rows staged in dv) */
-        krow = rows_f32(k, kr, p->k, p->ks, p->dt, b, kvh, j0, 0, bk, d_qk, &ldk);
-        k->transpose(kt, BK, krow, ldk, bk, d_qk);
-        int64_t ldv;
-        const float *vrows = rows_f32(k, dv, p->v, p->vs, p->dt, b, kvh, j0, 0, bk, d_v, &ldv);
-        k->transpose(vt, BK, vrows, ldv, bk, d_v);
-    }
+    const float *krow = st->krow;
+    const int64_t ldk = st->ldk;
     memset(dk, 0, sizeof(float) * (size_t)(BK * d_qk));
     memset(dv, 0, sizeof(float) * (size_t)(BK * d_v));
-    for (int64_t hl = 0; hl < g && qstart < p->n; hl++) {
-        const int64_t h = kvh * g + hl, bh = b * p->h + h;
+    for (int64_t e = e0; e < e1; e++) { /* head by head, query blocks in order */
+        const int64_t h = kvh * g + e / nq, bh = b * p->h + h, i0 = qstart + e % nq * BQ;
         float *dqh = c->dq32 + off4(c->dq32s, b, h, 0, 0);
         const int64_t lddq = c->dq32s[2];
-        for (int64_t i0 = qstart; i0 < p->n; i0 += BQ) {
-            const int64_t bq = p->n - i0 < BQ ? p->n - i0 : BQ;
-            if (pk) {
-                bwd_packed_block(c, pk, b, h, i0, bq, kb, j0, bk, ws, &lay, dqh + i0 * lddq, lddq);
-                continue;
-            }
-            int64_t ldq, lddo;
-            const float *q = rows_f32(k, qr, p->q, p->qs, p->dt, b, h, i0, 0, bq, d_qk, &ldq);
-            const float *dout = rows_f32(k, dor, p->dout, p->dos, p->dt, b, h, i0, 0, bq, d_v, &lddo);
-            mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
-            float scale;
-            const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
-            k->probs(scores, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag);             /* P */
-            mm(bq, bk, d_v, dout, lddo, 1, vt, BK, dp, BK, 0);                              /* dP = dO V^T */
-            k->dscores(dp, scores, BK, bq, bk, c->delta + bh * p->n + i0, (float)p->scale); /* dS */
-            mm(bk, d_v, bq, scores, 1, BK, dout, lddo, dv, d_v, 1);                         /* dV += P^T dO */
-            mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                               /* dK += dS^T Q */
-            atomic_llong *turn = c->turns ? &c->turns[bh * cdiv(p->n, BQ) + i0 / BQ] : NULL;
-            if (turn) wait_turn(c, turn, kb);
-            mm(bq, d_qk, bk, dp, BK, 1, krow, ldk, dqh + i0 * lddq, lddq, 1); /* dQ += dS K */
-            if (turn) pass_turn(c, turn, kb);
+        const int64_t bq = p->n - i0 < BQ ? p->n - i0 : BQ;
+        if (pk) {
+            bwd_packed_block(c, pk, b, h, i0, bq, kb, j0, bk, ws, &lay, dqh + i0 * lddq, lddq);
+            continue;
         }
+        int64_t ldq, lddo;
+        const float *q = rows_f32(k, qr, p->q, p->qs, p->dt, b, h, i0, 0, bq, d_qk, &ldq);
+        const float *dout = rows_f32(k, dor, p->dout, p->dos, p->dt, b, h, i0, 0, bq, d_v, &lddo);
+        mm(bq, bk, d_qk, q, ldq, 1, kt, BK, scores, BK, 0); /* S = Q K^T */
+        float scale;
+        const int64_t diag = tile_diag(p, scores, BK, 1, b, h, i0, bq, j0, bk, &scale);
+        k->probs(scores, BK, bq, bk, scale, p->lse + bh * p->n + i0, diag);             /* P */
+        mm(bq, bk, d_v, dout, lddo, 1, vt, BK, dp, BK, 0);                              /* dP = dO V^T */
+        k->dscores(dp, scores, BK, bq, bk, c->delta + bh * p->n + i0, (float)p->scale); /* dS */
+        mm(bk, d_v, bq, scores, 1, BK, dout, lddo, dv, d_v, 1);                         /* dV += P^T dO */
+        mm(bk, d_qk, bq, dp, 1, BK, q, ldq, dk, d_qk, 1);                               /* dK += dS^T Q */
+        atomic_llong *turn = c->turns ? &c->turns[bh * cdiv(p->n, BQ) + i0 / BQ] : NULL;
+        if (turn) wait_turn(c, turn, kb);
+        mm(bq, d_qk, bk, dp, BK, 1, krow, ldk, dqh + i0 * lddq, lddq, 1); /* dQ += dS K */
+        if (turn) pass_turn(c, turn, kb);
+    }
+    if (nch > 1) {
+        float *sums = c->whole ? ws + lay.sums : c->kv_sums + block * BK * (d_qk + d_v);
+        add_chunk(c, sums, c->whole ? NULL : &c->kv_turns[block], ch, nch, dk, dv);
+        if (ch < nch - 1) return;
     }
     for (int64_t j = 0; j < bk; j++) {
         store_row(k->cvt, p->dk, off4(p->dks, b, kvh, j0 + j, 0), p->dks[3], dk + j * d_qk, d_qk, p->dt);
@@ -832,16 +968,18 @@ static void bwd_worker(int64_t w0, int64_t w1, void *arg) {
     const int64_t g = p->hkv ? p->h / p->hkv : 0;
     for (int64_t w = w0; w < w1; w++) {
         float *ws = c->ws + w * c->per_worker;
+        bwd_staged st = {.block = -1};
         for (int64_t t; (t = atomic_fetch_add(&c->next, 1)) < c->tasks;) {
             if (!c->whole) {
-                int64_t grp, kb;
-                bwd_task_at(c->tasks, c->nkb, t, &grp, &kb);
-                bwd_task(c, grp, kb, ws);
+                int64_t grp, kb, ch;
+                bwd_task_at(p, c->span, t, &grp, &kb, &ch);
+                bwd_task(c, grp, kb, ch, ws, &st);
                 continue;
             }
             const int64_t bh0 = t / p->hkv * p->h + t % p->hkv * g;
             rows_in(c, bh0, bh0 + g);
-            for (int64_t kb = 0; kb < c->nkb; kb++) bwd_task(c, t, kb, ws);
+            for (int64_t kb = 0; kb < c->nkb; kb++)
+                for (int64_t ch = 0; ch < kb_chunks(p, c->span, kb); ch++) bwd_task(c, t, kb, ch, ws, &st);
             if (!c->in_place) rows_out(c, bh0, bh0 + g);
         }
     }
@@ -860,6 +998,7 @@ void attention_bwd(const attention_kernels *k, const attention_bwd_plan *plan, c
                  .per_worker = plan->per_worker,
                  .tasks = plan->tasks,
                  .nkb = plan->key_blocks,
+                 .span = plan->span,
                  .whole = plan->whole};
     const int in_place = plan->dq32 < 0;
     c.in_place = in_place;
@@ -875,6 +1014,10 @@ void attention_bwd(const attention_kernels *k, const attention_bwd_plan *plan, c
     const int64_t turns = plan->turns;
     c.turns = turns ? (atomic_llong *)(void *)(workspace + plan->turns_at) : NULL;
     for (int64_t i = 0; i < turns; i++) atomic_init(&c.turns[i], 0);
+    const int64_t cut_blocks = plan->cut && !plan->whole ? p->b * p->hkv * plan->key_blocks : 0;
+    c.kv_turns = cut_blocks ? (atomic_llong *)(void *)(workspace + plan->kv_turns_at) : NULL;
+    for (int64_t i = 0; i < cut_blocks; i++) atomic_init(&c.kv_turns[i], 0);
+    c.kv_sums = workspace + plan->kv_sums;
     c.ws = workspace + plan->slices;
     atomic_init(&c.next, 0);
     pthread_mutex_init(&c.lock, NULL);

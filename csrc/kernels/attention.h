@@ -212,15 +212,20 @@ typedef struct attention_fwd_plan {
 } attention_fwd_plan;
 
 /* The backward's tasks and workspace: a task is a whole head group when there
- * are enough groups for every thread, else one key block of a group; then
- * delta = rowsum(dO * out) (b, h, n), a float32 dQ (b, h, n, d_qk) unless
- * accumulated in place (dq32 < 0), the query blocks' turns (atomic int64),
- * and one slice per worker, as offsets. */
+ * are enough groups for every thread, else one chunk of a key block of a group
+ * (span of its (head, query block) pairs: all of them unless the shape has too
+ * few key-block tasks, attention.c); then delta = rowsum(dO * out) (b, h, n), a
+ * float32 dQ (b, h, n, d_qk) unless accumulated in place (dq32 < 0), the query
+ * blocks' turns and the cut key blocks' turns (atomic int64), the cut key
+ * blocks' float32 dK and dV sums (chunk tasks only), and one slice per worker,
+ * as offsets. */
 typedef struct attention_bwd_plan {
     attention_path path; /* ATTENTION_PATH_REF or ATTENTION_PATH_BLOCKS */
     int whole;           /* a task is a whole head group */
+    int cut;             /* some key block's pairs are cut into chunks (span < its pairs) */
+    int64_t span;        /* (head, query block) pairs per chunk of a key block */
     int64_t tasks, key_blocks, turns, workers, per_worker;
-    int64_t delta, dq32, turns_at, slices, floats;
+    int64_t delta, dq32, turns_at, kv_turns_at, kv_sums, slices, floats;
 } attention_bwd_plan;
 
 /* The forward's plan is made for the table that runs it (its key block sets the workspace and the sums). */

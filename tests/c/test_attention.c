@@ -7,9 +7,10 @@
  * N = 1 to 200, S up to 1000: the forward splits a lone query block's keys into
  * chunks; built with -D ATTENTION_FWD_MIN_TASKS=64 as test_attention_split, it
  * splits almost every shape here, causal, masked and grouped ones too); the
- * forward and backward bitwise the same on 1 to 4 threads, run after run;
- * workspaces exactly as sized, between guard words; empty shapes; the float64
- * oracle at a scale float32 cannot hold.
+ * forward and backward bitwise the same on 1 to 4 threads, run after run; the
+ * backward's key blocks cut into chunks (shapes with few key-block tasks), its
+ * plan and its bits on 1 to 64 threads; workspaces exactly as sized, between
+ * guard words; empty shapes; the float64 oracle at a scale float32 cannot hold.
  */
 #define _POSIX_C_SOURCE 200809L /* setenv: the standalone thread count is OPFORGE_NUM_THREADS */
 #include <float.h>
@@ -117,6 +118,10 @@ static int same_bits(const void *got, const void *want, const int64_t *st, int64
     return 1;
 }
 
+/* check_bwd_bits' thread counts: 1, 2 (three times) and 4, or (wide_threads, test_bwd_key_split) 1, 3,
+ * 16 and 64 twice, the thread counts of users' machines, oversubscribed here */
+static int wide_threads;
+
 /* attention_bwd again on 1, 2 (three times) and 4 threads (more than the cores of a
  * small machine: workers lose their core mid-task): dq, dk, dv must equal the
  * first run's bit for bit */
@@ -126,7 +131,7 @@ static void check_bwd_bits(const attention_kernels *k, attention_problem p, cons
     char *threads0 = env ? strdup(env) : NULL;
     void *gq = malloc(nq + 1), *gk = malloc(nk + 1), *gv = malloc(nv + 1);
     p.dq = gq, p.dk = gk, p.dv = gv;
-    const int runs[5] = {1, 2, 2, 2, 4};
+    const int narrow[5] = {1, 2, 2, 2, 4}, wide[5] = {1, 3, 16, 64, 64}, *runs = wide_threads ? wide : narrow;
     for (int r = 0; r < 5; r++) {
         set_threads(runs[r]);
         memset(gq, 0x7f, nq), memset(gk, 0x7f, nk), memset(gv, 0x7f, nv);
@@ -522,6 +527,12 @@ static void test_oracle_scale(void) {
     }
 }
 
+/* A float32 problem of head dims 64 for the plans alone (no tensor) */
+static attention_problem plan_problem(int64_t b, int64_t h, int64_t hkv, int64_t n, int64_t s, int causal) {
+    return (attention_problem){
+        .b = b, .h = h, .hkv = hkv, .n = n, .s = s, .d_qk = 64, .d_v = 64, .dt = OPF_F32, .causal = causal};
+}
+
 /* The forward's query blocks: 64 queries, cut to 32 then 16 where the blocks (times their key
  * chunks) leave threads idle and the cut adds blocks; shapes with one key block, which no build splits
  * by keys. Their bits on 1, 2 and 4 threads: check_fwd_bits. */
@@ -535,14 +546,7 @@ static void test_fwd_query_split(void) {
         {1, 1, 20, 40, 2, 16, 2}, {1, 1, 5, 40, 64, 64, 1},  {2, 8, 64, 64, 16, 64, 16}, {1, 1, 33, 9, 4, 16, 3},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
-        const attention_problem p = {.b = want[i].b,
-                                     .h = want[i].h,
-                                     .hkv = want[i].h,
-                                     .n = want[i].n,
-                                     .s = want[i].s,
-                                     .d_qk = 64,
-                                     .d_v = 64,
-                                     .dt = OPF_F32};
+        const attention_problem p = plan_problem(want[i].b, want[i].h, want[i].h, want[i].n, want[i].s, 0);
         const attention_fwd_plan pl = attention_fwd_plan_make(k, &p, want[i].threads);
         CHECK(pl.qrows == want[i].qrows && pl.tasks == want[i].tasks && pl.chunks == 1 &&
                   pl.workers == (want[i].tasks < want[i].threads ? want[i].tasks : want[i].threads),
@@ -552,6 +556,53 @@ static void test_fwd_query_split(void) {
               (long long)pl.qrows, (long long)pl.tasks, (long long)pl.workers, (long long)want[i].qrows,
               (long long)want[i].tasks);
     }
+}
+
+/* The backward's chunks: key blocks' (head, query block) pairs cut where a shape has fewer than 256
+ * key-block tasks (the default GPT's causal heads), as evenly as a span cuts them; a whole group's task
+ * runs its chunks in order; the tasks' work adds up to the blocks'. Then the values against the oracle
+ * and the bits on 1, 3, 16 and 64 threads (whole groups on 1 thread where there are 2, chunk tasks on
+ * the others). */
+static void test_bwd_key_split(const attention_kernels *k) {
+    const struct {
+        int64_t b, h, hkv, n, causal, threads, span, tasks;
+        int whole, cut;
+    } want[] = {
+        {8, 8, 2, 256, 1, 64, 2, 320, 0, 1}, /* the default GPT: 16 groups x 4 key blocks of 16, 12, 8, 4 pairs */
+        {8, 8, 2, 256, 1, 2, 2, 16, 1, 1},   /* the same on 2 threads: whole groups, their chunks in order */
+        {8, 8, 2, 256, 1, 16, 2, 320, 0, 1},   {4, 8, 8, 1024, 0, 64, 16, 512, 0, 0}, /* 512 key-block tasks */
+        {4, 8, 8, 1024, 1, 64, 16, 512, 0, 0}, {1, 8, 8, 1024, 0, 64, 8, 256, 0, 1},  /* 16 pairs: 8 and 8 */
+        {1, 1, 1, 1000, 1, 4, 2, 72, 0, 1},    {1, 2, 1, 64, 0, 2, 2, 1, 0, 0},       /* 2 pairs: not cut */
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        const attention_problem p =
+            plan_problem(want[i].b, want[i].h, want[i].hkv, want[i].n, want[i].n, (int)want[i].causal);
+        const attention_bwd_plan pl = attention_bwd_plan_make(&p, want[i].threads);
+        CHECK(pl.span == want[i].span && pl.tasks == want[i].tasks && pl.whole == want[i].whole &&
+                  pl.cut == want[i].cut,
+              "backward plan b=%lld h=%lld hkv=%lld n=%lld causal=%lld on %lld threads: span %lld, %lld tasks, whole "
+              "%d, cut %d; want %lld, %lld, %d, %d",
+              (long long)p.b, (long long)p.h, (long long)p.hkv, (long long)p.n, (long long)want[i].causal,
+              (long long)want[i].threads, (long long)pl.span, (long long)pl.tasks, pl.whole, pl.cut,
+              (long long)want[i].span, (long long)want[i].tasks, want[i].whole, want[i].cut);
+        const attention_bwd_plan one = attention_bwd_plan_make(&p, 1), many = attention_bwd_plan_make(&p, 1000);
+        int64_t whole = 0, chunks = 0, pairs = 0;
+        for (int64_t t = 0; t < one.tasks; t++) whole += attention_bwd_task_cost(&one, &p, t);
+        for (int64_t t = 0; t < many.tasks; t++) chunks += attention_bwd_task_cost(&many, &p, t);
+        for (int64_t j0 = 0; j0 < p.s; j0 += 64) /* the query-key pairs of the blocks computed */
+            for (int64_t i0 = p.causal ? j0 : 0; i0 < p.n; i0 += 64)
+                pairs += (p.n - i0 < 64 ? p.n - i0 : 64) * (p.s - j0 < 64 ? p.s - j0 : 64);
+        pairs *= p.b * p.h;
+        CHECK(!many.whole && whole == pairs && chunks == pairs,
+              "backward plan b=%lld h=%lld n=%lld: whole groups' work %lld, chunk tasks' %lld, want %lld",
+              (long long)p.b, (long long)p.h, (long long)p.n, (long long)whole, (long long)chunks, (long long)pairs);
+    }
+    wide_threads = 1;
+    run(k, (cfg){2, 8, 2, 256, 256, 64, 64, 1, 0, 0, OPF_F32});   /* the default GPT's heads, 4 groups */
+    run(k, (cfg){2, 8, 2, 256, 256, 64, 64, 1, 0, 1, OPF_BF16});  /* bfloat16, transposed */
+    run(k, (cfg){1, 2, 1, 300, 200, 40, 24, 0, 1, 2, OPF_F32});   /* bool mask, strided, 5 query blocks */
+    run(k, (cfg){1, 1, 1, 1000, 1000, 64, 64, 1, 0, 0, OPF_F32}); /* one long head: chunks of 2 query blocks */
+    wide_threads = 0;
 }
 
 int main(void) {
@@ -564,11 +615,12 @@ int main(void) {
     } else {
         printf("skip %s over emulated tiles: the CPU lacks AVX512-BF16\n", attention_kernels_amx.name);
     }
-    (void)test_oracle_scale, (void)test_fwd_query_split; /* the plain build's checks */
+    (void)test_oracle_scale, (void)test_fwd_query_split, (void)test_bwd_key_split; /* the plain build's checks */
     return check_report("test_attention (AMX emulated)");
 #else
     test_oracle_scale();
     test_fwd_query_split();
+    test_bwd_key_split(attention_kernels_for(opf_isa_best()));
     CHECK_EACH_VARIANT(attention_kernels_for, test_variant);
     return check_report("test_attention");
 #endif
