@@ -648,6 +648,9 @@ static bwd_worker_layout bwd_worker_layout_for(const attention_problem *p, int s
 /* float32 dQ is accumulated in place when its rows are unit-stride (the block matmul's C) */
 static int dq_in_place(const attention_problem *p) { return p->dt == OPF_F32 && p->dqs[3] == 1; }
 
+/* and a cut key block's dK and dV sums (chunk tasks) are kept in float32 dK and dV with unit-stride rows */
+static int kv_in_place(const attention_problem *p) { return p->dt == OPF_F32 && p->dks[3] == 1 && p->dvs[3] == 1; }
+
 /* The backward's workspace (attention_bwd_plan in attention.h): the one statement
  * of it, attention_bwd_workspace sizes with it, attention_bwd carves with it. The query
  * blocks of all heads have a turn each with chunk tasks, and so do the key blocks of all
@@ -671,7 +674,7 @@ attention_bwd_plan attention_bwd_plan_make(const attention_problem *p, int64_t t
     pl.dq32 = dq_in_place(p) ? -1 : carve(&at, round16(p->b * p->h * p->n * p->d_qk));
     pl.turns_at = carve(&at, round16(2 * pl.turns));
     pl.kv_turns_at = carve(&at, round16(2 * cut_blocks));
-    pl.kv_sums = carve(&at, cut_blocks * BK * (p->d_qk + p->d_v));
+    pl.kv_sums = carve(&at, kv_in_place(p) ? 0 : cut_blocks * BK * (p->d_qk + p->d_v));
     pl.slices = carve(&at, pl.workers * pl.per_worker);
     pl.floats = at;
     return pl;
@@ -683,7 +686,8 @@ typedef struct bwd_ctx {
     const attention_kernels *k;
     const attention_problem *p;
     float *delta, *dq32, *ws;
-    float *kv_sums; /* chunk tasks: per (group, key block), its dK and dV sums over the chunks so far */
+    float *kv_sums;  /* chunk tasks: per (group, key block), its dK and dV sums over the chunks so far */
+    int kv_in_place; /* chunk tasks: those sums kept in dK and dV themselves (float32 rows) */
     int64_t dq32s[4];
     int64_t per_worker, tasks, nkb, span;
     int whole;    /* a task per head group (the plan's) */
@@ -826,22 +830,40 @@ typedef struct bwd_staged {
     int64_t ldk;
 } bwd_staged;
 
-/* Chunk ch of nch of a cut key block: its dK and dV (dk, dv: BK rows each) into the block's sums, in chunk
- * order (their turn: chunks added; NULL in a whole group's task, which runs the chunks in order). The last
- * chunk leaves the block's dK and dV in dk and dv. */
-static void add_chunk(bwd_ctx *c, float *sums, atomic_llong *turn, int64_t ch, int64_t nch, float *dk, float *dv) {
-    const int64_t nk = BK * c->p->d_qk, nv = BK * c->p->d_v;
-    if (turn) wait_turn(c, turn, ch);
-    if (ch == 0) {
-        memcpy(sums, dk, sizeof(float) * (size_t)nk);
-        memcpy(sums + nk, dv, sizeof(float) * (size_t)nv);
-    } else if (ch < nch - 1) {
-        for (int64_t i = 0; i < nk; i++) sums[i] += dk[i];
-        for (int64_t i = 0; i < nv; i++) sums[nk + i] += dv[i];
-    } else {
-        for (int64_t i = 0; i < nk; i++) dk[i] += sums[i];
-        for (int64_t i = 0; i < nv; i++) dv[i] += sums[nk + i];
+/* rows x cols floats of x (rows ldx apart) into sums (rows lds apart): chunk 0's copied, a middle chunk's
+ * added into them, the last chunk's sums added into x (one float addition either way) */
+static void add_rows(float *sums, int64_t lds, float *x, int64_t ldx, int64_t rows, int64_t cols, int64_t ch,
+                     int64_t nch) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = sums + r * lds, *y = x + r * ldx;
+        if (ch == 0)
+            memcpy(s, y, sizeof(float) * (size_t)cols);
+        else if (ch < nch - 1)
+            for (int64_t i = 0; i < cols; i++) s[i] += y[i];
+        else
+            for (int64_t i = 0; i < cols; i++) y[i] += s[i];
     }
+}
+
+/* Chunk ch of nch of cut key block kb (bk keys) of group grp: its dK and dV (dk, dv) into the block's sums,
+ * in chunk order (their turn: chunks added; a whole group's task runs the chunks in order and keeps the
+ * sums in its slice). Chunk tasks keep them in dK and dV themselves where those are float32 rows (the last
+ * chunk overwrites them with the block's values), else in the plan's. The last chunk leaves the block's dK
+ * and dV in dk and dv. */
+static void add_chunk(bwd_ctx *c, const bwd_worker_layout *lay, float *ws, int64_t grp, int64_t kb, int64_t bk,
+                      int64_t ch, int64_t nch, float *dk, float *dv) {
+    const attention_problem *p = c->p;
+    const int64_t d_qk = p->d_qk, d_v = p->d_v, block = grp * c->nkb + kb, b = grp / p->hkv, kvh = grp % p->hkv;
+    float *sk = c->whole ? ws + lay->sums : c->kv_sums + block * BK * (d_qk + d_v), *sv = sk + BK * d_qk;
+    int64_t ldk = d_qk, ldv = d_v;
+    if (!c->whole && c->kv_in_place) {
+        sk = (float *)p->dk + off4(p->dks, b, kvh, kb * BK, 0), ldk = p->dks[2];
+        sv = (float *)p->dv + off4(p->dvs, b, kvh, kb * BK, 0), ldv = p->dvs[2];
+    }
+    atomic_llong *turn = c->whole ? NULL : &c->kv_turns[block];
+    if (turn) wait_turn(c, turn, ch);
+    add_rows(sk, ldk, dk, d_qk, bk, d_qk, ch, nch);
+    add_rows(sv, ldv, dv, d_v, bk, d_v, ch, nch);
     if (turn) pass_turn(c, turn, ch);
 }
 
@@ -907,8 +929,7 @@ static void bwd_task(bwd_ctx *c, int64_t grp, int64_t kb, int64_t ch, float *ws,
         if (turn) pass_turn(c, turn, kb);
     }
     if (nch > 1) {
-        float *sums = c->whole ? ws + lay.sums : c->kv_sums + block * BK * (d_qk + d_v);
-        add_chunk(c, sums, c->whole ? NULL : &c->kv_turns[block], ch, nch, dk, dv);
+        add_chunk(c, &lay, ws, grp, kb, bk, ch, nch, dk, dv);
         if (ch < nch - 1) return;
     }
     for (int64_t j = 0; j < bk; j++) {
@@ -1018,6 +1039,7 @@ void attention_bwd(const attention_kernels *k, const attention_bwd_plan *plan, c
     c.kv_turns = cut_blocks ? (atomic_llong *)(void *)(workspace + plan->kv_turns_at) : NULL;
     for (int64_t i = 0; i < cut_blocks; i++) atomic_init(&c.kv_turns[i], 0);
     c.kv_sums = workspace + plan->kv_sums;
+    c.kv_in_place = kv_in_place(p);
     c.ws = workspace + plan->slices;
     atomic_init(&c.next, 0);
     pthread_mutex_init(&c.lock, NULL);

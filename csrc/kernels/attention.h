@@ -217,8 +217,8 @@ typedef struct attention_fwd_plan {
  * few key-block tasks, attention.c); then delta = rowsum(dO * out) (b, h, n), a
  * float32 dQ (b, h, n, d_qk) unless accumulated in place (dq32 < 0), the query
  * blocks' turns and the cut key blocks' turns (atomic int64), the cut key
- * blocks' float32 dK and dV sums (chunk tasks only), and one slice per worker,
- * as offsets. */
+ * blocks' float32 dK and dV sums (chunk tasks, unless kept in float32 dK and
+ * dV themselves), and one slice per worker, as offsets. */
 typedef struct attention_bwd_plan {
     attention_path path; /* ATTENTION_PATH_REF or ATTENTION_PATH_BLOCKS */
     int whole;           /* a task is a whole head group */
