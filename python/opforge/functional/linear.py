@@ -85,7 +85,11 @@ def _routed(kind: str, grads: int, query, a, b=_ABSENT, c=None, extra: tuple = (
     return on_torch == 1
 
 
-_SMALL_ROUNDS = 6  # timed calls of each side for a small class (after one warm-up call each), in alternating order
+# timed calls of each side for a small class (after one warm-up call each), in alternating order. 6 were too
+# few on the first calls of a process: attention of 1-2 heads x 64 queries with a gradient (Zen 4, 2 threads)
+# went to the op in 4 of 32 fresh processes, where it runs 0.81x SDPA; 20 rounds sent it to SDPA in all 32,
+# at 5.9 ms of probing a class instead of 2.0
+_SMALL_ROUNDS = 20
 # the op's best time must beat torch's by this factor: a near tie takes torch's function (the op's side of a
 # small call pays Python's autograd hop, whose cost varies more than a kernel's)
 _OWN_MARGIN = 1.03
