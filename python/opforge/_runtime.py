@@ -132,6 +132,7 @@ def set_isa(name: str) -> None:
     CPU lacks it or the name is unknown."""
     library._call("opforge_set_isa", name.encode())
     TORCH_LINEARS.clear()  # the kernel table is part of the GEMM provider's classes
+    SMALL_TRIALS.clear()
 
 
 def get_isa() -> str:
@@ -188,6 +189,9 @@ _dll.opforge_gemm_choice_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_
 # mode still measures a class). It stays so for the process unless the mode or the ISA changes (set_gemm,
 # set_isa empty it); opforge.linear calls F.linear and opforge.matmul torch.mm where it is True.
 TORCH_LINEARS: dict = {}
+# Small classes auto mode times whole (opforge.functional.linear._small_class), per the same keys while
+# they are tried: [calls so far, the op's best time, torch's]; emptied with TORCH_LINEARS.
+SMALL_TRIALS: dict = {}
 
 
 def set_gemm(mode: str) -> None:
@@ -202,6 +206,7 @@ def set_gemm(mode: str) -> None:
     for small softmax / log_softmax calls with a gradient whether torch's function runs them."""
     library._call("opforge_set_gemm", mode.encode())
     TORCH_LINEARS.clear()
+    SMALL_TRIALS.clear()
 
 
 def get_gemm() -> str:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from .._lib import op_function, require_tensors
 from .._runtime import library, namespace, ops
-from .linear import _operand_dtype, _routed, _torch_faster_whole
+from .linear import _operand_dtype, _routed, _small_class
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -26,12 +26,13 @@ library.dll.opforge_attention_torch_min_work.restype = ctypes.c_int64
 _TORCH_MIN_WORK = library.dll.opforge_attention_torch_min_work()
 
 
-def _sdpa_faster_whole(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
+def _sdpa_small(key, q, k, v, causal: bool, scale, needs_grad: bool) -> int:
     """Whether F.scaled_dot_product_attention runs these operands about as fast as the op or faster, timed
-    whole (_torch_faster_whole): for small problems, where the op's fixed costs outweigh its kernel's speed."""
+    whole (_small_class, whose codes it returns): for small problems, where the op's fixed costs outweigh
+    its kernel's speed."""
     gqa = q.shape[1] != k.shape[1]
-    return _torch_faster_whole(
-        lambda a, b, c: _attention(a, b, c, None, causal, scale)[0],
+    return _small_class(
+        key, lambda a, b, c: _attention(a, b, c, None, causal, scale)[0],
         lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal, scale=scale, enable_gqa=gqa),
         (q, k, v), needs_grad)
 
@@ -41,10 +42,10 @@ def _plain_on_torch(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
     fused CPU attention for its forward and (needs_grad) its backward: the provider's mode torch, or
     classes auto mode settled for torch (csrc/torch/attention.c: opforge_attention_on_torch). The op
     would then only add its autograd hop through Python and its copies of the log-sum-exp. Small
-    problems, which the op never offers torch's kernel, are timed whole on both sides once in auto mode
-    (_sdpa_faster_whole)."""
+    problems, which the op never offers torch's kernel, are timed whole on both sides in auto mode
+    (_sdpa_small: on the first call of a class and again at its 65th)."""
 
-    def query() -> int:
+    def query(key) -> int:
         if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             return 0
         dt = _operand_dtype([q.dtype, k.dtype, v.dtype])
@@ -56,7 +57,7 @@ def _plain_on_torch(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
             return 0  # the op's error
         on_torch = _attention_on_torch(b, h, k.shape[1], n, k.shape[2], d, v.shape[3], dt == torch.bfloat16, causal,
                                        needs_grad)
-        return int(_sdpa_faster_whole(q, k, v, causal, scale, needs_grad)) if on_torch == 2 else on_torch
+        return _sdpa_small(key, q, k, v, causal, scale, needs_grad) if on_torch == 2 else on_torch
 
     return _routed("attention causal" if causal else "attention", needs_grad, query, q, k, v)
 

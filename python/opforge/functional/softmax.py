@@ -6,7 +6,7 @@ import torch
 
 from .._lib import op_function
 from .._runtime import get_gemm, ops
-from .linear import _FLOATS, _routed, _torch_faster_whole
+from .linear import _FLOATS, _routed, _small_class
 
 __all__ = ["log_softmax", "softmax"]
 
@@ -28,18 +28,18 @@ _SMALL = 1 << 20
 def _small_on_torch(kind: str, own, theirs, x: torch.Tensor, dim: int) -> bool:
     """Whether a small eager call with a gradient runs torch's function instead of the op: the op's fixed
     costs (its autograd formula is Python's, ~25 us a forward and backward) outweigh its kernels' speed
-    on small tensors. Auto mode times both whole once per class (_torch_faster_whole: the op against
+    on small tensors. Auto mode times both whole per class (_small_class: the op against
     torch.softmax / torch.log_softmax, forward and backward) and keeps the op only where it is 3% faster;
     mode torch always routes such calls, mode own never. CPU tensors of float32, bfloat16, float16
     (float64, gradcheck's dtype, stays the op's)."""
 
-    def query() -> int:
+    def query(key) -> int:
         if not x.is_cpu or x.dtype not in _FLOATS:
             return 0
         mode = get_gemm()
         if mode != "auto":
             return int(mode == "torch")
-        return int(_torch_faster_whole(lambda a: own(a, dim), lambda a: theirs(a, dim), (x,), True))
+        return _small_class(key, lambda a: own(a, dim), lambda a: theirs(a, dim), (x,), True)
 
     return _routed(kind, 1, query, x, extra=(dim,))
 
@@ -61,7 +61,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     log_softmax; its CUDA autocast runs them in float32, opforge's does not).
 
     A small eager call with a gradient (under 2^20 elements, on the CPU) that
-    torch.softmax runs about as fast or faster, as measured once per class in the GEMM
+    torch.softmax runs about as fast or faster, as measured per class in the GEMM
     provider's auto mode (``OPFORGE_GEMM``; mode torch: every such call),
     is ``torch.softmax`` itself: there the op's autograd formula, which is
     Python's, costs more than its kernels save.
