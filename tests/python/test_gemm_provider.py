@@ -622,6 +622,25 @@ def test_small_class_is_timed_twice(monkeypatch, first, again, answers):
     assert lin._small_class("key", None, None, (), True) == answers[1] and not timings and not lin.SMALL_TRIALS
 
 
+def test_small_class_settled_by_two_threads_at_once(monkeypatch):
+    """A second thread may reach a class's settling call while the first times it (the timing releases the
+    GIL): both settle it, and neither finds the trial gone."""
+    lin = sys.modules["opforge.functional.linear"]
+    monkeypatch.setattr(lin, "SMALL_TRIALS", {})
+    inner = []
+
+    def timed(own, theirs, inputs, needs_grad):
+        if lin.SMALL_TRIALS.get("key", [0])[0] > lin._SMALL_AGAIN and not inner:
+            inner.append(None)  # the other thread's call, made while this one times
+            inner[0] = lin._small_class("key", None, None, (), True)
+        return 100, 90
+
+    monkeypatch.setattr(lin, "_timed_whole", timed)
+    for _ in range(lin._SMALL_AGAIN):
+        assert lin._small_class("key", None, None, (), True) == -2
+    assert lin._small_class("key", None, None, (), True) == 1 and inner == [1] and not lin.SMALL_TRIALS
+
+
 @pytest.mark.parametrize("own_us, theirs_us, on_torch", [(100, 101, True), (100, 102.9, True), (100, 104, False),
                                                          (100, 90, True)])
 def test_small_class_timing_prefers_torch_on_near_ties(monkeypatch, own_us, theirs_us, on_torch):

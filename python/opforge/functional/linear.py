@@ -113,9 +113,9 @@ def _small_class(key, own, theirs, inputs, needs_grad: bool) -> int:
     call (_timed_whole) and answered by that timing for now (-2 torch's function, -1 the op) for
     _SMALL_AGAIN calls, then timed again and settled (1, 0) on each side's best time of the two
     timings, the op's only where it wins by _OWN_MARGIN. A first timing runs among the process's first
-    calls (cold caches, fresh pages, other threads starting): on this 2-core Zen 4 it sent a class whose
-    op runs 1.11x SDPA in steady state (two heads x 128 queries, with a gradient) to SDPA, and one whose
-    op runs 0.81x (one head x 64) to the op, each in some fresh processes."""
+    calls (cold caches, fresh pages, other threads starting): on a 2-core Zen 4, with 6 rounds a side, it
+    sent one head x 64 queries (with a gradient), where the op runs 0.81x SDPA, to the op in 4 of 32
+    fresh processes; two heads x 128, a near tie in steady state, went either way."""
     trial = SMALL_TRIALS.get(key)
     if trial is None:
         if len(SMALL_TRIALS) >= _KEYS_MAX:
@@ -125,7 +125,7 @@ def _small_class(key, own, theirs, inputs, needs_grad: bool) -> int:
     if trial[0] <= _SMALL_AGAIN:
         return -2 if trial[2] <= trial[1] * _OWN_MARGIN else -1
     own_s, theirs_s = _timed_whole(own, theirs, inputs, needs_grad)
-    del SMALL_TRIALS[key]
+    SMALL_TRIALS.pop(key, None)  # another thread may have settled it while this one timed
     return int(min(theirs_s, trial[2]) <= min(own_s, trial[1]) * _OWN_MARGIN)
 
 
