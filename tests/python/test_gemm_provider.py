@@ -644,9 +644,9 @@ def test_small_class_settled_by_two_threads_at_once(monkeypatch):
 @pytest.mark.parametrize("own_us, theirs_us, on_torch", [(100, 101, True), (100, 102.9, True), (100, 104, False),
                                                          (100, 90, True)])
 def test_small_class_timing_prefers_torch_on_near_ties(monkeypatch, own_us, theirs_us, on_torch):
-    """The whole-call timing that settles a small class (_torch_faster_whole) on a clock that each call
-    advances by its side's fixed time: the op keeps the class only where it wins by _OWN_MARGIN, and the
-    two sides run in alternating order, each once to warm up first."""
+    """The whole-call timing of a small class (_small_class's first, _timed_whole) on a clock that each
+    call advances by its side's fixed time: the op takes the class only where it wins by _OWN_MARGIN,
+    and the two sides run in alternating order, each once to warm up first."""
     lin = sys.modules["opforge.functional.linear"]  # the module (the package's `linear` is the function)
     clock, calls = [0.0], []
 
@@ -660,7 +660,9 @@ def test_small_class_timing_prefers_torch_on_near_ties(monkeypatch, own_us, thei
 
     monkeypatch.setattr(lin.time, "perf_counter", lambda: clock[0])
     x = torch.randn(3, 5)
-    assert lin._torch_faster_whole(side("own", own_us), side("theirs", theirs_us), (x,), True) == on_torch
+    monkeypatch.setattr(lin, "SMALL_TRIALS", {})
+    assert lin._small_class("key", side("own", own_us), side("theirs", theirs_us), (x,), True) == (
+        -2 if on_torch else -1)
     rounds = [tuple(calls[i:i + 2]) for i in range(0, len(calls), 2)]
     assert len(rounds) == lin._SMALL_ROUNDS + 1
     assert rounds[::2] == [("theirs", "own")] * len(rounds[::2]) and rounds[1::2] == [("own", "theirs")] * len(

@@ -96,22 +96,15 @@ _SMALL_ROUNDS = 20
 _OWN_MARGIN = 1.03
 
 
-def _torch_faster_whole(own, theirs, inputs, needs_grad: bool) -> bool:
-    """Whether theirs(*inputs) runs about as fast as own(*inputs) or faster, timed whole (_timed_whole).
-    The op keeps a class only where it wins by _OWN_MARGIN. For small problems, where an op's fixed costs
-    (its autograd formula is Python's) can outweigh its kernel's speed."""
-    own_s, theirs_s = _timed_whole(own, theirs, inputs, needs_grad)
-    return theirs_s <= own_s * _OWN_MARGIN
-
-
 # calls of a small class answered by its first timing; the next is timed again and settles it
 _SMALL_AGAIN = 64
 
 
 def _small_class(key, own, theirs, inputs, needs_grad: bool) -> int:
-    """query()'s answer for a small class auto mode times whole (_routed's codes): timed on its first
-    call (_timed_whole) and answered by that timing for now (-2 torch's function, -1 the op) for
-    _SMALL_AGAIN calls, then timed again and settled (1, 0) on each side's best time of the two
+    """query()'s answer for a small class auto mode times whole (_routed's codes), for small problems,
+    where an op's fixed costs (its autograd formula is Python's) can outweigh its kernel's speed: timed
+    on its first call (_timed_whole) and answered by that timing for now (-2 torch's function, -1 the
+    op) for _SMALL_AGAIN calls, then timed again and settled (1, 0) on each side's best time of the two
     timings, the op's only where it wins by _OWN_MARGIN. A first timing runs among the process's first
     calls (cold caches, fresh pages, other threads starting): on a 2-core Zen 4, with 6 rounds a side, it
     sent one head x 64 queries (with a gradient), where the op runs 0.81x SDPA, to the op in 4 of 32
