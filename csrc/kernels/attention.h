@@ -224,7 +224,7 @@ typedef struct attention_bwd_plan {
     int whole;           /* a task is a whole head group */
     int cut;             /* some key block's pairs are cut into chunks (span < its pairs) */
     int64_t span;        /* (head, query block) pairs per chunk of a key block */
-    int64_t tasks, key_blocks, turns, workers, per_worker;
+    int64_t tasks, key_blocks, turns, kv_turns, workers, per_worker; /* kv_turns: the cut key blocks' (chunk tasks) */
     int64_t delta, dq32, turns_at, kv_turns_at, kv_sums, slices, floats;
 } attention_bwd_plan;
 
