@@ -5,7 +5,10 @@
  * backward drivers share the block sizes, the workspace carving, the masking
  * of a tile and the packing predicate, and the two layouts are the one
  * statement of the workspace their plans size; the plans' task costs (for the
- * plan tables) read the same task orders the workers pull, so they sit here too.
+ * plan tables) read the same task orders the workers pull, so they sit here too,
+ * with the backward's cut of key blocks into chunks (its span, its tasks' order,
+ * the turns that sum a block's chunks). Moving the backward to a file of its own
+ * would need a private header of those shared statics (about 100 lines).
  */
 #include "attention.h"
 
