@@ -315,7 +315,7 @@ int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers) {
 /* The product offered to the provider pv: 1 if it ran it */
 static int offer(const gemm_provider *pv, const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b,
                  int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, float *workspace,
-                 int64_t ws_floats, int claimed) {
+                 int64_t ws_floats, int claimed, int64_t class_m) {
     const gemm_call call = {.plan = plan,
                             .a = a,
                             .rsa = rsa,
@@ -328,7 +328,8 @@ static int offer(const gemm_provider *pv, const gemm_plan *plan, const void *a, 
                             .ep = ep,
                             .workspace = workspace,
                             .ws_floats = ws_floats,
-                            .claimed = claimed};
+                            .claimed = claimed,
+                            .class_m = class_m};
     return pv->run(&call);
 }
 
@@ -337,16 +338,16 @@ int gemm_run(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, con
     const gemm_provider *pv = gemm_provider_get();
     if (pv && plan->m > 0 && plan->n > 0 && plan->k > 0) {
         if (ws_floats < plan->floats) return -1; /* a caller that sized for another product, whoever runs it */
-        if (offer(pv, plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, workspace, ws_floats, 0)) return 0;
+        if (offer(pv, plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, workspace, ws_floats, 0, 0)) return 0;
     }
     return gemm_run_own(plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, workspace, ws_floats);
 }
 
 int gemm_run_claimed(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,
-                     int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep) {
+                     int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, int64_t class_m) {
     const gemm_provider *pv = gemm_provider_get();
     if (plan->m <= 0 || plan->n <= 0) return 0;
-    return pv && plan->k > 0 && offer(pv, plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, NULL, 0, 1) ? 0 : -1;
+    return pv && plan->k > 0 && offer(pv, plan, a, rsa, csa, b, rsb, csb, c, rsc, ep, NULL, 0, 1, class_m) ? 0 : -1;
 }
 
 int gemm_provider_claims(const gemm_plan *plan, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,

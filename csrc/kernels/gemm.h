@@ -281,7 +281,9 @@ typedef struct gemm_call {
     const gemm_epilogue *ep;
     float *workspace; /* gemm_run's: what a provider hands gemm_run_own when it runs opforge's kernels itself */
     int64_t ws_floats;
-    int claimed; /* gemm_run_claimed's (no workspace): run on the provider's own GEMM, or declined */
+    int claimed;     /* gemm_run_claimed's (no workspace): run on the provider's own GEMM, or declined */
+    int64_t class_m; /* a claimed call's: the rows of the products whose class was claimed (a caller that merged
+                        row chunks into this one product), or 0: plan->m */
 } gemm_call;
 
 typedef struct gemm_provider {
@@ -312,11 +314,12 @@ int gemm_provider_settled(const gemm_plan *plan, int64_t rsa, int64_t csa, int64
                           const gemm_epilogue *ep);
 
 /* A claimed product (gemm_provider_claims said so for its class), with no workspace: offered to the
- * provider alone, marked claimed. 0, or -1 when it declines after all (its mode changed since, or its
- * GEMM failed), possibly after writing part of C or of the results: the caller runs it again with a
- * workspace. */
+ * provider alone, marked claimed. class_m: the rows of the products the caller asked the claim about
+ * where it merged their row chunks into this one (0: the plan's own). 0, or -1 when it declines after
+ * all (its mode changed since, or its GEMM failed), possibly after writing part of C or of the
+ * results: the caller runs it again with a workspace. */
 int gemm_run_claimed(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,
-                     int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep);
+                     int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep, int64_t class_m);
 
 /* gemm_run on opforge's kernels, the provider not asked (what it compares itself with) */
 int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa, const void *b, int64_t rsb,

@@ -123,7 +123,7 @@ static int linear_gemm(const linear_gemm_plan *plan, const void *a, int64_t rsa,
         const gemm_epilogue ep = product_epilogue(dt, n, r0, out, pre, bias, act);
         float *c = dt == OPF_F32 ? (float *)out + r0 * n : cbuf;
         if (plan->claimed) { /* the provider's, with no workspace: it declines only after a change of mode */
-            if (gemm_run_claimed(part, at(a, r0 * rsa, dt), rsa, csa, b, rsb, csb, c, n, &ep) != 0)
+            if (gemm_run_claimed(part, at(a, r0 * rsa, dt), rsa, csa, b, rsb, csb, c, n, &ep, plan->class_m) != 0)
                 return LINEAR_ERR_DECLINED;
             continue;
         }
@@ -155,6 +155,7 @@ static void linear_gemm_plan_claim(linear_gemm_plan *p, int64_t rsa, int64_t csa
     const gemm_plan whole = gemm_plan_make(p->gemm, p->m, p->n, p->k, p->dt, p->dt, p->threads);
     p->claimed = 1;
     p->c_scratch = 0;
+    p->class_m = p->chunk;
     p->chunk = p->m;
     p->full = whole;
     p->last = gemm_plan_make(p->gemm, 0, p->n, p->k, p->dt, p->dt, p->threads);

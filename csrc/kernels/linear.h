@@ -92,6 +92,7 @@ int64_t linear_chunk_rows(int64_t rows, int64_t n);
 typedef struct linear_gemm_plan {
     opf_dtype dt; /* of A, B and the results */
     int64_t m, n, k, chunk;
+    int64_t class_m; /* a claimed plan's: the rows of the products the claim was asked about (its chunk's) */
     int c_scratch;
     int claimed; /* the GEMM provider's (linear_*_plan_claim): one product, no workspace */
     int settled; /* after the claim: whether `claimed` is final for the process (gemm_provider_settled) */

@@ -330,7 +330,8 @@ static int grad_gemm(const linear_cross_entropy_plan *l, const gemm_plan *g, con
                      const void *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, const gemm_epilogue *ep,
                      float *ws) {
     if (l->claimed)
-        return gemm_run_claimed(g, a, rsa, csa, b, rsb, csb, c, rsc, ep) == 0 ? 0 : LINEAR_CROSS_ENTROPY_ERR_DECLINED;
+        return gemm_run_claimed(g, a, rsa, csa, b, rsb, csb, c, rsc, ep, 0) == 0 ? 0
+                                                                                 : LINEAR_CROSS_ENTROPY_ERR_DECLINED;
     return gemm_run(g, a, rsa, csa, b, rsb, csb, c, rsc, ep, ws, l->gemm_floats) == 0
                ? 0
                : LINEAR_CROSS_ENTROPY_ERR_WORKSPACE;

@@ -276,14 +276,16 @@ static int sdpa_begin(const attention_problem *p, int backward, opf_provider_tur
 }
 
 /* Whether an eager call of these operands (no mask; strides aside) runs torch's fused attention for
- * its forward and, when a gradient is needed, its backward: 1 (the mode torch, or classes auto mode
- * decided for torch: the Python wrapper then calls F.scaled_dot_product_attention itself, which runs
- * the same kernel without the op's autograd hop and copies), 0 (final: not), -1 (auto mode still
- * measures a class: ask again), 2 (auto mode, a case torch's kernel covers below the work the op
+ * its forward and, when a gradient is needed, its backward: 1 (the mode torch: the Python wrapper then
+ * calls F.scaled_dot_product_attention itself, which runs the same kernel without the op's autograd
+ * hop and copies), 3 (the same for classes auto mode decided for torch, which it re-checks: ask again at
+ * the re-checks' call numbers, 32, 64, ... 2048, with `routed` the calls sent to torch's function since
+ * last asked), 0 (final: not), -1 (auto mode still measures a class, or waits for a re-check's sample
+ * of opforge's kernel: ask again), 2 (auto mode, a case torch's kernel covers below the work the op
  * offers it: the op's fixed costs, its autograd hop through Python among them, weigh most there, so
  * the wrapper times whole calls of both instead). */
 OPF_EXPORT int opforge_attention_on_torch(int64_t b, int64_t h, int64_t hkv, int64_t n, int64_t s, int64_t d_qk,
-                                          int64_t d_v, int bf16, int causal, int needs_grad) {
+                                          int64_t d_v, int bf16, int causal, int needs_grad, int64_t routed) {
     const attention_problem p = {.b = b,
                                  .h = h,
                                  .hkv = hkv,
@@ -297,10 +299,11 @@ OPF_EXPORT int opforge_attention_on_torch(int64_t b, int64_t h, int64_t hkv, int
     if (mode == OPF_PROVIDER_OWN || !sdpa_covers(&p)) return 0;
     if (mode == OPF_PROVIDER_TORCH) return 1;
     if (!sdpa_takes(&p)) return 2;
-    int answer = 1;
+    int answer = 3;
     for (int pass = 0; pass < 1 + (needs_grad != 0); pass++) {
         char key[160];
         sdpa_key(key, sizeof key, pass ? "bwd" : "fwd", &p);
+        opf_provider_routed(key, routed);
         int torch = 0;
         if (!opf_provider_decided(key, &torch)) {
             answer = -1;

@@ -18,7 +18,7 @@
  * against best sample; a product with an epilogue stays on opforge's kernel
  * within 3%, a plain product needs opforge's kernel 5% ahead: a near tie
  * goes to torch's, the GEMM eager runs) runs every product of the class from
- * then on; a class kept on opforge's kernel is re-checked on later calls
+ * then on; a class is re-checked on later calls, whichever GEMM it went to
  * (RECHECK_FIRST). The measuring costs
  * no extra work: the products are the caller's own, on their own operands and
  * outputs, at their own sizes; only those few calls may run the slower GEMM.
@@ -26,7 +26,8 @@
  * (keyed by CPU model, torch version and build of opforge's library), on
  * disk, so a later process measures nothing it has measured before. A class
  * settled on torch's GEMM is claimed (provider_claims): linear's and
- * matmul's plans then run its products whole, with no opforge workspace.
+ * matmul's plans then run its products whole, with no opforge workspace (a
+ * re-check's sample of opforge's kernel on such a call brings its own).
  * (A first version timed both GEMMs on a corner of the first product into
  * scratch outputs: the corner's ratio
  * was not the whole product's -- at 2048^3 it chose torch's GEMM where
@@ -68,13 +69,20 @@ enum { MIN_WORK = 1 << 18 }; /* 64^3 multiply-adds */
  * MORE_SAMPLES times (the extra calls cost at most that gap each). */
 enum { SAMPLES = 3, MORE_SAMPLES = 8 };
 #define CLOSE 0.92
-/* A class decided for opforge's kernel is sampled again on torch's, then on its own, at its calls number
- * RECHECK_FIRST, twice that, ... up to RECHECK_LAST in a process (7 pairs of samples at most): the first
- * calls' samples run among cold caches and fresh pages, and a rate a busy moment cut short would
- * otherwise keep a class on the slower kernel for good (the decision moves to torch's where its best
- * sample then clears the margin). A class on torch's kernel runs whole without opforge's workspace
- * (claimed), so it is not sampled again. */
+/* A decided class is sampled again on torch's kernel, then on opforge's, at its calls number
+ * RECHECK_FIRST, twice that, ... up to RECHECK_LAST in a process (7 pairs of samples at most), and the
+ * two best samples decide it again: the first calls' samples run among cold caches and fresh pages, and
+ * a rate a busy moment cut short would otherwise keep a class on the slower kernel for good -- and in
+ * the cache file, for every later process (on Zen 4 a 1 x 512 x 512 float32 product went to torch's
+ * GEMM at 9.2 against 12.8 GFLOP/s in a busy process, where opforge's runs 25-51 against 11-20).
+ * A class on torch's GEMM counts the calls it claims (run with no workspace: the sample of opforge's
+ * kernel brings its own) and the calls the Python layer sent to torch's function in its stead
+ * (opf_provider_routed); after its torch sample it is unsettled until opforge's is taken, which makes
+ * the Python layer send its next call to the op. */
 enum { RECHECK_FIRST = 32, RECHECK_LAST = 2048 };
+/* the most floats a claimed call's sample of opforge's kernel allocates (its workspace, and float32 partial
+ * sums where the call writes 16-bit results only): past it the re-check is given up */
+enum { OWN_SAMPLE_MAX_FLOATS = 1 << 24 };
 /* own's best rate over torch's that keeps a class on opforge's kernel (opf_provider_end) */
 #define OWN_FUSED_MARGIN 0.97
 #define OWN_PLAIN_MARGIN 1.05
@@ -86,7 +94,9 @@ typedef struct choice {
     double own_rate, torch_rate; /* the best samples, in multiply-adds per nanosecond */
     int here;                    /* measured in this process (0: read from the cache file) */
     int calls;                   /* calls since it was decided, in this process (the re-checks' count) */
-    int recheck_own;             /* a re-check's sample of torch's kernel was taken: own's comes next */
+    int recheck_own;             /* a re-check's sample of torch's kernel was taken (or, for calls the Python
+                                    layer routed, skipped): own's comes next */
+    unsigned reported;           /* the last report of routed calls counted (opf_provider_routed_calls) */
 } choice;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -94,6 +104,11 @@ static choice *choices;
 static int nchoices, capacity;
 static char cache_file[1024];
 static int cache_read;
+/* this thread's report of calls the Python layer routed to torch's function (opf_provider_routed_calls):
+ * their count and the report's number (0: none) */
+static _Thread_local int64_t report_calls;
+static _Thread_local unsigned report_id;
+static unsigned reports; /* atomic */
 
 /* ---- torch's product ------------------------------------------------------- */
 
@@ -231,12 +246,14 @@ static char dt_char(opf_dtype dt) { return dt == OPF_F32 ? 'f' : dt == OPF_BF16 
 static char layout(int64_t rs, int64_t cs) { return cs == 1 ? 'n' : rs == 1 ? 't' : 'g'; }
 
 /* "avx512_12x32 fb>f e t2 m11 n13 k9 nt": table, operand types > result type, epilogue, threads,
- * log2 of M, N, K rounded up, layouts of A and B (n: rows contiguous, t: columns) */
+ * log2 of M (of the products the claim was asked about, for a claimed call that merged them), N, K
+ * rounded up, layouts of A and B (n: rows contiguous, t: columns) */
 static void class_key(const gemm_call *k, char *key, size_t len) {
     const gemm_plan *p = k->plan;
+    const int64_t m = k->claimed && k->class_m > 0 ? k->class_m : p->m;
     snprintf(key, len, "%s %c%c>%c %c t%lld m%d n%d k%d %c%c", p->kern->name, dt_char(p->ta), dt_char(p->tb),
              k->ep->out16 ? dt_char(k->ep->out_dt) : 'f', gemm_epilogue_needed(k->ep) ? 'e' : '-',
-             (long long)p->threads, opf_provider_log2_up(p->m), opf_provider_log2_up(p->n), opf_provider_log2_up(p->k),
+             (long long)p->threads, opf_provider_log2_up(m), opf_provider_log2_up(p->n), opf_provider_log2_up(p->k),
              layout(k->rsa, k->csa), layout(k->rsb, k->csb));
 }
 
@@ -317,6 +334,44 @@ static void save(const choice *c) {
 
 int opf_provider_mode(void) { return __atomic_load_n(&mode, __ATOMIC_RELAXED); }
 
+/* under lock: counts `more` calls of a decided class; 1 where they reach a re-check (its call number
+ * RECHECK_FIRST, twice that, ... RECHECK_LAST since the decision) */
+static int recheck_due(choice *c, int64_t more) {
+    if (c->calls > RECHECK_LAST || more <= 0) return 0;
+    const int64_t from = c->calls, to = from + more;
+    c->calls = to > RECHECK_LAST ? RECHECK_LAST + 1 : (int)to;
+    for (int64_t at = RECHECK_FIRST; at <= RECHECK_LAST; at *= 2)
+        if (from < at && at <= to) return 1;
+    return 0;
+}
+
+/* under lock: counts calls of a class on torch's kernel that the Python layer routed to torch's own
+ * function (no sample of torch's: own's comes next) */
+static void count_routed(choice *c, int64_t calls) {
+    if (c && c->decided && c->torch && !c->recheck_own && recheck_due(c, calls)) {
+        c->recheck_own = 1;
+        opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: opforge's kernel samples its next call",
+                c->key, c->calls);
+    }
+}
+
+/* under lock: whether a decided class's choice stands (not one on torch's kernel waiting for a re-check's
+ * sample of opforge's: that one is unsettled until the sample) */
+static int stands(const choice *c) { return c->decided && !(c->torch && c->recheck_own); }
+
+void opf_provider_routed(const char *key, int64_t calls) {
+    if (calls <= 0 || opf_provider_mode() != OPF_PROVIDER_AUTO) return;
+    pthread_mutex_lock(&lock);
+    if (!cache_read) read_cache();
+    count_routed(find(key), calls);
+    pthread_mutex_unlock(&lock);
+}
+
+void opf_provider_routed_calls(int64_t calls) {
+    report_calls = calls > 0 ? calls : 0;
+    report_id = calls > 0 ? __atomic_add_fetch(&reports, 1, __ATOMIC_RELAXED) | 1u : 0;
+}
+
 int opf_provider_begin(const char *key, opf_provider_turn *turn) {
     const int md = opf_provider_mode();
     turn->measuring = 0;
@@ -330,14 +385,11 @@ int opf_provider_begin(const char *key, opf_provider_turn *turn) {
         turn->torch = 0;
     } else if (c->decided) {
         turn->torch = c->torch;
-        if (!c->torch && c->calls <= RECHECK_LAST) { /* a re-check's samples: torch's, then own's */
-            c->calls++;
-            if (c->recheck_own || (c->calls >= RECHECK_FIRST && !(c->calls & (c->calls - 1)))) {
-                turn->torch = !c->recheck_own;
-                c->recheck_own = turn->torch;
-                turn->measuring = 1;
-                snprintf(turn->key, sizeof turn->key, "%s", key);
-            }
+        if (c->recheck_own || recheck_due(c, 1)) { /* a re-check's samples: torch's, then own's */
+            turn->torch = !c->recheck_own;
+            c->recheck_own = turn->torch;
+            turn->measuring = 1;
+            snprintf(turn->key, sizeof turn->key, "%s", key);
         }
     } else { /* a sample of the side with fewer, opforge's first */
         turn->torch = c->n_torch < c->n_own;
@@ -354,21 +406,23 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
     const double rate = work / ((opf_now_us() - turn->t0) * 1e3 + 1.0); /* per nanosecond */
     pthread_mutex_lock(&lock);
     choice *c = find(turn->key);
-    const int rechecked = c && c->decided && !c->torch; /* a re-check's sample (opf_provider_begin) */
+    const int rechecked = c && c->decided; /* a re-check's sample (opf_provider_begin) */
     if (c && failed) { /* torch's kernel could not run it: opforge's, for good, and no more re-checks */
-        c->decided = 1, c->torch = 0, c->here = rechecked ? c->here : 1;
+        c->here = rechecked && !c->torch ? c->here : 1;
+        c->decided = 1, c->torch = 0;
         c->calls = RECHECK_LAST + 1, c->recheck_own = 0;
-    } else if (c && (rechecked || !c->decided)) { /* the side's best sample */
+    } else if (c) { /* the side's best sample */
         *(turn->torch ? &c->n_torch : &c->n_own) += 1;
         double *best = turn->torch ? &c->torch_rate : &c->own_rate;
         if (rate > *best) *best = rate;
     }
-    if (rechecked && !failed && !turn->torch &&
-        c->torch_rate > c->own_rate / (turn->fused ? OWN_FUSED_MARGIN : OWN_PLAIN_MARGIN)) {
-        c->torch = 1, c->here = 1;
+    const int torch_now =
+        c && c->torch_rate > c->own_rate / (turn->fused ? OWN_FUSED_MARGIN : OWN_PLAIN_MARGIN); /* by the best */
+    if (rechecked && !failed && !turn->torch && torch_now != c->torch) { /* own's sample ends the re-check */
+        c->torch = torch_now, c->here = 1;
         save(c);
-        opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: own %.1f, torch %.1f GFLOP/s: torch", c->key,
-                c->calls, 2 * c->own_rate, 2 * c->torch_rate);
+        opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: own %.1f, torch %.1f GFLOP/s: %s", c->key,
+                c->calls, 2 * c->own_rate, 2 * c->torch_rate, c->torch ? "torch" : "own");
     } else if (c && !c->decided) {
         /* own's rate is set against torch's over the margin it must clear: within 3% behind where it
          * fuses an epilogue (a near tie stays with the kernel that saves a pass), 5% ahead for a plain
@@ -391,16 +445,58 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
     pthread_mutex_unlock(&lock);
 }
 
+/* A claimed call (of a class on torch's GEMM, run with no workspace): counted, and a re-check's sample of
+ * either kernel where one is due (opf_provider_begin's, for a call that has no workspace to offer) */
+static void claimed_turn(const gemm_call *k, opf_provider_turn *turn) {
+    char key[160];
+    class_key(k, key, sizeof key);
+    pthread_mutex_lock(&lock);
+    choice *c = find(key);
+    if (c && c->decided && c->torch && (c->recheck_own || recheck_due(c, 1))) {
+        turn->torch = !c->recheck_own;
+        c->recheck_own = turn->torch;
+        turn->measuring = 1;
+        snprintf(turn->key, sizeof turn->key, "%s", key);
+    }
+    pthread_mutex_unlock(&lock);
+    if (turn->measuring) turn->t0 = opf_now_us();
+}
+
+/* A claimed call on opforge's kernels, a re-check's sample: on a workspace of its own, and float32 partial
+ * sums where the call writes 16-bit results only and K spans several slices (both touched before the
+ * clock starts, as a workspace the op reuses would be); 1, or 0 where they would pass
+ * OWN_SAMPLE_MAX_FLOATS or cannot be had (the call is then torch's, unsampled). */
+static int own_sample(const gemm_call *k, opf_provider_turn *turn, double work) {
+    const gemm_plan *p = k->plan;
+    const int sums = !k->c && p->k > gemm_slice_depth(p->kern, p->ta, p->tb);
+    const int64_t floats = gemm_workspace(p), total = floats + (sums ? p->m * k->rsc : 0);
+    float *ws = total <= OWN_SAMPLE_MAX_FLOATS ? alloc((size_t)total * sizeof(float)) : NULL;
+    if (!ws) return 0;
+    memset(ws, 0, (size_t)total * sizeof(float));
+    turn->t0 = opf_now_us();
+    const int rc = gemm_run_own(p, k->a, k->rsa, k->csa, k->b, k->rsb, k->csb, sums ? ws + floats : k->c, k->rsc, k->ep,
+                                ws, floats);
+    free(ws);
+    if (rc == 0) opf_provider_end(turn, work, 0);
+    return rc == 0;
+}
+
 static int provider_run(const gemm_call *k) {
     const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
     if (md == MODE_OWN || !takes(k)) return 0;
-    opf_provider_turn turn = {.torch = 1}; /* a claimed call: of a class settled for torch, no sample */
+    opf_provider_turn turn = {.torch = 1}; /* a claimed call: of a class settled for torch */
     const double work = (double)k->plan->m * (double)k->plan->n * (double)k->plan->k;
     if (!k->claimed) {
         char key[160];
         class_key(k, key, sizeof key);
         opf_provider_begin(key, &turn);
-        turn.fused = gemm_epilogue_needed(k->ep); /* a plain product fuses nothing: a near tie goes to the faster */
+    } else if (md == MODE_AUTO) {
+        claimed_turn(k, &turn);
+    }
+    turn.fused = gemm_epilogue_needed(k->ep); /* a plain product fuses nothing: a near tie goes to the faster */
+    if (!turn.torch && k->claimed) {          /* a re-check's sample of opforge's kernel, or torch's unsampled */
+        if (own_sample(k, &turn, work)) return 1;
+        turn.torch = 1, turn.measuring = 0;
     }
     if (!turn.torch) { /* opforge's kernels, timed here while the class is measured (else declined) */
         if (!turn.measuring) return 0;
@@ -421,37 +517,51 @@ static int provider_run(const gemm_call *k) {
 }
 
 /* Whether auto mode has decided k's class (measured here or read from the cache file); *torch: for
- * torch's GEMM */
-static int class_decided(const gemm_call *k, int *torch) {
+ * torch's GEMM. settled: only where the decision stands (stands()). report: this thread's report of
+ * routed calls is counted for the class (once a report). */
+static int class_decided(const gemm_call *k, int *torch, int settled, int report) {
     char key[160];
     class_key(k, key, sizeof key);
-    return opf_provider_decided(key, torch);
+    pthread_mutex_lock(&lock);
+    if (!cache_read) read_cache();
+    choice *c = find(key);
+    if (report && c && report_id && c->reported != report_id) {
+        c->reported = report_id;
+        count_routed(c, report_calls);
+    }
+    const int decided = c && (settled ? stands(c) : c->decided);
+    *torch = decided && c->torch;
+    pthread_mutex_unlock(&lock);
+    return decided;
 }
 
 int opf_provider_decided(const char *key, int *torch) {
     pthread_mutex_lock(&lock);
     if (!cache_read) read_cache();
     const choice *c = find(key);
-    const int decided = c && c->decided;
+    const int decided = c && stands(c);
     *torch = decided && c->torch;
     pthread_mutex_unlock(&lock);
     return decided;
 }
 
 /* Mode torch, or a class decided for torch: provider_run runs such a call, marked claimed, on torch's
- * GEMM, which writes the result itself and needs no workspace. */
+ * GEMM, which writes the result itself and needs no workspace (or samples opforge's kernel on a
+ * workspace of its own for a re-check). */
 static int provider_claims(const gemm_call *k) {
     const int md = __atomic_load_n(&mode, __ATOMIC_RELAXED);
     if (md == MODE_OWN || !takes_class(k)) return 0;
     int torch = md == MODE_TORCH;
-    return torch || (class_decided(k, &torch) && torch);
+    return torch || (class_decided(k, &torch, 0, 0) && torch);
 }
 
 /* Whether provider_claims' answer is final: modes own and torch, classes torch's GEMM never takes, and
- * classes auto mode has decided are; a class still measured is not. */
+ * classes auto mode has decided are; a class still measured is not, nor one on torch's GEMM that waits
+ * for a re-check's sample of opforge's kernel. Counts this thread's report of routed calls
+ * (opf_provider_routed_calls) for the class. */
 static int provider_settled(const gemm_call *k) {
     int torch;
-    return __atomic_load_n(&mode, __ATOMIC_RELAXED) != MODE_AUTO || !takes_class(k) || class_decided(k, &torch);
+    return __atomic_load_n(&mode, __ATOMIC_RELAXED) != MODE_AUTO || !takes_class(k) || class_decided(k, &torch, 1, 1);
 }
 
 static const gemm_provider torch_provider = {

@@ -360,21 +360,13 @@ OPF_AOTI_SHIM(linear_backward_, 3,
                AtenTensorHandle preact, const char *activation, int64_t needs),
               grad, x, weight, bias, preact, activation, needs);
 
-/* A product the provider did not claim: 0 where that is final for the process, -1 while it may change
- * (auto mode still measuring the class) */
+/* A product the provider did not claim, or claimed for now: 0 where that is final for the process, -1
+ * while it may change (auto mode still measuring the class, or waiting for a re-check's sample) */
 static int unclaimed(const linear_gemm_plan *g) { return g->settled ? 0 : -1; }
 
-/* Whether torch's GEMM runs every product of a plain linear (no activation) of these sizes and layouts
- * on this thread count: x (m, k) of strides (rsx, csx), weight (n, k) of (rsw, csw), float32 or
- * bfloat16 (bf16 set), with a bias or not, and, with grad set, its direct backward (a contiguous
- * gradient: dx and dweight). The GEMM provider claims each of them (mode torch, or a class auto mode
- * settled for torch). The op then fuses nothing that F.linear does not, and the Python layer calls
- * F.linear instead: the same GEMM, without the custom op's autograd hop through Python. 1: yes; 0: no,
- * for the rest of the process (until the mode or the ISA changes); -1: not now (a class of a product
- * auto mode is still measuring). */
-OPF_EXPORT int opforge_linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsx, int64_t csx, int64_t rsw,
-                                       int64_t csw, int bf16, int bias, int grad, int64_t threads) {
-    if (m <= 0 || n <= 0 || k <= 0) return 0;
+/* opforge_linear_on_torch's answer (1 for 3) */
+static int linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsx, int64_t csx, int64_t rsw, int64_t csw,
+                           int bf16, int bias, int grad, int64_t threads) {
     static const float mark; /* the claims read which pointers are set, never their data */
     const int64_t xs[2] = {m, k}, xst[2] = {rsx, csx}, gs[2] = {m, n}, gst[2] = {n, 1};
     linear_problem p = {.n = n,
@@ -389,7 +381,7 @@ OPF_EXPORT int opforge_linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t 
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     linear_fwd_plan fwd = linear_fwd_plan_make(gemm, &p, threads);
     linear_fwd_plan_claim(&fwd, &p);
-    if (!fwd.product.claimed) return unclaimed(&fwd.product);
+    if (!fwd.product.claimed || !fwd.product.settled) return unclaimed(&fwd.product);
     if (!grad) return 1;
     p.grad = (linear_view){.data = (void *)&mark, .ndim = 2, .sizes = gs, .strides = gst};
     p.dx = p.dweight = (void *)&mark;
@@ -397,17 +389,33 @@ OPF_EXPORT int opforge_linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t 
     linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &p, 0, threads);
     linear_bwd_plan_claim(&bwd, &p);
     if (bwd.strategy != LINEAR_BWD_DIRECT) return 0;
-    if (!bwd.in_place.dx.claimed) return unclaimed(&bwd.in_place.dx);
-    return bwd.in_place.dweight.claimed ? 1 : unclaimed(&bwd.in_place.dweight);
+    if (!bwd.in_place.dx.claimed || !bwd.in_place.dx.settled) return unclaimed(&bwd.in_place.dx);
+    return bwd.in_place.dweight.claimed && bwd.in_place.dweight.settled ? 1 : unclaimed(&bwd.in_place.dweight);
 }
 
-/* The same question for a 2-d matmul: a (m, k) of strides (rsa, csa) times b (k, n) of (rsb, csb), and,
- * with needs set (1: da, 2: db, 3: both), the backward's products from a contiguous gradient. Python
- * then calls torch.mm: the same GEMM, without the op's hop through the dispatcher and its autograd.
- * 1, 0 or -1 as above. */
-OPF_EXPORT int opforge_matmul_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,
-                                       int64_t csb, int bf16, int needs, int64_t threads) {
+/* Whether torch's GEMM runs every product of a plain linear (no activation) of these sizes and layouts
+ * on this thread count: x (m, k) of strides (rsx, csx), weight (n, k) of (rsw, csw), float32 or
+ * bfloat16 (bf16 set), with a bias or not, and, with grad set, its direct backward (a contiguous
+ * gradient: dx and dweight). The GEMM provider claims each of them (mode torch, or a class auto mode
+ * settled for torch). The op then fuses nothing that F.linear does not, and the Python layer calls
+ * F.linear instead: the same GEMM, without the custom op's autograd hop through Python. 1: yes, for
+ * the rest of the process (mode torch; until the mode or the ISA changes); 3: yes, and auto mode
+ * re-checks the classes: ask again at the re-checks' call numbers (32, 64, ... 2048), with `routed`
+ * the calls sent to F.linear since last asked; 0: no, for the rest of the process; -1: not now (a
+ * class of a product auto mode is still measuring, or one that waits for a re-check's sample of
+ * opforge's kernel: the op's next call takes it). */
+OPF_EXPORT int opforge_linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsx, int64_t csx, int64_t rsw,
+                                       int64_t csw, int bf16, int bias, int grad, int64_t threads, int64_t routed) {
     if (m <= 0 || n <= 0 || k <= 0) return 0;
+    opf_provider_routed_calls(routed);
+    const int answer = linear_on_torch(m, n, k, rsx, csx, rsw, csw, bf16, bias, grad, threads);
+    opf_provider_routed_calls(0);
+    return answer == 1 && opf_provider_mode() == OPF_PROVIDER_AUTO ? 3 : answer;
+}
+
+/* opforge_matmul_on_torch's answer (1 for 3) */
+static int matmul_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,
+                           int bf16, int needs, int64_t threads) {
     static const float mark; /* the claims read which pointers are set, never their data */
     const int64_t as[2] = {m, k}, ast[2] = {rsa, csa}, bs[2] = {k, n}, bst[2] = {rsb, csb}, gs[2] = {m, n},
                   gst[2] = {n, 1};
@@ -418,10 +426,23 @@ OPF_EXPORT int opforge_matmul_on_torch(int64_t m, int64_t n, int64_t k, int64_t 
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     matmul_fwd_plan fwd = matmul_fwd_plan_make(gemm, dt, 1, m, n, k, threads);
     matmul_fwd_plan_claim(&fwd, &av, &bv);
-    if (!fwd.product.claimed) return unclaimed(&fwd.product);
+    if (!fwd.product.claimed || !fwd.product.settled) return unclaimed(&fwd.product);
     if (!needs) return 1;
     matmul_bwd_plan bwd = matmul_bwd_plan_make(gemm, dt, 1, m, n, k, threads);
     matmul_bwd_plan_claim(&bwd, &gv, &av, &bv);
-    if (needs & 1 && !bwd.da.claimed) return unclaimed(&bwd.da);
-    return needs & 2 && !bwd.db.claimed ? unclaimed(&bwd.db) : 1;
+    if (needs & 1 && (!bwd.da.claimed || !bwd.da.settled)) return unclaimed(&bwd.da);
+    return needs & 2 && (!bwd.db.claimed || !bwd.db.settled) ? unclaimed(&bwd.db) : 1;
+}
+
+/* The same question for a 2-d matmul: a (m, k) of strides (rsa, csa) times b (k, n) of (rsb, csb), and,
+ * with needs set (1: da, 2: db, 3: both), the backward's products from a contiguous gradient. Python
+ * then calls torch.mm: the same GEMM, without the op's hop through the dispatcher and its autograd.
+ * 1, 3, 0 or -1 as above (routed: the calls sent to torch.mm since last asked). */
+OPF_EXPORT int opforge_matmul_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,
+                                       int64_t csb, int bf16, int needs, int64_t threads, int64_t routed) {
+    if (m <= 0 || n <= 0 || k <= 0) return 0;
+    opf_provider_routed_calls(routed);
+    const int answer = matmul_on_torch(m, n, k, rsa, csa, rsb, csb, bf16, needs, threads);
+    opf_provider_routed_calls(0);
+    return answer == 1 && opf_provider_mode() == OPF_PROVIDER_AUTO ? 3 : answer;
 }

@@ -49,9 +49,20 @@ typedef struct opf_provider_turn {
  * samples. */
 int opf_provider_begin(const char *key, opf_provider_turn *turn);
 
-/* Whether auto mode has decided the class `key` (measured in this process or read from the cache file);
+/* Whether auto mode has decided the class `key` (measured in this process or read from the cache file),
+ * and the decision stands (not a class on torch's kernel waiting for a re-check's sample of opforge's);
  * *torch: for torch's kernel. */
 int opf_provider_decided(const char *key, int *torch);
+
+/* Counts `calls` calls of the class `key` (decided for torch's kernel) that the Python layer sent to
+ * torch's own function in the op's stead, since it last said: where they reach a re-check, the class is
+ * unsettled (opf_provider_decided: 0) until the op's next call of it samples opforge's kernel. Auto
+ * mode only. */
+void opf_provider_routed(const char *key, int64_t calls);
+
+/* The same for the GEMM classes this thread's next claims of plans ask about (each class counted once):
+ * set before the claims, and cleared (0) after them. */
+void opf_provider_routed_calls(int64_t calls);
 
 /* After the call: records a measuring call's time over `work` (multiply-adds, or any measure of the
  * call's size that the class's calls share), or, with failed, that torch's kernel could not run it

@@ -19,7 +19,7 @@ def _attention(q, k, v, attn_mask, causal, scale):
 
 
 _attention_on_torch = library.dll.opforge_attention_on_torch
-_attention_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3
+_attention_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3 + [ctypes.c_int64]
 _attention_on_torch.restype = ctypes.c_int
 library.dll.opforge_attention_torch_min_work.restype = ctypes.c_int64
 # B H N S D multiply-adds from which the op offers a call to torch's kernel (below: timed whole, with a gradient)
@@ -45,7 +45,7 @@ def _plain_on_torch(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
     problems, which the op never offers torch's kernel, are timed whole on both sides in auto mode
     (_sdpa_small: on the first call of a class and again at its 65th)."""
 
-    def query(key) -> int:
+    def query(key, routed: int) -> int:
         if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             return 0
         dt = _operand_dtype([q.dtype, k.dtype, v.dtype])
@@ -56,7 +56,7 @@ def _plain_on_torch(q, k, v, causal: bool, scale, needs_grad: bool) -> bool:
         if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
             return 0  # the op's error
         on_torch = _attention_on_torch(b, h, k.shape[1], n, k.shape[2], d, v.shape[3], dt == torch.bfloat16, causal,
-                                       needs_grad)
+                                       needs_grad, routed)
         return _sdpa_small(key, q, k, v, causal, scale, needs_grad) if on_torch == 2 else on_torch
 
     return _routed("attention causal" if causal else "attention", needs_grad, query, q, k, v)

@@ -24,10 +24,10 @@ def _linear(x, weight, bias, activation, save_preact=True):
 
 
 _linear_on_torch = library.dll.opforge_linear_on_torch
-_linear_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3 + [ctypes.c_int64]
+_linear_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2
 _linear_on_torch.restype = ctypes.c_int
 _matmul_on_torch = library.dll.opforge_matmul_on_torch
-_matmul_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 2 + [ctypes.c_int64]
+_matmul_on_torch.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 2
 _matmul_on_torch.restype = ctypes.c_int
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter  # no subclass with a behavior of its own
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,11 +52,23 @@ _KEYS_MAX = 4096  # shapes that change call to call (a growing sequence) start t
 _ABSENT = object()  # _routed's b when the op has one tensor (None is a caller's None: never routed)
 
 
+# a key routed to torch's function whose classes auto mode re-checks (query's answer 3) is asked again after
+# this many calls routed, twice as many, ... up to _RECHECK_LAST (the GEMM provider's RECHECK_FIRST / LAST)
+_RECHECK_FIRST, _RECHECK_LAST = 32, 2048
+# calls a re-check sends to the op (answer -1: the provider waits for its sample of opforge's kernel) before
+# the key is routed again: a call whose sample never comes (a dweight's, with no backward) asks no more
+_RECHECK_ASKS = 8
+
+
 def _routed(kind: str, grads: int, query, a, b=_ABSENT, c=None, extra: tuple = ()) -> bool:
     """Whether the product `kind` of a (and b, c) runs on torch's function: the kept answer of its key
-    (TORCH_LINEARS: a known class costs one lookup, ~2 us), else query(key)'s (1 yes, 0 no, both final
-    and kept; -1 no and -2 yes for now: auto mode still measures or tries a class, so the key is asked
-    again next time).
+    (TORCH_LINEARS: a known class costs one lookup, ~2 us), else query(key, routed)'s (1 yes, 0 no, both
+    final and kept; -1 no and -2 yes for now: auto mode still measures or tries a class, so the key is
+    asked again next time; 3 yes, and auto mode re-checks the key's classes: kept as
+    [calls routed, the count that asks again, the count last reported, the re-check's calls sent to the
+    op], asked again at the re-checks' counts with `routed` the calls sent to torch's function since it
+    last asked, which lets the provider sample opforge's kernel on the op's next calls (answers -1, up to
+    _RECHECK_ASKS) and move a class whose first samples a busy moment cut short).
     The key is what decides beyond the arguments' sizes: the mode of the call (autocast's dtype),
     the thread count, each tensor's device, dtype, shape and strides, and `extra`. Never routed (the
     op's own path and checks): while compiling or tracing (which record the op), or where an argument
@@ -77,13 +89,28 @@ def _routed(kind: str, grads: int, query, a, b=_ABSENT, c=None, extra: tuple = (
                c.shape, a.stride(), b.stride(), c.stride(), *extra)
     known = TORCH_LINEARS.get(key)
     if known is not None:
-        return known
-    on_torch = query(key)  # depends on what the key holds alone
+        if known is True or known is False:
+            return known
+        if known[0] != known[1]:  # routed, re-checked: not asked this time
+            known[0] += 1
+            return True
+        on_torch = query(key, known[0] - known[2])
+        known[2] = known[0]
+        known[3] += on_torch == -1
+        if on_torch == 3 or on_torch == -1 and known[3] > _RECHECK_ASKS:
+            known[1] = known[1] * 2 if known[1] < _RECHECK_LAST else -1
+            known[0] += 1
+            known[3] = 0
+            return True
+        if on_torch >= 0:
+            TORCH_LINEARS[key] = on_torch == 1
+        return on_torch == 1 or on_torch == -2  # (for now: asked again next time)
+    on_torch = query(key, 0)  # depends on what the key holds alone
     if on_torch >= 0:
         if len(TORCH_LINEARS) >= _KEYS_MAX:
             TORCH_LINEARS.clear()
-        TORCH_LINEARS[key] = on_torch == 1
-    return on_torch == 1 or on_torch == -2
+        TORCH_LINEARS[key] = [1, _RECHECK_FIRST, 0, 0] if on_torch == 3 else on_torch == 1
+    return on_torch == 1 or on_torch == 3 or on_torch == -2
 
 
 # timed calls of each side for a small class (after one warm-up call each), in alternating order. 6 were too
@@ -153,7 +180,7 @@ def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
     product on torch's GEMM (the provider's mode torch, or classes auto mode settled for torch): the op
     would then fuse nothing F.linear does not, and only add its autograd hop through Python."""
 
-    def query(key) -> int:
+    def query(key, routed: int) -> int:
         if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)) or weight.dim() != 2 or x.dim() < 1:
             return 0
         dt = _operand_dtype([x.dtype, weight.dtype] + ([] if bias is None else [bias.dtype]))
@@ -169,7 +196,7 @@ def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
         if weight.shape[1] != k:
             return 0
         return _linear_on_torch(m, weight.shape[0], k, rsx, csx, *weight.stride(), dt == torch.bfloat16,
-                                bias is not None, needs_grad, _threads())
+                                bias is not None, needs_grad, _threads(), routed)
 
     return _routed("linear", needs_grad, query, x, weight, bias)
 
@@ -177,14 +204,14 @@ def _plain_on_torch(x, weight, bias, needs_grad) -> bool:
 def _mm_on_torch(a, b, needs) -> bool:
     """The same for a 2-d matmul (needs: 1 a's gradient, 2 b's): torch.mm runs it then."""
 
-    def query(key) -> int:
+    def query(key, routed: int) -> int:
         if not (a.is_cpu and b.is_cpu) or a.dim() != 2 or b.dim() != 2:
             return 0
         dt = _operand_dtype([a.dtype, b.dtype])
         if dt is None or a.shape[1] != b.shape[0]:
             return 0
         return _matmul_on_torch(a.shape[0], b.shape[1], a.shape[1], *a.stride(), *b.stride(), dt == torch.bfloat16,
-                                needs, _threads())
+                                needs, _threads(), routed)
 
     return _routed("matmul", needs, query, a, b)
 

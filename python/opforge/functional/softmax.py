@@ -33,7 +33,7 @@ def _small_on_torch(kind: str, own, theirs, x: torch.Tensor, dim: int) -> bool:
     mode torch always routes such calls, mode own never. CPU tensors of float32, bfloat16, float16
     (float64, gradcheck's dtype, stays the op's)."""
 
-    def query(key) -> int:
+    def query(key, routed: int) -> int:  # (never 3: nothing to report)
         if not x.is_cpu or x.dtype not in _FLOATS:
             return 0
         mode = get_gemm()
