@@ -69,17 +69,22 @@ enum { MIN_WORK = 1 << 18 }; /* 64^3 multiply-adds */
  * MORE_SAMPLES times (the extra calls cost at most that gap each). */
 enum { SAMPLES = 3, MORE_SAMPLES = 8 };
 #define CLOSE 0.92
-/* A decided class is sampled again on torch's kernel, then on opforge's, at its calls number
- * RECHECK_FIRST, twice that, ... up to RECHECK_LAST in a process (7 pairs of samples at most), and the
- * two best samples decide it again: the first calls' samples run among cold caches and fresh pages, and
+/* A decided class is sampled again on torch's kernel, then on opforge's (RECHECK_SIDE calls each), from
+ * its calls number RECHECK_FIRST, twice that, ... up to RECHECK_LAST in a process (7 re-checks at most),
+ * and the two best samples decide it again: the first calls' samples run among cold caches and fresh pages, and
  * a rate a busy moment cut short would otherwise keep a class on the slower kernel for good -- and in
  * the cache file, for every later process (on Zen 4 a 1 x 512 x 512 float32 product went to torch's
  * GEMM at 9.2 against 12.8 GFLOP/s in a busy process, where opforge's runs 25-51 against 11-20).
  * A class on torch's GEMM counts the calls it claims (run with no workspace: the sample of opforge's
  * kernel brings its own) and the calls the Python layer sent to torch's function in its stead
- * (opf_provider_routed); after its torch sample it is unsettled until opforge's is taken, which makes
- * the Python layer send its next call to the op. */
+ * (opf_provider_routed: no torch samples then); it is unsettled while opforge's samples are due, which
+ * makes the Python layer send its next calls to the op. */
 enum { RECHECK_FIRST = 32, RECHECK_LAST = 2048 };
+/* A re-check's samples of each kernel, the calls in a row: the first of a kernel that has not run for a
+ * while wakes its threads (opforge's pool, torch's OpenMP team), which for a small product is most of
+ * its time (on Zen 4, 1 x 512 x 512 float32 amid torch's calls: 6-13 GFLOP/s on opforge's kernel
+ * alone, 26-30 on the second call; the best sample counts) */
+enum { RECHECK_SIDE = 2 };
 /* the most floats a claimed call's sample of opforge's kernel allocates (its workspace, and float32 partial
  * sums where the call writes 16-bit results only): past it the re-check is given up */
 enum { OWN_SAMPLE_MAX_FLOATS = 1 << 24 };
@@ -94,8 +99,8 @@ typedef struct choice {
     double own_rate, torch_rate; /* the best samples, in multiply-adds per nanosecond */
     int here;                    /* measured in this process (0: read from the cache file) */
     int calls;                   /* calls since it was decided, in this process (the re-checks' count) */
-    int recheck_own;             /* a re-check's sample of torch's kernel was taken (or, for calls the Python
-                                    layer routed, skipped): own's comes next */
+    int recheck;                 /* a re-check's samples still to take: torch's while above RECHECK_SIDE,
+                                    then own's (calls the Python layer routed start at own's) */
     unsigned reported;           /* the last report of routed calls counted (opf_provider_routed_calls) */
 } choice;
 
@@ -245,16 +250,54 @@ static char dt_char(opf_dtype dt) { return dt == OPF_F32 ? 'f' : dt == OPF_BF16 
 
 static char layout(int64_t rs, int64_t cs) { return cs == 1 ? 'n' : rs == 1 ? 't' : 'g'; }
 
+/* text at `at`, up to end: past its end */
+static char *put_text(char *at, char *end, const char *text) {
+    while (*text && at < end) *at++ = *text++;
+    return at;
+}
+
+static char *put_number(char *at, char *end, int64_t v) {
+    char digits[24];
+    int n = 0;
+    uint64_t u = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+    do digits[n++] = (char)('0' + u % 10);
+    while ((u /= 10) && n < 22);
+    if (v < 0) digits[n++] = '-';
+    while (n && at < end) *at++ = digits[--n];
+    return at;
+}
+
 /* "avx512_12x32 fb>f e t2 m11 n13 k9 nt": table, operand types > result type, epilogue, threads,
  * log2 of M (of the products the claim was asked about, for a claimed call that merged them), N, K
  * rounded up, layouts of A and B (n: rows contiguous, t: columns) */
 static void class_key(const gemm_call *k, char *key, size_t len) {
     const gemm_plan *p = k->plan;
     const int64_t m = k->claimed && k->class_m > 0 ? k->class_m : p->m;
-    snprintf(key, len, "%s %c%c>%c %c t%lld m%d n%d k%d %c%c", p->kern->name, dt_char(p->ta), dt_char(p->tb),
-             k->ep->out16 ? dt_char(k->ep->out_dt) : 'f', gemm_epilogue_needed(k->ep) ? 'e' : '-',
-             (long long)p->threads, opf_provider_log2_up(m), opf_provider_log2_up(p->n), opf_provider_log2_up(p->k),
-             layout(k->rsa, k->csa), layout(k->rsb, k->csb));
+    /* written by hand: this runs on every product's call in auto mode (up to three times), and snprintf's
+     * eleven fields took ~0.5 us of a 20 us call */
+    char *at = key, *const end = key + len - 1;
+    at = put_text(at, end, p->kern->name);
+    const char chars[] = {' ',
+                          dt_char(p->ta),
+                          dt_char(p->tb),
+                          '>',
+                          k->ep->out16 ? dt_char(k->ep->out_dt) : 'f',
+                          ' ',
+                          gemm_epilogue_needed(k->ep) ? 'e' : '-',
+                          ' ',
+                          't',
+                          '\0'};
+    at = put_text(at, end, chars);
+    at = put_number(at, end, p->threads);
+    at = put_text(at, end, " m");
+    at = put_number(at, end, opf_provider_log2_up(m));
+    at = put_text(at, end, " n");
+    at = put_number(at, end, opf_provider_log2_up(p->n));
+    at = put_text(at, end, " k");
+    at = put_number(at, end, opf_provider_log2_up(p->k));
+    const char layouts[] = {' ', layout(k->rsa, k->csa), layout(k->rsb, k->csb), '\0'};
+    at = put_text(at, end, layouts);
+    *at = '\0';
 }
 
 /* under lock */
@@ -348,8 +391,8 @@ static int recheck_due(choice *c, int64_t more) {
 /* under lock: counts calls of a class on torch's kernel that the Python layer routed to torch's own
  * function (no sample of torch's: own's comes next) */
 static void count_routed(choice *c, int64_t calls) {
-    if (c && c->decided && c->torch && !c->recheck_own && recheck_due(c, calls)) {
-        c->recheck_own = 1;
+    if (c && c->decided && c->torch && !c->recheck && recheck_due(c, calls)) {
+        c->recheck = RECHECK_SIDE;
         opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: opforge's kernel samples its next call",
                 c->key, c->calls);
     }
@@ -357,7 +400,17 @@ static void count_routed(choice *c, int64_t calls) {
 
 /* under lock: whether a decided class's choice stands (not one on torch's kernel waiting for a re-check's
  * sample of opforge's: that one is unsettled until the sample) */
-static int stands(const choice *c) { return c->decided && !(c->torch && c->recheck_own); }
+static int stands(const choice *c) { return c->decided && !(c->torch && c->recheck > 0 && c->recheck <= RECHECK_SIDE); }
+
+/* under lock: a decided class's call, counted; a re-check's sample where one is due (into turn: torch's
+ * first, then own's) */
+static void recheck_turn(choice *c, opf_provider_turn *turn) {
+    if (!c->recheck && !recheck_due(c, 1)) return;
+    if (!c->recheck) c->recheck = 2 * RECHECK_SIDE;
+    turn->torch = c->recheck-- > RECHECK_SIDE;
+    turn->measuring = 1;
+    snprintf(turn->key, sizeof turn->key, "%s", c->key);
+}
 
 void opf_provider_routed(const char *key, int64_t calls) {
     if (calls <= 0 || opf_provider_mode() != OPF_PROVIDER_AUTO) return;
@@ -385,12 +438,7 @@ int opf_provider_begin(const char *key, opf_provider_turn *turn) {
         turn->torch = 0;
     } else if (c->decided) {
         turn->torch = c->torch;
-        if (c->recheck_own || recheck_due(c, 1)) { /* a re-check's samples: torch's, then own's */
-            turn->torch = !c->recheck_own;
-            c->recheck_own = turn->torch;
-            turn->measuring = 1;
-            snprintf(turn->key, sizeof turn->key, "%s", key);
-        }
+        recheck_turn(c, turn);
     } else { /* a sample of the side with fewer, opforge's first */
         turn->torch = c->n_torch < c->n_own;
         turn->measuring = 1;
@@ -410,7 +458,7 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
     if (c && failed) { /* torch's kernel could not run it: opforge's, for good, and no more re-checks */
         c->here = rechecked && !c->torch ? c->here : 1;
         c->decided = 1, c->torch = 0;
-        c->calls = RECHECK_LAST + 1, c->recheck_own = 0;
+        c->calls = RECHECK_LAST + 1, c->recheck = 0;
     } else if (c) { /* the side's best sample */
         *(turn->torch ? &c->n_torch : &c->n_own) += 1;
         double *best = turn->torch ? &c->torch_rate : &c->own_rate;
@@ -418,7 +466,7 @@ void opf_provider_end(const opf_provider_turn *turn, double work, int failed) {
     }
     const int torch_now =
         c && c->torch_rate > c->own_rate / (turn->fused ? OWN_FUSED_MARGIN : OWN_PLAIN_MARGIN); /* by the best */
-    if (rechecked && !failed && !turn->torch && torch_now != c->torch) { /* own's sample ends the re-check */
+    if (rechecked && !failed && !turn->torch && !c->recheck && torch_now != c->torch) {         /* own's last sample */
         c->torch = torch_now, c->here = 1;
         save(c);
         opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: own %.1f, torch %.1f GFLOP/s: %s", c->key,
@@ -452,12 +500,7 @@ static void claimed_turn(const gemm_call *k, opf_provider_turn *turn) {
     class_key(k, key, sizeof key);
     pthread_mutex_lock(&lock);
     choice *c = find(key);
-    if (c && c->decided && c->torch && (c->recheck_own || recheck_due(c, 1))) {
-        turn->torch = !c->recheck_own;
-        c->recheck_own = turn->torch;
-        turn->measuring = 1;
-        snprintf(turn->key, sizeof turn->key, "%s", key);
-    }
+    if (c && c->decided && c->torch) recheck_turn(c, turn);
     pthread_mutex_unlock(&lock);
     if (turn->measuring) turn->t0 = opf_now_us();
 }
