@@ -77,8 +77,8 @@ enum { SAMPLES = 3, MORE_SAMPLES = 8 };
  * GEMM at 9.2 against 12.8 GFLOP/s in a busy process, where opforge's runs 25-51 against 11-20).
  * A class on torch's GEMM counts the calls it claims (run with no workspace: the sample of opforge's
  * kernel brings its own) and the calls the Python layer sent to torch's function in its stead
- * (opf_provider_routed: no torch samples then); it is unsettled while opforge's samples are due, which
- * makes the Python layer send its next calls to the op. */
+ * (opf_provider_routed); it is unsettled during a re-check, which makes the Python layer send its next
+ * calls to the op for the samples. */
 enum { RECHECK_FIRST = 32, RECHECK_LAST = 2048 };
 /* A re-check's samples of each kernel, the calls in a row: the first of a kernel that has not run for a
  * while wakes its threads (opforge's pool, torch's OpenMP team), which for a small product is most of
@@ -100,7 +100,7 @@ typedef struct choice {
     int here;                    /* measured in this process (0: read from the cache file) */
     int calls;                   /* calls since it was decided, in this process (the re-checks' count) */
     int recheck;                 /* a re-check's samples still to take: torch's while above RECHECK_SIDE,
-                                    then own's (calls the Python layer routed start at own's) */
+                                    then own's */
     unsigned reported;           /* the last report of routed calls counted (opf_provider_routed_calls) */
 } choice;
 
@@ -389,18 +389,19 @@ static int recheck_due(choice *c, int64_t more) {
 }
 
 /* under lock: counts calls of a class on torch's kernel that the Python layer routed to torch's own
- * function (no sample of torch's: own's comes next) */
+ * function; at a re-check, the op's next calls take its samples (both kernels': the sides' best samples
+ * are set against each other, and a side sampled more often would have more chances of a fast one) */
 static void count_routed(choice *c, int64_t calls) {
     if (c && c->decided && c->torch && !c->recheck && recheck_due(c, calls)) {
-        c->recheck = RECHECK_SIDE;
-        opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: opforge's kernel samples its next call",
-                c->key, c->calls);
+        c->recheck = 2 * RECHECK_SIDE;
+        opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: the op's next calls sample it", c->key,
+                c->calls);
     }
 }
 
-/* under lock: whether a decided class's choice stands (not one on torch's kernel waiting for a re-check's
- * sample of opforge's: that one is unsettled until the sample) */
-static int stands(const choice *c) { return c->decided && !(c->torch && c->recheck > 0 && c->recheck <= RECHECK_SIDE); }
+/* under lock: whether a decided class's choice stands (not one on torch's kernel in a re-check: the Python
+ * layer sends its calls to the op until the samples are taken) */
+static int stands(const choice *c) { return c->decided && !(c->torch && c->recheck > 0); }
 
 /* under lock: a decided class's call, counted; a re-check's sample where one is due (into turn: torch's
  * first, then own's) */

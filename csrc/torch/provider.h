@@ -56,8 +56,8 @@ int opf_provider_decided(const char *key, int *torch);
 
 /* Counts `calls` calls of the class `key` (decided for torch's kernel) that the Python layer sent to
  * torch's own function in the op's stead, since it last said: where they reach a re-check, the class is
- * unsettled (opf_provider_decided: 0) until the op's next call of it samples opforge's kernel. Auto
- * mode only. */
+ * unsettled (opf_provider_decided: 0) until the op's next calls of it have taken the re-check's samples.
+ * Auto mode only. */
 void opf_provider_routed(const char *key, int64_t calls);
 
 /* The same for the GEMM classes this thread's next claims of plans ask about (each class counted once):

@@ -55,9 +55,10 @@ _ABSENT = object()  # _routed's b when the op has one tensor (None is a caller's
 # a key routed to torch's function whose classes auto mode re-checks (query's answer 3) is asked again after
 # this many calls routed, twice as many, ... up to _RECHECK_LAST (the GEMM provider's RECHECK_FIRST / LAST)
 _RECHECK_FIRST, _RECHECK_LAST = 32, 2048
-# calls a re-check sends to the op (answer -1: the provider waits for its sample of opforge's kernel) before
-# the key is routed again: a call whose sample never comes (a dweight's, with no backward) asks no more
-_RECHECK_ASKS = 8
+# answers -1 in a row a re-check may have (the provider waits for its samples, two calls of each kernel, which
+# the op's calls take) before the key is routed again: a call whose samples never come (a dweight's, with no
+# backward) asks no more
+_RECHECK_ASKS = 16
 
 
 def _routed(kind: str, grads: int, query, a, b=_ABSENT, c=None, extra: tuple = ()) -> bool:
@@ -67,7 +68,7 @@ def _routed(kind: str, grads: int, query, a, b=_ABSENT, c=None, extra: tuple = (
     asked again next time; 3 yes, and auto mode re-checks the key's classes: kept as
     [calls routed, the count that asks again, the count last reported, the re-check's calls sent to the
     op], asked again at the re-checks' counts with `routed` the calls sent to torch's function since it
-    last asked, which lets the provider sample opforge's kernel on the op's next calls (answers -1, up to
+    last asked, which lets the provider sample both kernels on the op's next calls (answers -1, up to
     _RECHECK_ASKS) and move a class whose first samples a busy moment cut short).
     The key is what decides beyond the arguments' sizes: the mode of the call (autocast's dtype),
     the thread count, each tensor's device, dtype, shape and strides, and `extra`. Never routed (the
