@@ -600,8 +600,8 @@ static int provider_claims(const gemm_call *k) {
 }
 
 /* Whether provider_claims' answer is final: modes own and torch, classes torch's GEMM never takes, and
- * classes auto mode has decided are; a class still measured is not, nor one on torch's GEMM that waits
- * for a re-check's sample of opforge's kernel. Counts this thread's report of routed calls
+ * classes auto mode has decided are; a class still measured is not, nor one on torch's GEMM in a
+ * re-check. Counts this thread's report of routed calls
  * (opf_provider_routed_calls) for the class. */
 static int provider_settled(const gemm_call *k) {
     int torch;
