@@ -183,11 +183,14 @@ _dll.opforge_gemm_choice_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_
                                         ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
 
 
-# Plain linears (no activation) and 2-d matmuls: whether the GEMM provider runs their every product on
-# torch's GEMM, per key (operands' types, devices, dtypes, sizes, strides; autocast, threads, grads), as
-# opforge_linear_on_torch / opforge_matmul_on_torch answered once the answer was final (not while auto
-# mode still measures a class). It stays so for the process unless the mode or the ISA changes (set_gemm,
-# set_isa empty it); opforge.linear calls F.linear and opforge.matmul torch.mm where it is True.
+# Plain linears (no activation), 2-d matmuls and plain attention: whether the provider runs their every
+# product on torch's kernel, per key (operands' types, devices, dtypes, sizes, strides; autocast, threads,
+# grads), as opforge_linear_on_torch / opforge_matmul_on_torch / opforge_attention_on_torch answered once
+# the answer was final (not while auto mode still measures a class): False, True (mode torch), or, for
+# classes auto mode gave to torch's kernel, a list of the calls routed and the counts at which the answer
+# is asked again (functional.linear._routed: the provider's re-checks). It stays so for the process unless
+# the mode or the ISA changes (set_gemm, set_isa empty it); opforge.linear calls F.linear and
+# opforge.matmul torch.mm where it is not False.
 TORCH_LINEARS: dict = {}
 # Small classes auto mode times whole (opforge.functional.linear._small_class), per the same keys while
 # they are tried: [calls so far, the op's best time, torch's]; emptied with TORCH_LINEARS.
