@@ -295,9 +295,10 @@ typedef struct gemm_provider {
      * marked claimed onto its own GEMM, whatever its class (the caller may have merged several products
      * of the claimed class into one), or decline it. NULL: never. */
     int (*claims)(const gemm_call *call);
-    /* 1 where claims()' answer for calls like this one is final for the process: its mode puts every
-     * call on one GEMM, it never takes such a class, or it has decided the class; 0 while it may still
-     * change (a class still measured). NULL: never final. */
+    /* 1 where claims()' answer for calls like this one stands: its mode puts every call on one GEMM, it
+     * never takes such a class, or it has decided the class (a decision a later re-check may still
+     * change); 0 while it is in question (a class still measured, or one in a re-check that needs the
+     * caller's calls). NULL: never. */
     int (*settled)(const gemm_call *call);
 } gemm_provider;
 

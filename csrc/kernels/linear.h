@@ -95,7 +95,7 @@ typedef struct linear_gemm_plan {
     int64_t class_m; /* a claimed plan's: the rows of the products the claim was asked about (its chunk's) */
     int c_scratch;
     int claimed; /* the GEMM provider's (linear_*_plan_claim): one product, no workspace */
-    int settled; /* after the claim: whether `claimed` is final for the process (gemm_provider_settled) */
+    int settled; /* after the claim: whether `claimed` stands (gemm_provider_settled) */
     const gemm_kernels *gemm;
     int64_t threads;
     gemm_plan full, last; /* chunk rows, and the m % chunk rows of the last chunk */

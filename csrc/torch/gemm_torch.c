@@ -85,8 +85,14 @@ enum { RECHECK_FIRST = 32, RECHECK_LAST = 2048 };
  * its time (on Zen 4, 1 x 512 x 512 float32 amid torch's calls: 6-13 GFLOP/s on opforge's kernel
  * alone, 26-30 on the second call; the best sample counts) */
 enum { RECHECK_SIDE = 2 };
+/* a class in a re-check that needs the op's calls (one on torch's GEMM, whose calls the Python layer routes)
+ * is unsettled until its samples are taken: at most this many questions (opf_provider_decided, claims'
+ * settled) then find it so, after which the re-check is given up (samples that never come: a weight
+ * gradient's, with no backward; each new key of the class would otherwise be sent to the op) */
+enum { RECHECK_WAITS = 64 };
 /* the most floats a claimed call's sample of opforge's kernel allocates (its workspace, and float32 partial
- * sums where the call writes 16-bit results only): past it the re-check is given up */
+ * sums where the call writes 16-bit results only): past it the call runs on torch's GEMM unsampled (the
+ * re-check then ends on torch's samples alone, and the class stays) */
 enum { OWN_SAMPLE_MAX_FLOATS = 1 << 24 };
 /* own's best rate over torch's that keeps a class on opforge's kernel (opf_provider_end) */
 #define OWN_FUSED_MARGIN 0.97
@@ -102,6 +108,7 @@ typedef struct choice {
     int recheck;                 /* a re-check's samples still to take: torch's while above RECHECK_SIDE,
                                     then own's */
     unsigned reported;           /* the last report of routed calls counted (opf_provider_routed_calls) */
+    int waits;                   /* questions that found it unsettled in this re-check (RECHECK_WAITS) */
 } choice;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -393,21 +400,28 @@ static int recheck_due(choice *c, int64_t more) {
  * are set against each other, and a side sampled more often would have more chances of a fast one) */
 static void count_routed(choice *c, int64_t calls) {
     if (c && c->decided && c->torch && !c->recheck && recheck_due(c, calls)) {
-        c->recheck = 2 * RECHECK_SIDE;
+        c->recheck = 2 * RECHECK_SIDE, c->waits = 0;
         opf_log(OPF_LOG_INFO, "provider: class '%s' re-checked at call %d: the op's next calls sample it", c->key,
                 c->calls);
     }
 }
 
 /* under lock: whether a decided class's choice stands (not one on torch's kernel in a re-check: the Python
- * layer sends its calls to the op until the samples are taken) */
-static int stands(const choice *c) { return c->decided && !(c->torch && c->recheck > 0); }
+ * layer sends its calls to the op until the samples are taken, or RECHECK_WAITS questions gave it up) */
+static int stands(choice *c) {
+    if (!c->decided) return 0;
+    if (!c->torch || c->recheck <= 0) return 1;
+    if (++c->waits <= RECHECK_WAITS) return 0;
+    c->recheck = 0;
+    opf_log(OPF_LOG_INFO, "provider: class '%s': the re-check's samples did not come; it stays on torch's", c->key);
+    return 1;
+}
 
 /* under lock: a decided class's call, counted; a re-check's sample where one is due (into turn: torch's
  * first, then own's) */
 static void recheck_turn(choice *c, opf_provider_turn *turn) {
     if (!c->recheck && !recheck_due(c, 1)) return;
-    if (!c->recheck) c->recheck = 2 * RECHECK_SIDE;
+    if (!c->recheck) c->recheck = 2 * RECHECK_SIDE, c->waits = 0;
     turn->torch = c->recheck-- > RECHECK_SIDE;
     turn->measuring = 1;
     snprintf(turn->key, sizeof turn->key, "%s", c->key);
@@ -422,8 +436,10 @@ void opf_provider_routed(const char *key, int64_t calls) {
 }
 
 void opf_provider_routed_calls(int64_t calls) {
+    unsigned id = 0;
+    while (calls > 0 && !id) id = __atomic_add_fetch(&reports, 1, __ATOMIC_RELAXED); /* (0: none) */
     report_calls = calls > 0 ? calls : 0;
-    report_id = calls > 0 ? __atomic_add_fetch(&reports, 1, __ATOMIC_RELAXED) | 1u : 0;
+    report_id = id;
 }
 
 int opf_provider_begin(const char *key, opf_provider_turn *turn) {
@@ -582,7 +598,7 @@ static int class_decided(const gemm_call *k, int *torch, int settled, int report
 int opf_provider_decided(const char *key, int *torch) {
     pthread_mutex_lock(&lock);
     if (!cache_read) read_cache();
-    const choice *c = find(key);
+    choice *c = find(key);
     const int decided = c && stands(c);
     *torch = decided && c->torch;
     pthread_mutex_unlock(&lock);

@@ -360,9 +360,13 @@ OPF_AOTI_SHIM(linear_backward_, 3,
                AtenTensorHandle preact, const char *activation, int64_t needs),
               grad, x, weight, bias, preact, activation, needs);
 
-/* A product the provider did not claim, or claimed for now: 0 where that is final for the process, -1
- * while it may change (auto mode still measuring the class, or waiting for a re-check's sample) */
-static int unclaimed(const linear_gemm_plan *g) { return g->settled ? 0 : -1; }
+/* The answer for a product and the products after it (rest: their answer): 0 where the provider does not
+ * claim it and that stands, -1 while it may change (auto mode still measuring the class, or in a re-check
+ * that needs the op's calls; before any later 0: a re-check's calls reach the op either way), else rest */
+static int answer_of(const linear_gemm_plan *g, int rest) {
+    if (!g->settled) return rest == 0 ? 0 : -1;
+    return !g->claimed ? 0 : rest;
+}
 
 /* opforge_linear_on_torch's answer (1 for 3) */
 static int linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsx, int64_t csx, int64_t rsw, int64_t csw,
@@ -381,16 +385,15 @@ static int linear_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsx, int64_t
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     linear_fwd_plan fwd = linear_fwd_plan_make(gemm, &p, threads);
     linear_fwd_plan_claim(&fwd, &p);
-    if (!fwd.product.claimed || !fwd.product.settled) return unclaimed(&fwd.product);
-    if (!grad) return 1;
+    if (!grad) return answer_of(&fwd.product, 1);
+    /* every plan claimed before the answer: the claims count a report of routed calls for their classes */
     p.grad = (linear_view){.data = (void *)&mark, .ndim = 2, .sizes = gs, .strides = gst};
     p.dx = p.dweight = (void *)&mark;
     p.dbias = bias ? (void *)&mark : NULL;
     linear_bwd_plan bwd = linear_bwd_plan_make(gemm, &p, 0, threads);
     linear_bwd_plan_claim(&bwd, &p);
     if (bwd.strategy != LINEAR_BWD_DIRECT) return 0;
-    if (!bwd.in_place.dx.claimed || !bwd.in_place.dx.settled) return unclaimed(&bwd.in_place.dx);
-    return bwd.in_place.dweight.claimed && bwd.in_place.dweight.settled ? 1 : unclaimed(&bwd.in_place.dweight);
+    return answer_of(&fwd.product, answer_of(&bwd.in_place.dx, answer_of(&bwd.in_place.dweight, 1)));
 }
 
 /* Whether torch's GEMM runs every product of a plain linear (no activation) of these sizes and layouts
@@ -426,12 +429,11 @@ static int matmul_on_torch(int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t
     const gemm_kernels *gemm = gemm_kernels_for(opf_isa_current());
     matmul_fwd_plan fwd = matmul_fwd_plan_make(gemm, dt, 1, m, n, k, threads);
     matmul_fwd_plan_claim(&fwd, &av, &bv);
-    if (!fwd.product.claimed || !fwd.product.settled) return unclaimed(&fwd.product);
-    if (!needs) return 1;
-    matmul_bwd_plan bwd = matmul_bwd_plan_make(gemm, dt, 1, m, n, k, threads);
+    if (!needs) return answer_of(&fwd.product, 1);
+    matmul_bwd_plan bwd = matmul_bwd_plan_make(gemm, dt, 1, m, n, k, threads); /* (as linear_on_torch) */
     matmul_bwd_plan_claim(&bwd, &gv, &av, &bv);
-    if (needs & 1 && (!bwd.da.claimed || !bwd.da.settled)) return unclaimed(&bwd.da);
-    return needs & 2 && (!bwd.db.claimed || !bwd.db.settled) ? unclaimed(&bwd.db) : 1;
+    const int db = needs & 2 ? answer_of(&bwd.db, 1) : 1;
+    return answer_of(&fwd.product, needs & 1 ? answer_of(&bwd.da, db) : db);
 }
 
 /* The same question for a 2-d matmul: a (m, k) of strides (rsa, csa) times b (k, n) of (rsb, csb), and,

@@ -3,9 +3,9 @@
  * job (its GEMM, its fused CPU attention) is the faster one on this machine
  * for a class of problem, the op runs it instead of opforge's. The mode is
  * OPFORGE_GEMM (own | torch | auto), one for every provider; auto times the
- * first calls of a class on both kernels in turn and keeps the faster for
+ * first calls of a class on both kernels in turn and keeps the faster, in
  * the process and in the cache file (per CPU model, torch version and build
- * of opforge's library).
+ * of opforge's library), re-checking it on later calls.
  */
 #ifndef OPFORGE_TORCH_PROVIDER_H
 #define OPFORGE_TORCH_PROVIDER_H

@@ -359,6 +359,56 @@ def test_a_decided_class_is_checked_again_on_later_calls(gemm_mode, tmp_path):
             assert [key, _choice(key)["provider"]] in lines[2:], (key, lines)
 
 
+def test_routed_calls_reach_every_re_check_and_a_re_check_without_samples_ends(gemm_mode, tmp_path):
+    """The provider's answers for a routed matmul class on torch's GEMM, asked as the Python layer asks
+    (the routed calls since it last asked): each report that reaches a re-check (32, 64, 128 calls) makes
+    the class wait for the op's samples (-1); where they never come, it stands again (3) after
+    RECHECK_WAITS questions, and the next re-check still comes."""
+    key = _matmul_key(64, 80, 96)
+    path = tmp_path / "routed.tsv"
+    path.write_text(f"{key}\ttorch\t1e-06\t1e-06\n")
+    gemm_mode("auto")
+    _set_cache(path)
+    threads = torch.get_num_threads()
+    L = sys.modules["opforge.functional.linear"]
+
+    def ask(routed):
+        return L._matmul_on_torch(64, 80, 96, 96, 1, 80, 1, 0, 0, threads, routed)
+
+    assert ask(0) == 3 and ask(31) == 3  # routed, re-checked later
+    for routed in (1, 32, 64):  # calls 32, 64, 128
+        assert ask(routed) == -1
+        answers = [ask(0) for _ in range(70)]
+        assert answers[:60] == [-1] * 60 and answers[-1] == 3, answers
+    assert _choice(key)["samples"] == 0 and _choice(key)["provider"] == "torch"
+
+
+def test_a_routed_linears_three_classes_are_checked_again(gemm_mode, tmp_path):
+    """A plain linear with a gradient whose three products (forward, dx, dweight) are on torch's GEMM is
+    F.linear itself; at its re-check each of the three classes takes its four samples on the op's calls."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 96, requires_grad=True), (torch.randn(130, 96) / 10).requires_grad_()
+    gemm_mode("auto")
+    for _ in range(20):  # the three classes' keys, from their first measuring calls
+        opforge.linear(x, w).sum().backward()
+    keys = [c["key"] for c in opforge.gemm_choices()]
+    assert len(keys) == 3, keys
+    path = tmp_path / "three.tsv"
+    path.write_text("".join(f"{key}\ttorch\t1e-06\t1e-06\n" for key in keys))
+    _set_cache(path)
+    opforge._runtime.TORCH_LINEARS.clear()
+    want = torch.autograd.grad(F.linear(x.double(), w.double()).sum(), (x, w))
+    for call in range(1, 40):
+        got = torch.autograd.grad(opforge.linear(x, w).sum(), (x, w))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
+        samples = [_choice(key)["samples"] for key in keys]
+        assert samples == [0, 0, 0] if call <= 32 else samples == [min(call - 32, 4)] * 3, (call, samples)
+    for key in keys:
+        c = _choice(key)
+        assert c["provider"] == ("torch" if c["torch_gflops"] > c["own_gflops"] / 1.05 else "own"), c
+
+
 @pytest.mark.parametrize("dtype,k", [(torch.float32, 96), (torch.bfloat16, 2100)])
 def test_a_class_on_torchs_gemm_is_checked_again_on_its_claimed_calls(gemm_mode, tmp_path, dtype, k):
     """A class on torch's GEMM runs claimed (no workspace) in an op the Python layer does not route (a

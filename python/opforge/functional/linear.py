@@ -56,8 +56,8 @@ _ABSENT = object()  # _routed's b when the op has one tensor (None is a caller's
 # this many calls routed, twice as many, ... up to _RECHECK_LAST (the GEMM provider's RECHECK_FIRST / LAST)
 _RECHECK_FIRST, _RECHECK_LAST = 32, 2048
 # answers -1 in a row a re-check may have (the provider waits for its samples, two calls of each kernel, which
-# the op's calls take) before the key is routed again: a call whose samples never come (a dweight's, with no
-# backward) asks no more
+# the op's calls take) before the key is routed again: a key whose samples never come (a dweight's, with no
+# backward) asks no more (the provider gives such a re-check up too, for the class's other keys)
 _RECHECK_ASKS = 16
 
 
@@ -92,7 +92,7 @@ def _routed(kind: str, grads: int, query, a, b=_ABSENT, c=None, extra: tuple = (
     if known is not None:
         if known is True or known is False:
             return known
-        if known[0] != known[1]:  # routed, re-checked: not asked this time
+        if known[0] < known[1] or known[1] < 0:  # routed, re-checked: not asked this time (-1: no more)
             known[0] += 1
             return True
         on_torch = query(key, known[0] - known[2])
