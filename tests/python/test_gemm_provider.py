@@ -687,9 +687,12 @@ def test_small_softmax_with_a_gradient_may_be_torchs(gemm_mode, name, tmp_path):
     gemm_mode("torch")
     assert type(ours(torch.randn(1024, 1024, requires_grad=True), -1).grad_fn) is not node
     assert type(ours(x.detach().double().requires_grad_(), -1).grad_fn) is not node
+    gemm_mode("own")
+    bits = {False: ours(x, 0), True: theirs(x, 0)}  # the op's, torch's
     gemm_mode("auto")
     rng = torch.get_rng_state()
-    y = ours(x, 0)
+    y = ours(x, 0)  # the first timing's answer, for now (the second may differ: a near tie)
+    assert torch.equal(y, bits[type(y.grad_fn) is node])
     for _ in range(lin._SMALL_AGAIN):
         assert not TORCH_LINEARS
         ours(x, 0)
@@ -698,7 +701,7 @@ def test_small_softmax_with_a_gradient_may_be_torchs(gemm_mode, name, tmp_path):
     assert key[0] == name and key[1] == 1
     z = ours(x, 0)
     assert (type(z.grad_fn) is node) == routed and len(TORCH_LINEARS) == 1
-    assert torch.equal(y, z)
+    assert torch.equal(z, bits[routed])
     torch.testing.assert_close(z, theirs(x, 0), rtol=1e-5, atol=1e-6)
     (g,) = torch.autograd.grad(z, x, torch.ones_like(z))
     (want,) = torch.autograd.grad(theirs(x, 0), x, torch.ones_like(z))
