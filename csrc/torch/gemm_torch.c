@@ -45,6 +45,14 @@
  * Determinism: a product's provider depends on its class, and the thread
  * count is part of the class; OPFORGE_GEMM=own gives results that are
  * bitwise the same at every thread count.
+ *
+ * Length: past the usual 650 lines since the re-checks of classes on torch's
+ * GEMM. The file holds two jobs: the choice table every provider shares
+ * (opf_provider_begin / end / decided / routed, the re-checks, the cache
+ * file; attention.c uses it too) and the GEMM's own part (torch's product,
+ * class keys, claims, own_sample). The table's half would move to a
+ * provider.c of its own behind provider.h, which already declares it; not
+ * done in the same change as the re-checks.
  */
 #include <fcntl.h>
 #include <math.h>
