@@ -5,8 +5,10 @@ pass, the tasks per thread and the largest idle share at 16 and 64 threads, read
 
     python benchmarks/plan_table.py [--threads 8,16,32,64] [--out DIR]
 
-idle share: 1 - tasks / (threads x the most tasks one worker runs); tasks are equal row blocks x
-column chunks of one K slice of one N panel, so this is the share of thread-time a pass leaves idle.
+units: what the plan deals to the workers in one pass (one K slice of one N panel): row blocks, where
+each worker packs its own A blocks, else row slivers x column chunks (gemm_col_chunks). idle share:
+1 - the pass's MR x NR tiles / (threads x the most tiles one worker runs), counted tile by tile as the
+workers run them, so unequal row blocks or chunks count too.
 packers: the threads busy packing B's slice before each pass (and A's, where its blocks are shared); a panel
 with fewer slivers than threads has each sliver's packing cut into runs along K (gemm_pack_b_parts).
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import math
 
 import opforge
 from opforge.benchmark import RESULTS, write_results
@@ -25,13 +26,12 @@ _plan.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.PO
 
 
 def plan(m, n, k, bf16, threads):
-    out = (ctypes.c_int64 * 7)()
+    out = (ctypes.c_int64 * 9)()
     _plan(m, n, k, int(bf16), threads, out)
-    tasks, workers, mblocks, ntn, panels, pack_b, pack_a = out
-    most = math.ceil(tasks / workers) if workers else 0
-    return {"tasks": tasks, "row_blocks": mblocks, "col_chunks": ntn, "panels": panels,
+    units, workers, rows, ntn, panels, pack_b, pack_a, most, tiles = out
+    return {"units": units, "rows": rows, "col_chunks": ntn, "panels": panels,
             "packers": f"{min(threads, pack_b)}" + (f"+{min(threads, pack_a)}" if pack_a else ""),
-            "tasks_per_thread": tasks / threads, "idle": 1 - tasks / (threads * most) if most else 1.0}
+            "units_per_thread": units / threads, "idle": 1 - tiles / (threads * most) if most else 1.0}
 
 
 def products():
@@ -102,8 +102,8 @@ def main(argv=None):
         row = {"product": where, "M": m, "N": n, "K": k}
         for th in counts:
             pl = plan(m, n, k, bf16, th)
-            row[f"tasks_{th}"] = pl["tasks"]
-            row[f"per_thread_{th}"] = round(pl["tasks_per_thread"], 2)
+            row[f"units_{th}"] = f"{pl['rows']}x{pl['col_chunks']}"
+            row[f"per_thread_{th}"] = round(pl["units_per_thread"], 2)
             row[f"idle_{th}"] = f"{100 * pl['idle']:.0f}%"
             row[f"packers_{th}"] = pl["packers"]
         rows.append(row)
@@ -113,10 +113,12 @@ def main(argv=None):
         "task's cost the query-key pairs it computes (the backward's waits for its turns to add into dQ "
         "and into a cut key block's dK and dV are not counted: a lower bound there)"], a.out, timed=False))
     print(write_results("gemm_plan", rows, [
-        f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); tasks of one pass over one K slice "
-        "of one N panel; idle: the share of thread-time that pass leaves idle",
+        f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); units of one pass over one K slice of "
+        "one N panel, dealt to the workers in contiguous runs: row blocks x 1 where each worker packs its own A "
+        "blocks (packers without +), else row slivers x column chunks; idle: the share of thread-time that pass "
+        "leaves idle, counted in MR x NR tiles (unequal blocks or chunks included)",
         "packers: the threads that pack a K slice of B's panel before the pass (+ those that pack A, where its "
-        "blocks are shared by the tasks rather than packed by each worker); where the panel has fewer slivers "
+        "blocks are shared by the workers rather than packed by each worker); where the panel has fewer slivers "
         "than threads, each sliver's packing is cut into runs along K of 16 KiB or more"], a.out, timed=False))
 
 

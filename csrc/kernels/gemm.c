@@ -144,26 +144,15 @@ int64_t gemm_pack_b_parts(const gemm_plan *plan, int64_t nslivers, int64_t kp) {
     return parts < most ? parts : most;
 }
 
-/* A task: a row block and a column chunk of the panel. Blocks of its own A:
- * one chunk (the whole panel). Shared A: the tasks of one column chunk are
- * consecutive, so a worker's share is whole column chunks across all rows
- * when the tasks divide evenly (balanced even when M is a few blocks). */
-static void compute_task(const gemm_job *job, int64_t task, float *own_a) {
+/* The tiles of rows [i_lo, i_hi) (whole MR slivers but the product's last) against the panel's B slivers
+ * [s_lo, s_hi): ap holds A's packed slivers from row i_lo on. Each B sliver stays in cache across the rows. */
+static void compute_tiles(const gemm_job *job, const float *ap, int64_t i_lo, int64_t i_hi, int64_t s_lo,
+                          int64_t s_hi) {
     const gemm_kernels *kern = job->kern;
     const gemm_epilogue *ep = job->ep;
     const int first = job->pc == 0, last = job->pc + job->depth >= job->k;
-    int64_t slivers = (job->nc + kern->nr - 1) / kern->nr, mb = job->plan.mblocks;
-    int64_t ib = task % mb, jn = task / mb;
-    int64_t i_lo = job->plan.slivers * ib / mb * kern->mr, i_hi = job->plan.slivers * (ib + 1) / mb * kern->mr;
-    if (i_hi > job->m) i_hi = job->m;
-    const float *ap = job->ap + (i_lo / kern->mr) * kern->mr * job->kp; /* the shared, whole-A packing */
-    if (own_a) { /* this worker alone uses the block: pack it here, where it stays in L2 */
-        gemm_pack_a(job, own_a, i_lo / kern->mr, i_lo / kern->mr, (i_hi + kern->mr - 1) / kern->mr);
-        ap = own_a;
-    }
-    int64_t s_lo = slivers * jn / job->ntn, s_hi = slivers * (jn + 1) / job->ntn;
     const int strip = job->pairs && kern->ukernel_strip ? GEMM_STRIP_MAX : 1;
-    for (int64_t s = s_lo; s < s_hi; s++) { /* B sliver stays in cache across the rows */
+    for (int64_t s = s_lo; s < s_hi; s++) {
         int64_t jj = s * kern->nr, n = job->nc - jj < kern->nr ? job->nc - jj : kern->nr, col = job->jc + jj;
         const float *bs = job->bp + s * kern->nr * job->kp;
         for (int64_t i = i_lo; i < i_hi; i += (int64_t)strip * kern->mr) {
@@ -200,17 +189,39 @@ static void compute_task(const gemm_job *job, int64_t task, float *own_a) {
     }
 }
 
-/* Workers [w0, w1): worker w runs an equal share of the tasks, packing A
- * blocks into its own slot of the workspace when the plan says so. */
+/* Workers [w0, w1) of a pass.
+ * Own A blocks (plan.own_a): worker w packs and runs its equal share of the row blocks, each against the
+ * whole panel; the block stays in that core's L2.
+ * Shared A (packed whole before the pass): the units, a row sliver by a column chunk, ordered chunk by
+ * chunk and within a chunk row by row, are dealt to the workers in contiguous runs as even as whole units
+ * allow (gemm_col_chunks): a worker's run is a few chunks' rows, each chunk's B slivers held in cache
+ * across its rows. */
 static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
     const gemm_job *job = ctx;
-    int64_t tasks = job->plan.mblocks * job->ntn, workers = job->plan.workers;
+    const gemm_kernels *kern = job->kern;
+    const int64_t workers = job->plan.workers, mr = kern->mr, slivers = job->plan.slivers;
+    const int64_t nslivers = (job->nc + kern->nr - 1) / kern->nr;
     for (int64_t w = w0; w < w1; w++) {
-        float *own_a = job->plan.own_a ? job->ap + w * job->plan.mc * job->kp : NULL;
-        for (int64_t task = tasks * w / workers; task < tasks * (w + 1) / workers; task++)
-            compute_task(job, task, own_a);
+        if (job->plan.own_a) {
+            const int64_t mb = job->plan.mblocks;
+            float *own_a = job->ap + w * job->plan.mc * job->kp;
+            for (int64_t ib = mb * w / workers; ib < mb * (w + 1) / workers; ib++) {
+                const int64_t s_lo = slivers * ib / mb, s_hi = slivers * (ib + 1) / mb;
+                gemm_pack_a(job, own_a, s_lo, s_lo, s_hi);
+                compute_tiles(job, own_a, s_lo * mr, s_hi * mr < job->m ? s_hi * mr : job->m, 0, nslivers);
+            }
+            continue;
+        }
+        const int64_t units = slivers * job->ntn, u1 = units * (w + 1) / workers;
+        for (int64_t u = units * w / workers; u < u1;) {
+            const int64_t jn = u / slivers, i0 = u % slivers;
+            const int64_t i1 = slivers - i0 < u1 - u ? slivers : i0 + (u1 - u);
+            compute_tiles(job, job->ap + i0 * mr * job->kp, i0 * mr, i1 * mr < job->m ? i1 * mr : job->m,
+                          nslivers * jn / job->ntn, nslivers * (jn + 1) / job->ntn);
+            u += i1 - i0;
+        }
     }
-    if (job->kern->release) job->kern->release();
+    if (kern->release) kern->release();
 }
 
 /* ---- a provider's products ---- */
@@ -297,17 +308,29 @@ void gemm_finish(const gemm_plan *plan, const void *prod, opf_dtype prod_dt, int
     opf_parallel_for(0, blocks, per_block >= 16384 ? 1 : 16384 / per_block, finish_range, &job);
 }
 
+/* The idle share of a pass whose units (rows row slivers x c chunks of a panel of nslivers) are dealt to
+ * t threads in contiguous runs: 1 - the panel's tiles / (t x the most tiles one worker runs) */
+static double chunks_idle(int64_t rows, int64_t nslivers, int64_t c, int64_t t) {
+    const int64_t units = rows * c, workers = units < t ? units : t, most = (units + workers - 1) / workers;
+    return 1.0 - (double)(rows * nslivers) / ((double)t * (double)(most * (nslivers / c)));
+}
+
 int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers) {
-    if (plan->own_a) return 1;
-    const int64_t t = plan->threads, mb = plan->mblocks > 0 ? plan->mblocks : 1;
-    int64_t lo = (2 * t + mb - 1) / mb, best = lo, best_idle = -1; /* idle thread-task slots, of t per round */
-    if (lo >= nslivers) return nslivers;
-    for (int64_t c = lo; c <= 2 * lo && c <= nslivers; c++) {
-        const int64_t tasks = mb * c, rounds = (tasks + t - 1) / t, idle = rounds * t - tasks;
-        if (best_idle < 0 || idle * best * mb < best_idle * tasks) { /* a smaller idle share */
-            best = c;
-            best_idle = idle;
-        }
+    if (plan->own_a || nslivers <= 1 || plan->slivers <= 0) return 1;
+    const int64_t t = plan->threads, rows = plan->slivers;
+    double least = 1.0; /* chunks of one width (a divisor of nslivers): every unit the same work */
+    for (int64_t c = 1; c <= nslivers; c++)
+        if (nslivers % c == 0 && chunks_idle(rows, nslivers, c, t) < least) least = chunks_idle(rows, nslivers, c, t);
+    int64_t best = 1;
+    double best_traffic = -1.0;
+    for (int64_t c = 1; c <= nslivers; c++) {
+        if (nslivers % c || chunks_idle(rows, nslivers, c, t) > least + GEMM_IDLE_SLACK) continue;
+        /* the packed A and B read per tile by a worker whose run is r rows of one chunk (a sliver of A is
+         * MR rows, one of B NR columns, both kp deep): MR / width + NR / r */
+        const int64_t units = rows * c, workers = units < t ? units : t;
+        const double r = (double)units / (double)workers < (double)rows ? (double)units / (double)workers : rows;
+        const double traffic = (double)plan->kern->mr / (double)(nslivers / c) + (double)plan->kern->nr / r;
+        if (best_traffic < 0.0 || traffic < best_traffic) best = c, best_traffic = traffic;
     }
     return best;
 }
@@ -410,8 +433,9 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
         job.nc = n - jc < kern->nc ? n - jc : kern->nc;
         int64_t nslivers = (job.nc + kern->nr - 1) / kern->nr;
         job.ntn = gemm_col_chunks(plan, nslivers);
-        /* (with own_a this is plan.workers: ntn = 1 and mblocks >= 2 threads) */
-        job.plan.workers = mblocks * job.ntn < threads ? mblocks * job.ntn : threads;
+        /* own_a: plan.workers (mblocks >= 2 threads); shared A: a worker per thread, or per unit if fewer */
+        const int64_t units = plan->own_a ? mblocks : mslivers * job.ntn;
+        job.plan.workers = units < threads ? units : threads;
         for (int64_t pc = 0; pc < k; pc += max_depth) {
             job.pc = pc;
             job.depth = k - pc < max_depth ? k - pc : max_depth;

@@ -199,7 +199,7 @@ int64_t gemm_slice_depth(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb);
  * of the threads so each thread gets equal ones), and whether each worker
  * packs its own blocks of A (enough blocks for every thread: the block stays
  * in that core's L2, and the workspace holds one block per worker) or A is
- * packed whole and shared by column tasks (few, short blocks); then where
+ * packed whole and shared by all (few, short blocks: gemm_col_chunks); then where
  * the packed operands go: A's region (the whole of A, or one block per
  * worker) at the start, then one KC x NC panel of B. The one statement of
  * the workspace a product carves. Not monotonic in M: a caller that runs a
@@ -212,7 +212,8 @@ typedef struct gemm_plan {
     int pairs;                /* packed as bfloat16 pairs for kern->ukernel_pairs */
     int64_t threads;          /* the thread count the plan is for */
     int64_t mc;               /* rows of the largest block */
-    int64_t slivers, mblocks; /* block b: MR-row slivers [slivers * b / mblocks, slivers * (b + 1) / mblocks) */
+    int64_t slivers, mblocks; /* block b: MR-row slivers [slivers * b / mblocks, slivers * (b + 1) / mblocks),
+                                 the blocks workers pack with own_a (shared A: only what decided own_a) */
     int64_t workers, kc_max;
     int own_a;
     int64_t b_offset, floats; /* workspace: B's panel at b_offset; floats in all (0: nothing to pack) */
@@ -227,9 +228,15 @@ typedef struct gemm_plan {
 gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t k, opf_dtype ta, opf_dtype tb,
                          int64_t threads);
 /* The column chunks a panel of nslivers NR-wide slivers is cut into when A is shared (1 when each
- * worker packs its own A blocks): at least two tasks per thread (row blocks x chunks), and of the
- * counts up to twice that, the one whose tasks leave the smallest share of the threads' rounds idle
- * (132 tasks on 64 threads would run 3 rounds, a third of them idle; 176 run 3 with 8% idle). */
+ * worker packs its own A blocks). A pass's units are a row sliver by a chunk, dealt to the threads in
+ * contiguous runs (chunk by chunk, rows in order), so a worker runs at most one unit more than another:
+ * of the chunk counts that divide nslivers (units of equal work), those within GEMM_IDLE_SLACK of the
+ * least idle share, and of them the one whose runs read the least packed A and B per tile (wide chunks
+ * reuse a row's A sliver, long runs of rows a chunk's B slivers). 2048 x 512 at 64 threads: 171 row
+ * slivers x 4 chunks of 4 slivers, 10.7 units per thread, 3% idle, where row blocks of 2 or 3 slivers x
+ * 2 chunks left 11%. */
+enum { GEMM_IDLE_SLACK_PERMILLE = 30 };
+#define GEMM_IDLE_SLACK (GEMM_IDLE_SLACK_PERMILLE / 1000.0)
 int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers);
 /* Slivers (w rows of kp packed words each: MR for A, NR for B) per packing task of a K slice: ~32 KiB
  * written at least, so a slice of a few deep slivers is still packed by as many threads as it has

@@ -699,18 +699,32 @@ OPF_EXPORT int opforge_gemm_choice_at(int i, char *key, size_t keylen, int *stat
 }
 
 /* How opforge's GEMM splits an m x n x k product (float32 operands, or bfloat16 with bf16 set) at a
- * thread count, from its plan: out[0] tasks of a panel's pass (row blocks x column chunks), out[1]
- * the workers that run them, out[2] row blocks, out[3] column chunks, out[4] panels of N, out[5] the
- * tasks that pack the first K slice of B's first panel, out[6] those that pack A's (0: not shared). */
+ * thread count, from its plan, for its first panel of N: out[0] the units of a pass (own A blocks: row
+ * blocks; shared A: row slivers x column chunks), out[1] the workers that run them, out[2] row blocks
+ * (shared A: row slivers), out[3] column chunks, out[4] panels of N, out[5] the tasks that pack the first
+ * K slice of B's panel, out[6] those that pack A's (0: each worker packs its own), out[7] the most tiles
+ * (MR x NR) one worker runs in a pass, out[8] the pass's tiles (the idle share is 1 - out[8] /
+ * (threads x out[7])). */
 OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int64_t threads, int64_t *out) {
     const opf_dtype dt = bf16 ? OPF_BF16 : OPF_F32;
     const gemm_plan p = gemm_plan_make(gemm_kernels_for(opf_isa_current()), m, n, k, dt, dt, threads);
     const gemm_kernels *kern = p.kern;
     const int64_t nc = n < kern->nc ? n : kern->nc, nslivers = (nc + kern->nr - 1) / kern->nr;
-    const int64_t ntn = gemm_col_chunks(&p, nslivers);
-    out[0] = p.mblocks * ntn;
-    out[1] = out[0] < p.threads ? out[0] : p.threads;
-    out[2] = p.mblocks;
+    const int64_t ntn = gemm_col_chunks(&p, nslivers), rows = p.own_a ? p.mblocks : p.slivers;
+    const int64_t units = rows * ntn, workers = units < p.threads ? units : p.threads;
+    int64_t most = 0;
+    for (int64_t w = 0; w < workers; w++) { /* as compute_workers deals them */
+        int64_t tiles = 0;
+        for (int64_t u = units * w / workers; u < units * (w + 1) / workers; u++) {
+            const int64_t jn = u / rows, r = u % rows;
+            const int64_t height = p.own_a ? p.slivers * (r + 1) / rows - p.slivers * r / rows : 1;
+            tiles += height * (nslivers * (jn + 1) / ntn - nslivers * jn / ntn);
+        }
+        if (tiles > most) most = tiles;
+    }
+    out[0] = units;
+    out[1] = workers;
+    out[2] = rows;
     out[3] = ntn;
     out[4] = (n + kern->nc - 1) / kern->nc;
     /* packing tasks of the first K slice: B's panel, and A's whole when it is shared (0: each worker packs its own) */
@@ -719,6 +733,8 @@ OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int
     const int64_t parts = gemm_pack_b_parts(&p, nslivers, kp);
     out[5] = parts > 1 ? nslivers * parts : (nslivers + gb - 1) / gb;
     out[6] = p.own_a ? 0 : (p.slivers + ga - 1) / ga;
+    out[7] = most;
+    out[8] = p.slivers * nslivers;
 }
 
 /* The class key of matmul's m x n x k product (row-major operands, float32 or bfloat16 with bf16 set,

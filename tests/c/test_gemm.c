@@ -454,6 +454,75 @@ static void test_workspace_plans(const gemm_kernels *k) {
     free(a), free(b), free(want), free(got), free(ah), free(bh);
 }
 
+/* Plans for many threads (the standalone pool oversubscribed: 5, 16 and 64 threads on this machine):
+ * shapes where A is shared and the units (row slivers x column chunks) are dealt in runs that start and
+ * end mid-chunk, two N panels, one and two K slices, float32 and 16-bit operands (the pair kernel's
+ * strips), a bias, an activation and beta C (a tile run twice, or skipped, shows: C starts NaN where beta
+ * is 0); every value against the oracle, and the same bits as one thread. */
+static void test_many_threads(const gemm_kernels *k) {
+    const char *saved = getenv("OPFORGE_NUM_THREADS");
+    char saved_copy[32] = "";
+    if (saved) snprintf(saved_copy, sizeof saved_copy, "%s", saved);
+    const shape shapes[] = {{13, 100, 9}, {250, 1100, 9}, {517, 300, 7}, {97, 1100, k->kc + 5}, {250, 77, k->kc + 5}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const shape sh = shapes[si];
+        float *a = rand_buf(sh.m * sh.k, 61 + si), *b = rand_buf(sh.k * sh.n, 62 + si), *bias = rand_buf(sh.n, 63);
+        float *c0 = rand_buf(sh.m * sh.n, 64), *one = malloc(sizeof(float) * (size_t)(sh.m * sh.n));
+        float *got = malloc(sizeof(float) * (size_t)(sh.m * sh.n)),
+              *want = malloc(sizeof(float) * (size_t)(sh.m * sh.n));
+        float *ar = malloc(sizeof(float) * (size_t)(sh.m * sh.k)), *br = malloc(sizeof(float) * (size_t)(sh.k * sh.n));
+        uint16_t *ah = malloc(2 * (size_t)(sh.m * sh.k)), *bh = malloc(2 * (size_t)(sh.k * sh.n));
+        for (opf_dtype dt = OPF_F32; dt <= OPF_F16; dt = dt == OPF_F32 ? OPF_BF16 : dt + 1) {
+            const void *ap = a, *bp = b;
+            if (dt != OPF_F32) {
+                convert_store_f32(k->cvt, ah, dt, a, sh.m * sh.k);
+                convert_store_f32(k->cvt, bh, dt, b, sh.k * sh.n);
+                ap = ah, bp = bh;
+            }
+            convert_load_f32(k->cvt, ar, ap, dt, sh.m * sh.k, 1);
+            convert_load_f32(k->cvt, br, bp, dt, sh.k * sh.n, 1);
+            for (int with_beta = 0; with_beta < 2; with_beta++) {
+                const gemm_epilogue ep = {
+                    .beta = with_beta ? 0.5f : 0.0f, .bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = ACT_GELU};
+                const int threads[] = {1, 5, 16, 64};
+                for (int ti = 0; ti < 4; ti++) {
+                    char env[8];
+                    snprintf(env, sizeof env, "%d", threads[ti]);
+                    setenv("OPFORGE_NUM_THREADS", env, 1);
+                    for (int64_t i = 0; i < sh.m * sh.n; i++) got[i] = with_beta ? c0[i] : NAN;
+                    const gemm_plan plan = plan_of(k, sh.m, sh.n, sh.k, dt, dt);
+                    const int64_t wsn = gemm_workspace(&plan);
+                    float *ws = check_ws_alloc(wsn);
+                    const int rc = gemm_run(&plan, ap, sh.k, 1, bp, sh.n, 1, got, sh.n, &ep, ws, wsn);
+                    check_ws_free(ws, "many threads");
+                    if (ti == 0) {
+                        memcpy(one, got, sizeof(float) * (size_t)(sh.m * sh.n));
+                        memcpy(want, c0, sizeof(float) * (size_t)(sh.m * sh.n));
+                        gemm_ref_f32(sh.m, sh.n, sh.k, ar, sh.k, 1, br, sh.n, 1, want, sh.n, &ep);
+                    }
+                    int64_t off = 0, differ = 0;
+                    const double tol = dt == OPF_F32 ? 1e-4 : 2e-2;
+                    for (int64_t i = 0; i < sh.m * sh.n; i++) {
+                        off += !(fabs((double)got[i] - want[i]) <= tol + tol * fabs(want[i]));
+                        differ += memcmp(&got[i], &one[i], sizeof(float)) != 0;
+                    }
+                    CHECK(rc == 0 && off == 0 && differ == 0,
+                          "%s m=%lld n=%lld k=%lld dt=%d beta=%d at %d threads (shared A: %d): rc %d, %lld values "
+                          "off, %lld not the bits of one thread",
+                          k->name, (long long)sh.m, (long long)sh.n, (long long)sh.k, (int)dt, with_beta, threads[ti],
+                          !plan.own_a, rc, (long long)off, (long long)differ);
+                }
+            }
+        }
+        free(a), free(b), free(bias), free(c0), free(one), free(got), free(want), free(ar), free(br), free(ah),
+            free(bh);
+    }
+    if (saved)
+        setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
+    else
+        unsetenv("OPFORGE_NUM_THREADS");
+}
+
 /* The epilogue's activations at SPECIAL as the scalar ones: C = act(x . 1) over full register tiles (48
  * rows and 64 columns are whole tiles of every variant), so the vector epilogue runs */
 static void test_epilogue_special(const gemm_kernels *k) {
@@ -621,6 +690,7 @@ static void test_variant(const gemm_kernels *k) {
     test_log_names_what_ran(k);
     test_epilogue_special(k);
     test_workspace_plans(k);
+    test_many_threads(k);
     test_half_operands(k);
     test_out16(k);
     test_skinny(k);
