@@ -153,10 +153,12 @@ enum { FWD_MIN_QROWS = 16 };
 
 /* Up to this many tasks per thread, the forward's tasks are pulled query block by query block across
  * the heads (the most work first under a causal mask, all of the heads' last blocks before any head's
- * first), else head by head. Head by head, each head's few blocks of unequal work leave threads idle
- * at the end: the default GPT's causal forward (4 blocks a head) left 17% of 64 threads idle. With many
- * tasks per thread the heads' order keeps each head's K and V in cache across its blocks: block by
- * block ran 0.83-0.94x as fast on 2 threads at B4 H8 N1024 and B1 H8 N4096. */
+ * first), else head by head but for the last `threads` heads, which are pulled block by block across
+ * them. Head by head, each head's few blocks of unequal work leave threads idle at the end: the default
+ * GPT's causal forward (4 blocks a head) left 17% of 64 threads idle, and 5% of 16 with 16 tasks a
+ * thread; the tail of heads block by block evens the threads out (0% in both, by the plan table's
+ * pulling). With many tasks per thread the heads' order keeps each head's K and V in cache across its
+ * blocks: block by block throughout ran 0.83-0.94x as fast on 2 threads at B4 H8 N1024 and B1 H8 N4096. */
 enum { FWD_BY_BLOCK_TASKS = 8 };
 
 #ifndef ATTENTION_FWD_MIN_TASKS /* the C tests also build with a larger one, to split (almost) every shape */
@@ -241,7 +243,8 @@ static attention_fwd_plan blocks_plan(const attention_kernels *k, const attentio
             pl.blocks = p->b * p->h * pl.nqb;
         }
     pl.tasks = pl.blocks * pl.chunks;
-    pl.by_block = pl.tasks <= FWD_BY_BLOCK_TASKS * threads;
+    const int64_t heads = p->b * p->h;
+    pl.tail_heads = pl.tasks <= FWD_BY_BLOCK_TASKS * threads || heads < threads ? heads : threads;
     const int split = pl.chunks > 1;
     pl.rows = p->n < pl.qrows ? p->n : pl.qrows;
     pl.slot_floats = split ? round16(pl.rows * (p->d_v + 2)) : 0;
@@ -461,16 +464,19 @@ static void fwd_task(const fwd_ctx *c, int64_t bh, int64_t qb, int64_t ch, float
 
 /* The forward's task t, in the order the workers pull them: head by head, so that a head's K and V stay
  * in cache across its query blocks; within a head the last blocks first: under a causal mask they are
- * the most work, and the cheap ones at the end even out the threads; a block's chunks in order. With a
- * few tasks per thread (plan.by_block) the last blocks of every head go first instead. */
+ * the most work, and the cheap ones at the end even out the threads; a block's chunks in order. The last
+ * plan.tail_heads heads (all of them with a few tasks per thread) go block by block across them, their
+ * last blocks first (FWD_BY_BLOCK_TASKS). */
 static void fwd_task_at(const attention_fwd_plan *pl, int64_t t, int64_t *bh, int64_t *qb, int64_t *ch) {
-    if (pl->by_block) { /* the last blocks of every head first (blocks_plan: FWD_BY_BLOCK_TASKS) */
-        const int64_t per_block = pl->blocks / pl->nqb * pl->chunks, r = t % per_block;
-        *qb = pl->nqb - 1 - t / per_block, *bh = r / pl->chunks, *ch = r % pl->chunks;
+    const int64_t per_head = pl->nqb * pl->chunks, first_tail = pl->blocks / pl->nqb - pl->tail_heads;
+    if (t < first_tail * per_head) {
+        const int64_t r = t % per_head;
+        *bh = t / per_head, *qb = pl->nqb - 1 - r / pl->chunks, *ch = r % pl->chunks;
         return;
     }
-    const int64_t per_head = pl->nqb * pl->chunks, r = t % per_head;
-    *bh = t / per_head, *qb = pl->nqb - 1 - r / pl->chunks, *ch = r % pl->chunks;
+    t -= first_tail * per_head;
+    const int64_t per_block = pl->tail_heads * pl->chunks, r = t % per_block;
+    *qb = pl->nqb - 1 - t / per_block, *bh = first_tail + r / pl->chunks, *ch = r % pl->chunks;
 }
 
 static void fwd_worker(int64_t w0, int64_t w1, void *arg) {

@@ -151,8 +151,9 @@ static void check_bwd_bits(const attention_kernels *k, attention_problem p, cons
     free(threads0), free(gq), free(gk), free(gv);
 }
 
-/* attention_fwd again on 1, 2 (twice) and 4 threads: out and lse must equal the
- * first run's bit for bit (split into key chunks or not, by the shape alone) */
+/* attention_fwd again on 1, 2, 3, 4 and 16 threads: out and lse must equal the first run's bit for bit
+ * (split into key chunks or not, by the shape alone; the tasks pulled head by head, block by block, or
+ * head by head but for a tail of heads, by the tasks per thread) */
 static void check_fwd_bits(const attention_kernels *k, attention_problem p, const void *out, const float *lse,
                            size_t no) {
     const char *env = getenv("OPFORGE_NUM_THREADS");
@@ -161,8 +162,8 @@ static void check_fwd_bits(const attention_kernels *k, attention_problem p, cons
     void *go = malloc(no + 1);
     float *gl = malloc(nl + sizeof(float));
     p.out = go, p.lse = gl;
-    const int runs[4] = {1, 2, 2, 4};
-    for (int r = 0; r < 4; r++) {
+    const int runs[5] = {1, 2, 3, 4, 16};
+    for (int r = 0; r < 5; r++) {
         set_threads(runs[r]);
         memset(go, 0x7f, no), memset(gl, 0x7f, nl);
         run_fwd(k, &p);
