@@ -206,7 +206,7 @@ typedef struct attention_fwd_plan {
     int64_t chunks;               /* the most chunks of a query block: 1 unless split */
     int64_t span;                 /* keys per chunk, a multiple of the key block when split */
     int64_t tasks, rows, slot_floats, per_worker, workers;
-    int64_t kv_words; /* words of one key block's K and V packed up front (0: packed per task) */
+    int64_t kv_words;   /* words of one key block's K and V packed up front (0: packed per task) */
     int64_t tail_heads; /* the last heads (b, h), whose tasks are pulled query block by query block across
                            them; the heads before them head by head (FWD_BY_BLOCK_TASKS) */
     int64_t slots, counts, slices, packed_kv, floats;
