@@ -144,12 +144,13 @@ int64_t gemm_pack_b_parts(const gemm_plan *plan, int64_t nslivers, int64_t kp) {
     return parts < most ? parts : most;
 }
 
-/* The tiles of rows [i_lo, i_hi) (whole MR slivers but the product's last) against the panel's B slivers
- * [s_lo, s_hi): ap holds A's packed slivers from row i_lo on. Each B sliver stays in cache across the rows. */
-static void compute_tiles(const gemm_job *job, const float *ap, int64_t i_lo, int64_t i_hi, int64_t s_lo,
+/* The tiles of A's slivers [a_lo, a_hi) against the panel's B slivers [s_lo, s_hi): ap holds A's packed
+ * slivers from a_lo on. Each B sliver stays in cache across the rows. */
+static void compute_tiles(const gemm_job *job, const float *ap, int64_t a_lo, int64_t a_hi, int64_t s_lo,
                           int64_t s_hi) {
     const gemm_kernels *kern = job->kern;
     const gemm_epilogue *ep = job->ep;
+    const int64_t i_lo = a_lo * kern->mr, i_hi = a_hi * kern->mr < job->m ? a_hi * kern->mr : job->m;
     const int first = job->pc == 0, last = job->pc + job->depth >= job->k;
     const int strip = job->pairs && kern->ukernel_strip ? GEMM_STRIP_MAX : 1;
     for (int64_t s = s_lo; s < s_hi; s++) {
@@ -189,36 +190,65 @@ static void compute_tiles(const gemm_job *job, const float *ap, int64_t i_lo, in
     }
 }
 
-/* Workers [w0, w1) of a pass.
- * Own A blocks (plan.own_a): worker w packs and runs its equal share of the row blocks, each against the
- * whole panel; the block stays in that core's L2.
- * Shared A (packed whole before the pass): the units, a row sliver by a column chunk, ordered chunk by
- * chunk and within a chunk row by row, are dealt to the workers in contiguous runs as even as whole units
- * allow (gemm_col_chunks): a worker's run is a few chunks' rows, each chunk's B slivers held in cache
- * across its rows. */
+/* A pass's units and their dealing: gemm.h */
+int64_t gemm_pass_units(const gemm_plan *plan, int64_t ntn) {
+    return plan->own_a ? plan->mblocks : plan->slivers * ntn;
+}
+
+int64_t gemm_pass_workers(const gemm_plan *plan, int64_t ntn) {
+    const int64_t units = gemm_pass_units(plan, ntn);
+    return units < plan->threads ? units : plan->threads;
+}
+
+/* Unit u's A slivers [*a_lo, *a_hi) and chunk (*jn; own A blocks: 0, the whole panel) */
+static void unit_at(const gemm_plan *plan, int64_t u, int64_t *a_lo, int64_t *a_hi, int64_t *jn) {
+    if (plan->own_a) {
+        *a_lo = plan->slivers * u / plan->mblocks, *a_hi = plan->slivers * (u + 1) / plan->mblocks, *jn = 0;
+        return;
+    }
+    *jn = u / plan->slivers, *a_lo = u % plan->slivers, *a_hi = *a_lo + 1;
+}
+
+int64_t gemm_pass_most_tiles(const gemm_plan *plan, int64_t nslivers, int64_t ntn) {
+    const int64_t units = gemm_pass_units(plan, ntn), workers = gemm_pass_workers(plan, ntn);
+    int64_t most = 0;
+    for (int64_t w = 0; w < workers; w++) {
+        int64_t tiles = 0;
+        for (int64_t u = units * w / workers, a_lo, a_hi, jn; u < units * (w + 1) / workers; u++) {
+            unit_at(plan, u, &a_lo, &a_hi, &jn);
+            tiles += (a_hi - a_lo) * (nslivers * (jn + 1) / ntn - nslivers * jn / ntn);
+        }
+        if (tiles > most) most = tiles;
+    }
+    return most;
+}
+
+/* Workers [w0, w1) of a pass, each running its units (gemm_pass_units).
+ * Own A blocks: worker w packs each of its row blocks into its own slot, where the block stays in that
+ * core's L2, and runs it against the whole panel.
+ * Shared A (packed whole before the pass): a worker's run is a few chunks' rows, each chunk's B slivers
+ * held in cache across its rows (gemm_col_chunks). */
 static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
     const gemm_job *job = ctx;
     const gemm_kernels *kern = job->kern;
-    const int64_t workers = job->plan.workers, mr = kern->mr, slivers = job->plan.slivers;
+    const gemm_plan *plan = &job->plan;
+    const int64_t workers = plan->workers, units = gemm_pass_units(plan, job->ntn);
     const int64_t nslivers = (job->nc + kern->nr - 1) / kern->nr;
     for (int64_t w = w0; w < w1; w++) {
-        if (job->plan.own_a) {
-            const int64_t mb = job->plan.mblocks;
-            float *own_a = job->ap + w * job->plan.mc * job->kp;
-            for (int64_t ib = mb * w / workers; ib < mb * (w + 1) / workers; ib++) {
-                const int64_t s_lo = slivers * ib / mb, s_hi = slivers * (ib + 1) / mb;
-                gemm_pack_a(job, own_a, s_lo, s_lo, s_hi);
-                compute_tiles(job, own_a, s_lo * mr, s_hi * mr < job->m ? s_hi * mr : job->m, 0, nslivers);
+        const int64_t u1 = units * (w + 1) / workers;
+        for (int64_t u = units * w / workers, next; u < u1; u = next) {
+            int64_t a_lo, a_hi, jn;
+            unit_at(plan, u, &a_lo, &a_hi, &jn);
+            const float *ap = job->ap + a_lo * kern->mr * job->kp;
+            if (plan->own_a) {
+                float *own_a = job->ap + w * plan->mc * job->kp;
+                gemm_pack_a(job, own_a, a_lo, a_lo, a_hi);
+                ap = own_a, next = u + 1;
+            } else { /* the run's rest of this chunk's rows, in one call */
+                a_hi = a_lo + (u1 - u < plan->slivers - a_lo ? u1 - u : plan->slivers - a_lo);
+                next = u + (a_hi - a_lo);
             }
-            continue;
-        }
-        const int64_t units = slivers * job->ntn, u1 = units * (w + 1) / workers;
-        for (int64_t u = units * w / workers; u < u1;) {
-            const int64_t jn = u / slivers, i0 = u % slivers;
-            const int64_t i1 = slivers - i0 < u1 - u ? slivers : i0 + (u1 - u);
-            compute_tiles(job, job->ap + i0 * mr * job->kp, i0 * mr, i1 * mr < job->m ? i1 * mr : job->m,
-                          nslivers * jn / job->ntn, nslivers * (jn + 1) / job->ntn);
-            u += i1 - i0;
+            compute_tiles(job, ap, a_lo, a_hi, nslivers * jn / job->ntn, nslivers * (jn + 1) / job->ntn);
         }
     }
     if (kern->release) kern->release();
@@ -319,8 +349,10 @@ int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers) {
     if (plan->own_a || nslivers <= 1 || plan->slivers <= 0) return 1;
     const int64_t t = plan->threads, rows = plan->slivers;
     double least = 1.0; /* chunks of one width (a divisor of nslivers): every unit the same work */
-    for (int64_t c = 1; c <= nslivers; c++)
-        if (nslivers % c == 0 && chunks_idle(rows, nslivers, c, t) < least) least = chunks_idle(rows, nslivers, c, t);
+    for (int64_t c = 1; c <= nslivers; c++) {
+        const double idle = nslivers % c ? 1.0 : chunks_idle(rows, nslivers, c, t);
+        if (idle < least) least = idle;
+    }
     int64_t best = 1;
     double best_traffic = -1.0;
     for (int64_t c = 1; c <= nslivers; c++) {
@@ -427,15 +459,13 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
                     .plan = *plan,
                     .pairs = plan->pairs};
     const int64_t max_depth = gemm_slice_depth(kern, plan->ta, plan->tb);
-    const int64_t threads = plan->threads, mblocks = plan->mblocks, mslivers = (m + kern->mr - 1) / kern->mr;
+    const int64_t mslivers = plan->slivers;
     for (int64_t jc = 0; jc < n; jc += kern->nc) {
         job.jc = jc;
         job.nc = n - jc < kern->nc ? n - jc : kern->nc;
         int64_t nslivers = (job.nc + kern->nr - 1) / kern->nr;
         job.ntn = gemm_col_chunks(plan, nslivers);
-        /* own_a: plan.workers (mblocks >= 2 threads); shared A: a worker per thread, or per unit if fewer */
-        const int64_t units = plan->own_a ? mblocks : mslivers * job.ntn;
-        job.plan.workers = units < threads ? units : threads;
+        job.plan.workers = gemm_pass_workers(plan, job.ntn); /* own_a: plan.workers (mblocks >= 2 threads) */
         for (int64_t pc = 0; pc < k; pc += max_depth) {
             job.pc = pc;
             job.depth = k - pc < max_depth ? k - pc : max_depth;

@@ -235,9 +235,16 @@ gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t
  * reuse a row's A sliver, long runs of rows a chunk's B slivers). 2048 x 512 at 64 threads: 171 row
  * slivers x 4 chunks of 4 slivers, 10.7 units per thread, 3% idle, where row blocks of 2 or 3 slivers x
  * 2 chunks left 11%. */
-enum { GEMM_IDLE_SLACK_PERMILLE = 30 };
-#define GEMM_IDLE_SLACK (GEMM_IDLE_SLACK_PERMILLE / 1000.0)
+#define GEMM_IDLE_SLACK 0.03
 int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers);
+/* A pass's units, as the driver deals them: each worker packs its own A blocks (plan->own_a): the row
+ * blocks; else row slivers x ntn column chunks, chunk by chunk and rows in order within a chunk. Worker w
+ * of gemm_pass_workers runs units [units * w / workers, units * (w + 1) / workers). */
+int64_t gemm_pass_units(const gemm_plan *plan, int64_t ntn);
+int64_t gemm_pass_workers(const gemm_plan *plan, int64_t ntn);
+/* The most MR x NR tiles one worker runs in a pass over a panel of nslivers B slivers in ntn chunks
+ * (the plan table's idle share: 1 - slivers x nslivers / (threads x this)) */
+int64_t gemm_pass_most_tiles(const gemm_plan *plan, int64_t nslivers, int64_t ntn);
 /* Slivers (w rows of kp packed words each: MR for A, NR for B) per packing task of a K slice: ~32 KiB
  * written at least, so a slice of a few deep slivers is still packed by as many threads as it has
  * slivers (a pass packs B before any thread multiplies it; one thread packing it all idles the rest). */

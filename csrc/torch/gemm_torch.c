@@ -710,21 +710,10 @@ OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int
     const gemm_plan p = gemm_plan_make(gemm_kernels_for(opf_isa_current()), m, n, k, dt, dt, threads);
     const gemm_kernels *kern = p.kern;
     const int64_t nc = n < kern->nc ? n : kern->nc, nslivers = (nc + kern->nr - 1) / kern->nr;
-    const int64_t ntn = gemm_col_chunks(&p, nslivers), rows = p.own_a ? p.mblocks : p.slivers;
-    const int64_t units = rows * ntn, workers = units < p.threads ? units : p.threads;
-    int64_t most = 0;
-    for (int64_t w = 0; w < workers; w++) { /* as compute_workers deals them */
-        int64_t tiles = 0;
-        for (int64_t u = units * w / workers; u < units * (w + 1) / workers; u++) {
-            const int64_t jn = u / rows, r = u % rows;
-            const int64_t height = p.own_a ? p.slivers * (r + 1) / rows - p.slivers * r / rows : 1;
-            tiles += height * (nslivers * (jn + 1) / ntn - nslivers * jn / ntn);
-        }
-        if (tiles > most) most = tiles;
-    }
+    const int64_t ntn = gemm_col_chunks(&p, nslivers), units = gemm_pass_units(&p, ntn);
     out[0] = units;
-    out[1] = workers;
-    out[2] = rows;
+    out[1] = gemm_pass_workers(&p, ntn);
+    out[2] = units / ntn;
     out[3] = ntn;
     out[4] = (n + kern->nc - 1) / kern->nc;
     /* packing tasks of the first K slice: B's panel, and A's whole when it is shared (0: each worker packs its own) */
@@ -733,7 +722,7 @@ OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int
     const int64_t parts = gemm_pack_b_parts(&p, nslivers, kp);
     out[5] = parts > 1 ? nslivers * parts : (nslivers + gb - 1) / gb;
     out[6] = p.own_a ? 0 : (p.slivers + ga - 1) / ga;
-    out[7] = most;
+    out[7] = gemm_pass_most_tiles(&p, nslivers, ntn);
     out[8] = p.slivers * nslivers;
 }
 
