@@ -374,6 +374,27 @@ static void test_conversions(const convert_kernels *k) {
     }
 }
 
+/* OPFORGE_NUM_THREADS as a test found it (the standalone pool's thread count), to put back after it sets
+ * its own */
+typedef struct saved_threads {
+    int set;
+    char value[32];
+} saved_threads;
+
+static saved_threads threads_save(void) {
+    const char *env = getenv("OPFORGE_NUM_THREADS");
+    saved_threads s = {.set = env != NULL};
+    if (env) snprintf(s.value, sizeof s.value, "%s", env);
+    return s;
+}
+
+static void threads_restore(const saved_threads *s) {
+    if (s->set)
+        setenv("OPFORGE_NUM_THREADS", s->value, 1);
+    else
+        unsetenv("OPFORGE_NUM_THREADS");
+}
+
 /* The workspace a plan carves against the one gemm_workspace reports: every row count from 1 past the
  * point where each worker packs its own blocks of A (the plans switch there, and the need is not monotonic
  * in M), at 1, 2 and 3 threads, float32 / bfloat16 / float16 operands, each run in a workspace of exactly
@@ -381,9 +402,7 @@ static void test_conversions(const convert_kernels *k) {
  * count is then (the plan, not the pool, says how the work is split); and a workspace smaller than the
  * plan's is refused without a write. */
 static void test_workspace_plans(const gemm_kernels *k) {
-    const char *saved = getenv("OPFORGE_NUM_THREADS");
-    char saved_copy[32] = "";
-    if (saved) snprintf(saved_copy, sizeof saved_copy, "%s", saved);
+    const saved_threads saved = threads_save();
     const int64_t n = 2 * k->nr + 3, kd = 9, mmax = 2 * 3 * k->mc + 3 * k->mr;
     float *a = rand_buf(mmax * kd, 41), *b = rand_buf(kd * n, 42), *want = malloc(sizeof(float) * (size_t)(mmax * n));
     float *got = malloc(sizeof(float) * (size_t)(mmax * n));
@@ -447,10 +466,7 @@ static void test_workspace_plans(const gemm_kernels *k) {
               "%s m=%lld: a workspace one float short was not refused", k->name, (long long)m);
         check_ws_free(ws, "one float short");
     }
-    if (saved)
-        setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
-    else
-        unsetenv("OPFORGE_NUM_THREADS");
+    threads_restore(&saved);
     free(a), free(b), free(want), free(got), free(ah), free(bh);
 }
 
@@ -460,9 +476,7 @@ static void test_workspace_plans(const gemm_kernels *k) {
  * strips), a bias, an activation and beta C (a tile run twice, or skipped, shows: C starts NaN where beta
  * is 0); every value against the oracle, and the same bits as one thread. */
 static void test_many_threads(const gemm_kernels *k) {
-    const char *saved = getenv("OPFORGE_NUM_THREADS");
-    char saved_copy[32] = "";
-    if (saved) snprintf(saved_copy, sizeof saved_copy, "%s", saved);
+    const saved_threads saved = threads_save();
     const shape shapes[] = {{13, 100, 9}, {250, 1100, 9}, {517, 300, 7}, {97, 1100, k->kc + 5}, {250, 77, k->kc + 5}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const shape sh = shapes[si];
@@ -517,10 +531,7 @@ static void test_many_threads(const gemm_kernels *k) {
         free(a), free(b), free(bias), free(c0), free(one), free(got), free(want), free(ar), free(br), free(ah),
             free(bh);
     }
-    if (saved)
-        setenv("OPFORGE_NUM_THREADS", saved_copy, 1);
-    else
-        unsetenv("OPFORGE_NUM_THREADS");
+    threads_restore(&saved);
 }
 
 /* The epilogue's activations at SPECIAL as the scalar ones: C = act(x . 1) over full register tiles (48
