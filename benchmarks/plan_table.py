@@ -6,7 +6,9 @@ pass, the tasks per thread and the largest idle share at 16 and 64 threads, read
     python benchmarks/plan_table.py [--threads 8,16,32,64] [--out DIR]
 
 units: what the plan deals to the workers in one pass (one K slice of one N panel): row blocks, where
-each worker packs its own A blocks, else row slivers x column chunks (gemm_col_chunks). idle share:
+each worker packs its own A blocks, else row slivers x column chunks (gemm_col_chunks); where a pass has
+fewer than 4 tiles a thread and K several slices, S slices at once (gemm_plan.ksplit: S x rows x
+columns, a tile each, their sums added onto C in slice order afterwards). idle share:
 1 - the pass's MR x NR tiles / (threads x the most tiles one worker runs), counted tile by tile as the
 workers run them, so unequal row blocks or chunks count too.
 packers: the threads busy packing B's slice before each pass (and A's, where its blocks are shared); a panel
@@ -26,11 +28,12 @@ _plan.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.PO
 
 
 def plan(m, n, k, bf16, threads):
-    out = (ctypes.c_int64 * 9)()
+    out = (ctypes.c_int64 * 10)()
     _plan(m, n, k, int(bf16), threads, out)
-    units, workers, rows, ntn, panels, pack_b, pack_a, most, tiles = out
-    return {"units": units, "rows": rows, "col_chunks": ntn, "panels": panels,
-            "packers": f"{min(threads, pack_b)}" + (f"+{min(threads, pack_a)}" if pack_a else ""),
+    units, workers, rows, ntn, panels, pack_b, pack_a, most, tiles, ksplit = out
+    return {"units": units, "rows": rows, "col_chunks": ntn, "panels": panels, "ksplit": ksplit,
+            "packers": f"{min(threads, pack_b + pack_a)}" if ksplit > 1 else  # one phase packs both
+            f"{min(threads, pack_b)}" + (f"+{min(threads, pack_a)}" if pack_a else ""),
             "units_per_thread": units / threads, "idle": 1 - tiles / (threads * most) if most else 1.0}
 
 
@@ -41,6 +44,8 @@ def products():
         (128, 1024, 4096), (1024, 1024, 4096), (4096, 1024, 4096), (4096, 4096, 1024), (8192, 512, 2048),
         (512, 4096, 16384))]
     out += [(f"bench_gemm bf16 {m}x{k}x{n}", m, n, k, True) for m, k, n in ((1024, 1024, 1024), (4096, 1024, 4096))]
+    # deep K against few rows and columns: a pass of one K slice has fewer tiles than 4 a thread
+    out += [(f"deep K {m}x{k}x{n}", m, n, k, False) for m, k, n in ((32, 8192, 256), (64, 4096, 512), (64, 65536, 64))]
     # the default GPT step: 8 x 256 tokens, dim 512, 8 heads (2 key/value heads of 64), MLP 1408, vocab 8192
     t, d, kv, f, v = 2048, 512, 128, 1408, 8192
     for name, n, k in (("q/o proj", d, d), ("k/v proj", kv, d), ("MLP gate+up", 2 * f, d), ("MLP down", d, f),
@@ -102,7 +107,7 @@ def main(argv=None):
         row = {"product": where, "M": m, "N": n, "K": k}
         for th in counts:
             pl = plan(m, n, k, bf16, th)
-            row[f"units_{th}"] = f"{pl['rows']}x{pl['col_chunks']}"
+            row[f"units_{th}"] = (f"{pl['ksplit']}x" if pl["ksplit"] > 1 else "") + f"{pl['rows']}x{pl['col_chunks']}"
             row[f"per_thread_{th}"] = round(pl["units_per_thread"], 2)
             row[f"idle_{th}"] = f"{100 * pl['idle']:.0f}%"
             row[f"packers_{th}"] = pl["packers"]
@@ -116,10 +121,13 @@ def main(argv=None):
         f"ISA {opforge.get_isa()} (the block sizes of its GEMM table); units of one pass over one K slice of "
         "one N panel, dealt to the workers in contiguous runs: row blocks x 1 where each worker packs its own A "
         "blocks (packers without +), else row slivers x column chunks; idle: the share of thread-time that pass "
-        "leaves idle, counted in MR x NR tiles (unequal blocks or chunks included)",
+        "leaves idle, counted in MR x NR tiles (unequal blocks or chunks included); S x rows x columns: S K "
+        "slices run at once (fewer tiles than 4 a thread in one slice's pass), a tile each, then added onto C "
+        "in slice order",
         "packers: the threads that pack a K slice of B's panel before the pass (+ those that pack A, where its "
         "blocks are shared by the workers rather than packed by each worker); where the panel has fewer slivers "
-        "than threads, each sliver's packing is cut into runs along K of 16 KiB or more"], a.out, timed=False))
+        "than threads, each sliver's packing is cut into runs along K of 16 KiB or more; slices at once: the "
+        "threads that pack their A and B in one phase"], a.out, timed=False))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@
 
 #include "gemm_pack.h"
 
+/* The largest MR x NR tile an epilogue runs from memory (gemm_finish, slices run at once) */
+enum { FINISH_TILE_MAX = 64 * 64 };
+
 /* The ISA files are left out of builds for other architectures: weak references resolve to NULL there. */
 extern const gemm_kernels gemm_kernels_avx2 __attribute__((weak));
 extern const gemm_kernels gemm_kernels_avx512 __attribute__((weak));
@@ -37,10 +40,19 @@ int64_t gemm_slice_depth(const gemm_kernels *kern, opf_dtype ta, opf_dtype tb) {
     return use_pairs(kern, ta, tb) ? 2 * kern->kc : kern->kc;
 }
 
+/* Workspace of one slice run beside others: its A packed whole, its B panel, the panel's partial sums */
+static int64_t ksplit_slice_floats(const gemm_plan *p, const gemm_kernels *kern, int64_t nc) {
+    return (round_up(p->m, kern->mr) + round_up(nc, kern->nr)) * p->kc_max + p->m * round_up(nc, kern->nr);
+}
+
+/* The tiles the busiest of `threads` workers runs of `units` tiles dealt evenly */
+static int64_t ksplit_steps(int64_t units, int64_t threads) { return (units + threads - 1) / threads; }
+
 gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t k, opf_dtype ta, opf_dtype tb,
                          int64_t threads) {
     kern = table_for(kern, ta, tb);
-    gemm_plan p = {.kern = kern, .m = m, .n = n, .k = k, .ta = ta, .tb = tb, .threads = threads > 0 ? threads : 1};
+    gemm_plan p = {
+        .kern = kern, .m = m, .n = n, .k = k, .ta = ta, .tb = tb, .threads = threads > 0 ? threads : 1, .ksplit = 1};
     p.pairs = use_pairs(kern, ta, tb);
     if (m <= 0 || n <= 0 || k <= 0) return p; /* nothing to pack: no workspace */
     p.kc_max = k < kern->kc ? k : kern->kc;
@@ -54,6 +66,20 @@ gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t
     const int64_t nc = n < kern->nc ? n : kern->nc;
     p.b_offset = (p.own_a ? p.workers * p.mc : round_up(m, kern->mr)) * p.kc_max;
     p.floats = p.b_offset + round_up(nc, kern->nr) * p.kc_max;
+    const int64_t slices = (k + gemm_slice_depth(kern, ta, tb) - 1) / gemm_slice_depth(kern, ta, tb);
+    const int64_t tiles = p.slivers * ((nc + kern->nr - 1) / kern->nr), want = GEMM_KSPLIT_TILES * p.threads;
+    if (!p.own_a && p.threads > 1 && slices > 1 && tiles < want && kern->mr * kern->nr <= FINISH_TILE_MAX) {
+        const int64_t per = ksplit_slice_floats(&p, kern, nc);
+        int64_t most = slices < GEMM_KSPLIT_MAX ? slices : GEMM_KSPLIT_MAX, best = -1;
+        if (most > GEMM_KSPLIT_FLOATS / per) most = GEMM_KSPLIT_FLOATS / per;
+        for (int64_t g = 1; g <= most; g++) { /* the fewest tile steps of the busiest worker, in the least memory */
+            const int64_t rounds = (slices + g - 1) / g, rest = slices - (rounds - 1) * g;
+            const int64_t steps =
+                (rounds - 1) * ksplit_steps(g * tiles, p.threads) + ksplit_steps(rest * tiles, p.threads);
+            if (best < 0 || steps < best) best = steps, p.ksplit = g;
+        }
+        if (p.ksplit > 1 && p.floats < p.ksplit * per) p.floats = p.ksplit * per;
+    }
     /* a plan on pairs: the pair form, for a bfloat16 B (a float32 B rounded to pairs is not a row it reads) */
     p.skinny = m <= GEMM_SKINNY_M &&
                (p.pairs ? kern->skinny_pairs && tb == OPF_BF16 : kern->skinny && (tb == OPF_F32 || tb == OPF_BF16));
@@ -144,6 +170,23 @@ int64_t gemm_pack_b_parts(const gemm_plan *plan, int64_t nslivers, int64_t kp) {
     return parts < most ? parts : most;
 }
 
+/* The epilogue of the C tile at row r, column col, for the K slice that is the product's first and / or last */
+static gemm_tile slice_tile(const gemm_epilogue *ep, int first, int last, int64_t r, int64_t col, int64_t rsc) {
+    return (gemm_tile){
+        .load_c = !first || ep->beta != 0.0f,
+        .beta = first ? ep->beta : 1.0f,
+        .alpha = ep->alpha,
+        .bias_n = last && ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + col : NULL,
+        .bias_m = last && ep->bias_kind == GEMM_BIAS_COL ? ep->bias + r : NULL,
+        .act = last ? ep->act : ACT_NONE,
+        .pre = last && ep->preact ? ep->preact + r * ep->rsp + col : NULL,
+        .rsp = ep->rsp,
+        .c16 = last && ep->out16 ? (uint16_t *)ep->out16 + r * rsc + col : NULL,
+        .pre16 = last && ep->pre16 ? (uint16_t *)ep->pre16 + r * ep->rsp + col : NULL,
+        .dt16 = ep->out_dt,
+    };
+}
+
 /* The tiles of A's slivers [a_lo, a_hi) against the panel's B slivers [s_lo, s_hi): ap holds A's packed
  * slivers from a_lo on. Each B sliver stays in cache across the rows. */
 static void compute_tiles(const gemm_job *job, const float *ap, int64_t a_lo, int64_t a_hi, int64_t s_lo,
@@ -160,22 +203,8 @@ static void compute_tiles(const gemm_job *job, const float *ap, int64_t a_lo, in
             const int64_t rows = i_hi - i < (int64_t)strip * kern->mr ? i_hi - i : (int64_t)strip * kern->mr;
             const int count = (int)((rows + kern->mr - 1) / kern->mr);
             gemm_tile tiles[GEMM_STRIP_MAX];
-            for (int t = 0; t < count; t++) {
-                const int64_t r = i + (int64_t)t * kern->mr;
-                tiles[t] = (gemm_tile){
-                    .load_c = !first || ep->beta != 0.0f,
-                    .beta = first ? ep->beta : 1.0f,
-                    .alpha = ep->alpha,
-                    .bias_n = last && ep->bias_kind == GEMM_BIAS_ROW ? ep->bias + col : NULL,
-                    .bias_m = last && ep->bias_kind == GEMM_BIAS_COL ? ep->bias + r : NULL,
-                    .act = last ? ep->act : ACT_NONE,
-                    .pre = last && ep->preact ? ep->preact + r * ep->rsp + col : NULL,
-                    .rsp = ep->rsp,
-                    .c16 = last && ep->out16 ? (uint16_t *)ep->out16 + r * job->rsc + col : NULL,
-                    .pre16 = last && ep->pre16 ? (uint16_t *)ep->pre16 + r * ep->rsp + col : NULL,
-                    .dt16 = ep->out_dt,
-                };
-            }
+            for (int t = 0; t < count; t++)
+                tiles[t] = slice_tile(ep, first, last, i + (int64_t)t * kern->mr, col, job->rsc);
             const float *as = ap + ((i - i_lo) / kern->mr) * kern->mr * job->kp;
             float *cs = job->c ? job->c + i * job->rsc + col : NULL; /* NULL: one slice into out16 */
             if (strip > 1)
@@ -192,7 +221,7 @@ static void compute_tiles(const gemm_job *job, const float *ap, int64_t a_lo, in
 
 /* A pass's units and their dealing: gemm.h */
 int64_t gemm_pass_units(const gemm_plan *plan, int64_t ntn) {
-    return plan->own_a ? plan->mblocks : plan->slivers * ntn;
+    return plan->own_a ? plan->mblocks : plan->slivers * ntn * plan->ksplit;
 }
 
 int64_t gemm_pass_workers(const gemm_plan *plan, int64_t ntn) {
@@ -200,12 +229,14 @@ int64_t gemm_pass_workers(const gemm_plan *plan, int64_t ntn) {
     return units < plan->threads ? units : plan->threads;
 }
 
-/* Unit u's A slivers [*a_lo, *a_hi) and chunk (*jn; own A blocks: 0, the whole panel) */
-static void unit_at(const gemm_plan *plan, int64_t u, int64_t *a_lo, int64_t *a_hi, int64_t *jn) {
+/* Unit u's A slivers [*a_lo, *a_hi) and chunk (*jn; own A blocks: 0, the whole panel) of its K slice (slices
+ * run at once: u / (slivers x ntn), the units of each slice in the order of one pass) */
+static void unit_at(const gemm_plan *plan, int64_t ntn, int64_t u, int64_t *a_lo, int64_t *a_hi, int64_t *jn) {
     if (plan->own_a) {
         *a_lo = plan->slivers * u / plan->mblocks, *a_hi = plan->slivers * (u + 1) / plan->mblocks, *jn = 0;
         return;
     }
+    u %= plan->slivers * ntn;
     *jn = u / plan->slivers, *a_lo = u % plan->slivers, *a_hi = *a_lo + 1;
 }
 
@@ -215,7 +246,7 @@ int64_t gemm_pass_most_tiles(const gemm_plan *plan, int64_t nslivers, int64_t nt
     for (int64_t w = 0; w < workers; w++) {
         int64_t tiles = 0;
         for (int64_t u = units * w / workers, a_lo, a_hi, jn; u < units * (w + 1) / workers; u++) {
-            unit_at(plan, u, &a_lo, &a_hi, &jn);
+            unit_at(plan, ntn, u, &a_lo, &a_hi, &jn);
             tiles += (a_hi - a_lo) * (nslivers * (jn + 1) / ntn - nslivers * jn / ntn);
         }
         if (tiles > most) most = tiles;
@@ -238,7 +269,7 @@ static void compute_workers(int64_t w0, int64_t w1, void *ctx) {
         const int64_t u1 = units * (w + 1) / workers;
         for (int64_t u = units * w / workers, next; u < u1; u = next) {
             int64_t a_lo, a_hi, jn;
-            unit_at(plan, u, &a_lo, &a_hi, &jn);
+            unit_at(plan, job->ntn, u, &a_lo, &a_hi, &jn);
             const float *ap = job->ap + a_lo * kern->mr * job->kp;
             if (plan->own_a) {
                 float *own_a = job->ap + w * plan->mc * job->kp;
@@ -277,8 +308,6 @@ typedef struct finish_job {
     int64_t rsc;
     const gemm_epilogue *ep;
 } finish_job;
-
-enum { FINISH_TILE_MAX = 64 * 64 };
 
 static void finish_range(int64_t b0, int64_t b1, void *ctx) {
     const finish_job *job = ctx;
@@ -338,6 +367,111 @@ void gemm_finish(const gemm_plan *plan, const void *prod, opf_dtype prod_dt, int
     opf_parallel_for(0, blocks, per_block >= 16384 ? 1 : 16384 / per_block, finish_range, &job);
 }
 
+/* ---- K slices at once (gemm_plan.ksplit) ---- */
+
+typedef struct ksplit_job {
+    const gemm_job *job; /* the product's: A, B, C, the epilogue, the panel (jc, nc), plan.workers, ntn */
+    gemm_job *slice;     /* the round's slices: pc, depth, kp, and where each one's A and B are packed */
+    float *partial;      /* slice s's sums: m x ncr floats from s * m * ncr, row stride ncr */
+    int64_t count, nslivers, ncr;
+} ksplit_job;
+
+/* B's slivers, then A's, of each slice of the round */
+static void ksplit_pack(int64_t begin, int64_t end, void *ctx) {
+    const ksplit_job *kj = ctx;
+    const int64_t packs = kj->nslivers + kj->job->plan.slivers;
+    for (int64_t t = begin; t < end; t++) {
+        gemm_job *sj = &kj->slice[t / packs];
+        const int64_t r = t % packs;
+        if (r < kj->nslivers)
+            gemm_pack_b_range(r, r + 1, sj);
+        else
+            gemm_pack_a_range(r - kj->nslivers, r - kj->nslivers + 1, sj);
+    }
+}
+
+/* Workers [w0, w1): their units (gemm_pass_units: slice by slice, a tile each), each tile's sum over its
+ * slice stored as it is (the slice's first and last, with no epilogue) into the slice's partial sums */
+static void ksplit_compute(int64_t w0, int64_t w1, void *ctx) {
+    const ksplit_job *kj = ctx;
+    const gemm_plan *plan = &kj->job->plan;
+    const int64_t per = plan->slivers * kj->job->ntn, units = per * kj->count, workers = plan->workers;
+    const gemm_epilogue plain = {0};
+    for (int64_t w = w0; w < w1 && w < workers; w++) {
+        const int64_t u1 = units * (w + 1) / workers;
+        for (int64_t u = units * w / workers, next; u < u1; u = next) {
+            int64_t a_lo, a_hi, jn;
+            unit_at(plan, kj->job->ntn, u, &a_lo, &a_hi, &jn);
+            a_hi = a_lo + (u1 - u < plan->slivers - a_lo ? u1 - u : plan->slivers - a_lo); /* the chunk's run */
+            next = u + (a_hi - a_lo);
+            gemm_job cj = kj->slice[u / per];
+            cj.ep = &plain, cj.k = cj.depth, cj.pc = 0, cj.jc = 0;
+            cj.c = kj->partial + u / per * kj->job->m * kj->ncr, cj.rsc = kj->ncr;
+            compute_tiles(&cj, cj.ap + a_lo * cj.kern->mr * cj.kp, a_lo, a_hi, kj->nslivers * jn / kj->job->ntn,
+                          kj->nslivers * (jn + 1) / kj->job->ntn);
+        }
+    }
+    if (kj->job->kern->release) kj->job->kern->release();
+}
+
+/* Row slivers [b0, b1) of the panel: each tile's partial sums added onto C slice after slice, in order, through
+ * the epilogue each slice has when slices run one after another: the micro-kernel's own, tile for tile (its
+ * table's `store`, or the scalar one) */
+static void ksplit_reduce(int64_t b0, int64_t b1, void *ctx) {
+    const ksplit_job *kj = ctx;
+    const gemm_job *job = kj->job;
+    const gemm_kernels *kern = job->kern;
+    const int mr = kern->mr, nr = kern->nr;
+    _Alignas(64) float acc[FINISH_TILE_MAX];
+    for (int64_t i = b0 * mr; i < b1 * mr && i < job->m; i += mr) {
+        const int mm = (int)(job->m - i < mr ? job->m - i : mr);
+        for (int64_t jj = 0; jj < job->nc; jj += nr) {
+            const int nn = (int)(job->nc - jj < nr ? job->nc - jj : nr);
+            const int64_t col = job->jc + jj;
+            float *cs = job->c ? job->c + i * job->rsc + col : NULL;
+            for (int64_t s = 0; s < kj->count; s++) {
+                const gemm_job *sj = &kj->slice[s];
+                const float *ps = kj->partial + (s * job->m + i) * kj->ncr + jj;
+                for (int r = 0; r < mm; r++) memcpy(acc + r * nr, ps + r * kj->ncr, (size_t)nn * sizeof(float));
+                const gemm_tile tile = slice_tile(job->ep, sj->pc == 0, sj->pc + sj->depth >= job->k, i, col, job->rsc);
+                if (kern->store)
+                    kern->store(acc, cs, job->rsc, mm, nn, &tile);
+                else
+                    gemm_tile_store(acc, nr, cs, job->rsc, mm, nn, &tile);
+            }
+        }
+    }
+}
+
+/* The panel's K slices, plan.ksplit at a time: packed, multiplied into their partial sums, added onto C */
+static void run_ksplit(gemm_job *job, int64_t nslivers, float *workspace) {
+    const gemm_plan *plan = &job->plan;
+    const gemm_kernels *kern = job->kern;
+    const int64_t max_depth = gemm_slice_depth(kern, plan->ta, plan->tb), ncr = nslivers * kern->nr;
+    const int64_t a_floats = round_up(plan->m, kern->mr) * plan->kc_max, b_floats = ncr * plan->kc_max;
+    gemm_job slice[GEMM_KSPLIT_MAX];
+    ksplit_job kj = {.job = job,
+                     .slice = slice,
+                     .partial = workspace + plan->ksplit * (a_floats + b_floats),
+                     .nslivers = nslivers,
+                     .ncr = ncr};
+    const int64_t blocks = plan->slivers;
+    for (int64_t pc0 = 0; pc0 < plan->k; pc0 += plan->ksplit * max_depth) {
+        kj.count = 0;
+        for (int64_t pc = pc0; pc < plan->k && kj.count < plan->ksplit; pc += max_depth, kj.count++) {
+            gemm_job *sj = &slice[kj.count];
+            *sj = *job;
+            sj->pc = pc, sj->depth = plan->k - pc < max_depth ? plan->k - pc : max_depth;
+            sj->kp = gemm_slice_kp(plan, sj->depth);
+            sj->ap = workspace + kj.count * (a_floats + b_floats), sj->bp = sj->ap + a_floats;
+        }
+        opf_parallel_for(0, kj.count * (nslivers + plan->slivers), 1, ksplit_pack, &kj);
+        opf_parallel_for(0, plan->workers, 1, ksplit_compute, &kj);
+        const int64_t per_block = kern->mr * job->nc * kj.count;
+        opf_parallel_for(0, blocks, per_block >= 16384 ? 1 : 16384 / per_block, ksplit_reduce, &kj);
+    }
+}
+
 /* The idle share of a pass whose units (rows row slivers x c chunks of a panel of nslivers) are dealt to
  * t threads in contiguous runs: 1 - the panel's tiles / (t x the most tiles one worker runs) */
 static double chunks_idle(int64_t rows, int64_t nslivers, int64_t c, int64_t t) {
@@ -347,6 +481,7 @@ static double chunks_idle(int64_t rows, int64_t nslivers, int64_t c, int64_t t) 
 
 int64_t gemm_col_chunks(const gemm_plan *plan, int64_t nslivers) {
     if (plan->own_a || nslivers <= 1 || plan->slivers <= 0) return 1;
+    if (plan->ksplit > 1) return nslivers; /* slices at once: few tiles, each a unit */
     const int64_t t = plan->threads, rows = plan->slivers;
     double least = 1.0; /* chunks of one width (a divisor of nslivers): every unit the same work */
     for (int64_t c = 1; c <= nslivers; c++) {
@@ -466,6 +601,10 @@ int gemm_run_own(const gemm_plan *plan, const void *a, int64_t rsa, int64_t csa,
         int64_t nslivers = (job.nc + kern->nr - 1) / kern->nr;
         job.ntn = gemm_col_chunks(plan, nslivers);
         job.plan.workers = gemm_pass_workers(plan, job.ntn); /* own_a: plan.workers (mblocks >= 2 threads) */
+        if (plan->ksplit > 1) {
+            run_ksplit(&job, nslivers, workspace);
+            continue;
+        }
         for (int64_t pc = 0; pc < k; pc += max_depth) {
             job.pc = pc;
             job.depth = k - pc < max_depth ? k - pc : max_depth;

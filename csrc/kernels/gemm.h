@@ -164,8 +164,11 @@ typedef struct gemm_kernels {
      * releases the tiles); NULL: nothing to do */
     void (*release)(void);
     /* The micro-kernel's epilogue alone, from a full MR x NR accumulator of
-     * row stride NR (gemm_finish: a product another GEMM made); NULL: the
-     * scalar gemm_tile_store */
+     * row stride NR: the same operations, tile for tile, as the micro-kernel
+     * finishes a tile with (K slices run at once are added onto C through it,
+     * bit for bit as one after another; gemm_finish runs the float32 table's
+     * on a product another GEMM made); NULL: the scalar gemm_tile_store, which
+     * the micro-kernel then finishes with too */
     void (*store)(const float *acc, float *c, int64_t rsc, int m, int n, const gemm_tile *t);
     /* The skinny product (gemm_skinny_fn); NULL: every product runs blocked. skinny_pairs: the product of
      * a plan on pairs with a bfloat16 B (gemm_skinny_pairs_fn); NULL: such plans run blocked. A pair
@@ -223,6 +226,16 @@ typedef struct gemm_plan {
      * skinny_pairs, then the products, into C or scratch finished by gemm_finish: m * (k + n) + k floats,
      * within `floats`), any other blocked */
     int skinny;
+    /* K slices run at once (gemm_ksplit_make), 1: one after another. A shared A whose pass has fewer than
+     * GEMM_KSPLIT_TILES tiles a thread (few rows and columns, deep K) leaves threads idle slice after
+     * slice; then ksplit slices of a panel are packed, multiplied into scratch of their own (each tile's
+     * sum over its slice, from zero, as a micro-kernel call makes it) and added onto C in slice order
+     * through the epilogue each slice would have had: the same operations in the same order as one slice
+     * after another, so the same bits on any thread count. ksplit is the least count that leaves the
+     * busiest worker the fewest tiles, within GEMM_KSPLIT_MAX slices and GEMM_KSPLIT_FLOATS of
+     * workspace; slices beyond it run in further rounds. The workspace then holds, slice by slice of a
+     * round, its A packed whole and its B panel, then the slices' partial sums (m x the panel each). */
+    int64_t ksplit;
 } gemm_plan;
 
 gemm_plan gemm_plan_make(const gemm_kernels *kern, int64_t m, int64_t n, int64_t k, opf_dtype ta, opf_dtype tb,
@@ -257,6 +270,14 @@ int64_t gemm_pack_b_parts(const gemm_plan *plan, int64_t nslivers, int64_t kp);
 /* The packed words per sliver row of a K slice `depth` deep: depth floats, or on pairs its pairs, padded
  * to whole tiles where the pair kernel works in tiles (tile_pairs) */
 int64_t gemm_slice_kp(const gemm_plan *plan, int64_t depth);
+
+/* A pass runs K slices at once where its panel has fewer MR x NR tiles than this many a thread */
+enum { GEMM_KSPLIT_TILES = 4 };
+/* The most floats of workspace a plan takes for slices run at once (packed A and B and the partial sums
+ * of each): 16 MiB */
+enum { GEMM_KSPLIT_FLOATS = 1 << 22 };
+/* K slices one round runs at once, at most */
+enum { GEMM_KSPLIT_MAX = 64 };
 
 /* Floats of workspace the plan's product needs. */
 int64_t gemm_workspace(const gemm_plan *plan);

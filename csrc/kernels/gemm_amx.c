@@ -70,7 +70,7 @@ static void finish(const float *acc, float *c, int64_t rsc, int m, int n, const 
         return;
     }
     for (int i = 0; i < MR; i++)
-        store_row32(c, rsc, i, _mm512_load_ps(acc + i * NR), _mm512_load_ps(acc + i * NR + 16), t);
+        store_row32(c, rsc, i, _mm512_loadu_ps(acc + i * NR), _mm512_loadu_ps(acc + i * NR + 16), t);
 }
 
 static void ukernel_amx_32x32(int64_t kp, const uint32_t *ap, const uint32_t *bp, float *c, int64_t rsc, int m, int n,
@@ -121,5 +121,6 @@ const gemm_kernels gemm_kernels_amx = {.name = "amx_32x32",
                                        .tile_pairs = TP,
                                        .f32 = &gemm_kernels_avx512,
                                        .release = tiles_release,
+                                       .store = finish,
                                        .skinny_pairs = gemm_skinny_avx512bf16,
                                        .skinny_pairs_name = "avx512bf16_skinny_4x4"};

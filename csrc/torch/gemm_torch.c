@@ -704,7 +704,8 @@ OPF_EXPORT int opforge_gemm_choice_at(int i, char *key, size_t keylen, int *stat
  * (shared A: row slivers), out[3] column chunks, out[4] panels of N, out[5] the tasks that pack the first
  * K slice of B's panel, out[6] those that pack A's (0: each worker packs its own), out[7] the most tiles
  * (MR x NR) one worker runs in a pass, out[8] the pass's tiles (the idle share is 1 - out[8] /
- * (threads x out[7])). */
+ * (threads x out[7])), out[9] the K slices a pass runs at once (gemm_plan.ksplit: then a pass's units,
+ * packing tasks and tiles are those of all its slices). */
 OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int64_t threads, int64_t *out) {
     const opf_dtype dt = bf16 ? OPF_BF16 : OPF_F32;
     const gemm_plan p = gemm_plan_make(gemm_kernels_for(opf_isa_current()), m, n, k, dt, dt, threads);
@@ -713,17 +714,18 @@ OPF_EXPORT void opforge_gemm_plan(int64_t m, int64_t n, int64_t k, int bf16, int
     const int64_t ntn = gemm_col_chunks(&p, nslivers), units = gemm_pass_units(&p, ntn);
     out[0] = units;
     out[1] = gemm_pass_workers(&p, ntn);
-    out[2] = units / ntn;
+    out[2] = p.own_a ? units : p.slivers;
     out[3] = ntn;
     out[4] = (n + kern->nc - 1) / kern->nc;
     /* packing tasks of the first K slice: B's panel, and A's whole when it is shared (0: each worker packs its own) */
     const int64_t max_depth = gemm_slice_depth(kern, dt, dt), kp = gemm_slice_kp(&p, k < max_depth ? k : max_depth);
     const int64_t gb = gemm_pack_grain(kern->nr, kp), ga = gemm_pack_grain(kern->mr, kp);
     const int64_t parts = gemm_pack_b_parts(&p, nslivers, kp);
-    out[5] = parts > 1 ? nslivers * parts : (nslivers + gb - 1) / gb;
-    out[6] = p.own_a ? 0 : (p.slivers + ga - 1) / ga;
+    out[5] = p.ksplit > 1 ? p.ksplit * nslivers : parts > 1 ? nslivers * parts : (nslivers + gb - 1) / gb;
+    out[6] = p.ksplit > 1 ? p.ksplit * p.slivers : p.own_a ? 0 : (p.slivers + ga - 1) / ga;
     out[7] = gemm_pass_most_tiles(&p, nslivers, ntn);
-    out[8] = p.slivers * nslivers;
+    out[8] = p.slivers * nslivers * p.ksplit;
+    out[9] = p.ksplit;
 }
 
 /* The class key of matmul's m x n x k product (row-major operands, float32 or bfloat16 with bf16 set,

@@ -472,20 +472,61 @@ static void test_workspace_plans(const gemm_kernels *k) {
 
 /* Plans for many threads (the standalone pool oversubscribed: 5, 16 and 64 threads on this machine):
  * shapes where A is shared and the units (row slivers x column chunks) are dealt in runs that start and
- * end mid-chunk, two N panels, one and two K slices, float32 and 16-bit operands (the pair kernel's
- * strips), a bias, an activation and beta C (a tile run twice, or skipped, shows: C starts NaN where beta
- * is 0); every value against the oracle, and the same bits as one thread. */
+ * end mid-chunk, two N panels, one and two K slices, and few tiles over many K slices (slices run at
+ * once: gemm_plan.ksplit, in rounds where they are more than a round takes); float32 and 16-bit operands
+ * (the pair kernel's strips); epilogues: a bias and an activation with beta 0 (C starts NaN: a skipped
+ * tile shows) and 0.5 (a tile run twice shows), alpha with a per-row bias and the pre-activation, and
+ * 16-bit results with their pre-activation (C then holds the earlier slices' sums); every value against
+ * the oracle, and the same bits as one thread. */
+enum { MANY_EPILOGUES = 4 };
+
+static gemm_epilogue many_epilogue(int v, const float *bias, float *pre, uint16_t *out16, uint16_t *pre16, int64_t n,
+                                   const float *alpha) {
+    switch (v) {
+    case 0: return (gemm_epilogue){.bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = ACT_GELU};
+    case 1: return (gemm_epilogue){.beta = 0.5f, .bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = ACT_GELU};
+    case 2:
+        return (gemm_epilogue){.beta = 0.5f,
+                               .alpha = alpha,
+                               .bias = bias,
+                               .bias_kind = GEMM_BIAS_COL,
+                               .act = ACT_SILU,
+                               .preact = pre,
+                               .rsp = n};
+    default:
+        return (gemm_epilogue){.alpha = alpha,
+                               .bias = bias,
+                               .bias_kind = GEMM_BIAS_ROW,
+                               .act = ACT_GELU,
+                               .rsp = n,
+                               .out16 = out16,
+                               .pre16 = pre16,
+                               .out_dt = OPF_BF16};
+    }
+}
+
 static void test_many_threads(const gemm_kernels *k) {
     const saved_threads saved = threads_save();
-    const shape shapes[] = {{13, 100, 9}, {250, 1100, 9}, {517, 300, 7}, {97, 1100, k->kc + 5}, {250, 77, k->kc + 5}};
+    const shape shapes[] = {{13, 100, 9},
+                            {250, 1100, 9},
+                            {517, 300, 7},
+                            {97, 1100, k->kc + 5},
+                            {250, 77, k->kc + 5},
+                            {40, 70, 3 * k->kc + 17},
+                            {30, 20, 9 * k->kc + 3},
+                            {30, 20, (GEMM_KSPLIT_MAX + 1) * k->kc + 3}};
+    const float alpha = -0.375f;
+    int split_seen = 0, rounds_seen = 0;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const shape sh = shapes[si];
-        float *a = rand_buf(sh.m * sh.k, 61 + si), *b = rand_buf(sh.k * sh.n, 62 + si), *bias = rand_buf(sh.n, 63);
-        float *c0 = rand_buf(sh.m * sh.n, 64), *one = malloc(sizeof(float) * (size_t)(sh.m * sh.n));
-        float *got = malloc(sizeof(float) * (size_t)(sh.m * sh.n)),
-              *want = malloc(sizeof(float) * (size_t)(sh.m * sh.n));
+        const size_t mn = (size_t)(sh.m * sh.n);
+        float *a = rand_buf(sh.m * sh.k, 61 + si), *b = rand_buf(sh.k * sh.n, 62 + si);
+        float *bias = rand_buf(sh.m > sh.n ? sh.m : sh.n, 63), *c0 = rand_buf(sh.m * sh.n, 64);
+        float *one = malloc(sizeof(float) * mn * 2), *got = malloc(sizeof(float) * mn * 2);
+        float *want = malloc(sizeof(float) * mn * 2);
         float *ar = malloc(sizeof(float) * (size_t)(sh.m * sh.k)), *br = malloc(sizeof(float) * (size_t)(sh.k * sh.n));
         uint16_t *ah = malloc(2 * (size_t)(sh.m * sh.k)), *bh = malloc(2 * (size_t)(sh.k * sh.n));
+        uint16_t *got16 = malloc(2 * mn * 2), *one16 = malloc(2 * mn * 2);
         for (opf_dtype dt = OPF_F32; dt <= OPF_F16; dt = dt == OPF_F32 ? OPF_BF16 : dt + 1) {
             const void *ap = a, *bp = b;
             if (dt != OPF_F32) {
@@ -495,42 +536,57 @@ static void test_many_threads(const gemm_kernels *k) {
             }
             convert_load_f32(k->cvt, ar, ap, dt, sh.m * sh.k, 1);
             convert_load_f32(k->cvt, br, bp, dt, sh.k * sh.n, 1);
-            for (int with_beta = 0; with_beta < 2; with_beta++) {
-                const gemm_epilogue ep = {
-                    .beta = with_beta ? 0.5f : 0.0f, .bias = bias, .bias_kind = GEMM_BIAS_ROW, .act = ACT_GELU};
+            for (int v = 0; v < MANY_EPILOGUES; v++) {
+                /* got: C, then the pre-activation (variant 2); got16: the 16-bit results, then theirs */
+                const gemm_epilogue ep = many_epilogue(v, bias, got + mn, got16, got16 + mn, sh.n, &alpha);
                 const int threads[] = {1, 5, 16, 64};
                 for (int ti = 0; ti < 4; ti++) {
                     char env[8];
                     snprintf(env, sizeof env, "%d", threads[ti]);
                     setenv("OPFORGE_NUM_THREADS", env, 1);
-                    for (int64_t i = 0; i < sh.m * sh.n; i++) got[i] = with_beta ? c0[i] : NAN;
+                    for (size_t i = 0; i < mn; i++) got[i] = ep.beta != 0.0f ? c0[i] : NAN, got[mn + i] = NAN;
+                    memset(got16, 0xff, 2 * mn * 2); /* NaN patterns */
                     const gemm_plan plan = plan_of(k, sh.m, sh.n, sh.k, dt, dt);
+                    split_seen += plan.ksplit > 1;
+                    rounds_seen += plan.ksplit > 1 && plan.ksplit * gemm_slice_depth(k, dt, dt) < sh.k;
                     const int64_t wsn = gemm_workspace(&plan);
                     float *ws = check_ws_alloc(wsn);
                     const int rc = gemm_run(&plan, ap, sh.k, 1, bp, sh.n, 1, got, sh.n, &ep, ws, wsn);
                     check_ws_free(ws, "many threads");
                     if (ti == 0) {
-                        memcpy(one, got, sizeof(float) * (size_t)(sh.m * sh.n));
-                        memcpy(want, c0, sizeof(float) * (size_t)(sh.m * sh.n));
-                        gemm_ref_f32(sh.m, sh.n, sh.k, ar, sh.k, 1, br, sh.n, 1, want, sh.n, &ep);
+                        memcpy(one, got, sizeof(float) * mn * 2);
+                        memcpy(one16, got16, 2 * mn * 2);
+                        memcpy(want, c0, sizeof(float) * mn);
+                        gemm_epilogue ref = many_epilogue(v, bias, want + mn, NULL, NULL, sh.n, &alpha);
+                        if (v == 3) ref.preact = want + mn; /* the 16-bit pre-activation's value */
+                        gemm_ref_f32(sh.m, sh.n, sh.k, ar, sh.k, 1, br, sh.n, 1, want, sh.n, &ref);
                     }
                     int64_t off = 0, differ = 0;
-                    const double tol = dt == OPF_F32 ? 1e-4 : 2e-2;
-                    for (int64_t i = 0; i < sh.m * sh.n; i++) {
-                        off += !(fabs((double)got[i] - want[i]) <= tol + tol * fabs(want[i]));
-                        differ += memcmp(&got[i], &one[i], sizeof(float)) != 0;
+                    const double tol = dt == OPF_F32 && v != 3 ? 1e-4 : 2e-2;
+                    for (size_t i = 0; i < mn * 2; i++) {
+                        if (i >= mn && v < 2) break; /* no pre-activation */
+                        float g = got[i];
+                        if (v == 3) { /* the 16-bit results, widened */
+                            convert_load_f32(k->cvt, &g, got16 + i, OPF_BF16, 1, 1);
+                            differ += memcmp(&got16[i], &one16[i], 2) != 0;
+                        } else {
+                            differ += memcmp(&got[i], &one[i], sizeof(float)) != 0;
+                        }
+                        off += !(fabs((double)g - want[i]) <= tol + tol * fabs(want[i]));
                     }
                     CHECK(rc == 0 && off == 0 && differ == 0,
-                          "%s m=%lld n=%lld k=%lld dt=%d beta=%d at %d threads (shared A: %d): rc %d, %lld values "
-                          "off, %lld not the bits of one thread",
-                          k->name, (long long)sh.m, (long long)sh.n, (long long)sh.k, (int)dt, with_beta, threads[ti],
-                          !plan.own_a, rc, (long long)off, (long long)differ);
+                          "%s m=%lld n=%lld k=%lld dt=%d epilogue %d at %d threads (shared A: %d, slices at once: "
+                          "%lld): rc %d, %lld values off, %lld not the bits of one thread",
+                          k->name, (long long)sh.m, (long long)sh.n, (long long)sh.k, (int)dt, v, threads[ti],
+                          !plan.own_a, (long long)plan.ksplit, rc, (long long)off, (long long)differ);
                 }
             }
         }
         free(a), free(b), free(bias), free(c0), free(one), free(got), free(want), free(ar), free(br), free(ah),
-            free(bh);
+            free(bh), free(got16), free(one16);
     }
+    CHECK(split_seen > 0 && rounds_seen > 0, "%s: %d plans ran K slices at once, %d of them in rounds", k->name,
+          split_seen, rounds_seen);
     threads_restore(&saved);
 }
 

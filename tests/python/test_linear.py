@@ -895,8 +895,10 @@ TRAINING = {
 
 
 # (M, K, N)
+# (37, 64, 600) splits over threads; the deep ones run K slices at once at many threads (gemm_plan.ksplit):
+# (30, 2085, 40) in its forward, (2085, 30, 40) in the gradient of B (linear's weight): 30 x 40 x 2085
 MKN = [(0, 5, 3), (5, 0, 3), (5, 3, 0), (1, 5, 3), (5, 1, 3), (5, 3, 1), (1, 1, 1), (0, 0, 0), (7, 17, 5),
-       (2, 3, 2), (17, 7, 3), (37, 64, 600)]  # the last splits over threads
+       (2, 3, 2), (17, 7, 3), (37, 64, 600), (30, 2085, 40), (2085, 30, 40)]
 
 
 def _sweep_matmul():
