@@ -1,6 +1,6 @@
 """How opforge's GEMM plan gives work to 8-64 threads: for each product of bench_gemm.py and of
 bench_transformer.py's default GPT step (forward, and the backward's dx and dweight), the tasks of a
-pass, the tasks per thread and the largest idle share at 16 and 64 threads, read from the plan itself
+pass, the tasks per thread and the largest idle share at 8, 16, 32 and 64 threads, read from the plan itself
 (gemm_plan_make, the one the kernels run), since no 2-core machine can time 64 threads.
 
     python benchmarks/plan_table.py [--threads 8,16,32,64] [--out DIR]
@@ -98,7 +98,7 @@ def attention_rows(counts):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", default="16,64")
+    p.add_argument("--threads", default="8,16,32,64")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     counts = [int(x) for x in a.threads.split(",")]
