@@ -226,7 +226,7 @@ typedef struct gemm_plan {
      * skinny_pairs, then the products, into C or scratch finished by gemm_finish: m * (k + n) + k floats,
      * within `floats`), any other blocked */
     int skinny;
-    /* K slices run at once (gemm_ksplit_make), 1: one after another. A shared A whose pass has fewer than
+    /* K slices run at once (chosen in gemm_plan_make), 1: one after another. A shared A whose pass has fewer than
      * GEMM_KSPLIT_TILES tiles a thread (few rows and columns, deep K) leaves threads idle slice after
      * slice; then ksplit slices of a panel are packed, multiplied into scratch of their own (each tile's
      * sum over its slice, from zero, as a micro-kernel call makes it) and added onto C in slice order
