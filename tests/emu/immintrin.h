@@ -36,6 +36,7 @@
 #define _mm512_add_ps simde_mm512_add_ps
 #define _mm512_and_si512 simde_mm512_and_si512
 #define _mm512_castps256_ps512 simde_mm512_castps256_ps512
+#define _mm512_castps512_ps128 simde_mm512_castps512_ps128
 #define _mm512_castps512_ps256 simde_mm512_castps512_ps256
 #define _mm512_castps_si512 simde_mm512_castps_si512
 #define _mm512_castsi256_si512 simde_mm512_castsi256_si512
@@ -44,6 +45,7 @@
 #define _mm512_div_pd simde_mm512_div_pd
 #define _mm512_div_ps simde_mm512_div_ps
 #define _mm512_dpbf16_ps simde_mm512_dpbf16_ps
+#define _mm512_extractf32x4_ps simde_mm512_extractf32x4_ps
 #define _mm512_fmadd_ps simde_mm512_fmadd_ps
 #define _mm512_fmsub_ps simde_mm512_fmsub_ps
 #define _mm512_fnmadd_ps simde_mm512_fnmadd_ps
